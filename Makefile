@@ -1,0 +1,35 @@
+# The two commands of the README: `make lab` (open the notebooks) and `make test`.
+# Both create .venv when absent. torch==2.13.0 is installed first, on its own, so that pip
+# does not resolve `torch` to the newest build with several GB of CUDA packages.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: test lab audit bench lint unit notebooks clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e '.[dev]'
+	touch $(STAMP)
+
+test: lint unit notebooks
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check workbench tests notebooks data
+
+unit: $(STAMP)
+	$(PY) -m pytest -q tests workbench --doctest-modules
+
+notebooks: $(STAMP)
+	WORKBENCH_FAST=1 $(PY) -m pytest -q --nbval-lax -p no:cacheprovider notebooks
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab notebooks/
+
+bench: $(STAMP)
+	$(PY) -m workbench.bench layers
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,78 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from tests.helpers import assert_agree
+
+CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+SIZE = {1: (13,), 2: (9, 8), 3: (6, 5, 7)}
+
+CONFIGS = {
+    "plain": dict(kernel_size=3),
+    "stride": dict(kernel_size=3, stride=2),
+    "pad-int": dict(kernel_size=3, padding=2),
+    "pad-same-even-kernel": dict(kernel_size=4, padding="same"),
+    "pad-same-dilated": dict(kernel_size=3, padding="same", dilation=2),
+    "pad-valid": dict(kernel_size=2, padding="valid"),
+    "dilation": dict(kernel_size=2, dilation=2, padding=1),
+    "groups": dict(kernel_size=3, groups=2, padding=1),
+    "depthwise": dict(kernel_size=3, groups=4, padding=1),
+    "no-bias": dict(kernel_size=3, bias=False),
+    "reflect": dict(kernel_size=3, padding=1, padding_mode="reflect"),
+    "replicate": dict(kernel_size=3, padding=2, padding_mode="replicate"),
+    "circular": dict(kernel_size=3, padding=1, padding_mode="circular", stride=2),
+}
+
+
+def conv_loss(outputs, targets):
+    return (outputs * targets).flatten(1).sum(1) + (outputs ** 2).flatten(1).sum(1)
+
+
+def check_conv(dims, n=5, c_in=4, c_out=8, **config):
+    conv = CONV[dims](c_in, c_out, **config).double()
+    x = torch.randn(n, c_in, *SIZE[dims], dtype=torch.float64)
+    y = torch.randn_like(conv(x))
+    assert_agree(conv, conv_loss, x, y)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_conv_matches_microbatch(dims, name):
+    torch.manual_seed(dims)
+    check_conv(dims, **CONFIGS[name])
+
+
+def test_conv_tuple_arguments():
+    torch.manual_seed(0)
+    check_conv(2, kernel_size=(3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2))
+    check_conv(3, kernel_size=(2, 3, 1), stride=(1, 2, 1), padding=(0, 1, 1))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    dims=st.sampled_from([1, 2, 3]),
+    k=st.integers(1, 3),
+    stride=st.integers(1, 2),
+    dilation=st.integers(1, 2),
+    padding=st.sampled_from([0, 1, "same"]),
+    groups=st.sampled_from([1, 2]),
+    bias=st.booleans(),
+)
+def test_conv_sweep(dims, k, stride, dilation, padding, groups, bias):
+    if padding == "same":
+        stride = 1  # PyTorch refuses 'same' with stride > 1
+    torch.manual_seed(0)
+    check_conv(dims, n=3, c_in=4, c_out=4, kernel_size=k, stride=stride, dilation=dilation,
+               padding=padding, groups=groups, bias=bias)
+
+
+def test_cnn_with_pooling_float32():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1), nn.Tanh(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 8, 3, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(8, 4),
+    )
+    x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 4, (8,))
+    assert_agree(model, nn.CrossEntropyLoss(reduction="none"), x, y)

@@ -1,0 +1,42 @@
+"""DP-SGD Workbench: transparent, tested reference implementations of DP-SGD in PyTorch.
+
+The public API is the contract in DESIGN.md::
+
+    import workbench as wb
+    grads = wb.per_sample_gradients(model, loss_fn, inputs, targets, method="einsum")
+
+Submodules: ``per_sample`` (per-sample gradients), ``accounting`` (privacy accounting),
+``data`` (bundled data sets), ``models`` (benchmark model zoo), ``bench`` (benchmarks).
+"""
+
+from workbench import data, models
+from workbench.errors import (
+    LossShapeError,
+    SampleMixingError,
+    UnsupportedLayerError,
+    WorkbenchError,
+)
+from workbench.per_sample import (
+    GRAD_SAMPLERS,
+    METHODS,
+    per_sample_gradients,
+    register_grad_sampler,
+)
+from workbench.validate import fix_model, validate_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GRAD_SAMPLERS",
+    "METHODS",
+    "LossShapeError",
+    "SampleMixingError",
+    "UnsupportedLayerError",
+    "WorkbenchError",
+    "data",
+    "fix_model",
+    "models",
+    "per_sample_gradients",
+    "register_grad_sampler",
+    "validate_model",
+]

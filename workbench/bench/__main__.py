@@ -1,0 +1,32 @@
+"""Command line entry: ``python -m workbench.bench NAME [options]``.
+
+Each benchmark lives in its own module with a ``main(argv)`` function; this file only
+dispatches, so ``python -m workbench.bench NAME --help`` shows that benchmark's options.
+"""
+
+import argparse
+import importlib
+import sys
+
+BENCHMARKS = {
+    "layers": ("workbench.bench.layers", "per-layer per-sample gradient runtime"),
+    "accounting": ("workbench.bench.accounting", "privacy accountant speed"),
+}
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHMARKS:
+        parser = argparse.ArgumentParser(
+            prog="python -m workbench.bench",
+            description="Benchmarks of the DP-SGD workbench. Choose one: "
+            + ", ".join(f"{k} ({v[1]})" for k, v in BENCHMARKS.items()),
+        )
+        parser.add_argument("benchmark", choices=sorted(BENCHMARKS))
+        parser.parse_args(argv[:1])  # prints help or a clear error, then exits
+    module = importlib.import_module(BENCHMARKS[argv[0]][0])
+    return module.main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

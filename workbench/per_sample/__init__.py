@@ -1,0 +1,59 @@
+"""Per-sample gradients: one entry point, three methods that must agree.
+
+``per_sample_gradients(model, loss_fn, inputs, targets, method=...)`` returns
+``{param_name: Tensor(n, *param.shape)}`` for the trainable parameters of ``model``, keyed
+like ``model.named_parameters()``, where row i is ∇_θ loss_fn(model(inputs), targets)[i].
+
+- ``"microbatch"``: a loop over samples; the obviously-correct reference (microbatch.py).
+- ``"vmap"``: torch.func ``vmap(grad(...))`` over the batch (functional.py).
+- ``"einsum"``: hooks + per-layer grad samplers, one backward pass (einsum.py, samplers/).
+"""
+
+from workbench.per_sample import samplers  # noqa: F401  (registers the built-in samplers)
+from workbench.per_sample.checks import check_batch, check_no_sample_mixing
+from workbench.per_sample.einsum import einsum_per_sample_gradients
+from workbench.per_sample.functional import vmap_per_sample_gradients
+from workbench.per_sample.microbatch import microbatch_per_sample_gradients
+from workbench.per_sample.registry import GRAD_SAMPLERS, register_grad_sampler
+
+METHODS = ("microbatch", "vmap", "einsum")
+
+
+def per_sample_gradients(model, loss_fn, inputs, targets, method="einsum", strict=False):
+    """Per-sample gradients ``{param_name: Tensor(n, *param.shape)}`` of trainable parameters.
+
+    Args:
+        model: an ``nn.Module`` whose samples do not interact (no BatchNorm).
+        loss_fn: ``loss_fn(outputs, targets) -> Tensor(n,)``, one loss per sample, e.g.
+            ``nn.CrossEntropyLoss(reduction="none")``.
+        inputs: Tensor with the batch on dim 0, or a tuple of them (``model(*inputs)``).
+        targets: Tensor (or tuple) with the batch on dim 0, or None.
+        method: ``"microbatch"``, ``"vmap"`` or ``"einsum"``.
+        strict: einsum only: raise for a layer without a grad sampler instead of falling
+            back to vmap on that layer.
+
+    The model's ``.grad`` fields, hooks and training mode are left as they were.
+
+    >>> import torch
+    >>> from torch import nn
+    >>> model = nn.Linear(3, 2)
+    >>> loss_fn = nn.CrossEntropyLoss(reduction="none")
+    >>> x, y = torch.randn(5, 3), torch.tensor([0, 1, 1, 0, 1])
+    >>> grads = per_sample_gradients(model, loss_fn, x, y)
+    >>> {name: tuple(g.shape) for name, g in grads.items()}
+    {'weight': (5, 2, 3), 'bias': (5, 2)}
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}; got {method!r}")
+    check_no_sample_mixing(model)
+    if not any(p.requires_grad for p in model.parameters()):
+        check_batch(inputs, targets)
+        return {}  # nothing trainable: no per-sample gradients to compute
+    if method == "microbatch":
+        return microbatch_per_sample_gradients(model, loss_fn, inputs, targets)
+    if method == "vmap":
+        return vmap_per_sample_gradients(model, loss_fn, inputs, targets)
+    return einsum_per_sample_gradients(model, loss_fn, inputs, targets, strict=strict)
+
+
+__all__ = ["GRAD_SAMPLERS", "METHODS", "per_sample_gradients", "register_grad_sampler"]

@@ -1,0 +1,101 @@
+"""Input validation shared by every per-sample gradient method.
+
+Each check raises a specific exception that names the argument (or module path), the value
+received and the fix, before any expensive work starts.
+"""
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
+
+from workbench.errors import LossShapeError, SampleMixingError
+
+
+def batch_size(inputs) -> int:
+    """Size of dim 0 of ``inputs`` (a Tensor, or a tuple/list of Tensors batched alike)."""
+    if isinstance(inputs, torch.Tensor):
+        if inputs.dim() == 0:
+            raise ValueError("inputs is a 0-dim tensor; the batch must be dim 0 of inputs, "
+                             "e.g. shape (n, features)")
+        return inputs.shape[0]
+    if isinstance(inputs, (tuple, list)) and inputs and all(
+        isinstance(x, torch.Tensor) for x in inputs
+    ):
+        sizes = {x.shape[0] if x.dim() else None for x in inputs}
+        if len(sizes) != 1 or None in sizes:
+            raise ValueError(f"inputs: all tensors must share the batch size on dim 0; got "
+                             f"shapes {[tuple(x.shape) for x in inputs]}")
+        return sizes.pop()
+    raise TypeError(f"inputs must be a Tensor or a tuple of Tensors (passed to model(*inputs)); "
+                    f"got {type(inputs).__name__}")
+
+
+def check_batch(inputs, targets) -> int:
+    """Batch size n, after checking inputs and targets agree and the batch is not empty."""
+    n = batch_size(inputs)
+    if n == 0:
+        raise ValueError("inputs is an empty batch (n = 0): there are no per-sample gradients "
+                         "to compute; pass at least one sample")
+    if targets is not None:
+        m = batch_size(targets)
+        if m != n:
+            raise ValueError(f"inputs and targets have different batch sizes: inputs has n = {n} "
+                             f"on dim 0, targets has {m}; pass one target per sample")
+    return n
+
+
+def check_losses(losses, n: int) -> None:
+    """``loss_fn`` must return one loss per sample: a Tensor of shape (n,)."""
+    if not isinstance(losses, torch.Tensor):
+        raise LossShapeError(f"loss_fn must return a Tensor of shape (n,) = ({n},); "
+                             f"got {type(losses).__name__}")
+    if losses.dim() == 0:
+        raise LossShapeError("loss_fn returned a scalar, so the per-sample losses were already "
+                             "reduced; use reduction='none' (e.g. nn.CrossEntropyLoss("
+                             "reduction='none')) so it returns one loss per sample, shape (n,)")
+    if tuple(losses.shape) != (n,):
+        raise LossShapeError(f"loss_fn must return one loss per sample, shape ({n},); got shape "
+                             f"{tuple(losses.shape)}. Sum or average over the non-batch "
+                             f"dimensions inside loss_fn")
+
+
+def check_no_sample_mixing(model: nn.Module) -> None:
+    """Raise SampleMixingError for the first layer that mixes samples of a batch."""
+    for path, module in model.named_modules():
+        problem = sample_mixing_problem(module)
+        if problem:
+            raise SampleMixingError(f"{type(module).__name__} at {path or '<model>'} {problem}")
+
+
+def sample_mixing_problem(module: nn.Module) -> str | None:
+    """Why ``module`` mixes samples (and the fix), or None when it does not."""
+    if isinstance(module, _BatchNorm):  # includes SyncBatchNorm
+        return ("mixes samples (it normalises with batch statistics), so per-sample gradients "
+                "are undefined; use wb.fix_model(model) to replace it with GroupNorm")
+    if isinstance(module, _InstanceNorm) and module.track_running_stats:
+        return ("has track_running_stats=True, so its running statistics mix samples; "
+                "use track_running_stats=False or wb.fix_model(model)")
+    return None
+
+
+def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """``{name: param}`` of trainable parameters, keyed like ``model.named_parameters()``.
+
+    A Parameter shared by two modules appears once, under its first name (as in PyTorch).
+    """
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def forward(model: nn.Module, inputs):
+    """``model(inputs)``, or ``model(*inputs)`` when inputs is a tuple/list of Tensors."""
+    return model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)
+
+
+def take(batch, index: slice):
+    """Rows ``index`` of a Tensor, or of each Tensor in a tuple/list (None stays None)."""
+    if batch is None:
+        return None
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(x[index] for x in batch)
+    return batch[index]

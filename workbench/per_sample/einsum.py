@@ -1,0 +1,98 @@
+"""Per-sample gradients in one backward pass: hooks + per-layer grad samplers.
+
+The method of Opacus (Yousefpour et al. 2021, arXiv 2109.12298, Appendix B). One ordinary
+forward pass records each layer's activations a; one ordinary backward pass of Σ_i ℓ_i
+records the backprops b = ∂(Σ_i ℓ_i)/∂o (``hooks.py``). A per-layer rule then builds every
+sample's gradient at once, e.g. for ``nn.Linear`` (o = W a + c)
+
+    ∂ℓ_i/∂W = b_i a_iᵀ        (n, p, d)   Eq. (5)
+    ∂ℓ_i/∂c = b_i             (n, p)
+
+with an extra sum over the positions of a sequence. The rules live in ``samplers/`` and in
+the registry (``registry.py``). A layer with trainable parameters but no rule is handled by
+``vmap`` on that layer alone (``functional.layer_vmap_grad_sampler``), after a one-time
+warning; ``strict=True`` raises instead.
+
+Notation: n batch size, a activations (n, ..., d), b backprops (n, ..., p), W (p, d).
+"""
+
+import warnings
+
+import torch
+from torch import nn
+
+from workbench.errors import UnsupportedLayerError
+from workbench.per_sample.checks import check_batch, check_losses, forward, trainable_parameters
+from workbench.per_sample.functional import layer_vmap_grad_sampler
+from workbench.per_sample.hooks import ActivationRecorder
+from workbench.per_sample.registry import SAMPLER_CHECKS, find_grad_sampler
+
+_WARNED: set[tuple[type, str]] = set()
+
+
+def layers_with_parameters(model: nn.Module) -> dict[str, nn.Module]:
+    """``{path: module}`` of modules owning trainable parameters directly (not via children)."""
+    return {
+        path: module
+        for path, module in model.named_modules()
+        if any(p.requires_grad for p in module.parameters(recurse=False))
+    }
+
+
+def check_layers(layers: dict[str, nn.Module], strict: bool) -> None:
+    """Run each sampler's option check; warn (once) or raise for layers without a sampler."""
+    for path, layer in layers.items():
+        kind = type(layer)
+        if kind in SAMPLER_CHECKS:
+            SAMPLER_CHECKS[kind](layer)
+        if find_grad_sampler(layer) is not None:
+            continue
+        where = f"{kind.__name__} at {path or '<model>'}"
+        if strict:
+            raise UnsupportedLayerError(
+                f"{where} has trainable parameters but no grad sampler; register one with "
+                f"@wb.register_grad_sampler({kind.__name__}) or pass strict=False to compute "
+                f"it by vmap on that layer")
+        if (kind, path) not in _WARNED:
+            _WARNED.add((kind, path))
+            warnings.warn(f"{where} has no registered grad sampler; computing its per-sample "
+                          f"gradients by vmap on that layer (slower). Register one with "
+                          f"@wb.register_grad_sampler({kind.__name__}).", stacklevel=3)
+
+
+def sample_layer(layer: nn.Module, call) -> dict[str, torch.Tensor]:
+    """Per-sample gradients of ``layer``'s own parameters for one recorded call."""
+    sampler = find_grad_sampler(layer)
+    if sampler is None:
+        return layer_vmap_grad_sampler(layer, call.args, call.kwargs, call.backprops)
+    return sampler(layer, call.args, call.backprops)
+
+
+def einsum_per_sample_gradients(model, loss_fn, inputs, targets, strict=False):
+    """``{name: Tensor(n, *param.shape)}`` from one forward and one backward pass."""
+    n = check_batch(inputs, targets)
+    params = trainable_parameters(model)
+    layers = layers_with_parameters(model)
+    check_layers(layers, strict)
+
+    with ActivationRecorder(layers) as recorder:
+        losses = loss_fn(forward(model, inputs), targets)  # (n,)
+        check_losses(losses, n)
+        # autograd.grad, not .backward(): the model's .grad fields stay untouched.
+        torch.autograd.grad(losses.sum(), list(params.values()), allow_unused=True)
+
+    by_param: dict[int, torch.Tensor] = {}  # id(param) -> (n, *param.shape), summed over uses
+    for path, layer in layers.items():
+        for call in recorder.calls[path]:
+            if call.backprops is None:
+                continue  # this call's output did not reach the loss
+            for local_name, g in sample_layer(layer, call).items():
+                p = getattr(layer, local_name)
+                if p.requires_grad:
+                    key = id(p)
+                    by_param[key] = g if key not in by_param else by_param[key] + g
+
+    return {
+        name: by_param.get(id(p), torch.zeros(n, *p.shape, dtype=p.dtype, device=p.device))
+        for name, p in params.items()
+    }

@@ -1,0 +1,72 @@
+"""Per-sample gradients with torch.func: ``vmap(grad(loss of one sample))``.
+
+The model is turned into a pure function of its parameters with
+``torch.func.functional_call``; ``grad`` differentiates the loss of *one* sample, and ``vmap``
+maps that over the batch (the approach of JAX and of the torch.func "per-sample gradients"
+tutorial; Yousefpour et al. 2021, arXiv 2109.12298, §3 compare it with hooks):
+
+    g_i = (vmap_i ∘ grad_θ) ℓ(f(x_i; θ), y_i)
+
+The same machinery gives the *fallback* for a single layer without a registered grad sampler:
+the per-sample gradient of a layer output o_i = h(a_i; w) is the vector-Jacobian product
+g_i = (∂o_i/∂w)^T b_i with the captured backprop b_i, computed by ``vmap(vjp)``.
+
+Notation: n batch size, θ trainable parameters, a activations, b backprops.
+"""
+
+import torch
+from torch.func import functional_call, grad, vjp, vmap
+from torch.utils._pytree import tree_map
+
+from workbench.per_sample.checks import check_batch, check_losses, trainable_parameters
+
+
+def _one_sample(x):
+    """Give a sample (vmapped, so without batch dim) its batch dimension of size 1 back."""
+    return x.unsqueeze(0) if isinstance(x, torch.Tensor) else x
+
+
+def vmap_per_sample_gradients(model, loss_fn, inputs, targets):
+    """``{name: Tensor(n, *param.shape)}`` by ``vmap(grad(...))`` over the batch.
+
+    Randomness inside the model (dropout) is drawn independently per sample
+    (``randomness="different"``), as in an ordinary batched forward pass.
+    """
+    check_batch(inputs, targets)
+    params = {k: p.detach() for k, p in trainable_parameters(model).items()}
+    fixed = {k: p.detach() for k, p in model.named_parameters() if k not in params}
+    fixed.update(dict(model.named_buffers()))
+    many = isinstance(inputs, (tuple, list))
+
+    def loss_of_one(p, x, y):
+        args = tuple(_one_sample(v) for v in x) if many else (_one_sample(x),)
+        out = functional_call(model, (p, fixed), args)
+        loss = loss_fn(out, _one_sample(y))  # (1,)
+        check_losses(loss, 1)
+        return loss.sum()
+
+    in_dims = (None, 0, None if targets is None else 0)
+    per_sample = vmap(grad(loss_of_one), in_dims=in_dims, randomness="different")
+    return per_sample(params, tuple(inputs) if many else inputs, targets)
+
+
+def layer_vmap_grad_sampler(layer, args, kwargs, backprops):
+    """Per-sample gradients of one layer's own trainable parameters by ``vmap(vjp)``.
+
+    Used for layers without a registered grad sampler. Every Tensor argument of the layer
+    is assumed to carry the batch on dim 0 (non-Tensor arguments are passed through).
+    """
+    params = {k: p.detach() for k, p in layer.named_parameters(recurse=False) if p.requires_grad}
+
+    def grads_of_one(a, kw, b):
+        def output(p):
+            return functional_call(layer, p, tree_map(_one_sample, a), tree_map(_one_sample, kw))
+
+        _, pullback = vjp(output, params)
+        return pullback(b.unsqueeze(0))[0]  # g_i = (∂o_i/∂w)^T b_i
+
+    def batched(x):
+        return 0 if isinstance(x, torch.Tensor) else None
+
+    in_dims = (tree_map(batched, args), tree_map(batched, kwargs), 0)
+    return vmap(grads_of_one, in_dims=in_dims, randomness="different")(args, kwargs, backprops)

@@ -1,0 +1,72 @@
+"""Grad samplers for normalisation layers: backprop times the normalised input.
+
+Every layer here computes o = γ ⊙ â + β, where â is the input normalised without the affine
+part (over features for LayerNorm / RMSNorm, over channel groups for GroupNorm, over each
+channel's positions for InstanceNorm). The statistics are computed within one sample, so the
+affine parameters' per-sample gradients are (Opacus blog "Efficient per-sample gradient
+computation for more layers", normalisation section)
+
+    ∂ℓ_i/∂γ = Σ_{positions} b_i ⊙ â_i          shape of γ
+    ∂ℓ_i/∂β = Σ_{positions} b_i
+
+We recompute â with the functional form of the same layer without γ, β: exact, and cheaper
+than keeping it in the forward pass.
+
+Notation: n batch, a activations, â normalised activations, b backprops, γ weight, β bias.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workbench.per_sample.registry import register_grad_sampler
+
+
+def _sum_to(t: torch.Tensor, keep_last: int, channel_dim: bool = False) -> torch.Tensor:
+    """Sum (n, ...) over every dim except batch and the parameter's dims.
+
+    ``keep_last`` trailing dims are kept (LayerNorm, RMSNorm); with ``channel_dim`` dim 1 is
+    kept instead (GroupNorm, InstanceNorm: parameters are per channel).
+    """
+    if channel_dim:
+        dims = tuple(range(2, t.dim()))
+    else:
+        dims = tuple(range(1, t.dim() - keep_last))
+    return t.sum(dim=dims) if dims else t  # sum(dim=()) would sum everything
+
+
+def _affine_grads(layer, a_hat, b, keep_last=0, channel_dim=False):
+    out = {}
+    if getattr(layer, "weight", None) is not None and layer.weight.requires_grad:
+        out["weight"] = _sum_to(b * a_hat, keep_last, channel_dim)  # ∂ℓ_i/∂γ
+    if getattr(layer, "bias", None) is not None and layer.bias.requires_grad:
+        out["bias"] = _sum_to(b, keep_last, channel_dim)  # ∂ℓ_i/∂β
+    return out
+
+
+@register_grad_sampler(nn.LayerNorm)
+def layer_norm_grad_sampler(layer, activations, backprops):
+    shape = layer.normalized_shape
+    a_hat = F.layer_norm(activations[0], shape, eps=layer.eps)
+    return _affine_grads(layer, a_hat, backprops, keep_last=len(shape))
+
+
+@register_grad_sampler(nn.RMSNorm)
+def rms_norm_grad_sampler(layer, activations, backprops):
+    shape = layer.normalized_shape
+    a_hat = F.rms_norm(activations[0], shape, eps=layer.eps)
+    return _affine_grads(layer, a_hat, backprops, keep_last=len(shape))
+
+
+@register_grad_sampler(nn.GroupNorm)
+def group_norm_grad_sampler(layer, activations, backprops):
+    a_hat = F.group_norm(activations[0], layer.num_groups, eps=layer.eps)
+    return _affine_grads(layer, a_hat, backprops, channel_dim=True)
+
+
+@register_grad_sampler(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+def instance_norm_grad_sampler(layer, activations, backprops):
+    a_hat = F.instance_norm(activations[0], eps=layer.eps)  # per sample, per channel
+    return _affine_grads(layer, a_hat, backprops, channel_dim=True)
+
+
