@@ -1,0 +1,121 @@
+"""Per-layer benchmark: ``python -m workbench.bench layers``.
+
+For each layer and batch size b, one run measures side by side (interleaved medians):
+
+- ``plain``: forward + backward of Σ_i ℓ_i without per-sample gradients;
+- ``microbatch`` / ``vmap`` / ``einsum``: ``wb.per_sample_gradients`` with that method;
+- ``floor``: the time to write the (b, *param) per-sample tensors at the copy bandwidth
+  measured in the same run: no method that materialises them can beat plain + floor.
+
+Ratios (microbatch/einsum, vmap/einsum, einsum/(plain + floor)) are what to compare across
+machines; absolute times only with the device named (every row records it). The layers
+follow the Opacus paper's per-layer benchmarks (Yousefpour et al. 2021, arXiv 2109.12298,
+§3.2, Fig. 2) and the sizes quoted in the workbench's issues.
+"""
+
+import argparse
+from pathlib import Path
+
+import pandas as pd
+import torch
+from torch import nn
+
+import workbench as wb
+from workbench.bench.timing import copy_bandwidth, device_name, time_interleaved
+
+
+def sum_of_squares(outputs, targets):
+    """A per-sample loss for any output shape: Σ over non-batch dims of o ⊙ t."""
+    return (outputs * targets).flatten(1).sum(1)
+
+
+# name -> (layer factory, input factory(b, generator, device)): inputs of the Opacus-style sizes
+LAYERS = {
+    "linear": (lambda: nn.Linear(512, 512),
+               lambda b, g, d: torch.randn(b, 512, generator=g).to(d)),
+    "conv2d": (lambda: nn.Conv2d(16, 32, 3, padding=1),
+               lambda b, g, d: torch.randn(b, 16, 16, 16, generator=g).to(d)),
+    "embedding": (lambda: nn.Embedding(20000, 64),
+                  lambda b, g, d: torch.randint(0, 20000, (b, 32), generator=g).to(d)),
+    "layernorm": (lambda: nn.LayerNorm(512),
+                  lambda b, g, d: torch.randn(b, 16, 512, generator=g).to(d)),
+    "groupnorm": (lambda: nn.GroupNorm(8, 64),
+                  lambda b, g, d: torch.randn(b, 64, 16, 16, generator=g).to(d)),
+}
+
+
+def plain_step(layer, x, t):
+    params = [p for p in layer.parameters() if p.requires_grad]
+    loss = sum_of_squares(layer(x), t).sum()
+    return torch.autograd.grad(loss, params)
+
+
+def bench_layer(name, b, methods, repeats, device, bandwidth, seed=0):
+    """One row per (layer, b): median seconds per candidate, the floor and the ratios."""
+    make_layer, make_input = LAYERS[name]
+    g = torch.Generator().manual_seed(seed)
+    layer = make_layer().to(device)
+    x = make_input(b, g, device)
+    with torch.no_grad():
+        t = torch.randn(layer(x).shape, generator=g).to(device)
+    candidates = {"plain": lambda: plain_step(layer, x, t)}
+    for method in methods:
+        candidates[method] = (lambda m=method: wb.per_sample_gradients(
+            layer, sum_of_squares, x, t, method=m))
+    times = time_interleaved(candidates, device, repeats=repeats)
+    per_sample_bytes = sum(b * p.numel() * p.element_size() for p in layer.parameters())
+    row = {"layer": name, "batch_size": b, "params": sum(p.numel() for p in layer.parameters()),
+           "per_sample_MB": per_sample_bytes / 2**20, "floor": per_sample_bytes / bandwidth}
+    row.update(times)
+    row["plain+floor"] = row["plain"] + row["floor"]
+    if "einsum" in times:
+        for other in ("microbatch", "vmap"):
+            if other in times:
+                row[f"{other}/einsum"] = times[other] / times["einsum"]
+        row["einsum/(plain+floor)"] = times["einsum"] / row["plain+floor"]
+    return row
+
+
+def run(layers, batch_sizes, methods, repeats, device):
+    bandwidth = copy_bandwidth(device)
+    rows = [bench_layer(name, b, methods, repeats, device, bandwidth)
+            for name in layers for b in batch_sizes]
+    table = pd.DataFrame(rows)
+    table["device"] = device_name(device)
+    table["torch"] = torch.__version__
+    table["copy_GBps"] = bandwidth / 1e9
+    return table
+
+
+def format_table(table: pd.DataFrame) -> str:
+    ms = [c for c in ("plain", "floor", "microbatch", "vmap", "einsum") if c in table]
+    shown = table[["layer", "batch_size", *ms]].copy()
+    shown[ms] = shown[ms] * 1e3
+    ratios = [c for c in table.columns if "/" in c]
+    shown[ratios] = table[ratios]
+    return shown.to_string(index=False, float_format=lambda v: f"{v:.3g}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m workbench.bench layers",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[16, 64, 256])
+    parser.add_argument("--methods", nargs="+", default=list(wb.METHODS), choices=wb.METHODS)
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds (median)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=Path("bench-results/layers.csv"))
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or any(b < 1 for b in args.batch_sizes):
+        parser.error("--repeats and every --batch-sizes value must be >= 1")
+    table = run(args.layers, args.batch_sizes, args.methods, args.repeats,
+                torch.device(args.device))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    table.to_csv(args.out, index=False)
+    print(f"device: {table['device'][0]}   torch {torch.__version__}   "
+          f"copy bandwidth {table['copy_GBps'][0]:.1f} GB/s   (times in ms)")
+    print(format_table(table))
+    print(f"wrote {args.out}")
+    return 0
+
+

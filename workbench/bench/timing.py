@@ -1,0 +1,57 @@
+"""Timing and environment helpers shared by the benchmarks.
+
+- ``time_interleaved``: runs every candidate once per round, round after round, and keeps the
+  median per candidate, so slow drifts of a shared machine hit all candidates alike.
+- On CUDA a call is timed with CUDA events (the GPU runs asynchronously to Python); on CPU
+  with ``time.perf_counter``.
+- ``copy_bandwidth``: bytes per second of a large ``Tensor.copy_`` measured in the same run,
+  used as the memory-bandwidth floor for writing a tensor of known size.
+"""
+
+import platform
+import statistics
+import time
+
+import torch
+
+
+def device_name(device: torch.device) -> str:
+    """A human name for the device, recorded next to every absolute time."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+
+
+def time_call(fn, device: torch.device) -> float:
+    """Seconds taken by one call of ``fn()`` on ``device``."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def time_interleaved(candidates: dict, device: torch.device, repeats: int = 5, warmup: int = 1):
+    """``{name: median seconds}`` over ``repeats`` rounds, each round calling every candidate."""
+    for _ in range(warmup):
+        for fn in candidates.values():
+            fn()
+    samples = {name: [] for name in candidates}
+    for _ in range(repeats):
+        for name, fn in candidates.items():
+            samples[name].append(time_call(fn, device))
+    return {name: statistics.median(ts) for name, ts in samples.items()}
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Bytes per second of copying a ``nbytes`` float32 buffer (median of ``repeats``)."""
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    t = time_interleaved({"copy": lambda: dst.copy_(src)}, device, repeats=repeats)["copy"]
+    return nbytes / t
