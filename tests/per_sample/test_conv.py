@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from tests.helpers import assert_agree
+from workbench.per_sample.samplers import conv as conv_sampler
 
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 SIZE = {1: (13,), 2: (9, 8), 3: (6, 5, 7)}
@@ -37,14 +38,26 @@ def check_conv(dims, n=5, c_in=4, c_out=8, **config):
     assert_agree(conv, conv_loss, x, y)
 
 
+@pytest.fixture(params=["unfold", "grouped"])
+def route(request, monkeypatch):
+    """Run a test once per weight-gradient route of the conv sampler."""
+    monkeypatch.setattr(conv_sampler, "ROUTE", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("dims", [1, 2, 3])
-def test_conv_matches_microbatch(dims, name):
+def test_conv_matches_microbatch(dims, name, route):
     torch.manual_seed(dims)
     check_conv(dims, **CONFIGS[name])
 
 
-def test_conv_tuple_arguments():
+def test_auto_route_rule():
+    assert conv_sampler.choose_route(nn.Conv2d(3, 8, 3), None) == "unfold"
+    assert conv_sampler.choose_route(nn.Conv2d(16, 8, 3), None) == "grouped"
+
+
+def test_conv_tuple_arguments(route):
     torch.manual_seed(0)
     check_conv(2, kernel_size=(3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2))
     check_conv(3, kernel_size=(2, 3, 1), stride=(1, 2, 1), padding=(0, 1, 1))
@@ -59,13 +72,18 @@ def test_conv_tuple_arguments():
     padding=st.sampled_from([0, 1, "same"]),
     groups=st.sampled_from([1, 2]),
     bias=st.booleans(),
+    route=st.sampled_from(["unfold", "grouped"]),
 )
-def test_conv_sweep(dims, k, stride, dilation, padding, groups, bias):
+def test_conv_sweep(dims, k, stride, dilation, padding, groups, bias, route):
     if padding == "same":
         stride = 1  # PyTorch refuses 'same' with stride > 1
     torch.manual_seed(0)
-    check_conv(dims, n=3, c_in=4, c_out=4, kernel_size=k, stride=stride, dilation=dilation,
-               padding=padding, groups=groups, bias=bias)
+    conv_sampler.ROUTE = route
+    try:
+        check_conv(dims, n=3, c_in=4, c_out=4, kernel_size=k, stride=stride, dilation=dilation,
+                   padding=padding, groups=groups, bias=bias)
+    finally:
+        conv_sampler.ROUTE = "auto"
 
 
 def test_cnn_with_pooling_float32():

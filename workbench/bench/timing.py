@@ -4,8 +4,14 @@
   median per candidate, so slow drifts of a shared machine hit all candidates alike.
 - On CUDA a call is timed with CUDA events (the GPU runs asynchronously to Python); on CPU
   with ``time.perf_counter``.
-- ``copy_bandwidth``: bytes per second of a large ``Tensor.copy_`` measured in the same run,
-  used as the memory-bandwidth floor for writing a tensor of known size.
+- ``copy_bandwidth``: bytes per second of copying a large buffer, measured in the same run,
+  the memory-bandwidth floor for writing a tensor of known size. With ``fresh=True`` (the
+  default) the destination is newly allocated on every copy, as the result of any method
+  that materialises per-sample gradients is. On CPU that matters: large blocks come straight
+  from the operating system and every 4 KiB page faults on first touch, which makes writing a
+  fresh 256 MiB tensor several times slower than writing a reused one. The workbench asks for
+  2 MiB pages for such tensors (``per_sample.memory``), so the floor uses that allocation too;
+  the warm figure (``fresh=False``) is reported beside it.
 """
 
 import platform
@@ -13,6 +19,8 @@ import statistics
 import time
 
 import torch
+
+from workbench.per_sample.memory import empty_per_sample
 
 
 def device_name(device: torch.device) -> str:
@@ -49,9 +57,21 @@ def time_interleaved(candidates: dict, device: torch.device, repeats: int = 5, w
     return {name: statistics.median(ts) for name, ts in samples.items()}
 
 
-def copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
-    """Bytes per second of copying a ``nbytes`` float32 buffer (median of ``repeats``)."""
+def copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, repeats: int = 5,
+                   fresh: bool = True) -> float:
+    """Bytes per second of copying a ``nbytes`` float32 buffer (median of ``repeats``).
+
+    ``fresh=True``: into a newly allocated destination each time, allocated the way the
+    workbench allocates per-sample tensors (``per_sample.memory.empty_per_sample``);
+    ``fresh=False``: into one destination reused across copies.
+    """
     src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    t = time_interleaved({"copy": lambda: dst.copy_(src)}, device, repeats=repeats)["copy"]
+    if fresh:
+        def copy():
+            return empty_per_sample(src.shape, like=src).copy_(src)
+    else:
+        def copy():
+            return dst.copy_(src)
+    t = time_interleaved({"copy": copy}, device, repeats=repeats)["copy"]
     return nbytes / t

@@ -61,11 +61,16 @@ def check_layers(layers: dict[str, nn.Module], strict: bool) -> None:
 
 
 def sample_layer(layer: nn.Module, call) -> dict[str, torch.Tensor]:
-    """Per-sample gradients of ``layer``'s own parameters for one recorded call."""
+    """Per-sample gradients of ``layer``'s own parameters for one recorded call.
+
+    Samplers run under ``no_grad``: the results are data for clipping, not part of a graph
+    (so they keep no activations alive and may write into preallocated outputs).
+    """
     sampler = find_grad_sampler(layer)
-    if sampler is None:
-        return layer_vmap_grad_sampler(layer, call.args, call.kwargs, call.backprops)
-    return sampler(layer, call.args, call.backprops)
+    with torch.no_grad():
+        if sampler is None:  # torch.func transforms ignore the outer no_grad
+            return layer_vmap_grad_sampler(layer, call.args, call.kwargs, call.backprops)
+        return sampler(layer, call.args, call.backprops)
 
 
 def einsum_per_sample_gradients(model, loss_fn, inputs, targets, strict=False):

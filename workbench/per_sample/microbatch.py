@@ -21,6 +21,7 @@ from workbench.per_sample.checks import (
     take,
     trainable_parameters,
 )
+from workbench.per_sample.memory import zeros_per_sample
 
 
 def microbatch_per_sample_gradients(model, loss_fn, inputs, targets):
@@ -31,8 +32,7 @@ def microbatch_per_sample_gradients(model, loss_fn, inputs, targets):
     """
     n = check_batch(inputs, targets)
     params = trainable_parameters(model)
-    grads = {name: torch.zeros(n, *p.shape, dtype=p.dtype, device=p.device)
-             for name, p in params.items()}
+    grads = {name: zeros_per_sample((n, *p.shape), like=p) for name, p in params.items()}
     for i in range(n):
         rows = slice(i, i + 1)
         loss = loss_fn(forward(model, take(inputs, rows)), take(targets, rows))  # (1,)

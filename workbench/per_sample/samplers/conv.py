@@ -15,6 +15,12 @@ per group: (n, G, p/G, L) x (n, G, C k / G, L) -> (n, G, p/G, C k / G).
 'same' / 'valid' padding and every padding mode (the non-zero modes pad the input exactly as
 the layer does, then unfold without padding).
 
+The same gradient is also one *grouped* convolution (Rochette, Manoel, Tramel 2019, arXiv
+1912.06015, §3): ∂ℓ_i/∂W is the cross-correlation of a_i with b_i, so stacking the n samples
+along channels and running PyTorch's weight-gradient kernel with n·G groups gives all of them
+at once, without the (n, C k, L) unfolded tensor. ``conv_grad_sampler`` picks the route per
+call (``choose_route``); both are tested against micro-batching.
+
 Notation: n batch, C input channels, p output channels, k = k_1...k_D kernel size,
 L output positions, G groups, a activations (n, C, *spatial), b backprops (n, p, *out).
 """
@@ -56,17 +62,59 @@ def unfold(layer, a: torch.Tensor) -> torch.Tensor:
     return a.reshape(n, C * math.prod(layer.kernel_size), -1)
 
 
+def padded_input(layer, a: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """The input padded as the layer pads it, and the symmetric padding left for the kernel."""
+    if layer.padding_mode != "zeros":
+        a = F.pad(a, layer._reversed_padding_repeated_twice, mode=layer.padding_mode)
+    pads = conv_padding(layer)
+    if all(left == right for left, right in pads):
+        return a, [left for left, _ in pads]
+    return F.pad(a, [side for pair in reversed(pads) for side in pair]), [0] * len(pads)
+
+
+def grouped_weight_grads(layer, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(n, *W.shape): all samples' weight gradients as one grouped weight-gradient kernel."""
+    n, W = a.shape[0], layer.weight
+    a, padding = padded_input(layer, a)
+    a = a.reshape(1, -1, *a.shape[2:])  # (1, n C, *spatial): sample i = channel block i
+    b = b.reshape(1, -1, *b.shape[2:])  # (1, n p, *out)
+    W_n = W.detach().unsqueeze(0).expand(n, *W.shape).reshape(n * W.shape[0], *W.shape[1:])
+    _, w, _ = torch.ops.aten.convolution_backward(
+        b, a, W_n, None, list(layer.stride), padding, list(layer.dilation), False,
+        [0] * len(padding), n * layer.groups, [False, True, False])  # (n p, C/G, *k)
+    return w.reshape(n, *W.shape)
+
+
+def unfold_weight_grads(layer, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(n, *W.shape): unfold, then b_i U(a_i)ᵀ per group (the Linear rule)."""
+    n, G = a.shape[0], layer.groups
+    b = b.reshape(n, G, layer.out_channels // G, -1)  # (n, G, p/G, L)
+    U = unfold(layer, a)  # (n, C k, L)
+    U = U.reshape(n, G, -1, U.shape[-1])  # (n, G, C k / G, L)
+    w = torch.einsum("ngpl,ngkl->ngpk", b, U)  # (n, G, p/G, C k / G)
+    return w.reshape(n, *layer.weight.shape)
+
+
+def choose_route(layer, a: torch.Tensor) -> str:
+    """'unfold' or 'grouped' for this layer and input (see ROUTE for the override)."""
+    if ROUTE != "auto":
+        return ROUTE
+    return "unfold" if layer.in_channels // layer.groups <= 4 else "grouped"
+
+
+ROUTE = "auto"
+"""'auto' (choose_route's rule), or force 'unfold' / 'grouped' (tests, teaching, benchmarks)."""
+
+
 @register_grad_sampler(nn.Conv1d, nn.Conv2d, nn.Conv3d)
 def conv_grad_sampler(layer, activations, backprops):
     a = activations[0]
-    n, G = a.shape[0], layer.groups
-    b = backprops.reshape(n, G, layer.out_channels // G, -1)  # (n, G, p/G, L)
     out = {}
     if layer.weight.requires_grad:
-        U = unfold(layer, a)  # (n, C k, L)
-        U = U.reshape(n, G, -1, U.shape[-1])  # (n, G, C k / G, L)
-        w = torch.einsum("ngpl,ngkl->ngpk", b, U)  # (n, G, p/G, C k / G)
-        out["weight"] = w.reshape(n, *layer.weight.shape)
+        if choose_route(layer, a) == "unfold":
+            out["weight"] = unfold_weight_grads(layer, a, backprops)
+        else:
+            out["weight"] = grouped_weight_grads(layer, a, backprops)
     if layer.bias is not None and layer.bias.requires_grad:
-        out["bias"] = b.sum(dim=3).reshape(n, -1)  # (n, p)
+        out["bias"] = backprops.flatten(2).sum(dim=2)  # (n, p)
     return out

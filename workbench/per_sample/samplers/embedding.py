@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from workbench.errors import UnsupportedLayerError
+from workbench.per_sample.memory import zeros_per_sample
 from workbench.per_sample.registry import register_grad_sampler
 
 
@@ -47,6 +48,6 @@ def embedding_grad_sampler(layer, activations, backprops):
     if layer.padding_idx is not None:
         b = b.masked_fill((x == layer.padding_idx).unsqueeze(-1), 0.0)
     rows = (torch.arange(n, device=x.device).unsqueeze(1) * V + x).reshape(-1)  # (n T,) in [0, nV)
-    grad = torch.zeros(n * V, d, dtype=b.dtype, device=b.device)
+    grad = zeros_per_sample((n * V, d), like=b)  # huge-page backed: see memory.py
     grad.index_add_(0, rows, b.reshape(-1, d))  # row (i, x_it) += b_it
     return {"weight": grad.view(n, V, d)}

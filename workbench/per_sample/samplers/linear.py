@@ -12,6 +12,7 @@ Notation: n batch, T positions, a activations (n, T, d), b backprops (n, T, p), 
 import torch
 from torch import nn
 
+from workbench.per_sample.memory import empty_per_sample
 from workbench.per_sample.registry import register_grad_sampler
 
 
@@ -21,12 +22,14 @@ def linear_grad_sampler(layer, activations, backprops):
     n = a.shape[0]
     out = {}
     if layer.weight.requires_grad:
+        w = empty_per_sample((n, *layer.weight.shape), like=backprops)  # (n, p, d), see memory.py
         if a.dim() == 2:  # one position per sample: a batched outer product
-            out["weight"] = backprops.unsqueeze(2) * a.unsqueeze(1)  # (n, p, d)  Eq. (5)
+            torch.mul(backprops.unsqueeze(2), a.unsqueeze(1), out=w)  # b_i a_iᵀ  Eq. (5)
         else:
             A = a.reshape(n, -1, a.shape[-1])  # (n, T, d)
             B = backprops.reshape(n, -1, backprops.shape[-1])  # (n, T, p)
-            out["weight"] = torch.bmm(B.transpose(1, 2), A)  # (n, p, d)  Eq. (5)
+            torch.bmm(B.transpose(1, 2), A, out=w)  # B_iᵀ A_i  Eq. (5)
+        out["weight"] = w
     if layer.bias is not None and layer.bias.requires_grad:
         out["bias"] = backprops.reshape(n, -1, backprops.shape[-1]).sum(dim=1)  # (n, p)
     return out
