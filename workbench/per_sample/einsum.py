@@ -83,8 +83,7 @@ def einsum_per_sample_gradients(model, loss_fn, inputs, targets, strict=False):
     with ActivationRecorder(layers) as recorder:
         losses = loss_fn(forward(model, inputs), targets)  # (n,)
         check_losses(losses, n)
-        # autograd.grad, not .backward(): the model's .grad fields stay untouched.
-        torch.autograd.grad(losses.sum(), list(params.values()), allow_unused=True)
+    recorder.backward(losses.sum())  # autograd.grad inside: the .grad fields stay untouched
 
     by_param: dict[int, torch.Tensor] = {}  # id(param) -> (n, *param.shape), summed over uses
     for path, layer in layers.items():

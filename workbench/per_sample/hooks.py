@@ -7,12 +7,17 @@ obtains per-sample gradients from two quantities per layer and call:
 - the *backprops* b = ∂(Σ_i ℓ_i)/∂o, the gradient w.r.t. the layer's output o. Its row i
   equals ∂ℓ_i/∂o_i because samples do not mix ("highway gradients").
 
-We capture b with a tensor hook on o, registered in the forward hook. A tensor hook
-registered before an in-place modification of o (say a later ``ReLU(inplace=True)``)
-still receives the gradient of o's original value, so in-place activations are safe.
+The forward hook also keeps o's autograd *edge* (``torch.autograd.graph.get_gradient_edge``):
+the point of the graph where o's gradient arrives. ``ActivationRecorder.backward`` then asks
+autograd for the gradients at all those edges in one pass. Two things follow:
+
+- only the highway gradients are computed: no layer computes its (batch-summed) weight
+  gradient, which the per-sample rule replaces anyway;
+- an in-place change of o after the layer (say ``ReLU(inplace=True)``) moves o to a new
+  graph node, but the edge taken before it still names o's original value.
 
 A module called several times in one forward pass (weight sharing) gets one ``LayerCall``
-per call; the per-sample gradients of the calls are summed by the caller.
+per call; the caller sums the per-sample gradients of the calls.
 
 Nothing is left behind: ``ActivationRecorder`` is a context manager that removes every hook
 on exit, also when the forward or backward pass raises.
@@ -22,15 +27,17 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 
 @dataclass
 class LayerCall:
-    """One call of a layer: its positional inputs, keyword inputs and output gradient."""
+    """One call of a layer: its inputs, its output's edge, and (after backward) b."""
 
     args: tuple
     kwargs: dict
-    backprops: torch.Tensor | None = None  # filled in during the backward pass
+    edge: GradientEdge
+    backprops: torch.Tensor | None = None  # (n, *output.shape[1:]); None: output unused
 
 
 @dataclass
@@ -57,15 +64,21 @@ class ActivationRecorder:
     @staticmethod
     def _forward_hook(calls: list[LayerCall]):
         def hook(module, args, kwargs, output):
-            if not (isinstance(output, torch.Tensor) and output.requires_grad):
-                return None  # not differentiable here (e.g. under no_grad): nothing to sample
-            call = LayerCall(args=args, kwargs=kwargs)
-            calls.append(call)
-
-            def keep_backprops(grad):
-                call.backprops = grad  # (n, *output.shape[1:])
-
-            output.register_hook(keep_backprops)
-            return None
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                calls.append(LayerCall(args=args, kwargs=kwargs, edge=get_gradient_edge(output)))
+            return None  # outputs that are not differentiable here have nothing to sample
 
         return hook
+
+    def all_calls(self) -> list[LayerCall]:
+        return [call for calls in self.calls.values() for call in calls]
+
+    def backward(self, total_loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """Fill in ``backprops`` of every recorded call: ∂ total_loss / ∂o, one autograd pass."""
+        calls = self.all_calls()
+        if not calls:
+            return
+        grads = torch.autograd.grad(total_loss, [c.edge for c in calls], allow_unused=True,
+                                    retain_graph=retain_graph)
+        for call, grad in zip(calls, grads):
+            call.backprops = grad
