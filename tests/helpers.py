@@ -43,3 +43,28 @@ def random_batch(shape, out_shape, seed=0, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(shape, generator=g, dtype=dtype),
             torch.randn(out_shape, generator=g, dtype=dtype))
+
+
+def assert_clipping_agrees(model, loss_fn, inputs, targets, max_grad_norm=None):
+    """Norms and clipped sums of every method equal micro-batching's within RTOL[dtype].
+
+    ``max_grad_norm`` defaults to the median reference norm, so some samples are clipped
+    and some are not.
+    """
+    from workbench.clipping import CLIP_METHODS, NORM_METHODS
+
+    ref_norms = wb.per_sample_grad_norms(model, loss_fn, inputs, targets, method="microbatch")
+    dtype = ref_norms.dtype
+    for method in NORM_METHODS[1:]:
+        norms = wb.per_sample_grad_norms(model, loss_fn, inputs, targets, method=method)
+        err = relative_error(norms, ref_norms)
+        assert err <= RTOL[dtype], f"norms by {method}: relative error {err:.2e}"
+    C = float(ref_norms.median()) if max_grad_norm is None else max_grad_norm
+    ref = wb.clipped_grad_sum(model, loss_fn, inputs, targets, C, method="microbatch")
+    for method in CLIP_METHODS[1:]:
+        got = wb.clipped_grad_sum(model, loss_fn, inputs, targets, C, method=method)
+        assert set(got) == set(ref), method
+        for name, g in got.items():
+            err = relative_error(g, ref[name])
+            assert err <= RTOL[dtype], f"clipped sum by {method}, {name}: rel. error {err:.2e}"
+    return ref_norms, ref

@@ -10,6 +10,12 @@ Submodules: ``per_sample`` (per-sample gradients), ``accounting`` (privacy accou
 """
 
 from workbench import data, models
+from workbench.clipping import (
+    clipped_grad_sum,
+    ghost_routes,
+    per_sample_grad_norms,
+    register_norm_sampler,
+)
 from workbench.errors import (
     LossShapeError,
     SampleMixingError,
@@ -33,10 +39,14 @@ __all__ = [
     "SampleMixingError",
     "UnsupportedLayerError",
     "WorkbenchError",
+    "clipped_grad_sum",
     "data",
     "fix_model",
+    "ghost_routes",
     "models",
+    "per_sample_grad_norms",
     "per_sample_gradients",
     "register_grad_sampler",
+    "register_norm_sampler",
     "validate_model",
 ]

@@ -39,13 +39,16 @@ def layers_with_parameters(model: nn.Module) -> dict[str, nn.Module]:
     }
 
 
-def check_layers(layers: dict[str, nn.Module], strict: bool) -> None:
-    """Run each sampler's option check; warn (once) or raise for layers without a sampler."""
+def check_layers(layers: dict[str, nn.Module], strict: bool, covered=None) -> None:
+    """Run each sampler's option check; warn (once) or raise for layers without a sampler.
+
+    ``covered(layer) -> bool`` marks layers another rule handles (e.g. a norm sampler).
+    """
     for path, layer in layers.items():
         kind = type(layer)
         if kind in SAMPLER_CHECKS:
             SAMPLER_CHECKS[kind](layer)
-        if find_grad_sampler(layer) is not None:
+        if find_grad_sampler(layer) is not None or (covered is not None and covered(layer)):
             continue
         where = f"{kind.__name__} at {path or '<model>'}"
         if strict:

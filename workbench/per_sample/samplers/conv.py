@@ -35,10 +35,11 @@ from workbench.per_sample.registry import register_grad_sampler
 
 
 def conv_padding(layer) -> list[tuple[int, int]]:
-    """(left, right) zero padding per spatial dim, as the layer's forward applies it."""
+    """(left, right) padding per spatial dim, as the layer's forward applies it."""
     dims = len(layer.kernel_size)
-    if layer.padding_mode != "zeros":  # the layer pads with F.pad itself, then convolves
-        return [(0, 0)] * dims
+    if layer.padding_mode != "zeros":  # the layer pads with F.pad(mode) itself, then convolves
+        flat = layer._reversed_padding_repeated_twice  # last dim first: [l_D, r_D, l_D-1, ...]
+        return [(flat[2 * (dims - 1 - i)], flat[2 * (dims - 1 - i) + 1]) for i in range(dims)]
     if layer.padding == "valid":
         return [(0, 0)] * dims
     if layer.padding == "same":  # total d(k-1), the odd extra on the right (as PyTorch)
@@ -47,14 +48,27 @@ def conv_padding(layer) -> list[tuple[int, int]]:
     return [(p, p) for p in layer.padding]
 
 
+def pad_input(layer, a: torch.Tensor) -> torch.Tensor:
+    """``a`` padded exactly as the layer pads it (any padding mode)."""
+    pads = [side for pair in reversed(conv_padding(layer)) for side in pair]
+    mode = "constant" if layer.padding_mode == "zeros" else layer.padding_mode
+    return F.pad(a, pads, mode=mode)
+
+
+def output_positions(layer, spatial) -> int:
+    """L, the number of output positions for an input of spatial size ``spatial``."""
+    L = 1
+    for size, k, s, d, (lo, hi) in zip(spatial, layer.kernel_size, layer.stride, layer.dilation,
+                                       conv_padding(layer)):
+        L *= (size + lo + hi - d * (k - 1) - 1) // s + 1
+    return L
+
+
 def unfold(layer, a: torch.Tensor) -> torch.Tensor:
     """Receptive fields of ``a`` as columns: (n, C, *spatial) -> (n, C k_1..k_D, L)."""
     n, C = a.shape[:2]
     dims = len(layer.kernel_size)
-    if layer.padding_mode != "zeros":
-        a = F.pad(a, layer._reversed_padding_repeated_twice, mode=layer.padding_mode)
-    pads = [side for pair in reversed(conv_padding(layer)) for side in pair]
-    a = F.pad(a, pads)
+    a = pad_input(layer, a)
     for axis, (k, s, d) in enumerate(zip(layer.kernel_size, layer.stride, layer.dilation)):
         a = a.unfold(2 + axis, d * (k - 1) + 1, s)[..., ::d]  # window of span d(k-1)+1, every d-th
     # a: (n, C, L_1..L_D, k_1..k_D) -> (n, C, k_1..k_D, L_1..L_D)
@@ -63,13 +77,11 @@ def unfold(layer, a: torch.Tensor) -> torch.Tensor:
 
 
 def padded_input(layer, a: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-    """The input padded as the layer pads it, and the symmetric padding left for the kernel."""
-    if layer.padding_mode != "zeros":
-        a = F.pad(a, layer._reversed_padding_repeated_twice, mode=layer.padding_mode)
+    """The input padded as the layer pads it, or the symmetric padding left for the kernel."""
     pads = conv_padding(layer)
-    if all(left == right for left, right in pads):
+    if layer.padding_mode == "zeros" and all(left == right for left, right in pads):
         return a, [left for left, _ in pads]
-    return F.pad(a, [side for pair in reversed(pads) for side in pair]), [0] * len(pads)
+    return pad_input(layer, a), [0] * len(pads)
 
 
 def grouped_weight_grads(layer, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

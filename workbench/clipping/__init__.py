@@ -1,0 +1,79 @@
+"""Clipped gradients: per-sample norms and clipped sums, with and without materialising.
+
+``per_sample_grad_norms(model, loss_fn, inputs, targets, method=...)`` -> Tensor(n,) of
+||g_i|| over all trainable parameters; ``clipped_grad_sum(..., max_grad_norm=C, method=...)``
+-> {param_name: Σ_i min(1, C / ||g_i||) g_i}.
+
+| method        | how                                                     | file            |
+|---------------|---------------------------------------------------------|-----------------|
+| microbatch    | per-sample gradients by a loop, then norm / clip        | flat.py         |
+| vmap, einsum  | per-sample gradients materialised, then norm / clip     | flat.py         |
+| ghost         | norms from (a, b); clipped sum by a 2nd backward pass   | ghost.py        |
+| bookkeeping   | norms from (a, b); clipped sum from the same (a, b)     | bookkeeping.py  |
+
+All methods share ``flat.clip_factors`` (exact, no stabiliser), so they agree to rounding.
+"""
+
+import torch
+
+from workbench.clipping import norms  # noqa: F401  (registers the built-in norm samplers)
+from workbench.clipping.bookkeeping import bookkeeping_clipped_sum
+from workbench.clipping.flat import clip_factors, grad_norms, weighted_sum
+from workbench.clipping.ghost import ghost_clipped_sum, ghost_norms
+from workbench.clipping.registry import NORM_SAMPLERS, register_norm_sampler
+from workbench.clipping.routes import ghost_routes
+from workbench.per_sample import METHODS as MATERIALISING
+from workbench.per_sample import per_sample_gradients
+from workbench.per_sample.checks import check_batch, check_no_sample_mixing
+
+NORM_METHODS = (*MATERIALISING, "ghost")
+CLIP_METHODS = (*MATERIALISING, "ghost", "bookkeeping")
+
+
+def _nothing_trainable(model, inputs, targets) -> bool:
+    check_no_sample_mixing(model)
+    check_batch(inputs, targets)
+    return not any(p.requires_grad for p in model.parameters())
+
+
+def per_sample_grad_norms(model, loss_fn, inputs, targets, method="ghost"):
+    """||g_i|| over all trainable parameters, Tensor(n,).
+
+    >>> import torch
+    >>> from torch import nn
+    >>> model, x = nn.Linear(3, 2), torch.randn(4, 3)
+    >>> loss_fn = lambda out, _: out.pow(2).sum(1)
+    >>> ghost = per_sample_grad_norms(model, loss_fn, x, None, method="ghost")
+    >>> ref = per_sample_grad_norms(model, loss_fn, x, None, method="microbatch")
+    >>> bool(torch.allclose(ghost, ref))
+    True
+    """
+    if method not in NORM_METHODS:
+        raise ValueError(f"method must be one of {NORM_METHODS}; got {method!r}")
+    if _nothing_trainable(model, inputs, targets):
+        n = check_batch(inputs, targets)
+        return torch.zeros(n)
+    if method == "ghost":
+        return ghost_norms(model, loss_fn, inputs, targets)
+    return grad_norms(per_sample_gradients(model, loss_fn, inputs, targets, method=method))
+
+
+def clipped_grad_sum(model, loss_fn, inputs, targets, max_grad_norm, method="bookkeeping"):
+    """{param_name: Σ_i min(1, C / ||g_i||) g_i} for the trainable parameters."""
+    if method not in CLIP_METHODS:
+        raise ValueError(f"method must be one of {CLIP_METHODS}; got {method!r}")
+    clip_factors(torch.ones(1), max_grad_norm)  # validates C before any work
+    if _nothing_trainable(model, inputs, targets):
+        return {}
+    if method == "ghost":
+        return ghost_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm)
+    if method == "bookkeeping":
+        return bookkeeping_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm)
+    grads = per_sample_gradients(model, loss_fn, inputs, targets, method=method)
+    return weighted_sum(grads, clip_factors(grad_norms(grads), max_grad_norm))
+
+
+__all__ = [
+    "CLIP_METHODS", "NORM_METHODS", "NORM_SAMPLERS", "clip_factors", "clipped_grad_sum",
+    "ghost_routes", "per_sample_grad_norms", "register_norm_sampler",
+]

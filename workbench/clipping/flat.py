@@ -1,0 +1,53 @@
+"""Flat clipping: every sample's whole gradient scaled to norm at most C, then summed.
+
+DP-SGD (Abadi et al. 2016, arXiv 1607.00133, Algorithm 1) bounds each sample's influence by
+clipping its gradient over all trainable parameters at once ("flat" clipping):
+
+    c_i = min(1, C / ||g_i||)          clip factor
+    ḡ_i = c_i g_i                      ||ḡ_i|| <= C
+    Σ_i ḡ_i                            the clipped sum that noise is added to
+
+**No stabiliser.** Many libraries use C / (||g_i|| + 1e-6); we use the exact factor, with
+the convention c_i = 1 when ||g_i|| = 0 (C / 0 = inf, then the min gives 1). Every method of
+the workbench shares this function, so they agree exactly, and ||ḡ_i|| <= C holds without
+the 1e-6 slack.
+
+Notation: n batch size, g_i per-sample gradient (all parameters), C max_grad_norm.
+"""
+
+import math
+
+import torch
+
+
+def check_max_grad_norm(max_grad_norm) -> float:
+    """C must be a positive finite number."""
+    try:
+        C = float(max_grad_norm)
+    except (TypeError, ValueError):
+        raise TypeError(f"max_grad_norm must be a positive number; got {max_grad_norm!r}") from None
+    if not (C > 0 and math.isfinite(C)):
+        raise ValueError(f"max_grad_norm must be a positive finite number (the clip norm C); "
+                         f"got {max_grad_norm!r}")
+    return C
+
+
+def clip_factors(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
+    """c_i = min(1, C / ||g_i||), and 1 where ||g_i|| = 0.
+
+    >>> clip_factors(torch.tensor([0.0, 0.5, 2.0, 4.0]), 1.0)
+    tensor([1.0000, 1.0000, 0.5000, 0.2500])
+    """
+    C = check_max_grad_norm(max_grad_norm)
+    return (C / norms).clamp(max=1.0)  # (n,); C / 0 = inf -> 1
+
+
+def grad_norms(grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    """||g_i|| over all parameters from materialised per-sample gradients {name: (n, ...)}."""
+    squares = [g.flatten(1).pow(2).sum(1) for g in grads.values()]  # each (n,)
+    return torch.stack(squares).sum(0).sqrt()
+
+
+def weighted_sum(grads: dict[str, torch.Tensor], c: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{name: Σ_i c_i g_i} from materialised per-sample gradients."""
+    return {name: torch.tensordot(c.to(g.dtype), g, dims=1) for name, g in grads.items()}

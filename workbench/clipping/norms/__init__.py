@@ -1,0 +1,13 @@
+"""Built-in norm samplers; importing this registers them.
+
+| layer                  | file          | rule                                                  |
+|------------------------|---------------|-------------------------------------------------------|
+| Linear                 | linear.py     | ||b_i|| ||a_i||, <A_i A_iᵀ, B_i B_iᵀ>, or materialise  |
+| Conv1d / 2d / 3d       | conv.py       | unfold, then the Linear rule with T = output positions |
+| Embedding              | embedding.py  | per-sample segment sums over equal indices             |
+
+Everything else (LayerNorm, GroupNorm, InstanceNorm, RMSNorm, custom layers): fast gradient
+clipping, i.e. the layer's per-sample gradient is materialised, normed and dropped.
+"""
+
+from workbench.clipping.norms import conv, embedding, linear  # noqa: F401

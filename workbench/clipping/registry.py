@@ -1,0 +1,68 @@
+"""The rule table for per-sample gradient *norms* without the per-sample gradients.
+
+A *norm sampler* has the grad sampler's signature but returns only squared norms::
+
+    norm_sampler(layer, activations, backprops) -> Tensor(n,)   Σ over the layer's
+                                                                  trainable params of ||g_i||²
+
+It may come with ``route(layer, activations) -> (route, reason)``, a pure function of shapes
+saying how it will compute the norm (``ghost_routes`` shows it per layer and call).
+Layers without a norm sampler are handled by "fast gradient clipping": their per-sample
+gradients are materialised by the grad sampler (or vmap), normed and dropped at once.
+Lookup is by exact type, as for grad samplers.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+NormSamplerFn = Callable[[nn.Module, tuple, torch.Tensor], torch.Tensor]
+
+NORM_SAMPLERS: dict[type[nn.Module], NormSamplerFn] = {}
+"""layer type -> norm sampler (squared per-sample norms). Add with the decorator."""
+
+NORM_ROUTES: dict[type[nn.Module], Callable] = {}
+"""layer type -> ``route(layer, activations) -> (route, reason)``."""
+
+
+def register_norm_sampler(*layer_types: type[nn.Module], route=None):
+    """Decorator registering a squared-norm sampler for one or more layer types.
+
+    >>> import torch
+    >>> from torch import nn
+    >>> class Scale(nn.Module):
+    ...     def __init__(self, d):
+    ...         super().__init__()
+    ...         self.s = nn.Parameter(torch.ones(d))
+    ...     def forward(self, x):
+    ...         return x * self.s
+    >>> @register_norm_sampler(Scale)
+    ... def scale_norms(layer, activations, backprops):
+    ...     return (activations[0] * backprops).pow(2).sum(1)   # ||x_i ⊙ b_i||²
+    >>> NORM_SAMPLERS[Scale] is scale_norms
+    True
+    >>> del NORM_SAMPLERS[Scale]
+    """
+    if not layer_types:
+        raise TypeError("register_norm_sampler() needs at least one layer type, e.g. "
+                        "@register_norm_sampler(MyLayer)")
+    for layer_type in layer_types:
+        if not (isinstance(layer_type, type) and issubclass(layer_type, nn.Module)):
+            raise TypeError(f"register_norm_sampler: layer_types must be nn.Module subclasses; "
+                            f"got {layer_type!r}")
+
+    def decorator(fn: NormSamplerFn) -> NormSamplerFn:
+        if not callable(fn):
+            raise TypeError(f"register_norm_sampler must decorate a function; got {fn!r}")
+        for layer_type in layer_types:
+            NORM_SAMPLERS[layer_type] = fn
+            if route is not None:
+                NORM_ROUTES[layer_type] = route
+        return fn
+
+    return decorator
+
+
+def find_norm_sampler(layer: nn.Module) -> NormSamplerFn | None:
+    return NORM_SAMPLERS.get(type(layer))

@@ -1,0 +1,38 @@
+"""Which way each layer's per-sample gradient norm is computed, and why.
+
+``ghost_routes`` runs one forward and backward pass and returns a table with one row per
+layer call: the route its norm takes in ``per_sample_grad_norms(method="ghost")`` and the
+reason (e.g. "2T² = 512 < pd = 4096: (T, T) Grams are smaller").
+"""
+
+import pandas as pd
+
+from workbench.clipping.ghost import record
+from workbench.clipping.registry import NORM_ROUTES, find_norm_sampler
+
+
+def layer_route(layer, call, shared: set[int]) -> tuple[str, str]:
+    shared_names = [name for name, p in layer.named_parameters(recurse=False)
+                    if id(p) in shared]
+    if shared_names:
+        return ("materialise (shared)",
+                f"{', '.join(shared_names)} used in several calls: the norm of the summed "
+                f"per-sample gradient has cross terms")
+    if find_norm_sampler(layer) is None:
+        return ("fast gradient clipping",
+                "no norm sampler: per-sample gradient materialised, normed and dropped")
+    route = NORM_ROUTES.get(type(layer))
+    return route(layer, call.args) if route else ("norm sampler", "registered norm sampler")
+
+
+def ghost_routes(model, loss_fn, inputs, targets) -> pd.DataFrame:
+    """One row per layer call: path, layer type, call index, route, reason."""
+    rec = record(model, loss_fn, inputs, targets, retain_graph=False)
+    shared = rec.shared_ids()
+    rows, seen = [], {}
+    for path, layer, call in rec.calls():
+        seen[path] = seen.get(path, -1) + 1
+        route, reason = layer_route(layer, call, shared)
+        rows.append({"layer": path, "type": type(layer).__name__, "call": seen[path],
+                     "route": route, "reason": reason})
+    return pd.DataFrame(rows, columns=["layer", "type", "call", "route", "reason"])
