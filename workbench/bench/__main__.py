@@ -10,6 +10,7 @@ import sys
 
 BENCHMARKS = {
     "layers": ("workbench.bench.layers", "per-layer per-sample gradient runtime"),
+    "e2e": ("workbench.bench.e2e", "one clipped-sum step of the Fast-DPSGD models"),
     "accounting": ("workbench.bench.accounting", "privacy accountant speed"),
 }
 

@@ -1,0 +1,15 @@
+"""The e2e benchmark runs end to end on tiny settings (its numbers are not checked here)."""
+
+import pandas as pd
+
+from workbench.bench.__main__ import main
+
+
+def test_e2e_benchmark_writes_csv(tmp_path):
+    out = tmp_path / "e2e.csv"
+    main(["e2e", "--models", "mnist_cnn", "imdb_embedding", "--batch-sizes", "2",
+          "--repeats", "1", "--methods", "einsum", "ghost", "bookkeeping", "--out", str(out)])
+    table = pd.read_csv(out)
+    assert list(table["model"]) == ["mnist_cnn", "imdb_embedding"]
+    for column in ("plain_ms", "ghost/plain", "bookkeeping/plain", "einsum/plain", "device"):
+        assert table[column].notna().all(), column

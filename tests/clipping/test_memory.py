@@ -1,0 +1,47 @@
+"""Peak memory of ghost clipping and book-keeping, measured in fresh child processes.
+
+Linear(4096 -> 4096) on (n = 256, T = 16, 4096) inputs: materialised per-sample weight
+gradients would take 256 * 4096² * 4 B = 17 GB. Ghost clipping (Gram route, 2T² = 512 <
+pd) and book-keeping must stay within 1.3x the peak resident memory of a plain forward +
+backward pass. Each mode runs in its own process, so peaks do not leak between them; the
+ratio includes the interpreter and torch itself (~0.3 GB), as a user's process would.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = r"""
+import json, resource, sys, torch
+from torch import nn
+import workbench as wb
+
+torch.manual_seed(0)
+mode = sys.argv[1]
+layer = nn.Linear(4096, 4096)
+x = torch.randn(256, 16, 4096)
+loss_fn = lambda out, _: out.pow(2).sum((1, 2))  # one loss per sample
+if mode == "plain":
+    grads = torch.autograd.grad(loss_fn(layer(x), None).sum(), list(layer.parameters()))
+else:
+    grads = wb.clipped_grad_sum(layer, loss_fn, x, None, max_grad_norm=1.0, method=mode)
+peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: KiB
+print(json.dumps({"mode": mode, "peak_MB": peak_kb / 1024}))
+"""
+
+
+def peak_rss_mb(mode: str) -> float:
+    out = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True,
+                         check=True, timeout=300)
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak_MB"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss in KiB is Linux's")
+def test_ghost_and_bookkeeping_peak_memory_close_to_plain():
+    plain = peak_rss_mb("plain")
+    for mode in ("ghost", "bookkeeping"):
+        peak = peak_rss_mb(mode)
+        assert peak <= 1.3 * plain, f"{mode}: peak RSS {peak:.0f} MB vs plain {plain:.0f} MB"

@@ -1,0 +1,93 @@
+"""End-to-end benchmark of one clipped-sum step: ``python -m workbench.bench e2e``.
+
+For the Fast-DPSGD models of the Opacus paper's Table 1 (Yousefpour et al. 2021, arXiv
+2109.12298; Subramani, Vadivelu, Kamath 2021, arXiv 2010.09063) at each batch size, one run
+measures side by side (interleaved medians):
+
+- ``plain``: a non-private forward + backward of the mean loss (parameter gradients);
+- each ``method`` of ``wb.clipped_grad_sum``: the clipped per-sample gradient sum that a
+  DP-SGD step adds noise to (microbatch, vmap, einsum materialise; ghost and bookkeeping
+  do not).
+
+It reports ratios to plain and, on CUDA, the peak allocated memory of each candidate
+(``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``); on CPU peak memory
+is not measured here (see tests/clipping/test_memory.py for a peak-RSS check).
+"""
+
+import argparse
+from pathlib import Path
+
+import pandas as pd
+import torch
+from torch import nn
+
+import workbench as wb
+from workbench import models
+from workbench.bench.timing import device_name, time_interleaved
+from workbench.clipping import CLIP_METHODS
+
+DEFAULT_MODELS = [m for m in ("mnist_cnn", "cifar10_cnn", "imdb_embedding", "imdb_lstm")
+                  if m in models.ZOO]
+LOSS = nn.CrossEntropyLoss(reduction="none")
+
+
+def plain_step(model, x, y):
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.autograd.grad(LOSS(model(x), y).mean(), params)
+
+
+def peak_memory_mb(fn, device) -> float:
+    if device.type != "cuda":
+        return float("nan")
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) / 2**20
+
+
+def bench_model(name, b, methods, repeats, device, max_grad_norm=1.0):
+    model = models.make_model(name).to(device)
+    x, y = models.example_batch(name, b, generator=torch.Generator().manual_seed(0))
+    x, y = x.to(device), y.to(device)
+    candidates = {"plain": lambda: plain_step(model, x, y)}
+    for method in methods:
+        candidates[method] = (lambda m=method: wb.clipped_grad_sum(
+            model, LOSS, x, y, max_grad_norm=max_grad_norm, method=m))
+    times = time_interleaved(candidates, device, repeats=repeats)
+    row = {"model": name, "batch_size": b, "params": models.count_parameters(model)}
+    for cand, t in times.items():
+        row[f"{cand}_ms"] = t * 1e3
+        if cand != "plain":
+            row[f"{cand}/plain"] = t / times["plain"]
+    for cand, fn in candidates.items():
+        row[f"{cand}_peak_MB"] = peak_memory_mb(fn, device)
+    return row
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m workbench.bench e2e",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(models.ZOO))
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[64, 256])
+    parser.add_argument("--methods", nargs="+", default=list(CLIP_METHODS), choices=CLIP_METHODS)
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds (median)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=Path("bench-results/e2e.csv"))
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or any(b < 1 for b in args.batch_sizes):
+        parser.error("--repeats and every --batch-sizes value must be >= 1")
+    device = torch.device(args.device)
+    table = pd.DataFrame([bench_model(m, b, args.methods, args.repeats, device)
+                          for m in args.models for b in args.batch_sizes])
+    table["device"] = device_name(device)
+    table["torch"] = torch.__version__
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    table.to_csv(args.out, index=False)
+    ratios = [c for c in table.columns if c.endswith("/plain")]
+    shown = table[["model", "batch_size", "plain_ms", *ratios]]
+    print(f"device: {table['device'][0]}   torch {torch.__version__}   "
+          f"(plain in ms, the others as multiples of plain)")
+    print(shown.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    print(f"wrote {args.out}")
+    return 0
