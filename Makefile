@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test lab audit bench lint unit notebooks clean
+.PHONY: test lab audit bench lint unit notebooks clean record-notebooks
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 test: lint unit notebooks
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check workbench tests notebooks data
+	$(VENV)/bin/ruff check workbench tests notebooks data tools
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests workbench --doctest-modules
@@ -33,3 +33,8 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+# Re-record the stored outputs of the notebooks' `# NBVAL_CHECK_OUTPUT` cells (and strip the
+# rest) after changing a notebook: nbval compares against what is stored.
+record-notebooks: $(STAMP)
+	$(PY) tools/nbchecks.py record notebooks/*.ipynb

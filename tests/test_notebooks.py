@@ -1,0 +1,35 @@
+"""Notebook conventions (DESIGN.md, Notebooks): checked by structure, run by nbval."""
+
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from nbchecks import is_check_cell  # noqa: E402
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+def test_there_are_notebooks():
+    assert [p.name for p in NOTEBOOKS][:2] == ["00_tour.ipynb", "01_per_sample_gradients.ipynb"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_is_clean_and_its_checks_are_real(path):
+    nb = nbformat.read(path, as_version=4)
+    first = nb.cells[0]
+    assert first.cell_type == "markdown" and first.source.startswith("# "), "H1 title first"
+    assert "widgets" not in nb.metadata, "widget state must be stripped"
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        if is_check_cell(cell):
+            assert cell.outputs and cell.execution_count, (
+                f"cell {i} is a NBVAL_CHECK_OUTPUT cell without a stored output, so nbval "
+                f"checks nothing: run python tools/nbchecks.py record {path.relative_to(ROOT)}")
+        else:
+            assert not cell.outputs and cell.execution_count is None, (
+                f"cell {i}: output or execution count left in; python tools/nbchecks.py strip")
