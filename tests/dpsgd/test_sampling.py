@@ -1,0 +1,64 @@
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from workbench.dpsgd import DPDataLoader, PoissonBatchSampler
+
+
+def dataset(n=1000):
+    return TensorDataset(torch.randn(n, 3, 2), torch.arange(n))
+
+
+def test_batch_sizes_are_binomial_and_inclusion_is_uniform():
+    q, N, steps = 0.05, 1000, 400
+    sampler = PoissonBatchSampler(N, q, steps=steps, generator=torch.Generator().manual_seed(0))
+    batches = list(sampler)
+    sizes = [len(b) for b in batches]
+    assert len(batches) == steps
+    # Batch sizes ~ Binomial(N, q): a chi-square-free check of mean and variance.
+    mean, var = torch.tensor(sizes, dtype=torch.float64).mean(), torch.tensor(
+        sizes, dtype=torch.float64).var()
+    assert abs(mean - q * N) < 4 * (q * (1 - q) * N / steps) ** 0.5
+    assert 0.7 < var / (q * (1 - q) * N) < 1.4
+    counts = torch.zeros(N)
+    for b in batches:
+        counts[b] += 1
+        assert len(set(b)) == len(b)  # no repeats within a batch
+    # Each example's count ~ Binomial(steps, q), independently: mean steps*q, variance
+    # steps*q*(1-q). 1000 examples give the mean to ~1% and the variance to ~5%.
+    assert abs(counts.mean() - steps * q) < 0.05 * steps * q
+    assert 0.8 < counts.var() / (steps * q * (1 - q)) < 1.2
+
+
+def test_default_epoch_length_and_reproducibility():
+    a = list(PoissonBatchSampler(50, 0.1, generator=torch.Generator().manual_seed(3)))
+    b = list(PoissonBatchSampler(50, 0.1, generator=torch.Generator().manual_seed(3)))
+    assert len(a) == 10 and a == b
+
+
+def test_empty_batches_are_shaped_empty_tensors():
+    loader = DPDataLoader(dataset(5), sample_rate=1e-9, steps=3)
+    for x, y in loader:
+        assert x.shape == (0, 3, 2) and x.dtype == torch.float32
+        assert y.shape == (0,) and y.dtype == torch.int64
+
+
+def test_from_data_loader():
+    loader = DPDataLoader.from_data_loader(DataLoader(dataset(), batch_size=50),
+                                           generator=torch.Generator().manual_seed(0))
+    assert loader.sample_rate == 0.05 and len(loader) == 20 and loader.expected_batch_size == 50
+    x, y = next(iter(loader))
+    assert x.shape[1:] == (3, 2) and 20 < len(y) < 90
+
+
+@pytest.mark.parametrize("q", [0, -0.1, 1.5, float("nan")])
+def test_bad_sample_rate(q):
+    with pytest.raises(ValueError, match=r"sample_rate must be in \(0, 1\]"):
+        PoissonBatchSampler(10, q)
+
+
+def test_bad_sizes():
+    with pytest.raises(ValueError, match="num_samples must be a positive integer"):
+        PoissonBatchSampler(0, 0.1)
+    with pytest.raises(ValueError, match="dataset is empty"):
+        DPDataLoader(TensorDataset(torch.zeros(0, 2)), sample_rate=0.1)
