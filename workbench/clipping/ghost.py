@@ -111,6 +111,8 @@ def ghost_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm):
     """{name: Σ_i c_i g_i} by a second backward pass of Σ_i c_i ℓ_i."""
     rec = record(model, loss_fn, inputs, targets, retain_graph=True)
     c = clip_factors(squared_norms(rec)[0].sqrt(), max_grad_norm)  # (n,)
+    for call in rec.recorder.all_calls():
+        call.backprops = None  # not needed by the second pass: free them before it runs
     params = list(rec.params.values())
     grads = torch.autograd.grad((c.detach() * rec.losses).sum(), params, allow_unused=True)
     return {name: torch.zeros_like(p) if g is None else g

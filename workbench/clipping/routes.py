@@ -33,6 +33,6 @@ def ghost_routes(model, loss_fn, inputs, targets) -> pd.DataFrame:
     for path, layer, call in rec.calls():
         seen[path] = seen.get(path, -1) + 1
         route, reason = layer_route(layer, call, shared)
-        rows.append({"layer": path, "type": type(layer).__name__, "call": seen[path],
+        rows.append({"layer": path or "<model>", "type": type(layer).__name__, "call": seen[path],
                      "route": route, "reason": reason})
     return pd.DataFrame(rows, columns=["layer", "type", "call", "route", "reason"])
