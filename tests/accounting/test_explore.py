@@ -1,0 +1,45 @@
+"""The budget explorer's compute step: curves, solve mode, and the coarse PLD grid's accuracy."""
+
+import numpy as np
+import pytest
+
+from workbench.accounting import epsilon, explore_budget
+
+
+def test_curves_follow_the_configuration():
+    r = explore_budget(60_000, 256, 1.1, 60, 1e-5, points=30, pld_points=6)
+    assert r.sample_rate == 256 / 60_000 and r.steps == 14_063  # ceil(60 / q)
+    assert r.rdp_epochs.shape == r.rdp_epsilon.shape == (30,)
+    assert r.pld_epochs.shape == r.pld_epsilon.shape == (6,)
+    assert r.rdp_epochs[-1] == r.pld_epochs[-1] == 60
+    assert np.all(np.diff(r.rdp_epsilon) > 0) and np.all(np.diff(r.pld_epsilon) > 0)
+    assert r.epsilon_rdp == pytest.approx(epsilon(r.sample_rate, 1.1, r.steps, 1e-5))
+    assert r.epsilon_pld < r.epsilon_rdp
+
+
+@pytest.mark.parametrize("n, b, sigma, epochs", [(60_000, 256, 1.1, 60), (50_000, 512, 0.8, 20),
+                                                  (1000, 100, 1.0, 50), (60_000, 60, 3.0, 30)])
+def test_coarse_pld_grid_is_an_upper_bound_within_one_percent(n, b, sigma, epochs):
+    r = explore_budget(n, b, sigma, epochs, 1e-5, points=2, pld_points=1)
+    fine = epsilon(b / n, sigma, r.steps, 1e-5, "pld")
+    assert fine - 1e-9 <= r.epsilon_pld <= fine * 1.01
+
+
+def test_solve_mode_hits_the_target():
+    r = explore_budget(60_000, 256, 99.0, 60, 1e-5, mode="solve", target_epsilon=3.0)
+    assert 2.99 <= r.epsilon_rdp <= 3.0 and r.epsilon_pld < 3.0
+    assert r.noise_multiplier != 99.0 and r.target_epsilon == 3.0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(batch_size=0), r"batch_size must be an integer in \[1, dataset_size=1000\]; got 0"),
+    (dict(batch_size=1001), r"batch_size must be an integer in \[1, dataset_size=1000\]"),
+    (dict(dataset_size=0), "dataset_size must be an integer >= 1; got 0"),
+    (dict(epochs=0), "epochs must be a finite number > 0"),
+    (dict(mode="solve"), "target_epsilon must be a real number"),
+    (dict(mode="guess"), "mode must be one of"),
+])
+def test_bad_input(kwargs, match):
+    args = dict(dataset_size=1000, batch_size=100, noise_multiplier=1.0, epochs=5, delta=1e-5)
+    with pytest.raises((ValueError, TypeError), match=match):
+        explore_budget(**(args | kwargs))

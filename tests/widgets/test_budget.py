@@ -1,0 +1,82 @@
+"""The budget explorer widget: set controls from code, check the result and the figure."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from workbench.accounting import explore_budget  # noqa: E402
+from workbench.viz.budget import plot_budget  # noqa: E402
+from workbench.widgets.budget import BudgetExplorer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def explorer():
+    return BudgetExplorer(dataset_size=60_000, batch_size=256, noise_multiplier=1.1, epochs=30)
+
+
+def lines_match_result(w):
+    r = w.result
+    rdp, pld = w.artists["rdp"], w.artists["pld"]
+    return (np.allclose(rdp.get_xdata(), r.rdp_epochs) and np.allclose(rdp.get_ydata(),
+            r.rdp_epsilon) and np.allclose(pld.get_xdata(), r.pld_epochs)
+            and np.allclose(pld.get_ydata(), r.pld_epsilon))
+
+
+def test_initial_state(explorer):
+    assert set(explorer.controls) == {"dataset_size", "batch_size", "noise_multiplier", "epochs",
+                                      "delta", "mode", "target_epsilon"}
+    assert explorer.result.sample_rate == 256 / 60_000 and explorer.result.epochs == 30
+    assert lines_match_result(explorer)
+    assert bytes(explorer.image.value).startswith(b"\x89PNG")
+
+
+def test_more_noise_means_less_epsilon(explorer):
+    before = explorer.result.epsilon_rdp
+    explorer.controls["noise_multiplier"].value = 2.0
+    assert explorer.result.noise_multiplier == 2.0
+    assert explorer.result.epsilon_rdp < before and lines_match_result(explorer)
+
+
+def test_batch_size_sets_the_sample_rate(explorer):
+    explorer.controls["batch_size"].value = 600
+    assert explorer.result.sample_rate == 0.01 and explorer.result.steps == 3000
+    assert "q = 0.01" in explorer.message.value
+
+
+def test_solve_mode_shows_the_sigma_for_the_target(explorer):
+    explorer.controls["target_epsilon"].value = 4.0
+    explorer.controls["mode"].value = "solve"
+    r = explorer.result
+    assert r.mode == "solve" and 3.99 <= r.epsilon_rdp <= 4.0
+    assert explorer.controls["noise_multiplier"].disabled
+    assert explorer.artists["target"].get_ydata()[0] == 4.0
+    assert f"σ = {r.noise_multiplier:.3f}" in explorer.message.value
+    explorer.controls["mode"].value = "epsilon"
+    assert explorer.result.noise_multiplier == explorer.controls["noise_multiplier"].value
+
+
+def test_bad_values_show_a_message_and_keep_the_last_result(explorer):
+    last = explorer.result
+    explorer.controls["batch_size"].value = 10**8
+    assert "batch_size must be an integer" in explorer.message.value
+    assert explorer.result is last
+    explorer.controls["batch_size"].value = 256
+    assert explorer.result is not last
+
+
+def test_plot_budget_draws_on_the_given_axes_only():
+    figures_before = plt.get_fignums()
+    fig, ax = plt.subplots()
+    result = explore_budget(1000, 50, 1.0, 10, 1e-5, mode="solve", target_epsilon=2.0, points=5,
+                            pld_points=3)
+    artists = plot_budget(ax, result)
+    assert set(artists) == {"rdp", "pld", "target", "legend"}
+    assert list(artists["rdp"].get_ydata()) == list(result.rdp_epsilon)
+    assert artists["target"].get_ydata()[0] == 2.0
+    assert ax.get_legend() is artists["legend"]
+    assert len(plt.get_fignums()) == len(figures_before) + 1  # only the one made here
+    plt.close(fig)

@@ -1,0 +1,52 @@
+"""Privacy accounting for DP-SGD: how much ε a run of the sampled Gaussian mechanism spends.
+
+One concept per file:
+
+    rdp.py         Rényi DP of the sampled Gaussian mechanism (Mironov, Talwar, Zhang 2019)
+    convert.py     RDP -> (ε, δ) (Balle et al. 2020, Thm. 21)
+    pld.py         its privacy-loss distribution, discretised pessimistically (connect-the-dots)
+    compose.py     composition of PLDs by FFT (Koskela, Jälkö, Honkela 2020)
+    curve.py       ε of a run, a curve over steps, or a heterogeneous schedule; RDP or PLD
+    calibrate.py   the noise multiplier σ for a target ε
+    accountant.py  RDPAccountant / PLDAccountant: a history of steps, ε on demand
+    gaussian.py    the exact Gaussian mechanism (q = 1), the yardstick (Balle & Wang 2018)
+    explore.py     the budget explorer's compute step (ε vs epochs, σ for a target)
+    checks.py      argument validation
+
+>>> from workbench import accounting
+>>> round(accounting.epsilon(0.01, 1.0, 1000, 1e-5), 3)
+2.101
+"""
+
+from workbench.accounting.accountant import PLDAccountant, RDPAccountant
+from workbench.accounting.calibrate import get_noise_multiplier, steps_from_epochs
+from workbench.accounting.convert import rdp_to_epsilon
+from workbench.accounting.curve import (
+    ACCOUNTANTS,
+    PLD_DISCRETIZATION,
+    epsilon,
+    epsilon_curve,
+    history_epsilon,
+)
+from workbench.accounting.explore import BudgetResult, explore_budget
+from workbench.accounting.gaussian import gaussian_delta, gaussian_epsilon
+from workbench.accounting.rdp import DEFAULT_ORDERS, compute_rdp
+
+__all__ = [
+    "ACCOUNTANTS",
+    "DEFAULT_ORDERS",
+    "PLD_DISCRETIZATION",
+    "BudgetResult",
+    "PLDAccountant",
+    "RDPAccountant",
+    "compute_rdp",
+    "epsilon",
+    "epsilon_curve",
+    "explore_budget",
+    "gaussian_delta",
+    "gaussian_epsilon",
+    "get_noise_multiplier",
+    "history_epsilon",
+    "rdp_to_epsilon",
+    "steps_from_epochs",
+]

@@ -1,0 +1,143 @@
+"""Noise calibration: the σ that spends a target ε.
+
+ε(σ) of the sampled Gaussian mechanism falls monotonically with σ (for every order α the RDP
+of Mironov, Talwar, Zhang 2019, arXiv:1908.10530, decreases in σ; so does the PLD's δ(ε)), so the
+noise multiplier for a target (ε*, δ) is the root of                                      (1)
+
+    ε(σ) = ε* - tol / 2,        accepted as soon as  ε* - tol <= ε(σ) <= ε*.
+
+The root is bracketed, starting from a Gaussian-like approximation of the RDP curve. For small
+q the binomial sum of Mironov, Talwar, Zhang (§3.3) starts A_α ≈ 1 + C(α, 2) q² (e^(1/σ²) - 1),
+so T steps have ε(α) ≈ ρα with ρ = T q² (e^(1/σ²) - 1) / 2, and the conversion gives
+ε ≈ ρ + 2 sqrt(ρ log(1/δ)); solving for σ,                                            (2)
+
+    σ0 = 1 / sqrt(log(1 + 2ρ / (T q²))),    sqrt(ρ) = sqrt(log(1/δ) + ε*) - sqrt(log(1/δ)),
+
+and solved by the Illinois variant of regula falsi in x = 1/σ, where ε(x) is nearly linear;
+typically 4-8 evaluations of ε. The PLD search starts from the RDP answer, which is an upper
+end (the PLD ε is never larger). RDP has a floor: as σ grows, ε tends to
+min_α [log((α-1)/α) - (log δ + log α)/(α - 1)] > 0, so tiny targets are unreachable with the
+given orders, and the error says so.
+
+Notation: q sample rate, σ noise multiplier, T steps, ε* target epsilon, δ target delta.
+"""
+
+import math
+
+from workbench.accounting.checks import (
+    check_choice,
+    check_delta,
+    check_epsilon,
+    check_positive,
+    check_sample_rate,
+    check_steps,
+)
+from workbench.accounting.curve import ACCOUNTANTS, epsilon
+
+SIGMA_MAX = 1e4  # beyond this the target is reported unreachable
+_MAX_EVALS = 60
+
+
+def steps_from_epochs(epochs, sample_rate):
+    """T = ceil(epochs / q), ignoring float noise such as 10 / 0.01 = 1000.0000000000001."""
+    return math.ceil(round(check_positive(epochs, "epochs") / sample_rate, 9))
+
+
+def _initial_sigma(target_epsilon, target_delta, q, steps):
+    """σ0 of Eq. (2)."""
+    log_inv_delta = math.log(1 / target_delta)
+    sqrt_rho = math.sqrt(log_inv_delta + target_epsilon) - math.sqrt(log_inv_delta)
+    return 1 / math.sqrt(math.log1p(2 * sqrt_rho**2 / (steps * q**2)))
+
+
+def get_noise_multiplier(target_epsilon, target_delta, sample_rate, steps=None, epochs=None,
+                         accountant="rdp", tolerance=0.01, **options):
+    """Noise multiplier σ with target_epsilon - tolerance <= ε(σ) <= target_epsilon.
+
+    Give exactly one of ``steps`` and ``epochs`` (steps = ceil(epochs / sample_rate)).
+    ``options`` go to :func:`workbench.accounting.epsilon` (``orders``, ``discretization``).
+
+    >>> sigma = get_noise_multiplier(2.0, 1e-5, 0.01, epochs=10)
+    >>> round(sigma, 2), epsilon(0.01, sigma, 1000, 1e-5) <= 2.0
+    (1.02, True)
+    """
+    target_epsilon = check_epsilon(target_epsilon, "target_epsilon")
+    target_delta = check_delta(target_delta, "target_delta")
+    q = check_sample_rate(sample_rate)
+    tolerance = check_positive(tolerance, "tolerance")
+    check_choice(accountant, "accountant", ACCOUNTANTS)
+    if (steps is None) == (epochs is None):
+        raise ValueError(f"give exactly one of steps and epochs; got steps={steps!r}, "
+                         f"epochs={epochs!r}")
+    steps = check_steps(steps) if epochs is None else steps_from_epochs(epochs, q)
+    if q == 0 or steps == 0:
+        return 0.0  # nothing is released about anyone: no noise needed
+
+    def eps(sigma):
+        return epsilon(q, sigma, steps, target_delta, accountant, **options)
+
+    start = _initial_sigma(target_epsilon, target_delta, q, steps)
+    if accountant == "pld":  # the RDP answer is a good upper end when it exists
+        try:
+            start = get_noise_multiplier(target_epsilon, target_delta, q, steps=steps,
+                                         tolerance=tolerance)
+        except ValueError:
+            pass
+    return _solve(eps, target_epsilon, tolerance, start)
+
+
+def _bracket(eps, target, sigma):
+    """(σ_lo, ε_lo, σ_hi, ε_hi) with ε_lo > target >= ε_hi, stepping from σ by factors
+    1.25, 1.25², 1.25⁴, ... (small steps first: the starting guess is usually close)."""
+    e, factor = eps(sigma), 1.25
+    if e <= target:  # too much noise: shrink σ until ε exceeds the target
+        hi, e_hi = sigma, e
+        while True:
+            lo = hi / factor
+            e_lo, factor = eps(lo), factor**2
+            if e_lo > target:
+                return lo, e_lo, hi, e_hi
+            hi, e_hi = lo, e_lo
+    lo, e_lo = sigma, e
+    while True:  # too little noise: grow σ until ε is within the target
+        hi = lo * factor
+        if hi > SIGMA_MAX:
+            raise ValueError(
+                f"target_epsilon={target} is unreachable: even noise_multiplier={SIGMA_MAX:g} "
+                f"gives epsilon={eps(SIGMA_MAX):.4g}. With RDP, epsilon has a floor set by "
+                f"delta and the largest order; raise target_epsilon or target_delta, or pass "
+                f"orders with larger values."
+            )
+        e_hi, factor = eps(hi), factor**2
+        if e_hi <= target:
+            return lo, e_lo, hi, e_hi
+        lo, e_lo = hi, e_hi
+
+
+def _solve(eps, target, tol, sigma0):
+    """Illinois regula falsi for Eq. (1) in x = 1/σ; returns σ_hi (ε <= target always)."""
+    lo, e_lo, hi, e_hi = _bracket(eps, target, sigma0)
+    goal = target - tol / 2
+    x_lo, x_hi = 1 / lo, 1 / hi  # x_lo > x_hi; ε grows with x
+    f_lo, f_hi = e_lo - goal, e_hi - goal  # f_lo > 0 >= f_hi - tol / 2
+    side = 0
+    for _ in range(_MAX_EVALS):
+        if e_hi >= target - tol:
+            return 1 / x_hi
+        if math.isinf(f_lo):
+            x = (x_lo + x_hi) / 2  # bisect while the low end has ε = inf
+        else:
+            x = x_hi - f_hi * (x_lo - x_hi) / (f_lo - f_hi)
+        e = eps(1 / x)
+        f = e - goal
+        if e > target:
+            x_lo, f_lo = x, f
+            if side == -1:
+                f_hi /= 2  # Illinois: halve the stale end's weight
+            side = -1
+        else:
+            x_hi, f_hi, e_hi = x, f, e
+            if side == 1:
+                f_lo /= 2
+            side = 1
+    raise RuntimeError("noise calibration did not converge; please report this case")

@@ -1,0 +1,56 @@
+"""The exact privacy profile of the Gaussian mechanism (no subsampling).
+
+Balle & Wang (2018), "Improving the Gaussian Mechanism for Differential Privacy: Analytical
+Calibration and Optimal Denoising", arXiv:1805.06530, Theorem 8. Adding N(0, σ²) to a query of
+sensitivity 1 is (ε, δ)-DP exactly when                                                  (1)
+
+    δ >= Φ(1/(2σ) - εσ) - e^ε Φ(-1/(2σ) - εσ).
+
+T such steps compose to one Gaussian mechanism with noise σ / sqrt(T): the privacy loss of each
+is N(1/(2σ²), 1/σ²), and T of them add up to N(T/(2σ²), T/σ²) (Dong, Roth, Su 2019, "Gaussian
+Differential Privacy", arXiv:1905.02383). So full-batch DP-SGD (q = 1) has an exact ε to
+compare every accountant with: each must report at least this much.
+
+Notation: σ noise multiplier, ε, δ, T steps, Φ standard normal CDF.
+"""
+
+import math
+
+import numpy as np
+from scipy.optimize import brentq
+from scipy.special import log_ndtr, ndtr
+
+from workbench.accounting.checks import check_delta, check_noise_multiplier, check_steps
+
+
+def gaussian_delta(noise_multiplier, epsilon, steps=1):
+    """Exact δ(ε) of ``steps`` Gaussian mechanism steps with noise σ, Eq. (1).
+
+    >>> round(gaussian_delta(1.0, 1.0), 6)
+    0.126937
+    """
+    sigma = check_noise_multiplier(noise_multiplier) / math.sqrt(check_steps(steps) or 1)
+    if steps == 0:
+        return 0.0
+    if sigma == 0:
+        return 1.0
+    a, b = 1 / (2 * sigma), epsilon * sigma
+    return float(max(ndtr(a - b) - np.exp(epsilon + log_ndtr(-a - b)), 0.0))  # Eq. (1)
+
+
+def gaussian_epsilon(noise_multiplier, delta, steps=1):
+    """Exact ε(δ) of ``steps`` Gaussian mechanism steps: Eq. (1) solved for ε (>= 0).
+
+    >>> round(gaussian_epsilon(1.0, 1e-5), 4)
+    4.3772
+    """
+    delta = check_delta(delta)
+    if gaussian_delta(noise_multiplier, 0.0, steps) <= delta:
+        return 0.0
+    if noise_multiplier == 0:
+        return math.inf
+    hi = 1.0
+    while gaussian_delta(noise_multiplier, hi, steps) > delta:
+        hi *= 2
+    return brentq(lambda e: gaussian_delta(noise_multiplier, e, steps) - delta, 0.0, hi,
+                  xtol=1e-13, rtol=1e-13)

@@ -1,0 +1,152 @@
+"""Accountant speed: ``python -m workbench.bench accounting``.
+
+Four tasks, each timed side by side with the other libraries that are installed (interleaved
+rounds, medians; ``timing.time_interleaved``):
+
+- ``rdp_epsilon``: ε after T steps with the default orders (Opacus: ``RDPAccountant``).
+- ``rdp_curve``: ε after each of 100 step counts up to T (Opacus: ``compute_rdp`` once and
+  ``get_privacy_spent`` per point, its fastest public route).
+- ``noise_multiplier``: σ for a target ε after T steps, tolerance 0.01 (Opacus:
+  ``get_noise_multiplier``).
+- ``pld_epsilon``: ε after T steps by PLD, grid 1e-4 (Opacus: ``PRVAccountant``, a different
+  numerical accountant; dp-accounting: ``PLDAccountant`` at the same grid).
+
+Each row carries the ε (or σ) every library returned, so the speed is read next to the answer,
+the target time of the workbench's issue, and the device. Opacus and dp-accounting are optional
+(``pip install opacus dp-accounting``); their columns are empty when they are absent.
+"""
+
+import argparse
+import importlib
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from workbench import accounting
+from workbench.bench.timing import device_name, time_interleaved
+
+TARGET_MS = {"rdp_epsilon": 2, "rdp_curve": 20, "noise_multiplier": 20, "pld_epsilon": 500}
+
+
+def have(module):
+    """True when ``module`` imports (an optional library, installed and working)."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+def ours(task, q, sigma, steps, delta, target):
+    curve_steps = np.linspace(steps / 100, steps, 100).round().astype(int)
+    return {
+        "rdp_epsilon": lambda: accounting.epsilon(q, sigma, steps, delta),
+        "rdp_curve": lambda: accounting.epsilon_curve(q, sigma, curve_steps, delta)[-1],
+        "noise_multiplier": lambda: accounting.get_noise_multiplier(target, delta, q, steps=steps),
+        "pld_epsilon": lambda: accounting.epsilon(q, sigma, steps, delta, accountant="pld"),
+    }[task]
+
+
+def opacus(task, q, sigma, steps, delta, target):
+    from opacus.accountants import PRVAccountant, RDPAccountant
+    from opacus.accountants.analysis import rdp as analysis
+    from opacus.accountants.utils import get_noise_multiplier
+
+    def rdp_epsilon():
+        acc = RDPAccountant()
+        acc.history = [(sigma, q, steps)]
+        return acc.get_epsilon(delta)
+
+    def rdp_curve():
+        orders = RDPAccountant.DEFAULT_ALPHAS
+        rdp = analysis.compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=orders)
+        return [analysis.get_privacy_spent(orders=orders, rdp=rdp * t, delta=delta)[0]
+                for t in np.linspace(steps / 100, steps, 100).round()][-1]
+
+    def prv():
+        acc = PRVAccountant()
+        acc.history = [(sigma, q, steps)]
+        return acc.get_epsilon(delta)
+
+    return {
+        "rdp_epsilon": rdp_epsilon,
+        "rdp_curve": rdp_curve,
+        "noise_multiplier": lambda: get_noise_multiplier(
+            target_epsilon=target, target_delta=delta, sample_rate=q, steps=steps,
+            accountant="rdp", epsilon_tolerance=0.01),
+        "pld_epsilon": prv,
+    }[task]
+
+
+def dp_accounting(task, q, sigma, steps, delta, target):
+    if task != "pld_epsilon":
+        return None
+    import dp_accounting as dpa
+
+    def pld():
+        acc = dpa.pld.PLDAccountant(value_discretization_interval=1e-4)
+        event = dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(sigma))
+        acc.compose(dpa.SelfComposedDpEvent(event, steps))
+        return acc.get_epsilon(delta)
+
+    return pld
+
+
+def bench_task(task, args, libraries):
+    params = (args.sample_rate, args.noise_multiplier, args.steps, args.delta, args.target_epsilon)
+    candidates = {"workbench": ours(task, *params)}
+    for name, factory in libraries.items():
+        fn = factory(task, *params)
+        if fn is not None:
+            candidates[name] = fn
+    values = {name: float(fn()) for name, fn in candidates.items()}
+    repeats = {"pld_epsilon": max(1, args.repeats // 2)}.get(task, args.repeats)
+    times = time_interleaved(candidates, torch.device("cpu"), repeats=repeats, warmup=0)
+    row = {"task": task, "target_ms": TARGET_MS[task]}
+    for name in candidates:
+        row[f"{name}_ms"] = times[name] * 1e3
+        row[f"{name}_value"] = values[name]
+        if name != "workbench":
+            row[f"{name}/workbench"] = times[name] / times["workbench"]
+    row["meets_target"] = row["workbench_ms"] <= TARGET_MS[task]
+    return row
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m workbench.bench accounting",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", nargs="+", default=list(TARGET_MS), choices=list(TARGET_MS))
+    parser.add_argument("--sample-rate", type=float, default=256 / 60_000)
+    parser.add_argument("--noise-multiplier", type=float, default=1.1)
+    parser.add_argument("--steps", type=int, default=10_000)
+    parser.add_argument("--delta", type=float, default=1e-5)
+    parser.add_argument("--target-epsilon", type=float, default=3.0)
+    parser.add_argument("--repeats", type=int, default=7, help="interleaved rounds (median)")
+    parser.add_argument("--no-compare", action="store_true", help="skip Opacus / dp-accounting")
+    parser.add_argument("--out", type=Path, default=Path("bench-results/accounting.csv"))
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.steps < 1:
+        parser.error("--repeats and --steps must be >= 1")
+    libraries = {} if args.no_compare else {
+        name: factory for name, factory, module in
+        [("opacus", opacus, "opacus"), ("dp_accounting", dp_accounting, "dp_accounting")]
+        if have(module)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Opacus warns about its order range at small ε
+        table = pd.DataFrame([bench_task(task, args, libraries) for task in args.tasks])
+    table["device"] = device_name(torch.device("cpu"))
+    for column, value in [("sample_rate", args.sample_rate), ("noise_multiplier",
+                          args.noise_multiplier), ("steps", args.steps), ("delta", args.delta)]:
+        table[column] = value
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    table.to_csv(args.out, index=False)
+    print(f"device: {table['device'][0]}   q={args.sample_rate:.4g} σ={args.noise_multiplier} "
+          f"T={args.steps} δ={args.delta}   times in ms (median of interleaved rounds)")
+    shown = [c for c in table.columns if c.endswith(("_ms", "/workbench", "_value"))]
+    print(table[["task", *shown, "meets_target"]].to_string(
+        index=False, float_format=lambda v: f"{v:.4g}"))
+    print(f"wrote {args.out}")
+    return 0
