@@ -1,3 +1,4 @@
+import pytest
 import torch
 from torch import nn
 
@@ -37,3 +38,55 @@ def test_fix_model_replaces_mixing_layers_and_keeps_original():
 def test_fix_model_on_a_bare_batchnorm():
     fixed = wb.fix_model(nn.BatchNorm1d(6))
     assert isinstance(fixed, nn.GroupNorm) and fixed.num_groups == 2
+
+
+# --- fused RNN and attention layers (wb.layers) ----------------------------------------------
+
+class Tagger(nn.Module):
+    """Embedding -> bidirectional LSTM -> self-attention -> Linear, all torch.nn."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 6)
+        self.rnn = nn.LSTM(6, 4, num_layers=2, bidirectional=True, batch_first=True)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True, add_bias_kv=True)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, tokens):
+        h, _ = self.rnn(self.emb(tokens))
+        return self.out(self.attn(h, h, h, need_weights=False)[0]).mean(1)
+
+
+def test_validate_lists_fused_rnn_and_attention_layers_once():
+    model = nn.Sequential(nn.RNN(3, 4), nn.GRU(4, 4), Tagger())
+    problems = wb.validate_model(model)
+    assert [(p.path, p.layer, p.blocking) for p in problems] == [
+        ("0", "RNN", True), ("1", "GRU", True), ("2.rnn", "LSTM", True),
+        ("2.attn", "MultiheadAttention", True)]  # not attn.out_proj: replaced with it
+    assert "wb.fix_model" in str(problems[2]) and "wb.layers.DPLSTM" in str(problems[2])
+    assert "proj_size=2" in str(wb.validate_model(nn.LSTM(3, 4, proj_size=2))[0])
+    frozen = nn.LSTM(3, 4).requires_grad_(False)  # nothing to differentiate: no problem
+    assert wb.validate_model(frozen) == []
+
+
+def test_fix_model_swaps_in_the_dp_layers_with_the_same_outputs():
+    torch.manual_seed(0)
+    model = Tagger().double()
+    fixed = wb.fix_model(model)
+    assert type(model.rnn) is nn.LSTM  # the original is untouched
+    assert type(fixed.rnn) is wb.layers.DPLSTM
+    assert type(fixed.attn) is wb.layers.DPMultiheadAttention
+    assert wb.validate_model(fixed) == []
+    assert list(fixed.state_dict()) == list(model.state_dict())
+    tokens = torch.randint(0, 20, (3, 5))
+    assert torch.allclose(fixed(tokens), model(tokens), rtol=0, atol=1e-12)
+    grads = wb.per_sample_gradients(fixed, lambda o, t: o.sum(1), tokens, None, strict=True)
+    assert grads["rnn.weight_hh_l1_reverse"].shape == (3, 16, 4)
+
+
+def test_fix_model_on_bare_fused_layers():
+    assert type(wb.fix_model(nn.GRU(2, 3))) is wb.layers.DPGRU
+    attn = wb.fix_model(nn.MultiheadAttention(4, 2, kdim=3, vdim=5))
+    assert type(attn) is wb.layers.DPMultiheadAttention and attn.k_proj_weight.shape == (4, 3)
+    with pytest.raises(wb.UnsupportedLayerError, match="proj_size"):
+        wb.fix_model(nn.LSTM(3, 4, proj_size=2))

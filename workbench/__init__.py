@@ -9,7 +9,7 @@ Submodules: ``per_sample`` (per-sample gradients), ``accounting`` (privacy accou
 ``data`` (bundled data sets), ``models`` (benchmark model zoo), ``bench`` (benchmarks).
 """
 
-from workbench import data, models
+from workbench import data, layers, models
 from workbench.clipping import (
     clipped_grad_sum,
     ghost_routes,
@@ -43,6 +43,7 @@ __all__ = [
     "data",
     "fix_model",
     "ghost_routes",
+    "layers",
     "models",
     "per_sample_grad_norms",
     "per_sample_gradients",

@@ -11,16 +11,18 @@ for layer, with the same parameter counts:
     mnist_cnn        float (n, 1, 28, 28)   10           26,010
     cifar10_cnn      float (n, 3, 32, 32)   10          605,226
     imdb_embedding   int64 (n, T), T = 256   2          160,098
+    imdb_lstm        int64 (n, T), T = 256   2        1,081,402   (paper: 1,081,002; see below)
     digits_cnn       float (n, 1, 8, 8)     10            9,930
     digits_mlp       float (n, 1, 8, 8)     10            9,610
 
-Only ordinary torch.nn layers, plus ``MeanOver`` for "average over tokens / pixels"; no
-BatchNorm (it mixes samples) and no in-place activations (they break backward hooks).
+Only ordinary torch.nn layers, plus ``MeanOver`` for "average over tokens / pixels",
+``RNNOutput`` (keep an RNN's output sequence) and ``wb.layers.DPLSTM`` (an LSTM whose
+per-sample gradients hooks can see); no BatchNorm (it mixes samples) and no in-place
+activations (they break backward hooks).
 Layers are named (``conv1``, ``fc1``, ...) so per-sample gradient keys read like the table.
 
 ``ZOO`` maps each name to its factory, example input and parameter count; ``example_batch``
-draws a random (inputs, targets) batch for tests and benchmarks. An IMDb LSTM model belongs
-here too and will join ``ZOO`` as ``imdb_lstm``.
+draws a random (inputs, targets) batch for tests and benchmarks.
 """
 
 from collections import OrderedDict
@@ -29,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from workbench.layers import DPLSTM
 
 IMDB_VOCAB = 10_000 + 4  # 10,000 most frequent words + <unk>, <pad>, <eos>, <sos> (Fast-DPSGD)
 IMDB_SEQ_LEN = 256  # Fast-DPSGD's max_len
@@ -46,6 +50,29 @@ class MeanOver(nn.Module):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}"
+
+
+class RNNOutput(nn.Module):
+    """Keep the output sequence of a recurrent layer's ``(output, state)`` pair."""
+
+    def forward(self, pair: tuple) -> torch.Tensor:
+        return pair[0]
+
+
+class SelfAttention(nn.Module):
+    """x -> ``attention(x, x, x)``'s output: an attention layer as a one-input module.
+
+    ``key_padding_mask`` (n, S), when given, is passed on, so a model can take it as a
+    second input and per-sample methods slice it with the batch.
+    """
+
+    def __init__(self, attention: nn.Module):
+        super().__init__()
+        self.attention = attention
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None):
+        return self.attention(x, x, x, key_padding_mask=key_padding_mask,
+                              need_weights=False)[0]
 
 
 def count_parameters(model: nn.Module, trainable_only: bool = True) -> int:
@@ -124,6 +151,29 @@ def imdb_embedding() -> nn.Sequential:
     return nn.Sequential(layers)
 
 
+def imdb_lstm() -> nn.Sequential:
+    """Fast-DPSGD's IMDb LSTM: input int64 (n, T), output (n, 2); 1,081,402 parameters.
+
+    Tokens are embedded in 100 dimensions, run through one LSTM layer with 100 hidden units,
+    whose outputs are averaged over the T steps and classified by one linear layer.
+
+    The count is 400 more than the 1,081,002 of Opacus' Table 1 (Yousefpour et al. 2021,
+    arXiv 2109.12298): PyTorch's LSTM keeps two bias vectors per layer, b_ih and b_hh
+    (4 x 100 each; the second exists for cuDNN compatibility), where Keras and Haiku keep
+    one. Both biases are added to the same pre-activations, so the models compute the same
+    functions. The LSTM is ``wb.layers.DPLSTM`` (same parameters as ``nn.LSTM``) so that
+    the einsum method sees its matrix products.
+    """
+    layers = OrderedDict(
+        emb=nn.Embedding(IMDB_VOCAB, 100),  # (n, T, 100)
+        lstm=DPLSTM(100, 100, batch_first=True),  # ((n, T, 100), state)
+        output=RNNOutput(),  # (n, T, 100)
+        mean=MeanOver(1),  # (n, 100)
+        fc1=nn.Linear(100, 2),  # (n, 2)
+    )
+    return nn.Sequential(layers)
+
+
 def digits_cnn() -> nn.Sequential:
     """Small CNN for the 8x8 digits: input float (n, 1, 8, 8), output (n, 10); 9,930 parameters.
 
@@ -170,6 +220,7 @@ ZOO: dict[str, ZooEntry] = {
     "mnist_cnn": ZooEntry(mnist_cnn, (1, 28, 28), 10, 26_010),
     "cifar10_cnn": ZooEntry(cifar10_cnn, (3, 32, 32), 10, 605_226),
     "imdb_embedding": ZooEntry(imdb_embedding, (IMDB_SEQ_LEN,), 2, 160_098, IMDB_VOCAB),
+    "imdb_lstm": ZooEntry(imdb_lstm, (IMDB_SEQ_LEN,), 2, 1_081_402, IMDB_VOCAB),
     "digits_cnn": ZooEntry(digits_cnn, (1, 8, 8), 10, 9_930),
     "digits_mlp": ZooEntry(digits_mlp, (1, 8, 8), 10, 9_610),
 }

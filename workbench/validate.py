@@ -8,6 +8,11 @@ returns a fixed copy (the original is left untouched):
   Opacus' ModuleValidator; Yousefpour et al. 2021, arXiv 2109.12298, §2).
 - InstanceNorm with ``track_running_stats=True``: the running statistics mix samples;
   replaced by the same layer without running statistics.
+- ``nn.RNN``, ``nn.GRU``, ``nn.LSTM`` and ``nn.MultiheadAttention`` run fused kernels whose
+  matrix products no hook can see (and return tuples, which the einsum engine does not
+  record): replaced by their drop-in twins in ``wb.layers`` (DPRNN, DPGRU, DPLSTM,
+  DPMultiheadAttention), the weights copied, so outputs are unchanged (Opacus blog
+  "Efficient per-sample gradient computation for more layers", RNN and attention sections).
 - A layer with trainable parameters and no grad sampler is reported as a note: the einsum
   method still works (vmap on that layer) but is slower.
 """
@@ -20,8 +25,12 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
+from workbench.layers import DP_REPLACEMENTS, dp_replacement
 from workbench.per_sample.checks import sample_mixing_problem
 from workbench.per_sample.registry import find_grad_sampler
+
+FUSED = (nn.RNNBase, nn.MultiheadAttention)
+"""Layer types computed by fused kernels that hooks cannot look into."""
 
 
 @dataclass(frozen=True)
@@ -37,10 +46,40 @@ class Problem:
         return f"{self.layer} at {self.path or '<model>'}: {self.message}"
 
 
+def fused_layer_problem(module: nn.Module) -> str | None:
+    """Why a trainable fused RNN / attention layer blocks per-sample gradients, or None.
+
+    A frozen one is fine: nothing of it needs a per-sample gradient.
+    """
+    if not isinstance(module, FUSED) or not any(p.requires_grad for p in module.parameters()):
+        return None
+    why = "runs a fused kernel whose matrix products hooks cannot see"
+    twin = DP_REPLACEMENTS.get(type(module))
+    if twin is None:
+        return f"{why}; this subclass has no drop-in twin: rebuild it on the wb.layers classes"
+    if getattr(module, "proj_size", 0):
+        return (f"{why}, and its proj_size={module.proj_size} is not supported by "
+                f"wb.layers.{twin.__name__}; use proj_size=0 (plus a Linear layer)")
+    return (f"{why}; use wb.fix_model(model) to replace it with wb.layers.{twin.__name__} "
+            f"(same parameters, same outputs)")
+
+
+def _inside(path: str, parents: list[str]) -> bool:
+    return any(parent == "" or path.startswith(f"{parent}.") for parent in parents)
+
+
 def validate_model(model: nn.Module) -> list[Problem]:
     """Every problem that stops (or slows) per-sample gradients, with module paths."""
     problems = []
+    fused_paths = []  # a fused layer is one problem: its children are replaced with it
     for path, module in model.named_modules():
+        if _inside(path, fused_paths):
+            continue
+        fused = fused_layer_problem(module)
+        if fused:
+            problems.append(Problem(path, type(module).__name__, fused))
+            fused_paths.append(path)
+            continue
         mixing = sample_mixing_problem(module)
         if mixing:
             problems.append(Problem(path, type(module).__name__, mixing))
@@ -54,6 +93,8 @@ def validate_model(model: nn.Module) -> list[Problem]:
 
 
 def _replacement(module: nn.Module) -> nn.Module | None:
+    if type(module) in DP_REPLACEMENTS:
+        return dp_replacement(module)  # raises UnsupportedLayerError for LSTM(proj_size > 0)
     if isinstance(module, _BatchNorm):
         C = module.num_features
         gn = nn.GroupNorm(math.gcd(32, C), C, eps=module.eps, affine=module.affine)

@@ -1,0 +1,136 @@
+"""DP layers benchmark: ``python -m workbench.bench dp_layers``.
+
+For DPRNN, DPGRU, DPLSTM and DPMultiheadAttention and each batch size b, one run measures
+side by side (interleaved medians, ``timing.time_interleaved``), with the same weights:
+
+- ``torch``: forward + backward of Σ_i ℓ_i through the torch.nn layer (fused kernels);
+- ``dp``: the same through the DP layer, without per-sample gradients;
+- ``dp_einsum``: ``wb.per_sample_gradients(..., method="einsum")`` through the DP layer.
+
+``dp/torch`` is the price of hookable parts; ``einsum/dp`` the price of the per-sample
+gradients on top, part of which is only writing them: ``floor`` is the time to write the
+(b, *param) per-sample tensors into fresh memory at the copy bandwidth measured in the same
+run (``timing.copy_bandwidth``, as in ``python -m workbench.bench layers``). The Opacus
+paper measured up to 11x and ~2x for these on a GPU (Yousefpour et al. 2021, arXiv
+2109.12298, §E.2, Fig. 5 and Table 2); the workbench's targets on CPU are dp/torch <= 3 and
+einsum/dp <= 2. Sizes: T = 32 steps, input and hidden size 64; attention is self-attention
+with embed_dim 64 and 4 heads over 32 tokens, ``need_weights=False``.
+
+Ratios are what to compare across machines; absolute times only with the device named
+(every row records it). Shared CPUs are noisy: ``--threads 1`` and more ``--repeats`` steady
+the ratios.
+"""
+
+import argparse
+from pathlib import Path
+
+import pandas as pd
+import torch
+from torch import nn
+
+import workbench as wb
+from workbench.bench.timing import copy_bandwidth, device_name, time_interleaved
+from workbench.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention
+from workbench.models import RNNOutput, SelfAttention
+
+T, D = 32, 64  # time steps (tokens), input / hidden / embed size
+
+LAYERS = {  # name -> (torch.nn layer factory, DP twin, one-input wrapper)
+    "rnn": (lambda: nn.RNN(D, D, batch_first=True), DPRNN,
+            lambda layer: nn.Sequential(layer, RNNOutput())),
+    "gru": (lambda: nn.GRU(D, D, batch_first=True), DPGRU,
+            lambda layer: nn.Sequential(layer, RNNOutput())),
+    "lstm": (lambda: nn.LSTM(D, D, batch_first=True), DPLSTM,
+             lambda layer: nn.Sequential(layer, RNNOutput())),
+    "mha": (lambda: nn.MultiheadAttention(D, 4, batch_first=True), DPMultiheadAttention,
+            SelfAttention),
+}
+
+
+def sum_of_products(outputs, targets):
+    """A per-sample loss for any output shape: Σ over non-batch dims of o ⊙ t."""
+    return (outputs * targets).flatten(1).sum(1)
+
+
+def plain_step(model, x, t):
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.autograd.grad(sum_of_products(model(x), t).sum(), params)
+
+
+def bench_layer(name, b, repeats, device, bandwidth=None, seed=0):
+    """One row per (layer, b): median seconds per candidate and the ratios.
+
+    ``bandwidth`` (bytes/s into fresh memory) adds the ``floor`` columns when given.
+    """
+    make_torch, dp_class, wrap = LAYERS[name]
+    torch.manual_seed(seed)
+    reference = make_torch().to(device)
+    torch_model = wrap(reference)
+    dp_model = wrap(dp_class.from_torch(reference))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, T, D, generator=g).to(device)
+    t = torch.randn(b, T, D, generator=g).to(device)
+    candidates = {
+        "torch": lambda: plain_step(torch_model, x, t),
+        "dp": lambda: plain_step(dp_model, x, t),
+        "dp_einsum": lambda: wb.per_sample_gradients(dp_model, sum_of_products, x, t,
+                                                     method="einsum"),
+    }
+    times = time_interleaved(candidates, device, repeats=repeats)
+    row = {"layer": name, "batch_size": b, "T": T, "size": D,
+           "params": sum(p.numel() for p in reference.parameters()), **times}
+    row["dp/torch"] = times["dp"] / times["torch"]
+    row["einsum/dp"] = times["dp_einsum"] / times["dp"]
+    row["einsum/torch"] = times["dp_einsum"] / times["torch"]
+    if bandwidth:
+        nbytes = sum(b * p.numel() * p.element_size() for p in reference.parameters())
+        row["per_sample_MB"], row["floor"] = nbytes / 2**20, nbytes / bandwidth
+        row["einsum/(dp+floor)"] = times["dp_einsum"] / (times["dp"] + row["floor"])
+    return row
+
+
+def run(layers, batch_sizes, repeats, device):
+    bandwidth = copy_bandwidth(device, fresh=True)
+    table = pd.DataFrame([bench_layer(name, b, repeats, device, bandwidth)
+                          for name in layers for b in batch_sizes])
+    table["device"] = device_name(device)
+    table["torch_version"] = torch.__version__
+    return table
+
+
+def format_table(table: pd.DataFrame) -> str:
+    ms = ["torch", "dp", "dp_einsum", "floor"]
+    ratios = ["dp/torch", "einsum/dp", "einsum/torch", "einsum/(dp+floor)"]
+    shown = table[["layer", "batch_size", *ms, *ratios]].copy()
+    shown[ms] = shown[ms] * 1e3
+    return shown.to_string(index=False, float_format=lambda v: f"{v:.3g}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m workbench.bench dp_layers",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[16, 64, 256])
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds (median)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--out", type=Path, default=Path("bench-results/dp_layers.csv"))
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or any(b < 1 for b in args.batch_sizes):
+        parser.error("--repeats and every --batch-sizes value must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1; got {args.threads}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads or threads)
+    try:
+        table = run(args.layers, args.batch_sizes, args.repeats, torch.device(args.device))
+    finally:
+        torch.set_num_threads(threads)  # leave an in-process caller as it was
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    table.to_csv(args.out, index=False)
+    print(f"device: {table['device'][0]}   torch {torch.__version__}   times in ms   "
+          f"targets: dp/torch <= 3, einsum/dp <= 2")
+    print(format_table(table))
+    print(f"wrote {args.out}")
+    return 0
