@@ -267,3 +267,22 @@ def test_inplace_activation_after_layer():
     model = nn.Sequential(nn.Linear(3, 5), nn.ReLU(inplace=True), nn.Linear(5, 2)).double()
     x, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 2, (6,))
     assert_agree(model, CE, x, y)
+
+
+@pytest.mark.parametrize("layer,x", [
+    (nn.LSTM(3, 4, batch_first=True), torch.randn(2, 5, 3)),
+    (nn.GRU(3, 4), torch.randn(5, 2, 3)),
+])
+def test_fused_recurrent_layers_raise_instead_of_silent_zeros(layer, x):
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = layer
+
+        def forward(self, x):
+            return self.rnn(x)[0].flatten(1).sum(1, keepdim=True)
+
+    with pytest.raises(wb.UnsupportedLayerError, match=r"at rnn returns a tuple.*wb.fix_model"):
+        wb.per_sample_gradients(Head(), lambda o, t: o.sum(1), x, None)
+    with pytest.raises(wb.UnsupportedLayerError, match="wb.fix_model"):
+        wb.per_sample_grad_norms(Head(), lambda o, t: o.sum(1), x, None, method="ghost")

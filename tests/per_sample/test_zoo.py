@@ -15,6 +15,6 @@ def test_zoo_model_matches_microbatch(name):
     n = 2 if name == "cifar10_cnn" else 4
     x, y = models.example_batch(name, n, generator=torch.Generator().manual_seed(0),
                                 dtype=torch.float64)
-    if name == "imdb_embedding":
+    if x.dtype == torch.int64:
         x = x[:, :32]  # shorter reviews keep the reference loop fast; same layers
     assert_agree(model, nn.CrossEntropyLoss(reduction="none"), x, y)

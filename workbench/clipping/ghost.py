@@ -35,7 +35,12 @@ from workbench.per_sample.checks import (
     forward,
     trainable_parameters,
 )
-from workbench.per_sample.einsum import check_layers, layers_with_parameters, sample_layer
+from workbench.per_sample.einsum import (
+    check_layers,
+    check_recorded,
+    layers_with_parameters,
+    sample_layer,
+)
 from workbench.per_sample.hooks import ActivationRecorder
 
 
@@ -72,6 +77,7 @@ def record(model, loss_fn, inputs, targets, retain_graph: bool) -> Recording:
     with ActivationRecorder(layers) as recorder:
         losses = loss_fn(forward(model, inputs), targets)  # (n,)
         check_losses(losses, n)
+    check_recorded(layers, recorder)
     recorder.backward(losses.sum(), retain_graph=retain_graph)
     return Recording(n, losses, trainable_parameters(model), layers, recorder)
 

@@ -63,6 +63,25 @@ def check_layers(layers: dict[str, nn.Module], strict: bool, covered=None) -> No
                           f"@wb.register_grad_sampler({kind.__name__}).", stacklevel=3)
 
 
+def check_recorded(layers: dict[str, nn.Module], recorder: ActivationRecorder) -> None:
+    """A layer that must be sampled but whose output could not be recorded is an error.
+
+    The hooks record Tensor outputs only. A layer returning a tuple (``nn.LSTM``,
+    ``nn.MultiheadAttention``) with no grad sampler of its own would otherwise silently get
+    zero per-sample gradients.
+    """
+    for path in recorder.untracked:
+        layer = layers[path]
+        if find_grad_sampler(layer) is None:
+            kind = type(layer).__name__
+            raise UnsupportedLayerError(
+                f"{kind} at {path or '<model>'} returns a {recorder.untracked[path]}, not a "
+                f"Tensor, so its per-sample gradients cannot be captured (torch.nn's fused "
+                f"recurrent and attention kernels hide their inner products); use "
+                f"wb.fix_model(model) to swap in the wb.layers DP version, or register a "
+                f"grad sampler for {kind}")
+
+
 def sample_layer(layer: nn.Module, call) -> dict[str, torch.Tensor]:
     """Per-sample gradients of ``layer``'s own parameters for one recorded call.
 
@@ -86,6 +105,7 @@ def einsum_per_sample_gradients(model, loss_fn, inputs, targets, strict=False):
     with ActivationRecorder(layers) as recorder:
         losses = loss_fn(forward(model, inputs), targets)  # (n,)
         check_losses(losses, n)
+    check_recorded(layers, recorder)
     recorder.backward(losses.sum())  # autograd.grad inside: the .grad fields stay untouched
 
     by_param: dict[int, torch.Tensor] = {}  # id(param) -> (n, *param.shape), summed over uses
@@ -100,6 +120,7 @@ def einsum_per_sample_gradients(model, loss_fn, inputs, targets, strict=False):
                     by_param[key] = g if key not in by_param else by_param[key] + g
 
     return {
-        name: by_param.get(id(p), torch.zeros(n, *p.shape, dtype=p.dtype, device=p.device))
+        name: by_param[id(p)] if id(p) in by_param
+        else torch.zeros(n, *p.shape, dtype=p.dtype, device=p.device)  # never reached the loss
         for name, p in params.items()
     }

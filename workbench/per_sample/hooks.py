@@ -46,12 +46,13 @@ class ActivationRecorder:
 
     layers: dict[str, nn.Module]
     calls: dict[str, list[LayerCall]] = field(default_factory=dict)
+    untracked: dict[str, str] = field(default_factory=dict)  # path -> type of a non-Tensor output
     _handles: list = field(default_factory=list)
 
     def __enter__(self):
         for path, layer in self.layers.items():
             self.calls[path] = []
-            hook = self._forward_hook(self.calls[path])
+            hook = self._forward_hook(self.calls[path], path, self.untracked)
             self._handles.append(layer.register_forward_hook(hook, with_kwargs=True))
         return self
 
@@ -62,11 +63,15 @@ class ActivationRecorder:
         return False
 
     @staticmethod
-    def _forward_hook(calls: list[LayerCall]):
+    def _forward_hook(calls: list[LayerCall], path: str, untracked: dict[str, str]):
         def hook(module, args, kwargs, output):
-            if isinstance(output, torch.Tensor) and output.requires_grad:
-                calls.append(LayerCall(args=args, kwargs=kwargs, edge=get_gradient_edge(output)))
-            return None  # outputs that are not differentiable here have nothing to sample
+            if isinstance(output, torch.Tensor):
+                if output.requires_grad:  # else not differentiable here: nothing to sample
+                    calls.append(LayerCall(args=args, kwargs=kwargs,
+                                           edge=get_gradient_edge(output)))
+            else:
+                untracked[path] = type(output).__name__  # the caller decides if that is fatal
+            return None
 
         return hook
 
