@@ -55,6 +55,7 @@ def test_conv_matches_microbatch(dims, name, route):
 def test_auto_route_rule():
     assert conv_sampler.choose_route(nn.Conv2d(3, 8, 3), None) == "unfold"
     assert conv_sampler.choose_route(nn.Conv2d(16, 8, 3), None) == "grouped"
+    assert conv_sampler.choose_route(nn.Conv2d(128, 8, 3), None) == "unfold"
 
 
 def test_conv_tuple_arguments(route):

@@ -108,10 +108,17 @@ def unfold_weight_grads(layer, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor
 
 
 def choose_route(layer, a: torch.Tensor) -> str:
-    """'unfold' or 'grouped' for this layer and input (see ROUTE for the override)."""
+    """'unfold' or 'grouped' for this layer and input (see ROUTE for the override).
+
+    Measured on a 2-core CPU (torch 2.13, n = 256, 3x3 kernels, ms unfold / grouped):
+    C = 3: 13 / 41; C = 8: 4.5 / 1.9; C = 16: 28 / 9; C = 32: 55 / 20; C = 64 on 8x8:
+    50 / 60; C = 128 on 8x8: 137 / 218. PyTorch's grouped weight-gradient kernel wins for
+    moderate channel counts and loses when each group is tiny or very wide.
+    """
     if ROUTE != "auto":
         return ROUTE
-    return "unfold" if layer.in_channels // layer.groups <= 4 else "grouped"
+    channels = layer.in_channels // layer.groups
+    return "grouped" if 4 < channels < 64 else "unfold"
 
 
 ROUTE = "auto"
