@@ -23,6 +23,7 @@ from torch import nn
 
 import workbench as wb
 from workbench.bench.timing import copy_bandwidth, device_name, time_interleaved
+from workbench.per_sample import memory
 
 
 def sum_of_squares(outputs, targets):
@@ -93,6 +94,7 @@ def run(layers, batch_sizes, methods, repeats, device):
     table["torch"] = torch.__version__
     table["copy_GBps"] = bandwidth / 1e9
     table["warm_copy_GBps"] = warm / 1e9
+    table["huge_pages"] = memory.HUGE_PAGES
     return table
 
 
@@ -114,7 +116,11 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds (median)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path("bench-results/layers.csv"))
+    parser.add_argument("--huge-pages", action="store_true",
+                        help="back large per-sample tensors by 2 MiB pages (per_sample.memory)")
     args = parser.parse_args(argv)
+    if args.huge_pages:
+        memory.HUGE_PAGES = True
     if args.repeats < 1 or any(b < 1 for b in args.batch_sizes):
         parser.error("--repeats and every --batch-sizes value must be >= 1")
     table = run(args.layers, args.batch_sizes, args.methods, args.repeats,

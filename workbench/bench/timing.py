@@ -9,9 +9,9 @@
   default) the destination is newly allocated on every copy, as the result of any method
   that materialises per-sample gradients is. On CPU that matters: large blocks come straight
   from the operating system and every 4 KiB page faults on first touch, which makes writing a
-  fresh 256 MiB tensor several times slower than writing a reused one. The workbench asks for
-  2 MiB pages for such tensors (``per_sample.memory``), so the floor uses that allocation too;
-  the warm figure (``fresh=False``) is reported beside it.
+  fresh 256 MiB tensor several times slower than writing a reused one. The floor allocates
+  the way the workbench allocates per-sample tensors (``per_sample.memory``: 4 KiB pages by
+  default, 2 MiB pages when enabled); the warm figure (``fresh=False``) is reported beside it.
 """
 
 import platform
