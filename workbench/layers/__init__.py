@@ -29,6 +29,7 @@ True
 
 from torch import nn
 
+from workbench.layers import norms as _norms  # noqa: F401  (registers the parts' norm samplers)
 from workbench.layers.attention import DPMultiheadAttention
 from workbench.layers.rnn import DPGRU, DPLSTM, DPRNN, DPRNNBase
 

@@ -33,17 +33,21 @@ def sequence_view(a: torch.Tensor, b: torch.Tensor):
     return a.reshape(n, -1, a.shape[-1]), b.reshape(n, -1, b.shape[-1])
 
 
-def linear_route(layer, activations) -> tuple[str, str]:
-    a = activations[0]
-    T = a[0].numel() // a.shape[-1]
-    p, d = layer.out_features, layer.in_features
-    if not layer.weight.requires_grad:
-        return "bias only", "the weight is frozen; ||Σ_t b_t||² for the bias"
+def sequence_route(T: int, p: int, d: int) -> tuple[str, str]:
+    """The route ``weight_squared_norms`` takes for T positions and a (p, d) weight, and why."""
     if T == 1:
         return "norm product", "one position per sample: ||g_i|| = ||b_i|| ||a_i|| (Goodfellow)"
     if gram_is_cheaper(T, p, d):
         return "gram", f"2T² = {2 * T * T} < pd = {p * d}: (T, T) Grams are smaller"
     return "materialise", f"2T² = {2 * T * T} >= pd = {p * d}: the (p, d) gradient is smaller"
+
+
+def linear_route(layer, activations) -> tuple[str, str]:
+    a = activations[0]
+    if not layer.weight.requires_grad:
+        return "bias only", "the weight is frozen; ||Σ_t b_t||² for the bias"
+    p, d = layer.weight.shape
+    return sequence_route(a[0].numel() // a.shape[-1], p, d)
 
 
 def weight_squared_norms(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
