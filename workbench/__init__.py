@@ -5,11 +5,14 @@ The public API is the contract in DESIGN.md::
     import workbench as wb
     grads = wb.per_sample_gradients(model, loss_fn, inputs, targets, method="einsum")
 
-Submodules: ``per_sample`` (per-sample gradients), ``accounting`` (privacy accounting),
-``data`` (bundled data sets), ``models`` (benchmark model zoo), ``bench`` (benchmarks).
+Submodules: ``per_sample`` (per-sample gradients), ``clipping`` (norms and clipped sums:
+ghost clipping, book-keeping), ``layers`` (DP recurrent and attention layers),
+``accounting`` (RDP and PLD privacy accounting), ``dpsgd`` (Poisson sampling), ``data``
+(bundled data sets), ``models`` (benchmark model zoo), ``bench`` (benchmarks),
+``viz`` / ``widgets`` (plots and interactive explorers).
 """
 
-from workbench import data, layers, models
+from workbench import accounting, data, layers, models
 from workbench.clipping import (
     clipped_grad_sum,
     ghost_routes,
@@ -39,6 +42,7 @@ __all__ = [
     "SampleMixingError",
     "UnsupportedLayerError",
     "WorkbenchError",
+    "accounting",
     "clipped_grad_sum",
     "data",
     "fix_model",
