@@ -9,7 +9,6 @@ STAMP  := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -e '.[dev]'
 	touch $(STAMP)
