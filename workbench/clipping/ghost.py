@@ -40,6 +40,7 @@ from workbench.per_sample.einsum import (
     check_recorded,
     layers_with_parameters,
     sample_layer,
+    warn_fallbacks,
 )
 from workbench.per_sample.hooks import ActivationRecorder
 
@@ -73,11 +74,13 @@ def record(model, loss_fn, inputs, targets, retain_graph: bool) -> Recording:
     check_no_sample_mixing(model)
     n = check_batch(inputs, targets)
     layers = layers_with_parameters(model)
-    check_layers(layers, strict=False, covered=lambda layer: find_norm_sampler(layer) is not None)
+    covered = lambda layer: find_norm_sampler(layer) is not None  # noqa: E731
+    check_layers(layers, strict=False, covered=covered)
     with ActivationRecorder(layers) as recorder:
         losses = loss_fn(forward(model, inputs), targets)  # (n,)
         check_losses(losses, n)
     check_recorded(layers, recorder)
+    warn_fallbacks(layers, recorder, covered)
     recorder.backward(losses.sum(), retain_graph=retain_graph)
     return Recording(n, losses, trainable_parameters(model), layers, recorder)
 

@@ -40,27 +40,34 @@ def layers_with_parameters(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def check_layers(layers: dict[str, nn.Module], strict: bool, covered=None) -> None:
-    """Run each sampler's option check; warn (once) or raise for layers without a sampler.
-
-    ``covered(layer) -> bool`` marks layers another rule handles (e.g. a norm sampler).
-    """
+    """Before the forward pass: each sampler's option check, and ``strict`` for layers
+    without a sampler (``covered(layer) -> bool`` marks layers another rule handles)."""
     for path, layer in layers.items():
         kind = type(layer)
         if kind in SAMPLER_CHECKS:
             SAMPLER_CHECKS[kind](layer)
-        if find_grad_sampler(layer) is not None or (covered is not None and covered(layer)):
-            continue
-        where = f"{kind.__name__} at {path or '<model>'}"
-        if strict:
+        if strict and not _has_rule(layer, covered):
             raise UnsupportedLayerError(
-                f"{where} has trainable parameters but no grad sampler; register one with "
-                f"@wb.register_grad_sampler({kind.__name__}) or pass strict=False to compute "
-                f"it by vmap on that layer")
-        if (kind, path) not in _WARNED:
-            _WARNED.add((kind, path))
-            warnings.warn(f"{where} has no registered grad sampler; computing its per-sample "
-                          f"gradients by vmap on that layer (slower). Register one with "
-                          f"@wb.register_grad_sampler({kind.__name__}).", stacklevel=3)
+                f"{kind.__name__} at {path or '<model>'} has trainable parameters but no grad "
+                f"sampler; register one with @wb.register_grad_sampler({kind.__name__}) or "
+                f"pass strict=False to compute it by vmap on that layer")
+
+
+def _has_rule(layer, covered) -> bool:
+    return find_grad_sampler(layer) is not None or (covered is not None and covered(layer))
+
+
+def warn_fallbacks(layers: dict[str, nn.Module], recorder, covered=None) -> None:
+    """After the forward pass: warn once per layer that will be sampled by vmap."""
+    for path, layer in layers.items():
+        kind = type(layer)
+        if _has_rule(layer, covered) or not recorder.calls[path] or (kind, path) in _WARNED:
+            continue
+        _WARNED.add((kind, path))
+        warnings.warn(f"{kind.__name__} at {path or '<model>'} has no registered grad sampler; "
+                      f"computing its per-sample gradients by vmap on that layer (slower). "
+                      f"Register one with @wb.register_grad_sampler({kind.__name__}).",
+                      stacklevel=4)
 
 
 def check_recorded(layers: dict[str, nn.Module], recorder: ActivationRecorder) -> None:
@@ -106,6 +113,7 @@ def einsum_per_sample_gradients(model, loss_fn, inputs, targets, strict=False):
         losses = loss_fn(forward(model, inputs), targets)  # (n,)
         check_losses(losses, n)
     check_recorded(layers, recorder)
+    warn_fallbacks(layers, recorder)
     recorder.backward(losses.sum())  # autograd.grad inside: the .grad fields stay untouched
 
     by_param: dict[int, torch.Tensor] = {}  # id(param) -> (n, *param.shape), summed over uses
