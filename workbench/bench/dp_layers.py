@@ -21,15 +21,19 @@ Ratios are what to compare across machines; absolute times only with the device 
 the ratios.
 """
 
-import argparse
-from pathlib import Path
 
 import pandas as pd
 import torch
 from torch import nn
 
 import workbench as wb
-from workbench.bench.timing import copy_bandwidth, device_name, time_interleaved
+from workbench.bench.timing import (
+    benchmark_parser,
+    copy_bandwidth,
+    device_name,
+    parse_benchmark_args,
+    time_interleaved,
+)
 from workbench.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention
 from workbench.models import RNNOutput, SelfAttention
 
@@ -107,18 +111,11 @@ def format_table(table: pd.DataFrame) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m workbench.bench dp_layers",
-                                     description=__doc__.split("\n\n")[0])
+    parser = benchmark_parser("dp_layers", __doc__)
     parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
-    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[16, 64, 256])
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds (median)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--out", type=Path, default=Path("bench-results/dp_layers.csv"))
-    args = parser.parse_args(argv)
-    if args.repeats < 1 or any(b < 1 for b in args.batch_sizes):
-        parser.error("--repeats and every --batch-sizes value must be >= 1")
+    args = parse_benchmark_args(parser, argv)
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1; got {args.threads}")
     threads = torch.get_num_threads()

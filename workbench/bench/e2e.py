@@ -14,8 +14,6 @@ It reports ratios to plain and, on CUDA, the peak allocated memory of each candi
 is not measured here (see tests/clipping/test_memory.py for a peak-RSS check).
 """
 
-import argparse
-from pathlib import Path
 
 import pandas as pd
 import torch
@@ -23,7 +21,12 @@ from torch import nn
 
 import workbench as wb
 from workbench import models
-from workbench.bench.timing import device_name, time_interleaved
+from workbench.bench.timing import (
+    benchmark_parser,
+    device_name,
+    parse_benchmark_args,
+    time_interleaved,
+)
 from workbench.clipping import CLIP_METHODS
 
 DEFAULT_MODELS = [m for m in ("mnist_cnn", "cifar10_cnn", "imdb_embedding", "imdb_lstm")
@@ -66,17 +69,10 @@ def bench_model(name, b, methods, repeats, device, max_grad_norm=1.0):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m workbench.bench e2e",
-                                     description=__doc__.split("\n\n")[0])
+    parser = benchmark_parser("e2e", __doc__, batch_sizes=(64, 256))
     parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(models.ZOO))
-    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[64, 256])
     parser.add_argument("--methods", nargs="+", default=list(CLIP_METHODS), choices=CLIP_METHODS)
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds (median)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=Path, default=Path("bench-results/e2e.csv"))
-    args = parser.parse_args(argv)
-    if args.repeats < 1 or any(b < 1 for b in args.batch_sizes):
-        parser.error("--repeats and every --batch-sizes value must be >= 1")
+    args = parse_benchmark_args(parser, argv)
     device = torch.device(args.device)
     table = pd.DataFrame([bench_model(m, b, args.methods, args.repeats, device)
                           for m in args.models for b in args.batch_sizes])

@@ -14,15 +14,19 @@ follow the Opacus paper's per-layer benchmarks (Yousefpour et al. 2021, arXiv 21
 §3.2, Fig. 2) and the sizes quoted in the workbench's issues.
 """
 
-import argparse
-from pathlib import Path
 
 import pandas as pd
 import torch
 from torch import nn
 
 import workbench as wb
-from workbench.bench.timing import copy_bandwidth, device_name, time_interleaved
+from workbench.bench.timing import (
+    benchmark_parser,
+    copy_bandwidth,
+    device_name,
+    parse_benchmark_args,
+    time_interleaved,
+)
 from workbench.per_sample import memory
 
 
@@ -108,21 +112,14 @@ def format_table(table: pd.DataFrame) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m workbench.bench layers",
-                                     description=__doc__.split("\n\n")[0])
+    parser = benchmark_parser("layers", __doc__)
     parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
-    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[16, 64, 256])
     parser.add_argument("--methods", nargs="+", default=list(wb.METHODS), choices=wb.METHODS)
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds (median)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=Path, default=Path("bench-results/layers.csv"))
     parser.add_argument("--huge-pages", action="store_true",
                         help="back large per-sample tensors by 2 MiB pages (per_sample.memory)")
-    args = parser.parse_args(argv)
+    args = parse_benchmark_args(parser, argv)
     if args.huge_pages:
         memory.HUGE_PAGES = True
-    if args.repeats < 1 or any(b < 1 for b in args.batch_sizes):
-        parser.error("--repeats and every --batch-sizes value must be >= 1")
     table = run(args.layers, args.batch_sizes, args.methods, args.repeats,
                 torch.device(args.device))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -14,9 +14,11 @@
   default, 2 MiB pages when enabled); the warm figure (``fresh=False``) is reported beside it.
 """
 
+import argparse
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -75,3 +77,23 @@ def copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, repeats: int
             return dst.copy_(src)
     t = time_interleaved({"copy": copy}, device, repeats=repeats)["copy"]
     return nbytes / t
+
+
+def benchmark_parser(name: str, doc: str, batch_sizes=(16, 64, 256)) -> argparse.ArgumentParser:
+    """The options every benchmark shares: --batch-sizes, --repeats, --device, --out."""
+    parser = argparse.ArgumentParser(prog=f"python -m workbench.bench {name}",
+                                     description=doc.split("\n\n")[0])
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=list(batch_sizes))
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds (median)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=Path(f"bench-results/{name}.csv"))
+    return parser
+
+
+def parse_benchmark_args(parser: argparse.ArgumentParser, argv):
+    """Parse, and refuse non-positive repeats or batch sizes with a clear message."""
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or any(b < 1 for b in args.batch_sizes):
+        parser.error(f"--repeats and every --batch-sizes value must be >= 1; got "
+                     f"--repeats {args.repeats} --batch-sizes {args.batch_sizes}")
+    return args

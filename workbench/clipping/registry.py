@@ -17,6 +17,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from workbench.per_sample.registry import check_callable, check_layer_types
+
 NormSamplerFn = Callable[[nn.Module, tuple, torch.Tensor], torch.Tensor]
 
 NORM_SAMPLERS: dict[type[nn.Module], NormSamplerFn] = {}
@@ -31,6 +33,8 @@ def register_norm_sampler(*layer_types: type[nn.Module], route=None):
 
     >>> import torch
     >>> from torch import nn
+
+from workbench.per_sample.registry import check_callable, check_layer_types
     >>> class Scale(nn.Module):
     ...     def __init__(self, d):
     ...         super().__init__()
@@ -44,17 +48,10 @@ def register_norm_sampler(*layer_types: type[nn.Module], route=None):
     True
     >>> del NORM_SAMPLERS[Scale]
     """
-    if not layer_types:
-        raise TypeError("register_norm_sampler() needs at least one layer type, e.g. "
-                        "@register_norm_sampler(MyLayer)")
-    for layer_type in layer_types:
-        if not (isinstance(layer_type, type) and issubclass(layer_type, nn.Module)):
-            raise TypeError(f"register_norm_sampler: layer_types must be nn.Module subclasses; "
-                            f"got {layer_type!r}")
+    check_layer_types("register_norm_sampler", layer_types)
 
     def decorator(fn: NormSamplerFn) -> NormSamplerFn:
-        if not callable(fn):
-            raise TypeError(f"register_norm_sampler must decorate a function; got {fn!r}")
+        check_callable("register_norm_sampler", fn)
         for layer_type in layer_types:
             NORM_SAMPLERS[layer_type] = fn
             if route is not None:

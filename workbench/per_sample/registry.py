@@ -52,19 +52,12 @@ def register_grad_sampler(*layer_types: type[nn.Module], check=None):
     True
     >>> del GRAD_SAMPLERS[Scale]
     """
-    if not layer_types:
-        raise TypeError("register_grad_sampler() needs at least one layer type, e.g. "
-                        "@register_grad_sampler(MyLayer)")
-    for layer_type in layer_types:
-        if not (isinstance(layer_type, type) and issubclass(layer_type, nn.Module)):
-            raise TypeError(f"register_grad_sampler: layer_types must be nn.Module subclasses; "
-                            f"got {layer_type!r}")
+    check_layer_types("register_grad_sampler", layer_types)
     if check is not None and not callable(check):
         raise TypeError(f"register_grad_sampler: check must be callable(layer); got {check!r}")
 
     def decorator(fn: GradSamplerFn) -> GradSamplerFn:
-        if not callable(fn):
-            raise TypeError(f"register_grad_sampler must decorate a function; got {fn!r}")
+        check_callable("register_grad_sampler", fn)
         for layer_type in layer_types:
             GRAD_SAMPLERS[layer_type] = fn
             if check is not None:
@@ -72,6 +65,22 @@ def register_grad_sampler(*layer_types: type[nn.Module], check=None):
         return fn
 
     return decorator
+
+
+def check_layer_types(decorator: str, layer_types: tuple) -> None:
+    """A registration decorator needs one or more nn.Module subclasses."""
+    if not layer_types:
+        raise TypeError(f"{decorator}() needs at least one layer type, e.g. "
+                        f"@{decorator}(MyLayer)")
+    for layer_type in layer_types:
+        if not (isinstance(layer_type, type) and issubclass(layer_type, nn.Module)):
+            raise TypeError(f"{decorator}: layer_types must be nn.Module subclasses; "
+                            f"got {layer_type!r}")
+
+
+def check_callable(decorator: str, fn) -> None:
+    if not callable(fn):
+        raise TypeError(f"{decorator} must decorate a function; got {fn!r}")
 
 
 def find_grad_sampler(layer: nn.Module) -> GradSamplerFn | None:

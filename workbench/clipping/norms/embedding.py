@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from workbench.clipping.registry import register_norm_sampler
+from workbench.per_sample.samplers.embedding import token_rows
 
 
 def embedding_route(layer, activations) -> tuple[str, str]:
@@ -27,16 +28,11 @@ def embedding_route(layer, activations) -> tuple[str, str]:
 
 @register_norm_sampler(nn.Embedding, route=embedding_route)
 def embedding_norm_sampler(layer, activations, backprops):
-    x = activations[0]
-    n = x.shape[0]
+    n = activations[0].shape[0]
     V, d = layer.weight.shape
-    x = x.reshape(n, -1)  # (n, T)
-    b = backprops.reshape(n, -1, d)  # (n, T, d)
-    if layer.padding_idx is not None:
-        b = b.masked_fill((x == layer.padding_idx).unsqueeze(-1), 0.0)
-    keys = (torch.arange(n, device=x.device).unsqueeze(1) * V + x).reshape(-1)  # (n T,)
+    keys, b = token_rows(layer, activations, backprops)  # (n T,) = i V + x_it, (n T, d)
     unique_keys, slot = torch.unique(keys, return_inverse=True)  # one slot per (i, v)
     rows = torch.zeros(len(unique_keys), d, dtype=b.dtype, device=b.device)
-    rows.index_add_(0, slot, b.reshape(-1, d))  # Σ_{t: x_t = v} b_t for each (i, v)
+    rows.index_add_(0, slot, b)  # Σ_{t: x_t = v} b_t for each (i, v)
     squares = torch.zeros(n, dtype=b.dtype, device=b.device)
     return squares.index_add_(0, unique_keys // V, rows.pow(2).sum(1))  # Σ_v ||row||² per i

@@ -38,8 +38,11 @@ def check_embedding(layer: nn.Embedding) -> None:
                 f"per-sample gradients ({why}); construct the Embedding without {option}")
 
 
-@register_grad_sampler(nn.Embedding, check=check_embedding)
-def embedding_grad_sampler(layer, activations, backprops):
+def token_rows(layer, activations, backprops):
+    """Each token's backprop and its row of the stacked (n V, d) per-sample gradients.
+
+    Returns keys (n T,) = i V + x_{i,t} and b (n T, d), with padding tokens' b set to 0.
+    """
     x = activations[0]
     n = x.shape[0]
     V, d = layer.weight.shape
@@ -47,7 +50,15 @@ def embedding_grad_sampler(layer, activations, backprops):
     b = backprops.reshape(n, -1, d)  # (n, T, d)
     if layer.padding_idx is not None:
         b = b.masked_fill((x == layer.padding_idx).unsqueeze(-1), 0.0)
-    rows = (torch.arange(n, device=x.device).unsqueeze(1) * V + x).reshape(-1)  # (n T,) in [0, nV)
-    grad = zeros_per_sample((n * V, d), like=b)  # huge-page backed: see memory.py
-    grad.index_add_(0, rows, b.reshape(-1, d))  # row (i, x_it) += b_it
+    keys = (torch.arange(n, device=x.device).unsqueeze(1) * V + x).reshape(-1)  # in [0, nV)
+    return keys, b.reshape(-1, d)
+
+
+@register_grad_sampler(nn.Embedding, check=check_embedding)
+def embedding_grad_sampler(layer, activations, backprops):
+    n = activations[0].shape[0]
+    V, d = layer.weight.shape
+    keys, b = token_rows(layer, activations, backprops)  # (n T,), (n T, d)
+    grad = zeros_per_sample((n * V, d), like=b)  # see memory.py
+    grad.index_add_(0, keys, b)  # row (i, x_it) += b_it
     return {"weight": grad.view(n, V, d)}
