@@ -10,6 +10,8 @@ def test_layers_benchmark_writes_csv(tmp_path, capsys):
     out = tmp_path / "layers.csv"
     main(["layers", "--layers", "linear", "embedding", "--batch-sizes", "2", "--repeats", "1",
           "--out", str(out)])
+    dp = pd.read_csv(tmp_path / "layers_dp.csv")  # the DP layers' table comes along
+    assert {"rnn", "gru", "lstm", "mha"} <= set(dp["layer"])
     table = pd.read_csv(out)
     assert list(table["layer"]) == ["linear", "embedding"]
     for column in ("plain", "microbatch", "vmap", "einsum", "floor", "microbatch/einsum",

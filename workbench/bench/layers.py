@@ -115,6 +115,9 @@ def main(argv=None):
     parser = benchmark_parser("layers", __doc__)
     parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
     parser.add_argument("--methods", nargs="+", default=list(wb.METHODS), choices=wb.METHODS)
+    parser.add_argument("--no-dp-layers", action="store_true",
+                        help="skip the DP recurrent/attention layers (python -m workbench.bench "
+                             "dp_layers runs them alone)")
     parser.add_argument("--huge-pages", action="store_true",
                         help="back large per-sample tensors by 2 MiB pages (per_sample.memory)")
     args = parse_benchmark_args(parser, argv)
@@ -129,6 +132,13 @@ def main(argv=None):
           f"(reused: {table['warm_copy_GBps'][0]:.1f} GB/s)   times in ms")
     print(format_table(table))
     print(f"wrote {args.out}")
+    if not args.no_dp_layers:  # the DP layers: torch.nn vs DP module vs DP + per-sample
+        from workbench.bench import dp_layers
+
+        print()
+        dp_layers.main(["--batch-sizes", *map(str, args.batch_sizes), "--repeats",
+                        str(args.repeats), "--device", args.device,
+                        "--out", str(args.out.with_name(args.out.stem + "_dp.csv"))])
     return 0
 
 
