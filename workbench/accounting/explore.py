@@ -8,7 +8,7 @@ accountants (``curve.py``); in "solve" mode the noise multiplier is first calibr
 ends exactly at the target ε (``calibrate.py``, with the RDP accountant).
 
 The PLD curve uses a coarser grid, ``EXPLORE_DISCRETIZATION`` = 1e-3 instead of 1e-4 (refined
-at most 10 times for narrow losses, see ``pld.grid_step``), and fewer points (12), so that an
+at most 10 times for narrow losses, see ``pld.grid_step``), and fewer points (8), so that an
 update stays well under 100 ms. It is still a pessimistic bound
 (never below the exact ε), typically within 0.1% of the fine-grid ε for DP-SGD settings
 (checked in the tests); only for very small ε (say below 0.05) does the coarse grid show, by a
@@ -83,7 +83,7 @@ def _curve(q, sigma, epochs, delta, points, accountant, h):
 
 
 def explore_budget(dataset_size, batch_size, noise_multiplier, epochs, delta, *, mode="epsilon",
-                   target_epsilon=None, points=40, pld_points=12,
+                   target_epsilon=None, points=40, pld_points=8,
                    discretization=EXPLORE_DISCRETIZATION):
     """Compute a :class:`BudgetResult`: ε(δ) against epochs up to E, by RDP and by PLD.
 

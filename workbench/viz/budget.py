@@ -32,6 +32,7 @@ def plot_budget(ax, result):
     finite = [v for v in (*r.rdp_epsilon, *r.pld_epsilon, r.target_epsilon or 0) if v < inf]
     ax.set_ylim(0, 1.1 * max(finite, default=1) or 1)  # room above the target line
     ax.grid(True, alpha=0.3)
+    ax.locator_params(nbins=5)  # fewer tick labels: readable, and each one costs a redraw
     ax.set_title(
         f"N={r.dataset_size}, B={r.batch_size} (q={r.sample_rate:.3g}), "
         f"σ={r.noise_multiplier:.3f}, T={r.steps}: "
