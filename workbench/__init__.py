@@ -19,6 +19,7 @@ from workbench.clipping import (
     per_sample_grad_norms,
     register_norm_sampler,
 )
+from workbench.dpsgd import PrivacyEngine
 from workbench.errors import (
     LossShapeError,
     SampleMixingError,
@@ -38,6 +39,7 @@ __version__ = "0.1.0"
 __all__ = [
     "GRAD_SAMPLERS",
     "METHODS",
+    "PrivacyEngine",
     "LossShapeError",
     "SampleMixingError",
     "UnsupportedLayerError",

@@ -46,14 +46,14 @@ from workbench.per_sample.hooks import ActivationRecorder
 
 
 @dataclass
-class Recording:
-    """One forward pass and one backward pass of Σ_i ℓ_i, with every layer call's (a, b)."""
+class LayerCalls:
+    """Every recorded layer call of one batch, with its (a, b): what the norms are read from."""
 
     n: int
-    losses: torch.Tensor  # (n,), still attached to the graph when retained
-    params: dict[str, nn.Parameter]
     layers: dict[str, nn.Module]
     recorder: ActivationRecorder
+    dtype: torch.dtype
+    device: torch.device
 
     def calls(self):
         """(path, layer, call) for every call whose output reached the loss."""
@@ -69,6 +69,14 @@ class Recording:
         return {key for key, count in uses.items() if count > 1}
 
 
+@dataclass
+class Recording(LayerCalls):
+    """One forward pass and one backward pass of Σ_i ℓ_i (``record``), and the losses."""
+
+    losses: torch.Tensor | None = None  # (n,), still attached to the graph when retained
+    params: dict[str, nn.Parameter] | None = None
+
+
 def record(model, loss_fn, inputs, targets, retain_graph: bool) -> Recording:
     """Forward, then one backward pass collecting backprops (no parameter gradients)."""
     check_no_sample_mixing(model)
@@ -82,13 +90,14 @@ def record(model, loss_fn, inputs, targets, retain_graph: bool) -> Recording:
     check_recorded(layers, recorder)
     warn_fallbacks(layers, recorder, covered)
     recorder.backward(losses.sum(), retain_graph=retain_graph)
-    return Recording(n, losses, trainable_parameters(model), layers, recorder)
+    return Recording(n, layers, recorder, losses.dtype, losses.device, losses,
+                     trainable_parameters(model))
 
 
-def squared_norms(rec: Recording):
+def squared_norms(rec: LayerCalls):
     """(||g_i||² (n,), {id(param): (n, *shape) materialised per-sample grads of shared params})."""
     shared = rec.shared_ids()
-    squares = torch.zeros(rec.n, dtype=rec.losses.dtype, device=rec.losses.device)
+    squares = torch.zeros(rec.n, dtype=rec.dtype, device=rec.device)
     materialised: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         for _, layer, call in rec.calls():

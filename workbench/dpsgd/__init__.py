@@ -1,5 +1,9 @@
-"""DP-SGD training: Poisson sampling (more to come: the DP optimizer and PrivacyEngine)."""
+"""DP-SGD training: Poisson sampling, the DP optimizer and the PrivacyEngine."""
 
+from workbench.dpsgd.engine import PrivacyEngine, VirtualStepLoader
+from workbench.dpsgd.optimizer import DPOptimizer
+from workbench.dpsgd.privatise import MODES
 from workbench.dpsgd.sampling import DPDataLoader, PoissonBatchSampler
 
-__all__ = ["DPDataLoader", "PoissonBatchSampler"]
+__all__ = ["DPDataLoader", "DPOptimizer", "MODES", "PoissonBatchSampler", "PrivacyEngine",
+           "VirtualStepLoader"]

@@ -16,6 +16,10 @@ autograd for the gradients at all those edges in one pass. Two things follow:
 - an in-place change of o after the layer (say ``ReLU(inplace=True)``) moves o to a new
   graph node, but the edge taken before it still names o's original value.
 
+When someone else runs the backward pass (the ordinary training loop's ``loss.backward()``,
+used by ``dpsgd``), ``capture="hooks"`` instead registers a tensor hook on o in the forward
+hook; a tensor hook registered before an in-place change of o also sees o's original value.
+
 A module called several times in one forward pass (weight sharing) gets one ``LayerCall``
 per call; the caller sums the per-sample gradients of the calls.
 
@@ -23,6 +27,7 @@ Nothing is left behind: ``ActivationRecorder`` is a context manager that removes
 on exit, also when the forward or backward pass raises.
 """
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -45,14 +50,16 @@ class ActivationRecorder:
     """Records a ``LayerCall`` per call of each of ``layers`` (``{path: module}``)."""
 
     layers: dict[str, nn.Module]
+    capture: str = "edges"  # "edges": self.backward() fills b; "hooks": any backward pass does
     calls: dict[str, list[LayerCall]] = field(default_factory=dict)
     untracked: dict[str, str] = field(default_factory=dict)  # path -> type of a non-Tensor output
+    recording: bool = True  # False inside ``paused()``: the samplers' own layer calls
     _handles: list = field(default_factory=list)
 
     def __enter__(self):
         for path, layer in self.layers.items():
             self.calls[path] = []
-            hook = self._forward_hook(self.calls[path], path, self.untracked)
+            hook = self._forward_hook(self.calls[path], path)
             self._handles.append(layer.register_forward_hook(hook, with_kwargs=True))
         return self
 
@@ -62,18 +69,37 @@ class ActivationRecorder:
         self._handles.clear()
         return False
 
-    @staticmethod
-    def _forward_hook(calls: list[LayerCall], path: str, untracked: dict[str, str]):
+    def _forward_hook(self, calls: list[LayerCall], path: str):
         def hook(module, args, kwargs, output):
+            if not self.recording:
+                return None
             if isinstance(output, torch.Tensor):
                 if output.requires_grad:  # else not differentiable here: nothing to sample
-                    calls.append(LayerCall(args=args, kwargs=kwargs,
-                                           edge=get_gradient_edge(output)))
+                    call = LayerCall(args=args, kwargs=kwargs, edge=get_gradient_edge(output))
+                    calls.append(call)
+                    if self.capture == "hooks":
+                        output.register_hook(lambda grad: setattr(call, "backprops", grad))
             else:
                 untracked[path] = type(output).__name__  # the caller decides if that is fatal
             return None
 
+        untracked = self.untracked
         return hook
+
+    @contextmanager
+    def paused(self):
+        """Record nothing inside (a sampler may call the layer itself, e.g. under vmap)."""
+        self.recording = False
+        try:
+            yield self
+        finally:
+            self.recording = True
+
+    def clear(self) -> None:
+        """Forget the recorded calls (their activations and backprops), keep the hooks."""
+        for calls in self.calls.values():
+            calls.clear()
+        self.untracked.clear()
 
     def all_calls(self) -> list[LayerCall]:
         return [call for calls in self.calls.values() for call in calls]

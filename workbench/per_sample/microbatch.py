@@ -42,3 +42,28 @@ def microbatch_per_sample_gradients(model, loss_fn, inputs, targets):
             if g is not None:
                 grads[name][i] = g
     return grads
+
+
+def layer_microbatch_grad_sampler(layer, args, kwargs, backprops):
+    """One layer's per-sample gradients from its recorded inputs and output gradient, by a
+    loop over samples: o_i = layer(a_i), g_i = (∂o_i/∂w)ᵀ b_i. The layer-level reference,
+    used where the loss is not at hand (the DP optimizer's ``grad_sample_mode="microbatch"``);
+    every Tensor argument must carry the batch on dim 0."""
+    own = {name: p for name, p in layer.named_parameters(recurse=False) if p.requires_grad}
+    n = backprops.shape[0]
+    grads = {name: zeros_per_sample((n, *p.shape), like=p) for name, p in own.items()}
+
+    def row(t, i):
+        return t[i:i + 1].detach() if isinstance(t, torch.Tensor) else t
+
+    for i in range(n):
+        args_i = tuple(row(t, i) for t in args)
+        kwargs_i = {k: row(v, i) for k, v in kwargs.items()}
+        with torch.enable_grad():
+            o_i = layer.forward(*args_i, **kwargs_i)  # .forward: no recording hooks
+        g_i = torch.autograd.grad(o_i, list(own.values()), backprops[i:i + 1],
+                                  allow_unused=True)
+        for name, g in zip(own, g_i):
+            if g is not None:
+                grads[name][i] = g
+    return grads
