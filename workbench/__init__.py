@@ -19,7 +19,7 @@ from workbench.clipping import (
     per_sample_grad_norms,
     register_norm_sampler,
 )
-from workbench.dpsgd import PrivacyEngine
+from workbench.dpsgd import PrivacyEngine, train
 from workbench.errors import (
     LossShapeError,
     SampleMixingError,
@@ -55,5 +55,6 @@ __all__ = [
     "per_sample_gradients",
     "register_grad_sampler",
     "register_norm_sampler",
+    "train",
     "validate_model",
 ]

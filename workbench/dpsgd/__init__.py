@@ -4,6 +4,7 @@ from workbench.dpsgd.engine import PrivacyEngine, VirtualStepLoader
 from workbench.dpsgd.optimizer import DPOptimizer
 from workbench.dpsgd.privatise import MODES
 from workbench.dpsgd.sampling import DPDataLoader, PoissonBatchSampler
+from workbench.dpsgd.train import accuracy, train
 
 __all__ = ["DPDataLoader", "DPOptimizer", "MODES", "PoissonBatchSampler", "PrivacyEngine",
-           "VirtualStepLoader"]
+           "VirtualStepLoader", "accuracy", "train"]

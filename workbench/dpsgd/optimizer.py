@@ -118,16 +118,27 @@ class DPOptimizer(Optimizer):
         self.recorder.clear()
 
     def privatise(self) -> None:
-        """p.grad = (Σ_i c_i g_i + N(0, σ²C² I)) / B for every trainable parameter."""
+        """p.grad = (Σ_i c_i g_i + N(0, σ²C² I)) / B for every trainable parameter.
+
+        Also records the update's signal ||Σ_i c_i g_i|| / B and the noise's expected norm
+        σ C √d / B (d trainable coordinates) in ``self.last``: their ratio is the gradient
+        signal-to-noise ratio of this step.
+        """
         std = self.noise_multiplier * self.max_grad_norm
+        signal_sq, d = 0.0, 0
         for group in self.param_groups:
             for p in group["params"]:
                 if not p.requires_grad:
                     continue
                 total = self._sums.get(id(p), torch.zeros_like(p))
+                signal_sq += float(total.pow(2).sum())
+                d += p.numel()
                 noise = gaussian_noise(p, std, self.generator)
                 p.grad = (total + noise) / self.expected_batch_size
         self._sums = {}
+        B = self.expected_batch_size
+        self.last["signal"] = signal_sq ** 0.5 / B
+        self.last["noise"] = std * d ** 0.5 / B
 
     def step(self, closure=None):
         loss = None
