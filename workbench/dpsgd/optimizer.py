@@ -64,9 +64,7 @@ class DPOptimizer(Optimizer):
             raise ValueError(f"expected_batch_size must be > 0 (q N); got {expected_batch_size!r}")
         check_no_sample_mixing(model)
         super().__init__(optimizer.param_groups, optimizer.defaults)  # creates the hook tables
-        self.original_optimizer = optimizer
-        self.param_groups = optimizer.param_groups  # shared: LR schedulers act on both
-        self.state = optimizer.state
+        self.__dict__["original_optimizer"] = optimizer  # from now on the properties delegate
         self.noise_multiplier = check_noise_multiplier(noise_multiplier)
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)
         self.expected_batch_size = float(expected_batch_size)
@@ -81,6 +79,27 @@ class DPOptimizer(Optimizer):
         self.recorder = ActivationRecorder(self.layers, capture="hooks").__enter__()
         self._sums: dict[int, torch.Tensor] = {}
         self.last = {}  # norms and clip factors of the last batch, for widgets and training logs
+
+    # param_groups, state and defaults are the wrapped optimizer's own objects, looked up on
+    # every access: its load_state_dict replaces them, and LR schedulers must edit the live ones.
+    def _delegated(name):
+        def get(self):
+            inner = self.__dict__.get("original_optimizer")
+            return getattr(inner, name) if inner is not None else self.__dict__[f"_{name}"]
+
+        def set_(self, value):
+            inner = self.__dict__.get("original_optimizer")
+            if inner is not None:
+                setattr(inner, name, value)
+            else:  # during Optimizer.__init__, before the wrapped optimizer is attached
+                self.__dict__[f"_{name}"] = value
+
+        return property(get, set_)
+
+    param_groups = _delegated("param_groups")
+    state = _delegated("state")
+    defaults = _delegated("defaults")
+    del _delegated
 
     def detach(self) -> None:
         """Remove the recording hooks; the model is as it was before ``make_private``."""
