@@ -20,6 +20,7 @@ Notation: N data set size, q sample rate, σ noise multiplier, C max_grad_norm.
 from workbench.accounting import PLDAccountant, RDPAccountant, get_noise_multiplier
 from workbench.dpsgd.optimizer import DPOptimizer
 from workbench.dpsgd.sampling import DPDataLoader
+from workbench.dpsgd.secure import SecureGenerator
 from workbench.errors import SampleMixingError
 from workbench.validate import validate_model
 
@@ -57,7 +58,8 @@ class VirtualStepLoader:
 class PrivacyEngine:
     """Makes (model, optimizer, data loader) private and keeps the privacy ledger."""
 
-    def __init__(self, accountant: str = "rdp"):
+    def __init__(self, accountant: str = "rdp", secure_mode: bool = False):
+        self.secure_mode = bool(secure_mode)  # see secure.py for what it does and does not do
         if accountant not in ACCOUNTANTS:
             raise ValueError(f"accountant must be one of {sorted(ACCOUNTANTS)}; "
                              f"got {accountant!r}")
@@ -70,6 +72,12 @@ class PrivacyEngine:
                      noise_generator=None, sampling_generator=None,
                      max_physical_batch_size=None):
         """(model, DPOptimizer, loader): the same shapes in every ``grad_sample_mode``."""
+        if self.secure_mode:
+            if noise_generator is not None or sampling_generator is not None:
+                raise ValueError("secure_mode=True draws every noise sample and batch from the "
+                                 "OS's cryptographic generator; do not pass noise_generator or "
+                                 "sampling_generator (or use secure_mode=False to seed a run)")
+            noise_generator = sampling_generator = SecureGenerator()
         blocking = [p for p in validate_model(module) if p.blocking]
         if blocking:
             raise SampleMixingError("the model cannot get per-sample gradients:\n  "

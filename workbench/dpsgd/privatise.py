@@ -93,7 +93,10 @@ def clipped_sum(calls: LayerCalls, max_grad_norm: float, mode: str):
 
 
 def gaussian_noise(param: torch.Tensor, std: float, generator=None) -> torch.Tensor:
-    """N(0, std² I) shaped like ``param`` (drawn on CPU from ``generator`` when given)."""
+    """N(0, std² I) shaped like ``param`` (drawn on CPU from ``generator`` when given; a
+    ``secure.SecureGenerator`` gives a freshly seeded generator for every draw)."""
+    if hasattr(generator, "next"):
+        generator = generator.next()
     if generator is not None and generator.device != param.device:
         noise = torch.normal(0.0, std, param.shape, generator=generator, dtype=param.dtype)
         return noise.to(param.device)

@@ -50,7 +50,9 @@ class PoissonBatchSampler(Sampler[list[int]]):
 
     def __iter__(self):
         for _ in range(self.steps):
-            draws = torch.rand(self.num_samples, generator=self.generator)  # (N,) ~ U[0, 1)
+            generator = self.generator.next() if hasattr(self.generator, "next") else \
+                self.generator  # secure mode: a freshly seeded generator every step
+            draws = torch.rand(self.num_samples, generator=generator)  # (N,) ~ U[0, 1)
             yield torch.nonzero(draws < self.sample_rate).flatten().tolist()
 
 
