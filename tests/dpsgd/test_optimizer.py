@@ -198,3 +198,35 @@ def test_detach_leaves_no_hooks():
     model = mlp()
     _, opt = one_step(model, "ghost", *batch(), 1.0, 7.0)
     assert sum(len(m._forward_hooks) for m in model.modules()) == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_per_layer_clipping_clips_each_group_to_its_norm(mode):
+    model = mlp()
+    x, y = batch()
+    groups = [{"params": list(model[0].parameters())},
+              {"params": list(model[2].parameters()) + list(model[3].parameters())}]
+    C = [0.3, 0.7]
+    opt = DPOptimizer(torch.optim.SGD(groups, lr=0.0), model, noise_multiplier=0.0,
+                      max_grad_norm=C, expected_batch_size=4.0, grad_sample_mode=mode)
+    opt.zero_grad()
+    CE_MEAN(model(x), y).backward()
+    opt.step()
+    opt.detach()
+    # the slow twin: micro-batched per-sample gradients, each group's part clipped to its C
+    grads = wb.per_sample_gradients(model, CE, x, y, method="microbatch")
+    names = [["0.weight", "0.bias"], ["2.weight", "2.bias", "3.weight", "3.bias"]]
+    for group_names, C_g in zip(names, C):
+        norms = torch.stack([grads[k].flatten(1).pow(2).sum(1) for k in group_names]).sum(0).sqrt()
+        c = (C_g / norms).clamp(max=1.0)
+        for k in group_names:
+            expected = torch.tensordot(c, grads[k], dims=1) / 4.0
+            assert relative_error(model.get_parameter(k).grad, expected) <= 1e-9, (mode, k)
+    assert opt.clip_norm_total == pytest.approx((0.3**2 + 0.7**2) ** 0.5)
+
+
+def test_per_layer_clip_norms_must_match_the_groups():
+    model = mlp()
+    with pytest.raises(ValueError, match="max_grad_norm has 2 values for 1 parameter groups"):
+        DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0,
+                    max_grad_norm=[1.0, 2.0], expected_batch_size=4.0)

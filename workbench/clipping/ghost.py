@@ -96,15 +96,31 @@ def record(model, loss_fn, inputs, targets, retain_graph: bool) -> Recording:
 
 def squared_norms(rec: LayerCalls):
     """(||g_i||² (n,), {id(param): (n, *shape) materialised per-sample grads of shared params})."""
+    squares, materialised = squared_norms_by(rec, group_of=lambda p: None)
+    return squares.get(None, torch.zeros(rec.n, dtype=rec.dtype, device=rec.device)), \
+        materialised
+
+
+def squared_norms_by(rec: LayerCalls, group_of):
+    """Like ``squared_norms``, with ||g_i||² split by ``group_of(param)`` (per-layer clipping).
+
+    Returns ({group: (n,)}, materialised). A norm sampler gives one number per layer, so a
+    layer whose trainable parameters lie in different groups is materialised instead.
+    """
     shared = rec.shared_ids()
-    squares = torch.zeros(rec.n, dtype=rec.dtype, device=rec.device)
+    squares: dict = {}
     materialised: dict[int, torch.Tensor] = {}
+
+    def add(group, value):
+        squares[group] = value if group not in squares else squares[group] + value
+
     with torch.no_grad():
         for _, layer, call in rec.calls():
             sampler = find_norm_sampler(layer)
-            owns_shared = any(id(p) in shared for p in layer.parameters(recurse=False))
-            if sampler is not None and not owns_shared:
-                squares += sampler(layer, call.args, call.backprops)  # ghost norm
+            own = [p for p in layer.parameters(recurse=False) if p.requires_grad]
+            groups = {group_of(p) for p in own}
+            if sampler is not None and len(groups) == 1 and not any(id(p) in shared for p in own):
+                add(groups.pop(), sampler(layer, call.args, call.backprops))  # ghost norm
                 continue
             for name, g in sample_layer(layer, call).items():  # fast gradient clipping
                 p = getattr(layer, name)
@@ -113,9 +129,10 @@ def squared_norms(rec: LayerCalls):
                 if id(p) in shared:  # summed over its uses before the norm
                     materialised[id(p)] = materialised.get(id(p), 0) + g
                 else:
-                    squares += g.flatten(1).pow(2).sum(1)  # normed, then dropped
-    for g in materialised.values():
-        squares += g.flatten(1).pow(2).sum(1)
+                    add(group_of(p), g.flatten(1).pow(2).sum(1))  # normed, then dropped
+    params = {id(p): p for _, layer, _ in rec.calls() for p in layer.parameters(recurse=False)}
+    for key, g in materialised.items():
+        add(group_of(params[key]), g.flatten(1).pow(2).sum(1))
     return squares, materialised
 
 

@@ -66,7 +66,7 @@ class DPOptimizer(Optimizer):
         super().__init__(optimizer.param_groups, optimizer.defaults)  # creates the hook tables
         self.__dict__["original_optimizer"] = optimizer  # from now on the properties delegate
         self.noise_multiplier = check_noise_multiplier(noise_multiplier)
-        self.max_grad_norm = check_max_grad_norm(max_grad_norm)
+        self.max_grad_norm = self._check_clip_norms(max_grad_norm)
         self.expected_batch_size = float(expected_batch_size)
         self.grad_sample_mode = grad_sample_mode
         self.loss_reduction = loss_reduction
@@ -101,6 +101,29 @@ class DPOptimizer(Optimizer):
     defaults = _delegated("defaults")
     del _delegated
 
+    def _check_clip_norms(self, max_grad_norm):
+        """One C (flat clipping), or one C per parameter group (per-layer clipping)."""
+        if isinstance(max_grad_norm, (list, tuple)):
+            if len(max_grad_norm) != len(self.param_groups):
+                raise ValueError(f"max_grad_norm has {len(max_grad_norm)} values for "
+                                 f"{len(self.param_groups)} parameter groups; give one C per "
+                                 f"group (per-layer clipping) or a single number")
+            return [check_max_grad_norm(C) for C in max_grad_norm]
+        return check_max_grad_norm(max_grad_norm)
+
+    @property
+    def clip_norm_total(self) -> float:
+        """The sensitivity of the clipped sum: C, or ||(C_1, ..., C_G)||₂ per layer."""
+        C = self.max_grad_norm
+        return math.sqrt(sum(c * c for c in C)) if isinstance(C, list) else C
+
+    def _clip_spec(self):
+        """(max_grad_norm argument, group_of) for ``privatise.clipped_sum``."""
+        if not isinstance(self.max_grad_norm, list):
+            return self.max_grad_norm, None
+        group = {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
+        return dict(enumerate(self.max_grad_norm)), lambda p: group.get(id(p))
+
     def detach(self) -> None:
         """Remove the recording hooks; the model is as it was before ``make_private``."""
         self.recorder.__exit__(None, None, None)
@@ -129,8 +152,9 @@ class DPOptimizer(Optimizer):
         if calls.n == 0:
             self.last = {"norms": torch.zeros(0), "clip_factors": torch.zeros(0)}
             return
+        C, group_of = self._clip_spec()
         with self.recorder.paused():  # the samplers may call the layers themselves
-            sums, norms, c = clipped_sum(calls, self.max_grad_norm, self.grad_sample_mode)
+            sums, norms, c = clipped_sum(calls, C, self.grad_sample_mode, group_of)
         for key, s in sums.items():
             self._sums[key] = s if key not in self._sums else self._sums[key] + s
         self.last = {"norms": norms.detach(), "clip_factors": c.detach()}
@@ -143,7 +167,7 @@ class DPOptimizer(Optimizer):
         σ C √d / B (d trainable coordinates) in ``self.last``: their ratio is the gradient
         signal-to-noise ratio of this step.
         """
-        std = self.noise_multiplier * self.max_grad_norm
+        std = self.noise_multiplier * self.clip_norm_total
         signal_sq, d = 0.0, 0
         for group in self.param_groups:
             for p in group["params"]:

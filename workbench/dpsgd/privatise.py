@@ -18,6 +18,10 @@ by the chosen mode:
   in this setting the two modes do the same work. (``wb.clipped_grad_sum`` shows the
   difference: there ghost runs a second backward pass.)
 
+**Per-layer clipping** (a C_g per parameter group; McMahan et al. 2018, arXiv 1710.06963,
+§3): each group's part of g_i is clipped to C_g, so the whole clipped gradient has norm at
+most ||C||₂ = (Σ_g C_g²)^½, and that is the sensitivity the noise is scaled to: σ ||C||₂.
+
 Notation: n batch, g_i per-sample gradient, C max_grad_norm, σ noise multiplier, q sample
 rate, N data set size, B = qN.
 """
@@ -26,7 +30,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from workbench.clipping.flat import clip_factors
-from workbench.clipping.ghost import LayerCalls, squared_norms
+from workbench.clipping.ghost import LayerCalls, squared_norms_by
 from workbench.per_sample.einsum import sample_layer
 from workbench.per_sample.functional import layer_vmap_grad_sampler
 from workbench.per_sample.microbatch import layer_microbatch_grad_sampler
@@ -53,10 +57,11 @@ def materialise(calls: LayerCalls, mode: str) -> dict[int, torch.Tensor]:
     return grads
 
 
-def reweighted_weight_grads(layer, call, c: torch.Tensor, skip: set[int]):
-    """{id(param): Σ_i c_i g_i} of the layer's own parameters: re-run the layer on its
-    stored (detached) inputs and backpropagate c_i b_i through it alone."""
-    own = [p for p in layer.parameters(recurse=False) if p.requires_grad and id(p) not in skip]
+def reweighted_weight_grads(layer, call, c: torch.Tensor, skip: set[int], keep=None):
+    """{id(param): Σ_i c_i g_i} of the layer's own parameters (those ``keep(p)`` accepts):
+    re-run the layer on its stored (detached) inputs and backpropagate c_i b_i through it."""
+    own = [p for p in layer.parameters(recurse=False)
+           if p.requires_grad and id(p) not in skip and (keep is None or keep(p))]
     if not own:
         return {}
     detach = lambda t: t.detach() if isinstance(t, torch.Tensor) else t  # noqa: E731
@@ -68,28 +73,44 @@ def reweighted_weight_grads(layer, call, c: torch.Tensor, skip: set[int]):
     return {id(p): g for p, g in zip(own, grads) if g is not None}
 
 
-def clipped_sum(calls: LayerCalls, max_grad_norm: float, mode: str):
-    """({id(param): Σ_i c_i g_i}, norms (n,), clip factors (n,)) for one batch."""
+def clipped_sum(calls: LayerCalls, max_grad_norm, mode: str, group_of=None):
+    """({id(param): Σ_i c_i g_i}, norms (n,), clip factors (n,)) for one batch.
+
+    ``max_grad_norm``: one C (flat clipping), or {group: C_g} with ``group_of(param)`` naming
+    each parameter's group (per-layer clipping: each group's part of g_i is clipped to C_g).
+    The returned clip factors are, per sample, the smallest over the groups.
+    """
+    per_group = isinstance(max_grad_norm, dict)
+    C = max_grad_norm if per_group else {None: max_grad_norm}
+    group_of = group_of if per_group else (lambda p: None)
+    params = {id(p): p for _, layer, _ in calls.calls() for p in layer.parameters(recurse=False)}
+    zeros = torch.zeros(calls.n, dtype=calls.dtype, device=calls.device)
     if mode in ("microbatch", "vmap", "einsum"):
         grads = materialise(calls, mode)
-        squares = sum((g.flatten(1).pow(2).sum(1) for g in grads.values()),
-                      torch.zeros(calls.n, dtype=calls.dtype, device=calls.device))
-        norms = squares.sqrt()
-        c = clip_factors(norms, max_grad_norm)
+        squares: dict = {}
+        for key, g in grads.items():
+            group = group_of(params[key])
+            squares[group] = squares.get(group, zeros) + g.flatten(1).pow(2).sum(1)
+        c = {group: clip_factors(sq.sqrt(), C[group]) for group, sq in squares.items()}
         with torch.no_grad():
-            return {k: torch.tensordot(c.to(g.dtype), g, dims=1) for k, g in grads.items()}, \
-                norms, c
-    squares, shared = squared_norms(calls)
-    norms = squares.sqrt()
-    c = clip_factors(norms, max_grad_norm)
-    sums: dict[int, torch.Tensor] = {}
-    for _, layer, call in calls.calls():
-        for key, g in reweighted_weight_grads(layer, call, c, skip=set(shared)).items():
-            sums[key] = g if key not in sums else sums[key] + g
-    with torch.no_grad():
-        for key, g in shared.items():
-            sums[key] = torch.tensordot(c.to(g.dtype), g, dims=1)
-    return sums, norms, c
+            sums = {key: torch.tensordot(c[group_of(params[key])].to(g.dtype), g, dims=1)
+                    for key, g in grads.items()}
+    else:
+        squares, shared = squared_norms_by(calls, group_of)
+        c = {group: clip_factors(sq.sqrt(), C[group]) for group, sq in squares.items()}
+        sums = {}
+        for _, layer, call in calls.calls():
+            for group in {group_of(p) for p in layer.parameters(recurse=False)} & set(c):
+                keep = lambda p, group=group: group_of(p) == group  # noqa: E731
+                for key, g in reweighted_weight_grads(layer, call, c[group], set(shared),
+                                                      keep).items():
+                    sums[key] = g if key not in sums else sums[key] + g
+        with torch.no_grad():
+            for key, g in shared.items():
+                sums[key] = torch.tensordot(c[group_of(params[key])].to(g.dtype), g, dims=1)
+    norms = sum(squares.values(), zeros).sqrt()
+    factors = torch.stack(list(c.values())).min(0).values if c else zeros + 1
+    return sums, norms, factors
 
 
 def gaussian_noise(param: torch.Tensor, std: float, generator=None) -> torch.Tensor:

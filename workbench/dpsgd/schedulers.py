@@ -26,6 +26,9 @@ class _Schedule:
             raise ValueError(f"attribute must be 'noise_multiplier' or 'max_grad_norm'; "
                              f"got {attribute!r}")
         self.optimizer, self.attribute = optimizer, attribute
+        if isinstance(getattr(optimizer, attribute), list):
+            raise ValueError("schedules of per-layer clip norms are not supported; schedule a "
+                             "single max_grad_norm")
         self.base = float(getattr(optimizer, attribute))
         self.last_epoch = 0
 
