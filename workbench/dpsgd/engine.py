@@ -17,6 +17,9 @@ Notation: N data set size, q sample rate, σ noise multiplier, C max_grad_norm.
 """
 
 
+import torch.distributed as dist
+from torch.utils.data import Subset
+
 from workbench.accounting import PLDAccountant, RDPAccountant, get_noise_multiplier
 from workbench.dpsgd.optimizer import DPOptimizer
 from workbench.dpsgd.sampling import DPDataLoader
@@ -83,7 +86,15 @@ class PrivacyEngine:
             raise SampleMixingError("the model cannot get per-sample gradients:\n  "
                                     + "\n  ".join(map(str, blocking))
                                     + "\nuse model = wb.fix_model(model) first")
-        if poisson_sampling:
+        if poisson_sampling and dist.is_available() and dist.is_initialized():
+            # each rank Poisson-samples its own shard with the same q: together, one Poisson
+            # sample of the whole data set (batch_size = the expected *global* batch)
+            rank, world, N = dist.get_rank(), dist.get_world_size(), len(data_loader.dataset)
+            q = min(1.0, data_loader.batch_size / N)
+            shard = Subset(data_loader.dataset, range(rank, N, world))
+            loader = DPDataLoader(shard, sample_rate=q, steps=max(1, round(1 / q)),
+                                  generator=sampling_generator)
+        elif poisson_sampling:
             loader = DPDataLoader.from_data_loader(data_loader, generator=sampling_generator)
             q = loader.sample_rate
         else:  # fixed-size batches: the accountant's Poisson assumption is then optimistic

@@ -20,6 +20,12 @@ multiplies the captured gradients back by n before clipping.
 (``max_physical_batch_size``): each chunk's clipped sum is accumulated, and noise is added
 once, when the logical batch's last chunk steps (``expect_more`` says which chunk is last).
 
+**Distributed** (``torch.distributed`` initialised, e.g. under DistributedDataParallel):
+each rank clips its own samples, rank 0 alone adds the noise, and the noised sums are
+all-reduced, so the update equals the single-process one for the union of the ranks'
+samples: samples are clipped before any reduction, and noise enters exactly once. B is then
+the expected *global* batch size (q times the whole data set).
+
 **Empty batches** still step: the clipped sum is zero and the noise is added; skipping would
 reveal that the batch was empty.
 
@@ -30,6 +36,7 @@ set size, B = qN.
 import math
 
 import torch
+import torch.distributed as dist
 from torch.optim import Optimizer
 
 from workbench.clipping.flat import check_max_grad_norm
@@ -168,16 +175,26 @@ class DPOptimizer(Optimizer):
         signal-to-noise ratio of this step.
         """
         std = self.noise_multiplier * self.clip_norm_total
+        distributed = dist.is_available() and dist.is_initialized()
+        adds_noise = not distributed or dist.get_rank() == 0  # noise exactly once
         signal_sq, d = 0.0, 0
         for group in self.param_groups:
             for p in group["params"]:
                 if not p.requires_grad:
                     continue
-                total = self._sums.get(id(p), torch.zeros_like(p))
-                signal_sq += float(total.pow(2).sum())
+                total = self._sums.get(id(p), torch.zeros_like(p)).detach().clone()
+                if distributed:  # Σ over all ranks' samples, each clipped on its own rank
+                    signal = total.clone()
+                    dist.all_reduce(signal)
+                    signal_sq += float(signal.pow(2).sum())
+                else:
+                    signal_sq += float(total.pow(2).sum())
+                if adds_noise:
+                    total += gaussian_noise(p, std, self.generator)
+                if distributed:
+                    dist.all_reduce(total)
                 d += p.numel()
-                noise = gaussian_noise(p, std, self.generator)
-                p.grad = (total + noise) / self.expected_batch_size
+                p.grad = total / self.expected_batch_size
         self._sums = {}
         B = self.expected_batch_size
         self.last["signal"] = signal_sq ** 0.5 / B
