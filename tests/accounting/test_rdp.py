@@ -120,3 +120,10 @@ def test_epsilon_matches_dp_accounting_at_integer_orders(q, sigma):
     theirs, their_order = accountant.get_epsilon_and_optimal_order(1e-5)
     ours, order = rdp_to_epsilon(orders, compute_rdp(q, sigma, 500, orders), 1e-5)
     assert ours == pytest.approx(theirs, rel=1e-9) and order == their_order
+
+
+def test_tiny_q_huge_sigma_rounds_to_zero_not_negative():
+    from workbench.accounting.rdp import rdp_one_step
+
+    orders = np.array([1.1, 1.5, 2.0, 32.0])
+    assert (rdp_one_step(16 / 60000, 9000.0, orders) >= 0).all()

@@ -31,6 +31,7 @@ from workbench.accounting.curve import (
 from workbench.accounting.explore import BudgetResult, explore_budget
 from workbench.accounting.gaussian import gaussian_delta, gaussian_epsilon
 from workbench.accounting.rdp import DEFAULT_ORDERS, compute_rdp
+from workbench.accounting.snr import SNRResult, explore_snr
 
 __all__ = [
     "ACCOUNTANTS",
@@ -39,10 +40,12 @@ __all__ = [
     "BudgetResult",
     "PLDAccountant",
     "RDPAccountant",
+    "SNRResult",
     "compute_rdp",
     "epsilon",
     "epsilon_curve",
     "explore_budget",
+    "explore_snr",
     "gaussian_delta",
     "gaussian_epsilon",
     "get_noise_multiplier",

@@ -96,7 +96,9 @@ def rdp_one_step(q, sigma, orders):
     is_int = orders == np.floor(orders)
     log_a[is_int] = _log_a_int(q, sigma, orders[is_int])
     log_a[~is_int] = _log_a_frac(q, sigma, orders[~is_int])
-    return log_a / (orders - 1)  # Eq. (1)
+    # Eq. (1). RDP is >= 0; for tiny q and huge σ the log-space sums round to about -1e-15,
+    # so clamp: that rounding would otherwise fail later checks with a confusing message.
+    return np.maximum(log_a / (orders - 1), 0.0)
 
 
 def _log_factorial(n):

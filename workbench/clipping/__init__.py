@@ -22,6 +22,12 @@ from workbench.clipping.flat import clip_factors, grad_norms, weighted_sum
 from workbench.clipping.ghost import ghost_clipped_sum, ghost_norms
 from workbench.clipping.registry import NORM_SAMPLERS, register_norm_sampler
 from workbench.clipping.routes import ghost_routes
+from workbench.clipping.snapshot import (
+    ClippingResult,
+    clip_at,
+    clipping_snapshot,
+    per_sample_snapshot,
+)
 from workbench.per_sample import METHODS as MATERIALISING
 from workbench.per_sample import per_sample_gradients
 from workbench.per_sample.checks import check_batch, check_no_sample_mixing
@@ -74,6 +80,7 @@ def clipped_grad_sum(model, loss_fn, inputs, targets, max_grad_norm, method="boo
 
 
 __all__ = [
-    "CLIP_METHODS", "NORM_METHODS", "NORM_SAMPLERS", "clip_factors", "clipped_grad_sum",
-    "ghost_routes", "per_sample_grad_norms", "register_norm_sampler",
+    "CLIP_METHODS", "NORM_METHODS", "NORM_SAMPLERS", "ClippingResult", "clip_at", "clip_factors",
+    "clipped_grad_sum", "clipping_snapshot", "ghost_routes", "per_sample_grad_norms",
+    "per_sample_snapshot", "register_norm_sampler",
 ]

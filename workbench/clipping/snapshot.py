@@ -7,29 +7,33 @@ c_i = min(1, C / ||g_i||) before averaging, so the update direction is
     m̃(C) = 1/n Σ_i c_i g_i        instead of        m = 1/n Σ_i g_i                    (1)
 
 Samples whose norm exceeds C are shrunk to norm C, so m̃ leans towards the samples with small
-gradients: it is a biased estimate of m, and not only by a scale. The cosine
+gradients: a biased estimate of m, and not only by a scale factor. The cosine
 
     cos(m̃, m) = <m̃, m> / (||m̃|| ||m||)                                                 (2)
 
-measures that bias: 1 when nothing is clipped (C >= max ||g_i||) or when every norm is equal,
-smaller the more clipping reorders the samples' weights. A small C trades bias for less noise
-(the noise std is σC); ``accounting.snr`` shows the noise side.
+measures that bias: 1 when nothing is clipped (C >= max ||g_i||) or all norms are equal, lower
+the more clipping reweights the samples. A small C trades this bias for less noise (the noise
+std is σC; ``accounting.snr`` shows that side).
 
-Flat clipping uses the norm over all parameters; per layer (parameters grouped by module
-path, ``fc1.weight`` and ``fc1.bias`` -> ``fc1``) the squares add up:
+Flat clipping uses the norm over all parameters; per layer (parameters grouped by module path,
+``fc1.weight`` and ``fc1.bias`` -> ``fc1``) the squares add up, ||g_i||² = Σ_l ||g_{i,l}||²  (3),
+and so do the inner products in (2): <m̃, m> = Σ_l <m̃_l, m_l>.
 
-    ||g_i||² = Σ_l ||g_{i,l}||²                                                          (3)
+**Why a C slider costs nothing.** Sort the samples by norm, largest first. At any C the clipped
+samples are the first k = #{i : ||g_i|| > C}, so with unit vectors u_i = g_i / ||g_i||,
 
-so the per-layer norms show which layers make a sample's norm large.
+    m̃(C) = (C U_k + S_k) / n,      U_k = Σ_{j<k} u_(j),   S_k = Σ_{j>=k} g_(j)           (4)
 
-**Two steps, so a C slider is cheap.** ``per_sample_snapshot`` runs the one backward pass
-(``per_sample_gradients(method="einsum")``) and keeps the gradients flattened per layer, in
-float64 so that Eq. (2) is accurate to ~1e-15 (twice the memory of float32 gradients: this is
-a teaching tool for small models and batches). ``clip_at(snapshot, C)`` then costs one (n,) x
-(n, d) product, with no model call. ``clipping_snapshot`` does both.
+and ||m̃||² = (C² ||U_k||² + 2C <U_k, S_k> + ||S_k||²) / n², <m̃, m> = (C <U_k, m> + <S_k, m>) / n.
+``per_sample_snapshot`` runs the one backward pass (``per_sample_gradients(method="einsum")``)
+and tabulates these five inner products for k = 0..n, per layer, in float64: O(n d) work, a
+block of columns at a time; the gradients are then dropped and the snapshot keeps O(n L)
+numbers. ``clip_at(snapshot, C)`` reads row k: O(n + L) work, independent of d, with no model
+call (and no torch threads to wake, which on a busy machine cost more than the arithmetic).
+``direct_clip_at(grads, C)`` is the slow twin: Eq. (1) and (2) straight from the gradients.
 
-Notation: n batch size, d number of trainable parameters, d_l those of layer l, L layers,
-g_i per-sample gradient, c_i clip factor, C max_grad_norm, m mean gradient.
+Notation: n batch size, d trainable parameters, d_l those of layer l, L layers, g_i per-sample
+gradient, c_i clip factor, C max_grad_norm, m mean gradient, m̃ mean clipped gradient.
 """
 
 from dataclasses import dataclass
@@ -37,10 +41,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from workbench.clipping.flat import check_max_grad_norm, clip_factors
+from workbench.clipping.flat import check_max_grad_norm, clip_factors, grad_norms, weighted_sum
 from workbench.per_sample import per_sample_gradients
 
 ROOT = "(root)"  # layer name for parameters registered on the model itself, e.g. nn.Linear
+# Elements in one (n + 1, columns) block of the tables' work: small enough to stay in cache and
+# at torch's threading grain (32768), so each op runs on one thread. Larger blocks, run on two
+# threads of a busy 2-core machine, were measured 10-100x slower (waiting for the 2nd thread).
+BLOCK = 2**15
 
 
 def layer_of(param_name: str) -> str:
@@ -50,21 +58,13 @@ def layer_of(param_name: str) -> str:
 
 @dataclass(frozen=True, eq=False)
 class PerSampleSnapshot:
-    """Per-sample gradients at one model state, flattened per layer (float64)."""
+    """Per-sample norms at one model state and the Eq. (4) tables (numpy float64)."""
 
     layers: tuple[str, ...]  # (L,) module paths, in parameter order
-    grads: tuple[torch.Tensor, ...]  # L tensors (n, d_l): g_{i,l}
-    means: tuple[torch.Tensor, ...]  # L tensors (d_l,): m_l, the unclipped mean
-    layer_norms: torch.Tensor  # (n, L) ||g_{i,l}||
-    norms: torch.Tensor  # (n,) ||g_i||, Eq. (3)
-
-    @property
-    def num_samples(self) -> int:
-        return self.norms.shape[0]
-
-    @property
-    def num_params(self) -> int:
-        return sum(g.shape[1] for g in self.grads)
+    num_params: int  # d
+    norms: np.ndarray  # (n,) ||g_i||, Eq. (3)
+    layer_norms: np.ndarray  # (n, L) ||g_{i,l}||
+    tables: np.ndarray  # (5, L, n + 1): ||U_k||², <U_k, S_k>, ||S_k||², <U_k, m>, <S_k, m>
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,21 +88,42 @@ class ClippingResult:
         return self.norms.shape[0]
 
 
-def per_sample_snapshot(model, loss_fn, inputs, targets) -> PerSampleSnapshot:
-    """The expensive step: per-sample gradients (einsum), grouped and flattened per layer."""
-    grads = per_sample_gradients(model, loss_fn, inputs, targets, method="einsum")
+def _by_layer(grads):
+    """{layer: (n, d_l) float64} from {param_name: (n, *shape)}, in parameter order."""
     if not grads:
         raise ValueError("model has no trainable parameters (requires_grad=False on all of "
                          "them): there are no gradients to clip")
     groups: dict[str, list[torch.Tensor]] = {}
-    for name, g in grads.items():  # g: (n, *param.shape)
+    for name, g in grads.items():
         groups.setdefault(layer_of(name), []).append(g.detach().flatten(1).double())
-    flat = tuple(torch.cat(parts, dim=1) for parts in groups.values())  # each (n, d_l)
-    layer_norms = torch.stack([g.norm(dim=1) for g in flat], dim=1)  # (n, L)
-    return PerSampleSnapshot(
-        layers=tuple(groups), grads=flat, means=tuple(g.mean(0) for g in flat),
-        layer_norms=layer_norms, norms=layer_norms.pow(2).sum(1).sqrt(),  # (n,)  Eq. (3)
-    )
+    return {layer: torch.cat(parts, dim=1) for layer, parts in groups.items()}
+
+
+def _tables(g, norms, order):
+    """(5, n + 1) inner products of Eq. (4) for one layer's g (n, d_l), samples in ``order``."""
+    n, d = g.shape
+    inv = torch.where(norms > 0, 1 / norms, 0.0)[order, None]  # (n, 1); u_i = 0 if g_i = 0
+    g, out = g[order], g.new_zeros(5, n + 1)  # g sorted, largest norm first
+    step = max(1, BLOCK // (n + 1))
+    for j in range(0, d, step):
+        gs = g[:, j:j + step]  # (n, b)
+        U = torch.cat([gs.new_zeros(1, gs.shape[1]), (gs * inv).cumsum(0)])  # (n+1, b) U_k
+        S = torch.cat([gs.flip(0).cumsum(0).flip(0), gs.new_zeros(1, gs.shape[1])])  # S_k
+        m = S[0] / n  # (b,)
+        out += torch.stack([(U * U).sum(1), (U * S).sum(1), (S * S).sum(1), U @ m, S @ m])
+    return out
+
+
+def per_sample_snapshot(model, loss_fn, inputs, targets) -> PerSampleSnapshot:
+    """The expensive step: per-sample gradients (einsum) once, reduced to Eq. (4) tables."""
+    flat = _by_layer(per_sample_gradients(model, loss_fn, inputs, targets, method="einsum"))
+    layer_norms = torch.stack([g.norm(dim=1) for g in flat.values()], dim=1)  # (n, L)
+    norms = layer_norms.pow(2).sum(1).sqrt()  # (n,)  Eq. (3)
+    order = torch.argsort(norms, descending=True, stable=True)  # (n,)
+    tables = torch.stack([_tables(g, norms, order) for g in flat.values()], dim=1)
+    return PerSampleSnapshot(layers=tuple(flat), num_params=sum(g.shape[1] for g in flat.values()),
+                             norms=norms.numpy(), layer_norms=layer_norms.numpy(),
+                             tables=tables.numpy())  # (5, L, n + 1)
 
 
 def _cosine(dot, sq_a, sq_b):
@@ -112,23 +133,42 @@ def _cosine(dot, sq_a, sq_b):
         return np.clip(np.where(denom > 0, dot / denom, np.nan), -1.0, 1.0)
 
 
-def clip_at(snapshot: PerSampleSnapshot, max_grad_norm) -> ClippingResult:
-    """The cheap step: clip factors, fraction clipped and the bias cosine at C."""
-    C = check_max_grad_norm(max_grad_norm)
-    s, n = snapshot, snapshot.num_samples
-    c = clip_factors(s.norms, C)  # (n,)
-    clipped = [c @ g / n for g in s.grads]  # L tensors (d_l,): m̃_l  Eq. (1)
-    dots = np.array([float(m @ mc) for m, mc in zip(s.means, clipped)])  # (L,)
-    sq_m = np.array([float(m @ m) for m in s.means])  # (L,) ||m_l||²
-    sq_mc = np.array([float(mc @ mc) for mc in clipped])  # (L,) ||m̃_l||²
+def _result(C, layers, num_params, norms, layer_norms, dots, sq_m, sq_mc):
+    """ClippingResult from per-layer <m̃_l, m_l>, ||m_l||², ||m̃_l||² (each (L,))."""
     return ClippingResult(
-        max_grad_norm=C, layers=s.layers, num_params=s.num_params,
-        norms=s.norms.numpy(), layer_norms=s.layer_norms.numpy(), clip_factors=c.numpy(),
-        fraction_clipped=float((s.norms > C).double().mean()),
-        mean_norm=float(np.sqrt(sq_m.sum())), clipped_mean_norm=float(np.sqrt(sq_mc.sum())),
+        max_grad_norm=C, layers=layers, num_params=num_params, norms=norms,
+        layer_norms=layer_norms, clip_factors=clip_factors(torch.from_numpy(norms), C).numpy(),
+        fraction_clipped=float(np.mean(norms > C)), mean_norm=float(np.sqrt(sq_m.sum())),
+        clipped_mean_norm=float(np.sqrt(sq_mc.sum())),
         cosine=float(_cosine(dots.sum(), sq_m.sum(), sq_mc.sum())),  # Eq. (2)
         layer_cosine=_cosine(dots, sq_m, sq_mc),
     )
+
+
+def clip_at(snapshot: PerSampleSnapshot, max_grad_norm) -> ClippingResult:
+    """The cheap step: clip factors, fraction clipped and the bias cosine at C, by Eq. (4)."""
+    C, s = check_max_grad_norm(max_grad_norm), snapshot
+    n, k = len(s.norms), int(np.count_nonzero(s.norms > C))  # the first k (sorted) are clipped
+    UU, US, SS, Um, Sm = s.tables[:, :, k]  # each (L,)
+    sq_mc = np.maximum(C * C * UU + 2 * C * US + SS, 0.0) / n**2  # (L,) ||m̃_l||²  Eq. (4)
+    return _result(C, s.layers, s.num_params, s.norms, s.layer_norms,
+                   dots=(C * Um + Sm) / n, sq_m=s.tables[2, :, 0] / n**2, sq_mc=sq_mc)
+
+
+def direct_clip_at(grads, max_grad_norm) -> ClippingResult:
+    """The slow twin of ``clip_at``: Eq. (1)-(3) from per-sample gradients {name: (n, ...)}."""
+    C = check_max_grad_norm(max_grad_norm)
+    flat = _by_layer(grads)
+    n = next(iter(flat.values())).shape[0]
+    c = clip_factors(grad_norms(flat), C)  # (n,)
+    m = {layer: g.mean(0) for layer, g in flat.items()}  # (d_l,) each
+    mc = {layer: s / n for layer, s in weighted_sum(flat, c).items()}  # (d_l,)  Eq. (1)
+    layer_norms = torch.stack([g.norm(dim=1) for g in flat.values()], dim=1)  # (n, L)
+    return _result(C, tuple(flat), sum(g.shape[1] for g in flat.values()),
+                   grad_norms(flat).numpy(), layer_norms.numpy(),
+                   dots=np.array([float(m[k] @ mc[k]) for k in flat]),
+                   sq_m=np.array([float(v @ v) for v in m.values()]),
+                   sq_mc=np.array([float(v @ v) for v in mc.values()]))
 
 
 def clipping_snapshot(model, loss_fn, inputs, targets, max_grad_norm) -> ClippingResult:

@@ -10,15 +10,37 @@ mean of the clipped gradients.
 """
 
 import numpy as np
-from matplotlib.ticker import LogFormatter, MaxNLocator, NullLocator
+from matplotlib.ticker import FormatStrFormatter, Locator, MaxNLocator, NullLocator
 
 ALL = "all"
 
 
+class Log125Locator(Locator):
+    """Log-axis ticks at 1, 2, 5 x 10^k inside the view (decades only when that is too many).
+
+    Labelled with plain numbers (0.2, 1, 50) by :func:`plain_log_ticks`: cheaper to lay out than
+    matplotlib's default mathtext labels, and a short range (2 to 8) still gets labels.
+    """
+
+    def __init__(self, max_ticks=7):
+        self.max_ticks = max_ticks
+
+    def __call__(self):
+        lo, hi = sorted(self.axis.get_view_interval())
+        if not (lo > 0 and np.isfinite(hi)):
+            return []
+        decades = 10.0 ** np.arange(np.floor(np.log10(lo)), np.ceil(np.log10(hi)) + 1)
+        for mantissas in ((1, 2, 5), (1,)):
+            ticks = [t for t in np.outer(decades, mantissas).ravel() if lo <= t <= hi]
+            if len(ticks) <= self.max_ticks:
+                return ticks
+        return ticks[:: -(-len(ticks) // self.max_ticks)]  # every few decades
+
+
 def plain_log_ticks(axis):
-    """Label a log axis with plain numbers (0.1, 1, 10) at decades only: cheaper to draw than
-    matplotlib's default mathtext labels (10⁻¹), which cost ~10 ms each to lay out."""
-    axis.set_major_formatter(LogFormatter(labelOnlyBase=True))
+    """Use :class:`Log125Locator` with plain labels and no minor ticks on a log ``axis``."""
+    axis.set_major_locator(Log125Locator())
+    axis.set_major_formatter(FormatStrFormatter("%g"))
     axis.set_minor_locator(NullLocator())  # no minor ticks: each tick is an artist to build
 
 
@@ -80,9 +102,10 @@ def plot_layer_norms(ax, result):
     r = result
     columns = [r.layer_norms[:, i][r.layer_norms[:, i] > 0] for i in range(len(r.layers))]
     artists = {
-        "boxes": ax.boxplot(columns, tick_labels=list(r.layers), showfliers=False),
+        "boxes": ax.boxplot(columns, showfliers=False),
         "clip": ax.axhline(r.max_grad_norm, color="k", linestyle="--", linewidth=1.2),
     }
+    ax.set_xticks(range(1, len(r.layers) + 1), r.layers)
     ax.set_yscale("log")
     plain_log_ticks(ax.yaxis)
     ax.set_ylabel("||g_i|| per layer")
