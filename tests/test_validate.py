@@ -90,3 +90,21 @@ def test_fix_model_on_bare_fused_layers():
     assert type(attn) is wb.layers.DPMultiheadAttention and attn.k_proj_weight.shape == (4, 3)
     with pytest.raises(wb.UnsupportedLayerError, match="proj_size"):
         wb.fix_model(nn.LSTM(3, 4, proj_size=2))
+
+
+def test_validate_notes_eval_mode_and_inplace_activations():
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 2)).eval()
+    notes = wb.validate_model(model)
+    assert [(p.path, p.layer, p.blocking) for p in notes] == [
+        ("", "Sequential", False), ("1", "ReLU", False)]
+    assert "model.train()" in str(notes[0]) and "inplace=False" in str(notes[1])
+    assert wb.validate_model(model.train().append(nn.ReLU())) == [notes[1]]
+
+
+def test_fix_model_num_groups():
+    fixed = wb.fix_model(nn.Sequential(nn.BatchNorm2d(48)), num_groups=4)
+    assert fixed[0].num_groups == 4
+    import pytest
+
+    with pytest.raises(ValueError, match="num_groups=5 does not divide the 48 channels"):
+        wb.fix_model(nn.Sequential(nn.BatchNorm2d(48)), num_groups=5)

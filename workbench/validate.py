@@ -68,9 +68,23 @@ def _inside(path: str, parents: list[str]) -> bool:
     return any(parent == "" or path.startswith(f"{parent}.") for parent in parents)
 
 
+INPLACE = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.Hardtanh,
+           nn.Hardswish, nn.Hardsigmoid, nn.SiLU, nn.Mish, nn.Threshold, nn.Dropout,
+           nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
+
+
 def validate_model(model: nn.Module) -> list[Problem]:
-    """Every problem that stops (or slows) per-sample gradients, with module paths."""
+    """Every problem that stops (or slows) per-sample gradients, with module paths.
+
+    Blocking: layers that mix samples, fused torch.nn recurrent/attention layers. Notes
+    (``blocking=False``): layers without a grad sampler (vmap fallback), a model in eval mode,
+    in-place activations.
+    """
     problems = []
+    if not model.training:
+        problems.append(Problem("", type(model).__name__, (
+            "is in eval mode: dropout is off and DP training would not train what you "
+            "evaluate; call model.train() before training"), blocking=False))
     fused_paths = []  # a fused layer is one problem: its children are replaced with it
     for path, module in model.named_modules():
         if _inside(path, fused_paths):
@@ -80,6 +94,11 @@ def validate_model(model: nn.Module) -> list[Problem]:
             problems.append(Problem(path, type(module).__name__, fused))
             fused_paths.append(path)
             continue
+        if isinstance(module, INPLACE) and getattr(module, "inplace", False):
+            problems.append(Problem(path, type(module).__name__, (
+                "is in-place: the workbench's hooks are safe (they record the value before "
+                "the in-place change), but tools built on register_full_backward_hook (e.g. "
+                "Opacus' hooks mode) fail on it; inplace=False is portable"), blocking=False))
         mixing = sample_mixing_problem(module)
         if mixing:
             problems.append(Problem(path, type(module).__name__, mixing))
@@ -92,12 +111,16 @@ def validate_model(model: nn.Module) -> list[Problem]:
     return problems
 
 
-def _replacement(module: nn.Module) -> nn.Module | None:
+def _replacement(module: nn.Module, num_groups=None) -> nn.Module | None:
     if type(module) in DP_REPLACEMENTS:
         return dp_replacement(module)  # raises UnsupportedLayerError for LSTM(proj_size > 0)
     if isinstance(module, _BatchNorm):
         C = module.num_features
-        gn = nn.GroupNorm(math.gcd(32, C), C, eps=module.eps, affine=module.affine)
+        G = math.gcd(32, C) if num_groups is None else num_groups
+        if C % G:
+            raise ValueError(f"num_groups={num_groups!r} does not divide the {C} channels of "
+                             f"{type(module).__name__}; choose a divisor of {C}")
+        gn = nn.GroupNorm(G, C, eps=module.eps, affine=module.affine)
         if module.affine:
             gn.weight.data.copy_(module.weight.data)
             gn.bias.data.copy_(module.bias.data)
@@ -110,14 +133,17 @@ def _replacement(module: nn.Module) -> nn.Module | None:
     return None
 
 
-def fix_model(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` with every sample-mixing layer replaced (see the module docstring)."""
+def fix_model(model: nn.Module, num_groups: int | None = None) -> nn.Module:
+    """A copy of ``model`` with every sample-mixing layer replaced (see the module docstring).
+
+    BatchNorm becomes GroupNorm with ``num_groups`` groups (default gcd(32, C)).
+    """
     model = copy.deepcopy(model)
-    replacement = _replacement(model)
+    replacement = _replacement(model, num_groups)
     if replacement is not None:
         return replacement
     for path, module in list(model.named_modules()):
-        replacement = _replacement(module)
+        replacement = _replacement(module, num_groups)
         if replacement is not None:
             parent_path, _, name = path.rpartition(".")
             setattr(model.get_submodule(parent_path), name, replacement)
