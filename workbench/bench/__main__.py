@@ -12,6 +12,7 @@ BENCHMARKS = {
     "layers": ("workbench.bench.layers", "per-layer per-sample gradient runtime"),
     "e2e": ("workbench.bench.e2e", "one clipped-sum step of the Fast-DPSGD models"),
     "accounting": ("workbench.bench.accounting", "privacy accountant speed"),
+    "training": ("workbench.bench.training", "a DP-SGD training step against plain SGD"),
     "dp_layers": ("workbench.bench.dp_layers", "DP RNN/GRU/LSTM/attention vs torch.nn"),
 }
 
