@@ -165,14 +165,14 @@ def test_make_private_with_epsilon_solves_sigma_and_accounts():
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=data,
         target_epsilon=3.0, target_delta=1e-5, epochs=1, max_grad_norm=1.0)
     q = 64 / 512
-    assert opt.noise_multiplier == pytest.approx(
-        wb.accounting.get_noise_multiplier(3.0, 1e-5, q, epochs=1))
+    assert opt.noise_multiplier == pytest.approx(  # planned for the 8 steps the loader runs
+        wb.accounting.get_noise_multiplier(3.0, 1e-5, q, steps=8))
     for x, y in loader:
         opt.zero_grad()
         CE_MEAN(model(x), y).backward()
         opt.step()
     assert len(engine.accountant) == len(loader) == 8
-    assert 2.5 < engine.get_epsilon(1e-5) <= 3.0
+    assert 2.97 < engine.get_epsilon(1e-5) <= 3.0  # spends the target, within tolerance
 
 
 def test_errors():

@@ -112,9 +112,13 @@ class PrivacyEngine:
 
     def make_private_with_epsilon(self, *, target_epsilon, target_delta, epochs, data_loader,
                                   **kwargs):
-        """``make_private`` with the σ that spends ``target_epsilon`` over ``epochs``."""
-        q = data_loader.batch_size / len(data_loader.dataset)
-        sigma = get_noise_multiplier(target_epsilon, target_delta, q, epochs=epochs,
+        """``make_private`` with the σ that spends ``target_epsilon`` over ``epochs``.
+
+        Planned for the steps the Poisson loader will run: ``epochs`` x round(1 / q).
+        """
+        q = min(1.0, data_loader.batch_size / len(data_loader.dataset))
+        steps = round(epochs * max(1, round(1 / q)))
+        sigma = get_noise_multiplier(target_epsilon, target_delta, q, steps=steps,
                                      accountant=self.accountant_name)
         return self.make_private(data_loader=data_loader, noise_multiplier=sigma, **kwargs)
 

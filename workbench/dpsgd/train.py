@@ -7,6 +7,10 @@ the ε spent so far (at ``delta``), the fraction of samples whose gradient was c
 gradient signal-to-noise ratio ||Σ_i c_i g_i|| / (σ C √d), averaged over the epoch's steps
 (Opacus paper, Yousefpour et al. 2021, arXiv 2109.12298; NanoBatch, Lee et al. 2022, discuss
 how batch size moves it).
+
+On a small, busy CPU, PyTorch's intra-op threads can slow these small steps down many times
+over (measured here: 27 s with two threads against 0.7 s with one for the same 15 epochs);
+``torch.set_num_threads(1)`` is worth trying there.
 """
 
 import pandas as pd
