@@ -24,8 +24,11 @@ unit: $(STAMP)
 notebooks: $(STAMP)
 	WORKBENCH_FAST=1 $(PY) -m pytest -q --nbval-lax -p no:cacheprovider notebooks
 
+# JupyterLab refuses to run as root unless told to (containers, CI machines): say so only then.
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
+
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab notebooks/ $(ALLOW_ROOT)
 
 bench: $(STAMP)
 	$(PY) -m workbench.bench layers
