@@ -1,0 +1,198 @@
+"""audit_gradients: correct methods pass, deliberately wrong providers fail on the right samples."""
+
+import matplotlib
+import pytest
+import torch
+from torch import nn
+
+import workbench as wb
+from workbench import audit
+from workbench.audit.providers import OPACUS_MODES, opacus_provider
+from workbench.models import MeanOver
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+LOSS = nn.CrossEntropyLoss(reduction="none")
+ALL = ("einsum", "vmap", "ghost", "bookkeeping")
+
+
+def digits_cnn(n=6):
+    torch.manual_seed(0)
+    x, y = wb.models.example_batch("digits_cnn", n, torch.Generator().manual_seed(1))
+    return wb.models.make_model("digits_cnn"), x, y
+
+
+def embedding_layernorm(n=5):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 8), nn.LayerNorm(8), MeanOver(1), nn.Linear(8, 3))
+    g = torch.Generator().manual_seed(1)
+    return model, torch.randint(0, 20, (n, 7), generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def scaled(grads_fn, factor):
+    def provider(model, loss_fn, inputs, targets):
+        return {k: factor * g for k, g in grads_fn(model, loss_fn, inputs, targets).items()}
+
+    return provider
+
+
+def swapped(i, j):
+    def provider(model, loss_fn, inputs, targets):
+        grads = wb.per_sample_gradients(model, loss_fn, inputs, targets, method="einsum")
+        order = torch.arange(len(targets))
+        order[[i, j]] = order[[j, i]]
+        return {k: g[order] for k, g in grads.items()}
+
+    return provider
+
+
+@pytest.mark.parametrize("make", [digits_cnn, embedding_layernorm])
+def test_correct_model_passes_for_all_methods(make):
+    model, x, y = make()
+    before = {k: p.detach().clone() for k, p in model.state_dict().items()}
+    result = audit.audit_gradients(model, LOSS, x, y, methods=ALL)
+    assert result.passed, result.table
+    assert set(result.table["method"]) == set(ALL)
+    assert (result.table["max_rel_error"] <= 1e-9).all()
+    assert set(result.table["layer"]) >= ({"Conv2d", "Linear"} if make is digits_cnn
+                                          else {"Embedding", "LayerNorm", "Linear"})
+    assert "summation order" in result.table["tolerance_reason"].iloc[0]
+    after = model.state_dict()  # the user's model is neither cast nor changed
+    assert all(after[k].dtype == torch.float32 and torch.equal(after[k], v)
+               for k, v in before.items())
+
+
+def test_float32_uses_the_float32_tolerance():
+    model, x, y = digits_cnn()
+    result = audit.audit_gradients(model, LOSS, x, y, methods=("einsum",), dtype=torch.float32)
+    assert result.passed and (result.table["tolerance"] == 1e-4).all()
+
+
+def test_scaled_provider_fails_on_every_sample():
+    model, x, y = digits_cnn()
+    wrong = scaled(lambda *a: wb.per_sample_gradients(*a, method="vmap"), 1.01)
+    result = audit.audit_gradients(model, LOSS, x, y, methods=("einsum",),
+                                   providers={"scaled": wrong})
+    assert not result.passed
+    assert result.failed_methods() == ["scaled"]
+    rows = result.table[result.table["method"] == "scaled"]
+    assert rows["max_rel_error"].between(0.009, 0.011).all()
+    assert (result.per_sample_errors["scaled"] > 1e-9).all()
+    assert (result.per_sample_errors["einsum"] <= 1e-9).all()
+
+
+def test_swapped_samples_are_flagged():
+    model, x, y = embedding_layernorm(n=6)
+    result = audit.audit_gradients(model, LOSS, x, y, methods=(),
+                                   providers={"swap": swapped(1, 4)})
+    assert not result.passed
+    flagged = result.per_sample_errors.index[result.per_sample_errors["swap"] > 1e-9]
+    assert list(flagged) == [1, 4]
+
+
+def test_ghost_is_audited_on_norms_and_clipped_sums():
+    model, x, y = digits_cnn()
+    result = audit.audit_gradients(model, LOSS, x, y, methods=("ghost", "bookkeeping"))
+    assert result.passed
+    ref_norms = wb.per_sample_grad_norms(model.double(), LOSS, x.double(), y, "microbatch")
+    assert result.max_grad_norm == pytest.approx(float(ref_norms.median()))
+    ghost = result.table[result.table["method"] == "ghost"]
+    assert ghost["quantity"].str.startswith("clipped sum").all()
+    assert (ghost["norm_rel_error"] <= 1e-9).all()
+    assert result.table.loc[result.table["method"] == "bookkeeping", "norm_rel_error"].isna().all()
+    assert result.per_sample_errors["bookkeeping"].isna().all()
+
+
+def test_raising_provider_gives_a_failed_row_and_the_audit_continues():
+    def broken(*args):
+        raise RuntimeError("no sampler for Conv2d")
+
+    model, x, y = digits_cnn()
+    result = audit.audit_gradients(model, LOSS, x, y, methods=("einsum",),
+                                   providers={"broken": broken})
+    row = result.table[result.table["method"] == "broken"].iloc[0]
+    assert not row["passed"] and "RuntimeError: no sampler for Conv2d" in row["error"]
+    assert result.table.loc[result.table["method"] == "einsum", "passed"].all()
+
+
+def test_wrong_keys_and_shapes_fail():
+    model, x, y = digits_cnn()
+
+    def partial(*args):
+        return {"fc1.bias": torch.zeros(6, 10, dtype=torch.float64)}
+
+    def flat(model, loss_fn, inputs, targets):
+        grads = wb.per_sample_gradients(model, loss_fn, inputs, targets, method="vmap")
+        return {k: g.flatten(1) for k, g in grads.items()}
+
+    result = audit.audit_gradients(model, LOSS, x, y, methods=(),
+                                   providers={"partial": partial, "flat": flat})
+    errors = result.table.groupby("method")["error"].first()
+    assert "missing parameters" in errors["partial"]
+    assert "shape (6, 144), expected (6, 16, 1, 3, 3)" in errors["flat"]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(methods=("einsum", "magic")), "magic.*valid choices"),
+    (dict(reference="ghost"), "reference must be one of"),
+    (dict(dtype=torch.float16), "dtype must be one of"),
+])
+def test_bad_choices_raise(kwargs, match):
+    model, x, y = digits_cnn()
+    with pytest.raises(ValueError, match=match):
+        audit.audit_gradients(model, LOSS, x, y, **kwargs)
+
+
+def test_torch_func_provider_passes():
+    model, x, y = embedding_layernorm()
+    result = audit.audit_gradients(model, LOSS, x, y, methods=(),
+                                   providers={"torch_func": audit.torch_func_provider})
+    assert result.passed and set(result.table["method"]) == {"torch_func"}
+
+
+def test_available_providers_name_missing_libraries_with_a_reason(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("opacus", "backpack") else real(name))
+    found, missing = audit.available_providers()
+    assert set(found) == {"torch_func"}
+    assert "pip install opacus" in missing["opacus_hooks"]
+    assert "backpack-for-pytorch" in missing["backpack"]
+    model, x, y = digits_cnn()
+    result = audit.audit_gradients(model, LOSS, x, y, methods=(),
+                                   providers={"opacus": opacus_provider("hooks")})
+    assert "opacus is not installed" in result.table["error"].iloc[0]
+
+
+def test_opacus_ghost_mode_is_rejected_with_a_reason():
+    with pytest.raises(ValueError, match="no per-sample gradients"):
+        opacus_provider("ghost")
+
+
+@pytest.mark.crosscheck
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("mode", OPACUS_MODES)
+def test_opacus_provider_passes(mode):
+    pytest.importorskip("opacus", reason="Opacus not installed (pip install opacus)")
+    model, x, y = embedding_layernorm()
+    result = audit.audit_gradients(model, LOSS, x, y, methods=(),
+                                   providers={mode: opacus_provider(mode)})
+    assert result.passed, result.table
+
+
+def test_plot_and_html():
+    model, x, y = digits_cnn()
+    result = audit.audit_gradients(model, LOSS, x, y, methods=("einsum", "ghost"),
+                                   providers={"scaled": scaled(audit.torch_func_provider, 2.0)})
+    fig, ax = plt.subplots()
+    artists = result.plot(ax)
+    assert len(artists) == 4  # three bars and the tolerance line
+    assert ax.get_yscale() == "log"
+    assert artists[-1].get_ydata()[0] == pytest.approx(1e-9)
+    plt.close(fig)
+    html = result._repr_html_()
+    assert html.startswith('<p style="color:red"><b>FAILED: scaled disagree')
+    assert "<table" in html and "conv1.weight" in html

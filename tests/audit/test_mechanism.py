@@ -1,0 +1,92 @@
+"""audit_dp_step passes correct DP-SGD steps and flags every bug in the zoo.
+
+Fixed seeds (G's design and the steps' noise) make every run identical, so the tests cannot
+flake; the audit's own false-alarm bound (alpha = 1e-3, Bonferroni) is what a fresh seed
+would risk. C = 1.5, not 1, so that noise std σ vs σC is visible.
+"""
+
+import matplotlib
+import pytest
+import torch
+
+from workbench.audit.bug_zoo import CORRECT, ZOO
+from workbench.audit.dpsgd_step import workbench_step
+from workbench.audit.mechanism import MechanismAudit, audit_dp_step
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+DIM, C, SIGMA, B, TRIALS = 64, 1.5, 1.0, 8, 400
+
+# the check each bug must fail (it may fail others too)
+EXPECTED = {
+    "inverted_clip_factor": "sensitivity",
+    "clip_batch_gradient": "mean · designed batch",
+    "noise_std_sigma_not_sigma_c": "noise variance",
+    "noise_for_mean_applied_to_sum": "noise variance",
+    "noise_for_sum_applied_to_mean": "noise variance",
+    "noise_reused_across_steps": "noise is fresh",
+    "per_coordinate_clipping": "mean · designed batch",
+    "no_noise": "noise variance",
+    "divide_by_realised_batch": "mean · small batch (n=2)",
+    "laplace_noise": "noise is Gaussian",
+}
+
+
+def audit(step_fn) -> MechanismAudit:
+    return audit_dp_step(step_fn, DIM, B, C, SIGMA, trials=TRIALS,
+                         generator=torch.Generator().manual_seed(0))
+
+
+def test_every_bug_has_an_expected_check():
+    assert set(EXPECTED) == set(ZOO) - {CORRECT}
+
+
+def test_correct_step_passes():
+    result = audit(ZOO[CORRECT](C, SIGMA, B, torch.Generator().manual_seed(1)))
+    assert result.passed, result.table
+    assert list(result.table.columns) == ["check", "statistic", "p_value", "threshold",
+                                          "passed", "meaning"]
+    assert len(result.table) == 7
+    assert "passed" in result._repr_html_()
+    fig, ax = plt.subplots()
+    assert result.plot(ax)
+    plt.close(fig)
+
+
+def test_workbench_optimizer_passes():
+    result = audit(workbench_step(C, SIGMA, B, torch.Generator().manual_seed(2)))
+    assert result.passed, result.table
+
+
+def test_noise_free_audit_is_exact():
+    result = audit_dp_step(workbench_step(C, 0.0, B), DIM, B, C, 0.0, trials=20)
+    assert result.passed, result.table
+    bad = audit_dp_step(ZOO["per_coordinate_clipping"](C, 0.0, B), DIM, B, C, 0.0, trials=20)
+    assert not bad.passed
+
+
+@pytest.mark.parametrize("bug", sorted(EXPECTED))
+def test_bug_is_flagged(bug):
+    result = audit(ZOO[bug](C, SIGMA, B, torch.Generator().manual_seed(3)))
+    assert result.passed is False
+    failed = set(result.table.check[~result.table.passed])
+    assert EXPECTED[bug] in failed, result.table
+
+
+def test_opacus_optimizer_passes():
+    opacus = pytest.importorskip("opacus.optimizers", reason="optional cross-check")
+    p = torch.nn.Parameter(torch.zeros(DIM, dtype=torch.float64))
+    opt = opacus.DPOptimizer(torch.optim.SGD([p], lr=0.0), noise_multiplier=SIGMA,
+                             max_grad_norm=C, expected_batch_size=B)
+
+    def step(G):
+        opt.zero_grad(set_to_none=True)
+        p.grad_sample = G  # (n, d): Opacus clips these, sums, adds noise, divides by B
+        p.grad = G.sum(0)
+        opt.step()
+        return p.grad.detach().clone()
+
+    torch.manual_seed(4)  # Opacus draws its noise from the global generator
+    result = audit(step)
+    assert result.passed, result.table

@@ -1,0 +1,23 @@
+"""Audits: check a DP-SGD implementation against the workbench's obviously-correct twins.
+
+``audit_gradients`` compares per-sample gradients (and ghost norms, clipped sums) of any
+method or library with micro-batching, the reference of Opacus' own tests (Yousefpour et
+al. 2021, arXiv 2109.12298, Appendix A); ``providers`` adapts torch.func, Opacus, BackPACK.
+``audit_dp_step`` tests one privatised step against the claim (Σ_i clip_C(g_i) + N(0, σ²C²I))
+/ B with designed per-sample gradients (``mechanism.py``); ``bug_zoo`` holds wrong steps seen
+in real code, which the audit must flag; ``workbench_step`` runs the workbench's own optimizer.
+"""
+
+from workbench.audit import bug_zoo
+from workbench.audit.dpsgd_step import workbench_step
+from workbench.audit.gradients import GradientAudit, audit_gradients
+from workbench.audit.mechanism import MechanismAudit, audit_dp_step
+from workbench.audit.providers import (
+    available_providers,
+    opacus_provider,
+    torch_func_provider,
+)
+
+__all__ = ["GradientAudit", "MechanismAudit", "audit_dp_step", "audit_gradients",
+           "available_providers", "bug_zoo", "opacus_provider", "torch_func_provider",
+           "workbench_step"]
