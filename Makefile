@@ -30,6 +30,10 @@ ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/ $(ALLOW_ROOT)
 
+# The headless main job: the audit suite, report in audit-report/ (report.html, report.json).
+audit: $(STAMP)
+	$(PY) -m workbench audit --out audit-report
+
 bench: $(STAMP)
 	$(PY) -m workbench.bench layers
 
