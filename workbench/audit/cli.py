@@ -6,7 +6,10 @@ Runs the default audit suite and writes ``report.html`` and ``report.json`` to `
    micro-batching, on the bundled model zoo and the digits CNN on digits data;
 2. mechanism audit: the workbench's own DP optimizer step (and the correct reference step)
    must pass; every step of the bug zoo must be flagged;
-3. accountants: RDP against PLD for a few DP-SGD settings (PLD must never exceed RDP).
+3. accountants: RDP against PLD for a few DP-SGD settings (PLD must never exceed RDP);
+4. canary audit of the workbench's DP step (one run, Steinke, Nasr, Jagielski 2023): the
+   empirical lower bound on ε must stay below the accountant's ε; and of a no-noise step,
+   where it must exceed it.
 
 Exits 1 if anything the workbench itself must pass fails (bug-zoo rows are *expected* to
 fail the mechanism audit; the command checks that they do). ``--model module:callable`` and
@@ -25,6 +28,7 @@ from tqdm.auto import tqdm
 
 from workbench import accounting, data, models
 from workbench.audit import bug_zoo
+from workbench.audit.canary import audit_canaries
 from workbench.audit.dpsgd_step import workbench_step
 from workbench.audit.gradients import audit_gradients
 from workbench.audit.mechanism import audit_dp_step
@@ -92,7 +96,7 @@ def run(args) -> list:
     C, sigma, B, dim = 1.5, 1.0, 8, 32
     tasks = [("gradients", case) for case in gradient_cases(args)]
     tasks += [("mechanism", name) for name in ("workbench", *bug_zoo.ZOO)]  # ZOO has CORRECT
-    tasks += [("accountants", None)]
+    tasks += [("accountants", None), ("canary", "workbench"), ("canary", "no_noise")]
     sections = []
     for kind, item in tqdm(tasks, desc="audit", disable=args.no_progress):
         if kind == "gradients":
@@ -114,9 +118,18 @@ def run(args) -> list:
                 s.note = bug_zoo.ZOO[item].__doc__.strip().splitlines()[0]
                 s.must_pass, s.passed, s.labels = True, not s.passed, ("caught", "NOT CAUGHT")
             sections.append(s)
-        else:
+        elif kind == "accountants":
             sections.append(section("Accountants: RDP vs PLD (PLD must not exceed RDP)",
                                      accountant_table(args.quick)))
+        else:
+            factory = workbench_step if item == "workbench" else bug_zoo.ZOO[item]
+            result = audit_canaries(factory, dim=1000, steps=10, sample_rate=0.5,
+                                    max_grad_norm=C, noise_multiplier=4.0,
+                                    generator=torch.Generator().manual_seed(0))
+            s = section(f"Canary audit: {item} step (ε lower bound vs accountant)", result)
+            if item != "workbench":  # privacy is broken: the lower bound must exceed ε
+                s.passed, s.labels = not s.passed, ("caught", "NOT CAUGHT")
+            sections.append(s)
     return sections
 
 

@@ -1,0 +1,159 @@
+"""Canary audit: an empirical lower bound on ε from one DP-SGD run with gradient canaries.
+
+Steinke, Nasr, Jagielski 2023, "Privacy Auditing with One (1) Training Run" (arXiv
+2305.08846). m canaries are each included with probability ½, independently (the secret
+bits S ∈ {-1, +1}^m); after one run the auditor guesses k₊ of them "in", k₋ "out" and abstains
+on the rest. Their main theorem (Thm. 3.1 of the arXiv version), with δ = 0: if the run is
+ε-DP with respect to each canary, the number of correct guesses W among r = k₊ + k₋ satisfies
+
+    P[W >= v] <= P[Binomial(r, p(ε)) >= v],      p(ε) = e^ε / (1 + e^ε)
+
+so observing W = v refutes every ε with P[Binomial(r, p(ε)) >= v] < β. The reported bound is
+the largest ε not refuted at confidence 1 - β:
+
+    ε_lower = logit(p_lo),   p_lo = the p with P[Binomial(r, p) >= v] = β = Beta(v, r-v+1).ppf(β)
+
+(the one-sided Clopper-Pearson lower limit; 0 when p_lo <= ½). **δ is ignored**: this is
+the ε-DP (δ = 0) bound. Their theorem covers δ > 0 with an extra δ-dependent term in the tail
+probability, which is left out here: for an (ε, δ) claim with small δ the bound is a close but
+heuristic approximation, not a proven one. Significance: a correct run gets ε_lower > ε only
+with probability <= β (up to that δ term), so ``passed`` fails wrongly at most that often.
+
+The run, kept at the level of the DP step (white box, the auditor sees every released step):
+canary j is the gradient C·e_j (Dirac, coordinate j < m); at each of T steps each included
+canary, and each of ``data_size`` ordinary examples, joins the batch with probability q
+(Poisson). Ordinary gradients are fixed, of norm C, on the coordinates m..d-1 (zero rows when
+d = m). Canary j's score is Σ_t step_t[j]; the guesses are the top k₊ and bottom k₋ scores.
+The multi-run audit of Jagielski, Ullman, Oprea 2020 (arXiv 2006.07709: many runs, one canary,
+Clopper-Pearson bounds on the attack's false positive/negative rates) is not implemented here.
+
+Notation: m canaries, d coordinates, T steps, q sample rate, C max_grad_norm, σ noise
+multiplier, B = q·(data_size + m/2) expected batch size, r guesses, v correct, β = 1 - confidence.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+import torch
+from scipy import stats
+
+from workbench import accounting
+
+
+@dataclass
+class CanaryAudit:
+    """ε_lower from the canaries against ε_upper from the accountant; ``table`` has the numbers."""
+
+    epsilon_lower: float
+    epsilon_upper: float
+    table: pd.DataFrame
+    scores: np.ndarray = field(repr=False)  # (m,) Σ_t step_t[j]
+    included: np.ndarray = field(repr=False)  # (m,) bool, the secret bits
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.epsilon_lower <= self.epsilon_upper)
+
+    def plot(self, ax, bins: int = 40):
+        """Histograms of the scores of included and excluded canaries; returns the artists."""
+        edges = np.histogram_bin_edges(self.scores, bins=bins)
+        _, _, p_in = ax.hist(self.scores[self.included], bins=edges, alpha=0.6, label="in")
+        _, _, p_out = ax.hist(self.scores[~self.included], bins=edges, alpha=0.6, label="out")
+        ax.set_xlabel("canary score Σ_t step_t[j]")
+        ax.set_ylabel("canaries")
+        ax.set_title(f"canary audit: ε_lower {self.epsilon_lower:.2f} vs ε_upper "
+                     f"{self.epsilon_upper:.2f} ({'passed' if self.passed else 'FAILED'})")
+        ax.legend()
+        return [*p_in, *p_out]
+
+    def _repr_html_(self):
+        verdict = "passed" if self.passed else "FAILED"
+        return (f"<p><b>Canary audit {verdict}</b>: ε_lower = {self.epsilon_lower:.3f}, "
+                f"ε_upper = {self.epsilon_upper:.3f}</p>" + self.table.to_html(index=False))
+
+
+def epsilon_lower_bound(guesses: int, correct: int, confidence: float = 0.95) -> float:
+    """Largest ε with P[Binomial(r, e^ε/(1+e^ε)) >= v] >= β (Steinke et al., δ = 0)."""
+    r, v, beta = int(guesses), int(correct), 1.0 - float(confidence)
+    if not 0 <= v <= r or r < 1:
+        raise ValueError(f"need 0 <= correct <= guesses and guesses >= 1; got {v!r}, {r!r}")
+    if not 0 < beta < 1:
+        raise ValueError(f"confidence must be in (0, 1); got {confidence!r}")
+    if v == 0:
+        return 0.0
+    p_lo = stats.beta.ppf(beta, v, r - v + 1)  # P[Bin(r, p_lo) >= v] = β
+    return float(max(0.0, np.log(p_lo) - np.log1p(-p_lo)))  # logit, 0 below p = ½
+
+
+def canary_scores(step_fn, dim, steps, sample_rate, max_grad_norm, included, data_size,
+                  generator=None) -> np.ndarray:
+    """Run T steps with Dirac canaries C·e_j for the included j; return (m,) Σ_t step_t[j]."""
+    m, C, q = len(included), float(max_grad_norm), float(sample_rate)
+    canaries = C * torch.eye(m, dim, dtype=torch.float64)[torch.as_tensor(included)]  # (k, d)
+    data = torch.zeros(data_size, dim, dtype=torch.float64)
+    if dim > m and data_size > 0:  # ordinary gradients live off the canary coordinates
+        x = torch.randn(data_size, dim - m, generator=generator, dtype=torch.float64)
+        data[:, m:] = C * x / x.norm(dim=1, keepdim=True)  # (data_size, d - m), norm C
+    pool = torch.cat([canaries, data])  # (k + data_size, d)
+    total = torch.zeros(m, dtype=torch.float64)
+    for _ in range(int(steps)):
+        take = torch.rand(len(pool), generator=generator) < q  # Poisson sampling
+        y = step_fn(pool[take])
+        if tuple(y.shape) != (dim,):
+            raise ValueError(f"step_fn must return a Tensor of shape ({dim},); got "
+                             f"{tuple(y.shape)}")
+        total += y.detach().to("cpu", torch.float64)[:m]
+    return total.numpy()
+
+
+def guess(scores: np.ndarray, k_in: int, k_out: int, generator=None) -> np.ndarray:
+    """(m,) +1 for the top k_in scores, -1 for the bottom k_out, 0 (abstain) otherwise.
+
+    Ties (e.g. exact zeros without noise) are broken by a random permutation, not by index."""
+    perm = torch.randperm(len(scores), generator=generator).numpy()
+    order = perm[np.argsort(scores[perm], kind="stable")]  # ascending, ties shuffled
+    g = np.zeros(len(scores), dtype=int)
+    g[order[len(scores) - k_in:]] = 1
+    g[order[:k_out]] = -1
+    return g
+
+
+def audit_canaries(step_fn_factory, dim: int, steps: int, sample_rate: float,
+                   max_grad_norm: float, noise_multiplier: float, delta: float = 1e-5,
+                   canaries: int = 1000, guesses: int = 400, confidence: float = 0.95,
+                   data_size: int | None = None, generator: torch.Generator | None = None,
+                   accountant: str = "rdp") -> CanaryAudit:
+    """One-run canary audit of ``step_fn_factory(C, σ, B, generator)`` (``bug_zoo`` style).
+
+    The factory is called once with B = q·(data_size + canaries/2), the expected batch size,
+    and a generator for the step's noise seeded from ``generator`` (so one seed fixes the run).
+    ``guesses`` r is split into k₊ = ⌈r/2⌉ "in" and k₋ = ⌊r/2⌋ "out" guesses. ``generator``
+    draws the secret bits, the data and the Poisson samples. ``data_size`` defaults to
+    ``canaries``. ``noise_multiplier`` is the *claim*: it is given to the factory and to
+    ``accounting.epsilon`` for ε_upper.
+    """
+    m, r = int(canaries), int(guesses)
+    if not 1 <= m <= dim:
+        raise ValueError(f"canaries must be in [1, dim={dim}] (one coordinate each); got {m!r}")
+    if not 1 <= r <= m:
+        raise ValueError(f"guesses must be in [1, canaries={m}]; got {r!r}")
+    n_data = m if data_size is None else int(data_size)
+    q, C, sigma = float(sample_rate), float(max_grad_norm), float(noise_multiplier)
+    B = q * (n_data + m / 2)  # expected batch size: the canary count is secret
+    included = (torch.rand(m, generator=generator) < 0.5).numpy()  # (m,) secret bits
+    seed = int(torch.randint(2 ** 62, (1,), generator=generator))
+    step_fn = step_fn_factory(C, sigma, B, torch.Generator().manual_seed(seed))
+    scores = canary_scores(step_fn, dim, steps, q, C, included, n_data, generator)
+    g = guess(scores, (r + 1) // 2, r // 2, generator)
+    v = int(((g == 1) & included).sum() + ((g == -1) & ~included).sum())
+    eps_lo = epsilon_lower_bound(r, v, confidence)
+    eps_up = float(accounting.epsilon(q, sigma, steps, delta, accountant=accountant))
+    table = pd.DataFrame([{
+        "canaries": m, "guesses": r, "correct": v, "epsilon_lower": eps_lo,
+        "confidence": confidence, "epsilon_upper": eps_up, "delta": delta, "steps": int(steps),
+        "sample_rate": q, "noise_multiplier": sigma,
+        "decision rule": f"score_j = Σ_t step_t[j]; top {(r + 1) // 2} -> in, "
+                         f"bottom {r // 2} -> out, abstain on {m - r}",
+    }])
+    return CanaryAudit(eps_lo, eps_up, table, scores, included)
