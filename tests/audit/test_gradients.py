@@ -167,9 +167,23 @@ def test_available_providers_name_missing_libraries_with_a_reason(monkeypatch):
     assert "opacus is not installed" in result.table["error"].iloc[0]
 
 
-def test_opacus_ghost_mode_is_rejected_with_a_reason():
-    with pytest.raises(ValueError, match="no per-sample gradients"):
-        opacus_provider("ghost")
+def test_unknown_opacus_mode_is_rejected():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        opacus_provider("turbo")
+
+
+def test_norm_providers_are_audited_on_norms():
+    model, x, y = digits_cnn()
+
+    def norms(scale):
+        def provider(m, loss_fn, inputs, targets):
+            return scale * wb.per_sample_grad_norms(m, loss_fn, inputs, targets, method="ghost")
+        return provider
+
+    result = audit.audit_gradients(model, LOSS, x, y, methods=(),
+                                   providers={"right": norms(1.0), "wrong": norms(1.01)})
+    assert list(result.table["quantity"]) == ["per-sample norms"] * 2
+    assert result.failed_methods() == ["wrong"]
 
 
 @pytest.mark.crosscheck

@@ -195,6 +195,18 @@ def _audit_ghost(method, make_model, loss_fn, inputs, targets, ref_sum, ref_norm
     return rows, errs
 
 
+def _audit_norms(method, norms, ref_norms, tol):
+    """One row for a provider that returns per-sample norms ||g_i|| (n,) only."""
+    norms = norms.to(ref_norms.dtype).reshape(-1)
+    if norms.shape != ref_norms.shape:
+        return [_failed_row(method, f"norms of shape {tuple(norms.shape)}, expected "
+                                    f"{tuple(ref_norms.shape)}", tol)], None
+    err = relative_error(norms, ref_norms)
+    errs = (norms - ref_norms).abs() / (ref_norms.abs().max().item() or 1.0)  # (n,)
+    return [_row(method, "(all)", "", "per-sample norms", float("nan"),
+                 (norms - ref_norms).abs().max().item(), err, tol)], errs
+
+
 def audit_gradients(model, loss_fn, inputs, targets, methods=("einsum", "vmap", "ghost"),
                     reference="microbatch", providers=None, dtype=torch.float64):
     """Compare every method (and provider) with ``reference``; returns a :class:`GradientAudit`.
@@ -235,7 +247,10 @@ def audit_gradients(model, loss_fn, inputs, targets, methods=("einsum", "vmap", 
             else:
                 run = providers.get(method) or _builtin(method)
                 grads = run(make_model(), loss_fn, inputs, targets)
-                new, errs = _audit_per_sample(method, grads, ref, layers, tol)
+                if isinstance(grads, torch.Tensor):  # a provider of per-sample norms (n,)
+                    new, errs = _audit_norms(method, grads, ref_norms, tol)
+                else:
+                    new, errs = _audit_per_sample(method, grads, ref, layers, tol)
         except Exception as exc:  # noqa: BLE001  (any failure of the audited code is a finding)
             new, errs = [_failed_row(method, f"{type(exc).__name__}: {exc}", tol)], None
         rows += new

@@ -28,7 +28,7 @@ import importlib.util
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_map
 
-OPACUS_MODES = ("hooks", "functorch", "ew")
+OPACUS_MODES = ("hooks", "functorch", "ew", "ghost")  # ghost: per-sample norms only
 
 
 def _as_tuple(inputs):
@@ -65,6 +65,11 @@ def _wrap(model, mode):
 
     if mode == "ew":
         return GradSampleModuleExpandedWeights(model, batch_first=True, loss_reduction="sum")
+    if mode == "ghost":
+        from opacus.grad_sample import GradSampleModuleFastGradientClipping
+
+        return GradSampleModuleFastGradientClipping(model, batch_first=True, loss_reduction="sum",
+                                                    max_grad_norm=1.0, use_ghost_clipping=True)
     return GradSampleModule(model, batch_first=True, loss_reduction="sum",
                             force_functorch=mode == "functorch")
 
@@ -72,17 +77,21 @@ def _wrap(model, mode):
 def opacus_provider(mode: str = "hooks"):
     """A provider running Opacus' ``GradSampleModule(grad_sample_mode=mode)`` on a model copy.
 
+    Mode "ghost" (``GradSampleModuleFastGradientClipping``) returns per-sample gradient norms,
+    Tensor(n,), which ``audit_gradients`` audits as norms.
+
     The losses are summed (``loss_reduction="sum"``), so ``p.grad_sample[i]`` is g_i itself.
     """
     if mode not in OPACUS_MODES:
-        raise ValueError(f"mode must be one of {OPACUS_MODES}; got {mode!r} (Opacus' 'ghost' "
-                         f"mode computes no per-sample gradients: audit method='ghost' instead)")
+        raise ValueError(f"mode must be one of {OPACUS_MODES}; got {mode!r}")
 
     def provider(model, loss_fn, inputs, targets):
         _require("opacus", "opacus")
         gsm = _wrap(copy.deepcopy(model), mode)
         try:
             loss_fn(gsm(*_as_tuple(inputs)), targets).sum().backward()  # Σ_i ℓ_i
+            if mode == "ghost":  # ghost clipping materialises no g_i: audit its norms (n,)
+                return gsm.get_norm_sample().detach()
             return {k: p.grad_sample.detach() for k, p in _trainable(gsm._module).items()}
         finally:
             getattr(gsm, "_close", lambda: None)()  # removes Opacus' hooks
