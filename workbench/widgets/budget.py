@@ -10,13 +10,13 @@ mode the σ slider is ignored and the σ that spends exactly the target ε is sh
 (2.0, 1.11)
 """
 
-import io
 
 import ipywidgets as widgets
 from matplotlib.figure import Figure
 
 from workbench.accounting.explore import explore_budget
 from workbench.viz.budget import plot_budget
+from workbench.widgets.base import Explorer
 
 
 def _controls(n, b, sigma, epochs, delta, mode, target):
@@ -39,7 +39,7 @@ def _controls(n, b, sigma, epochs, delta, mode, target):
     }
 
 
-class BudgetExplorer:
+class BudgetExplorer(Explorer):
     """ε(δ) against epochs for RDP and PLD; ``.controls``, ``.result``, ``.figure``, ``.widget``."""
 
     def __init__(self, dataset_size=60_000, batch_size=256, noise_multiplier=1.1, epochs=60,
@@ -49,14 +49,8 @@ class BudgetExplorer:
         self.figure = Figure(figsize=(7, 4), dpi=80)  # fixed margins: constrained layout
         self.figure.subplots_adjust(left=0.09, right=0.98, bottom=0.12, top=0.92)  # costs 70 ms
         self.ax = self.figure.add_subplot()
-        self.image = widgets.Image(format="png")
-        self.message = widgets.HTML()
         self.result, self.artists = None, {}
-        for control in self.controls.values():
-            control.observe(lambda _: self.update(), names="value")
-        self.widget = widgets.HBox([widgets.VBox([*self.controls.values(), self.message]),
-                                    self.image])
-        self.update()
+        self._wire()
 
     def update(self):
         """Recompute and redraw from the controls; bad values are shown, not raised."""
@@ -65,7 +59,7 @@ class BudgetExplorer:
         try:
             self.result = explore_budget(**v)
         except ValueError as err:
-            self.message.value = f"<span style='color:#b00'>{err}</span>"
+            self._show_error(err)
             return
         r = self.result
         self.message.value = (f"q = {r.sample_rate:.4g}, T = {r.steps} steps<br>"
@@ -73,9 +67,4 @@ class BudgetExplorer:
                               f"{r.epsilon_pld:.3f} (PLD)")
         self.ax.clear()
         self.artists = plot_budget(self.ax, r)
-        buffer = io.BytesIO()
-        self.figure.savefig(buffer, format="png")
-        self.image.value = buffer.getvalue()
-
-    def _repr_mimebundle_(self, **kwargs):
-        return self.widget._repr_mimebundle_(**kwargs)
+        self._show_png()

@@ -21,7 +21,6 @@ about 20 ms an update).
 (0.0, 1.0)
 """
 
-import io
 import math
 
 import ipywidgets as widgets
@@ -30,6 +29,7 @@ from matplotlib.figure import Figure
 from workbench.clipping.flat import check_max_grad_norm
 from workbench.clipping.snapshot import clip_at, per_sample_snapshot
 from workbench.viz.clipping import ALL, plot_layer_norms, plot_norms
+from workbench.widgets.base import Explorer
 
 
 def _controls(C, layers, norms):
@@ -46,7 +46,7 @@ def _controls(C, layers, norms):
     }
 
 
-class ClippingExplorer:
+class ClippingExplorer(Explorer):
     """Per-sample norms clipped at C; ``.controls``, ``.result``, ``.figure``, ``.widget``."""
 
     def __init__(self, model, loss_fn, inputs, targets, max_grad_norm=1.0):
@@ -56,17 +56,11 @@ class ClippingExplorer:
         self.figure = Figure(figsize=(8, 3.6), dpi=80)
         self.figure.subplots_adjust(left=0.08, right=0.98, bottom=0.2, top=0.9, wspace=0.3)
         self.ax, self.layer_ax = self.figure.subplots(1, 2, width_ratios=(3, 1))
-        self.image = widgets.Image(format="png")
-        self.message = widgets.HTML()
         self.result, self.artists = None, {}
         self.layer_artists = plot_layer_norms(self.layer_ax, clip_at(self.snapshot, C))  # once:
         positive = self.snapshot.layer_norms[self.snapshot.layer_norms > 0]  # only C moves there
         self.layer_span = (positive.min(), positive.max()) if positive.size else (C, C)
-        for control in self.controls.values():
-            control.observe(lambda _: self.update(), names="value")
-        self.widget = widgets.HBox([widgets.VBox([*self.controls.values(), self.message]),
-                                    self.image])
-        self.update()
+        self._wire()
 
     def update(self):
         """Re-clip the stored gradients at C and redraw; bad values are shown, not raised."""
@@ -74,7 +68,7 @@ class ClippingExplorer:
         try:
             self.result = clip_at(self.snapshot, self.controls["max_grad_norm"].value)
         except (TypeError, ValueError) as err:
-            self.message.value = f"<span style='color:#b00'>{err}</span>"
+            self._show_error(err)
             return
         r = self.result
         self.message.value = (f"n = {r.num_samples}, d = {r.num_params}<br>"
@@ -86,9 +80,4 @@ class ClippingExplorer:
         C, (lo, hi) = r.max_grad_norm, self.layer_span
         self.layer_artists["clip"].set_ydata([C, C])
         self.layer_ax.set_ylim(min(lo, C) / 1.5, max(hi, C) * 1.5)
-        buffer = io.BytesIO()
-        self.figure.savefig(buffer, format="png")
-        self.image.value = buffer.getvalue()
-
-    def _repr_mimebundle_(self, **kwargs):
-        return self.widget._repr_mimebundle_(**kwargs)
+        self._show_png()

@@ -16,7 +16,6 @@ with n samples it over-estimates the population's by about the samples' spread /
 [0.14, 0.44, 1.08]
 """
 
-import io
 
 import ipywidgets as widgets
 from matplotlib.figure import Figure
@@ -24,6 +23,7 @@ from matplotlib.figure import Figure
 from workbench.accounting.snr import explore_snr
 from workbench.clipping.snapshot import clip_at, per_sample_snapshot
 from workbench.viz.snr import plot_snr
+from workbench.widgets.base import Explorer
 
 
 def _controls(eps, delta, epochs, n, C, signal, sources):
@@ -48,7 +48,7 @@ def _controls(eps, delta, epochs, n, C, signal, sources):
     }
 
 
-class SNRExplorer:
+class SNRExplorer(Explorer):
     """SNR and σ against batch size; ``.controls``, ``.result``, ``.figure``, ``.widget``."""
 
     def __init__(self, model=None, loss_fn=None, inputs=None, targets=None, *, epsilon=3.0,
@@ -70,14 +70,8 @@ class SNRExplorer:
         self.figure = Figure(figsize=(7, 4), dpi=80)
         self.figure.subplots_adjust(left=0.1, right=0.97, bottom=0.12, top=0.92)
         self.ax = self.figure.add_subplot()
-        self.image = widgets.Image(format="png")
-        self.message = widgets.HTML()
         self.result, self.artists = None, {}
-        for control in self.controls.values():
-            control.observe(lambda _: self.update(), names="value")
-        self.widget = widgets.HBox([widgets.VBox([*self.controls.values(), self.message]),
-                                    self.image])
-        self.update()
+        self._wire()
 
     def _signal(self, v):
         """||m̃|| measured at the C of ``v`` (the snapshot's clip_at), or the slider's value."""
@@ -94,7 +88,7 @@ class SNRExplorer:
                                       self.num_params, v["max_grad_norm"], self._signal(v),
                                       batch_sizes=self.batch_sizes)
         except (TypeError, ValueError) as err:
-            self.message.value = f"<span style='color:#b00'>{err}</span>"
+            self._show_error(err)
             return
         r = self.result
         self.message.value = (
@@ -104,9 +98,4 @@ class SNRExplorer:
             f"SNR = {r.snr[-1]:.3g}, T = {r.steps[-1]}")
         self.ax.clear()
         self.artists = plot_snr(self.ax, r)
-        buffer = io.BytesIO()
-        self.figure.savefig(buffer, format="png")
-        self.image.value = buffer.getvalue()
-
-    def _repr_mimebundle_(self, **kwargs):
-        return self.widget._repr_mimebundle_(**kwargs)
+        self._show_png()
