@@ -44,8 +44,20 @@ def clip_factors(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
 
 def grad_norms(grads: dict[str, torch.Tensor]) -> torch.Tensor:
     """||g_i|| over all parameters from materialised per-sample gradients {name: (n, ...)}."""
-    squares = [g.flatten(1).pow(2).sum(1) for g in grads.values()]  # each (n,)
+    squares = [sample_squares(g) for g in grads.values()]  # each (n,)
     return torch.stack(squares).sum(0).sqrt()
+
+
+def sample_squares(g: torch.Tensor) -> torch.Tensor:
+    """||g_i||² for each sample of an (n, ...) tensor, as one reduction: (n,).
+
+    ``g.pow(2).sum(...)`` would first write a second (n, ...) tensor, which doubles the peak
+    memory of every method that materialises per-sample gradients
+    (``python -m workbench.bench memory`` measures it).
+    """
+    if g.dim() == 1:
+        return g.square()
+    return torch.linalg.vector_norm(g, dim=tuple(range(1, g.dim()))).square()
 
 
 def weighted_sum(grads: dict[str, torch.Tensor], c: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from workbench.clipping.flat import clip_factors
+from workbench.clipping.flat import clip_factors, sample_squares
 from workbench.clipping.registry import find_norm_sampler
 from workbench.per_sample.checks import (
     check_batch,
@@ -129,10 +129,10 @@ def squared_norms_by(rec: LayerCalls, group_of):
                 if id(p) in shared:  # summed over its uses before the norm
                     materialised[id(p)] = materialised.get(id(p), 0) + g
                 else:
-                    add(group_of(p), g.flatten(1).pow(2).sum(1))  # normed, then dropped
+                    add(group_of(p), sample_squares(g))  # normed, then dropped
     params = {id(p): p for _, layer, _ in rec.calls() for p in layer.parameters(recurse=False)}
     for key, g in materialised.items():
-        add(group_of(params[key]), g.flatten(1).pow(2).sum(1))
+        add(group_of(params[key]), sample_squares(g))
     return squares, materialised
 
 

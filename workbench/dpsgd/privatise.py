@@ -29,7 +29,7 @@ rate, N data set size, B = qN.
 import torch
 from torch.utils._pytree import tree_map
 
-from workbench.clipping.flat import clip_factors
+from workbench.clipping.flat import clip_factors, sample_squares
 from workbench.clipping.ghost import LayerCalls, squared_norms_by
 from workbench.per_sample.einsum import sample_layer
 from workbench.per_sample.functional import layer_vmap_grad_sampler
@@ -90,7 +90,7 @@ def clipped_sum(calls: LayerCalls, max_grad_norm, mode: str, group_of=None):
         squares: dict = {}
         for key, g in grads.items():
             group = group_of(params[key])
-            squares[group] = squares.get(group, zeros) + g.flatten(1).pow(2).sum(1)
+            squares[group] = squares.get(group, zeros) + sample_squares(g)
         c = {group: clip_factors(sq.sqrt(), C[group]) for group, sq in squares.items()}
         with torch.no_grad():
             sums = {key: torch.tensordot(c[group_of(params[key])].to(g.dtype), g, dims=1)

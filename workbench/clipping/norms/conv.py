@@ -18,6 +18,7 @@ import math
 import torch
 from torch import nn
 
+from workbench.clipping.flat import sample_squares
 from workbench.clipping.norms.linear import gram_is_cheaper
 from workbench.clipping.registry import register_norm_sampler
 from workbench.per_sample.samplers.conv import conv_grad_sampler, output_positions, unfold
@@ -54,7 +55,7 @@ def conv_norm_sampler(layer, activations, backprops):
             squares += (UU * BB).sum((1, 2, 3))
         else:
             w = conv_grad_sampler(layer, activations, backprops)["weight"]
-            squares += w.flatten(1).pow(2).sum(1)
+            squares += sample_squares(w)
     if layer.bias is not None and layer.bias.requires_grad:
         squares += B.sum(3).pow(2).sum((1, 2))  # ||Σ_l b_l||²
     return squares
