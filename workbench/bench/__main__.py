@@ -14,6 +14,7 @@ BENCHMARKS = {
     "accounting": ("workbench.bench.accounting", "privacy accountant speed"),
     "training": ("workbench.bench.training", "a DP-SGD training step against plain SGD"),
     "dp_layers": ("workbench.bench.dp_layers", "DP RNN/GRU/LSTM/attention vs torch.nn"),
+    "memory": ("workbench.bench.memory", "peak memory per layer and DP mode"),
 }
 
 
