@@ -15,6 +15,7 @@ BENCHMARKS = {
     "training": ("workbench.bench.training", "a DP-SGD training step against plain SGD"),
     "dp_layers": ("workbench.bench.dp_layers", "DP RNN/GRU/LSTM/attention vs torch.nn"),
     "memory": ("workbench.bench.memory", "peak memory per layer and DP mode"),
+    "all": ("workbench.bench.all", "every benchmark, CSVs and Fig. 2/3-style figures"),
 }
 
 

@@ -9,9 +9,10 @@ measures side by side (interleaved medians):
   DP-SGD step adds noise to (microbatch, vmap, einsum materialise; ghost and bookkeeping
   do not).
 
-It reports ratios to plain and, on CUDA, the peak allocated memory of each candidate
-(``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``); on CPU peak memory
-is not measured here (see tests/clipping/test_memory.py for a peak-RSS check).
+It reports ratios to plain and the peak allocated memory of each candidate, measured as
+``python -m workbench.bench memory`` measures it (``bench.memory.peak_bytes``): on CUDA
+``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, on CPU the bytes live
+before plus the torch profiler's peak of allocations minus frees.
 """
 
 
@@ -21,6 +22,7 @@ from torch import nn
 
 import workbench as wb
 from workbench import models
+from workbench.bench.memory import peak_bytes, tensor_bytes
 from workbench.bench.timing import (
     benchmark_parser,
     device_name,
@@ -39,16 +41,6 @@ def plain_step(model, x, y):
     return torch.autograd.grad(LOSS(model(x), y).mean(), params)
 
 
-def peak_memory_mb(fn, device) -> float:
-    if device.type != "cuda":
-        return float("nan")
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    fn()
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) / 2**20
-
-
 def bench_model(name, b, methods, repeats, device, max_grad_norm=1.0):
     model = models.make_model(name).to(device)
     x, y = models.example_batch(name, b, generator=torch.Generator().manual_seed(0))
@@ -63,8 +55,12 @@ def bench_model(name, b, methods, repeats, device, max_grad_norm=1.0):
         row[f"{cand}_ms"] = t * 1e3
         if cand != "plain":
             row[f"{cand}/plain"] = t / times["plain"]
-    for cand, fn in candidates.items():
-        row[f"{cand}_peak_MB"] = peak_memory_mb(fn, device)
+    resident = tensor_bytes(model, x, y)
+    for cand, fn in candidates.items():  # peak allocated bytes (bench.memory: CUDA or CPU)
+        row[f"{cand}_peak_MB"] = peak_bytes(fn, device, resident) / 2**20
+    for cand in candidates:
+        if cand != "plain":
+            row[f"{cand}_mem/plain"] = row[f"{cand}_peak_MB"] / row["plain_peak_MB"]
     return row
 
 

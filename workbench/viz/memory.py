@@ -11,6 +11,8 @@
 Notation: b batch size, L parameter bytes, C bytes per sample (features, label, output).
 """
 
+from matplotlib.ticker import NullLocator
+
 from workbench.viz.clipping import plain_log_ticks
 
 MODE_STYLE = {"einsum": ("C0", "o", "einsum (materialised)"),
@@ -18,10 +20,13 @@ MODE_STYLE = {"einsum": ("C0", "o", "einsum (materialised)"),
               "bookkeeping": ("C1", "^", "book-keeping")}
 
 
-def _log_axes(ax, xlabel: str, ylabel: str) -> None:
+def _log_axes(ax, xlabel: str, ylabel: str, batch_sizes=None) -> None:
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     plain_log_ticks(ax.yaxis)
+    if batch_sizes is not None:  # label the batch sizes themselves: 16, 32, ..., not 2^4
+        ax.set_xticks(sorted(set(batch_sizes)), [str(b) for b in sorted(set(batch_sizes))])
+        ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3, which="both")
@@ -49,8 +54,7 @@ def plot_memory(ax, result):
                 r.measured["batch_size"], r.measured[column], color=color, marker=marker,
                 linestyle="-", markersize=5, label=f"measured: {label}")[0]
             values += list(r.measured[column])
-    _log_axes(ax, "batch size b", "peak memory / plain")
-    ax.set_xticks(r.batch_sizes, [str(b) for b in r.batch_sizes])
+    _log_axes(ax, "batch size b", "peak memory / plain", r.batch_sizes)
     ax.set_ylim(min(values) / 1.3, max(values) * 1.3)
     ax.set_title(f"{r.layer}, {r.what} = {r.width}: L/C = {r.L_over_C:.3g}   [{r.source}]",
                  fontsize="small")
@@ -72,7 +76,7 @@ def plot_overheads(ax, table, column: str, ylabel: str = "overhead factor", laye
         part = part.sort_values("batch_size")
         lines[name] = ax.plot(part["batch_size"], part[column], marker="o", markersize=3,
                               color=f"C{i % 10}", label=name)[0]
-    _log_axes(ax, "batch size b", ylabel)
+    _log_axes(ax, "batch size b", ylabel, table["batch_size"])
     ax.legend(fontsize="x-small", ncol=2)
     return lines
 
@@ -87,7 +91,7 @@ def plot_sweep(ax, table, layer: str = "embedding", mode: str = "einsum"):
         lines[width] = ax.plot(rows["batch_size"], rows[f"{mode}_x"], marker="o", markersize=3,
                                color=f"C{i}", label=label)[0]
         ax.plot(rows["batch_size"], rows[f"model_{mode}_x"], linestyle="--", color=f"C{i}")
-    _log_axes(ax, "batch size b", f"peak memory / plain ({mode})")
+    _log_axes(ax, "batch size b", f"peak memory / plain ({mode})", part["batch_size"])
     ax.legend(title=f"{layer} width (dashed: model)", fontsize="x-small",
               title_fontsize="x-small")
     return lines

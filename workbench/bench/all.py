@@ -1,0 +1,107 @@
+"""Every benchmark in one run: ``python -m workbench.bench all``.
+
+Runs ``layers`` (with the DP layers), ``e2e``, ``memory`` (every layer at its default width,
+and the width sweep of the embedding for Fig. 3) and ``accounting``, writes their CSVs to
+``--out-dir`` and draws two figures in the style of the Opacus paper (Yousefpour et al.
+2021, arXiv 2109.12298):
+
+- ``fig2_overheads.png`` (its Fig. 2): per layer against batch size, the runtime overhead of
+  materialised per-sample gradients (einsum / plain), and the peak-memory overhead of einsum
+  and of ghost clipping, with the memory model's prediction for einsum dashed;
+- ``fig3_embedding.png`` (its Fig. 3): the embedding at several vocabulary sizes (so L/C),
+  measured against Eq. (2)/(1), for einsum and for ghost clipping.
+
+``--quick`` shrinks everything (batch sizes 16 and 64, one repeat, fewer models) to check
+the pipeline in a minute; its numbers are not for reporting.
+"""
+
+import argparse
+from pathlib import Path
+
+import pandas as pd
+import torch
+from matplotlib.figure import Figure
+
+from workbench.bench import accounting, e2e, layers, memory
+from workbench.viz.memory import plot_overheads, plot_sweep
+
+
+def runtime_overheads(layers_csv: Path, dp_csv: Path) -> pd.DataFrame:
+    """One table: einsum / plain per layer (torch.nn layers; DP layers over their torch.nn)."""
+    plain = pd.read_csv(layers_csv)
+    plain["einsum/plain"] = plain["einsum"] / plain["plain"]
+    parts = [plain[["layer", "batch_size", "einsum/plain"]]]
+    if dp_csv.is_file():
+        dp = pd.read_csv(dp_csv).rename(columns={"einsum/torch": "einsum/plain"})
+        parts.append(dp[["layer", "batch_size", "einsum/plain"]])
+    return pd.concat(parts, ignore_index=True)
+
+
+def figure_2(runtime: pd.DataFrame, mem: pd.DataFrame, device: str) -> Figure:
+    fig = Figure(figsize=(15, 4.2), dpi=100)
+    axes = fig.subplots(1, 3)
+    plot_overheads(axes[0], runtime, "einsum/plain", "runtime / plain (einsum)")
+    axes[0].set_title("runtime overhead, materialised per-sample gradients", fontsize="small")
+    lines = plot_overheads(axes[1], mem, "einsum_x", "peak memory / plain (einsum)")
+    for name, line in lines.items():  # the model's prediction, dashed, same colour
+        part = mem[mem["layer"] == name].sort_values("batch_size")
+        axes[1].plot(part["batch_size"], part["model_einsum_x"], linestyle="--",
+                     color=line.get_color(), linewidth=0.8)
+    axes[1].set_title("peak memory overhead, einsum (dashed: Eq. (2) / Eq. (1))",
+                      fontsize="small")
+    plot_overheads(axes[2], mem, "ghost_x", "peak memory / plain (ghost)")
+    axes[2].set_title("peak memory overhead, ghost clipping", fontsize="small")
+    fig.suptitle(f"Overheads against batch size per layer ({device}, torch "
+                 f"{torch.__version__}); cf. Opacus paper Fig. 2", fontsize="medium")
+    fig.tight_layout()
+    return fig
+
+
+def figure_3(sweep: pd.DataFrame, device: str) -> Figure:
+    fig = Figure(figsize=(11, 4.2), dpi=100)
+    axes = fig.subplots(1, 2)
+    plot_sweep(axes[0], sweep, "embedding", "einsum")
+    axes[0].set_title("einsum (materialised)", fontsize="small")
+    plot_sweep(axes[1], sweep, "embedding", "ghost")
+    axes[1].set_title("ghost clipping (dashed: ghost model)", fontsize="small")
+    fig.suptitle(f"Embedding: memory overhead at several vocabulary sizes ({device}); "
+                 f"cf. Opacus paper Fig. 3", fontsize="medium")
+    fig.tight_layout()
+    return fig
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m workbench.bench all",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out-dir", type=Path, default=Path("bench-results"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds (median)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny settings to check the pipeline (numbers not for reporting)")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1; got {args.repeats}")
+    out, device = args.out_dir, args.device
+    out.mkdir(parents=True, exist_ok=True)
+    repeats = "1" if args.quick else str(args.repeats)
+    sizes = ["16", "64"] if args.quick else ["16", "64", "256"]
+    mem_sizes = sizes if args.quick else [str(b) for b in memory.BATCH_SIZES]
+    common = ["--device", device, "--repeats", repeats]
+    layers.main(["--batch-sizes", *sizes, *common, "--out", str(out / "layers.csv")])
+    e2e.main(["--batch-sizes", *(["16"] if args.quick else ["64", "256"]), *common,
+              *(["--models", "mnist_cnn", "--methods", "einsum", "ghost", "bookkeeping"]
+                if args.quick else []), "--out", str(out / "e2e.csv")])
+    memory.main(["--batch-sizes", *mem_sizes, "--device", device,
+                 "--out", str(out / "memory.csv")])
+    memory.main(["--layers", "embedding", "--widths", "all", "--batch-sizes", *mem_sizes,
+                 "--device", device, "--out", str(out / "memory_embedding_sweep.csv")])
+    accounting.main(["--repeats", repeats, *(["--steps", "100"] if args.quick else []),
+                     "--out", str(out / "accounting.csv")])
+    mem = pd.read_csv(out / "memory.csv")
+    name = mem["device"].iloc[0]
+    runtime = runtime_overheads(out / "layers.csv", out / "layers_dp.csv")
+    figure_2(runtime, mem, name).savefig(out / "fig2_overheads.png")
+    figure_3(pd.read_csv(out / "memory_embedding_sweep.csv"), name).savefig(
+        out / "fig3_embedding.png")
+    print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} to {out}")
+    return 0
