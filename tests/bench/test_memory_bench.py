@@ -114,3 +114,13 @@ def test_benchmark_writes_csv_and_explore_reads_it(tmp_path, capsys):
     assert r.predicted("ghost") == pytest.approx(table["model_ghost_x"].iloc[-1])
     empty = M.explore_memory("linear", 512, 16, pd.DataFrame(), "live")
     assert empty.measured.empty and empty.at_b is None
+
+
+def test_shipped_results_load_and_name_their_device():
+    shipped = M.shipped_results()
+    assert shipped, "data/bench/memory_*.csv should ship with the repository"
+    for label, path in shipped.items():
+        table = M.load(path)
+        assert label.startswith(table["device"].iloc[0])
+        assert set(table["layer"]) == set(M.LAYERS)
+        assert {"torch", "date", "model_einsum_x", "ghost_x"} <= set(table.columns)

@@ -49,7 +49,7 @@ def figure_2(runtime: pd.DataFrame, mem: pd.DataFrame, device: str) -> Figure:
                      color=line.get_color(), linewidth=0.8)
     axes[1].set_title("peak memory overhead, einsum (dashed: Eq. (2) / Eq. (1))",
                       fontsize="small")
-    plot_overheads(axes[2], mem, "ghost_x", "peak memory / plain (ghost)")
+    plot_overheads(axes[2], mem, "ghost_x", "peak memory / plain (ghost)", log_y=False)
     axes[2].set_title("peak memory overhead, ghost clipping", fontsize="small")
     fig.suptitle(f"Overheads against batch size per layer ({device}, torch "
                  f"{torch.__version__}); cf. Opacus paper Fig. 2", fontsize="medium")

@@ -316,6 +316,21 @@ def run(layers, batch_sizes, widths="default", modes=MODES, device="cpu", progre
     return table
 
 
+def extra_memory(table: pd.DataFrame) -> pd.DataFrame:
+    """Measured extra MB over plain beside the models' extra terms, per row.
+
+    The models' *extra* terms, (b - 1)L for einsum (Eq. 2 - Eq. 1) and bS for ghost, do not
+    depend on what Eq. (1) leaves out (intermediates), so they can be compared directly.
+    """
+    b, MB = table["batch_size"], 2**20
+    out = table[["layer", "width", "batch_size", "L/C"]].copy()
+    out["einsum extra MB"] = table["einsum_MB"] - table["plain_MB"]
+    out["(b-1)L MB"] = (b - 1) * table["L_bytes"] / MB
+    out["ghost extra MB"] = table["ghost_MB"] - table["plain_MB"]
+    out["bS MB"] = b * table["ghost_S_bytes"] / MB
+    return out
+
+
 def summary(table: pd.DataFrame) -> pd.DataFrame:
     """Per layer: measured vs predicted overhead at the largest batch size, mean errors."""
     rows = []
@@ -359,6 +374,13 @@ def main(argv=None):
     print("Summary (largest batch size; errors = predicted / measured overhead - 1, averaged "
           "over batch sizes; the paper: Eq. (3) off by -23% to +41%)")
     print(summary(table).to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    if {"einsum_MB", "ghost_MB"} <= set(table.columns):
+        extra = extra_memory(table)
+        print()
+        print("Extra memory over plain at the largest batch size, beside the models' extra "
+              "terms ((b-1)L: Eq. 2 - Eq. 1; bS: ghost)")
+        print(extra[extra["batch_size"] == extra["batch_size"].max()].to_string(
+            index=False, float_format=lambda v: f"{v:.3g}"))
     print(f"wrote {args.out}")
     return 0
 

@@ -20,10 +20,11 @@ MODE_STYLE = {"einsum": ("C0", "o", "einsum (materialised)"),
               "bookkeeping": ("C1", "^", "book-keeping")}
 
 
-def _log_axes(ax, xlabel: str, ylabel: str, batch_sizes=None) -> None:
+def _log_axes(ax, xlabel: str, ylabel: str, batch_sizes=None, log_y=True) -> None:
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    plain_log_ticks(ax.yaxis)
+    if log_y:
+        ax.set_yscale("log")
+        plain_log_ticks(ax.yaxis)
     if batch_sizes is not None:  # label the batch sizes themselves: 16, 32, ..., not 2^4
         ax.set_xticks(sorted(set(batch_sizes)), [str(b) for b in sorted(set(batch_sizes))])
         ax.xaxis.set_minor_locator(NullLocator())
@@ -62,10 +63,12 @@ def plot_memory(ax, result):
     return artists
 
 
-def plot_overheads(ax, table, column: str, ylabel: str = "overhead factor", layers=None):
+def plot_overheads(ax, table, column: str, ylabel: str = "overhead factor", layers=None,
+                   log_y=True):
     """One line per layer of ``table[column]`` against ``batch_size``; returns {layer: Line2D}.
 
-    Rows of several widths per layer: the first width in the table is used.
+    Rows of several widths per layer: the first width in the table is used. ``log_y=False``
+    suits factors that stay within a few units (ghost clipping).
     """
     lines = {}
     for i, (name, part) in enumerate(table.groupby("layer", sort=False)):
@@ -76,7 +79,7 @@ def plot_overheads(ax, table, column: str, ylabel: str = "overhead factor", laye
         part = part.sort_values("batch_size")
         lines[name] = ax.plot(part["batch_size"], part[column], marker="o", markersize=3,
                               color=f"C{i % 10}", label=name)[0]
-    _log_axes(ax, "batch size b", ylabel, table["batch_size"])
+    _log_axes(ax, "batch size b", ylabel, table["batch_size"], log_y)
     ax.legend(fontsize="x-small", ncol=2)
     return lines
 
