@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test lab audit bench lint unit notebooks clean record-notebooks
+.PHONY: test lab audit bench lint unit notebooks browser clean record-notebooks
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -13,16 +13,22 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -e '.[dev]'
 	touch $(STAMP)
 
-test: lint unit notebooks
+test: lint unit notebooks browser
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check workbench tests notebooks data tools
 
 unit: $(STAMP)
-	$(PY) -m pytest -q tests workbench --doctest-modules
+	$(PY) -m pytest -q tests workbench --doctest-modules --ignore=tests/browser
 
 notebooks: $(STAMP)
 	WORKBENCH_FAST=1 $(PY) -m pytest -q --nbval-lax -p no:cacheprovider notebooks
+
+# The widgets in JupyterLab in headless Chromium (Debian's /usr/bin/chromium, driven by
+# playwright): each notebook with a widget is run and a slider of each widget moved. Skipped,
+# with the reason printed, when chromium or playwright is missing (.ci/run installs chromium).
+browser: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m browser tests/browser
 
 # JupyterLab refuses to run as root unless told to (containers, CI machines): say so only then.
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
