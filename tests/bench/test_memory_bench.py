@@ -124,3 +124,13 @@ def test_shipped_results_load_and_name_their_device():
         assert label.startswith(table["device"].iloc[0])
         assert set(table["layer"]) == set(M.LAYERS)
         assert {"torch", "date", "model_einsum_x", "ghost_x"} <= set(table.columns)
+
+
+@pytest.mark.crosscheck
+def test_opacus_grad_sample_module_is_measured_beside_ours():
+    pytest.importorskip("opacus", reason="Opacus not installed (pip install -e '.[crosscheck]')")
+    row = M.measure_layer("linear", 32, width=128, modes=(*M.MODES, "opacus"))
+    assert row["opacus_MB"] >= 32 * row["L_bytes"] / MB  # it holds b per-sample gradients too
+    assert row["opacus_x"] > row["ghost_x"]
+    lstm = M.measure_layer("lstm", 4, width=16, modes=("plain", "opacus"))  # Opacus' DPLSTM
+    assert lstm["opacus_MB"] > lstm["plain_MB"]

@@ -5,7 +5,9 @@ side by side (interleaved medians, ``timing.time_interleaved``), with the same w
 
 - ``torch``: forward + backward of Σ_i ℓ_i through the torch.nn layer (fused kernels);
 - ``dp``: the same through the DP layer, without per-sample gradients;
-- ``dp_einsum``: ``wb.per_sample_gradients(..., method="einsum")`` through the DP layer.
+- ``dp_einsum``: ``wb.per_sample_gradients(..., method="einsum")`` through the DP layer;
+- ``opacus`` (when Opacus is installed, unless ``--no-compare``): Opacus' own DP layer in its
+  GradSampleModule, forward + backward (the paper's "GSM(DPModule)").
 
 ``dp/torch`` is the price of hookable parts; ``einsum/dp`` the price of the per-sample
 gradients on top, part of which is only writing them: ``floor`` is the time to write the
@@ -27,6 +29,7 @@ import torch
 from torch import nn
 
 import workbench as wb
+from workbench.bench import opacus_twin
 from workbench.bench.timing import (
     benchmark_parser,
     copy_bandwidth,
@@ -61,10 +64,11 @@ def plain_step(model, x, t):
     return torch.autograd.grad(sum_of_products(model(x), t).sum(), params)
 
 
-def bench_layer(name, b, repeats, device, bandwidth=None, seed=0):
+def bench_layer(name, b, repeats, device, bandwidth=None, seed=0, compare=False):
     """One row per (layer, b): median seconds per candidate and the ratios.
 
-    ``bandwidth`` (bytes/s into fresh memory) adds the ``floor`` columns when given.
+    ``bandwidth`` (bytes/s into fresh memory) adds the ``floor`` columns when given;
+    ``compare`` adds Opacus' DP layer in its GradSampleModule (``bench.opacus_twin``).
     """
     make_torch, dp_class, wrap = LAYERS[name]
     torch.manual_seed(seed)
@@ -80,12 +84,17 @@ def bench_layer(name, b, repeats, device, bandwidth=None, seed=0):
         "dp_einsum": lambda: wb.per_sample_gradients(dp_model, sum_of_products, x, t,
                                                      method="einsum"),
     }
+    if compare:
+        twin = opacus_twin.opacus_layer(name, D, reference).to(device)
+        candidates["opacus"] = opacus_twin.gsm_step(twin, sum_of_products, x, t)
     times = time_interleaved(candidates, device, repeats=repeats)
     row = {"layer": name, "batch_size": b, "T": T, "size": D,
            "params": sum(p.numel() for p in reference.parameters()), **times}
     row["dp/torch"] = times["dp"] / times["torch"]
     row["einsum/dp"] = times["dp_einsum"] / times["dp"]
     row["einsum/torch"] = times["dp_einsum"] / times["torch"]
+    if compare:
+        row["opacus/einsum"] = times["opacus"] / times["dp_einsum"]
     if bandwidth:
         nbytes = sum(b * p.numel() * p.element_size() for p in reference.parameters())
         row["per_sample_MB"], row["floor"] = nbytes / 2**20, nbytes / bandwidth
@@ -93,9 +102,9 @@ def bench_layer(name, b, repeats, device, bandwidth=None, seed=0):
     return row
 
 
-def run(layers, batch_sizes, repeats, device):
+def run(layers, batch_sizes, repeats, device, compare=False):
     bandwidth = copy_bandwidth(device, fresh=True)
-    table = pd.DataFrame([bench_layer(name, b, repeats, device, bandwidth)
+    table = pd.DataFrame([bench_layer(name, b, repeats, device, bandwidth, compare=compare)
                           for name in layers for b in batch_sizes])
     table["device"] = device_name(device)
     table["torch_version"] = torch.__version__
@@ -103,8 +112,9 @@ def run(layers, batch_sizes, repeats, device):
 
 
 def format_table(table: pd.DataFrame) -> str:
-    ms = ["torch", "dp", "dp_einsum", "floor"]
-    ratios = ["dp/torch", "einsum/dp", "einsum/torch", "einsum/(dp+floor)"]
+    ms = [c for c in ("torch", "dp", "dp_einsum", "floor", "opacus") if c in table]
+    ratios = [c for c in ("dp/torch", "einsum/dp", "einsum/torch", "einsum/(dp+floor)",
+                          "opacus/einsum") if c in table]
     shown = table[["layer", "batch_size", *ms, *ratios]].copy()
     shown[ms] = shown[ms] * 1e3
     return shown.to_string(index=False, float_format=lambda v: f"{v:.3g}")
@@ -113,6 +123,8 @@ def format_table(table: pd.DataFrame) -> str:
 def main(argv=None):
     parser = benchmark_parser("dp_layers", __doc__)
     parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
+    parser.add_argument("--no-compare", action="store_true",
+                        help="skip Opacus' DP layers even when Opacus is installed")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice)")
     args = parse_benchmark_args(parser, argv)
@@ -121,7 +133,8 @@ def main(argv=None):
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads or threads)
     try:
-        table = run(args.layers, args.batch_sizes, args.repeats, torch.device(args.device))
+        table = run(args.layers, args.batch_sizes, args.repeats, torch.device(args.device),
+                    compare=opacus_twin.available() and not args.no_compare)
     finally:
         torch.set_num_threads(threads)  # leave an in-process caller as it was
     args.out.parent.mkdir(parents=True, exist_ok=True)

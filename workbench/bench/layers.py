@@ -4,6 +4,8 @@ For each layer and batch size b, one run measures side by side (interleaved medi
 
 - ``plain``: forward + backward of Σ_i ℓ_i without per-sample gradients;
 - ``microbatch`` / ``vmap`` / ``einsum``: ``wb.per_sample_gradients`` with that method;
+- ``opacus`` (when Opacus is installed, unless ``--no-compare``): its GradSampleModule
+  forward + backward on the same layer, the per-sample gradients in ``p.grad_sample``;
 - ``floor``: the time to write the (b, *param) per-sample tensors into fresh memory at the
   copy bandwidth measured in the same run (``timing.copy_bandwidth``): no method that
   returns them can beat plain + floor.
@@ -20,6 +22,7 @@ import torch
 from torch import nn
 
 import workbench as wb
+from workbench.bench import opacus_twin
 from workbench.bench.timing import (
     benchmark_parser,
     copy_bandwidth,
@@ -62,8 +65,11 @@ def plain_step(layer, x, t):
     return torch.autograd.grad(loss, params)
 
 
-def bench_layer(name, b, methods, repeats, device, bandwidth, seed=0):
-    """One row per (layer, b): median seconds per candidate, the floor and the ratios."""
+def bench_layer(name, b, methods, repeats, device, bandwidth, seed=0, compare=False):
+    """One row per (layer, b): median seconds per candidate, the floor and the ratios.
+
+    ``compare``: also time Opacus' GradSampleModule (``bench.opacus_twin``) on the layer.
+    """
     make_layer, make_input = LAYERS[name]
     g = torch.Generator().manual_seed(seed)
     layer = make_layer().to(device)
@@ -74,6 +80,9 @@ def bench_layer(name, b, methods, repeats, device, bandwidth, seed=0):
     for method in methods:
         candidates[method] = (lambda m=method: wb.per_sample_gradients(
             layer, sum_of_squares, x, t, method=m))
+    if compare:
+        twin = opacus_twin.opacus_layer(name, None, layer).to(device)
+        candidates["opacus"] = opacus_twin.gsm_step(twin, sum_of_squares, x, t)
     times = time_interleaved(candidates, device, repeats=repeats)
     per_sample_bytes = sum(b * p.numel() * p.element_size() for p in layer.parameters())
     row = {"layer": name, "batch_size": b, "params": sum(p.numel() for p in layer.parameters()),
@@ -85,13 +94,15 @@ def bench_layer(name, b, methods, repeats, device, bandwidth, seed=0):
             if other in times:
                 row[f"{other}/einsum"] = times[other] / times["einsum"]
         row["einsum/(plain+floor)"] = times["einsum"] / row["plain+floor"]
+        if "opacus" in times:
+            row["opacus/einsum"] = times["opacus"] / times["einsum"]
     return row
 
 
-def run(layers, batch_sizes, methods, repeats, device):
+def run(layers, batch_sizes, methods, repeats, device, compare=False):
     bandwidth = copy_bandwidth(device, fresh=True)
     warm = copy_bandwidth(device, fresh=False)
-    rows = [bench_layer(name, b, methods, repeats, device, bandwidth)
+    rows = [bench_layer(name, b, methods, repeats, device, bandwidth, compare=compare)
             for name in layers for b in batch_sizes]
     table = pd.DataFrame(rows)
     table["device"] = device_name(device)
@@ -103,7 +114,7 @@ def run(layers, batch_sizes, methods, repeats, device):
 
 
 def format_table(table: pd.DataFrame) -> str:
-    ms = [c for c in ("plain", "floor", "microbatch", "vmap", "einsum") if c in table]
+    ms = [c for c in ("plain", "floor", "microbatch", "vmap", "einsum", "opacus") if c in table]
     shown = table[["layer", "batch_size", *ms]].copy()
     shown[ms] = shown[ms] * 1e3
     ratios = [c for c in table.columns if "/" in c]
@@ -118,13 +129,15 @@ def main(argv=None):
     parser.add_argument("--no-dp-layers", action="store_true",
                         help="skip the DP recurrent/attention layers (python -m workbench.bench "
                              "dp_layers runs them alone)")
+    parser.add_argument("--no-compare", action="store_true",
+                        help="skip Opacus' GradSampleModule even when Opacus is installed")
     parser.add_argument("--huge-pages", action="store_true",
                         help="back large per-sample tensors by 2 MiB pages (per_sample.memory)")
     args = parse_benchmark_args(parser, argv)
     if args.huge_pages:
         memory.HUGE_PAGES = True
     table = run(args.layers, args.batch_sizes, args.methods, args.repeats,
-                torch.device(args.device))
+                torch.device(args.device), compare=opacus_twin.available() and not args.no_compare)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     table.to_csv(args.out, index=False)
     print(f"device: {table['device'][0]}   torch {torch.__version__}   "
@@ -138,6 +151,7 @@ def main(argv=None):
         print()
         dp_layers.main(["--batch-sizes", *map(str, args.batch_sizes), "--repeats",
                         str(args.repeats), "--device", args.device,
+                        *(["--no-compare"] if args.no_compare else []),
                         "--out", str(args.out.with_name(args.out.stem + "_dp.csv"))])
     return 0
 

@@ -8,13 +8,18 @@ four modes, each measured on its own:
   are materialised, clipped and summed (what Opacus' GradSampleModule does);
 - ``ghost`` and ``bookkeeping``: the clipped sum without materialising them (``clipping``).
 
-**What is measured.** On CUDA: ``torch.cuda.max_memory_allocated`` after
-``reset_peak_memory_stats``, which counts everything allocated on the device (module, inputs,
-targets, intermediates, results), as in the Opacus paper's Table 3. On CPU (labelled "CPU" in
-every row): the bytes live before the call (parameters, buffers, inputs, targets) plus the
-peak of the running sum of the allocations and frees the torch profiler records during the
-call (``profile_memory=True``). Both are *allocated* bytes, not the allocator's reserve or the
-process' RSS.
+**What is measured.** The bytes the step needs live before it starts (the layer's
+parameters and buffers, the inputs and labels) plus the peak of what it allocates while it
+runs: on CUDA ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` (less
+what was allocated before), as in the Opacus paper's Table 3; on CPU (labelled "CPU
+(profiler)" in every row) the peak of the running sum of the allocations and frees the torch
+profiler records during the call (``profile_memory=True``). Both are *allocated* bytes, not
+the allocator's reserve or the process' RSS.
+
+**Opacus beside it.** When Opacus is installed (and unless ``--no-compare``), the mode
+``opacus`` measures its ``GradSampleModule`` forward + backward (per-sample gradients, no
+clipping; ``bench.opacus_twin``), the paper's "GSM(module)"; for the recurrent and attention
+layers the module is Opacus' own DP layer.
 
 **The model beside it.** The Opacus paper (Yousefpour et al. 2021, arXiv 2109.12298, §3.2.2,
 Eq. 1-3) counts, per sample, C = the bytes of its features, label and output, and L = the
@@ -56,6 +61,7 @@ import torch
 from torch import nn
 
 import workbench as wb
+from workbench.bench import opacus_twin
 from workbench.bench.timing import benchmark_parser, device_name, parse_benchmark_args
 from workbench.clipping.ghost import record
 from workbench.clipping.routes import layer_route
@@ -64,6 +70,7 @@ from workbench.models import RNNOutput, SelfAttention
 
 MODES = ("plain", "einsum", "ghost", "bookkeeping")
 DP_MODES = MODES[1:]
+ALL_MODES = (*MODES, "opacus")  # opacus: only where it is installed
 BATCH_SIZES = (16, 32, 64, 128, 256, 512)
 T = 32  # tokens / time steps per sample for the embedding, recurrent and attention layers
 
@@ -175,18 +182,21 @@ def tensor_bytes(*objects) -> int:
 
 
 def peak_bytes(fn, device: torch.device, resident: int) -> int:
-    """Peak allocated bytes while ``fn()`` runs, counting what is already allocated.
+    """Peak allocated bytes while ``fn()`` runs: ``resident`` plus the peak of what it adds.
 
-    CUDA: ``max_memory_allocated`` after ``reset_peak_memory_stats`` (``resident`` unused).
-    CPU: ``resident`` (bytes live before, e.g. ``tensor_bytes(layer, x, t)``) plus the
-    profiler's peak of allocations minus frees during the call.
+    ``resident`` is what the step needs live before it starts (e.g.
+    ``tensor_bytes(layer, x, t)``: parameters, buffers, inputs, labels). What the call adds:
+    on CUDA ``max_memory_allocated`` after ``reset_peak_memory_stats``, minus what was
+    allocated before (so other tensors on the device do not count); on CPU the profiler's
+    peak of allocations minus frees during the call.
     """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         fn()
         torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device)
+        return resident + torch.cuda.max_memory_allocated(device) - before
     return resident + _cpu_extra_peak(fn)
 
 
@@ -278,19 +288,25 @@ def measure_layer(name: str, b: int, width: int | None = None, modes=MODES,
         t = torch.randn(layer(x).shape, generator=g).to(device)
     sizes = layer_sizes(layer, x, t)
     S = ghost_scratch_bytes(layer, x, t)
-    resident = tensor_bytes(layer, x, t)
+    resident = {mode: tensor_bytes(layer, x, t) for mode in ALL_MODES}
     run = steps(layer, x, t)
+    if "opacus" in modes:
+        twin = opacus_twin.opacus_layer(name, width, layer).to(device)
+        run["opacus"] = opacus_twin.gsm_step(twin, sum_of_products, x, t)
+        resident["opacus"] = tensor_bytes(twin, x, t)
     row = {"layer": name, "width": width, "batch_size": b, **sizes, "ghost_S_bytes": S}
     modes = ("plain", *[m for m in modes if m != "plain"])  # plain: the overheads' baseline
     for mode in modes:
         run[mode]()  # warm-up: one-off caches are not the step's memory
-        row[f"{mode}_MB"] = peak_bytes(run[mode], device, resident) / 2**20
+        row[f"{mode}_MB"] = peak_bytes(run[mode], device, resident[mode]) / 2**20
     predicted = model_bytes(b, sizes["L_bytes"], sizes["C_bytes"], S)
     row["model_plain_MB"] = predicted["plain"] / 2**20
     row["model_plain_explains"] = row["model_plain_MB"] / row["plain_MB"]
     for mode in modes[1:]:
-        key = "ghost" if mode == "bookkeeping" else mode
         row[f"{mode}_x"] = row[f"{mode}_MB"] / row["plain_MB"]
+        if mode == "opacus":
+            continue
+        key = "ghost" if mode == "bookkeeping" else mode
         row[f"model_{mode}_x"] = predicted[key] / predicted["plain"]
         row[f"{mode}_error"] = row[f"model_{mode}_x"] / row[f"{mode}_x"] - 1
     row["eq3_regime"] = eq3_regime(sizes["L/C"], b)
@@ -342,6 +358,8 @@ def summary(table: pd.DataFrame) -> pd.DataFrame:
                 row[f"{mode} x"] = last[f"{mode}_x"]
                 row[f"model {mode} x"] = last[f"model_{mode}_x"]
                 row[f"{mode} mean error"] = part[f"{mode}_error"].mean()
+        if "opacus_x" in part:
+            row["opacus x"] = last["opacus_x"]
         row["Eq.1 explains"] = part["model_plain_explains"].mean()
         rows.append(row)
     return pd.DataFrame(rows)
@@ -349,7 +367,7 @@ def summary(table: pd.DataFrame) -> pd.DataFrame:
 
 def format_table(table: pd.DataFrame) -> str:
     cols = ["layer", "width", "batch_size", "L/C", "plain_MB", "einsum_x", "model_einsum_x",
-            "ghost_x", "bookkeeping_x", "model_ghost_x"]
+            "opacus_x", "ghost_x", "bookkeeping_x", "model_ghost_x"]
     return table[[c for c in cols if c in table]].to_string(
         index=False, float_format=lambda v: f"{v:.3g}")
 
@@ -357,13 +375,18 @@ def format_table(table: pd.DataFrame) -> str:
 def main(argv=None):
     parser = benchmark_parser("memory", __doc__, batch_sizes=BATCH_SIZES)
     parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=ALL_MODES)
+    parser.add_argument("--no-compare", action="store_true",
+                        help="skip Opacus' GradSampleModule even when Opacus is installed")
     parser.add_argument("--widths", choices=["default", "all"], default="default",
                         help="'all' sweeps each layer's widths (L/C from small to large, "
                              "as the paper's Fig. 3 does for the embedding)")
     args = parse_benchmark_args(parser, argv)
     device = torch.device(args.device)
-    table = run(args.layers, args.batch_sizes, args.widths, args.modes, device,
+    modes = [m for m in args.modes if m != "opacus"]
+    if not args.no_compare and (opacus_twin.available() or "opacus" in args.modes):
+        modes.append("opacus")
+    table = run(args.layers, args.batch_sizes, args.widths, modes, device,
                 progress=lambda *job: print("measured", *job, file=sys.stderr, flush=True))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     table.to_csv(args.out, index=False)
