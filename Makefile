@@ -40,8 +40,9 @@ lab: $(STAMP)
 audit: $(STAMP)
 	$(PY) -m workbench audit --out audit-report
 
+# Every benchmark: CSVs and the Fig. 2/3-style figures in bench-results/ (minutes on a CPU).
 bench: $(STAMP)
-	$(PY) -m workbench.bench layers
+	$(PY) -m workbench.bench all --out-dir bench-results
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -274,9 +274,20 @@ def eq3_regime(L_over_C: float, b: int) -> str:
 # One row, a table
 
 
+# Materialising modes hold about this many copies of the b·L per-sample gradients: the
+# workbench's einsum step one, Opacus' GradSampleModule two (measured: its factor over plain
+# is twice ours on Linear and Embedding). Used to skip steps that would not fit.
+COPIES = {"einsum": 1, "opacus": 2}
+
+
 def measure_layer(name: str, b: int, width: int | None = None, modes=MODES,
-                  device: torch.device | str = "cpu", seed: int = 0) -> dict:
-    """One row: measured peak bytes per mode, the model's bytes, overheads and errors."""
+                  device: torch.device | str = "cpu", seed: int = 0,
+                  max_GB: float = float("inf")) -> dict:
+    """One row: measured peak bytes per mode, the model's bytes, overheads and errors.
+
+    A materialising mode whose per-sample gradients alone (``COPIES`` x b·L) would exceed
+    ``max_GB`` is not run; its columns are NaN.
+    """
     spec = check_layer(name, width)
     width = spec.width if width is None else width
     device = torch.device(device)
@@ -295,7 +306,8 @@ def measure_layer(name: str, b: int, width: int | None = None, modes=MODES,
         run["opacus"] = opacus_twin.gsm_step(twin, sum_of_products, x, t)
         resident["opacus"] = tensor_bytes(twin, x, t)
     row = {"layer": name, "width": width, "batch_size": b, **sizes, "ghost_S_bytes": S}
-    modes = ("plain", *[m for m in modes if m != "plain"])  # plain: the overheads' baseline
+    modes = ("plain", *[m for m in modes if m != "plain"  # plain: the overheads' baseline
+                        and COPIES.get(m, 0) * b * sizes["L_bytes"] <= max_GB * 2**30])
     for mode in modes:
         run[mode]()  # warm-up: one-off caches are not the step's memory
         row[f"{mode}_MB"] = peak_bytes(run[mode], device, resident[mode]) / 2**20
@@ -315,7 +327,8 @@ def measure_layer(name: str, b: int, width: int | None = None, modes=MODES,
     return row
 
 
-def run(layers, batch_sizes, widths="default", modes=MODES, device="cpu", progress=None):
+def run(layers, batch_sizes, widths="default", modes=MODES, device="cpu", progress=None,
+        max_GB=float("inf")):
     """A DataFrame with one ``measure_layer`` row per (layer, width, b)."""
     device = torch.device(device)
     jobs = [(name, w, b) for name in layers
@@ -323,7 +336,7 @@ def run(layers, batch_sizes, widths="default", modes=MODES, device="cpu", progre
             for b in batch_sizes]
     rows = []
     for name, w, b in jobs:
-        rows.append(measure_layer(name, b, w, modes, device))
+        rows.append(measure_layer(name, b, w, modes, device, max_GB=max_GB))
         if progress:
             progress(name, w, b)
     table = pd.DataFrame(rows)
@@ -378,6 +391,9 @@ def main(argv=None):
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=ALL_MODES)
     parser.add_argument("--no-compare", action="store_true",
                         help="skip Opacus' GradSampleModule even when Opacus is installed")
+    parser.add_argument("--max-GB", type=float, default=8.0,
+                        help="skip materialising modes whose per-sample gradients alone would "
+                             "exceed this (their columns are then empty)")
     parser.add_argument("--widths", choices=["default", "all"], default="default",
                         help="'all' sweeps each layer's widths (L/C from small to large, "
                              "as the paper's Fig. 3 does for the embedding)")
@@ -387,7 +403,8 @@ def main(argv=None):
     if not args.no_compare and (opacus_twin.available() or "opacus" in args.modes):
         modes.append("opacus")
     table = run(args.layers, args.batch_sizes, args.widths, modes, device,
-                progress=lambda *job: print("measured", *job, file=sys.stderr, flush=True))
+                progress=lambda *job: print("measured", *job, file=sys.stderr, flush=True),
+                max_GB=args.max_GB)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     table.to_csv(args.out, index=False)
     print(f"device: {table['device'][0]}   torch {torch.__version__}   peak allocated memory; "

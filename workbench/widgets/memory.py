@@ -100,12 +100,10 @@ class MemoryExplorer(Explorer):
             return self.live, (f"<br><i>b = {b} not measured live: bC = {bC:.3g} MB > "
                                f"max_live_batch_MB = {self.max_live_batch_MB} (see the "
                                f"shipped results or python -m workbench.bench memory)</i>")
-        skip = b * k["L_bytes"] / 2**20 > self.max_live_MB
-        row = measure_layer(layer, b, width, [m for m in MODES if not (skip and m == "einsum")],
-                            self.device)
+        row = measure_layer(layer, b, width, MODES, self.device, max_GB=self.max_live_MB / 1024)
         self.live = pd.concat([self.live, pd.DataFrame([row])], ignore_index=True)
-        return self.live, ("<br><i>einsum not measured live: bL > max_live_MB</i>"
-                           if skip else "")
+        return self.live, ("" if "einsum_MB" in row else
+                           "<br><i>einsum not measured live: bL > max_live_MB</i>")
 
     def update(self):
         """Measure if needed, recompute and redraw; bad values are shown, not raised."""

@@ -1,0 +1,103 @@
+"""Print the README's results tables (markdown) from benchmark CSVs.
+
+    python tools/results_tables.py [--e2e bench-results/e2e.csv]
+        [--accounting bench-results/accounting.csv]
+
+Memory and per-layer runtime come from the CSVs shipped under data/bench/; the end-to-end
+and accounting tables from fresh runs of ``python -m workbench.bench e2e`` / ``accounting``
+(skipped when their CSVs are absent). Nothing is typed in by hand.
+"""
+
+import argparse
+from pathlib import Path
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "data" / "bench"
+
+
+def fmt(v, digits=3):
+    if pd.isna(v):
+        return "–"
+    return f"{v:.{digits}g}"
+
+
+def markdown(rows, header):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def memory_table(b=256):
+    from workbench.bench import memory
+
+    t = memory.load(BENCH / "memory_cpu.csv")
+    t = t[(t["width"] == t["layer"].map(lambda n: memory.LAYERS[n].width))
+          & (t["batch_size"] == b)]
+    rows = [[f"{r.layer} ({r.width})", fmt(r["L/C"]), fmt(r.plain_MB),
+             f"{fmt(r.einsum_x)}x ({fmt(r.model_einsum_x)}x)",
+             f"{fmt(r.get('opacus_x'))}x", f"{fmt(r.ghost_x)}x ({fmt(r.model_ghost_x)}x)",
+             f"{fmt(r.bookkeeping_x)}x"] for _, r in t.iterrows()]
+    header = ["layer (width)", "L/C", "plain MB", "einsum (model)", "Opacus GSM",
+              "ghost (model)", "book-keeping"]
+    return f"Peak allocated memory at b = {b}, over plain ({t['device'].iloc[0]}):\n\n" + \
+        markdown(rows, header)
+
+
+def runtime_table(b=256):
+    t = pd.read_csv(BENCH / "layers_cpu.csv")
+    t = t[t["batch_size"] == b]
+    rows = [[r.layer, fmt(1e3 * r.plain), fmt(1e3 * r.einsum), fmt(r.einsum / r.plain),
+             fmt(1e3 * r.get("opacus", float("nan"))), fmt(r.get("opacus/einsum")),
+             fmt(r["vmap/einsum"]), fmt(r["microbatch/einsum"])] for _, r in t.iterrows()]
+    header = ["layer", "plain ms", "einsum ms", "einsum / plain", "Opacus ms",
+              "Opacus / einsum", "vmap / einsum", "microbatch / einsum"]
+    text = (f"Per-sample gradients of one layer at b = {b} ({t['device'].iloc[0]}):\n\n"
+            + markdown(rows, header))
+    dp = pd.read_csv(BENCH / "layers_cpu_dp.csv")
+    dp = dp[dp["batch_size"] == b]
+    rows = [[r.layer, fmt(1e3 * r.torch), fmt(1e3 * r.dp), fmt(1e3 * r.dp_einsum),
+             fmt(1e3 * r.get("opacus", float("nan"))), fmt(r.get("opacus/einsum"))]
+            for _, r in dp.iterrows()]
+    header = ["DP layer", "torch.nn ms", "workbench DP layer ms", "+ per-sample (einsum) ms",
+              "Opacus DP layer + GSM ms", "Opacus / einsum"]
+    return text + f"\n\nRecurrent and attention layers (T = 32, size 64) at b = {b}:\n\n" + \
+        markdown(rows, header)
+
+
+def e2e_table(path):
+    t = pd.read_csv(path)
+    methods = [c[:-len("/plain")] for c in t.columns
+               if c.endswith("/plain") and "_mem" not in c]
+    rows = [[r.model, r.batch_size, fmt(r.plain_ms),
+             *[f"{fmt(r[f'{m}/plain'])}x / {fmt(r[f'{m}_mem/plain'])}x" for m in methods]]
+            for _, r in t.iterrows()]
+    header = ["model", "b", "plain ms", *[f"{m} (time / memory)" for m in methods]]
+    return (f"One clipped-sum step of the Opacus paper's models, as multiples of a plain step "
+            f"({t['device'].iloc[0]}):\n\n" + markdown(rows, header))
+
+
+def accounting_table(path):
+    t = pd.read_csv(path)
+    cols = [c for c in t.columns if c.endswith("_ms") and c != "target_ms"]
+    rows = [[r.task, *[fmt(r[c]) for c in cols]] for _, r in t.iterrows()]
+    return "Accountant speed, ms:\n\n" + markdown(rows, ["task", *cols])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--e2e", type=Path, default=ROOT / "bench-results" / "e2e.csv")
+    parser.add_argument("--accounting", type=Path,
+                        default=ROOT / "bench-results" / "accounting.csv")
+    args = parser.parse_args(argv)
+    parts = [memory_table(), runtime_table()]
+    if args.e2e.is_file():
+        parts.append(e2e_table(args.e2e))
+    if args.accounting.is_file():
+        parts.append(accounting_table(args.accounting))
+    print("\n\n".join(parts))
+
+
+if __name__ == "__main__":
+    main()
