@@ -282,11 +282,12 @@ COPIES = {"einsum": 1, "opacus": 2}
 
 def measure_layer(name: str, b: int, width: int | None = None, modes=MODES,
                   device: torch.device | str = "cpu", seed: int = 0,
-                  max_GB: float = float("inf")) -> dict:
+                  max_GB: float = float("inf"), repeats: int = 1) -> dict:
     """One row: measured peak bytes per mode, the model's bytes, overheads and errors.
 
     A materialising mode whose per-sample gradients alone (``COPIES`` x b·L) would exceed
-    ``max_GB`` is not run; its columns are NaN.
+    ``max_GB`` is not run; its columns are NaN. Each mode is measured ``repeats`` times after
+    a warm-up, and the largest peak is kept.
     """
     spec = check_layer(name, width)
     width = spec.width if width is None else width
@@ -310,7 +311,8 @@ def measure_layer(name: str, b: int, width: int | None = None, modes=MODES,
                         and COPIES.get(m, 0) * b * sizes["L_bytes"] <= max_GB * 2**30])
     for mode in modes:
         run[mode]()  # warm-up: one-off caches are not the step's memory
-        row[f"{mode}_MB"] = peak_bytes(run[mode], device, resident[mode]) / 2**20
+        row[f"{mode}_MB"] = max(peak_bytes(run[mode], device, resident[mode])
+                                for _ in range(repeats)) / 2**20
     predicted = model_bytes(b, sizes["L_bytes"], sizes["C_bytes"], S)
     row["model_plain_MB"] = predicted["plain"] / 2**20
     row["model_plain_explains"] = row["model_plain_MB"] / row["plain_MB"]
@@ -328,7 +330,7 @@ def measure_layer(name: str, b: int, width: int | None = None, modes=MODES,
 
 
 def run(layers, batch_sizes, widths="default", modes=MODES, device="cpu", progress=None,
-        max_GB=float("inf")):
+        max_GB=float("inf"), repeats=1):
     """A DataFrame with one ``measure_layer`` row per (layer, width, b)."""
     device = torch.device(device)
     jobs = [(name, w, b) for name in layers
@@ -336,7 +338,7 @@ def run(layers, batch_sizes, widths="default", modes=MODES, device="cpu", progre
             for b in batch_sizes]
     rows = []
     for name, w, b in jobs:
-        rows.append(measure_layer(name, b, w, modes, device, max_GB=max_GB))
+        rows.append(measure_layer(name, b, w, modes, device, max_GB=max_GB, repeats=repeats))
         if progress:
             progress(name, w, b)
     table = pd.DataFrame(rows)
@@ -391,6 +393,10 @@ def main(argv=None):
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=ALL_MODES)
     parser.add_argument("--no-compare", action="store_true",
                         help="skip Opacus' GradSampleModule even when Opacus is installed")
+    parser.set_defaults(repeats=1)  # allocation is deterministic: one measurement suffices
+    for action in parser._actions:  # the shared option means something else here
+        if action.dest == "repeats":
+            action.help = "measurements per mode after a warm-up; the largest peak is kept"
     parser.add_argument("--max-GB", type=float, default=8.0,
                         help="skip materialising modes whose per-sample gradients alone would "
                              "exceed this (their columns are then empty)")
@@ -404,7 +410,7 @@ def main(argv=None):
         modes.append("opacus")
     table = run(args.layers, args.batch_sizes, args.widths, modes, device,
                 progress=lambda *job: print("measured", *job, file=sys.stderr, flush=True),
-                max_GB=args.max_GB)
+                max_GB=args.max_GB, repeats=args.repeats)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     table.to_csv(args.out, index=False)
     print(f"device: {table['device'][0]}   torch {torch.__version__}   peak allocated memory; "
