@@ -134,3 +134,13 @@ def test_opacus_grad_sample_module_is_measured_beside_ours():
     assert row["opacus_x"] > row["ghost_x"]
     lstm = M.measure_layer("lstm", 4, width=16, modes=("plain", "opacus"))  # Opacus' DPLSTM
     assert lstm["opacus_MB"] > lstm["plain_MB"]
+
+
+def test_too_large_steps_are_skipped_but_keep_the_model():
+    row = M.measure_layer("linear", 64, width=512, modes=("plain", "einsum", "ghost"),
+                          max_GB=0.05)  # b·L = 64 MiB > 0.05 GiB
+    assert "einsum_MB" not in row and "einsum_x" not in row
+    assert row["model_einsum_x"] == pytest.approx(M.model_bytes(
+        64, row["L_bytes"], row["C_bytes"])["einsum"] / M.model_bytes(
+        64, row["L_bytes"], row["C_bytes"])["plain"])
+    assert row["ghost_x"] > 0  # the other modes still run
