@@ -43,6 +43,7 @@ def bookkeeping_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm):
             continue
         b = call.backprops
         weighted = c.to(b.dtype).view(-1, *[1] * (b.dim() - 1)) * b  # c_i b_i
+        call.backprops = b = None  # no longer needed: free it before the local backward
         grads = torch.autograd.grad([call.edge], own, grad_outputs=[weighted],
                                     retain_graph=True, allow_unused=True)
         for p, g in zip(own, grads):
