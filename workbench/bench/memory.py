@@ -62,6 +62,7 @@ from torch import nn
 
 import workbench as wb
 from workbench.bench import opacus_twin
+from workbench.bench.dp_layers import sum_of_products  # the per-sample loss all benches use
 from workbench.bench.timing import benchmark_parser, device_name, parse_benchmark_args
 from workbench.clipping.ghost import record
 from workbench.clipping.routes import layer_route
@@ -119,11 +120,6 @@ LAYERS = {
                      lambda b, w, g: torch.randn(b, T, w, generator=g),
                      64, (16, 64, 256), f"embed size (4 heads, {T} tokens)"),
 }
-
-
-def sum_of_products(outputs, targets):
-    """A per-sample loss for any output shape: Σ over non-batch dims of o ⊙ t."""
-    return (outputs * targets).flatten(1).sum(1)
 
 
 def check_layer(name: str, width: int | None = None) -> LayerSpec:
