@@ -20,3 +20,7 @@ class UnsupportedLayerError(WorkbenchError, NotImplementedError):
 
 class LossShapeError(WorkbenchError, ValueError):
     """``loss_fn`` did not return one loss per sample (a Tensor of shape (n,))."""
+
+
+class PerSampleCheckError(WorkbenchError, RuntimeError):
+    """A fast per-sample result failed its self-check against an exact twin: never returned."""

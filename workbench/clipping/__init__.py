@@ -31,6 +31,7 @@ from workbench.clipping.snapshot import (
 from workbench.per_sample import METHODS as MATERIALISING
 from workbench.per_sample import per_sample_gradients
 from workbench.per_sample.checks import check_batch, check_no_sample_mixing
+from workbench.per_sample.selfcheck import check_option
 
 NORM_METHODS = (*MATERIALISING, "ghost")
 CLIP_METHODS = (*MATERIALISING, "ghost", "bookkeeping")
@@ -42,8 +43,11 @@ def _nothing_trainable(model, inputs, targets) -> bool:
     return not any(p.requires_grad for p in model.parameters())
 
 
-def per_sample_grad_norms(model, loss_fn, inputs, targets, method="ghost"):
+def per_sample_grad_norms(model, loss_fn, inputs, targets, method="ghost", check=True):
     """||g_i|| over all trainable parameters, Tensor(n,).
+
+    ``check`` (einsum and ghost): compare with micro-batching on one sample the first time a
+    model is seen with a given call signature; ``"always"``; ``False`` for benchmarks.
 
     >>> import torch
     >>> from torch import nn
@@ -59,23 +63,31 @@ def per_sample_grad_norms(model, loss_fn, inputs, targets, method="ghost"):
     if _nothing_trainable(model, inputs, targets):
         n = check_batch(inputs, targets)
         return torch.zeros(n)
+    check_option(check)
     if method == "ghost":
-        return ghost_norms(model, loss_fn, inputs, targets)
-    return grad_norms(per_sample_gradients(model, loss_fn, inputs, targets, method=method))
+        return ghost_norms(model, loss_fn, inputs, targets, check=check)
+    return grad_norms(per_sample_gradients(model, loss_fn, inputs, targets, method=method,
+                                           check=check))
 
 
-def clipped_grad_sum(model, loss_fn, inputs, targets, max_grad_norm, method="bookkeeping"):
-    """{param_name: Σ_i min(1, C / ||g_i||) g_i} for the trainable parameters."""
+def clipped_grad_sum(model, loss_fn, inputs, targets, max_grad_norm, method="bookkeeping",
+                     check=True):
+    """{param_name: Σ_i min(1, C / ||g_i||) g_i} for the trainable parameters.
+
+    ``check``: as in ``per_sample_grad_norms`` (einsum, ghost, bookkeeping).
+    """
     if method not in CLIP_METHODS:
         raise ValueError(f"method must be one of {CLIP_METHODS}; got {method!r}")
     clip_factors(torch.ones(1), max_grad_norm)  # validates C before any work
     if _nothing_trainable(model, inputs, targets):
         return {}
+    check_option(check)
     if method == "ghost":
-        return ghost_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm)
+        return ghost_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm, check=check)
     if method == "bookkeeping":
-        return bookkeeping_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm)
-    grads = per_sample_gradients(model, loss_fn, inputs, targets, method=method)
+        return bookkeeping_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm,
+                                       check=check)
+    grads = per_sample_gradients(model, loss_fn, inputs, targets, method=method, check=check)
     return weighted_sum(grads, clip_factors(grad_norms(grads), max_grad_norm))
 
 

@@ -14,42 +14,23 @@ reweighted per sample; for ``nn.Linear`` that is one matrix product (Bu et al. E
 We compute it for every layer with PyTorch's own weight-gradient kernel, by a local autograd
 call from the layer's output edge to its parameters with grad_outputs = c ⊙ b: it visits
 only that layer's node (the layer's inputs do not depend on its own parameters), so the
-network is not traversed a second time. Parameters used in several calls were materialised
-for their norms (``ghost.squared_norms``); their clipped sum is Σ_i c_i g_i from those.
+network is not traversed a second time. Each call's backprops are freed once used. The loop
+itself is the one clipping engine's (``engine.clipped_sum``, mode ``"bookkeeping"``).
 
 Notation: n batch, a activations, b backprops, c clip factors (n,).
 """
 
-import torch
+from workbench.clipping.engine import clipped_sum
+from workbench.clipping.flat import check_max_grad_norm
+from workbench.clipping.ghost import record, squared_norms, verify_norms
 
-from workbench.clipping.flat import clip_factors
-from workbench.clipping.ghost import record, squared_norms
 
-
-def bookkeeping_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm):
+def bookkeeping_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm, check=True):
     """{name: Σ_i c_i g_i} from one forward and one backward pass (plus local weight grads)."""
-    rec = record(model, loss_fn, inputs, targets, retain_graph=True)
-    squares, materialised = squared_norms(rec)
-    c = clip_factors(squares.sqrt(), max_grad_norm)  # (n,)
-    sums: dict[int, torch.Tensor] = {}
-
-    def add(p, g):
-        sums[id(p)] = g if id(p) not in sums else sums[id(p)] + g
-
-    for _, layer, call in rec.calls():
-        own = [p for p in layer.parameters(recurse=False)
-               if p.requires_grad and id(p) not in materialised]
-        if not own:
-            continue
-        b = call.backprops
-        weighted = c.to(b.dtype).view(-1, *[1] * (b.dim() - 1)) * b  # c_i b_i
-        call.backprops = b = None  # no longer needed: free it before the local backward
-        grads = torch.autograd.grad([call.edge], own, grad_outputs=[weighted],
-                                    retain_graph=True, allow_unused=True)
-        for p, g in zip(own, grads):
-            if g is not None:
-                add(p, g)
-    with torch.no_grad():
-        for key, g in materialised.items():
-            sums[key] = torch.tensordot(c.to(g.dtype), g, dims=1)  # Σ_i c_i g_i
-    return {name: sums.get(id(p), torch.zeros_like(p)) for name, p in rec.params.items()}
+    C = check_max_grad_norm(max_grad_norm)
+    rec = record(model, loss_fn, inputs, targets, retain_graph=True, check=check)
+    if rec.signature is not None:  # the norms are the engine's; verify them first
+        verify_norms(model, rec, squared_norms(rec, rec.exact)[0])
+    sums, _, _ = clipped_sum(rec, C, "bookkeeping", graph_alive=True, exact=rec.exact)
+    return {name: sums[id(p)] if id(p) in sums else p.new_zeros(p.shape)
+            for name, p in rec.params.items()}

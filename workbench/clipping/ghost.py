@@ -13,142 +13,123 @@ Layers without a norm sampler (normalisation layers, custom layers) get "fast gr
 clipping" (Opacus blog on fast gradient clipping and ghost clipping, seed 004): their
 per-sample gradients are materialised, normed and dropped immediately.
 
-A parameter used in more than one call (a module called twice, tied weights) has the *sum*
-of several layers' gradients as its per-sample gradient; the norm of a sum has cross terms,
-so such parameters are materialised per call and summed before taking the norm.
+A parameter used in more than one call (a module called twice) has the *sum* of several
+layers' gradients as its per-sample gradient; the norm of a sum has cross terms, so such
+parameters are materialised per call and summed before taking the norm. Parameters no
+per-layer rule can account for (a tied head, a positional embedding on ``arange(T)``:
+``per_sample.recording``) are materialised exactly by the whole-model fallback, and the
+norms are checked against micro-batching on one sample (``per_sample.selfcheck``).
 
 Notation: n batch, a activations, b backprops, c clip factors, C max_grad_norm.
 """
 
-from collections import Counter
-from dataclasses import dataclass
-
 import torch
-from torch import nn
 
 from workbench.clipping.flat import clip_factors, sample_squares
 from workbench.clipping.registry import find_norm_sampler
-from workbench.per_sample.checks import (
-    check_batch,
-    check_losses,
-    check_no_sample_mixing,
-    forward,
-    trainable_parameters,
-)
-from workbench.per_sample.einsum import (
-    check_layers,
-    check_recorded,
-    layers_with_parameters,
-    sample_layer,
-    warn_fallbacks,
-)
-from workbench.per_sample.hooks import ActivationRecorder
+from workbench.per_sample import selfcheck
+from workbench.per_sample.einsum import fallback_gradients, sample_layer, warn_fallbacks
+from workbench.per_sample.recording import Recording
+from workbench.per_sample.recording import record as record_forward
 
 
-@dataclass
-class LayerCalls:
-    """Every recorded layer call of one batch, with its (a, b): what the norms are read from."""
-
-    n: int
-    layers: dict[str, nn.Module]
-    recorder: ActivationRecorder
-    dtype: torch.dtype
-    device: torch.device
-
-    def calls(self):
-        """(path, layer, call) for every call whose output reached the loss."""
-        for path, layer in self.layers.items():
-            for call in self.recorder.calls[path]:
-                if call.backprops is not None:
-                    yield path, layer, call
-
-    def shared_ids(self) -> set[int]:
-        """ids of parameters used in more than one call (their norms need cross terms)."""
-        uses = Counter(id(p) for _, layer, _ in self.calls()
-                       for p in layer.parameters(recurse=False) if p.requires_grad)
-        return {key for key, count in uses.items() if count > 1}
+def _covered(layer) -> bool:
+    return find_norm_sampler(layer) is not None
 
 
-@dataclass
-class Recording(LayerCalls):
-    """One forward pass and one backward pass of Σ_i ℓ_i (``record``), and the losses."""
+def record(model, loss_fn, inputs, targets, retain_graph: bool, check=False) -> Recording:
+    """Forward, then one backward pass collecting backprops (no parameter gradients).
 
-    losses: torch.Tensor | None = None  # (n,), still attached to the graph when retained
-    params: dict[str, nn.Parameter] | None = None
-
-
-def record(model, loss_fn, inputs, targets, retain_graph: bool) -> Recording:
-    """Forward, then one backward pass collecting backprops (no parameter gradients)."""
-    check_no_sample_mixing(model)
-    n = check_batch(inputs, targets)
-    layers = layers_with_parameters(model)
-    covered = lambda layer: find_norm_sampler(layer) is not None  # noqa: E731
-    check_layers(layers, strict=False, covered=covered)
-    with ActivationRecorder(layers) as recorder:
-        losses = loss_fn(forward(model, inputs), targets)  # (n,)
-        check_losses(losses, n)
-    check_recorded(layers, recorder)
-    warn_fallbacks(layers, recorder, covered)
-    recorder.backward(losses.sum(), retain_graph=retain_graph)
-    return Recording(n, layers, recorder, losses.dtype, losses.device, losses,
-                     trainable_parameters(model))
+    Returns the recording with ``exact`` (the fallback parameters' per-sample gradients) and,
+    when ``check`` asks for it, ``probe`` (micro-batching's gradient of one sample) set.
+    """
+    selfcheck.check_option(check)
+    rec = record_forward(model, loss_fn, inputs, targets, covered=_covered)
+    warn_fallbacks(rec, _covered)
+    sig = selfcheck.known(model, rec, check)
+    rec.probe = selfcheck.probe(rec, model, loss_fn, inputs, targets) if sig else None
+    rec.signature = sig
+    rec.recorder.backward(rec.losses.sum(), retain_graph=retain_graph)
+    rec.exact = fallback_gradients(rec, model, loss_fn, inputs, targets)
+    return rec
 
 
-def squared_norms(rec: LayerCalls):
-    """(||g_i||² (n,), {id(param): (n, *shape) materialised per-sample grads of shared params})."""
-    squares, materialised = squared_norms_by(rec, group_of=lambda p: None)
+def verify_norms(model, rec: Recording, squares: torch.Tensor) -> None:
+    """The probed sample's norm against micro-batching (deterministic models); remember."""
+    if rec.signature is None:
+        return
+    if not rec.random:
+        selfcheck.compare_norm(rec, squares[rec.n - 1].sqrt(), rec.probe)
+    selfcheck.remember(model, rec.signature, dict(rec.fallback))
+
+
+def squared_norms(rec: Recording, exact=None):
+    """(||g_i||² (n,), {id(param): (n, *shape)} materialised: shared and exact)."""
+    squares, materialised = squared_norms_by(rec, lambda p: None, exact)
     return squares.get(None, torch.zeros(rec.n, dtype=rec.dtype, device=rec.device)), \
         materialised
 
 
-def squared_norms_by(rec: LayerCalls, group_of):
+def squared_norms_by(rec: Recording, group_of, exact=None):
     """Like ``squared_norms``, with ||g_i||² split by ``group_of(param)`` (per-layer clipping).
 
     Returns ({group: (n,)}, materialised). A norm sampler gives one number per layer, so a
-    layer whose trainable parameters lie in different groups is materialised instead.
+    layer whose rule parameters lie in different groups, or that has parameters left to the
+    fallback, is materialised instead.
     """
     shared = rec.shared_ids()
     squares: dict = {}
-    materialised: dict[int, torch.Tensor] = {}
+    materialised: dict[int, torch.Tensor] = dict(exact or {})
+    params = {id(p): p for p in rec.params.values()}
 
     def add(group, value):
         squares[group] = value if group not in squares else squares[group] + value
 
     with torch.no_grad():
         for _, layer, call in rec.calls():
+            own = dict(rec.own(layer))
+            if not own:
+                continue
             sampler = find_norm_sampler(layer)
-            own = [p for p in layer.parameters(recurse=False) if p.requires_grad]
-            groups = {group_of(p) for p in own}
-            if sampler is not None and len(groups) == 1 and not any(id(p) in shared for p in own):
+            everything = len(own) == sum(p.requires_grad for p in layer.parameters(False))
+            groups = {group_of(p) for p in own.values()}
+            if (sampler is not None and everything and len(groups) == 1
+                    and not any(id(p) in shared for p in own.values())):
                 add(groups.pop(), sampler(layer, call.args, call.backprops))  # ghost norm
                 continue
-            for name, g in sample_layer(layer, call).items():  # fast gradient clipping
-                p = getattr(layer, name)
-                if not p.requires_grad:
-                    continue
+            for name, g in sample_layer(layer, call, keep=own).items():  # fast gradient clipping
+                p = own[name]
                 if id(p) in shared:  # summed over its uses before the norm
                     materialised[id(p)] = materialised.get(id(p), 0) + g
                 else:
                     add(group_of(p), sample_squares(g))  # normed, then dropped
-    params = {id(p): p for _, layer, _ in rec.calls() for p in layer.parameters(recurse=False)}
     for key, g in materialised.items():
         add(group_of(params[key]), sample_squares(g))
     return squares, materialised
 
 
-def ghost_norms(model, loss_fn, inputs, targets) -> torch.Tensor:
+def ghost_norms(model, loss_fn, inputs, targets, check=True) -> torch.Tensor:
     """||g_i|| (n,) from one forward and one backward pass."""
-    rec = record(model, loss_fn, inputs, targets, retain_graph=False)
-    return squared_norms(rec)[0].sqrt()
+    rec = record(model, loss_fn, inputs, targets, retain_graph=False, check=check)
+    squares = squared_norms(rec, rec.exact)[0]
+    verify_norms(model, rec, squares)
+    return squares.sqrt()
 
 
-def ghost_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm):
+def ghost_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm, check=True):
     """{name: Σ_i c_i g_i} by a second backward pass of Σ_i c_i ℓ_i."""
-    rec = record(model, loss_fn, inputs, targets, retain_graph=True)
-    c = clip_factors(squared_norms(rec)[0].sqrt(), max_grad_norm)  # (n,)
+    rec = record(model, loss_fn, inputs, targets, retain_graph=True, check=check)
+    squares, materialised = squared_norms(rec, rec.exact)
+    verify_norms(model, rec, squares)
+    c = clip_factors(squares.sqrt(), max_grad_norm)  # (n,)
     for call in rec.recorder.all_calls():
         call.backprops = None  # not needed by the second pass: free them before it runs
-    params = list(rec.params.values())
-    grads = torch.autograd.grad((c.detach() * rec.losses).sum(), params, allow_unused=True)
-    return {name: torch.zeros_like(p) if g is None else g
-            for (name, p), g in zip(rec.params.items(), grads)}
+    names = [k for k, p in rec.params.items() if id(p) not in rec.exact]
+    grads = torch.autograd.grad((c.detach() * rec.losses).sum(),
+                                [rec.params[k] for k in names], allow_unused=True)
+    sums = {k: torch.zeros_like(rec.params[k]) if g is None else g for k, g in zip(names, grads)}
+    with torch.no_grad():
+        for key, g in rec.exact.items():  # the fallback's own g_i: the norms' g_i
+            sums[next(k for k, p in rec.params.items() if id(p) == key)] = \
+                torch.tensordot(c.to(g.dtype), g, dims=1)
+    return {name: sums[name] for name in rec.params}

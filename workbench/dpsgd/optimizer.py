@@ -34,17 +34,17 @@ set size, B = qN.
 """
 
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from workbench.clipping.engine import MODES, clipped_sum
 from workbench.clipping.flat import check_max_grad_norm
-from workbench.clipping.ghost import LayerCalls
-from workbench.dpsgd.privatise import MODES, clipped_sum, gaussian_noise
+from workbench.dpsgd.privatise import gaussian_noise
+from workbench.dpsgd.recorded import ModelRecorder
 from workbench.per_sample.checks import check_no_sample_mixing
-from workbench.per_sample.einsum import check_layers, check_recorded, layers_with_parameters
-from workbench.per_sample.hooks import ActivationRecorder
 
 
 def check_noise_multiplier(noise_multiplier) -> float:
@@ -81,9 +81,8 @@ class DPOptimizer(Optimizer):
         self.on_step = on_step  # called as on_step(noise_multiplier) after each logical step
         self.expect_more = False  # set by a virtual-step loader: more chunks of this batch
         self.model = model
-        self.layers = layers_with_parameters(model)
-        check_layers(self.layers, strict=False)
-        self.recorder = ActivationRecorder(self.layers, capture="hooks").__enter__()
+        self.recorder = ModelRecorder(model, self.param_groups)
+        self.verify = "first"  # "first" step, "always", or False: see verify_next_step()
         self._sums: dict[int, torch.Tensor] = {}
         self.last = {}  # norms and clip factors of the last batch, for widgets and training logs
 
@@ -125,7 +124,7 @@ class DPOptimizer(Optimizer):
         return math.sqrt(sum(c * c for c in C)) if isinstance(C, list) else C
 
     def _clip_spec(self):
-        """(max_grad_norm argument, group_of) for ``privatise.clipped_sum``."""
+        """(max_grad_norm argument, group_of) for ``clipping.engine.clipped_sum``."""
         if not isinstance(self.max_grad_norm, list):
             return self.max_grad_norm, None
         group = {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
@@ -133,38 +132,46 @@ class DPOptimizer(Optimizer):
 
     def detach(self) -> None:
         """Remove the recording hooks; the model is as it was before ``make_private``."""
-        self.recorder.__exit__(None, None, None)
+        self.recorder.close()
+
+    def verify_next_step(self) -> None:
+        """Check the next step against micro-batching on one sample (``recorded.py``)."""
+        self.verify = "always" if self.verify == "always" else "next"
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
         self.recorder.clear()
 
-    def _batch_calls(self) -> LayerCalls:
-        check_recorded(self.layers, self.recorder)
-        calls = [c for cs in self.recorder.calls.values() for c in cs if c.backprops is not None]
-        params = [p for g in self.param_groups for p in g["params"]]
-        n = calls[0].backprops.shape[0] if calls else 0
-        if any(c.backprops.shape[0] != n for c in calls):
-            raise RuntimeError("the recorded layer calls have different batch sizes: call "
-                               "optimizer.zero_grad() before each forward pass and step() after "
-                               "each backward pass")
-        if self.loss_reduction == "mean":
-            for call in calls:  # a mean-reduced loss scaled every b_i by 1/n
-                call.backprops = call.backprops * n
-        return LayerCalls(n, self.layers, self.recorder, params[0].dtype, params[0].device)
+    def reset_virtual_step(self) -> None:
+        """Drop the partial sums of an unfinished logical batch (a virtual-step loop that was
+        left early): those samples were sampled for that batch, not for the next one."""
+        if self._sums or self.expect_more:
+            warnings.warn("a logical batch was left unfinished (the loop over the virtual-step "
+                          "loader stopped before its last chunk); its partial clipped sums are "
+                          "discarded and no step was taken for it", stacklevel=3)
+        self._sums, self.expect_more = {}, False
 
     def accumulate_clipped_sum(self) -> None:
-        """Add this (physical) batch's Σ_i c_i g_i to the running sums."""
-        calls = self._batch_calls()
-        if calls.n == 0:
-            self.last = {"norms": torch.zeros(0), "clip_factors": torch.zeros(0)}
-            return
+        """Add this (physical) batch's Σ_i c_i g_i to the running sums: every backward pass
+        since the last step is a batch of its own samples, clipped one by one."""
         C, group_of = self._clip_spec()
+        verify = self.verify in ("first", "next", "always")
+        norms, factors = [], []
         with self.recorder.paused():  # the samplers may call the layers themselves
-            sums, norms, c = clipped_sum(calls, C, self.grad_sample_mode, group_of)
-        for key, s in sums.items():
-            self._sums[key] = s if key not in self._sums else self._sums[key] + s
-        self.last = {"norms": norms.detach(), "clip_factors": c.detach()}
+            for rec, exact in self.recorder.batches(self.loss_reduction, verify):
+                if rec.n == 0:
+                    continue
+                sums, norm, c = clipped_sum(rec, C, self.grad_sample_mode, group_of,
+                                            exact=exact)
+                self.recorder.verify(rec, norm)
+                for key, s in sums.items():
+                    self._sums[key] = s if key not in self._sums else self._sums[key] + s
+                norms.append(norm.detach())
+                factors.append(c.detach())
+        if verify and self.verify != "always":
+            self.verify = False
+        self.last = {"norms": torch.cat(norms) if norms else torch.zeros(0),
+                     "clip_factors": torch.cat(factors) if factors else torch.zeros(0)}
         self.recorder.clear()
 
     def privatise(self) -> None:
@@ -196,6 +203,7 @@ class DPOptimizer(Optimizer):
                 d += p.numel()
                 p.grad = total / self.expected_batch_size
         self._sums = {}
+        self.recorder.drop_outside_grads()  # no parameter keeps a non-private gradient
         B = self.expected_batch_size
         self.last["signal"] = signal_sq ** 0.5 / B
         self.last["noise"] = std * d ** 0.5 / B
@@ -205,6 +213,7 @@ class DPOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.recorder.check_step()  # a fresh backward since the last step, same model
         self.accumulate_clipped_sum()
         if self.expect_more:
             return loss  # a virtual step: noise comes with the logical batch's last chunk

@@ -15,11 +15,13 @@ from workbench.per_sample.einsum import einsum_per_sample_gradients
 from workbench.per_sample.functional import vmap_per_sample_gradients
 from workbench.per_sample.microbatch import microbatch_per_sample_gradients
 from workbench.per_sample.registry import GRAD_SAMPLERS, register_grad_sampler
+from workbench.per_sample.selfcheck import check_option
 
 METHODS = ("microbatch", "vmap", "einsum")
 
 
-def per_sample_gradients(model, loss_fn, inputs, targets, method="einsum", strict=False):
+def per_sample_gradients(model, loss_fn, inputs, targets, method="einsum", strict=False,
+                         check=True):
     """Per-sample gradients ``{param_name: Tensor(n, *param.shape)}`` of trainable parameters.
 
     Args:
@@ -31,6 +33,14 @@ def per_sample_gradients(model, loss_fn, inputs, targets, method="einsum", stric
         method: ``"microbatch"``, ``"vmap"`` or ``"einsum"``.
         strict: einsum only: raise for a layer without a grad sampler instead of falling
             back to vmap on that layer.
+        check: einsum only: ``True`` compares the result with micro-batching on one sample
+            the first time a model is seen with a given call signature (``selfcheck.py``),
+            ``"always"`` on every call, ``False`` never (benchmarks). A failed check raises
+            ``PerSampleCheckError``; nothing wrong is returned.
+
+    einsum is exact on models that use a parameter outside its layer (a tied head), or whose
+    layers do not carry the batch on dim 0 (a positional embedding on ``arange(T)``, a
+    sequence-first layer): those parameters are computed exactly over the whole model.
 
     The model's ``.grad`` fields, hooks and training mode are left as they were.
 
@@ -45,6 +55,7 @@ def per_sample_gradients(model, loss_fn, inputs, targets, method="einsum", stric
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}; got {method!r}")
+    check_option(check)
     check_no_sample_mixing(model)
     if not any(p.requires_grad for p in model.parameters()):
         check_batch(inputs, targets)
@@ -53,7 +64,8 @@ def per_sample_gradients(model, loss_fn, inputs, targets, method="einsum", stric
         return microbatch_per_sample_gradients(model, loss_fn, inputs, targets)
     if method == "vmap":
         return vmap_per_sample_gradients(model, loss_fn, inputs, targets)
-    return einsum_per_sample_gradients(model, loss_fn, inputs, targets, strict=strict)
+    return einsum_per_sample_gradients(model, loss_fn, inputs, targets, strict=strict,
+                                       check=check)
 
 
 __all__ = ["GRAD_SAMPLERS", "METHODS", "per_sample_gradients", "register_grad_sampler"]

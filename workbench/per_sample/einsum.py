@@ -13,55 +13,33 @@ the registry (``registry.py``). A layer with trainable parameters but no rule is
 ``vmap`` on that layer alone (``functional.layer_vmap_grad_sampler``), after a one-time
 warning; ``strict=True`` raises instead.
 
+A parameter the rules cannot account for (used outside its layer, or by a layer whose dim 0
+is not the batch: ``recording.py``) gets the exact fallback (``fallback.py``), and the result
+is checked against micro-batching on one sample before it is returned (``selfcheck.py``).
+
 Notation: n batch size, a activations (n, ..., d), b backprops (n, ..., p), W (p, d).
 """
 
 import warnings
 
 import torch
-from torch import nn
 
-from workbench.errors import UnsupportedLayerError
-from workbench.per_sample.checks import check_batch, check_losses, forward, trainable_parameters
+from workbench.per_sample import selfcheck
+from workbench.per_sample.fallback import exact_per_sample_gradients
 from workbench.per_sample.functional import layer_vmap_grad_sampler
-from workbench.per_sample.hooks import ActivationRecorder
-from workbench.per_sample.registry import SAMPLER_CHECKS, find_grad_sampler
+from workbench.per_sample.recording import Recording, record
+from workbench.per_sample.registry import find_grad_sampler
 
 _WARNED: set[tuple[type, str]] = set()
 
 
-def layers_with_parameters(model: nn.Module) -> dict[str, nn.Module]:
-    """``{path: module}`` of modules owning trainable parameters directly (not via children)."""
-    return {
-        path: module
-        for path, module in model.named_modules()
-        if any(p.requires_grad for p in module.parameters(recurse=False))
-    }
-
-
-def check_layers(layers: dict[str, nn.Module], strict: bool, covered=None) -> None:
-    """Before the forward pass: each sampler's option check, and ``strict`` for layers
-    without a sampler (``covered(layer) -> bool`` marks layers another rule handles)."""
-    for path, layer in layers.items():
-        kind = type(layer)
-        if kind in SAMPLER_CHECKS:
-            SAMPLER_CHECKS[kind](layer)
-        if strict and not _has_rule(layer, covered):
-            raise UnsupportedLayerError(
-                f"{kind.__name__} at {path or '<model>'} has trainable parameters but no grad "
-                f"sampler; register one with @wb.register_grad_sampler({kind.__name__}) or "
-                f"pass strict=False to compute it by vmap on that layer")
-
-
-def _has_rule(layer, covered) -> bool:
-    return find_grad_sampler(layer) is not None or (covered is not None and covered(layer))
-
-
-def warn_fallbacks(layers: dict[str, nn.Module], recorder, covered=None) -> None:
+def warn_fallbacks(rec: Recording, covered=None) -> None:
     """After the forward pass: warn once per layer that will be sampled by vmap."""
-    for path, layer in layers.items():
+    for path, layer in rec.layers.items():
         kind = type(layer)
-        if _has_rule(layer, covered) or not recorder.calls[path] or (kind, path) in _WARNED:
+        if (find_grad_sampler(layer) is not None or (covered is not None and covered(layer))
+                or not rec.recorder.calls[path] or not rec.own(layer)
+                or (kind, path) in _WARNED):
             continue
         _WARNED.add((kind, path))
         warnings.warn(f"{kind.__name__} at {path or '<model>'} has no registered grad sampler; "
@@ -70,27 +48,9 @@ def warn_fallbacks(layers: dict[str, nn.Module], recorder, covered=None) -> None
                       stacklevel=4)
 
 
-def check_recorded(layers: dict[str, nn.Module], recorder: ActivationRecorder) -> None:
-    """A layer that must be sampled but whose output could not be recorded is an error.
-
-    The hooks record Tensor outputs only. A layer returning a tuple (``nn.LSTM``,
-    ``nn.MultiheadAttention``) with no grad sampler of its own would otherwise silently get
-    zero per-sample gradients.
-    """
-    for path in recorder.untracked:
-        layer = layers[path]
-        if find_grad_sampler(layer) is None:
-            kind = type(layer).__name__
-            raise UnsupportedLayerError(
-                f"{kind} at {path or '<model>'} returns a {recorder.untracked[path]}, not a "
-                f"Tensor, so its per-sample gradients cannot be captured (torch.nn's fused "
-                f"recurrent and attention kernels hide their inner products); use "
-                f"wb.fix_model(model) to swap in the wb.layers DP version, or register a "
-                f"grad sampler for {kind}")
-
-
-def sample_layer(layer: nn.Module, call) -> dict[str, torch.Tensor]:
-    """Per-sample gradients of ``layer``'s own parameters for one recorded call.
+def sample_layer(layer, call, keep=None) -> dict[str, torch.Tensor]:
+    """Per-sample gradients of ``layer``'s own trainable parameters for one recorded call
+    (``keep``: local names to return; default all).
 
     Samplers run under ``no_grad``: the results are data for clipping, not part of a graph
     (so they keep no activations alive and may write into preallocated outputs).
@@ -98,37 +58,58 @@ def sample_layer(layer: nn.Module, call) -> dict[str, torch.Tensor]:
     sampler = find_grad_sampler(layer)
     with torch.no_grad():
         if sampler is None:  # torch.func transforms ignore the outer no_grad
-            return layer_vmap_grad_sampler(layer, call.args, call.kwargs, call.backprops)
-        return sampler(layer, call.args, call.backprops)
+            grads = layer_vmap_grad_sampler(layer, call.args, call.kwargs, call.backprops)
+        else:
+            grads = sampler(layer, call.args, call.backprops)
+    return {k: g for k, g in grads.items() if keep is None or k in keep}
 
 
-def einsum_per_sample_gradients(model, loss_fn, inputs, targets, strict=False):
+def rule_gradients(rec: Recording) -> dict[int, torch.Tensor]:
+    """{id(param): (n, *shape)} from the per-layer rules, summed over each parameter's calls."""
+    by_param: dict[int, torch.Tensor] = {}
+    for _, layer, call in rec.calls():
+        own = dict(rec.own(layer))
+        if not own:
+            continue
+        for local_name, g in sample_layer(layer, call, keep=own).items():
+            key = id(own[local_name])
+            by_param[key] = g if key not in by_param else by_param[key] + g
+    return by_param
+
+
+def fallback_gradients(rec: Recording, model, loss_fn, inputs, targets):
+    """{id(param): (n, *shape)} of the fallback parameters, exact."""
+    names = rec.fallback_names()
+    grads = exact_per_sample_gradients(model, loss_fn, inputs, targets, names,
+                                       sorted(set(rec.fallback.values())))
+    return {id(rec.params[name]): g for name, g in grads.items()}
+
+
+def einsum_per_sample_gradients(model, loss_fn, inputs, targets, strict=False, check=True):
     """``{name: Tensor(n, *param.shape)}`` from one forward and one backward pass."""
-    n = check_batch(inputs, targets)
-    params = trainable_parameters(model)
-    layers = layers_with_parameters(model)
-    check_layers(layers, strict)
-
-    with ActivationRecorder(layers) as recorder:
-        losses = loss_fn(forward(model, inputs), targets)  # (n,)
-        check_losses(losses, n)
-    check_recorded(layers, recorder)
-    warn_fallbacks(layers, recorder)
-    recorder.backward(losses.sum())  # autograd.grad inside: the .grad fields stay untouched
-
-    by_param: dict[int, torch.Tensor] = {}  # id(param) -> (n, *param.shape), summed over uses
-    for path, layer in layers.items():
-        for call in recorder.calls[path]:
-            if call.backprops is None:
-                continue  # this call's output did not reach the loss
-            for local_name, g in sample_layer(layer, call).items():
-                p = getattr(layer, local_name)
-                if p.requires_grad:
-                    key = id(p)
-                    by_param[key] = g if key not in by_param else by_param[key] + g
-
-    return {
-        name: by_param[id(p)] if id(p) in by_param
-        else torch.zeros(n, *p.shape, dtype=p.dtype, device=p.device)  # never reached the loss
-        for name, p in params.items()
-    }
+    selfcheck.check_option(check)
+    rec = record(model, loss_fn, inputs, targets, strict=strict)
+    warn_fallbacks(rec)
+    sig = selfcheck.known(model, rec, check)
+    ref = selfcheck.probe(rec, model, loss_fn, inputs, targets) if sig else None
+    rule = [p for p in rec.params.values() if id(p) not in rec.fallback]
+    sum_check = sig is not None and rec.random
+    batch = rec.recorder.backward(rec.losses.sum(), params=rule if sum_check else ())
+    by_param = rule_gradients(rec)
+    by_param.update(fallback_gradients(rec, model, loss_fn, inputs, targets))
+    n = rec.n
+    grads = {name: by_param[id(p)] if id(p) in by_param
+             else torch.zeros(n, *p.shape, dtype=p.dtype, device=p.device)  # never reached loss
+             for name, p in rec.params.items()}
+    if sig is not None:
+        if sum_check:
+            names = [k for k, p in rec.params.items() if id(p) not in rec.fallback]
+            total = {k: torch.zeros_like(rec.params[k]) if g is None else g
+                     for k, g in zip(names, batch)}
+            selfcheck.compare(rec, {k: grads[k].sum(0) for k in names}, total,
+                              "the sum over the batch of the per-sample gradients")
+        else:
+            selfcheck.compare(rec, {k: g[n - 1] for k, g in grads.items()}, ref,
+                              f"the per-sample gradient of sample {n - 1}")
+        selfcheck.remember(model, sig, dict(rec.fallback))
+    return grads

@@ -26,14 +26,16 @@ def _one_sample(x):
     return x.unsqueeze(0) if isinstance(x, torch.Tensor) else x
 
 
-def vmap_per_sample_gradients(model, loss_fn, inputs, targets):
+def vmap_per_sample_gradients(model, loss_fn, inputs, targets, names=None):
     """``{name: Tensor(n, *param.shape)}`` by ``vmap(grad(...))`` over the batch.
 
     Randomness inside the model (dropout) is drawn independently per sample
-    (``randomness="different"``), as in an ordinary batched forward pass.
+    (``randomness="different"``), as in an ordinary batched forward pass. ``names``: only
+    these trainable parameters (the others are held fixed), e.g. the exact fallback's.
     """
     check_batch(inputs, targets)
-    params = {k: p.detach() for k, p in trainable_parameters(model).items()}
+    params = {k: p.detach() for k, p in trainable_parameters(model).items()
+              if names is None or k in names}
     fixed = {k: p.detach() for k, p in model.named_parameters() if k not in params}
     fixed.update(dict(model.named_buffers()))
     many = isinstance(inputs, (tuple, list))

@@ -9,19 +9,21 @@ obtains per-sample gradients from two quantities per layer and call:
 
 The forward hook also keeps o's autograd *edge* (``torch.autograd.graph.get_gradient_edge``):
 the point of the graph where o's gradient arrives. ``ActivationRecorder.backward`` then asks
-autograd for the gradients at all those edges in one pass. Two things follow:
-
-- only the highway gradients are computed: no layer computes its (batch-summed) weight
-  gradient, which the per-sample rule replaces anyway;
-- an in-place change of o after the layer (say ``ReLU(inplace=True)``) moves o to a new
-  graph node, but the edge taken before it still names o's original value.
-
+autograd for the gradients at all those edges in one pass (an in-place change of o after the
+layer moves o to a new node, but the edge taken before it still names o's original value).
 When someone else runs the backward pass (the ordinary training loop's ``loss.backward()``,
-used by ``dpsgd``), ``capture="hooks"`` instead registers a tensor hook on o in the forward
-hook; a tensor hook registered before an in-place change of o also sees o's original value.
+used by ``dpsgd``), ``capture="hooks"`` registers a tensor hook on o instead.
 
-A module called several times in one forward pass (weight sharing) gets one ``LayerCall``
-per call; the caller sums the per-sample gradients of the calls.
+A layer returning a tuple of Tensors (a registered sampler for an RNN-like layer) gets one
+edge per Tensor, and its backprops are the tuple of their gradients (zeros for an output the
+loss did not use). A module called several times in one forward pass (weight sharing) gets
+one ``LayerCall`` per call; the caller sums the per-sample gradients of the calls.
+
+Two more things are kept for the checks of ``recording.py``: ``stack``, the paths of the
+layers whose forward is running (so a parameter use can be attributed to the layer that owns
+it, or not), and, in ``capture="hooks"``, the *generation* of each call: the number of
+backward passes that had finished when its gradient arrived, so that samples of two
+backward passes before one optimizer step are never merged.
 
 Nothing is left behind: ``ActivationRecorder`` is a context manager that removes every hook
 on exit, also when the forward or backward pass raises.
@@ -37,12 +39,38 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 @dataclass
 class LayerCall:
-    """One call of a layer: its inputs, its output's edge, and (after backward) b."""
+    """One call of a layer: its inputs, its outputs' edges, and (after backward) b."""
 
     args: tuple
     kwargs: dict
-    edge: GradientEdge
-    backprops: torch.Tensor | None = None  # (n, *output.shape[1:]); None: output unused
+    edges: list[GradientEdge]
+    outputs: list  # the output Tensors' (shape, dtype, device), for zeros and shape checks
+    is_tuple: bool = False
+    backprops: object = None  # Tensor (n, ...) or tuple of them; None: output unused
+    generation: int = 0
+    grads: list = field(default_factory=list)  # capture="hooks": per-output gradient, or None
+
+    @property
+    def edge(self) -> GradientEdge:
+        return self.edges[0]
+
+    def set_backprops(self, grads) -> None:
+        """b from the gradients of each output (None -> zeros); None when none arrived."""
+        if all(g is None for g in grads):
+            self.backprops = None
+            return
+        full = [torch.zeros(s, dtype=d, device=v) if g is None else g
+                for g, (s, d, v) in zip(grads, self.outputs)]
+        self.backprops = tuple(full) if self.is_tuple else full[0]
+
+
+def tensor_outputs(output):
+    """(the Tensors requiring grad in ``output``, is_tuple), or (None, False) if unsupported."""
+    if isinstance(output, torch.Tensor):
+        return ([output] if output.requires_grad else []), False
+    if isinstance(output, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in output):
+        return [o for o in output if o.requires_grad], True
+    return None, False
 
 
 @dataclass
@@ -52,39 +80,71 @@ class ActivationRecorder:
     layers: dict[str, nn.Module]
     capture: str = "edges"  # "edges": self.backward() fills b; "hooks": any backward pass does
     calls: dict[str, list[LayerCall]] = field(default_factory=dict)
-    untracked: dict[str, str] = field(default_factory=dict)  # path -> type of a non-Tensor output
+    untracked: dict[str, str] = field(default_factory=dict)  # path -> type of an odd output
     recording: bool = True  # False inside ``paused()``: the samplers' own layer calls
+    stack: list = field(default_factory=list)  # paths of the layers whose forward is running
+    generation: int = 0  # capture="hooks": backward passes finished so far
     _handles: list = field(default_factory=list)
+    _pending: bool = False
 
     def __enter__(self):
         for path, layer in self.layers.items():
             self.calls[path] = []
-            hook = self._forward_hook(self.calls[path], path)
-            self._handles.append(layer.register_forward_hook(hook, with_kwargs=True))
+            self._handles.append(layer.register_forward_pre_hook(self._push(path)))
+            self._handles.append(layer.register_forward_hook(
+                self._forward_hook(path), with_kwargs=True, always_call=True))
         return self
 
     def __exit__(self, *exc):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.stack.clear()
         return False
 
-    def _forward_hook(self, calls: list[LayerCall], path: str):
+    def _push(self, path):
+        def pre_hook(module, args):
+            self.stack.append(path)
+
+        return pre_hook
+
+    def _forward_hook(self, path: str):
         def hook(module, args, kwargs, output):
+            if self.stack and self.stack[-1] == path:
+                self.stack.pop()
             if not self.recording:
                 return None
-            if isinstance(output, torch.Tensor):
-                if output.requires_grad:  # else not differentiable here: nothing to sample
-                    call = LayerCall(args=args, kwargs=kwargs, edge=get_gradient_edge(output))
-                    calls.append(call)
-                    if self.capture == "hooks":
-                        output.register_hook(lambda grad: setattr(call, "backprops", grad))
-            else:
-                untracked[path] = type(output).__name__  # the caller decides if that is fatal
+            tensors, is_tuple = tensor_outputs(output)
+            if tensors is None:
+                self.untracked[path] = type(output).__name__  # the caller decides if fatal
+                return None
+            if not tensors:
+                return None  # not differentiable here: nothing to sample
+            call = LayerCall(args=args, kwargs=kwargs,
+                             edges=[get_gradient_edge(t) for t in tensors],
+                             outputs=[(t.shape, t.dtype, t.device) for t in tensors],
+                             is_tuple=is_tuple, grads=[None] * len(tensors))
+            self.calls[path].append(call)
+            if self.capture == "hooks":
+                for k, t in enumerate(tensors):
+                    t.register_hook(self._grad_hook(call, k))
             return None
 
-        untracked = self.untracked
         return hook
+
+    def _grad_hook(self, call: LayerCall, k: int):
+        def store(grad):
+            call.grads[k] = grad
+            call.generation = self.generation
+            if not self._pending:  # count this backward pass once it has finished
+                self._pending = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._finished)
+
+        return store
+
+    def _finished(self) -> None:
+        self._pending = False
+        self.generation += 1
 
     @contextmanager
     def paused(self):
@@ -104,12 +164,25 @@ class ActivationRecorder:
     def all_calls(self) -> list[LayerCall]:
         return [call for calls in self.calls.values() for call in calls]
 
-    def backward(self, total_loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """Fill in ``backprops`` of every recorded call: ∂ total_loss / ∂o, one autograd pass."""
+    def collect(self) -> None:
+        """capture="hooks": turn the gradients the tensor hooks caught into backprops."""
+        for call in self.all_calls():
+            call.set_backprops(call.grads)
+            call.grads = [None] * len(call.grads)
+
+    def backward(self, total_loss: torch.Tensor, retain_graph: bool = False, params=()):
+        """Fill in ``backprops`` of every recorded call: ∂ total_loss / ∂o, one autograd pass.
+
+        ``params``: also return ∂ total_loss / ∂p for these (the self-check's batch gradient).
+        """
         calls = self.all_calls()
-        if not calls:
-            return
-        grads = torch.autograd.grad(total_loss, [c.edge for c in calls], allow_unused=True,
+        edges = [e for c in calls for e in c.edges]
+        if not edges and not params:
+            return []
+        grads = torch.autograd.grad(total_loss, [*edges, *params], allow_unused=True,
                                     retain_graph=retain_graph)
-        for call, grad in zip(calls, grads):
-            call.backprops = grad
+        k = 0
+        for call in calls:
+            call.set_backprops(grads[k:k + len(call.edges)])
+            k += len(call.edges)
+        return list(grads[k:])

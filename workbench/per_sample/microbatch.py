@@ -24,14 +24,16 @@ from workbench.per_sample.checks import (
 from workbench.per_sample.memory import zeros_per_sample
 
 
-def microbatch_per_sample_gradients(model, loss_fn, inputs, targets):
+def microbatch_per_sample_gradients(model, loss_fn, inputs, targets, names=None):
     """``{name: Tensor(n, *param.shape)}`` by one backward pass per sample.
 
     A parameter that sample i does not reach gets a zero gradient for that sample.
     Dropout and other randomness in the model make each pass draw its own noise.
+    ``names``: only these trainable parameters.
     """
     n = check_batch(inputs, targets)
-    params = trainable_parameters(model)
+    params = {k: p for k, p in trainable_parameters(model).items()
+              if names is None or k in names}
     grads = {name: zeros_per_sample((n, *p.shape), like=p) for name, p in params.items()}
     for i in range(n):
         rows = slice(i, i + 1)

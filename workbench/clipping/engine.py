@@ -1,0 +1,124 @@
+"""The one clipping engine: Σ_i c_i g_i from a recording, for every method and the optimizer.
+
+Abadi et al. 2016 (arXiv 1607.00133), Algorithm 1: c_i = min(1, C / ||g_i||), and the sum
+Σ_i c_i g_i that noise is added to. From one recording (``per_sample.recording``) of a batch:
+
+- ``microbatch`` / ``vmap`` / ``einsum``: materialise each layer's per-sample gradients (a
+  loop over samples, ``vmap``, or the registered grad sampler), then norm, clip and sum;
+- ``ghost`` / ``bookkeeping``: norms from (a, b) by the norm samplers (``ghost.py``), then each
+  layer's clipped sum as its *ordinary* weight gradient with backprops c_i b_i (Bu, Wang, Zha,
+  Karypis 2023, arXiv 2210.00038, §3):  Σ_i c_i g_i(a_i, b_i) = Σ_i g_i(a_i, c_i b_i).
+  While the graph is alive (``wb.clipped_grad_sum``) that weight gradient is a local autograd
+  call from the layer's output edges; after the user's backward has freed it (the optimizer),
+  the layer alone is re-run on its stored inputs.
+
+Parameters materialised anyway (exact fallback, or used in several calls) enter as
+Σ_i c_i g_i from their (n, *shape) tensors.
+
+**Per-layer clipping** (a C_g per parameter group; McMahan et al. 2018, arXiv 1710.06963,
+§3): each group's part of g_i is clipped to C_g, so the clipped gradient has norm at most
+||C||₂ = (Σ_g C_g²)^½, the sensitivity the noise is scaled to.
+
+Notation: n batch, g_i per-sample gradient, c_i clip factor, C max_grad_norm, b backprops.
+"""
+
+import torch
+from torch.utils._pytree import tree_map
+
+from workbench.clipping.flat import clip_factors, sample_squares
+from workbench.clipping.ghost import squared_norms_by
+from workbench.per_sample.einsum import sample_layer
+from workbench.per_sample.functional import layer_vmap_grad_sampler
+from workbench.per_sample.microbatch import layer_microbatch_grad_sampler
+
+MODES = ("microbatch", "vmap", "einsum", "ghost", "bookkeeping")
+MATERIALISING = ("microbatch", "vmap", "einsum")
+
+
+def materialise(rec, mode: str) -> dict[int, torch.Tensor]:
+    """{id(param): (n, *shape)} per-sample gradients of the rule parameters, summed over each
+    parameter's calls."""
+    grads: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for _, layer, call in list(rec.calls()):
+            own = dict(rec.own(layer))
+            if not own:
+                continue
+            if mode == "einsum":
+                local = sample_layer(layer, call, keep=own)
+            elif mode == "vmap":
+                local = layer_vmap_grad_sampler(layer, call.args, call.kwargs, call.backprops)
+            else:
+                local = layer_microbatch_grad_sampler(layer, call.args, call.kwargs,
+                                                      call.backprops)
+            for name, g in local.items():
+                if name in own:
+                    key = id(own[name])
+                    grads[key] = g if key not in grads else grads[key] + g
+    return grads
+
+
+def _weighted(b, c):
+    return c.to(b.dtype).view(-1, *[1] * (b.dim() - 1)) * b  # c_i b_i
+
+
+def reweighted_weight_grads(layer, call, c, own: list, graph_alive: bool) -> dict:
+    """{id(param): Σ_i c_i g_i} for ``own`` parameters of one call, by one weight gradient."""
+    b = call.backprops
+    weighted = [_weighted(t, c) for t in (b if isinstance(b, tuple) else (b,))]
+    if graph_alive:
+        outputs = list(call.edges)
+        retain = True
+    else:
+        detach = lambda t: t.detach() if isinstance(t, torch.Tensor) else t  # noqa: E731
+        with torch.enable_grad():
+            out = layer.forward(*tree_map(detach, call.args), **tree_map(detach, call.kwargs))
+        outputs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        retain = False
+    grads = torch.autograd.grad(outputs, own, grad_outputs=weighted, allow_unused=True,
+                                retain_graph=retain)
+    return {id(p): g for p, g in zip(own, grads) if g is not None}
+
+
+def clipped_sum(rec, max_grad_norm, mode: str, group_of=None, graph_alive=False,
+                exact=None):
+    """({id(param): Σ_i c_i g_i}, norms (n,), clip factors (n,)) for one recorded batch.
+
+    ``max_grad_norm``: one C, or {group: C_g} with ``group_of(param)`` naming each parameter's
+    group. ``exact``: {id(param): (n, *shape)} of the fallback parameters. The returned clip
+    factors are, per sample, the smallest over the groups.
+    """
+    per_group = isinstance(max_grad_norm, dict)
+    C = max_grad_norm if per_group else {None: max_grad_norm}
+    group_of = group_of if per_group else (lambda p: None)
+    params = {id(p): p for p in rec.params.values()}
+    zeros = torch.zeros(rec.n, dtype=rec.dtype, device=rec.device)
+    exact = exact or {}
+    if mode in MATERIALISING:
+        grads = {**materialise(rec, mode), **exact}
+        squares: dict = {}
+        for key, g in grads.items():
+            group = group_of(params[key])
+            squares[group] = squares.get(group, zeros) + sample_squares(g)
+        c = {group: clip_factors(sq.sqrt(), C[group]) for group, sq in squares.items()}
+        sums = {}
+    else:
+        squares, grads = squared_norms_by(rec, group_of, exact)
+        c = {group: clip_factors(sq.sqrt(), C[group]) for group, sq in squares.items()}
+        sums = {}
+        for _, layer, call in list(rec.calls()):
+            for group in {group_of(p) for _, p in rec.own(layer)} & set(c):
+                own = [p for _, p in rec.own(layer)
+                       if id(p) not in grads and group_of(p) == group]
+                if own:
+                    for key, g in reweighted_weight_grads(layer, call, c[group], own,
+                                                          graph_alive).items():
+                        sums[key] = g if key not in sums else sums[key] + g
+            call.backprops = None  # used: free it before the next layer's weight gradient
+    with torch.no_grad():
+        for key, g in grads.items():  # materialised: Σ_i c_i g_i directly
+            sums[key] = torch.tensordot(c[group_of(params[key])].to(g.dtype), g, dims=1)
+    norms = sum(squares.values(), zeros).sqrt()
+    factors = torch.stack(list(c.values())).min(0).values if c else zeros + 1
+    return sums, norms, factors

@@ -1,0 +1,198 @@
+"""One recording of a batch, shared by einsum, ghost clipping, book-keeping and the optimizer.
+
+A per-layer rule (``samplers/``, ``clipping/norms/``) is exact for a parameter only when every
+use of that parameter is a call of a layer that owns it, hooked, with the batch on dim 0 of
+the call's inputs and outputs. ``record`` runs the forward pass with the hooks of
+``hooks.ActivationRecorder`` and the ``uses.UseTracker`` and decides, per parameter, which of
+the two it is:
+
+- **by rule**: every use is covered and every call carries the batch on dim 0;
+- **exact fallback**: anything else (a tied head, a positional embedding on ``arange(T)``,
+  a sequence-first layer, ``self.fc.forward(x)``, a parametrised weight). Its per-sample
+  gradient comes from ``torch.func`` over the whole model (``vmap(grad(...))``), or, where
+  vmap cannot run the model, from micro-batching; ``fallback`` says why, per parameter.
+
+The batch-on-dim-0 test here looks at shapes (dim 0 must be n); ``selfcheck.py`` adds what
+shapes cannot show (T == n) and checks the result numerically.
+
+Notation: n batch size, a activations, b backprops, ℓ_i per-sample loss.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn.utils.parametrize import ParametrizationList
+
+from workbench.errors import UnsupportedLayerError
+from workbench.per_sample.checks import (
+    check_batch,
+    check_losses,
+    check_no_sample_mixing,
+    forward,
+    trainable_parameters,
+)
+from workbench.per_sample.hooks import ActivationRecorder
+from workbench.per_sample.registry import SAMPLER_CHECKS, find_grad_sampler
+from workbench.per_sample.uses import UseTracker
+
+
+def layers_with_parameters(model: nn.Module) -> dict[str, nn.Module]:
+    """``{path: module}`` of modules owning trainable parameters directly (not via children).
+
+    A ``ParametrizationList`` (``torch.nn.utils.parametrize``) is left out: its output is a
+    weight, not a batch, so its parameters are uses outside any layer (exact fallback).
+    """
+    return {path: module for path, module in model.named_modules()
+            if not isinstance(module, ParametrizationList)
+            and any(p.requires_grad for p in module.parameters(recurse=False))}
+
+
+def owners_of(layers: dict[str, nn.Module]) -> dict[int, set[str]]:
+    """{id(param): paths of the recorded layers owning it} for trainable parameters."""
+    owners: dict[int, set[str]] = {}
+    for path, layer in layers.items():
+        for p in layer.parameters(recurse=False):
+            if p.requires_grad:
+                owners.setdefault(id(p), set()).add(path)
+    return owners
+
+
+def check_layers(layers: dict[str, nn.Module], strict: bool, covered=None) -> None:
+    """Before the forward pass: each sampler's option check, and ``strict`` for layers
+    without a sampler (``covered(layer) -> bool`` marks layers another rule handles)."""
+    for path, layer in layers.items():
+        kind = type(layer)
+        if kind in SAMPLER_CHECKS:
+            SAMPLER_CHECKS[kind](layer)
+        has_rule = find_grad_sampler(layer) is not None or (covered is not None and covered(layer))
+        if strict and not has_rule:
+            raise UnsupportedLayerError(
+                f"{kind.__name__} at {path or '<model>'} has trainable parameters but no grad "
+                f"sampler; register one with @wb.register_grad_sampler({kind.__name__}) or "
+                f"pass strict=False to compute it by vmap on that layer")
+
+
+FUSED = (nn.RNNBase, nn.MultiheadAttention)  # torch.nn layers whose kernels hide the products
+
+
+def check_recorded(layers: dict[str, nn.Module], recorder: ActivationRecorder) -> None:
+    """A layer whose per-sample gradients cannot be captured is an error, never zeros: an
+    output that is not a Tensor or a tuple of Tensors, or one of torch.nn's fused recurrent
+    and attention layers, without a grad sampler of its own."""
+    for path, layer in layers.items():
+        if find_grad_sampler(layer) is not None:
+            continue
+        odd = recorder.untracked.get(path)
+        if odd is None and not (isinstance(layer, FUSED) and recorder.calls[path]):
+            continue
+        name = type(layer).__name__
+        kind = odd or "tuple"
+        raise UnsupportedLayerError(
+            f"{name} at {path or '<model>'} returns a {kind}, and its per-sample gradients "
+            f"cannot be captured (torch.nn's fused recurrent and attention kernels hide their "
+            f"inner products); use wb.fix_model(model) to swap in the wb.layers DP version, "
+            f"or register a grad sampler for {name}")
+
+
+def checked_shapes(layer, call) -> list[torch.Size]:
+    """Shapes that must carry the batch on dim 0 for ``layer``'s rule to hold: its outputs
+    and first input (a registered sampler), or every Tensor argument (vmap on the layer
+    treats them all as batched)."""
+    shapes = [s for s, _, _ in call.outputs]
+    inputs = [a.shape for a in call.args if isinstance(a, torch.Tensor)]
+    if find_grad_sampler(layer) is not None:
+        return shapes + inputs[:1]
+    return shapes + inputs + [v.shape for v in call.kwargs.values() if isinstance(v, torch.Tensor)]
+
+
+def batch_problem(layer, call, n: int) -> str | None:
+    """Why a call does not carry the batch on dim 0 (by shape), or None."""
+    for shape in checked_shapes(layer, call):
+        if len(shape) == 0 or shape[0] != n:
+            return (f"is called on a tensor of shape {tuple(shape)}: dim 0 is not the batch "
+                    f"(n = {n})")
+    return None
+
+
+@dataclass
+class Recording:
+    """A forward pass (and, after ``backward``, its backprops) of one batch of n samples."""
+
+    n: int
+    layers: dict[str, nn.Module]
+    recorder: ActivationRecorder
+    params: dict[str, nn.Parameter]
+    dtype: torch.dtype
+    device: torch.device
+    losses: torch.Tensor | None = None  # (n,)
+    fallback: dict[int, str] = field(default_factory=dict)  # id(param) -> why not by rule
+    random: bool = False  # a random function (dropout) ran in the forward pass
+    generation: int | None = None  # capture="hooks": only calls of this backward pass
+    exact: dict = field(default_factory=dict)  # id(param) -> (n, *shape): the fallback's g_i
+    probe: dict | None = None  # selfcheck.probe: micro-batching's g_i of one sample
+    signature: tuple | None = None  # selfcheck: the call signature this recording verifies
+
+    def calls(self):
+        """(path, layer, call) for every call whose output reached the loss."""
+        for path, layer in self.layers.items():
+            for call in self.recorder.calls[path]:
+                if call.backprops is not None and (self.generation is None
+                                                   or call.generation == self.generation):
+                    yield path, layer, call
+
+    def own(self, layer) -> list[tuple[str, nn.Parameter]]:
+        """The layer's trainable parameters computed by its rule (not by the fallback)."""
+        return [(name, p) for name, p in layer.named_parameters(recurse=False)
+                if p.requires_grad and id(p) not in self.fallback]
+
+    def shared_ids(self) -> set[int]:
+        """ids of rule parameters used in more than one call (their norms need cross terms)."""
+        seen: dict[int, int] = {}
+        for _, layer, _ in self.calls():
+            for _, p in self.own(layer):
+                seen[id(p)] = seen.get(id(p), 0) + 1
+        return {key for key, count in seen.items() if count > 1}
+
+    def fallback_names(self) -> list[str]:
+        return [name for name, p in self.params.items() if id(p) in self.fallback]
+
+    def mark(self, layer, path: str, reason: str) -> None:
+        """Send the layer's parameters to the exact fallback, saying why."""
+        for p in layer.parameters(recurse=False):
+            if p.requires_grad:
+                self.fallback.setdefault(id(p), f"{type(layer).__name__} at {path or '<model>'} "
+                                                 f"{reason}")
+
+
+def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recording:
+    """The forward pass with hooks and the use tracker; losses (n,); the fallback decided."""
+    check_no_sample_mixing(model)
+    n = check_batch(inputs, targets)
+    layers = layers_with_parameters(model)
+    check_layers(layers, strict, covered)
+    params = trainable_parameters(model)
+    p0 = next(iter(params.values()))
+    with ActivationRecorder(layers) as recorder:
+        tracker = UseTracker(owners_of(layers), recorder.stack)
+        with tracker:
+            losses = loss_fn(forward(model, inputs), targets)  # (n,)
+        check_losses(losses, n)
+    check_recorded(layers, recorder)
+    rec = Recording(n, layers, recorder, params, p0.dtype, p0.device, losses,
+                    random=tracker.random)
+    note_uncovered(rec, tracker.uncovered)
+    for path, layer in layers.items():
+        for call in recorder.calls[path]:
+            problem = batch_problem(layer, call, n)
+            if problem:
+                rec.mark(layer, path, problem)
+    return rec
+
+
+def note_uncovered(rec: Recording, uncovered: dict[int, set[str]]) -> None:
+    names = {id(p): name for name, p in rec.params.items()}
+    for key, where in uncovered.items():
+        places = ", ".join(sorted(w or "<model>" for w in where))
+        rec.fallback.setdefault(key, f"{names.get(key, 'a parameter')} is used outside the "
+                                     f"forward of the layer that owns it (in {places})")

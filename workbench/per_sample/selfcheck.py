@@ -1,0 +1,143 @@
+"""The self-check: a fast per-sample result is compared with an exact twin before it is used.
+
+Shapes cannot show every batch-dimension mistake: a sequence-first layer with T == n, or a
+positional embedding on ``arange(T)`` when T == n, looks batch-first. Two checks close that
+gap, both cheap next to a step:
+
+1. **The probe** runs the forward and backward pass of one sample i alone (micro-batching,
+   Yousefpour et al. 2021, arXiv 2109.12298, App. A), with the same hooks. A call whose dim 0
+   carries the batch has dim 0 = n in the batch and 1 in the probe; a layer whose dim 0 does
+   not follow (T stays T) is sent to the exact fallback. The probe also gives the exact
+   g_i = ∇ℓ_i, and the fast result's row i (or its norm ||g_i||) must equal it:
+
+       ||ĝ_i − g_i|| ≤ tol · max(||g_i||, ||ĝ_i||) + atol        tol: TOLERANCE[dtype]
+
+   which catches a wrong sampler, a sample-mixing model (``x - x.mean(0)``) and any use the
+   tracker missed. Cost: one forward and backward pass at batch size 1.
+2. **With randomness in the model** (dropout), sample i alone draws other masks than in the
+   batch, so the probe's g_i differs by design; the *sum check* replaces it: the batch
+   gradient from the same backward pass (same masks) must equal Σ_i ĝ_i over the rule
+   parameters. It catches missing and double-counted uses, not a permutation of rows.
+
+Both run the first time a model is seen with a given call signature (the shapes of every
+recorded call); later calls with the same signature reuse the verdict and the probe's
+decisions. ``check="always"`` checks every call, ``check=False`` none (benchmarks only).
+
+Notation: n batch size, i the probed sample, g_i exact per-sample gradient, ĝ_i fast one.
+"""
+
+import weakref
+
+import torch
+
+from workbench.errors import PerSampleCheckError
+from workbench.per_sample.checks import check_losses, forward, take
+from workbench.per_sample.hooks import ActivationRecorder
+from workbench.per_sample.recording import Recording, checked_shapes
+
+# relative tolerance of the comparison: float64 methods agree to ~1e-13; float32 to ~1e-5;
+# a wrong row, a missed use or a mixed batch is off by O(1)
+TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-3, torch.float16: 5e-2,
+             torch.bfloat16: 5e-2}
+CHECKS = (True, False, "always")
+
+_VERIFIED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {sig: marks}
+
+
+def check_option(check) -> None:
+    if check not in CHECKS:
+        raise ValueError(f"check must be True (check the first call of each model and call "
+                         f"signature), 'always' or False (no check, for benchmarks); got "
+                         f"{check!r}")
+
+
+def signature(rec: Recording) -> tuple:
+    calls = tuple((path, tuple(tuple(s) for s in checked_shapes(layer, call)))
+                  for path, layer in rec.layers.items() for call in rec.recorder.calls[path])
+    return calls, tuple(sorted(rec.fallback)), rec.n, rec.dtype
+
+
+def known(model, rec: Recording, check) -> tuple | None:
+    """The signature to verify, or None when this call need not be checked (re-applying the
+    probe's decisions of the first call with the same signature)."""
+    if check is False or rec.n < 2:
+        return None
+    sig = signature(rec)
+    marks = _VERIFIED.get(model, {}).get(sig)
+    if marks is not None and check != "always":
+        for key, reason in marks.items():
+            rec.fallback.setdefault(key, reason)
+        return None
+    return sig
+
+
+def remember(model, sig, marks: dict) -> None:
+    _VERIFIED.setdefault(model, {})[sig] = marks
+
+
+def probe(rec: Recording, model, loss_fn, inputs, targets) -> dict[str, torch.Tensor]:
+    """Sample i = n - 1 alone: mark layers whose dim 0 is not the batch; return exact g_i."""
+    i = rec.n - 1
+    rows = slice(i, i + 1)
+    devices = [rec.device] if rec.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), ActivationRecorder(rec.layers) as small:
+        loss = loss_fn(forward(model, take(inputs, rows)), take(targets, rows))  # (1,)
+    check_losses(loss, 1)
+    for path, layer in rec.layers.items():
+        big = [c for c in rec.recorder.calls[path]
+               if rec.generation is None or c.generation == rec.generation]
+        one = small.calls[path]
+        if len(big) != len(one):
+            rec.mark(layer, path, f"is called {len(big)} times for the batch and {len(one)} "
+                                  f"for one sample, so its batch dimension cannot be verified")
+            continue
+        for c_big, c_one in zip(big, one):
+            for s_big, s_one in zip(checked_shapes(layer, c_big), checked_shapes(layer, c_one)):
+                if len(s_one) == 0 or s_one[0] != 1:
+                    rec.mark(layer, path, f"is called on shape {tuple(s_big)} for n = {rec.n} "
+                                          f"samples and {tuple(s_one)} for one: dim 0 is not "
+                                          f"the batch")
+    params = list(rec.params.values())
+    grads = torch.autograd.grad(loss.sum(), params, allow_unused=True)
+    return {name: torch.zeros_like(p) if g is None else g
+            for (name, p), g in zip(rec.params.items(), grads)}
+
+
+def _norm(tensors) -> torch.Tensor:
+    return torch.sqrt(sum((t.double() ** 2).sum() for t in tensors))
+
+
+def compare(rec: Recording, got: dict, ref: dict, what: str) -> None:
+    """Raise PerSampleCheckError unless ``got`` (name -> tensor) equals ``ref``."""
+    if not ref:
+        return
+    tol = TOLERANCE.get(rec.dtype, 1e-3)
+    err = _norm([got[k] - ref[k] for k in ref])
+    scale = max(float(_norm(ref.values())), float(_norm(got.values())))
+    atol = 1e-12 if rec.dtype == torch.float64 else 1e-6
+    if float(err) <= tol * scale + atol:
+        return
+    worst = sorted(ref, key=lambda k: -float(_norm([got[k] - ref[k]])))[:3]
+    raise PerSampleCheckError(
+        f"self-check failed: {what} differs from the exact value by {float(err):.3g} "
+        f"(relative {float(err) / max(scale, 1e-300):.3g}, tolerance {tol:g} for {rec.dtype}); "
+        f"the largest differences are in {', '.join(worst)}. A grad/norm sampler registered "
+        f"for their layer is wrong, or the model mixes samples outside any module (e.g. "
+        f"x - x.mean(0)), or reads a parameter in a way no hook sees. Nothing was returned. "
+        f"Locate it with wb.audit.audit_gradients(model, loss_fn, inputs, targets); "
+        f"method='vmap' or 'microbatch' are exact for models whose samples do not mix")
+
+
+def compare_norm(rec: Recording, got: torch.Tensor, ref: dict) -> None:
+    """The fast ||g_i|| of the probed sample against the probe's exact gradient."""
+    tol = TOLERANCE.get(rec.dtype, 1e-3)
+    exact = float(_norm(ref.values()))
+    err = abs(float(got) - exact)
+    if err <= tol * max(exact, float(got)) + (1e-12 if rec.dtype == torch.float64 else 1e-6):
+        return
+    raise PerSampleCheckError(
+        f"self-check failed: the per-sample gradient norm of sample {rec.n - 1} is "
+        f"{float(got):.6g}, micro-batching gives {exact:.6g} (tolerance {tol:g} for "
+        f"{rec.dtype}). A norm or grad sampler registered for one of the layers is wrong, or "
+        f"the model mixes samples outside any module (e.g. x - x.mean(0)). Nothing was "
+        f"returned; locate it with wb.audit.audit_gradients(model, loss_fn, inputs, targets)")

@@ -1,0 +1,77 @@
+"""Every *use* of a trainable parameter in the forward pass, and whether a hook saw it.
+
+Hooks on modules see calls of modules, not uses of parameters. Real model code uses
+parameters in other places too (nanoGPT's tied head ``F.linear(h, self.wte.weight)``, a
+parent reading a child's weight, ``self.fc.forward(x)`` which bypasses the module's hooks,
+``torch.nn.utils.parametrize`` computing a weight from its ``original``). A per-layer rule
+applied to the recorded calls alone then returns a plausible, wrong per-sample gradient.
+
+``UseTracker`` is a ``torch.overrides.TorchFunctionMode``: every torch function called
+during the forward pass passes through it, wherever it is called. For each call that takes a
+trainable parameter and returns something differentiable, it notes where the parameter was
+used: inside the forward of a recorded layer that owns it (a *covered* use: the layer's rule
+accounts for it) or anywhere else (an *uncovered* use: its per-sample gradient must come from
+an exact method). It also notes random functions (dropout), which decide how the result can be
+checked (``selfcheck.py``).
+"""
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+RANDOM_FUNCTIONS = {
+    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
+    "native_dropout", "bernoulli", "bernoulli_", "rand", "randn", "randint", "rand_like",
+    "randn_like", "randint_like", "normal", "normal_", "uniform_", "multinomial", "randperm",
+    "rrelu", "rrelu_", "poisson", "exponential_", "random_", "cauchy_", "log_normal_",
+    "geometric_",
+}
+_DROPOUTS = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+             "feature_alpha_dropout"}
+_OUTSIDE = "<outside any layer's forward>"
+
+
+def _is_random(name: str, args, kwargs) -> bool:
+    if name not in RANDOM_FUNCTIONS:
+        return False
+    if name in _DROPOUTS:  # F.dropout(x, p, training): random only when training and p > 0
+        p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+        training = kwargs.get("training", args[2] if len(args) > 2 else True)
+        return bool(training) and float(p) > 0
+    return True
+
+
+def _differentiable(result) -> bool:
+    leaves, _ = tree_flatten(result)
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+
+
+class UseTracker(TorchFunctionMode):
+    """Records uncovered uses of trainable parameters and random functions.
+
+    Args:
+        owners: {id(param): set of paths of the recorded layers that own it directly}.
+        stack: the recorder's list of paths of layers whose forward is running.
+    """
+
+    def __init__(self, owners: dict[int, set[str]], stack: list):
+        super().__init__()
+        self.owners, self.stack = owners, stack
+        self.uncovered: dict[int, set[str]] = {}  # id(param) -> where it was used
+        self.random = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if not self.random and _is_random(name, args, kwargs):
+            self.random = True
+        if self.owners and torch.is_grad_enabled():
+            used = [t for t in tree_flatten((args, kwargs))[0]
+                    if isinstance(t, torch.Tensor) and id(t) in self.owners]
+            if used and _differentiable(result):
+                where = self.stack[-1] if self.stack else _OUTSIDE
+                for p in used:
+                    if where not in self.owners[id(p)]:
+                        self.uncovered.setdefault(id(p), set()).add(where)
+        return result
