@@ -22,6 +22,7 @@ from workbench.clipping import (
 from workbench.dpsgd import PrivacyEngine, train
 from workbench.errors import (
     LossShapeError,
+    PerSampleCheckError,
     SampleMixingError,
     UnsupportedLayerError,
     WorkbenchError,
@@ -41,6 +42,7 @@ __all__ = [
     "METHODS",
     "PrivacyEngine",
     "LossShapeError",
+    "PerSampleCheckError",
     "SampleMixingError",
     "UnsupportedLayerError",
     "WorkbenchError",

@@ -24,6 +24,7 @@ Notation: n batch, a activations, b backprops, c clip factors, C max_grad_norm.
 """
 
 import torch
+from torch.nn.utils.parametrize import is_parametrized
 
 from workbench.clipping.flat import clip_factors, sample_squares
 from workbench.clipping.registry import find_norm_sampler
@@ -90,7 +91,7 @@ def squared_norms_by(rec: Recording, group_of, exact=None):
             own = dict(rec.own(layer))
             if not own:
                 continue
-            sampler = find_norm_sampler(layer)
+            sampler = None if is_parametrized(layer) else find_norm_sampler(layer)
             everything = len(own) == sum(p.requires_grad for p in layer.parameters(False))
             groups = {group_of(p) for p in own.values()}
             if (sampler is not None and everything and len(groups) == 1
@@ -126,7 +127,7 @@ def ghost_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm, check=True
         call.backprops = None  # not needed by the second pass: free them before it runs
     names = [k for k, p in rec.params.items() if id(p) not in rec.exact]
     grads = torch.autograd.grad((c.detach() * rec.losses).sum(),
-                                [rec.params[k] for k in names], allow_unused=True)
+                                [rec.params[k] for k in names], allow_unused=True) if names else ()
     sums = {k: torch.zeros_like(rec.params[k]) if g is None else g for k, g in zip(names, grads)}
     with torch.no_grad():
         for key, g in rec.exact.items():  # the fallback's own g_i: the norms' g_i

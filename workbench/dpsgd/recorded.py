@@ -76,7 +76,7 @@ class ModelRecorder:
         self.snapshot = self._structure()
         self.layer_rec = ActivationRecorder(self.layers, capture="hooks").__enter__()
         self.root_rec = ActivationRecorder({ROOT: model}, capture="hooks").__enter__()
-        self.tracker = UseTracker(owners_of(self.layers), self.layer_rec.stack)
+        self.tracker = UseTracker(owners_of(self.layers, model), self.layer_rec.stack)
         self.uncovered: dict[int, set[str]] = {}
         self._depth, self._tracking = 0, False
         self._handles = [model.register_forward_pre_hook(self._enter),

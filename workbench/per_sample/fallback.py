@@ -19,6 +19,7 @@ import warnings
 from workbench.errors import WorkbenchError
 from workbench.per_sample.functional import vmap_per_sample_gradients
 from workbench.per_sample.microbatch import microbatch_per_sample_gradients
+from workbench.per_sample.uses import LOSS
 
 _WARNED: set[tuple] = set()
 
@@ -27,20 +28,28 @@ def exact_per_sample_gradients(model, loss_fn, inputs, targets, names, reasons=(
     """{name: Tensor(n, *p.shape)} for ``names``, exact (vmap, else micro-batching)."""
     if not names:
         return {}
+    if any(LOSS in reason for reason in reasons):  # vmap's functional_call cannot swap those
+        warn_once(model, names, "the loss function reads them directly, outside the model, "
+                  "where torch.func cannot substitute them")
+        return microbatch_per_sample_gradients(model, loss_fn, inputs, targets,
+                                               names=set(names))
     try:
         return vmap_per_sample_gradients(model, loss_fn, inputs, targets, names=set(names))
     except WorkbenchError:
         raise
     except (RuntimeError, NotImplementedError, ValueError, TypeError) as error:
-        key = (id(model), tuple(names))
-        if key not in _WARNED:
-            _WARNED.add(key)
-            why = "; ".join(reasons) or "no per-layer rule applies"
-            warnings.warn(
-                f"per-sample gradients of {', '.join(names)} cannot come from a per-layer rule "
-                f"({why}) and torch.func.vmap cannot run this model ({type(error).__name__}: "
-                f"{str(error).splitlines()[0][:160]}); computing them exactly by "
-                f"micro-batching instead: one forward and backward pass per sample, about n "
-                f"times slower for these parameters", stacklevel=4)
+        why = "; ".join(reasons) or "no per-layer rule applies"
+        warn_once(model, names, f"{why}; and torch.func.vmap cannot run this model "
+                  f"({type(error).__name__}: {str(error).splitlines()[0][:160]})")
         return microbatch_per_sample_gradients(model, loss_fn, inputs, targets,
                                                names=set(names))
+
+
+def warn_once(model, names, why: str) -> None:
+    key = (id(model), tuple(names))
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(f"per-sample gradients of {', '.join(names)} cannot come from a "
+                      f"per-layer rule or vmap ({why}); computing them exactly by micro-batching "
+                      f"instead: one forward and backward pass per sample, about n times slower "
+                      f"for these parameters", stacklevel=5)

@@ -64,8 +64,11 @@ def layer_vmap_grad_sampler(layer, args, kwargs, backprops):
         def output(p):
             return functional_call(layer, p, tree_map(_one_sample, a), tree_map(_one_sample, kw))
 
-        _, pullback = vjp(output, params)
-        return pullback(b.unsqueeze(0))[0]  # g_i = (∂o_i/∂w)^T b_i
+        out, pullback = vjp(output, params)
+        b1 = tree_map(_one_sample, b)
+        if isinstance(out, list) and isinstance(b1, tuple):
+            b1 = list(b1)
+        return pullback(b1)[0]  # g_i = (∂o_i/∂w)^T b_i
 
     def batched(x):
         return 0 if isinstance(x, torch.Tensor) else None

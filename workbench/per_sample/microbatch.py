@@ -52,7 +52,8 @@ def layer_microbatch_grad_sampler(layer, args, kwargs, backprops):
     used where the loss is not at hand (the DP optimizer's ``grad_sample_mode="microbatch"``);
     every Tensor argument must carry the batch on dim 0."""
     own = {name: p for name, p in layer.named_parameters(recurse=False) if p.requires_grad}
-    n = backprops.shape[0]
+    many = isinstance(backprops, (tuple, list))  # a layer returning a tuple of Tensors
+    n = (backprops[0] if many else backprops).shape[0]
     grads = {name: zeros_per_sample((n, *p.shape), like=p) for name, p in own.items()}
 
     def row(t, i):
@@ -63,8 +64,9 @@ def layer_microbatch_grad_sampler(layer, args, kwargs, backprops):
         kwargs_i = {k: row(v, i) for k, v in kwargs.items()}
         with torch.enable_grad():
             o_i = layer.forward(*args_i, **kwargs_i)  # .forward: no recording hooks
-        g_i = torch.autograd.grad(o_i, list(own.values()), backprops[i:i + 1],
-                                  allow_unused=True)
+        outs = list(o_i) if many else [o_i]
+        b_i = [b[i:i + 1] for b in backprops] if many else [backprops[i:i + 1]]
+        g_i = torch.autograd.grad(outs, list(own.values()), b_i, allow_unused=True)
         for name, g in zip(own, g_i):
             if g is not None:
                 grads[name][i] = g

@@ -33,7 +33,7 @@ from workbench.per_sample.checks import (
     trainable_parameters,
 )
 from workbench.per_sample.hooks import ActivationRecorder
-from workbench.per_sample.registry import SAMPLER_CHECKS, find_grad_sampler
+from workbench.per_sample.registry import SAMPLER_CHECKS, find_grad_sampler, layer_type
 from workbench.per_sample.uses import UseTracker
 
 
@@ -48,9 +48,10 @@ def layers_with_parameters(model: nn.Module) -> dict[str, nn.Module]:
             and any(p.requires_grad for p in module.parameters(recurse=False))}
 
 
-def owners_of(layers: dict[str, nn.Module]) -> dict[int, set[str]]:
-    """{id(param): paths of the recorded layers owning it} for trainable parameters."""
-    owners: dict[int, set[str]] = {}
+def owners_of(layers: dict[str, nn.Module], model: nn.Module) -> dict[int, set[str]]:
+    """{id(param): paths of the recorded layers owning it} for every trainable parameter of
+    ``model`` (an empty set: no recorded layer owns it, so every use is uncovered)."""
+    owners: dict[int, set[str]] = {id(p): set() for p in model.parameters() if p.requires_grad}
     for path, layer in layers.items():
         for p in layer.parameters(recurse=False):
             if p.requires_grad:
@@ -62,7 +63,7 @@ def check_layers(layers: dict[str, nn.Module], strict: bool, covered=None) -> No
     """Before the forward pass: each sampler's option check, and ``strict`` for layers
     without a sampler (``covered(layer) -> bool`` marks layers another rule handles)."""
     for path, layer in layers.items():
-        kind = type(layer)
+        kind = layer_type(layer)
         if kind in SAMPLER_CHECKS:
             SAMPLER_CHECKS[kind](layer)
         has_rule = find_grad_sampler(layer) is not None or (covered is not None and covered(layer))
@@ -174,9 +175,11 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
     params = trainable_parameters(model)
     p0 = next(iter(params.values()))
     with ActivationRecorder(layers) as recorder:
-        tracker = UseTracker(owners_of(layers), recorder.stack)
+        tracker = UseTracker(owners_of(layers, model), recorder.stack)
         with tracker:
-            losses = loss_fn(forward(model, inputs), targets)  # (n,)
+            outputs = forward(model, inputs)
+            tracker.in_loss = True
+            losses = loss_fn(outputs, targets)  # (n,)
         check_losses(losses, n)
     check_recorded(layers, recorder)
     rec = Recording(n, layers, recorder, params, p0.dtype, p0.device, losses,

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.nn.utils.parametrize import is_parametrized
 
 GradSamplerFn = Callable[[nn.Module, tuple, torch.Tensor], dict[str, torch.Tensor]]
 
@@ -83,6 +84,15 @@ def check_callable(decorator: str, fn) -> None:
         raise TypeError(f"{decorator} must decorate a function; got {fn!r}")
 
 
+def layer_type(layer: nn.Module) -> type:
+    """``type(layer)``, or the original class of a ``torch.nn.utils.parametrize``d layer
+    (parametrize swaps in a generated subclass whose forward is the original's)."""
+    kind = type(layer)
+    if is_parametrized(layer) and kind.__name__.startswith("Parametrized"):
+        return kind.__bases__[0]
+    return kind
+
+
 def find_grad_sampler(layer: nn.Module) -> GradSamplerFn | None:
-    """The sampler registered for ``type(layer)``, or None."""
-    return GRAD_SAMPLERS.get(type(layer))
+    """The sampler registered for ``type(layer)`` (see ``layer_type``), or None."""
+    return GRAD_SAMPLERS.get(layer_type(layer))

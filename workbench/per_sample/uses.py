@@ -29,6 +29,7 @@ RANDOM_FUNCTIONS = {
 _DROPOUTS = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
              "feature_alpha_dropout"}
 _OUTSIDE = "<outside any layer's forward>"
+LOSS = "<the loss function>"
 
 
 def _is_random(name: str, args, kwargs) -> bool:
@@ -59,6 +60,7 @@ class UseTracker(TorchFunctionMode):
         self.owners, self.stack = owners, stack
         self.uncovered: dict[int, set[str]] = {}  # id(param) -> where it was used
         self.random = False
+        self.in_loss = False  # set while loss_fn runs: a use there is the loss's own
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -70,7 +72,7 @@ class UseTracker(TorchFunctionMode):
             used = [t for t in tree_flatten((args, kwargs))[0]
                     if isinstance(t, torch.Tensor) and id(t) in self.owners]
             if used and _differentiable(result):
-                where = self.stack[-1] if self.stack else _OUTSIDE
+                where = LOSS if self.in_loss else self.stack[-1] if self.stack else _OUTSIDE
                 for p in used:
                     if where not in self.owners[id(p)]:
                         self.uncovered.setdefault(id(p), set()).add(where)
