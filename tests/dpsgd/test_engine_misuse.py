@@ -180,3 +180,82 @@ def test_delta_at_least_one_over_n_warns_and_small_delta_does_not():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         engine.get_epsilon(1e-5)
+
+
+# --- make_private misuse ----------------------------------------------------------------------
+
+def forward_hooks(model):
+    return [len(m._forward_hooks) for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+def test_make_private_twice_keeps_one_recorder_and_trains_like_once():
+    loader = DataLoader(data(), batch_size=N)
+    model = net()
+    private(loader, model=model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no steps taken yet: nothing to warn about
+        _, _, second, dp_loader = private(loader, model=model)
+    assert forward_hooks(model) == [1, 1]
+    x, y, grads = one_step(model, second, dp_loader)
+    for got, want in zip(grads, reference_grads(net(), x, y, B=N)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_make_private_again_after_steps_warns_that_the_new_epsilon_starts_at_zero():
+    loader = DataLoader(data(), batch_size=4)
+    model = net()
+    _, _, first, dp_loader = private(loader, model=model, noise_multiplier=1.0)
+    one_step(model, first, dp_loader)
+    with pytest.warns(UserWarning, match="took 1 private steps.*counts from zero"):
+        private(loader, model=model)
+    assert forward_hooks(model) == [1, 1]
+
+
+def test_make_private_again_on_the_same_engine_keeps_one_ledger_silently():
+    loader = DataLoader(data(), batch_size=4)
+    model = net()
+    engine, _, first, dp_loader = private(loader, model=model, noise_multiplier=1.0)
+    one_step(model, first, dp_loader)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, _, second, dp_loader = private(loader, model=model, engine=engine,
+                                          noise_multiplier=1.0)
+    one_step(model, second, dp_loader)
+    assert len(engine.accountant) == 2 and forward_hooks(model) == [1, 1]
+
+
+@pytest.mark.parametrize("loss_reduction", ["mean", "sum"])
+def test_matching_criterion_trains_like_the_reference(loss_reduction):
+    criterion = nn.CrossEntropyLoss(reduction=loss_reduction)
+    _, model, opt, loader = private(DataLoader(data(), batch_size=N), criterion=criterion,
+                                    loss_reduction=loss_reduction)
+    x, y, grads = one_step(model, opt, loader, criterion)
+    for got, want in zip(grads, reference_grads(net(), x, y, B=N)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("reduction, loss_reduction, factor", [("sum", "mean", "by n "),
+                                                               ("mean", "sum", "by 1/n ")])
+def test_criterion_reduction_mismatch_is_refused(reduction, loss_reduction, factor):
+    with pytest.raises(ValueError, match=f"criterion.reduction='{reduction}' but loss_reduction"
+                                         f"='{loss_reduction}'.*scaled {factor}.*pass "
+                                         f"loss_reduction='{reduction}'"):
+        private(DataLoader(data(), batch_size=4), loss_reduction=loss_reduction,
+                criterion=nn.CrossEntropyLoss(reduction=reduction))
+
+
+@pytest.mark.parametrize("criterion", [nn.CrossEntropyLoss(reduction="none"),
+                                       nn.functional.cross_entropy])
+def test_uncheckable_criterion_is_refused(criterion):
+    with pytest.raises(ValueError, match="can check only a loss module whose reduction"):
+        private(DataLoader(data(), batch_size=4), criterion=criterion)
+
+
+def test_all_reduce_timeout_is_an_optimizer_setting():
+    _, _, opt, _ = private(DataLoader(data(), batch_size=4), all_reduce_timeout_minutes=0.5)
+    assert opt.all_reduce_timeout_minutes == 0.5
+    _, _, opt, _ = private(DataLoader(data(), batch_size=4))
+    assert opt.all_reduce_timeout_minutes == wb.dpsgd.distributed.DEFAULT_TIMEOUT_MINUTES == 10
+    for bad in (0, -1, float("inf"), float("nan"), "soon"):
+        with pytest.raises(ValueError, match=f"all_reduce_timeout_minutes must be .*{bad!r}"):
+            private(DataLoader(data(), batch_size=4), all_reduce_timeout_minutes=bad)
