@@ -65,7 +65,7 @@ def all_reduce(tensor: torch.Tensor, *, timeout_minutes: float = DEFAULT_TIMEOUT
     ``name``) if that takes longer than ``timeout_minutes``."""
     minutes = check_timeout_minutes(timeout_minutes)
     if not is_distributed():
-        raise RuntimeError(f"all_reduce ({name}) needs torch.distributed initialised "
+        raise RuntimeError(f"all_reduce {name!r} needs torch.distributed initialised "
                            f"(dist.init_process_group); it is not")
     rank, world = dist.get_rank(), dist.get_world_size()
     work = dist.all_reduce(tensor, async_op=True)
