@@ -259,3 +259,15 @@ def test_all_reduce_timeout_is_an_optimizer_setting():
     for bad in (0, -1, float("inf"), float("nan"), "soon"):
         with pytest.raises(ValueError, match=f"all_reduce_timeout_minutes must be .*{bad!r}"):
             private(DataLoader(data(), batch_size=4), all_reduce_timeout_minutes=bad)
+
+
+def test_make_private_on_a_wrapper_of_an_already_private_model_detaches_the_first():
+    loader = DataLoader(data(), batch_size=N)
+    model = net()
+    private(loader, model=model)
+    wrapper = nn.Sequential(model)  # e.g. a DDP-like wrapper around the same layers
+    _, _, opt, dp_loader = private(loader, model=wrapper)
+    assert forward_hooks(model) == [1, 1]
+    x, y, grads = one_step(wrapper, opt, dp_loader)
+    for got, want in zip(grads, reference_grads(net(), x, y, B=N)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

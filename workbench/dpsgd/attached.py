@@ -16,7 +16,7 @@ import warnings
 
 from torch import nn
 
-ATTRIBUTE = "_workbench_dp_optimizer"  # on each layer: (DPOptimizer, PrivacyEngine)
+ATTRIBUTE = "_workbench_dp_optimizer"  # on each layer: (DPOptimizer, PrivacyEngine, model)
 
 
 def owning_layers(model: nn.Module) -> list[nn.Module]:
@@ -28,12 +28,12 @@ def detach_earlier(model: nn.Module, engine, keep=None) -> None:
     """Detach every earlier DPOptimizer recording a layer of ``model`` (but ``keep``)."""
     earlier = {}
     for layer in owning_layers(model):
-        optimizer, owner = layer.__dict__.get(ATTRIBUTE, (None, None))
+        optimizer, owner, its_model = layer.__dict__.get(ATTRIBUTE, (None, None, None))
         if optimizer is not None and optimizer is not keep:
-            earlier[id(optimizer)] = (optimizer, owner)
-    for optimizer, owner in earlier.values():
+            earlier[id(optimizer)] = (optimizer, owner, its_model)
+    for optimizer, owner, its_model in earlier.values():
         optimizer.detach()
-        for layer in owning_layers(optimizer.model):
+        for layer in owning_layers(its_model):
             if layer.__dict__.get(ATTRIBUTE, (None,))[0] is optimizer:
                 del layer.__dict__[ATTRIBUTE]
         steps = len(owner.accountant)
@@ -50,4 +50,4 @@ def detach_earlier(model: nn.Module, engine, keep=None) -> None:
 def remember(model: nn.Module, optimizer, engine) -> None:
     """Note on each of ``model``'s layers that ``optimizer`` (of ``engine``) records it."""
     for layer in owning_layers(model):
-        layer.__dict__[ATTRIBUTE] = (optimizer, engine)
+        layer.__dict__[ATTRIBUTE] = (optimizer, engine, model)

@@ -44,7 +44,11 @@ class PrivacyAccountingWarning(UserWarning):
 
 def warn_delta(delta, N: int, where: str) -> None:
     """Warn when δ >= 1/N (the rule: δ well below 1/N, e.g. 1e-5 or 1/N^1.1)."""
-    if N and float(delta) >= 1 / N:
+    try:
+        delta = float(delta)
+    except (TypeError, ValueError):
+        return  # not a number: the accountant's own check names it
+    if N and delta >= 1 / N:
         warnings.warn(f"{where}: delta={delta:g} >= 1/N = {1 / N:.3g} (N = {N}). The rule is "
                       f"delta << 1/N: with delta >= 1/N, (epsilon, delta)-DP allows a mechanism "
                       f"that publishes a random example in full, so this epsilon protects "
