@@ -131,6 +131,12 @@ def test_own_batch_sampler_and_no_batching_are_refused():
         private(DataLoader(data(), batch_sampler=batches))
     with pytest.raises(ValueError, match="batch_size=None"):
         private(DataLoader(data(), batch_size=None))
+    model = net()
+    with pytest.raises(ValueError, match=r"own batch_sampler \(BatchSampler\)"):
+        wb.PrivacyEngine().make_private_with_epsilon(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(data(), batch_sampler=batches), target_epsilon=5.0,
+            target_delta=1e-3, epochs=1, max_grad_norm=C)
 
 
 class Stream(IterableDataset):

@@ -36,6 +36,7 @@ from workbench.dpsgd.sampling import (
 from workbench.errors import WorkbenchError
 
 DEFAULT_TIMEOUT_MINUTES = 10.0
+SAMPLERS = (SequentialSampler, RandomSampler, DistributedSampler)  # all cover the whole set
 
 
 class CollectiveTimeoutError(WorkbenchError, RuntimeError):
@@ -85,7 +86,7 @@ def all_reduce(tensor: torch.Tensor, *, timeout_minutes: float = DEFAULT_TIMEOUT
 def shard_loader(data_loader: DataLoader, generator=None) -> DPDataLoader:
     """This rank's Poisson loader over its shard, with q = batch_size / N (module doc)."""
     N = check_dataset(data_loader.dataset, "data_loader.dataset")
-    check_own_sampler(data_loader, allowed=(SequentialSampler, RandomSampler, DistributedSampler))
+    check_own_sampler(data_loader, allowed=SAMPLERS)
     rank, world = dist.get_rank(), dist.get_world_size()
     q = min(1.0, data_loader.batch_size / N)
     shard = Subset(data_loader.dataset, range(rank, N, world))

@@ -185,6 +185,7 @@ class PrivacyEngine:
         Planned for the steps the Poisson loader will run: ``epochs`` x round(1 / q).
         """
         N = check_dataset(data_loader.dataset, "data_loader.dataset")
+        check_own_sampler(data_loader, allowed=distributed.SAMPLERS)  # batch_size, q are real
         warn_delta(target_delta, N, "make_private_with_epsilon")
         q = min(1.0, data_loader.batch_size / N)
         steps = round(epochs * max(1, round(1 / q)))
