@@ -18,7 +18,8 @@ silently wrong: a loader with its own sampler, an empty or iterable data set (``
 ``poisson_sampling=False`` (warned: the Poisson ε then understates the privacy spent; refused in
 secure mode, whose point the seedable shuffle would defeat); a ``criterion`` whose reduction is
 not ``loss_reduction``; δ >= 1/N (warned: (ε, δ)-DP then allows publishing an example in
-full). A second ``make_private`` on the same model removes the first one's hooks.
+full) (``misuse.py``). A second ``make_private`` on the same model removes the first one's
+hooks (``attached.py``).
 
 Notation: N data set size, q sample rate, σ noise multiplier, C max_grad_norm.
 """
@@ -29,6 +30,12 @@ import warnings
 from workbench.accounting import PLDAccountant, RDPAccountant, get_noise_multiplier
 from workbench.dpsgd import distributed
 from workbench.dpsgd.attached import detach_earlier, remember
+from workbench.dpsgd.misuse import (
+    PrivacyAccountingWarning,
+    check_criterion,
+    warn_delta,
+    warn_shuffle,
+)
 from workbench.dpsgd.optimizer import DPOptimizer
 from workbench.dpsgd.sampling import DPDataLoader, check_dataset, check_own_sampler
 from workbench.dpsgd.secure import SecureGenerator
@@ -36,40 +43,6 @@ from workbench.errors import SampleMixingError
 from workbench.validate import validate_model
 
 ACCOUNTANTS = {"rdp": RDPAccountant, "pld": PLDAccountant}
-
-
-class PrivacyAccountingWarning(UserWarning):
-    """The reported ε may understate the privacy spent (the message says why and the cost)."""
-
-
-def warn_delta(delta, N: int, where: str) -> None:
-    """Warn when δ >= 1/N (the rule: δ well below 1/N, e.g. 1e-5 or 1/N^1.1)."""
-    try:
-        delta = float(delta)
-    except (TypeError, ValueError):
-        return  # not a number: the accountant's own check names it
-    if N and delta >= 1 / N:
-        warnings.warn(f"{where}: delta={delta:g} >= 1/N = {1 / N:.3g} (N = {N}). The rule is "
-                      f"delta << 1/N: with delta >= 1/N, (epsilon, delta)-DP allows a mechanism "
-                      f"that publishes a random example in full, so this epsilon protects "
-                      f"little; use e.g. delta = {min(1e-5, N ** -1.1):.1g}",
-                      PrivacyAccountingWarning, stacklevel=3)
-
-
-def check_criterion(criterion, loss_reduction: str) -> None:
-    """The criterion's ``reduction`` must be ``loss_reduction`` (see ``make_private``)."""
-    reduction = getattr(criterion, "reduction", None)
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"criterion={criterion!r} has reduction={reduction!r}; make_private "
-                         f"can check only a loss module whose reduction is 'mean' or 'sum' "
-                         f"(e.g. nn.CrossEntropyLoss()); the DP loop needs a scalar loss. Pass "
-                         f"such a criterion, or none (and check loss_reduction yourself)")
-    if reduction != loss_reduction:
-        factor = "n" if reduction == "sum" else "1/n"
-        raise ValueError(f"criterion.reduction={reduction!r} but loss_reduction="
-                         f"{loss_reduction!r}: every per-sample gradient would be scaled by "
-                         f"{factor} before clipping, which silently changes what max_grad_norm "
-                         f"means; pass loss_reduction={reduction!r}")
 
 
 class VirtualStepLoader:
@@ -151,7 +124,9 @@ class PrivacyEngine:
         elif poisson_sampling:
             loader = DPDataLoader.from_data_loader(data_loader, generator=sampling_generator)
         else:
-            loader = self._shuffled(data_loader, N)
+            check_own_sampler(data_loader)  # q = batch_size / N: batches from the whole set
+            warn_shuffle()
+            loader = data_loader
         q = loader.sample_rate if poisson_sampling else data_loader.batch_size / N
         dp_optimizer = DPOptimizer(
             optimizer, module, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
@@ -166,17 +141,6 @@ class PrivacyEngine:
         if max_physical_batch_size is not None:
             loader = VirtualStepLoader(loader, dp_optimizer, max_physical_batch_size)
         return module, dp_optimizer, loader
-
-    @staticmethod
-    def _shuffled(data_loader, N):
-        """The user's own fixed-size loader, kept as it is (warned: see get_epsilon)."""
-        check_own_sampler(data_loader)  # q = batch_size / N needs batches from the whole set
-        warnings.warn("poisson_sampling=False: batches are shuffled fixed-size batches, but "
-                      "the accountant assumes Poisson sampling, whose amplification a shuffle "
-                      "does not have, so get_epsilon understates the privacy spent (sometimes "
-                      "several-fold); keep poisson_sampling=True for a sound epsilon",
-                      PrivacyAccountingWarning, stacklevel=3)
-        return data_loader
 
     def make_private_with_epsilon(self, *, target_epsilon, target_delta, epochs, data_loader,
                                   **kwargs):
