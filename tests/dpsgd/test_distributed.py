@@ -91,3 +91,47 @@ def test_engine_under_ddp_samples_each_rank_shard(tmp_path):
         r = torch.load(f"{out}.{rank}")
         assert r["shard"] == 20 and r["B"] == 8.0  # q = 8/40 of the whole set, global B
         assert r["steps"] == r["n"] == 5  # every logical step accounted on each rank
+
+
+def stall_worker(rank, world, store, out):
+    import os
+    import time
+
+    from workbench.dpsgd.distributed import CollectiveTimeoutError, all_reduce
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    summed = all_reduce(torch.full((3,), rank + 1.0), timeout_minutes=0.5, name="warm-up")
+    if rank == 1:  # the stalled rank: never joins the next collective
+        deadline = time.monotonic() + 60
+        while not os.path.exists(out) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return
+    start = time.monotonic()
+    try:
+        all_reduce(torch.zeros(2, 2), timeout_minutes=0.02, name="noised sum of fc.weight")
+        message = None
+    except CollectiveTimeoutError as e:
+        message = str(e)
+    torch.save({"summed": summed, "message": message, "waited": time.monotonic() - start}, out)
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_stalled_rank_times_out_naming_the_collective(tmp_path):
+    out = str(tmp_path / "stall.pt")
+    mp.spawn(stall_worker, args=(2, str(tmp_path / "store3"), out), nprocs=2, join=True)
+    r = torch.load(out)
+    assert torch.equal(r["summed"], torch.full((3,), 3.0))  # the healthy all-reduce sums
+    assert r["message"] is not None and 1.0 < r["waited"] < 30  # 0.02 min = 1.2 s, not 30 min
+    assert "'noised sum of fc.weight'" in r["message"]
+    assert "within 0.02 minutes on rank 0 of 2" in r["message"]
+    assert "all_reduce_timeout_minutes" in r["message"]
+
+
+def test_all_reduce_needs_a_process_group_and_a_valid_timeout():
+    from workbench.dpsgd.distributed import all_reduce
+
+    with pytest.raises(ValueError, match="all_reduce_timeout_minutes must be .* got 0"):
+        all_reduce(torch.zeros(1), timeout_minutes=0)
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match=r"'noise' needs torch.distributed initialised"):
+            all_reduce(torch.zeros(1), name="noise")

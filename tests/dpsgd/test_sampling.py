@@ -62,3 +62,27 @@ def test_bad_sizes():
         PoissonBatchSampler(0, 0.1)
     with pytest.raises(ValueError, match="dataset is empty"):
         DPDataLoader(TensorDataset(torch.zeros(0, 2)), sample_rate=0.1)
+
+
+def test_collate_fn_shapes_empty_batches_and_must_return_tensors():
+    def halve(batch):
+        x, y = torch.utils.data.default_collate(batch)
+        return x[:, :, :1], y  # (n, 3, 1): the empty batch takes this shape too
+
+    x, y = next(iter(DPDataLoader(dataset(5), sample_rate=1e-9, steps=1, collate_fn=halve)))
+    assert x.shape == (0, 3, 1) and y.shape == (0,)
+    def names(batch):
+        return "text"
+
+    with pytest.raises(TypeError, match="cannot make an empty batch of str; collate_fn="
+                                        "'names' must return tensors"):
+        DPDataLoader(dataset(5), sample_rate=0.5, collate_fn=names)
+
+
+def test_a_subclassed_sampler_is_refused_even_if_it_derives_from_random_sampler():
+    class Weighted(torch.utils.data.RandomSampler):
+        pass
+
+    loader = DataLoader(dataset(10), batch_size=2, sampler=Weighted(dataset(10)))
+    with pytest.raises(ValueError, match=r"own sampler \(Weighted\)"):
+        DPDataLoader.from_data_loader(loader)

@@ -1,6 +1,7 @@
 import pandas as pd
 import pytest
 import torch
+from torch import nn
 from torch.utils.data import DataLoader
 
 import workbench as wb
@@ -35,3 +36,16 @@ def test_train_without_dp_and_bad_epochs():
     assert list(table.columns) == ["loss"]
     with pytest.raises(ValueError, match="epochs must be a positive integer; got 0"):
         wb.train(model, opt, DataLoader(train_set, batch_size=256), epochs=0)
+
+
+def test_train_refuses_a_criterion_whose_reduction_is_not_the_optimizers():
+    train_set, _ = wb.data.load_digits()
+    model = wb.models.digits_mlp()
+    _, opt, loader = wb.PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(train_set, batch_size=256), noise_multiplier=1.0,
+        max_grad_norm=1.0, loss_reduction="sum")
+    with pytest.raises(ValueError, match="criterion.reduction='mean' but loss_reduction='sum'"):
+        wb.train(model, opt, loader, epochs=1, progress=False)  # the default criterion: mean
+    wb.train(model, opt, loader, epochs=1, progress=False,
+             criterion=nn.CrossEntropyLoss(reduction="sum"))

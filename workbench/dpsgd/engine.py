@@ -13,16 +13,31 @@ things: the model (the same object, with recording hooks), a ``DPOptimizer`` and
 (``accounting``), so ``engine.get_epsilon(delta)`` is the ε spent so far.
 ``make_private_with_epsilon`` first solves the σ that spends ``target_epsilon`` in ``epochs``.
 
+What ``make_private`` refuses or warns about, so that a training-loop mistake never trains
+silently wrong: a loader with its own sampler, an empty or iterable data set (``sampling.py``);
+``poisson_sampling=False`` (warned: the Poisson ε then understates the privacy spent; refused in
+secure mode, whose point the seedable shuffle would defeat); a ``criterion`` whose reduction is
+not ``loss_reduction``; δ >= 1/N (warned: (ε, δ)-DP then allows publishing an example in
+full) (``misuse.py``). A second ``make_private`` on the same model removes the first one's
+hooks (``attached.py``).
+
 Notation: N data set size, q sample rate, σ noise multiplier, C max_grad_norm.
 """
 
 
-import torch.distributed as dist
-from torch.utils.data import Subset
+import warnings
 
 from workbench.accounting import PLDAccountant, RDPAccountant, get_noise_multiplier
+from workbench.dpsgd import distributed
+from workbench.dpsgd.attached import detach_earlier, remember
+from workbench.dpsgd.misuse import (
+    PrivacyAccountingWarning,
+    check_criterion,
+    warn_delta,
+    warn_shuffle,
+)
 from workbench.dpsgd.optimizer import DPOptimizer
-from workbench.dpsgd.sampling import DPDataLoader
+from workbench.dpsgd.sampling import DPDataLoader, check_dataset, check_own_sampler
 from workbench.dpsgd.secure import SecureGenerator
 from workbench.errors import SampleMixingError
 from workbench.validate import validate_model
@@ -68,44 +83,61 @@ class PrivacyEngine:
                              f"got {accountant!r}")
         self.accountant_name = accountant
         self.accountant = ACCOUNTANTS[accountant]()
-        self.sample_rate = None
+        self.sample_rate = self.dataset_size = None
+        self.sampler = None  # "poisson" or "shuffle" (poisson_sampling=False)
 
     def make_private(self, *, module, optimizer, data_loader, noise_multiplier, max_grad_norm,
                      grad_sample_mode="einsum", poisson_sampling=True, loss_reduction="mean",
-                     noise_generator=None, sampling_generator=None,
-                     max_physical_batch_size=None):
-        """(model, DPOptimizer, loader): the same shapes in every ``grad_sample_mode``."""
+                     criterion=None, noise_generator=None, sampling_generator=None,
+                     max_physical_batch_size=None,
+                     all_reduce_timeout_minutes=distributed.DEFAULT_TIMEOUT_MINUTES):
+        """(model, DPOptimizer, loader): the same shapes in every ``grad_sample_mode``.
+
+        ``criterion`` (optional): the loss module the loop will use; its ``reduction`` must
+        equal ``loss_reduction``. Without it nothing checks that, nor that the loss is this
+        criterion at all: a loop whose loss is a sum when ``loss_reduction="mean"`` (or the
+        reverse) scales every per-sample gradient by n (or 1/n) before clipping.
+        ``all_reduce_timeout_minutes``: under torch.distributed, how long a rank waits for the
+        others in the noise all-reduce before ``CollectiveTimeoutError`` (``distributed.py``).
+        """
+        if criterion is not None:
+            check_criterion(criterion, loss_reduction)
+        timeout = distributed.check_timeout_minutes(all_reduce_timeout_minutes)
         if self.secure_mode:
             if noise_generator is not None or sampling_generator is not None:
                 raise ValueError("secure_mode=True draws every noise sample and batch from the "
                                  "OS's cryptographic generator; do not pass noise_generator or "
                                  "sampling_generator (or use secure_mode=False to seed a run)")
+            if not poisson_sampling:
+                raise ValueError("secure_mode=True with poisson_sampling=False: the shuffled "
+                                 "loader's batches come from a seedable generator that secure "
+                                 "mode cannot replace; use poisson_sampling=True (the default)")
             noise_generator = sampling_generator = SecureGenerator()
         blocking = [p for p in validate_model(module) if p.blocking]
         if blocking:
             raise SampleMixingError("the model cannot get per-sample gradients:\n  "
                                     + "\n  ".join(map(str, blocking))
                                     + "\nuse model = wb.fix_model(model) first")
-        if poisson_sampling and dist.is_available() and dist.is_initialized():
-            # each rank Poisson-samples its own shard with the same q: together, one Poisson
-            # sample of the whole data set (batch_size = the expected *global* batch)
-            rank, world, N = dist.get_rank(), dist.get_world_size(), len(data_loader.dataset)
-            q = min(1.0, data_loader.batch_size / N)
-            shard = Subset(data_loader.dataset, range(rank, N, world))
-            loader = DPDataLoader(shard, sample_rate=q, steps=max(1, round(1 / q)),
-                                  generator=sampling_generator)
+        N = check_dataset(data_loader.dataset, "data_loader.dataset")
+        if poisson_sampling and distributed.is_distributed():
+            loader = distributed.shard_loader(data_loader, generator=sampling_generator)
         elif poisson_sampling:
             loader = DPDataLoader.from_data_loader(data_loader, generator=sampling_generator)
-            q = loader.sample_rate
-        else:  # fixed-size batches: the accountant's Poisson assumption is then optimistic
+        else:
+            check_own_sampler(data_loader)  # q = batch_size / N: batches from the whole set
+            warn_shuffle()
             loader = data_loader
-            q = data_loader.batch_size / len(data_loader.dataset)
-        self.sample_rate = q
+        q = loader.sample_rate if poisson_sampling else data_loader.batch_size / N
         dp_optimizer = DPOptimizer(
             optimizer, module, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-            expected_batch_size=q * len(data_loader.dataset), grad_sample_mode=grad_sample_mode,
+            expected_batch_size=q * N, grad_sample_mode=grad_sample_mode,
             loss_reduction=loss_reduction, generator=noise_generator,
             on_step=lambda sigma: self.accountant.step(noise_multiplier=sigma, sample_rate=q))
+        dp_optimizer.all_reduce_timeout_minutes = timeout  # read by privatise's all-reduces
+        detach_earlier(module, self, keep=dp_optimizer)  # a re-run cell: one recorder a model
+        remember(module, dp_optimizer, self)
+        self.sample_rate, self.dataset_size = q, N
+        self.sampler = "poisson" if poisson_sampling else "shuffle"
         if max_physical_batch_size is not None:
             loader = VirtualStepLoader(loader, dp_optimizer, max_physical_batch_size)
         return module, dp_optimizer, loader
@@ -116,15 +148,26 @@ class PrivacyEngine:
 
         Planned for the steps the Poisson loader will run: ``epochs`` x round(1 / q).
         """
-        q = min(1.0, data_loader.batch_size / len(data_loader.dataset))
+        N = check_dataset(data_loader.dataset, "data_loader.dataset")
+        check_own_sampler(data_loader, allowed=distributed.SAMPLERS)  # batch_size, q are real
+        warn_delta(target_delta, N, "make_private_with_epsilon")
+        q = min(1.0, data_loader.batch_size / N)
         steps = round(epochs * max(1, round(1 / q)))
         sigma = get_noise_multiplier(target_epsilon, target_delta, q, steps=steps,
                                      accountant=self.accountant_name)
         return self.make_private(data_loader=data_loader, noise_multiplier=sigma, **kwargs)
 
     def get_epsilon(self, delta: float) -> float:
-        """ε(δ) spent by every step taken so far."""
+        """ε(δ) spent by every step taken so far (under Poisson sampling; see the warning
+        for ``poisson_sampling=False``)."""
+        warn_delta(delta, self.dataset_size, "get_epsilon")
+        if self.sampler == "shuffle":
+            # Hook: once accounting.epsilon_bounds("shuffle", ...) exists, report its
+            # (lower, upper) bracket here instead of (or beside) the Poisson number.
+            warnings.warn("get_epsilon: this run used poisson_sampling=False; the epsilon "
+                          "returned is the Poisson one and understates the privacy spent",
+                          PrivacyAccountingWarning, stacklevel=2)
         return self.accountant.get_epsilon(delta)
 
 
-__all__ = ["PrivacyEngine", "VirtualStepLoader"]
+__all__ = ["PrivacyAccountingWarning", "PrivacyEngine", "VirtualStepLoader"]

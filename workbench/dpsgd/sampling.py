@@ -13,14 +13,51 @@ Two consequences built in here:
 - an "epoch" is ``round(1 / q)`` steps, so each example is used once per epoch on average.
 
 Randomness comes from an explicit ``torch.Generator`` (reproducible runs); ``secure_mode``
-(later) swaps in the operating system's cryptographic generator.
+swaps in the operating system's cryptographic generator (``secure.py``).
+
+``DPDataLoader.from_data_loader`` keeps everything of the original loader that does not choose
+*which* examples form a batch (``collate_fn``, workers, pinning, prefetching, ...). It refuses a
+loader that chooses them itself (a ``sampler`` or ``batch_sampler`` of its own): replacing it by
+Poisson over the whole data set would train on examples the sampler left out.
 
 Notation: N data set size, q sample rate, B = qN expected batch size.
 """
 
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    default_collate,
+)
+
+# What from_data_loader copies from the original loader: everything but the choice of batches.
+KEPT_OPTIONS = ("collate_fn", "worker_init_fn", "num_workers", "pin_memory", "persistent_workers",
+                "prefetch_factor", "multiprocessing_context", "timeout", "pin_memory_device",
+                "in_order")
+
+
+def check_dataset(dataset, name: str = "dataset") -> int:
+    """N = len(dataset), or an error saying why Poisson sampling cannot draw from it."""
+    if isinstance(dataset, IterableDataset):
+        raise TypeError(f"{name} is an IterableDataset ({type(dataset).__name__}): a stream has "
+                        f"no indices to draw, and Poisson sampling includes each example j with "
+                        f"probability q, so it needs a map-style data set with len() and "
+                        f"dataset[j]; load the stream into one (e.g. a TensorDataset or a list)")
+    try:
+        N = len(dataset)
+    except TypeError:
+        raise TypeError(f"{name} ({type(dataset).__name__}) has no len(): Poisson sampling "
+                        f"needs N, the data set size, for q = batch_size / N; give it __len__ "
+                        f"and __getitem__") from None
+    if N == 0:
+        raise ValueError(f"{name} is empty (len 0): Poisson sampling needs at least one example")
+    return N
 
 
 def check_sample_rate(sample_rate) -> float:
@@ -56,10 +93,14 @@ class PoissonBatchSampler(Sampler[list[int]]):
             yield torch.nonzero(draws < self.sample_rate).flatten().tolist()
 
 
-def empty_like_batch(example):
+def empty_like_batch(example, collate_fn=default_collate):
     """An empty batch (n = 0) with the structure, shapes and dtypes of one collated example."""
-    batch = default_collate([example])
-    return _take_none(batch)
+    try:
+        return _take_none(collate_fn([example]))
+    except TypeError as e:
+        raise TypeError(f"{e}; collate_fn={getattr(collate_fn, '__name__', collate_fn)!r} must "
+                        f"return tensors (or tuples/lists/dicts of them) so that an empty "
+                        f"Poisson batch can be shaped like a full one") from None
 
 
 def _take_none(batch):
@@ -69,38 +110,67 @@ def _take_none(batch):
         return type(batch)(_take_none(b) for b in batch)
     if isinstance(batch, dict):
         return {k: _take_none(v) for k, v in batch.items()}
-    raise TypeError(f"cannot make an empty batch of {type(batch).__name__}; the data set's "
-                    f"examples must be tensors (or tuples/dicts of them)")
+    raise TypeError(f"cannot make an empty batch of {type(batch).__name__}")
+
+
+class PoissonCollate:
+    """``collate_fn`` on a non-empty batch, the pre-shaped empty batch on an empty one.
+    A class, not a closure, so that worker processes can unpickle it (spawn contexts)."""
+
+    def __init__(self, collate_fn, empty):
+        self.collate_fn, self.empty = collate_fn, empty
+
+    def __call__(self, batch):
+        return self.collate_fn(batch) if batch else self.empty
+
+
+def check_own_sampler(loader: DataLoader, allowed=(SequentialSampler, RandomSampler)) -> None:
+    """Refuse a loader whose batches come from a sampler of its own (see the module doc)."""
+    fix = ("wrap the examples you mean to train on in the data set itself, e.g. "
+           "DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=...), and pass "
+           "that loader")
+    if loader.batch_sampler is None:
+        raise ValueError("data_loader has batch_size=None (automatic batching off), so it has "
+                         "no batch size to set q = batch_size / N from; give it batch_size=B, "
+                         "the expected batch size")
+    if loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
+        raise ValueError(f"data_loader has its own batch_sampler "
+                         f"({type(loader.batch_sampler).__name__}): the private loader draws "
+                         f"Poisson batches itself and would silently drop it; {fix} (its "
+                         f"batch_size is the expected batch size)")
+    if type(loader.sampler) not in allowed:  # exact types: a subclass may draw anything
+        raise ValueError(f"data_loader has its own sampler ({type(loader.sampler).__name__}): "
+                         f"Poisson sampling over the whole data set would replace it and train "
+                         f"on examples it leaves out (e.g. a held-out split); {fix}")
 
 
 class DPDataLoader(DataLoader):
     """A DataLoader drawing Poisson batches: ``DPDataLoader(dataset, sample_rate=q, ...)``.
 
-    Also ``DPDataLoader.from_data_loader(loader)``: the same data set with q = batch_size / N.
+    Also ``DPDataLoader.from_data_loader(loader)``: the same data set with q = batch_size / N,
+    and the original loader's ``KEPT_OPTIONS`` (collate_fn, workers, pinning, ...).
+    ``collate_fn`` is also called once on ``[dataset[0]]`` here, to shape empty batches.
     """
 
     def __init__(self, dataset: Dataset, sample_rate: float, steps: int | None = None,
-                 generator: torch.Generator | None = None, collate_fn=default_collate,
-                 **kwargs):
-        if len(dataset) == 0:
-            raise ValueError("dataset is empty: Poisson sampling needs at least one example")
-        sampler = PoissonBatchSampler(len(dataset), sample_rate, steps, generator)
-        empty = empty_like_batch(dataset[0])
-
-        def collate(batch):
-            return collate_fn(batch) if batch else empty
-
+                 generator: torch.Generator | None = None, collate_fn=None, **kwargs):
+        N = check_dataset(dataset)
+        sampler = PoissonBatchSampler(N, sample_rate, steps, generator)
+        collate_fn = default_collate if collate_fn is None else collate_fn
+        collate = PoissonCollate(collate_fn, empty_like_batch(dataset[0], collate_fn))
         super().__init__(dataset, batch_sampler=sampler, collate_fn=collate, **kwargs)
         self.sample_rate = sampler.sample_rate
-        self.expected_batch_size = sampler.sample_rate * len(dataset)
+        self.expected_batch_size = sampler.sample_rate * N
 
     @classmethod
     def from_data_loader(cls, loader: DataLoader, generator=None, steps=None):
-        if loader.batch_size is None:
-            raise ValueError("the data loader has no batch_size (it uses a batch_sampler); "
-                             "build DPDataLoader(dataset, sample_rate=...) directly")
-        q = loader.batch_size / len(loader.dataset)
+        N = check_dataset(loader.dataset, "data_loader.dataset")
+        check_own_sampler(loader)
+        q = loader.batch_size / N
         return cls(loader.dataset, sample_rate=min(1.0, q), steps=steps, generator=generator,
-                   num_workers=loader.num_workers, pin_memory=loader.pin_memory)
+                   **loader_options(loader))
 
 
+def loader_options(loader: DataLoader) -> dict:
+    """The original loader's ``KEPT_OPTIONS`` that this torch version has."""
+    return {k: getattr(loader, k) for k in KEPT_OPTIONS if hasattr(loader, k)}

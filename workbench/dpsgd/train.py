@@ -2,9 +2,11 @@
 
 The loop is the one every PyTorch user writes (``zero_grad``; ``loss = criterion(model(x),
 y)``; ``loss.backward()``; ``step()``); with a DP optimizer from ``PrivacyEngine`` it is
-DP-SGD. Each epoch's row has the mean training loss, the accuracy on ``eval_data`` (if given),
-the ε spent so far (at ``delta``), the fraction of samples whose gradient was clipped, and the
-gradient signal-to-noise ratio ||Σ_i c_i g_i|| / (σ C √d), averaged over the epoch's steps
+DP-SGD (and ``criterion``'s reduction must then be the optimizer's ``loss_reduction``;
+the default criterion is ``nn.CrossEntropyLoss()``, a mean). Each epoch's row has the mean
+training loss, the accuracy on ``eval_data`` (if given), the ε spent so far (at ``delta``),
+the fraction of samples whose gradient was clipped, and the gradient signal-to-noise ratio
+||Σ_i c_i g_i|| / (σ C √d), averaged over the epoch's steps
 (Opacus paper, Yousefpour et al. 2021, arXiv 2109.12298; NanoBatch, Lee et al. 2022, discuss
 how batch size moves it).
 
@@ -17,6 +19,8 @@ import pandas as pd
 import torch
 from torch import nn
 from tqdm.auto import tqdm
+
+from workbench.dpsgd.engine import check_criterion
 
 
 def accuracy(model: nn.Module, data) -> float:
@@ -36,6 +40,8 @@ def train(model, optimizer, loader, *, epochs: int, criterion=None, engine=None,
     if int(epochs) != epochs or epochs < 1:
         raise ValueError(f"epochs must be a positive integer; got {epochs!r}")
     criterion = nn.CrossEntropyLoss() if criterion is None else criterion
+    if hasattr(optimizer, "loss_reduction") and hasattr(criterion, "reduction"):
+        check_criterion(criterion, optimizer.loss_reduction)  # a DP optimizer: same reduction
     rows = []
     bar = tqdm(total=int(epochs) * len(loader), disable=not progress, desc="training")
     for epoch in range(1, int(epochs) + 1):

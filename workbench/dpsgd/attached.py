@@ -1,0 +1,53 @@
+"""One recorder per model: a second ``make_private`` on a model detaches the first one's hooks.
+
+A notebook cell that calls ``make_private`` is often run twice on the same model object. Each
+call hooks every layer to record its calls; without this, the second call would add a second
+set of hooks, every forward pass would be recorded twice (memory grows, and the first
+optimizer keeps a ledger nobody reads). So the engine notes, on each layer that owns
+parameters, which ``DPOptimizer`` records it; the next ``make_private`` on any of those layers
+detaches that optimizer first (``DPOptimizer.detach``).
+
+If the earlier optimizer has already taken steps under a *different* engine, the model has
+already spent privacy that the new engine's ledger will not contain: that is warned, with the
+ε it leaves out. (The same engine keeps one ledger across both calls.)
+"""
+
+import warnings
+
+from torch import nn
+
+ATTRIBUTE = "_workbench_dp_optimizer"  # on each layer: (DPOptimizer, PrivacyEngine, model)
+
+
+def owning_layers(model: nn.Module) -> list[nn.Module]:
+    """The submodules that own parameters directly: the ones the recorder hooks."""
+    return [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
+
+
+def detach_earlier(model: nn.Module, engine, keep=None) -> None:
+    """Detach every earlier DPOptimizer recording a layer of ``model`` (but ``keep``)."""
+    earlier = {}
+    for layer in owning_layers(model):
+        optimizer, owner, its_model = layer.__dict__.get(ATTRIBUTE, (None, None, None))
+        if optimizer is not None and optimizer is not keep:
+            earlier[id(optimizer)] = (optimizer, owner, its_model)
+    for optimizer, owner, its_model in earlier.values():
+        optimizer.detach()
+        for layer in owning_layers(its_model):
+            if layer.__dict__.get(ATTRIBUTE, (None,))[0] is optimizer:
+                del layer.__dict__[ATTRIBUTE]
+        steps = len(owner.accountant)
+        if owner is not engine and steps:
+            delta = 1 / (10 * owner.dataset_size) if owner.dataset_size else 1e-5
+            warnings.warn(
+                f"make_private was already called on this model, and that run took {steps} "
+                f"private steps (epsilon = {owner.get_epsilon(delta):.3g} at delta = "
+                f"{delta:.2g}); its hooks are now removed. The new engine counts from zero, so "
+                f"its epsilon leaves those steps out: to continue that run, call make_private "
+                f"on the first engine; to start afresh, build a new model", stacklevel=3)
+
+
+def remember(model: nn.Module, optimizer, engine) -> None:
+    """Note on each of ``model``'s layers that ``optimizer`` (of ``engine``) records it."""
+    for layer in owning_layers(model):
+        layer.__dict__[ATTRIBUTE] = (optimizer, engine, model)
