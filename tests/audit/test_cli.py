@@ -4,6 +4,7 @@ Exit codes: 0 passed, 1 the audit found a failure, 2 usage or input error (one l
 traceback, before any audit runs). --provider and --step audit the user's own code.
 """
 
+import importlib.util
 import json
 import textwrap
 
@@ -13,6 +14,8 @@ from torch import nn
 
 from workbench.__main__ import main as workbench_main
 from workbench.audit import bug_zoo, cli_suite
+from workbench.audit.gradients import audit_gradients
+from workbench.audit.providers import available_providers, backpack_provider
 from workbench.audit.report_json import validate
 
 USER_CODE = textwrap.dedent("""
@@ -196,3 +199,23 @@ def test_help_explains_every_option_and_the_exit_codes(capsys):
     assert "per_sample_grads(model, loss_fn, inputs, targets)" in text
     assert "make_step(max_grad_norm, noise_multiplier, batch_size, generator)" in text
     assert "0 passed, 1 the audit found a failure, 2 usage or input error" in text
+
+
+def test_backpack_is_skipped_with_the_reason_when_absent():
+    if importlib.util.find_spec("backpack") is not None:
+        pytest.skip("BackPACK is installed: test_backpack_agrees_with_micro_batching runs")
+    found, missing = available_providers()
+    assert "backpack" not in found
+    assert missing["backpack"] == "backpack is not installed (pip install backpack-for-pytorch)"
+
+
+@pytest.mark.crosscheck
+def test_backpack_agrees_with_micro_batching():
+    pytest.importorskip("backpack", reason="BackPACK not installed: "
+                                           "pip install backpack-for-pytorch")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    result = audit_gradients(model, nn.CrossEntropyLoss(reduction="none"), torch.randn(5, 3),
+                             torch.tensor([0, 1, 1, 0, 1]), methods=(),
+                             providers={"backpack": backpack_provider})
+    assert result.passed, result.table

@@ -28,7 +28,8 @@ h1{font-size:22px;margin:4px 0}h2{font-size:18px;margin:28px 0 6px;border-top:1p
 table{border-collapse:collapse;margin:8px 0;font-size:12.5px}
 th,td{border-bottom:1px solid #dde;padding:3px 8px;text-align:left;vertical-align:top}
 th{background:#f3f4f8}td.num{text-align:right;font-variant-numeric:tabular-nums}
-table.summary{width:100%}table.summary td:first-child a{color:inherit}
+table.summary{width:100%}table.summary td:nth-child(2){white-space:nowrap}
+table.summary td:first-child a{color:inherit}
 .what{max-width:900px}.notes{color:#445;font-size:12.5px}.reason{font-weight:600}
 .figures{display:flex;flex-wrap:wrap;gap:10px}.figures img{max-width:540px;width:100%;
  border:1px solid #eee}
@@ -36,6 +37,10 @@ pre{background:#f6f7f9;padding:6px 10px;white-space:pre-wrap;word-break:break-al
 @media print{body{max-width:none;font-size:11px}section,figure,tr,.figures img{
  break-inside:avoid}h2{break-after:avoid}a{text-decoration:none}.badge{background:none}}
 """
+
+
+INFO = (' <span class="badge info" title="about another library, not part of the verdict">'
+        "informational</span>")
 
 
 def esc(value) -> str:
@@ -69,8 +74,7 @@ def table_html(df, cls: str = "") -> str:
 def summary_html(sections) -> str:
     rows = []
     for i, s in enumerate(sections):
-        label = badge(s.verdict, s.label) + ("" if s.must_pass else
-                                             ' <span class="badge info">informational</span>')
+        label = badge(s.verdict, s.label) + ("" if s.must_pass else INFO)
         rows.append(f'<tr><td><a href="#s{i}">{esc(s.title)}</a></td><td>{label}</td>'
                     f"<td>{esc(s.finding)}</td><td>{esc(s.key_number)}</td></tr>")
     head = "<tr><th>check</th><th>verdict</th><th>finding</th><th>key number</th></tr>"
