@@ -143,7 +143,8 @@ def privacy_sections(args, user_steps: dict, progress: bool) -> list:
                                      noise_multiplier=SIGMA, trials=args.trials,
                                      generator=torch.Generator().manual_seed(
                                          SEEDS["mechanism_design"]))
-    docs = {k: (f.__doc__ or "").strip().splitlines()[0] for k, f in bugs.items()}
+    docs = {k: " ".join((f.__doc__ or "").split("\n\n")[0].split()).removeprefix("Bug: ")
+            for k, f in bugs.items()}  # the docstring's first paragraph, on one line
     out.append(section("DP step: bug zoo, each wrong step must be caught",
                        BugZooSuite(audits, docs)))
     leak = audit_canaries(bug_zoo.no_noise, **CANARY, max_grad_norm=C,
