@@ -1,55 +1,221 @@
-"""The headless main job: python -m workbench audit (small settings)."""
+"""The headless main job: python -m workbench audit (small settings).
 
+Exit codes: 0 passed, 1 the audit found a failure, 2 usage or input error (one line, no
+traceback, before any audit runs). --provider and --step audit the user's own code.
+"""
+
+import importlib.util
 import json
-import sys
+import textwrap
 
 import pytest
+import torch
+from torch import nn
 
 from workbench.__main__ import main as workbench_main
+from workbench.audit import bug_zoo, cli_suite
+from workbench.audit.gradients import audit_gradients
+from workbench.audit.providers import available_providers, backpack_provider
+from workbench.audit.report_json import validate
+
+USER_CODE = textwrap.dedent("""
+    import torch
+    from torch import nn
+    import workbench as wb
+    from workbench.audit import bug_zoo
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+
+    def batch():
+        return torch.randn(5, 3), torch.tensor([0, 1, 1, 0, 1])
+
+    def one_tensor():
+        return torch.randn(5, 3)
+
+    def not_a_module():
+        return 3
+
+    def wide_model():
+        return nn.Linear(7, 2)
+
+    def fused_batch():
+        return torch.randn(5, 3), torch.tensor([0, 1, 1])
+
+    def provider(model, loss_fn, inputs, targets):
+        return wb.per_sample_gradients(model, loss_fn, inputs, targets, method="vmap")
+
+    def swapped(model, loss_fn, inputs, targets):
+        g = wb.per_sample_gradients(model, loss_fn, inputs, targets, method="einsum")
+        return {k: v[[1, 0, 2, 3, 4]] for k, v in g.items()}
+
+    def step(C, sigma, B, generator):
+        return bug_zoo.correct_step(C, sigma, B, generator)
+
+    def short_step(C, sigma, B, generator):
+        return lambda G: G.sum(0)[:-1]
+
+    NUMBER = 3
+""")
 
 
-def test_quick_audit_passes_and_writes_the_report(tmp_path, capsys):
-    code = workbench_main(["audit", "--quick", "--trials", "100", "--no-progress",
-                           "--out", str(tmp_path)])
+@pytest.fixture(scope="module")
+def user(tmp_path_factory):
+    root = tmp_path_factory.mktemp("usercode")
+    (root / "wb_user_code.py").write_text(USER_CODE)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(root))
+        yield root
+
+
+def audit(*argv):
+    return workbench_main(["audit", "--no-progress", *map(str, argv)])
+
+
+def test_quick_audit_passes_and_writes_a_valid_report(tmp_path, capsys):
+    code = audit("--quick", "--trials", 60, "--out", tmp_path)
     out = capsys.readouterr().out
     assert code == 0, out
     report = json.loads((tmp_path / "report.json").read_text())
+    validate(report)
     titles = [s["title"] for s in report["sections"]]
-    assert report["passed"] and "Mechanism audit: workbench" in titles
-    assert sum("bug zoo" in t for t in titles) >= 6
-    html = (tmp_path / "report.html").read_text()
-    assert "caught" in html and "data:image/png;base64" in html
+    assert report["passed"] and "DP step: workbench DP optimizer" in titles
+    assert "Per-sample gradients: workbench methods vs micro-batching" == titles[0]
+    zoo = next(s for s in report["sections"] if "bug zoo" in s["title"])
+    assert zoo["passed"] and len(zoo["table"]) == len(bug_zoo.ZOO) - 1
+    assert all(row["caught"] for row in zoo["table"])
+    assert report["provenance"]["command"].endswith(f"--out {tmp_path}")
+    page = (tmp_path / "report.html").read_text()
+    assert page.count("data:image/png;base64") == sum(s["figures"] for s in report["sections"])
 
 
-def test_user_model_and_data_factories(tmp_path, capsys, monkeypatch):
-    (tmp_path / "mine.py").write_text(
-        "import torch\nfrom torch import nn\n"
-        "def model():\n    torch.manual_seed(0)\n    return nn.Sequential(nn.Linear(3, 4), "
-        "nn.Tanh(), nn.Linear(4, 2))\n"
-        "def batch():\n    return torch.randn(5, 3), torch.tensor([0, 1, 1, 0, 1])\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    code = workbench_main(["audit", "--model", "mine:model", "--data", "mine:batch",
-                           "--quick", "--trials", "60", "--no-progress",
-                           "--out", str(tmp_path / "r")])
-    assert code == 0
-    titles = [s["title"] for s in json.loads((tmp_path / "r" / "report.json").read_text())
-              ["sections"]]
-    assert titles[0] == "Gradient audit: mine:model"
+def test_a_missing_library_is_skipped_not_passed(monkeypatch):
+    monkeypatch.setattr(cli_suite, "available_providers", lambda: (
+        {}, {"opacus_hooks": "opacus is not installed (pip install opacus)"}))
+    torch.manual_seed(0)
+    case = ("mlp", nn.Sequential(nn.Linear(3, 2)), torch.randn(4, 3), torch.tensor([0, 1, 0, 1]))
+    sections = cli_suite.gradient_sections([case], nn.CrossEntropyLoss(reduction="none"), {},
+                                           progress=False)
+    lib = sections[-1]
+    assert (lib.verdict, lib.must_pass) == ("skipped", False)
+    assert lib.reason == "opacus is not installed (pip install opacus)"
 
 
-def test_bad_options_are_clear_errors(capsys):
-    with pytest.raises(SystemExit, match="--model must look like module:callable"):
-        workbench_main(["audit", "--model", "nocolon", "--data", "x:y", "--no-progress"])
-    with pytest.raises(SystemExit):
-        workbench_main(["audit", "--trials", "3"])
-    assert "--trials must be >= 50" in capsys.readouterr().err
+def test_your_model_provider_and_step(user, tmp_path, capsys):
+    code = audit("--model", "wb_user_code:model", "--data", "wb_user_code:batch", "--quick",
+                 "--provider", "wb_user_code:provider", "--step", "wb_user_code:step",
+                 "--trials", 50, "--out", tmp_path)
+    assert code == 0, capsys.readouterr().out
+    report = json.loads((tmp_path / "report.json").read_text())
+    verdicts = {s["title"]: s["verdict"] for s in report["sections"]}
+    assert verdicts["Per-sample gradients: your provider wb_user_code:provider vs "
+                    "micro-batching"] == "passed"
+    for kind in ("DP step", "Clipping", "Canary audit"):
+        assert any(t.startswith(f"{kind}: your step wb_user_code:step") and v == "passed"
+                   for t, v in verdicts.items()), kind
+
+
+def test_a_wrong_provider_fails_the_run_with_exit_1(user, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli_suite, "privacy_sections", lambda *a: [])  # gradients only: quick
+    code = audit("--model", "wb_user_code:model", "--data", "wb_user_code:batch",
+                 "--provider", "wb_user_code:swapped", "--out", tmp_path)
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "FAILED: Per-sample gradients: your provider wb_user_code:swapped" in out
+
+
+def test_a_wrong_or_crashing_step_is_a_failed_section():
+    mech, clip, canary = cli_suite.step_sections("no noise", bug_zoo.no_noise, trials=50)
+    assert (mech.verdict, clip.verdict, canary.verdict) == ("failed", "passed", "failed")
+
+    def crashing(C, sigma, B, generator):
+        def step(G):
+            raise RuntimeError("out of coffee")
+        return step
+
+    crashed = cli_suite.step_sections("crash", crashing, trials=50)
+    assert all(s.verdict == "failed" and "out of coffee" in s.finding for s in crashed)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "wb_user_code:not_a_module", "--data", "wb_user_code:batch"],
+     "--model 'wb_user_code:not_a_module' returned a int, not a torch.nn.Module"),
+    (["--model", "wb_user_code:wide_model", "--data", "wb_user_code:batch"],
+     "--model 'wb_user_code:wide_model' cannot take --data 'wb_user_code:batch''s inputs"),
+    (["--model", "wb_user_code:model", "--data", "wb_user_code:one_tensor"],
+     "--data 'wb_user_code:one_tensor' returned a Tensor of shape (5, 3); it must return a "
+     "pair (inputs, targets)"),
+    (["--model", "wb_user_code:model", "--data", "wb_user_code:fused_batch"],
+     "need the same batch size"),
+    (["--model", "wb_user_code:model"], "--model needs --data"),
+    (["--data", "wb_user_code:batch"], "--data needs --model"),
+    (["--model", "nocolon", "--data", "x:y"], "--model must look like module:callable"),
+    (["--model", "no_such_module_xyz:f", "--data", "x:y"], "could not be imported"),
+    (["--model", "wb_user_code:nope", "--data", "wb_user_code:batch"], "has no attribute"),
+    (["--provider", "wb_user_code:NUMBER"], "--provider 'wb_user_code:NUMBER' is a int"),
+    (["--step", "wb_user_code:short_step"], "returned (31,); it must return a Tensor of "
+                                            "shape (32,)"),
+    (["--loss", "mse", "--model", "wb_user_code:model", "--data", "wb_user_code:batch"],
+     "--loss mse"),
+    (["--trials", "3"], "--trials must be >= 50"),
+])
+def test_input_errors_exit_2_with_one_line(user, tmp_path, capsys, monkeypatch, argv, message):
+    def must_not_run(*args):
+        raise AssertionError("the audit ran despite an input error")
+
+    monkeypatch.setattr(cli_suite, "gradient_sections", must_not_run)
+    monkeypatch.setattr(cli_suite, "zoo_cases", lambda quick: [])
+    assert audit(*argv, "--out", tmp_path / "r") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m workbench audit: error: ") and message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_an_unwritable_out_is_found_before_the_audit(tmp_path, capsys, monkeypatch, where):
+    monkeypatch.setattr(cli_suite, "zoo_cases", lambda quick: pytest.fail("audit ran"))
+    (tmp_path / "f").write_text("")
+    out = tmp_path / "f" if where == "a file" else tmp_path / "f" / "sub"
+    assert audit("--out", out) == 2
+    assert f"--out {str(out)!r}" in capsys.readouterr().err
+
+
+def test_usage_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        audit("--no-such-option")
+    assert exit_info.value.code == 2
     assert workbench_main(["nonsense"]) == 2
 
 
-def test_help_explains_every_option(capsys):
-    with pytest.raises(SystemExit):
+def test_help_explains_every_option_and_the_exit_codes(capsys):
+    with pytest.raises(SystemExit) as exit_info:
         workbench_main(["audit", "--help"])
+    assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    for option in ("--out", "--quick", "--model", "--data", "--loss", "--trials"):
+    for option in ("--out", "--quick", "--model", "--data", "--loss", "--trials", "--provider",
+                   "--step", "--no-progress"):
         assert option in text
-    assert sys.modules.get("workbench.audit.cli") is not None
+    assert "per_sample_grads(model, loss_fn, inputs, targets)" in text
+    assert "make_step(max_grad_norm, noise_multiplier, batch_size, generator)" in text
+    assert "0 passed, 1 the audit found a failure, 2 usage or input error" in text
+
+
+def test_backpack_is_skipped_with_the_reason_when_absent():
+    if importlib.util.find_spec("backpack") is not None:
+        pytest.skip("BackPACK is installed: test_backpack_agrees_with_micro_batching runs")
+    found, missing = available_providers()
+    assert "backpack" not in found
+    assert missing["backpack"] == "backpack is not installed (pip install backpack-for-pytorch)"
+
+
+@pytest.mark.crosscheck
+def test_backpack_agrees_with_micro_batching():
+    pytest.importorskip("backpack", reason="BackPACK not installed: "
+                                           "pip install backpack-for-pytorch")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    result = audit_gradients(model, nn.CrossEntropyLoss(reduction="none"), torch.randn(5, 3),
+                             torch.tensor([0, 1, 1, 0, 1]), methods=(),
+                             providers={"backpack": backpack_provider})
+    assert result.passed, result.table

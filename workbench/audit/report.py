@@ -1,70 +1,171 @@
-"""The audit report: one HTML page (tables and figures) and one JSON file of the numbers.
+"""The audit report's sections: one protocol for every audit, one registration per kind.
 
-Each section is an audit result (anything with ``.passed``, ``.table`` and optionally
-``.plot(ax)``) or a pandas DataFrame with a ``passed`` column, under a title. Figures are
-embedded as base64 PNG, so the page is a single file that can be mailed or archived.
+A *section* is an audit result under a title. Any result works if it has
+
+    .passed  bool                      the audit's own verdict
+    .table   pandas DataFrame          its numbers
+    .skipped bool, .reason str         (optional) it could not run, and why
+
+and the report learns the rest (what the audit checks and why, the one-line finding, the key
+number, a table without noise, figures) from the result's ``kind``, registered once by class
+name::
+
+    register_kind("SamplingAudit", Kind(
+        what="Batches are Poisson: ... Why it matters: ...",
+        summary=lambda r: ("inclusions look Poisson", f"min p {r.table.p_value.min():.2g}"),
+        figures=(plot_sampling,)))          # plot_x(ax, result) -> artists, workbench.viz
+
+A result may instead carry its own ``.summary`` (a (finding, key number) pair or a string) and
+``.what``. Unregistered results still get a section (docstring as "what", no figure).
+
+Verdicts are honest: a skipped section is SKIPPED with its reason and never counts as passed;
+a section whose audit is *expected* to fail (a bug the audit must catch) reads "caught" when it
+fails and "NOT CAUGHT" otherwise; ``must_pass=False`` marks findings about other libraries,
+reported but not part of the overall verdict.
 """
 
-import base64
-import html
 import io
-import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import pandas as pd
 from matplotlib.figure import Figure
+
+PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
+
+
+@dataclass(frozen=True)
+class Kind:
+    """How the report presents one kind of audit result."""
+
+    what: str  # what it checks and why, two sentences
+    summary: Callable  # result -> (finding: str, key number: str)
+    table: Callable | None = None  # result -> (DataFrame for people, [notes stated once])
+    figures: tuple = ()  # plot_x(ax, result) -> artists, each drawn on its own axes
+    figsize: tuple = (6.4, 3.2)
+
+
+KINDS: dict[str, Kind] = {}
+
+
+def register_kind(class_name: str, kind: Kind) -> Kind:
+    """Present results whose class (or a base class) is named ``class_name`` with ``kind``."""
+    KINDS[class_name] = kind
+    return kind
+
+
+def kind_of(result) -> Kind | None:
+    import workbench.audit.report_kinds  # noqa: F401  (registers the built-in kinds)
+
+    for cls in type(result).__mro__:
+        if cls.__name__ in KINDS:
+            return KINDS[cls.__name__]
+    return None
+
+
+@dataclass
+class Skipped:
+    """An audit that could not run: never passed, always with the reason."""
+
+    reason: str
+    what: str = ""
+    skipped: bool = True
+    passed: bool = False
+    table: pd.DataFrame = field(default_factory=pd.DataFrame)
 
 
 @dataclass
 class Section:
     title: str
-    table: pd.DataFrame
-    passed: bool
-    must_pass: bool  # a failure here makes the audit (and the command) fail
-    note: str = ""
-    figure_png: bytes | None = None
-    labels: tuple[str, str] = ("passed", "FAILED")  # the verdict words for passed / failed
+    what: str
+    verdict: str  # PASSED, FAILED or SKIPPED
+    finding: str
+    key_number: str
+    table: pd.DataFrame  # what people read
+    notes: list  # tolerances and column meanings, stated once
+    must_pass: bool  # counts toward the overall verdict
+    reason: str = ""  # why it was skipped
+    data: pd.DataFrame | None = None  # the full numbers (report.json)
+    figures: list = field(default_factory=list)  # PNG bytes
+    words: tuple = ("passed", "FAILED")  # how PASSED / FAILED read here
+
+    @property
+    def label(self) -> str:
+        if self.verdict == SKIPPED:
+            return "SKIPPED"
+        return self.words[0] if self.verdict == PASSED else self.words[1]
 
 
-def section(title: str, result, must_pass: bool = True, note: str = "") -> Section:
-    """A report section from an audit result or a DataFrame with a ``passed`` column."""
-    is_table = isinstance(result, pd.DataFrame)  # (a DataFrame's columns are attributes too)
-    table = result if is_table else result.table
-    passed = bool(table["passed"].all()) if is_table else bool(result.passed)
-    png = None
-    if not is_table and hasattr(result, "plot"):
-        fig = Figure(figsize=(6, 3), dpi=90)
-        result.plot(fig.add_subplot())
-        fig.tight_layout()
-        buffer = io.BytesIO()
-        fig.savefig(buffer, format="png")
-        png = buffer.getvalue()
-    return Section(title, table, passed, must_pass, note, png)
+def render_png(plot, result, figsize=(6.4, 3.2), dpi=100) -> bytes:
+    """``plot(ax, result)`` on a fresh off-screen Figure (no pyplot), as PNG bytes."""
+    fig = Figure(figsize=figsize, dpi=dpi)
+    plot(fig.add_subplot(), result)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
 
 
-def write_report(out: Path, sections: list[Section], title: str = "DP-SGD Workbench audit"):
-    """Write ``report.html`` and ``report.json`` to ``out``; returns their paths."""
+def _summary(result, kind, passed):
+    own = getattr(result, "summary", None)
+    if own is not None and not callable(own):
+        return tuple(own) if isinstance(own, (tuple, list)) else (str(own), "")
+    if kind is not None:
+        return kind.summary(result)
+    return ("all checks passed" if passed else "some checks failed"), ""
+
+
+def section(title: str, result, must_pass: bool = True, expect_failure: bool = False,
+            figures: bool = True) -> Section:
+    """The report section of ``result`` (an audit result, a :class:`Skipped` or a DataFrame
+    with a ``passed`` column). ``expect_failure``: the audit must *catch* this (a bug)."""
+    if isinstance(result, pd.DataFrame):
+        return _table_section(title, result, must_pass)
+    kind = kind_of(result)
+    what = getattr(result, "what", "") or (kind.what if kind else "") or \
+        (type(result).__doc__ or "").strip().split("\n\n")[0]
+    if getattr(result, "skipped", False):
+        return Section(title, what, SKIPPED, f"not run: {result.reason}", "", pd.DataFrame(),
+                       [], must_pass, reason=str(result.reason))
+    passed = bool(result.passed)
+    finding, key = _summary(result, kind, passed)
+    table, notes = kind.table(result) if kind and kind.table else (result.table, [])
+    ok = passed != expect_failure
+    words = ("caught", "NOT CAUGHT") if expect_failure else ("passed", "FAILED")
+    pngs = [render_png(p, result, kind.figsize) for p in kind.figures] if kind and figures else []
+    return Section(title, what, PASSED if ok else FAILED, finding, key, table, list(notes),
+                   must_pass, data=result.table, figures=pngs, words=words)
+
+
+def _table_section(title, table, must_pass):
+    passed = bool(table["passed"].all())
+    finding = f"{int(table['passed'].sum())} of {len(table)} rows pass"
+    return Section(title, "", PASSED if passed else FAILED, finding, "", table, [], must_pass,
+                   data=table)
+
+
+def overall(sections: list) -> dict:
+    """The report's verdict: FAILED if a must-pass section failed. Skipped sections and failed
+    informational ones (other libraries) are counted apart; skipped never counts as passed."""
+    failed = [s.title for s in sections if s.must_pass and s.verdict == FAILED]
+    findings = [s.title for s in sections if not s.must_pass and s.verdict == FAILED]
+    skipped = [s.title for s in sections if s.verdict == SKIPPED]
+    count = {"passed": sum(s.verdict == PASSED for s in sections), "failed": len(failed),
+             "informational": len(findings), "skipped": len(skipped)}
+    return {"verdict": "FAILED" if failed else "PASSED", "passed": not failed, "counts": count,
+            "failed": failed, "informational_failures": findings, "skipped": skipped}
+
+
+def write_report(out, sections: list, provenance: dict, title: str = "DP-SGD Workbench audit"):
+    """Write ``report.html`` and ``report.json`` into the folder ``out``.
+
+    Returns (html path, json path, the JSON document)."""
+    from workbench.audit.report_html import render_html
+    from workbench.audit.report_json import report_document, write_json
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    ok = all(s.passed for s in sections if s.must_pass)
-    parts = [f"<html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head>",
-             f"<body><h1>{html.escape(title)}</h1>",
-             f"<p><b>{'PASSED' if ok else 'FAILED'}</b>: {sum(s.passed for s in sections)} of "
-             f"{len(sections)} sections passed.</p>"]
-    for s in sections:
-        verdict = s.labels[0] if s.passed else s.labels[1]
-        parts.append(f"<h2>{html.escape(s.title)}: {verdict}</h2>")
-        if s.note:
-            parts.append(f"<p>{html.escape(s.note)}</p>")
-        parts.append(s.table.to_html(index=False, float_format=lambda v: f"{v:.3g}"))
-        if s.figure_png:
-            data = base64.b64encode(s.figure_png).decode()
-            parts.append(f"<p><img src='data:image/png;base64,{data}'/></p>")
-    parts.append("</body></html>")
-    (out / "report.html").write_text("\n".join(parts))
-    numbers = {"passed": ok, "sections": [
-        {"title": s.title, "passed": s.passed, "must_pass": s.must_pass,
-         "table": json.loads(s.table.to_json(orient="records"))} for s in sections]}
-    (out / "report.json").write_text(json.dumps(numbers, indent=1))
-    return out / "report.html", out / "report.json"
+    document = report_document(sections, provenance, title)
+    (out / "report.html").write_text(render_html(document, sections), encoding="utf-8")
+    return out / "report.html", write_json(out / "report.json", document), document

@@ -1,0 +1,119 @@
+"""The report's section protocol: honest verdicts, one registration per kind, tables without
+noise. (report.json and its schema: test_report_json.py; the CLI: test_cli.py.)"""
+
+import math
+
+import pandas as pd
+import pytest
+
+from tests.audit.report_helpers import small_sections
+from workbench.audit.report import (
+    FAILED,
+    KINDS,
+    PASSED,
+    SKIPPED,
+    Kind,
+    Skipped,
+    overall,
+    register_kind,
+    section,
+)
+
+
+@pytest.fixture(scope="module")
+def sections():
+    return {s.title: s for s in small_sections()}
+
+
+def test_verdicts_are_honest(sections):
+    assert sections["gradients"].verdict == PASSED
+    assert sections["library swapped"].verdict == FAILED  # the swapped provider is caught
+    absent = sections["library absent"]
+    assert absent.verdict == SKIPPED and absent.label == "SKIPPED"
+    assert "pip install nolib" in absent.reason and "not run" in absent.finding
+    leak = sections["leak"]  # a no-noise step: the canary bound must exceed ε, and does
+    assert leak.verdict == PASSED and leak.label == "caught"
+
+
+def test_skipped_never_counts_as_passed():
+    skipped = [section("a", Skipped("lib missing")), section("b", Skipped("model unsupported"))]
+    verdict = overall(skipped)
+    assert verdict["counts"] == {"passed": 0, "failed": 0, "informational": 0, "skipped": 2}
+    assert verdict["skipped"] == ["a", "b"]
+    with pytest.raises(TypeError):
+        Skipped()  # a skip without its reason is not allowed
+
+
+def test_overall_fails_on_must_pass_only(sections):
+    verdict = overall(list(sections.values()))
+    assert verdict["passed"] and verdict["verdict"] == "PASSED"
+    assert verdict["informational_failures"] == ["library swapped"]
+    assert verdict["counts"]["failed"] == 0 and verdict["counts"]["skipped"] == 1
+    broken = section("must", Skipped("x"))
+    broken.verdict = FAILED
+    assert overall([broken])["failed"] == ["must"]
+
+
+def test_a_bug_that_is_not_caught_fails():
+    class Clean:  # an audit that passed where it had to fail
+        passed, table = True, pd.DataFrame({"passed": [True]})
+
+    s = section("bug", Clean(), expect_failure=True)
+    assert s.verdict == FAILED and s.label == "NOT CAUGHT"
+
+
+def test_a_new_audit_is_one_registration():
+    class SamplingAudit:
+        passed, table = False, pd.DataFrame({"test": ["sizes"], "p_value": [1e-9]})
+
+    def plot(ax, result):
+        return ax.plot([0, 1], [0, 1])
+
+    try:
+        register_kind("SamplingAudit", Kind(
+            what="Batches are Poisson.", figures=(plot,),
+            summary=lambda r: ("batch sizes are not Binomial", f"p {r.table.p_value[0]:.0e}")))
+        s = section("sampling", SamplingAudit())
+    finally:
+        del KINDS["SamplingAudit"]
+    assert (s.what, s.verdict, s.finding, s.key_number) == (
+        "Batches are Poisson.", FAILED, "batch sizes are not Binomial", "p 1e-09")
+    assert len(s.figures) == 1 and s.figures[0][:4] == b"\x89PNG"
+
+
+def test_an_unregistered_result_still_gets_an_honest_section():
+    class Custom:
+        """Checks something custom."""
+        passed, table = True, pd.DataFrame({"x": [1]})
+        summary = ("all good", "x = 1")
+
+    s = section("custom", Custom())
+    assert (s.what, s.verdict, s.finding, s.key_number) == (
+        "Checks something custom.", PASSED, "all good", "x = 1")
+    assert s.figures == []
+
+
+def test_gradient_table_has_no_unexplained_nan(sections):
+    s = sections["gradients"]
+    table = s.table
+    assert list(table["method"]) == ["einsum", "bookkeeping"]
+    assert not table.isna().any().any()
+    assert table.loc[table["method"] == "bookkeeping", "compared"].item() == "clipped sum only"
+    assert math.isnan(s.data.loc[s.data["method"] == "bookkeeping", "norm_rel_error"].iloc[0])
+    assert any("Book-keeping" in n and "null" in n for n in s.notes)  # the NaN, explained
+    tolerance_notes = [n for n in s.notes if "Tolerance" in n]
+    assert len(tolerance_notes) == 1 and "tolerance_reason" not in table.columns
+
+
+def test_mechanism_table_states_the_significance_once(sections):
+    s = sections["step"]
+    assert "threshold" not in s.table.columns
+    assert s.table.set_index("check").loc["sensitivity", "p-value"] == "— (a bound)"
+    assert sum("Bonferroni" in n for n in s.notes) == 1
+    assert "variance ratio" in s.key_number and len(s.figures) == 2  # band and QQ plot
+
+
+def test_every_built_in_kind_draws_its_figures(sections):
+    expected = {"gradients": 1, "step": 2, "clipping": 1, "zoo": 1, "canary": 2,
+                "accountants": 1}
+    assert {k: len(sections[k].figures) for k in expected} == expected

@@ -1,0 +1,156 @@
+"""The headless audit's suite: which audits run, in which order, into which report sections.
+
+1. per-sample gradients of the workbench's methods against micro-batching (model zoo and the
+   digits CNN on digits data, or the user's --model/--data); a --provider likewise;
+2. other libraries (Opacus modes, BackPACK) the same way: informational, SKIPPED with the
+   reason when not installed;
+3. the workbench's DP step (and a --step): mechanism audit, σ = 0 clipping check, canary audit;
+   the correct reference step; the bug zoo, every wrong step of which must be caught; a
+   no-noise step, whose canary bound must exceed the accountant's ε;
+4. the RDP and PLD accountants side by side.
+
+Every seed is in ``SEEDS`` and every setting in ``settings(args)``, both copied into the
+report's provenance.
+"""
+
+import torch
+from tqdm.auto import tqdm
+
+from workbench import data, models
+from workbench.audit import bug_zoo
+from workbench.audit.canary import audit_canaries
+from workbench.audit.dpsgd_step import workbench_step
+from workbench.audit.gradients import audit_gradients
+from workbench.audit.mechanism import audit_dp_step
+from workbench.audit.providers import available_providers
+from workbench.audit.report import Skipped, section
+from workbench.audit.report_kinds import LIBRARY_WHAT
+from workbench.audit.report_suites import (
+    BugZooSuite,
+    GradientSuite,
+    check_accountants,
+    check_clipping,
+)
+
+METHODS = ("einsum", "vmap", "ghost", "bookkeeping")
+C, SIGMA, B, DIM = 1.5, 1.0, 8, 32  # mechanism audit; C != 1 so that σ vs σC shows
+CANARY = dict(dim=1000, steps=10, sample_rate=0.5, noise_multiplier=4.0)
+SEEDS = {"model_init": 0, "zoo_batch": 0, "mechanism_design": 0, "step_noise": 1, "canary": 0,
+         "clipping_design": 0}
+
+
+class Crashed:
+    """The code under audit raised: a FAILED section that shows the error."""
+
+    def __init__(self, error: Exception):
+        self.passed, self.what = False, ""
+        self.summary = (f"raised {type(error).__name__}: {error}", "")
+        import pandas as pd
+        self.table = pd.DataFrame([{"error": f"{type(error).__name__}: {error}"}])
+
+
+def settings(args) -> dict:
+    return {**{k: (str(v) if v is not None else None) for k, v in vars(args).items()},
+            "max_grad_norm": C, "noise_multiplier": SIGMA, "batch_size": B, "dim": DIM,
+            "canary": str(CANARY), "gradient_methods": ", ".join(METHODS),
+            "accountant_settings": str(accountant_settings(args.quick))}
+
+
+def accountant_settings(quick: bool):
+    first = (256 / 60000, 1.1, 10_000)
+    return [first] if quick else [first, (0.01, 0.8, 1_000), (0.1, 2.0, 500), (1.0, 5.0, 10)]
+
+
+def zoo_cases(quick: bool):
+    """(name, model, inputs, targets): zoo models on example batches, the digits CNN on data."""
+    n, cases = (2 if quick else 4), []
+    for name in (["digits_mlp", "imdb_embedding"] if quick else list(models.ZOO)):
+        torch.manual_seed(SEEDS["model_init"])
+        x, y = models.example_batch(name, n,
+                                    generator=torch.Generator().manual_seed(SEEDS["zoo_batch"]))
+        if x.dtype == torch.int64:
+            x = x[:, :16]  # shorter sequences: the micro-batching reference stays quick
+        cases.append((name, models.make_model(name), x, y))
+    train, _ = data.load_digits()
+    torch.manual_seed(SEEDS["model_init"])
+    cases.append(("digits_cnn on digits", models.digits_cnn(), train.tensors[0][:n],
+                  train.tensors[1][:n]))
+    return cases
+
+
+def gradient_sections(cases, loss_fn, user_providers: dict, progress: bool) -> list:
+    found, missing = available_providers()
+    libraries = {k: v for k, v in found.items() if k != "torch_func"}
+    providers = {**libraries, **user_providers}
+    audits, out = {}, []
+    for name, model, x, y in tqdm(cases, desc="gradient audit", disable=not progress):
+        try:
+            audits[name] = audit_gradients(model, loss_fn, x, y, methods=METHODS,
+                                           providers=providers)
+        except Exception as err:  # noqa: BLE001  (the reference itself cannot run on it)
+            out.append(section(f"Per-sample gradients: {name}", Skipped(
+                f"micro-batching, the reference, cannot run on it ({type(err).__name__}: "
+                f"{err})")))
+    if audits:
+        out.insert(0, section("Per-sample gradients: workbench methods vs micro-batching",
+                              GradientSuite(audits, METHODS)))
+        for spec in user_providers:
+            out.append(section(f"Per-sample gradients: your provider {spec} vs micro-batching",
+                               GradientSuite(audits, (spec,), LIBRARY_WHAT)))
+        for lib in libraries:
+            out.append(section(f"Other libraries: {lib} vs micro-batching",
+                               GradientSuite(audits, (lib,), LIBRARY_WHAT), must_pass=False))
+    for lib, reason in missing.items():
+        out.append(section(f"Other libraries: {lib} vs micro-batching", Skipped(reason),
+                           must_pass=False))
+    return out
+
+
+def _guarded(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except Exception as err:  # noqa: BLE001  (the step under audit failed: a finding)
+        return Crashed(err)
+
+
+def step_sections(name: str, factory, trials: int) -> list:
+    mech = _guarded(audit_dp_step, factory(C, SIGMA, B, torch.Generator().manual_seed(
+        SEEDS["step_noise"])), dim=DIM, batch_size=B, max_grad_norm=C, noise_multiplier=SIGMA,
+        trials=trials, generator=torch.Generator().manual_seed(SEEDS["mechanism_design"]))
+    clip = _guarded(check_clipping, factory, C, B, DIM,
+                    torch.Generator().manual_seed(SEEDS["clipping_design"]))
+    canary = _guarded(audit_canaries, factory, **CANARY, max_grad_norm=C,
+                      generator=torch.Generator().manual_seed(SEEDS["canary"]))
+    return [section(f"DP step: {name}", mech),
+            section(f"Clipping: {name} with σ = 0", clip),
+            section(f"Canary audit: {name} (ε from below)", canary)]
+
+
+def privacy_sections(args, user_steps: dict, progress: bool) -> list:
+    out = step_sections("workbench DP optimizer", workbench_step, args.trials)
+    for spec, factory in user_steps.items():
+        out += step_sections(f"your step {spec}", factory, args.trials)
+    correct = bug_zoo.ZOO[bug_zoo.CORRECT]
+    out.append(section("DP step: correct reference step (bug_zoo.correct_step)", audit_dp_step(
+        correct(C, SIGMA, B, torch.Generator().manual_seed(SEEDS["step_noise"])), dim=DIM,
+        batch_size=B, max_grad_norm=C, noise_multiplier=SIGMA, trials=args.trials,
+        generator=torch.Generator().manual_seed(SEEDS["mechanism_design"]))))
+    bugs = {k: f for k, f in bug_zoo.ZOO.items() if k != bug_zoo.CORRECT}
+    audits = {}
+    for name in tqdm(bugs, desc="bug zoo", disable=not progress):
+        step = bugs[name](C, SIGMA, B, torch.Generator().manual_seed(SEEDS["step_noise"]))
+        audits[name] = audit_dp_step(step, dim=DIM, batch_size=B, max_grad_norm=C,
+                                     noise_multiplier=SIGMA, trials=args.trials,
+                                     generator=torch.Generator().manual_seed(
+                                         SEEDS["mechanism_design"]))
+    docs = {k: " ".join((f.__doc__ or "").split("\n\n")[0].split()).removeprefix("Bug: ")
+            for k, f in bugs.items()}  # the docstring's first paragraph, on one line
+    out.append(section("DP step: bug zoo, each wrong step must be caught",
+                       BugZooSuite(audits, docs)))
+    leak = audit_canaries(bug_zoo.no_noise, **CANARY, max_grad_norm=C,
+                          generator=torch.Generator().manual_seed(SEEDS["canary"]))
+    out.append(section("Canary audit: a step without noise must be caught", leak,
+                       expect_failure=True))
+    out.append(section("Accountants: RDP vs PLD", check_accountants(
+        accountant_settings(args.quick))))
+    return out

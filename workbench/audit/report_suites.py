@@ -1,0 +1,143 @@
+"""Result objects for the report's sections that gather several audits or small checks.
+
+Each has ``.passed`` and ``.table`` (the protocol of ``workbench.audit.report``):
+
+- ``GradientSuite``: several models' ``GradientAudit``s, restricted to some methods;
+- ``BugZooSuite``: the mechanism audit of every wrong step of ``bug_zoo`` (passed = all caught);
+- ``ClippingCheck``: a DP step run with σ = 0 on designed batches must return exactly
+  μ(G) = Σ_i min(1, C/||g_i||) g_i / B (Abadi et al. 2016, arXiv 1607.00133, Algorithm 1);
+- ``AccountantCheck``: ε of the RDP and PLD accountants side by side (PLD never above RDP).
+
+Notation: C max_grad_norm, B expected batch size, σ noise multiplier, g_i row i of G.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from workbench import accounting
+from workbench.audit.mechanism import design_batches, expected_step
+
+CLIPPING_TOLERANCE = 1e-6  # relative: a float32 step rounds at ~1e-7; a clipping bug moves
+# the sum by a sizeable fraction of C/B
+
+
+@dataclass
+class GradientSuite:
+    """Gradient audits of several models (``audits``: name -> GradientAudit) for ``methods``."""
+
+    audits: dict
+    methods: tuple
+    what: str = ""  # overrides the kind's "what" (e.g. for another library)
+
+    @property
+    def rows(self) -> pd.DataFrame:
+        """Every (model, method, parameter) row of the audited methods."""
+        parts = [a.table[a.table["method"].isin(self.methods)].assign(model=name)
+                 for name, a in self.audits.items()]
+        parts = [p for p in parts if len(p)]
+        return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+
+    @property
+    def table(self) -> pd.DataFrame:
+        rows = self.rows
+        return rows[["model", *rows.columns.drop("model")]] if len(rows) else rows
+
+    @property
+    def passed(self) -> bool:
+        rows = self.rows
+        return bool(len(rows)) and bool(rows["passed"].all())
+
+    @property
+    def tolerance(self) -> float:
+        return max(a.tolerance for a in self.audits.values())
+
+
+@dataclass
+class BugZooSuite:
+    """Mechanism audits of wrong steps (``audits``: name -> MechanismAudit) and what is wrong
+    with each (``docs``: name -> one line). ``passed``: the audit caught every one."""
+
+    audits: dict
+    docs: dict
+
+    @property
+    def table(self) -> pd.DataFrame:
+        return pd.DataFrame([{
+            "bug": name, "what is wrong": self.docs.get(name, ""), "caught": not a.passed,
+            "failed checks": ", ".join(a.table["check"][~a.table["passed"]]),
+            "passed": not a.passed} for name, a in self.audits.items()])
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.audits) and not any(a.passed for a in self.audits.values())
+
+
+@dataclass
+class ClippingCheck:
+    """A σ = 0 step against μ(G) on the designed batches of the mechanism audit."""
+
+    observed: dict  # batch name -> (d,) step output
+    expected: dict  # batch name -> (d,) μ(G)
+    clipped: dict  # batch name -> (samples clipped, samples)
+    max_grad_norm: float
+    batch_size: float
+    tolerance: float = CLIPPING_TOLERANCE
+
+    @property
+    def table(self) -> pd.DataFrame:
+        rows = []
+        for name, mu in self.expected.items():
+            err = float(np.abs(self.observed[name] - mu).max())
+            rel = err / max(float(np.abs(mu).max()), 1e-300)
+            k, n = self.clipped[name]
+            rows.append({"batch": name.removeprefix("mean · "), "samples": n, "clipped": k,
+                         "max_abs_error": err, "rel_error": rel, "tolerance": self.tolerance,
+                         "passed": rel <= self.tolerance})
+        return pd.DataFrame(rows)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.table["passed"].all())
+
+
+def check_clipping(step_factory, max_grad_norm, batch_size, dim, generator=None):
+    """Run ``step_factory(C, 0, B, generator)`` once on each designed batch."""
+    C, B = float(max_grad_norm), float(batch_size)
+    step = step_factory(C, 0.0, B, generator)
+    observed, expected, clipped = {}, {}, {}
+    for name, G in design_batches(dim, B, C, generator).items():
+        observed[name] = step(G.clone()).detach().to("cpu").double().numpy()  # (d,)
+        expected[name] = expected_step(G, C, B).numpy()  # (d,)
+        clipped[name] = (int((G.norm(dim=1) > C).sum()), len(G))
+    return ClippingCheck(observed, expected, clipped, C, B)
+
+
+@dataclass
+class AccountantCheck:
+    """ε(δ) of RDP and PLD per setting (``table``) and along one run (``curve``)."""
+
+    table: pd.DataFrame
+    curve: pd.DataFrame = field(repr=False)  # steps, eps_rdp, eps_pld for settings[0]
+    delta: float = 1e-5
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.table["passed"].all()) and bool(self.curve["passed"].all())
+
+
+def _epsilons(q, sigma, steps, delta):
+    rdp = accounting.epsilon(q, sigma, steps, delta, accountant="rdp")
+    pld = accounting.epsilon(q, sigma, steps, delta, accountant="pld")
+    return {"q": q, "sigma": sigma, "steps": steps, "delta": delta, "eps_rdp": rdp,
+            "eps_pld": pld, "passed": pld <= rdp * (1 + 1e-9)}
+
+
+def check_accountants(settings, delta=1e-5, curve_points=8) -> AccountantCheck:
+    """``settings``: [(q, σ, steps)]; the curve follows the first one up to its steps."""
+    table = pd.DataFrame([_epsilons(q, s, t, delta) for q, s, t in settings])
+    q, sigma, steps = settings[0]
+    grid = np.unique(np.geomspace(10, steps, curve_points).astype(int))
+    curve = pd.DataFrame([_epsilons(q, sigma, int(t), delta) for t in grid])
+    return AccountantCheck(table, curve, delta)
