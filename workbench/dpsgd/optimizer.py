@@ -42,6 +42,7 @@ from torch.optim import Optimizer
 
 from workbench.clipping.engine import MODES, clipped_sum
 from workbench.clipping.flat import check_max_grad_norm
+from workbench.dpsgd.distributed import DEFAULT_TIMEOUT_MINUTES, all_reduce
 from workbench.dpsgd.privatise import gaussian_noise
 from workbench.dpsgd.recorded import ModelRecorder
 from workbench.per_sample.checks import check_no_sample_mixing
@@ -83,6 +84,7 @@ class DPOptimizer(Optimizer):
         self.model = model
         self.recorder = ModelRecorder(model, self.param_groups)
         self.verify = "first"  # "first" step, "always", or False: see verify_next_step()
+        self.all_reduce_timeout_minutes = DEFAULT_TIMEOUT_MINUTES  # make_private may set it
         self._sums: dict[int, torch.Tensor] = {}
         self.last = {}  # norms and clip factors of the last batch, for widgets and training logs
 
@@ -185,6 +187,7 @@ class DPOptimizer(Optimizer):
         distributed = dist.is_available() and dist.is_initialized()
         adds_noise = not distributed or dist.get_rank() == 0  # noise exactly once
         signal_sq, d = 0.0, 0
+        names = {id(p): k for k, p in self.model.named_parameters()}
         for group in self.param_groups:
             for p in group["params"]:
                 if not p.requires_grad:
@@ -192,14 +195,16 @@ class DPOptimizer(Optimizer):
                 total = self._sums.get(id(p), torch.zeros_like(p)).detach().clone()
                 if distributed:  # Σ over all ranks' samples, each clipped on its own rank
                     signal = total.clone()
-                    dist.all_reduce(signal)
+                    all_reduce(signal, timeout_minutes=self.all_reduce_timeout_minutes,
+                               name=f"clipped sum of {names.get(id(p), 'a parameter')}")
                     signal_sq += float(signal.pow(2).sum())
                 else:
                     signal_sq += float(total.pow(2).sum())
                 if adds_noise:
                     total += gaussian_noise(p, std, self.generator)
                 if distributed:
-                    dist.all_reduce(total)
+                    all_reduce(total, timeout_minutes=self.all_reduce_timeout_minutes,
+                               name=f"noised sum of {names.get(id(p), 'a parameter')}")
                 d += p.numel()
                 p.grad = total / self.expected_batch_size
         self._sums = {}
