@@ -121,7 +121,9 @@ def test_shipped_results_load_and_name_their_device():
     assert shipped, "data/bench/memory_*.csv should ship with the repository"
     for label, path in shipped.items():
         table = M.load(path)
-        assert label.startswith(table["device"].iloc[0])
+        assert label == M.source_label(table) and label.endswith(f" · {table['date'].iloc[0]}")
+        device = table["device"].iloc[0]
+        assert label.split(" · ")[0] in device or device.startswith("CPU")  # CPU: shortened
         assert set(table["layer"]) == set(M.LAYERS)
         assert {"torch", "date", "model_einsum_x", "ghost_x"} <= set(table.columns)
 

@@ -49,7 +49,7 @@ def test_too_large_live_batches_are_not_measured_but_said_so():
     assert "not measured live" in w.message.value and w.live.empty
     assert w.result.measured.empty and "model_einsum" in w.artists  # the model still shows
     w = MemoryExplorer("linear", width=64, batch_size=16, max_live_MB=0.1)
-    assert "einsum not measured live" in w.message.value
+    assert "einsum is not measured live" in w.message.value
     assert "einsum: model" in w.message.value and "measured not measured" in w.message.value
     assert pd.isna(w.result.at_b.get("einsum_x", float("nan")))
 
@@ -58,7 +58,8 @@ def test_a_shipped_csv_is_a_labelled_source(table, tmp_path, monkeypatch):
     table.to_csv(tmp_path / "memory_test.csv", index=False)
     monkeypatch.setattr(M, "SHIPPED_DIR", tmp_path)
     w = MemoryExplorer("linear", width=32, batch_size=8)
-    label = f"{table['device'][0]}, 2026-11-22"
+    label = M.source_label(table)
+    assert label.endswith(" · 2026-11-22") and "profiler" not in label
     assert w.controls["source"].options == ("live (cpu)", label)
     w.controls["source"].value = label
     assert w.result.source == label and list(w.result.measured["batch_size"]) == [4, 8, 16]
@@ -78,3 +79,39 @@ def test_plots_draw_one_line_per_layer_and_width(table):
     sweep = plot_sweep(axes[2], table, "linear")
     assert set(sweep) == {32, 128}
     plt.close(fig)
+
+
+def test_a_live_measurement_shows_that_it_is_busy(monkeypatch):
+    """While measuring: controls locked, a 'measuring' message and a redrawn (greyed) plot."""
+    import workbench.widgets.memory as W
+
+    w = MemoryExplorer("linear", width=64, batch_size=16)
+    seen, measure = [], W.measure_layer
+
+    def spy(*args, **kwargs):
+        seen.append((w.message.value, [c.disabled for c in w.controls.values()],
+                     w.image.value, [t.get_text() for t in w.ax.texts]))
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(W, "measure_layer", spy)
+    old_png = w.image.value
+    w.controls["batch_size"].value = 32
+    message, disabled, png, texts = seen[0]
+    assert "measuring linear (width 64) at b = 32" in message and all(disabled)
+    assert png != old_png and texts == ["measuring b = 32 ..."]
+    assert not any(c.disabled for c in w.controls.values())  # unlocked afterwards
+    assert "measuring" not in w.message.value and not w.ax.texts
+    w.controls["batch_size"].value = 16  # already measured: no busy state, no measurement
+    assert len(seen) == 1
+
+
+def test_user_text_has_no_internal_names_and_labels_fit():
+    w = MemoryExplorer("linear", width=64, batch_size=16, max_live_MB=0.1)
+    w2 = MemoryExplorer("linear", width=64, batch_size=16, max_live_batch_MB=0.001)
+    for text in (w.message.value, w2.message.value):
+        assert "max_live" not in text and "_MB" not in text
+    assert "live limit of 0.1 MB" in w.message.value
+    source = w.controls["source"]
+    assert source.style.button_width == "auto"  # buttons as wide as their labels
+    assert all(len(label) <= 28 for label in source.options), source.options
+    assert any("NVIDIA H200" in label for label in source.options)  # the shipped GPU run

@@ -15,6 +15,8 @@ BENCHMARKS = {
     "training": ("workbench.bench.training", "a DP-SGD training step against plain SGD"),
     "dp_layers": ("workbench.bench.dp_layers", "DP RNN/GRU/LSTM/attention vs torch.nn"),
     "memory": ("workbench.bench.memory", "peak memory per layer and DP mode"),
+    "embedding_norm": ("workbench.bench.embedding_norm",
+                       "embedding ghost norms vs PyTorch's embedding backward"),
     "all": ("workbench.bench.all", "every benchmark, CSVs and Fig. 2/3-style figures"),
 }
 

@@ -51,8 +51,9 @@ def figure_2(runtime: pd.DataFrame, mem: pd.DataFrame, device: str) -> Figure:
                       fontsize="small")
     plot_overheads(axes[2], mem, "ghost_x", "peak memory / plain (ghost)", log_y=False)
     axes[2].set_title("peak memory overhead, ghost clipping", fontsize="small")
+    version = mem["torch"].iloc[0] if "torch" in mem else torch.__version__  # as measured
     fig.suptitle(f"Overheads against batch size per layer ({device}, torch "
-                 f"{torch.__version__}); cf. Opacus paper Fig. 2", fontsize="medium")
+                 f"{version}); cf. Opacus paper Fig. 2", fontsize="medium")
     fig.tight_layout()
     return fig
 

@@ -15,6 +15,7 @@ It reports ratios to plain and the peak allocated memory of each candidate, meas
 before plus the torch profiler's peak of allocations minus frees.
 """
 
+import sys
 
 import pandas as pd
 import torch
@@ -70,8 +71,12 @@ def main(argv=None):
     parser.add_argument("--methods", nargs="+", default=list(CLIP_METHODS), choices=CLIP_METHODS)
     args = parse_benchmark_args(parser, argv)
     device = torch.device(args.device)
-    table = pd.DataFrame([bench_model(m, b, args.methods, args.repeats, device)
-                          for m in args.models for b in args.batch_sizes])
+    rows = []
+    for m in args.models:
+        for b in args.batch_sizes:
+            rows.append(bench_model(m, b, args.methods, args.repeats, device))
+            print("measured", m, b, file=sys.stderr, flush=True)
+    table = pd.DataFrame(rows)
     table["device"] = device_name(device)
     table["torch"] = torch.__version__
     args.out.parent.mkdir(parents=True, exist_ok=True)

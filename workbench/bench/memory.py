@@ -52,6 +52,7 @@ Embedding, the normalised size for the norm layers, the hidden/embed size for th
 import contextlib
 import itertools
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -433,13 +434,24 @@ def main(argv=None):
 SHIPPED_DIR = Path(__file__).resolve().parents[2] / "data" / "bench"
 
 
+def source_label(table: pd.DataFrame) -> str:
+    """A short name for a measured table: its device and date, e.g. "NVIDIA H200 · 2026-11-23".
+
+    CPU rows name the processor and thread count ("CPU (profiler) CPU x86_64 x2 threads"); the
+    label keeps the thread count ("CPU, 2 threads"), short enough for a button.
+    """
+    device = str(table["device"].iloc[0]).removeprefix("CPU (profiler) ")
+    threads = re.search(r"x(\d+) threads", device)
+    if device.startswith("CPU") and threads:
+        device = f"CPU, {threads.group(1)} threads"
+    date = table["date"].iloc[0] if "date" in table else "undated"
+    return f"{device} · {date}"
+
+
 def shipped_results() -> dict[str, Path]:
-    """{label: path} of the memory CSVs shipped under ``data/bench/`` (label: device, date)."""
-    found = {}
-    for path in sorted(SHIPPED_DIR.glob("memory_*.csv")):
-        table = load(path)
-        found[f"{table['device'].iloc[0]}, {table['date'].iloc[0]}"] = path
-    return found
+    """{label: path} of the memory CSVs shipped under ``data/bench/`` (``source_label``)."""
+    return {source_label(load(path)): path
+            for path in sorted(SHIPPED_DIR.glob("memory_*.csv"))}
 
 
 @dataclass

@@ -8,6 +8,9 @@ plot's title. A live measurement runs one step per mode under the profiler, so i
 small: the einsum mode is skipped when its per-sample gradients alone would exceed
 ``max_live_MB``, and a batch whose inputs, labels and outputs (bC) exceed ``max_live_batch_MB``
 is not measured at all (the benchmark measures those: ``python -m workbench.bench memory``).
+While a live measurement runs (seconds for a big layer) the controls are disabled and the
+previous plot is shown greyed with "measuring ...", so a new slider value never sits silently
+over an old plot.
 
 >>> from workbench.widgets.memory import MemoryExplorer
 >>> w = MemoryExplorer("linear", width=64, batch_size=16)
@@ -52,7 +55,7 @@ def _controls(layer, width, b, sources, source):
         "batch_size": widgets.SelectionSlider(options=sorted({*BATCH_SIZES, b}), value=b,
                                               description="batch size", style=style),
         "source": widgets.ToggleButtons(options=sources, value=source, description="source",
-                                        style=style),
+                                        style={**style, "button_width": "auto"}),
     }
 
 
@@ -86,24 +89,51 @@ class MemoryExplorer(Explorer):
         finally:
             self._quiet = False
 
+    def _measured_live(self, layer, width, b) -> bool:
+        return not self.live.empty and bool(((self.live["layer"] == layer)
+                & (self.live["width"] == width) & (self.live["batch_size"] == b)).any())
+
+    @staticmethod
+    def _batch_MB(layer, width, b) -> float:
+        return b * layer_constants(layer, width)["C_bytes"] / 2**20  # bC
+
+    def _show_busy(self, layer, width, b) -> None:
+        """Grey the previous plot, say what is being measured, and lock the controls."""
+        self.message.value = (f"<b>measuring {layer} (width {width}) at b = {b} on "
+                              f"{self.device.type} ...</b><br><i>the plot shows the previous "
+                              f"values until it is done</i>")
+        for artist in [*self.ax.lines, *self.ax.texts]:
+            artist.set_alpha(0.25)
+        self.ax.text(0.5, 0.5, f"measuring b = {b} ...", transform=self.ax.transAxes,
+                     ha="center", va="center", fontsize="large", color="0.2")
+        for control in self.controls.values():
+            control.disabled = True
+        self._show_png()
+
     def _measurements(self, layer, width, b, source):
         """(table of measurements, a note on what was not measured)."""
         if source != self.live_label:
             return load(self.shipped[source]), ""
-        done = (not self.live.empty and ((self.live["layer"] == layer)
-                & (self.live["width"] == width) & (self.live["batch_size"] == b)).any())
-        if done:
-            return self.live, ""
-        k = layer_constants(layer, width)
-        bC = b * k["C_bytes"] / 2**20
+        bC = self._batch_MB(layer, width, b)
         if bC > self.max_live_batch_MB:
-            return self.live, (f"<br><i>b = {b} not measured live: bC = {bC:.3g} MB > "
-                               f"max_live_batch_MB = {self.max_live_batch_MB} (see the "
-                               f"shipped results or python -m workbench.bench memory)</i>")
-        row = measure_layer(layer, b, width, MODES, self.device, max_GB=self.max_live_MB / 1024)
+            return self.live, (f"<br><i>b = {b} is not measured live: the batch (bC = {bC:.3g}"
+                               f" MB) is above this widget's live limit of "
+                               f"{self.max_live_batch_MB:g} MB. Choose a shipped source, or "
+                               f"run python -m workbench.bench memory</i>")
+        if self._measured_live(layer, width, b):
+            return self.live, ""
+        self._show_busy(layer, width, b)
+        try:
+            row = measure_layer(layer, b, width, MODES, self.device,
+                                max_GB=self.max_live_MB / 1024)
+        finally:
+            for control in self.controls.values():
+                control.disabled = False
         self.live = pd.concat([self.live, pd.DataFrame([row])], ignore_index=True)
         return self.live, ("" if "einsum_MB" in row else
-                           "<br><i>einsum not measured live: bL > max_live_MB</i>")
+                           f"<br><i>einsum is not measured live: its per-sample gradients "
+                           f"would take more than this widget's live limit of "
+                           f"{self.max_live_MB:g} MB</i>")
 
     def update(self):
         """Measure if needed, recompute and redraw; bad values are shown, not raised."""
