@@ -16,7 +16,7 @@ STAMP  := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX   ?= $(if $(filter Linux,$(shell uname -s)),https://download.pytorch.org/whl/cpu,)
 
-.PHONY: test lab audit bench lint unit notebooks browser clean record-notebooks
+.PHONY: test lab audit bench lint unit notebooks notebooks-full browser clean record-notebooks
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -39,6 +39,11 @@ unit: $(STAMP)
 
 notebooks: $(STAMP)
 	WORKBENCH_FAST=1 $(PY) -m pytest -q --nbval-lax -p no:cacheprovider notebooks
+
+# Every notebook as a learner runs it: top to bottom in full mode (WORKBENCH_FAST unset), with
+# nbclient; fails on an error or on a figure that would not show, prints each one's time.
+notebooks-full: $(STAMP)
+	$(PY) tools/nbchecks.py run notebooks/*.ipynb
 
 # The widgets in JupyterLab in headless Chromium (Debian's /usr/bin/chromium, driven by
 # playwright): each notebook with a widget is run and a slider of each widget moved. Skipped,
