@@ -1,15 +1,31 @@
 # The two commands of the README: `make lab` (open the notebooks) and `make test`.
-# Both create .venv when absent. torch==2.13.0 is installed first, on its own, so that pip
-# does not resolve `torch` to the newest build with several GB of CUDA packages.
+# Both create .venv when absent. torch is installed first, on its own, pinned to
+# TORCH_VERSION, so that pip does not resolve `torch` to the newest build.
+#
+# Which torch build: on Linux the ordinary package index (PyPI) serves torch with CUDA, which
+# pulls several GB of nvidia-* packages; PyTorch's CPU wheel index serves the CPU build
+# (torch==2.13.0+cpu, ~200 MB). So on Linux TORCH_INDEX defaults to that index; elsewhere
+# (macOS, Windows: PyPI's wheel is already the CPU/MPS build) it is empty and PyPI is used.
+# If TORCH_INDEX cannot be reached (a mirror, a machine that sees only PyPI), the install
+# falls back to plain `pip install torch==TORCH_VERSION`, says so, and goes on; on Linux that
+# is the CUDA build. Override: `make test TORCH_INDEX=` (PyPI only), or another index, e.g.
+# `TORCH_INDEX=https://download.pytorch.org/whl/cu126`.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX   ?= $(if $(filter Linux,$(shell uname -s)),https://download.pytorch.org/whl/cpu,)
 
-.PHONY: test lab audit bench lint unit notebooks browser clean record-notebooks
+.PHONY: test lab audit bench lint unit notebooks notebooks-full browser clean record-notebooks
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install torch==2.13.0
+	$(if $(TORCH_INDEX),$(PY) -m pip install --timeout 20 --retries 1 \
+	    --index-url $(TORCH_INDEX) torch==$(TORCH_VERSION) || \
+	  { echo "make: torch from $(TORCH_INDEX) failed; falling back to the default index:" \
+	         "pip install torch==$(TORCH_VERSION) (on Linux the CUDA build, several GB)"; \
+	    $(PY) -m pip install torch==$(TORCH_VERSION); }, \
+	  $(PY) -m pip install torch==$(TORCH_VERSION))
 	$(PY) -m pip install -e '.[dev]'
 	touch $(STAMP)
 
@@ -23,6 +39,11 @@ unit: $(STAMP)
 
 notebooks: $(STAMP)
 	WORKBENCH_FAST=1 $(PY) -m pytest -q --nbval-lax -p no:cacheprovider notebooks
+
+# Every notebook as a learner runs it: top to bottom in full mode (WORKBENCH_FAST unset), with
+# nbclient; fails on an error or on a figure that would not show, prints each one's time.
+notebooks-full: $(STAMP)
+	$(PY) tools/nbchecks.py run notebooks/*.ipynb
 
 # The widgets in JupyterLab in headless Chromium (Debian's /usr/bin/chromium, driven by
 # playwright): each notebook with a widget is run and a slider of each widget moved. Skipped,

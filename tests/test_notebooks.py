@@ -33,3 +33,24 @@ def test_notebook_is_clean_and_its_checks_are_real(path):
         else:
             assert not cell.outputs and cell.execution_count is None, (
                 f"cell {i}: output or execution count left in; python tools/nbchecks.py strip")
+
+
+def _stream(text):
+    return nbformat.v4.new_output("stream", name="stdout", text=text)
+
+
+def _result(data):
+    return nbformat.v4.new_output("execute_result", data=data, execution_count=1)
+
+
+def test_figure_problems_sees_a_bare_figure_repr_and_a_drawing_cell_without_image():
+    from nbchecks import figure_problems
+
+    png = {"image/png": "iVBOR", "text/plain": "<Figure size 600x300 with 1 Axes>"}
+    shown = [nbformat.v4.new_output("display_data", data=png)]
+    assert figure_problems("fig, ax = plt.subplots()\nplt.show()", shown) == []
+    assert figure_problems("print(1)", [_stream("1\n")]) == []
+    bare = [_result({"text/plain": "<Figure size 1500x420 with 3 Axes>"})]
+    assert "as text" in figure_problems("figure_2(runtime)", bare)[0]
+    assert "no image" in figure_problems("fig, ax = plt.subplots()\nax.plot([1])", [])[0]
+    assert figure_problems("fig, ax = plt.subplots()", [_stream("<Figure size 6x3>\n")])

@@ -1,4 +1,4 @@
-"""The README's API example runs as written (so it stays true)."""
+"""The README's code blocks run as written (so they stay true)."""
 
 import re
 from pathlib import Path
@@ -6,11 +6,26 @@ from pathlib import Path
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def test_readme_example_runs(capsys):
+def code_under(heading):
+    """The first ```python block after the heading ``## {heading}``."""
     text = README.read_text()
-    code = re.search(r"## The API in ten lines\n\n```python\n(.*?)```", text, re.S).group(1)
-    exec(compile(code, "README.md", "exec"), {})
+    match = re.search(rf"## {re.escape(heading)}\n.*?```python\n(.*?)```", text, re.S)
+    assert match, f"no python block under '## {heading}' in README.md"
+    return match.group(1)
+
+
+def test_readme_example_runs(capsys):
+    exec(compile(code_under("The API in ten lines"), "README.md", "exec"), {})
     assert "BatchNorm1d" in capsys.readouterr().out
+
+
+def test_readme_training_loop_runs_and_spends_privacy(capsys):
+    namespace = {}
+    exec(compile(code_under("Making a training loop private"), "README.md", "exec"), namespace)
+    engine, optimizer = namespace["engine"], namespace["optimizer"]
+    assert type(optimizer).__name__ == "DPOptimizer" and len(engine.accountant) > 0
+    epsilon = float(re.search(r"epsilon = ([0-9.]+)", capsys.readouterr().out).group(1))
+    assert 0 < epsilon < 10
 
 
 def test_readme_names_the_two_commands():

@@ -1,4 +1,4 @@
-"""Keep notebooks clean, with their checked outputs: ``python tools/nbchecks.py record|strip``.
+"""Keep notebooks clean, with their checked outputs: ``python tools/nbchecks.py record|strip|run``.
 
 Notebooks are committed without outputs, except the cells whose first line is
 ``# NBVAL_CHECK_OUTPUT``: nbval (``pytest --nbval-lax``) compares those cells' fresh output
@@ -7,7 +7,14 @@ with the *stored* one, so a check cell committed empty checks nothing. This tool
 - ``record NOTEBOOK...``: runs each notebook with ``WORKBENCH_FAST=1`` (as ``make test`` does)
   and stores the text output of the check cells only;
 - ``strip NOTEBOOK...``: removes every other output, execution counts and widget state, and
-  keeps the check cells' stored text.
+  keeps the check cells' stored text;
+- ``run NOTEBOOK...``: runs each notebook as a learner does, top to bottom in *full* mode
+  (``WORKBENCH_FAST`` unset), fails on the first error or on a figure that would not show
+  (:func:`figure_problems`), prints each notebook's wall time, and writes nothing
+  (``make notebooks-full``).
+
+The figure check also runs in ``make test``: ``notebooks/conftest.py`` applies
+:func:`figure_problems` to every cell nbval executes.
 
 tests/test_notebooks.py enforces the result: outputs only in check cells, and every check
 cell has one.
@@ -15,13 +22,19 @@ cell has one.
 
 import argparse
 import os
+import re
 import sys
+import time
 from pathlib import Path
 
 import nbformat
 
 CHECK = "# NBVAL_CHECK_OUTPUT"
 TEXT_OUTPUTS = ("stream", "execute_result")
+IMAGES = ("image/png", "image/svg+xml", "image/jpeg")
+# a cell that makes or shows a pyplot figure must display an image
+DRAWS = re.compile(r"\bplt\.(subplots|figure|show)\(|\bdisplay\(fig")
+BARE_FIGURE = "<Figure size"
 
 
 def is_check_cell(cell) -> bool:
@@ -39,6 +52,27 @@ def text_only(outputs):
             out.metadata = {}
             kept.append(out)
     return kept
+
+
+def figure_problems(source: str, outputs) -> list[str]:
+    """What a learner would miss in this cell's ``outputs``: a figure shown as its text repr
+    (``<Figure size 640x480 with 1 Axes>``: the cell ended in a bare Figure that the front end
+    did not render), or a cell that draws with pyplot (``plt.subplots``, ``plt.show``, ...)
+    but displays no image. Fix: end the drawing cell with ``plt.show()`` or ``display(fig)``.
+    """
+    problems = []
+    texts = [out.get("text", "") if out.get("output_type") == "stream"
+             else out.get("data", {}).get("text/plain", "") for out in outputs
+             if not any(m in out.get("data", {}) for m in IMAGES)]  # an image's own alt text
+    for text in texts:
+        text = "".join(text) if isinstance(text, list) else text
+        if BARE_FIGURE in text:
+            line = next(t for t in text.splitlines() if BARE_FIGURE in t)
+            problems.append(f"a figure shows as text, not as an image: {line.strip()!r}")
+    images = sum(any(m in out.get("data", {}) for m in IMAGES) for out in outputs)
+    if DRAWS.search(source) and not images:
+        problems.append("the cell draws with pyplot but displays no image")
+    return problems
 
 
 def strip(nb):
@@ -68,11 +102,39 @@ def record(path: Path, timeout: int = 600):
     return strip(nb)
 
 
+def run_full(path: Path, timeout: int = 1800) -> float:
+    """Run ``path`` top to bottom in full mode (no ``WORKBENCH_FAST``); seconds it took.
+
+    Raises ``nbclient.exceptions.CellExecutionError`` on a failing cell and ``AssertionError``
+    on a figure a learner would not see.
+    """
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    os.environ.pop("WORKBENCH_FAST", None)
+    start = time.perf_counter()
+    NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    seconds = time.perf_counter() - start
+    problems = [f"cell {i}: {p}" for i, cell in enumerate(nb.cells) if cell.cell_type == "code"
+                for p in figure_problems(cell.source, cell.outputs)]
+    assert not problems, f"{path}: " + "; ".join(problems)
+    return seconds
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["record", "strip"])
+    parser.add_argument("command", choices=["record", "strip", "run"])
     parser.add_argument("notebooks", nargs="+", type=Path)
     args = parser.parse_args(argv)
+    if args.command == "run":
+        total = 0.0
+        for path in args.notebooks:
+            seconds = run_full(path)
+            total += seconds
+            print(f"full mode: {path} ran top to bottom in {seconds:.0f} s", flush=True)
+        print(f"full mode: {len(args.notebooks)} notebooks in {total:.0f} s")
+        return 0
     for path in args.notebooks:
         if args.command == "record":
             nb = record(path)

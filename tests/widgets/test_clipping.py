@@ -99,3 +99,38 @@ def test_plots_draw_on_the_given_axes_only(batch):
         plot_norms(ax, r, layer="nope")
     assert len(plt.get_fignums()) == len(figures_before) + 1  # only the one made here
     plt.close(fig)
+
+
+def labelled_ticks(ax):
+    """(position, label) of the x ticks matplotlib draws inside the view, with their text."""
+    ax.figure.canvas.draw()
+    lo, hi = ax.get_xlim()
+    return [(t.get_position()[0], t.get_text()) for t in ax.get_xticklabels()
+            if lo <= t.get_position()[0] <= hi and t.get_text()]
+
+
+def test_histogram_labels_norms_between_the_1_2_5_ticks(batch):
+    # The untrained digits MLP's norms lie between about 2.2 and 3.4 (the tour's values):
+    # no tick at 1, 2 or 5 x 10^k falls in that view, and it must still be labelled.
+    r = clip_at(per_sample_snapshot(*batch), 2.75)
+    assert 2 < r.norms.min() and r.norms.max() < 5  # the case this test is about
+    fig, ax = plt.subplots()
+    plot_norms(ax, r)
+    ticks = labelled_ticks(ax)
+    assert len(ticks) >= 2, ticks  # at least two labels: a scale to read the norms on
+    assert all(float(label) == pytest.approx(x) for x, label in ticks)  # plain numbers
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("view", [(2.2, 3.5), (0.9, 1.1), (1.5, 9.5), (0.5, 12.0),
+                                  (1e-3, 1e5), (1e-6, 1e9)])
+def test_log_ticks_label_any_view_with_two_to_seven_ticks(view):
+    from workbench.viz.clipping import plain_log_ticks
+
+    fig, ax = plt.subplots()
+    ax.set_xscale("log")
+    plain_log_ticks(ax.xaxis)
+    ax.set_xlim(*view)
+    ticks = labelled_ticks(ax)
+    assert 2 <= len(ticks) <= 7, (view, ticks)
+    plt.close(fig)

@@ -16,25 +16,32 @@ ALL = "all"
 
 
 class Log125Locator(Locator):
-    """Log-axis ticks at 1, 2, 5 x 10^k inside the view (decades only when that is too many).
+    """Log-axis ticks at 1, 2, 5 x 10^k inside the view; never fewer than ``min_ticks``.
 
-    Labelled with plain numbers (0.2, 1, 50) by :func:`plain_log_ticks`: cheaper to lay out than
-    matplotlib's default mathtext labels, and a short range (2 to 8) still gets labels.
+    Too many (a view over many decades): decades only, then every few decades. Too few (a
+    view inside one 1-2-5 gap, e.g. norms from 2.2 to 3.5): evenly spaced ticks at round
+    values (2.4, 2.6, ...; matplotlib's ``MaxNLocator``), so a short range still gets labels.
+    Labelled with plain numbers (0.2, 1, 2.5) by :func:`plain_log_ticks`: cheaper to lay out
+    than matplotlib's default mathtext labels.
     """
 
-    def __init__(self, max_ticks=7):
-        self.max_ticks = max_ticks
+    def __init__(self, max_ticks=7, min_ticks=3):
+        self.max_ticks, self.min_ticks = max_ticks, min_ticks
 
     def __call__(self):
         lo, hi = sorted(self.axis.get_view_interval())
         if not (lo > 0 and np.isfinite(hi)):
             return []
         decades = 10.0 ** np.arange(np.floor(np.log10(lo)), np.ceil(np.log10(hi)) + 1)
-        for mantissas in ((1, 2, 5), (1,)):
-            ticks = [t for t in np.outer(decades, mantissas).ravel() if lo <= t <= hi]
-            if len(ticks) <= self.max_ticks:
-                return ticks
-        return ticks[:: -(-len(ticks) // self.max_ticks)]  # every few decades
+        ticks = [t for t in np.outer(decades, (1, 2, 5)).ravel() if lo <= t <= hi]
+        if len(ticks) < self.min_ticks:  # a short view: round values, evenly spaced
+            even = MaxNLocator(self.min_ticks + 1, steps=[1, 2, 2.5, 5, 10]).tick_values(lo, hi)
+            return [t for t in even if lo <= t <= hi]
+        if len(ticks) > self.max_ticks:
+            ticks = [t for t in decades if lo <= t <= hi]
+        if len(ticks) > self.max_ticks:
+            ticks = ticks[:: -(-len(ticks) // self.max_ticks)]  # every few decades
+        return ticks
 
 
 def plain_log_ticks(axis):
