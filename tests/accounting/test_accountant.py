@@ -63,7 +63,33 @@ def test_load_state_dict_checks_the_mechanism_and_values():
     with pytest.raises(ValueError, match="from a 'rdp' accountant; this one is 'pld'"):
         PLDAccountant().load_state_dict(RDPAccountant().state_dict())
     with pytest.raises(ValueError, match="sample_rate must be in"):
-        RDPAccountant().load_state_dict({"mechanism": "rdp", "history": [[1.0, 2.0, 3]]})
+        RDPAccountant().load_state_dict({"mechanism": "rdp", "history": [[1.0, 2.0, 3]],
+                                         "orders": [2.0]})
+
+
+@pytest.mark.parametrize("cls, drop", [(RDPAccountant, "orders"), (RDPAccountant, "history"),
+                                       (PLDAccountant, "discretization")])
+def test_load_state_dict_names_missing_and_unexpected_keys(cls, drop):
+    state = cls().state_dict()
+    del state[drop]
+    with pytest.raises(KeyError, match=rf"missing keys \['{drop}'\], unexpected keys \[\]"):
+        cls().load_state_dict(state)
+    with pytest.raises(KeyError, match=r"unexpected keys \['extra'\]"):
+        cls().load_state_dict(cls().state_dict() | {"extra": 1})
+    with pytest.raises(TypeError, match="state_dict must be a dict"):
+        cls().load_state_dict([("history", [])])
+
+
+def test_get_privacy_spent_agrees_with_get_epsilon_before_and_after_steps():
+    acc = RDPAccountant()
+    assert acc.get_privacy_spent(1e-5) == (0.0, None) and acc.get_epsilon(1e-5) == 0.0
+    acc.step(noise_multiplier=1.0, sample_rate=0.0, steps=10)  # nothing sampled yet
+    assert acc.get_privacy_spent(1e-5) == (0.0, None) and acc.get_epsilon(1e-5) == 0.0
+    acc.step(noise_multiplier=1.0, sample_rate=0.01, steps=100)
+    eps, order = acc.get_privacy_spent(1e-5)
+    assert eps == acc.get_epsilon(1e-5) > 0 and order in acc.orders
+    with pytest.raises(ValueError, match="delta must be in"):
+        RDPAccountant().get_privacy_spent(0.0)
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -12,6 +12,10 @@ One concept per file:
     gaussian.py    the exact Gaussian mechanism (q = 1), the yardstick (Balle & Wang 2018)
     explore.py     the budget explorer's compute step (ε vs epochs, σ for a target)
     checks.py      argument validation
+    lower.py       lower bounds on ε: binned output laws, losses rounded down
+    shuffle.py     shuffled fixed-size batches: Chua et al. (2024)'s lower bound
+    bounds.py      [lower, upper] on ε for a sampler: Poisson, shuffle, deterministic
+    registry.py    the table of accountants and samplers; epsilon_bounds
 
 >>> from workbench import accounting
 >>> round(accounting.epsilon(0.01, 1.0, 1000, 1e-5), 3)
@@ -19,6 +23,7 @@ One concept per file:
 """
 
 from workbench.accounting.accountant import PLDAccountant, RDPAccountant
+from workbench.accounting.bounds import EpsilonBounds
 from workbench.accounting.calibrate import get_noise_multiplier, steps_from_epochs
 from workbench.accounting.convert import rdp_to_epsilon
 from workbench.accounting.curve import (
@@ -31,6 +36,7 @@ from workbench.accounting.curve import (
 from workbench.accounting.explore import BudgetResult, explore_budget
 from workbench.accounting.gaussian import gaussian_delta, gaussian_epsilon
 from workbench.accounting.rdp import DEFAULT_ORDERS, compute_rdp
+from workbench.accounting.registry import SAMPLERS, epsilon_bounds, make_accountant
 from workbench.accounting.snr import SNRResult, explore_snr
 
 __all__ = [
@@ -38,11 +44,14 @@ __all__ = [
     "DEFAULT_ORDERS",
     "PLD_DISCRETIZATION",
     "BudgetResult",
+    "EpsilonBounds",
+    "SAMPLERS",
     "PLDAccountant",
     "RDPAccountant",
     "SNRResult",
     "compute_rdp",
     "epsilon",
+    "epsilon_bounds",
     "epsilon_curve",
     "explore_budget",
     "explore_snr",
@@ -50,6 +59,7 @@ __all__ = [
     "gaussian_epsilon",
     "get_noise_multiplier",
     "history_epsilon",
+    "make_accountant",
     "rdp_to_epsilon",
     "steps_from_epochs",
 ]

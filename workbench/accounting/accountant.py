@@ -22,6 +22,7 @@ Notation: σ noise multiplier, q sample rate, T steps, δ target delta.
 import numpy as np
 
 from workbench.accounting.checks import (
+    check_delta,
     check_noise_multiplier,
     check_orders,
     check_positive,
@@ -72,10 +73,19 @@ class _Accountant:
                 **self._options()}
 
     def load_state_dict(self, state_dict):
-        """Restore the history (and options) saved by ``state_dict()``."""
-        if state_dict.get("mechanism") != self.mechanism:
+        """Restore the history (and options) saved by ``state_dict()``; every key is required."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict from state_dict(); got "
+                            f"{type(state_dict).__name__}")
+        if state_dict.get("mechanism", self.mechanism) != self.mechanism:
             raise ValueError(f"state_dict is from a {state_dict.get('mechanism')!r} accountant; "
                              f"this one is {self.mechanism!r}")
+        expected = set(self.state_dict())
+        missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+        if missing or unexpected:
+            raise KeyError(f"state_dict for a {self.mechanism!r} accountant: missing keys "
+                           f"{missing}, unexpected keys {unexpected}; pass the dict that "
+                           f"{type(self).__name__}.state_dict() returned")
         self.history = check_history(state_dict["history"])
         self._load_options(state_dict)
 
@@ -103,7 +113,15 @@ class RDPAccountant(_Accountant):
         self.orders = check_orders(orders)
 
     def get_privacy_spent(self, delta):
-        """(ε, best order α) for ``delta``."""
+        """(ε, best order α) for ``delta``; (0.0, None) while no record has been sampled.
+
+        The same ε as ``get_epsilon``. Before the first step (or with only q = 0 or T = 0
+        steps) nothing was released, ε = 0 and no order is used; converting an RDP of 0 would
+        instead give the conversion's floor, a positive ε for nothing spent.
+        """
+        delta = check_delta(delta)
+        if not any(q > 0 and t > 0 for _, q, t in self.history):
+            return 0.0, None
         rdp = np.zeros_like(self.orders)
         for sigma, q, t in self.history:
             rdp += t * rdp_one_step(q, sigma, self.orders)  # RDP adds up over steps
@@ -113,7 +131,7 @@ class RDPAccountant(_Accountant):
         return {"orders": [float(a) for a in self.orders]}
 
     def _load_options(self, state_dict):
-        self.orders = check_orders(state_dict.get("orders", DEFAULT_ORDERS))
+        self.orders = check_orders(state_dict["orders"])
 
 
 class PLDAccountant(_Accountant):
@@ -135,5 +153,4 @@ class PLDAccountant(_Accountant):
         return {"discretization": self.discretization}
 
     def _load_options(self, state_dict):
-        self.discretization = check_positive(
-            state_dict.get("discretization", PLD_DISCRETIZATION), "discretization")
+        self.discretization = check_positive(state_dict["discretization"], "discretization")

@@ -73,6 +73,23 @@ def check_steps(steps, name="steps"):
     return int(t)
 
 
+def check_count(value, name, low=1, high=10**6):
+    """An integer in [low, high] (numbers of points, trials, epochs)."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, np.integer)):
+        raise TypeError(f"{name} must be an integer; got {value!r} ({type(value).__name__})")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}]; got {value!r}")
+    return int(value)
+
+
+def check_nonnegative(value, name):
+    """A finite number >= 0 (an ε at which to read δ)."""
+    v = _real(name, value)
+    if not 0.0 <= v < math.inf:
+        raise ValueError(f"{name} must be a finite number >= 0; got {v!r}")
+    return v
+
+
 def check_positive(value, name):
     """A finite number > 0 (tolerances, discretisation intervals, epochs)."""
     v = _real(name, value)
@@ -81,8 +98,14 @@ def check_positive(value, name):
     return v
 
 
+#: Largest Rényi order accepted, and the largest sum of orders (the integer-order sum of
+#: ``rdp.py`` holds α + 1 terms per order: this caps its memory near 100 MB).
+MAX_ORDER = 1e5
+MAX_ORDER_SUM = 2e6
+
+
 def check_orders(orders, name="orders"):
-    """Rényi orders: a non-empty 1-D array of finite numbers α > 1, as float64."""
+    """Rényi orders: a non-empty 1-D array of numbers 1 < α <= MAX_ORDER, as float64."""
     a = np.atleast_1d(np.asarray(orders, dtype=np.float64))
     if a.ndim != 1 or a.size == 0:
         raise ValueError(f"{name} must be a non-empty 1-D sequence of numbers > 1; got {orders!r}")
@@ -91,6 +114,12 @@ def check_orders(orders, name="orders"):
         raise ValueError(
             f"{name} must all be finite and > 1 (order 1 is the KL limit, not supported); "
             f"got {float(bad[0])!r} among them"
+        )
+    if a.max() > MAX_ORDER or a.sum() > MAX_ORDER_SUM:
+        raise ValueError(
+            f"{name} must be <= {MAX_ORDER:g} each and sum to <= {MAX_ORDER_SUM:g} (the RDP sum "
+            f"costs memory in proportion to the order); got max {a.max():g}, sum {a.sum():g}. "
+            f"Orders beyond ~1e4 only matter for epsilon below ~1e-3."
         )
     return a
 

@@ -20,7 +20,12 @@ import numpy as np
 from scipy.optimize import brentq
 from scipy.special import log_ndtr, ndtr
 
-from workbench.accounting.checks import check_delta, check_noise_multiplier, check_steps
+from workbench.accounting.checks import (
+    check_delta,
+    check_noise_multiplier,
+    check_nonnegative,
+    check_steps,
+)
 
 
 def gaussian_delta(noise_multiplier, epsilon, steps=1):
@@ -29,6 +34,7 @@ def gaussian_delta(noise_multiplier, epsilon, steps=1):
     >>> round(gaussian_delta(1.0, 1.0), 6)
     0.126937
     """
+    epsilon = check_nonnegative(epsilon, "epsilon")
     sigma = check_noise_multiplier(noise_multiplier) / math.sqrt(check_steps(steps) or 1)
     if steps == 0:
         return 0.0
@@ -45,6 +51,7 @@ def gaussian_epsilon(noise_multiplier, delta, steps=1):
     4.3772
     """
     delta = check_delta(delta)
+    noise_multiplier = check_noise_multiplier(noise_multiplier)
     if gaussian_delta(noise_multiplier, 0.0, steps) <= delta:
         return 0.0
     if noise_multiplier == 0:

@@ -94,19 +94,19 @@ def loss_range(q, sigma, direction):
     return float(-_g(q, sigma, z * sigma)), float(-_g(q, sigma, -z * sigma))
 
 
-def grid_step(h, q, sigma, direction, max_refine=100):
+def grid_step(h, q, sigma, direction, max_refine=100, max_points=AUTO_GRID_POINTS):
     """The grid step used: h, or finer (down to h / max_refine) when sd(L) < 20 h.
 
     Spreading mass over a bin of width h adds up to h²/4 to the loss variance per step (Eq. 3),
     so when the loss is narrow (small q, large σ) a fixed h inflates the composed variance, and
     ε, by more than a little (e.g. +0.8% at q = 0.001, σ = 3, h = 1e-4, as dp-accounting's PLD
     also shows); with h <= sd(L) / 20 the variance grows by at most 0.07%. The result stays a
-    valid upper bound either way. The floor h / max_refine, and at most ``AUTO_GRID_POINTS``
+    valid upper bound either way. The floor h / max_refine, and at most ``max_points``
     points over the loss range (a narrow loss can still have a long, rare tail), cap the cost.
     """
     lo, hi = loss_range(q, sigma, direction)
     refined = max(min(h, loss_std(q, sigma, direction) / 20), h / max_refine)
-    return min(h, max(refined, (hi - lo) / AUTO_GRID_POINTS))
+    return min(h, max(refined, (hi - lo) / max_points))
 
 
 def _normal_masses(edges, mean, sigma):

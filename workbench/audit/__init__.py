@@ -7,6 +7,7 @@ al. 2021, arXiv 2109.12298, Appendix A); ``providers`` adapts torch.func, Opacus
 / B with designed per-sample gradients (``mechanism.py``); ``bug_zoo`` holds wrong steps seen
 in real code, which the audit must flag; ``workbench_step`` runs the workbench's own optimizer.
 ``audit_canaries`` bounds ε from below with Dirac canaries in one run (``canary.py``).
+``audit_sampling`` tests that a data loader draws Poisson batches (``sampling.py``).
 """
 
 from workbench.audit import bug_zoo
@@ -19,8 +20,9 @@ from workbench.audit.providers import (
     opacus_provider,
     torch_func_provider,
 )
+from workbench.audit.sampling import SamplingAudit, audit_sampling
 
 __all__ = ["CanaryAudit", "GradientAudit", "MechanismAudit", "audit_canaries", "audit_dp_step",
            "audit_gradients", "epsilon_lower_bound",
            "available_providers", "bug_zoo", "opacus_provider", "torch_func_provider",
-           "workbench_step"]
+           "workbench_step", "SamplingAudit", "audit_sampling"]

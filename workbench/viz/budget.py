@@ -3,6 +3,8 @@
 Draws a :class:`workbench.accounting.BudgetResult` (from ``accounting.explore_budget``). The gap
 between the two curves is the looseness of RDP's conversion to (ε, δ) (Balle et al. 2020,
 arXiv:1905.09982, Thm. 21) against the near-exact PLD (Koskela et al. 2020, arXiv:1906.03049).
+The PLD curve is labelled an upper bound: the explorer computes it on a coarse grid, capped by
+RDP (``accounting.explore``), so at tiny batch sizes it can sit above the fine-grid PLD.
 
 Notation: q sample rate, σ noise multiplier, E epochs, T steps, δ target delta.
 """
@@ -20,7 +22,7 @@ def plot_budget(ax, result):
     artists = {
         "rdp": ax.plot(r.rdp_epochs, r.rdp_epsilon, color="C0", label="RDP")[0],
         "pld": ax.plot(r.pld_epochs, r.pld_epsilon, color="C1", marker="o", markersize=3,
-                       label=f"PLD (grid {r.discretization:.1g})")[0],
+                       label=f"PLD upper bound (grid {r.discretization:.1g}, capped by RDP)")[0],
         "target": None,
     }
     if r.mode == "solve":

@@ -1,0 +1,71 @@
+"""ε of a DP-SGD run as a bracket [lower, upper] that knows how the batches were drawn.
+
+The accountants (``curve.py``) assume Poisson sampling. Implementations often shuffle the data
+into fixed-size batches instead, or walk through it in a fixed order, and account as if Poisson:
+Chua, Ghazi, Kamath, Kumar, Manurangsi, Sinha, Zhang (2024), "How Private are DP-SGD
+Implementations?", ICML, arXiv:2403.17673, show that this can understate ε badly, most for
+small σ and many steps per epoch. ``epsilon_bounds`` says what each sampler can claim:
+
+    "poisson"        lower: optimistic PLD (``lower.py``); upper: pessimistic PLD (``pld.py``),
+                     the two discretisations of Doroshenko et al. (2022, arXiv:2207.04380).
+    "deterministic"  every example in exactly one batch per epoch, no amplification: E epochs
+                     are a Gaussian mechanism with noise σ/√E, exact (Balle & Wang 2018,
+                     arXiv:1805.06530, Thm. 8), so lower = upper.
+    "shuffle"        lower: Chua et al.'s bound (``shuffle.py``); upper: the deterministic ε
+                     (shuffling is never worse than a fixed order, and no better bound is known).
+
+Notation: q = B/N sample rate, T = round(1/q) batches per epoch, E epochs, σ, δ.
+"""
+
+from dataclasses import dataclass
+
+from workbench.accounting.calibrate import steps_from_epochs
+from workbench.accounting.curve import epsilon
+from workbench.accounting.gaussian import gaussian_epsilon
+from workbench.accounting.lower import poisson_lower_epsilon
+from workbench.accounting.shuffle import shuffle_lower_epsilon
+
+
+@dataclass(frozen=True)
+class EpsilonBounds:
+    """ε(δ) bracket: the true ε of the run lies in [lower, upper]."""
+
+    sampler: str
+    lower: float
+    upper: float
+    lower_method: str
+    upper_method: str
+    delta: float
+    steps: int  # optimiser steps of the run
+
+    def __str__(self):
+        return (f"{self.sampler}: {self.lower:.4g} <= epsilon <= {self.upper:.4g} at "
+                f"delta={self.delta:g} ({self.steps} steps; lower: {self.lower_method}; "
+                f"upper: {self.upper_method})")
+
+
+def batches_per_epoch(q):
+    """T = round(1/q) fixed-size batches per epoch (at least 1)."""
+    return max(1, round(1 / q))
+
+
+def poisson_bounds(q, sigma, epochs, delta):
+    steps = steps_from_epochs(epochs, q)
+    upper = epsilon(q, sigma, steps, delta, "pld")
+    lower = min(poisson_lower_epsilon(q, sigma, steps, delta), upper)
+    return EpsilonBounds("poisson", lower, upper, "PLD, optimistic grid",
+                         "PLD, pessimistic grid", delta, steps)
+
+
+def deterministic_bounds(q, sigma, epochs, delta):
+    eps = gaussian_epsilon(sigma, delta, steps=epochs)  # Gaussian mechanism, σ/√E
+    return EpsilonBounds("deterministic", eps, eps, "Gaussian mechanism, exact",
+                         "Gaussian mechanism, exact", delta, epochs * batches_per_epoch(q))
+
+
+def shuffle_bounds(q, sigma, epochs, delta):
+    T = batches_per_epoch(q)
+    upper = gaussian_epsilon(sigma, delta, steps=epochs)
+    lower = min(shuffle_lower_epsilon(T, sigma, epochs, delta), upper)
+    return EpsilonBounds("shuffle", lower, upper, "Chua et al. 2024, max of batch sums",
+                         "no amplification (Gaussian mechanism)", delta, epochs * T)

@@ -1,0 +1,152 @@
+"""Sampling audit: does a data loader really draw Poisson batches, as the accountant assumes?
+
+The accounting of DP-SGD (Abadi et al. 2016, arXiv:1607.00133, §3.1; Mironov, Talwar, Zhang
+2019, arXiv:1908.10530) holds for Poisson batches: at every step each of the N examples is in
+the batch with probability q, independently of the other examples and of every other step.
+Shuffled fixed-size batches are the common substitute, and accounting them as Poisson can
+understate ε (Chua, Ghazi, Kamath, Kumar, Manurangsi, Sinha, Zhang 2024, "How Private are DP-SGD
+Implementations?", ICML, arXiv:2403.17673). The audit feeds the loader a data set whose items
+are their own indices, records the membership x_(s,j) ∈ {0, 1} of example j at step s over
+S steps (E epochs), and tests four consequences of the Poisson claim, each a sum of
+independent terms, so a normal approximation with the exact mean and variance applies:   (1)
+
+    batch sizes     Σ_s z_s²,  z_s = (b_s - Nq) / sqrt(Nq(1-q)),  mean S, var S (2 + κ_N)
+    example counts  Σ_j z_j²,  z_j = (c_j - Sq) / sqrt(Sq(1-q)),  mean N, var N (2 + κ_S)
+    overlap at lag ℓ  O_ℓ = Σ_s Σ_j x_(s,j) x_(s+ℓ,j),  mean N (S-ℓ) q²,
+                      var N [(S-ℓ) q²(1-q²) + 2 (S-2ℓ)_+ (q³ - q⁴)]
+
+with κ_n = (1 - 6q(1-q)) / (n q(1-q)) the binomial's excess kurtosis. Lag 1 catches batches
+drawn without replacement within an epoch (consecutive batches disjoint); lag L (the steps of
+the first epoch) catches a seed reused every epoch (epoch e+1 repeats epoch e). Each test is
+two-sided and the audit passes when every p-value is at least significance / 4 (Bonferroni),
+so a true Poisson loader fails with probability at most ``significance`` (checked over seeds in
+tests/audit/test_sampling.py). Fixed-size batches have Σ z_s² = 0: they fail at any size.
+
+Notation: N data set size, q sample rate, S steps, E epochs, b_s batch size, c_j count of j.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+from scipy import stats
+from torch.utils.data import Dataset
+
+from workbench.accounting.checks import check_count, check_sample_rate
+
+
+class IndexDataset(Dataset):
+    """N items, item j = tensor(j): batches then say which examples they hold."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, j):
+        return torch.tensor(j)
+
+
+def _indices(batch):
+    """The example indices of one batch (a tensor, or the first element of a tuple/dict)."""
+    if isinstance(batch, (tuple, list)):
+        batch = batch[0]
+    elif isinstance(batch, dict):
+        batch = next(iter(batch.values()))
+    if not isinstance(batch, torch.Tensor):
+        raise TypeError(f"the loader yielded {type(batch).__name__}; audit_sampling needs "
+                        f"batches of the dataset's items (tensors of indices)")
+    return batch.reshape(-1).long().numpy()
+
+
+def _normal_p(stat, mean, var):
+    """Two-sided p-value of a normal statistic."""
+    z = (stat - mean) / np.sqrt(var)
+    return float(z), float(2 * stats.norm.sf(abs(z)))
+
+
+def _kurt(n, q):
+    return (1 - 6 * q * (1 - q)) / (n * q * (1 - q))
+
+
+@dataclass
+class SamplingAudit:
+    """The verdict: ``.passed``, ``.table`` (one row per test), ``.summary``."""
+
+    passed: bool
+    table: pd.DataFrame
+    significance: float
+    steps: int
+    summary: str
+
+    def _repr_html_(self):
+        color = "green" if self.passed else "red"
+        return (f"<p style='color:{color}'><b>{self.summary}</b></p>"
+                + self.table.to_html(float_format=lambda v: f"{v:.3g}"))
+
+
+def _tests(x, N, q, L):
+    """Rows (test, statistic z, p-value, meaning) of Eq. (1) for membership x (S, N)."""
+    S = x.shape[0]
+    b, c = x.sum(1), x.sum(0)  # (S,) batch sizes, (N,) example counts
+    rows = []
+    stat = np.sum((b - N * q) ** 2) / (N * q * (1 - q))
+    rows.append(("batch sizes", *_normal_p(stat, S, S * (2 + _kurt(N, q))),
+                 "batch sizes vary as Binomial(N, q); fixed-size batches do not"))
+    stat = np.sum((c - S * q) ** 2) / (S * q * (1 - q))
+    rows.append(("example counts", *_normal_p(stat, N, N * (2 + _kurt(S, q))),
+                 "each example is used Binomial(S, q) times; once per epoch is shuffling"))
+    for name, lag, meaning in [("overlap, lag 1", 1, "consecutive batches share examples "
+                                "at rate q²; disjoint ones mean sampling without replacement"),
+                               (f"overlap, lag {L} (one epoch)", L, "a batch and the batch one "
+                                "epoch later share at rate q²; more means a reused seed")]:
+        if S - lag < 1:
+            rows.append((name, np.nan, np.nan, "not enough steps for this lag"))
+            continue
+        overlap = float(np.sum(x[:-lag] * x[lag:]))
+        var = N * ((S - lag) * q**2 * (1 - q**2) + 2 * max(S - 2 * lag, 0) * (q**3 - q**4))
+        rows.append((name, *_normal_p(overlap, N * (S - lag) * q**2, var), meaning))
+    return rows
+
+
+def audit_sampling(make_loader, dataset_size, sample_rate, *, epochs=4, significance=0.05):
+    """Test the Poisson claim of ``make_loader(dataset)`` over ``epochs`` passes, Eq. (1).
+
+    ``make_loader`` is called once with an :class:`IndexDataset` of ``dataset_size`` items
+    and its loader is iterated ``epochs`` times. Power grows with N, q and E; at N = 1000,
+    q = 0.05, E = 4 the four failure modes of the tests are caught every time (measured).
+    """
+    N = check_count(dataset_size, "dataset_size", 2, 10**7)
+    q = check_sample_rate(sample_rate)
+    if not 0 < q < 1:
+        raise ValueError(f"sample_rate must be in (0, 1) to test sampling; got {q!r}")
+    epochs = check_count(epochs, "epochs", 2, 10**4)
+    if not 0 < significance < 1:
+        raise ValueError(f"significance must be in (0, 1); got {significance!r}")
+    loader = make_loader(IndexDataset(N))
+    rows, first_epoch = [], None
+    for _ in range(epochs):
+        for batch in loader:
+            idx = _indices(batch)
+            if idx.size and (idx.min() < 0 or idx.max() >= N):
+                raise ValueError(f"the loader yielded index {idx.max()} outside the dataset of "
+                                 f"{N} items; make_loader must use the dataset it is given")
+            row = np.zeros(N, dtype=np.float64)
+            np.add.at(row, idx, 1.0)  # an index drawn twice counts twice
+            rows.append(row)
+        first_epoch = first_epoch or len(rows)
+    if len(rows) < 4:
+        raise ValueError(f"the loader gave {len(rows)} batches in {epochs} epochs; need >= 4")
+    x = np.stack(rows)  # (S, N)
+    table = pd.DataFrame(_tests(x, N, q, first_epoch),
+                         columns=["test", "statistic (z)", "p-value", "meaning"])
+    level = significance / len(table)
+    table["passed"] = ~(table["p-value"] < level)
+    passed = bool(table["passed"].all())
+    failed = ", ".join(table.loc[~table["passed"], "test"])
+    summary = (f"Poisson sampling {'consistent' if passed else 'REJECTED'}: {len(rows)} steps, "
+               f"N={N}, q={q:g}, significance {significance:g}"
+               + ("" if passed else f"; failed: {failed}"))
+    return SamplingAudit(passed, table, significance, len(rows), summary)
