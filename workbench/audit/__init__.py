@@ -7,12 +7,15 @@ al. 2021, arXiv 2109.12298, Appendix A); ``providers`` adapts torch.func, Opacus
 / B with designed per-sample gradients (``mechanism.py``); ``bug_zoo`` holds wrong steps seen
 in real code, which the audit must flag; ``workbench_step`` runs the workbench's own optimizer.
 ``audit_canaries`` bounds ε from below with Dirac canaries in one run (``canary.py``; the
-(ε, δ) bound of Steinke, Nasr, Jagielski 2023 is ``one_run_bound.py``).
+(ε, δ) bound of Steinke, Nasr, Jagielski 2023 is ``one_run_bound.py``): loose by design.
+``audit_gaussian_step`` bounds one step's μ and ε tightly from many calls (Nasr et al. 2023,
+``gaussian_audit.py``).
 """
 
 from workbench.audit import bug_zoo
 from workbench.audit.canary import CanaryAudit, audit_canaries
 from workbench.audit.dpsgd_step import workbench_step
+from workbench.audit.gaussian_audit import GaussianAudit, audit_gaussian_step
 from workbench.audit.gradients import GradientAudit, audit_gradients
 from workbench.audit.mechanism import MechanismAudit, audit_dp_step
 from workbench.audit.one_run_bound import attainable_bound, epsilon_lower_bound
@@ -22,7 +25,8 @@ from workbench.audit.providers import (
     torch_func_provider,
 )
 
-__all__ = ["CanaryAudit", "GradientAudit", "MechanismAudit", "audit_canaries", "audit_dp_step",
+__all__ = ["CanaryAudit", "GaussianAudit", "GradientAudit", "MechanismAudit", "audit_canaries",
+           "audit_dp_step", "audit_gaussian_step",
            "audit_gradients", "attainable_bound", "epsilon_lower_bound",
            "available_providers", "bug_zoo", "opacus_provider", "torch_func_provider",
            "workbench_step"]
