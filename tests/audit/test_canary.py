@@ -3,6 +3,7 @@
 Setting for every case: d = m = 1000 canaries, 400 guesses, T = 10 steps, q = 0.5, claimed
 σ = 4 (ε_upper ≈ 1.83 at δ = 1e-5), confidence 0.95, fixed seeds. Correct steps give
 ε_lower ≈ 0.4-0.5; the leaking ones get (almost) every guess right, ε_lower ≈ 4.1-4.9.
+The soundness of the bound itself is in tests/audit/test_one_run_bound.py.
 """
 
 import matplotlib
@@ -14,6 +15,7 @@ from scipy import stats
 from workbench.audit import bug_zoo
 from workbench.audit.canary import audit_canaries, epsilon_lower_bound, guess
 from workbench.audit.dpsgd_step import workbench_step
+from workbench.audit.one_run_bound import p_value
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -33,6 +35,7 @@ def test_correct_steps_pass(factory):
     a = _audit(factory)
     assert a.passed and 0 <= a.epsilon_lower <= a.epsilon_upper
     assert a.epsilon_upper == pytest.approx(1.832, abs=1e-3)
+    assert a.epsilon_lower < a.epsilon_attainable == a.table.epsilon_attainable[0]
 
 
 def _sigma_over_10(C, sigma, B, generator=None):
@@ -50,10 +53,14 @@ def test_leaking_steps_fail(factory, overrides):
     assert not a.passed and a.epsilon_lower > a.epsilon_upper + 1.0
 
 
-def test_no_noise_gets_every_guess_right():
+def test_no_noise_gets_every_guess_right_and_reaches_the_attainable_bound():
     a = _audit(bug_zoo.no_noise, seed=1)
     assert a.table.correct[0] == 400
-    assert a.epsilon_lower == pytest.approx(np.log(0.05 ** (1 / 400) / (1 - 0.05 ** (1 / 400))))
+    assert a.epsilon_lower == a.epsilon_attainable
+    p = np.exp(a.epsilon_lower) / (1 + np.exp(a.epsilon_lower))
+    assert p_value(400, 400, a.epsilon_lower, 1e-5, 1000) == pytest.approx(0.05, rel=1e-6)
+    pure = np.log(0.05 ** (1 / 400) / (1 - 0.05 ** (1 / 400)))  # δ = 0: p^r = β
+    assert p ** 400 < 0.05 and 4.8 < a.epsilon_lower < pure  # the δ term costs a little
 
 
 @pytest.mark.parametrize("r, v", [(400, 260), (400, 399), (50, 40), (10, 10)])
@@ -83,7 +90,7 @@ def test_table_plot_and_html():
     artists = a.plot(ax)
     assert len(artists) == 80 and ax.get_legend() is not None
     plt.close(fig)
-    assert "Canary audit passed" in a._repr_html_()
+    assert "Canary audit passed" in a._repr_html_() and "can show" in a._repr_html_()
 
 
 def test_bad_arguments_name_the_argument():

@@ -6,15 +6,20 @@ al. 2021, arXiv 2109.12298, Appendix A); ``providers`` adapts torch.func, Opacus
 ``audit_dp_step`` tests one privatised step against the claim (Σ_i clip_C(g_i) + N(0, σ²C²I))
 / B with designed per-sample gradients (``mechanism.py``); ``bug_zoo`` holds wrong steps seen
 in real code, which the audit must flag; ``workbench_step`` runs the workbench's own optimizer.
-``audit_canaries`` bounds ε from below with Dirac canaries in one run (``canary.py``).
+``audit_canaries`` bounds ε from below with Dirac canaries in one run (``canary.py``; the
+(ε, δ) bound of Steinke, Nasr, Jagielski 2023 is ``one_run_bound.py``): loose by design.
+``audit_gaussian_step`` bounds one step's μ and ε tightly from many calls (Nasr et al. 2023,
+``gaussian_audit.py``).
 ``audit_sampling`` tests that a data loader draws Poisson batches (``sampling.py``).
 """
 
 from workbench.audit import bug_zoo
-from workbench.audit.canary import CanaryAudit, audit_canaries, epsilon_lower_bound
+from workbench.audit.canary import CanaryAudit, audit_canaries
 from workbench.audit.dpsgd_step import workbench_step
+from workbench.audit.gaussian_audit import GaussianAudit, audit_gaussian_step
 from workbench.audit.gradients import GradientAudit, audit_gradients
 from workbench.audit.mechanism import MechanismAudit, audit_dp_step
+from workbench.audit.one_run_bound import attainable_bound, epsilon_lower_bound
 from workbench.audit.providers import (
     available_providers,
     opacus_provider,
@@ -22,7 +27,8 @@ from workbench.audit.providers import (
 )
 from workbench.audit.sampling import SamplingAudit, audit_sampling
 
-__all__ = ["CanaryAudit", "GradientAudit", "MechanismAudit", "audit_canaries", "audit_dp_step",
-           "audit_gradients", "epsilon_lower_bound",
+__all__ = ["CanaryAudit", "GaussianAudit", "GradientAudit", "MechanismAudit", "audit_canaries",
+           "audit_dp_step", "audit_gaussian_step",
+           "audit_gradients", "attainable_bound", "epsilon_lower_bound",
            "available_providers", "bug_zoo", "opacus_provider", "torch_func_provider",
            "workbench_step", "SamplingAudit", "audit_sampling"]

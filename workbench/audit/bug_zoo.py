@@ -91,6 +91,26 @@ def noise_reused_across_steps(C, sigma, B, generator=None):
     return step
 
 
+def clip_norm_ten_percent_high(C, sigma, B, generator=None):
+    """Bug: clip to 1.1·C instead of C (a clip norm set from a noisy estimate, or a "tolerance"
+    on the threshold): each sample can move the sum by 1.1·C while the noise is calibrated to
+    C, so the true ε is that of noise multiplier σ/1.1. Invisible on samples with norm <= C."""
+    def step(G):
+        return (_clip_rows(G, 1.1 * C).sum(0) + _noise(G.shape[1], sigma * C, generator, G)) / B
+    return step
+
+
+def clip_only_outliers(C, sigma, B, generator=None, k=10.0):
+    """Bug: clip only gradients with norm above k·C (k = 10), e.g. ``if norm > k * C`` meant
+    as "clip outliers": a sample with norm up to k·C passes unclipped, so the sensitivity is
+    k·C while the noise is calibrated to C."""
+    def step(G):
+        norms = G.norm(dim=1, keepdim=True)  # (n, 1)
+        c = torch.where(norms > k * C, C / norms, torch.ones_like(norms))  # (n, 1)
+        return ((c * G).sum(0) + _noise(G.shape[1], sigma * C, generator, G)) / B
+    return step
+
+
 def per_coordinate_clipping(C, sigma, B, generator=None):
     """Bug: clip each coordinate to [-C, C] (``clip_grad_value_``) instead of each sample's
     L2 norm to C; a sample's L2 norm can then be up to C√d, so σC noise is too little."""
@@ -135,6 +155,8 @@ ZOO = {
     "noise_for_mean_applied_to_sum": noise_for_mean_applied_to_sum,
     "noise_for_sum_applied_to_mean": noise_for_sum_applied_to_mean,
     "noise_reused_across_steps": noise_reused_across_steps,
+    "clip_norm_ten_percent_high": clip_norm_ten_percent_high,
+    "clip_only_outliers": clip_only_outliers,
     "per_coordinate_clipping": per_coordinate_clipping,
     "no_noise": no_noise,
     "divide_by_realised_batch": divide_by_realised_batch,

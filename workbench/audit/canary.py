@@ -2,30 +2,28 @@
 
 Steinke, Nasr, Jagielski 2023, "Privacy Auditing with One (1) Training Run" (arXiv
 2305.08846). m canaries are each included with probability ½, independently (the secret
-bits S ∈ {-1, +1}^m); after one run the auditor guesses k₊ of them "in", k₋ "out" and abstains
-on the rest. Their main theorem (Thm. 3.1 of the arXiv version), with δ = 0: if the run is
-ε-DP with respect to each canary, the number of correct guesses W among r = k₊ + k₋ satisfies
+bits); after one run the auditor guesses k₊ of them "in", k₋ "out" and abstains on the rest.
+Their Theorem 3.1 bounds the number W of correct guesses among r = k₊ + k₋ for an (ε, δ)-DP
+run (``one_run_bound.py``, with the δ term 2mδ·max_i (f(v-i) - f(v))/i):
 
-    P[W >= v] <= P[Binomial(r, p(ε)) >= v],      p(ε) = e^ε / (1 + e^ε)
+    P[W >= v] <= f(v) + 2mδ·max_i (f(v-i) - f(v))/i,   f(v) = P[Bin(r, e^ε/(1+e^ε)) >= v]
 
-so observing W = v refutes every ε with P[Binomial(r, p(ε)) >= v] < β. The reported bound is
-the largest ε not refuted at confidence 1 - β:
+so observing W = v refutes every ε whose right-hand side is < β, and ε_lower is the smallest
+ε not refuted at confidence 1 - β. It is sound at every m: a run that is (ε_upper, δ)-DP gets
+ε_lower > ε_upper with probability <= β, so ``passed`` fails wrongly at most that often.
 
-    ε_lower = logit(p_lo),   p_lo = the p with P[Binomial(r, p) >= v] = β = Beta(v, r-v+1).ppf(β)
-
-(the one-sided Clopper-Pearson lower limit; 0 when p_lo <= ½). **δ is ignored**: this is
-the ε-DP (δ = 0) bound. Their theorem covers δ > 0 with an extra δ-dependent term in the tail
-probability, which is left out here: for an (ε, δ) claim with small δ the bound is a close but
-heuristic approximation, not a proven one. Significance: a correct run gets ε_lower > ε only
-with probability <= β (up to that δ term), so ``passed`` fails wrongly at most that often.
+How loose it is: ε_lower can never exceed ``epsilon_attainable``, the bound for r correct
+guesses out of r (logit(β^(1/r)) at δ = 0, about 4.9 for r = 400 at 95%, less once 2mδ
+matters). A correct DP-SGD run with Dirac canaries gets far less (the canaries' scores
+overlap), typically a quarter of the accountant's ε or below: a one-run audit catches steps
+that leak grossly (no noise, noise off by a factor of ten), not a step with half the noise.
+Use ``gaussian_audit.audit_gaussian_step`` for a tight check of the noise.
 
 The run, kept at the level of the DP step (white box, the auditor sees every released step):
 canary j is the gradient C·e_j (Dirac, coordinate j < m); at each of T steps each included
 canary, and each of ``data_size`` ordinary examples, joins the batch with probability q
 (Poisson). Ordinary gradients are fixed, of norm C, on the coordinates m..d-1 (zero rows when
 d = m). Canary j's score is Σ_t step_t[j]; the guesses are the top k₊ and bottom k₋ scores.
-The multi-run audit of Jagielski, Ullman, Oprea 2020 (arXiv 2006.07709: many runs, one canary,
-Clopper-Pearson bounds on the attack's false positive/negative rates) is not implemented here.
 
 Notation: m canaries, d coordinates, T steps, q sample rate, C max_grad_norm, σ noise
 multiplier, B = q·(data_size + m/2) expected batch size, r guesses, v correct, β = 1 - confidence.
@@ -36,9 +34,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 import torch
-from scipy import stats
 
 from workbench import accounting
+from workbench.audit.one_run_bound import attainable_bound, epsilon_lower_bound
+
+__all__ = ["CanaryAudit", "audit_canaries", "epsilon_lower_bound", "attainable_bound"]
 
 
 @dataclass
@@ -50,6 +50,7 @@ class CanaryAudit:
     table: pd.DataFrame
     scores: np.ndarray = field(repr=False)  # (m,) Σ_t step_t[j]
     included: np.ndarray = field(repr=False)  # (m,) bool, the secret bits
+    epsilon_attainable: float = float("nan")  # ε_lower if all r guesses were right
 
     @property
     def passed(self) -> bool:
@@ -70,20 +71,8 @@ class CanaryAudit:
     def _repr_html_(self):
         verdict = "passed" if self.passed else "FAILED"
         return (f"<p><b>Canary audit {verdict}</b>: ε_lower = {self.epsilon_lower:.3f}, "
-                f"ε_upper = {self.epsilon_upper:.3f}</p>" + self.table.to_html(index=False))
-
-
-def epsilon_lower_bound(guesses: int, correct: int, confidence: float = 0.95) -> float:
-    """Largest ε with P[Binomial(r, e^ε/(1+e^ε)) >= v] >= β (Steinke et al., δ = 0)."""
-    r, v, beta = int(guesses), int(correct), 1.0 - float(confidence)
-    if not 0 <= v <= r or r < 1:
-        raise ValueError(f"need 0 <= correct <= guesses and guesses >= 1; got {v!r}, {r!r}")
-    if not 0 < beta < 1:
-        raise ValueError(f"confidence must be in (0, 1); got {confidence!r}")
-    if v == 0:
-        return 0.0
-    p_lo = stats.beta.ppf(beta, v, r - v + 1)  # P[Bin(r, p_lo) >= v] = β
-    return float(max(0.0, np.log(p_lo) - np.log1p(-p_lo)))  # logit, 0 below p = ½
+                f"ε_upper = {self.epsilon_upper:.3f} (the most this configuration can show: "
+                f"{self.epsilon_attainable:.3f})</p>" + self.table.to_html(index=False))
 
 
 def canary_scores(step_fn, dim, steps, sample_rate, max_grad_norm, included, data_size,
@@ -147,13 +136,14 @@ def audit_canaries(step_fn_factory, dim: int, steps: int, sample_rate: float,
     scores = canary_scores(step_fn, dim, steps, q, C, included, n_data, generator)
     g = guess(scores, (r + 1) // 2, r // 2, generator)
     v = int(((g == 1) & included).sum() + ((g == -1) & ~included).sum())
-    eps_lo = epsilon_lower_bound(r, v, confidence)
+    eps_lo = epsilon_lower_bound(r, v, confidence, delta=delta, canaries=m)  # Thm. 3.1
+    eps_max = attainable_bound(r, confidence, delta=delta, canaries=m)  # v = r
     eps_up = float(accounting.epsilon(q, sigma, steps, delta, accountant=accountant))
     table = pd.DataFrame([{
         "canaries": m, "guesses": r, "correct": v, "epsilon_lower": eps_lo,
         "confidence": confidence, "epsilon_upper": eps_up, "delta": delta, "steps": int(steps),
-        "sample_rate": q, "noise_multiplier": sigma,
+        "sample_rate": q, "noise_multiplier": sigma, "epsilon_attainable": eps_max,
         "decision rule": f"score_j = Σ_t step_t[j]; top {(r + 1) // 2} -> in, "
                          f"bottom {r // 2} -> out, abstain on {m - r}",
     }])
-    return CanaryAudit(eps_lo, eps_up, table, scores, included)
+    return CanaryAudit(eps_lo, eps_up, table, scores, included, eps_max)
