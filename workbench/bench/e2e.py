@@ -85,7 +85,7 @@ def main(argv=None):
     table["torch"] = torch.__version__
     args.out.parent.mkdir(parents=True, exist_ok=True)
     table.to_csv(args.out, index=False)
-    ratios = [c for c in table.columns if c.endswith("/plain")]
+    ratios = [c for c in table.columns if c.endswith(("/plain", "/lora_plain"))]
     shown = table[["model", "batch_size", "plain_ms", *ratios]]
     print(f"device: {table['device'][0]}   torch {torch.__version__}   "
           f"(plain in ms, the others as multiples of plain)")
