@@ -112,3 +112,68 @@ def test_fast_mode_rejects_unknown_value(monkeypatch):
     monkeypatch.setenv("WORKBENCH_FAST", "maybe")
     with pytest.raises(ValueError, match="WORKBENCH_FAST='maybe'"):
         fast_mode()
+
+
+# --- the text corpus (workbench/corpus.py, re-exported by workbench.data) ---------------------
+
+from workbench.corpus import TEXT_DIR, normalise  # noqa: E402
+from workbench.data import TEXTS, CharTokenizer, load_text, split_ids, windows  # noqa: E402
+
+
+@pytest.mark.parametrize("name", sorted(TEXTS))
+def test_text_files_match_checksums_and_roles(name):
+    assert sha256_of(TEXT_DIR / TEXTS[name].file) == TEXTS[name].sha256
+    assert {s.role for s in TEXTS.values()} == {"public", "private"}
+
+
+def test_texts_load_normalised_with_known_lengths_and_openings():
+    shakespeare, carroll = load_text("shakespeare"), load_text("carroll")
+    assert (len(shakespeare), len(carroll)) == (122_813, 143_255)
+    assert shakespeare.startswith("AS YOU LIKE IT\n\nDRAMATIS PERSONAE")
+    assert carroll.startswith("ALICE'S ADVENTURES IN WONDERLAND\n\nLewis Carroll")
+    for text in (shakespeare, carroll):
+        assert "\r" not in text and "\t" not in text and "  " not in text and "\n\n\n" not in text
+
+
+def test_normalise_rules():
+    assert normalise("a\t b \r\n\r\n\r\n\r\nc  d\x1a") == "a b\n\nc d\n"
+
+
+def test_tokenizer_round_trip_and_fixed_alphabet():
+    tok = CharTokenizer()
+    assert tok.vocab_size == 96 and tok.encode("\n")[0] == 0 and tok.encode(" ")[0] == 1
+    text = load_text("carroll")
+    ids = tok.encode(text)
+    assert ids.dtype == torch.int64 and 0 <= ids.min() and ids.max() < 96
+    assert tok.decode(ids) == text
+    assert tok.decode(tok.encode("the PIN is 4815")) == "the PIN is 4815"
+
+
+def test_tokenizer_names_unknown_character():
+    with pytest.raises(ValueError, match=r"'é' at position 2"):
+        CharTokenizer().encode("caé")
+    with pytest.raises(ValueError, match="repeated"):
+        CharTokenizer("aa")
+
+
+def test_split_and_windows_shift_by_one():
+    ids = torch.arange(23)
+    train, val = split_ids(ids, val_fraction=0.25)
+    assert torch.equal(torch.cat([train, val]), ids) and len(val) == 6
+    x, y = windows(ids, 5).tensors
+    assert x.shape == y.shape == (4, 5)
+    assert torch.equal(x[1], torch.arange(5, 10)) and torch.equal(y[1], torch.arange(6, 11))
+    with pytest.raises(ValueError, match="block_size=30"):
+        windows(ids, 30)
+    with pytest.raises(ValueError, match="val_fraction"):
+        split_ids(ids, 1.5)
+
+
+def test_text_checksum_and_missing_file_errors(tmp_path):
+    (tmp_path / "alice29.txt").write_text("not Alice")
+    with pytest.raises(DataChecksumError, match="git checkout data/text/alice29.txt"):
+        load_text("carroll", directory=tmp_path)
+    with pytest.raises(FileNotFoundError, match="asyoulik.txt"):
+        load_text("shakespeare", directory=tmp_path)
+    with pytest.raises(KeyError, match="carroll"):
+        load_text("milton")

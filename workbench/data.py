@@ -1,4 +1,7 @@
-"""Bundled data: the UCI handwritten digits (8x8), with a fixed train/test split.
+"""Bundled data: the UCI handwritten digits (8x8), with a fixed train/test split, and text.
+
+The text corpus (two public-domain authors, character-level) is in ``corpus.py`` and its
+names are re-exported at the end of this module.
 
 Source: E. Alpaydin and C. Kaynak (1998), "Optical Recognition of Handwritten Digits",
 UCI Machine Learning Repository, https://doi.org/10.24432/C50P49 (CC BY 4.0), in the copy
@@ -118,3 +121,14 @@ def load_digits(path: str | Path | None = None) -> tuple[TensorDataset, TensorDa
     train = to_dataset(images[train_idx], labels[train_idx])
     test = to_dataset(images[test_idx], labels[test_idx])
     return train, test
+
+
+# The text corpus for the language-model notebook lives in corpus.py (it needs the checksum
+# helpers above, so it is imported after them): two public-domain authors, by character.
+from workbench.corpus import (  # noqa: E402, F401
+    TEXTS,
+    CharTokenizer,
+    load_text,
+    split_ids,
+    windows,
+)

@@ -9,6 +9,9 @@ measures side by side (interleaved medians):
   DP-SGD step adds noise to (microbatch, vmap, einsum materialise; ghost and bookkeeping
   do not).
 
+``--models tiny_gpt tiny_gpt_10x`` adds the transformer rows of ``bench/gpt.py`` (sequence
+length ``--seq-len``): full fine-tuning and LoRA, each method against its own plain step.
+
 It reports ratios to plain and the peak allocated memory of each candidate, measured as
 ``python -m workbench.bench memory`` measures it (``bench.memory.peak_bytes``): on CUDA
 ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, on CPU the bytes live
@@ -23,6 +26,8 @@ from torch import nn
 
 import workbench as wb
 from workbench import models
+from workbench.bench.gpt import SIZES as GPT_SIZES
+from workbench.bench.gpt import bench_tiny_gpt
 from workbench.bench.memory import peak_bytes, tensor_bytes
 from workbench.bench.timing import (
     benchmark_parser,
@@ -67,21 +72,24 @@ def bench_model(name, b, methods, repeats, device, max_grad_norm=1.0):
 
 def main(argv=None):
     parser = benchmark_parser("e2e", __doc__, batch_sizes=(64, 256))
-    parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(models.ZOO))
+    parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS,
+                        choices=[*models.ZOO, *GPT_SIZES])
     parser.add_argument("--methods", nargs="+", default=list(CLIP_METHODS), choices=CLIP_METHODS)
+    parser.add_argument("--seq-len", type=int, default=128, help="T of the tiny_gpt rows")
     args = parse_benchmark_args(parser, argv)
     device = torch.device(args.device)
     rows = []
     for m in args.models:
         for b in args.batch_sizes:
-            rows.append(bench_model(m, b, args.methods, args.repeats, device))
+            rows.append(bench_tiny_gpt(m, b, args.seq_len, args.methods, args.repeats, device)
+                        if m in GPT_SIZES else bench_model(m, b, args.methods, args.repeats, device))
             print("measured", m, b, file=sys.stderr, flush=True)
     table = pd.DataFrame(rows)
     table["device"] = device_name(device)
     table["torch"] = torch.__version__
     args.out.parent.mkdir(parents=True, exist_ok=True)
     table.to_csv(args.out, index=False)
-    ratios = [c for c in table.columns if c.endswith("/plain")]
+    ratios = [c for c in table.columns if c.endswith(("/plain", "/lora_plain"))]
     shown = table[["model", "batch_size", "plain_ms", *ratios]]
     print(f"device: {table['device'][0]}   torch {torch.__version__}   "
           f"(plain in ms, the others as multiples of plain)")

@@ -7,6 +7,9 @@
 | nn.LSTM                | DPLSTM                 | all states: recurrence.py)                     |
 | nn.MultiheadAttention  | DPMultiheadAttention   | InProjection, SequenceBias, out_proj (Linear)  |
 
+``lora.py`` adds low-rank adapters (LoRA) beside frozen Linear layers; they are Linear layers
+themselves, so the Linear samplers cover them.
+
 Files: parts.py (the hookable parts and their grad samplers, parameter sharing), cells.py (one
 time step of each cell), recurrence.py (the loop over time), sequences.py (packed and
 variable-length sequences), rnn.py and attention.py (the layers).
@@ -31,6 +34,7 @@ from torch import nn
 
 from workbench.layers import norms as _norms  # noqa: F401  (registers the parts' norm samplers)
 from workbench.layers.attention import DPMultiheadAttention
+from workbench.layers.lora import LoRALinear, add_lora, merge_lora
 from workbench.layers.rnn import DPGRU, DPLSTM, DPRNN, DPRNNBase
 
 DP_REPLACEMENTS: dict[type[nn.Module], type[nn.Module]] = {
@@ -49,4 +53,4 @@ def dp_replacement(module: nn.Module) -> nn.Module | None:
 
 
 __all__ = ["DPGRU", "DPLSTM", "DPMultiheadAttention", "DPRNN", "DPRNNBase", "DP_REPLACEMENTS",
-           "dp_replacement"]
+           "LoRALinear", "add_lora", "dp_replacement", "merge_lora"]
