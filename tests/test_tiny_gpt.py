@@ -17,8 +17,6 @@ from workbench.models import count_parameters, sequence_cross_entropy, tiny_gpt
 from workbench.models_gpt import generate
 
 TOL = 1e-9
-ISSUE13 = pytest.mark.xfail(strict=True, reason="exact once the issue-13 engine lands")
-EXACT_TODAY = {"microbatch", "vmap"}  # whole-model methods: they never look inside a layer
 
 
 def small_model():
@@ -36,10 +34,6 @@ def tokens(n=4, T=6, seed=1):
 def max_error(got: dict, ref: dict) -> float:
     scale = max(r.abs().max().item() for r in ref.values())
     return max((got[k] - ref[k]).abs().max().item() for k in ref) / scale
-
-
-def mark(method):
-    return method if method in EXACT_TODAY else pytest.param(method, marks=ISSUE13)
 
 
 def test_shapes_count_and_tied_head():
@@ -100,7 +94,7 @@ def test_generate_extends_prompt_reproducibly():
         generate(model, prompt, 1, temperature=0)
 
 
-@pytest.mark.parametrize("method", [mark(m) for m in ("vmap", "einsum")])
+@pytest.mark.parametrize("method", ["vmap", "einsum"])
 def test_per_sample_gradients_exact(method):
     model, (x, y) = small_model(), tokens()
     ref = wb.per_sample_gradients(model, sequence_cross_entropy, x, y, method="microbatch")
@@ -108,7 +102,7 @@ def test_per_sample_gradients_exact(method):
     assert set(got) == set(ref) and max_error(got, ref) <= TOL
 
 
-@pytest.mark.parametrize("method", [mark(m) for m in NORM_METHODS[1:]])
+@pytest.mark.parametrize("method", NORM_METHODS[1:])
 def test_per_sample_grad_norms_exact(method):
     model, (x, y) = small_model(), tokens()
     ref = wb.per_sample_grad_norms(model, sequence_cross_entropy, x, y, method="microbatch")
@@ -116,7 +110,7 @@ def test_per_sample_grad_norms_exact(method):
     assert ((got - ref).abs().max() / ref.max()).item() <= TOL
 
 
-@pytest.mark.parametrize("method", [mark(m) for m in CLIP_METHODS[1:]])
+@pytest.mark.parametrize("method", CLIP_METHODS[1:])
 def test_clipped_grad_sum_exact(method):
     model, (x, y) = small_model(), tokens()
     norms = wb.per_sample_grad_norms(model, sequence_cross_entropy, x, y, method="microbatch")
@@ -126,7 +120,7 @@ def test_clipped_grad_sum_exact(method):
     assert set(got) == set(ref) and max_error(got, ref) <= TOL
 
 
-@pytest.mark.parametrize("mode", [pytest.param(m, marks=ISSUE13) for m in MODES])
+@pytest.mark.parametrize("mode", MODES)
 def test_dp_optimizer_noiseless_step_is_clipped_sum(mode):
     """The optimizer sees only layer calls, so even its microbatch/vmap modes need issue 13."""
     model, (x, y) = small_model(), tokens()

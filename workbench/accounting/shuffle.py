@@ -21,7 +21,8 @@ distinguishable than E epochs (fresh shuffles) of the run: binning Y finely and 
 privacy loss with losses rounded down (``lower.py``) gives δ_low(ε), hence ε_low(δ) <= the
 true ε (both directions, P vs Q and Q vs P). Checked: at q = 1 it meets the exact Gaussian ε
 within 1%. Not reproduced: Chua et al.'s gap *above* the Poisson ε; with this pair the bound
-stays below Poisson's ε in the regimes tried (small σ, 100-1000 steps per epoch). The no-amplification upper bound: given the positions, each
+stays below Poisson's ε in the regimes tried (small σ, 100-1000 steps per epoch).
+The no-amplification upper bound: given the positions, each
 epoch is a Gaussian mechanism of sensitivity 1, so by joint convexity the run is no worse than
 E Gaussian mechanisms, i.e. one with noise σ/√E (``gaussian.py``).
 

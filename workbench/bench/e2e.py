@@ -81,8 +81,10 @@ def main(argv=None):
     rows = []
     for m in args.models:
         for b in args.batch_sizes:
-            rows.append(bench_tiny_gpt(m, b, args.seq_len, args.methods, args.repeats, device)
-                        if m in GPT_SIZES else bench_model(m, b, args.methods, args.repeats, device))
+            if m in GPT_SIZES:
+                rows.append(bench_tiny_gpt(m, b, args.seq_len, args.methods, args.repeats, device))
+            else:
+                rows.append(bench_model(m, b, args.methods, args.repeats, device))
             print("measured", m, b, file=sys.stderr, flush=True)
     table = pd.DataFrame(rows)
     table["device"] = device_name(device)
