@@ -25,6 +25,7 @@ import warnings
 from contextlib import ExitStack, contextmanager
 
 import torch
+from torch import nn
 
 from workbench.errors import UnsupportedLayerError
 from workbench.per_sample import selfcheck
@@ -55,6 +56,10 @@ class ModelRecorder:
     """Hooks on ``model`` for the parameters of ``param_groups``; removed by ``close``."""
 
     def __init__(self, model, param_groups):
+        # DistributedDataParallel / DataParallel: record and probe the wrapped module itself,
+        # so the checks' extra passes never start a collective the other ranks do not join
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
         self.model = model
         self.layers = layers_with_parameters(model)
         check_layers(self.layers, strict=False)
