@@ -25,7 +25,7 @@ Notation: n batch, g_i per-sample gradient, c_i clip factor, C max_grad_norm, b 
 import torch
 from torch.utils._pytree import tree_map
 
-from workbench.clipping.flat import clip_factors, sample_squares
+from workbench.clipping.flat import LOW_PRECISION, clip_factors, sample_squares
 from workbench.clipping.ghost import squared_norms_by
 from workbench.per_sample.einsum import sample_layer
 from workbench.per_sample.functional import layer_vmap_grad_sampler
@@ -93,7 +93,8 @@ def clipped_sum(rec, max_grad_norm, mode: str, group_of=None, graph_alive=False,
     C = max_grad_norm if per_group else {None: max_grad_norm}
     group_of = group_of if per_group else (lambda p: None)
     params = {id(p): p for p in rec.params.values()}
-    zeros = torch.zeros(rec.n, dtype=rec.dtype, device=rec.device)
+    wide = torch.float32 if rec.dtype in LOW_PRECISION else rec.dtype  # norms of half models
+    zeros = torch.zeros(rec.n, dtype=wide, device=rec.device)
     exact = exact or {}
     if mode in MATERIALISING:
         grads = {**materialise(rec, mode), **exact}

@@ -19,6 +19,8 @@ import math
 
 import torch
 
+LOW_PRECISION = (torch.float16, torch.bfloat16)  # norms and squares accumulate in float32
+
 
 def check_max_grad_norm(max_grad_norm) -> float:
     """C must be a positive finite number."""
@@ -55,9 +57,10 @@ def sample_squares(g: torch.Tensor) -> torch.Tensor:
     memory of every method that materialises per-sample gradients
     (``python -m workbench.bench memory`` measures it).
     """
+    wide = torch.float32 if g.dtype in LOW_PRECISION else None  # 256² overflows float16
     if g.dim() == 1:
-        return g.square()
-    return torch.linalg.vector_norm(g, dim=tuple(range(1, g.dim()))).square()
+        return g.to(wide or g.dtype).square()
+    return torch.linalg.vector_norm(g, dim=tuple(range(1, g.dim())), dtype=wide).square()
 
 
 def weighted_sum(grads: dict[str, torch.Tensor], c: torch.Tensor) -> dict[str, torch.Tensor]:

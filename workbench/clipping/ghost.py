@@ -26,7 +26,7 @@ Notation: n batch, a activations, b backprops, c clip factors, C max_grad_norm.
 import torch
 from torch.nn.utils.parametrize import is_parametrized
 
-from workbench.clipping.flat import clip_factors, sample_squares
+from workbench.clipping.flat import LOW_PRECISION, clip_factors, sample_squares
 from workbench.clipping.registry import find_norm_sampler
 from workbench.per_sample import selfcheck
 from workbench.per_sample.einsum import fallback_gradients, sample_layer, warn_fallbacks
@@ -96,7 +96,8 @@ def squared_norms_by(rec: Recording, group_of, exact=None):
             groups = {group_of(p) for p in own.values()}
             if (sampler is not None and everything and len(groups) == 1
                     and not any(id(p) in shared for p in own.values())):
-                add(groups.pop(), sampler(layer, call.args, call.backprops))  # ghost norm
+                args, b = widen(call.args), widen(call.backprops)  # float16 -> float32
+                add(groups.pop(), sampler(layer, args, b))  # ghost norm
                 continue
             for name, g in sample_layer(layer, call, keep=own).items():  # fast gradient clipping
                 p = own[name]
@@ -107,6 +108,15 @@ def squared_norms_by(rec: Recording, group_of, exact=None):
     for key, g in materialised.items():
         add(group_of(params[key]), sample_squares(g))
     return squares, materialised
+
+
+def widen(x):
+    """float16/bfloat16 tensors (in tuples) as float32: squared norms above 256² fit."""
+    if isinstance(x, (tuple, list)):
+        return type(x)(widen(t) for t in x)
+    if isinstance(x, torch.Tensor) and x.dtype in LOW_PRECISION:
+        return x.float()
+    return x
 
 
 def ghost_norms(model, loss_fn, inputs, targets, check=True) -> torch.Tensor:

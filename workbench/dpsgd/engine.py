@@ -27,7 +27,8 @@ Notation: N data set size, q sample rate, σ noise multiplier, C max_grad_norm.
 
 import warnings
 
-from workbench.accounting import PLDAccountant, RDPAccountant, get_noise_multiplier
+from workbench.accounting import get_noise_multiplier
+from workbench.accounting.registry import epsilon_bounds, make_accountant
 from workbench.dpsgd import distributed
 from workbench.dpsgd.attached import detach_earlier, remember
 from workbench.dpsgd.misuse import (
@@ -41,8 +42,6 @@ from workbench.dpsgd.sampling import DPDataLoader, check_dataset, check_own_samp
 from workbench.dpsgd.secure import SecureGenerator
 from workbench.errors import SampleMixingError
 from workbench.validate import validate_model
-
-ACCOUNTANTS = {"rdp": RDPAccountant, "pld": PLDAccountant}
 
 
 class VirtualStepLoader:
@@ -61,7 +60,7 @@ class VirtualStepLoader:
     def __len__(self):
         return len(self.loader)
 
-    def __iter__(self):
+    def _chunks(self):
         for batch in self.loader:
             tensors = batch if isinstance(batch, (tuple, list)) else (batch,)
             n = tensors[0].shape[0]
@@ -72,17 +71,18 @@ class VirtualStepLoader:
                 yield chunk if isinstance(batch, (tuple, list)) else chunk[0]
             self.optimizer.expect_more = False
 
+    def __iter__(self):
+        self.optimizer.reset_virtual_step()  # a loop left early must not leak into this one
+        yield from self._chunks()
+
 
 class PrivacyEngine:
     """Makes (model, optimizer, data loader) private and keeps the privacy ledger."""
 
     def __init__(self, accountant: str = "rdp", secure_mode: bool = False):
         self.secure_mode = bool(secure_mode)  # see secure.py for what it does and does not do
-        if accountant not in ACCOUNTANTS:
-            raise ValueError(f"accountant must be one of {sorted(ACCOUNTANTS)}; "
-                             f"got {accountant!r}")
+        self.accountant = make_accountant(accountant)  # one registry names the accountants
         self.accountant_name = accountant
-        self.accountant = ACCOUNTANTS[accountant]()
         self.sample_rate = self.dataset_size = None
         self.sampler = None  # "poisson" or "shuffle" (poisson_sampling=False)
 
@@ -162,12 +162,28 @@ class PrivacyEngine:
         for ``poisson_sampling=False``)."""
         warn_delta(delta, self.dataset_size, "get_epsilon")
         if self.sampler == "shuffle":
-            # Hook: once accounting.epsilon_bounds("shuffle", ...) exists, report its
-            # (lower, upper) bracket here instead of (or beside) the Poisson number.
-            warnings.warn("get_epsilon: this run used poisson_sampling=False; the epsilon "
-                          "returned is the Poisson one and understates the privacy spent",
+            bounds = self.epsilon_bounds(delta)
+            warnings.warn(f"get_epsilon: this run used poisson_sampling=False; the epsilon "
+                          f"returned is the Poisson one and understates the privacy spent: "
+                          f"shuffled batches are bracketed by [{bounds.lower:.3g}, "
+                          f"{bounds.upper:.3g}] (engine.epsilon_bounds(delta))",
                           PrivacyAccountingWarning, stacklevel=2)
         return self.accountant.get_epsilon(delta)
+
+    def epsilon_bounds(self, delta: float):
+        """[lower, upper] on ε(δ) for the sampler this run really used
+        (``accounting.epsilon_bounds``): the Poisson PLD pair, or, for shuffled fixed-size
+        batches, Chua et al.'s lower bound and the no-amplification upper bound, over the
+        whole epochs taken so far (at least one)."""
+        sigmas = {sigma for sigma, _, _ in self.accountant.history}
+        if len(sigmas) > 1:
+            raise ValueError("epsilon_bounds needs one noise multiplier for the whole run; "
+                             "this run used a schedule: use get_epsilon (Poisson accounting)")
+        sigma = sigmas.pop() if sigmas else 0.0
+        q = self.sample_rate
+        epochs = max(1, round(len(self.accountant) * q))
+        return epsilon_bounds(self.sampler or "poisson", sample_rate=q,
+                              noise_multiplier=sigma, epochs=epochs, delta=delta)
 
 
 __all__ = ["PrivacyAccountingWarning", "PrivacyEngine", "VirtualStepLoader"]

@@ -29,6 +29,7 @@ Nothing is left behind: ``ActivationRecorder`` is a context manager that removes
 on exit, also when the forward or backward pass raises.
 """
 
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -133,7 +134,14 @@ class ActivationRecorder:
         return hook
 
     def _grad_hook(self, call: LayerCall, k: int):
+        ref = weakref.ref(call)  # a strong reference would make a cycle through the graph:
+        # output -> hook -> call -> edge -> output's node, which Python's GC cannot see into,
+        # and every step's activations would stay alive after zero_grad()
+
         def store(grad):
+            call = ref()
+            if call is None:
+                return
             call.grads[k] = grad
             call.generation = self.generation
             if not self._pending:  # count this backward pass once it has finished
@@ -158,6 +166,9 @@ class ActivationRecorder:
     def clear(self) -> None:
         """Forget the recorded calls (their activations and backprops), keep the hooks."""
         for calls in self.calls.values():
+            for call in calls:  # drop the activations, the graph edges and the gradients now
+                call.args, call.kwargs, call.edges, call.grads = (), {}, [], []
+                call.backprops = None
             calls.clear()
         self.untracked.clear()
 

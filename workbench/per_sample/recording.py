@@ -144,8 +144,15 @@ class Recording:
 
     def own(self, layer) -> list[tuple[str, nn.Parameter]]:
         """The layer's trainable parameters computed by its rule (not by the fallback)."""
+        ids = self._ids()
         return [(name, p) for name, p in layer.named_parameters(recurse=False)
-                if p.requires_grad and id(p) not in self.fallback]
+                if id(p) in ids and id(p) not in self.fallback]
+
+    def _ids(self) -> set[int]:
+        """ids of the parameters this recording is for (an optimizer's may be a subset)."""
+        if getattr(self, "_param_ids", None) is None:
+            self._param_ids = {id(p) for p in self.params.values()}
+        return self._param_ids
 
     def shared_ids(self) -> set[int]:
         """ids of rule parameters used in more than one call (their norms need cross terms)."""

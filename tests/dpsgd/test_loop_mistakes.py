@@ -1,0 +1,163 @@
+"""Training-loop mistakes inside the optimizer: each trains correctly (against micro-batching)
+or stops with an error that names the cause and the fix."""
+
+import gc
+import warnings
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import workbench as wb
+from tests.helpers import relative_error
+from workbench.dpsgd import MODES, DPOptimizer, PrivacyEngine
+
+CE = nn.CrossEntropyLoss(reduction="none")
+
+
+def mlp(dtype=torch.float64):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
+
+
+def data(n, seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g, dtype=dtype), torch.randint(0, 3, (n,), generator=g)
+
+
+def optimizer(model, mode, C=0.3, B=10.0, sigma=0.0, params=None, **kw):
+    sgd = torch.optim.SGD(model.parameters() if params is None else params, lr=0.0)
+    return DPOptimizer(sgd, model, noise_multiplier=sigma, max_grad_norm=C,
+                       expected_batch_size=B, grad_sample_mode=mode, **kw)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("sizes", [(5, 5), (3, 6)])
+@pytest.mark.parametrize("mode", MODES)
+def test_gradient_accumulation_clips_every_sample_on_its_own(mode, sizes, reduction):
+    model = mlp()
+    parts = [data(k, seed) for seed, k in enumerate(sizes)]
+    x = torch.cat([p[0] for p in parts])
+    y = torch.cat([p[1] for p in parts])
+    expected = wb.clipped_grad_sum(model, CE, x, y, 0.3, method="microbatch")
+    opt = optimizer(model, mode, loss_reduction=reduction)
+    opt.zero_grad()
+    for xs, ys in parts:  # two backward passes, one step
+        nn.CrossEntropyLoss(reduction=reduction)(model(xs), ys).backward()
+    opt.step()
+    for name, p in model.named_parameters():
+        assert relative_error(p.grad * 10.0, expected[name]) <= 1e-9, (mode, name)
+
+
+def test_step_without_a_fresh_backward_is_an_error():
+    model = mlp()
+    opt = optimizer(model, "einsum")
+    with pytest.raises(RuntimeError, match=r"without a backward\(\).*zero_grad"):
+        opt.step()
+    x, y = data(4, 0)
+    opt.zero_grad()
+    CE(model(x), y).mean().backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="twice after one backward"):
+        opt.step()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nothing_of_the_batch_survives_a_step(mode):
+    model = mlp()
+    opt = optimizer(model, mode)
+    refs = []
+    for seed in range(3):
+        x, y = data(6, seed)
+        refs.append(weakref.ref(x))
+        opt.zero_grad()
+        CE(model(x), y).mean().backward()
+        opt.step()
+        del x, y
+    opt.zero_grad()
+    gc.collect()
+    assert all(r() is None for r in refs), mode
+
+
+def test_layer_replaced_after_make_private_is_an_error():
+    model = mlp()
+    opt = optimizer(model, "ghost")
+    model[2] = nn.Linear(8, 3).double()
+    x, y = data(4, 0)
+    opt.zero_grad()
+    CE(model(x), y).mean().backward()
+    with pytest.raises(RuntimeError, match="changed after make_private"):
+        opt.step()
+
+
+def test_optimizer_over_some_parameters_clips_those_and_clears_the_rest():
+    model = mlp()
+    x, y = data(6, 1)
+    head = list(model[2].parameters())
+    with pytest.warns(UserWarning, match="0.weight, 0.bias require grad but are not in the"):
+        opt = optimizer(model, "bookkeeping", params=head)
+    opt.zero_grad()
+    CE(model(x), y).mean().backward()
+    opt.step()
+    model[0].requires_grad_(False)  # the reference: the head alone is trainable
+    expected = wb.clipped_grad_sum(model, CE, x, y, 0.3, method="microbatch")
+    assert relative_error(model[2].weight.grad * 10, expected["2.weight"]) <= 1e-9
+    assert model[0].weight.grad is None  # no non-private gradient left behind
+
+
+def test_optimizer_with_a_foreign_parameter_is_an_error():
+    model = mlp()
+    with pytest.raises(ValueError, match="not trainable parameters of the model"):
+        optimizer(model, "einsum", params=[*model.parameters(), nn.Parameter(torch.ones(2))])
+
+
+def test_abandoned_virtual_steps_are_discarded_with_a_warning():
+    torch.manual_seed(0)
+    model = mlp()
+    ds = TensorDataset(*data(64, 3))
+    engine = PrivacyEngine()
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        data_loader=DataLoader(ds, batch_size=32), noise_multiplier=0.0, max_grad_norm=1.0,
+        max_physical_batch_size=4, sampling_generator=torch.Generator().manual_seed(1))
+    for x, y in loader:  # leave after the first chunk of a logical batch
+        opt.zero_grad()
+        CE(model(x), y).mean().backward()
+        opt.step()
+        break
+    assert opt.expect_more and opt._sums
+    with pytest.warns(UserWarning, match="left unfinished"):
+        next(iter(loader))
+    assert not opt._sums and len(engine.accountant) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_norms_do_not_overflow(dtype):
+    model = nn.Linear(6, 3).to(dtype)
+    x = torch.full((4, 6), 20.0, dtype=dtype)  # g_i entries 1000: ||g_i||² overflows float16
+    opt = optimizer(model, "einsum", C=1.0, B=4.0)
+    opt.zero_grad()
+    (model(x).float().sum(1) * 50).sum().backward()
+    opt.step()
+    assert torch.isfinite(opt.last["norms"]).all() and (opt.last["norms"] > 256).all()
+    assert torch.isfinite(model.weight.grad).all()
+    assert float(model.weight.grad.float().norm()) <= 1.0 + 1e-2  # clipped to C / B each
+
+
+def test_virtual_loader_iterates_without_warning_when_finished():
+    model = mlp()
+    ds = TensorDataset(*data(32, 4))
+    engine = PrivacyEngine()
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        data_loader=DataLoader(ds, batch_size=16), noise_multiplier=0.0, max_grad_norm=1.0,
+        max_physical_batch_size=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            for x, y in loader:
+                opt.zero_grad()
+                CE(model(x), y).mean().backward()
+                opt.step()
