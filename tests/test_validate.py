@@ -108,3 +108,17 @@ def test_fix_model_num_groups():
 
     with pytest.raises(ValueError, match="num_groups=5 does not divide the 48 channels"):
         wb.fix_model(nn.Sequential(nn.BatchNorm2d(48)), num_groups=5)
+
+
+def test_fix_model_keeps_dtype_device_mode_and_frozen_parameters():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.LSTM(4, 3)).double()
+    model[1].requires_grad_(False)
+    model[2].weight_hh_l0.requires_grad_(False)
+    model.eval()
+    fixed = wb.fix_model(model)
+    assert isinstance(fixed[1], nn.GroupNorm) and not fixed[1].training
+    assert all(p.dtype == torch.float64 for p in fixed.parameters())
+    assert not any(p.requires_grad for p in fixed[1].parameters())  # frozen stays frozen
+    frozen = {name for name, p in fixed[2].named_parameters() if not p.requires_grad}
+    original = {name for name, p in model[2].named_parameters() if not p.requires_grad}
+    assert frozen == original == {"weight_hh_l0"}  # the DP layer keeps torch.nn's names

@@ -133,18 +133,34 @@ def _replacement(module: nn.Module, num_groups=None) -> nn.Module | None:
     return None
 
 
+def _like(original: nn.Module, replacement: nn.Module) -> nn.Module:
+    """The replacement with the original's dtype, device, training mode and frozen parameters
+    (by name where the names match; all frozen when the original's all were)."""
+    tensors = [t for t in (*original.parameters(), *original.buffers()) if t.is_floating_point()]
+    if tensors:
+        replacement = replacement.to(device=tensors[0].device, dtype=tensors[0].dtype)
+    trainable = {name: p.requires_grad for name, p in original.named_parameters()}
+    all_frozen = bool(trainable) and not any(trainable.values())
+    for name, p in replacement.named_parameters():
+        p.requires_grad_(trainable.get(name, not all_frozen))
+    return replacement.train(original.training)
+
+
 def fix_model(model: nn.Module, num_groups: int | None = None) -> nn.Module:
     """A copy of ``model`` with every sample-mixing layer replaced (see the module docstring).
 
-    BatchNorm becomes GroupNorm with ``num_groups`` groups (default gcd(32, C)).
+    BatchNorm becomes GroupNorm with ``num_groups`` groups (default gcd(32, C)). Each
+    replacement keeps the dtype, device, training mode and frozen parameters of what it
+    replaces.
     """
     model = copy.deepcopy(model)
     replacement = _replacement(model, num_groups)
     if replacement is not None:
-        return replacement
+        return _like(model, replacement)
     for path, module in list(model.named_modules()):
         replacement = _replacement(module, num_groups)
         if replacement is not None:
+            replacement = _like(module, replacement)
             parent_path, _, name = path.rpartition(".")
             setattr(model.get_submodule(parent_path), name, replacement)
     return model

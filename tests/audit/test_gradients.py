@@ -210,3 +210,21 @@ def test_plot_and_html():
     html = result._repr_html_()
     assert html.startswith('<p style="color:red"><b>FAILED: scaled disagree')
     assert "<table" in html and "conv1.weight" in html
+
+
+def test_zero_dim_parameter_is_audited_not_failed():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.temperature = nn.Linear(4, 3), nn.Parameter(torch.tensor(1.5))
+
+        def forward(self, x):
+            return self.fc(x) / self.temperature
+
+    torch.manual_seed(0)
+    model = Scaled().double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    result = audit.audit_gradients(model, nn.CrossEntropyLoss(reduction="none"), x, y,
+                             methods=("vmap", "einsum"))
+    assert result.passed, result.table
+    assert "temperature" in set(result.table["parameter"])

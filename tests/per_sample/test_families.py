@@ -308,3 +308,43 @@ def test_parameter_read_by_the_loss_is_exact_in_the_functional_api():
     ref = wb.per_sample_gradients(model, loss_fn, x, y, method="microbatch")
     got = wb.per_sample_gradients(model, loss_fn, x, y, method="einsum")
     assert relative_error(got["weight"], ref["weight"]) <= TOL
+
+
+def test_vmap_with_tuple_targets_is_exact():
+    model = nn.Linear(4, 3).double()
+    x, t = reals((5, 4), (5, 3), 3)
+    w = torch.rand(5, dtype=torch.float64)
+
+    def loss_fn(out, targets):  # (targets, per-sample weights): each row its own
+        target, weight = targets
+        return mse(out, target) * weight
+
+    ref = wb.per_sample_gradients(model, loss_fn, x, (t, w), method="microbatch")
+    for method in ("vmap", "einsum"):
+        got = wb.per_sample_gradients(model, loss_fn, x, (t, w), method=method)
+        assert relative_error(got["weight"], ref["weight"]) <= TOL, method
+
+
+@pytest.mark.parametrize("option", [{"max_norm": 1.0}, {"sparse": True}])
+def test_vmap_on_embedding_options_is_a_clear_error(option):
+    model = nn.Sequential(nn.Embedding(10, 3, **option))
+    with pytest.raises(wb.UnsupportedLayerError, match="Embedding at 0 uses .*method='microbatch'"):
+        wb.per_sample_gradients(model, lambda o, t: o.sum((1, 2)), torch.randint(0, 10, (4, 2)),
+                                None, method="vmap")
+
+
+def test_vmap_on_packed_sequences_is_a_clear_error():
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    class Packed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = wb.layers.DPLSTM(4, 3, batch_first=True)
+
+        def forward(self, x):
+            packed = pack_padded_sequence(x, torch.tensor([5, 4, 2]), batch_first=True)
+            return self.rnn(packed)[1][0][-1]
+
+    with pytest.raises(wb.UnsupportedLayerError, match="method='vmap' cannot run this model"):
+        wb.per_sample_gradients(Packed(), lambda o, t: o.sum(1), torch.randn(3, 5, 4), None,
+                                method="vmap")

@@ -129,7 +129,7 @@ def relative_error(g: torch.Tensor, ref: torch.Tensor) -> float:
 def _per_sample_relative(g, ref):
     """(n,) max_k |g_i - ref_i| / max |ref|: which samples disagree on one parameter."""
     scale = ref.abs().max().item() or 1.0
-    return (g - ref).flatten(1).abs().amax(1) / scale  # (n,)
+    return (g - ref).reshape(g.shape[0], -1).abs().amax(1) / scale  # (n,); 0-dim params too
 
 
 def _layer_types(model):

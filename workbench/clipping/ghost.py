@@ -30,7 +30,7 @@ from workbench.clipping.flat import LOW_PRECISION, clip_factors, sample_squares
 from workbench.clipping.registry import find_norm_sampler
 from workbench.per_sample import selfcheck
 from workbench.per_sample.einsum import fallback_gradients, sample_layer, warn_fallbacks
-from workbench.per_sample.recording import Recording
+from workbench.per_sample.recording import Recording, own_parameters
 from workbench.per_sample.recording import record as record_forward
 
 
@@ -92,7 +92,7 @@ def squared_norms_by(rec: Recording, group_of, exact=None):
             if not own:
                 continue
             sampler = None if is_parametrized(layer) else find_norm_sampler(layer)
-            everything = len(own) == sum(p.requires_grad for p in layer.parameters(False))
+            everything = len(own) == len(own_parameters(layer))
             groups = {group_of(p) for p in own.values()}
             if (sampler is not None and everything and len(groups) == 1
                     and not any(id(p) in shared for p in own.values())):

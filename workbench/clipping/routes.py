@@ -9,9 +9,15 @@ import pandas as pd
 
 from workbench.clipping.ghost import record
 from workbench.clipping.registry import NORM_ROUTES, find_norm_sampler
+from workbench.per_sample.recording import own_parameters
 
 
-def layer_route(layer, call, shared: set[int]) -> tuple[str, str]:
+def layer_route(layer, call, shared: set[int], fallback=None) -> tuple[str, str]:
+    reasons = sorted({fallback[id(p)] for _, p in own_parameters(layer)
+                      if fallback and id(p) in fallback})
+    if reasons:
+        return ("exact fallback", "per-sample gradients over the whole model (vmap, else "
+                                  "micro-batching): " + "; ".join(reasons))
     shared_names = [name for name, p in layer.named_parameters(recurse=False)
                     if id(p) in shared]
     if shared_names:
@@ -32,7 +38,12 @@ def ghost_routes(model, loss_fn, inputs, targets) -> pd.DataFrame:
     rows, seen = [], {}
     for path, layer, call in rec.calls():
         seen[path] = seen.get(path, -1) + 1
-        route, reason = layer_route(layer, call, shared)
+        route, reason = layer_route(layer, call, shared, rec.fallback)
         rows.append({"layer": path or "<model>", "type": type(layer).__name__, "call": seen[path],
                      "route": route, "reason": reason})
+    for path, layer in rec.layers.items():  # fallback layers no hook saw (.forward(x))
+        if path not in seen and any(id(p) in rec.fallback for _, p in own_parameters(layer)):
+            route, reason = layer_route(layer, None, shared, rec.fallback)
+            rows.append({"layer": path or "<model>", "type": type(layer).__name__,
+                         "call": "-", "route": route, "reason": reason})
     return pd.DataFrame(rows, columns=["layer", "type", "call", "route", "reason"])

@@ -12,7 +12,7 @@ like ``model.named_parameters()``, where row i is ∇_θ loss_fn(model(inputs), 
 from workbench.per_sample import samplers  # noqa: F401  (registers the built-in samplers)
 from workbench.per_sample.checks import check_batch, check_no_sample_mixing
 from workbench.per_sample.einsum import einsum_per_sample_gradients
-from workbench.per_sample.functional import vmap_per_sample_gradients
+from workbench.per_sample.functional import vmap_or_explain
 from workbench.per_sample.microbatch import microbatch_per_sample_gradients
 from workbench.per_sample.registry import GRAD_SAMPLERS, register_grad_sampler
 from workbench.per_sample.selfcheck import check_option
@@ -63,7 +63,7 @@ def per_sample_gradients(model, loss_fn, inputs, targets, method="einsum", stric
     if method == "microbatch":
         return microbatch_per_sample_gradients(model, loss_fn, inputs, targets)
     if method == "vmap":
-        return vmap_per_sample_gradients(model, loss_fn, inputs, targets)
+        return vmap_or_explain(model, loss_fn, inputs, targets)
     return einsum_per_sample_gradients(model, loss_fn, inputs, targets, strict=strict,
                                        check=check)
 

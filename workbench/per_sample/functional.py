@@ -18,6 +18,7 @@ import torch
 from torch.func import functional_call, grad, vjp, vmap
 from torch.utils._pytree import tree_map
 
+from workbench.errors import UnsupportedLayerError, WorkbenchError
 from workbench.per_sample.checks import check_batch, check_losses, trainable_parameters
 
 
@@ -43,13 +44,42 @@ def vmap_per_sample_gradients(model, loss_fn, inputs, targets, names=None):
     def loss_of_one(p, x, y):
         args = tuple(_one_sample(v) for v in x) if many else (_one_sample(x),)
         out = functional_call(model, (p, fixed), args)
-        loss = loss_fn(out, _one_sample(y))  # (1,)
+        loss = loss_fn(out, tree_map(_one_sample, y))  # (1,); tuple targets row by row
         check_losses(loss, 1)
         return loss.sum()
 
     in_dims = (None, 0, None if targets is None else 0)
     per_sample = vmap(grad(loss_of_one), in_dims=in_dims, randomness="different")
     return per_sample(params, tuple(inputs) if many else inputs, targets)
+
+
+def check_vmappable(model) -> None:
+    """Layers whose forward torch.func.vmap cannot run: a clear error before the attempt."""
+    for path, module in model.named_modules():
+        if isinstance(module, torch.nn.Embedding) and (module.max_norm is not None
+                                                        or module.sparse):
+            option = "max_norm" if module.max_norm is not None else "sparse=True"
+            raise UnsupportedLayerError(
+                f"Embedding at {path or '<model>'} uses {option}, which torch.func.vmap cannot "
+                f"run (max_norm renormalises the weight in place; sparse gradients have no "
+                f"batching rule); use method='microbatch', or drop {option}")
+
+
+def vmap_or_explain(model, loss_fn, inputs, targets):
+    """``vmap_per_sample_gradients``, turning torch.func's internal errors into one that
+    says what in the model vmap cannot run, and what to use instead."""
+    check_vmappable(model)
+    try:
+        return vmap_per_sample_gradients(model, loss_fn, inputs, targets)
+    except WorkbenchError:
+        raise
+    except (RuntimeError, NotImplementedError) as error:
+        raise UnsupportedLayerError(
+            f"method='vmap' cannot run this model: torch.func.vmap failed with "
+            f"{type(error).__name__}: {str(error).splitlines()[0][:200]}. Models that pack "
+            f"sequences (PackedSequence), update buffers in place, call .item() or branch on "
+            f"data cannot be vmapped; method='einsum' or 'microbatch' are exact for them") \
+            from error
 
 
 def layer_vmap_grad_sampler(layer, args, kwargs, backprops):

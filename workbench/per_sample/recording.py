@@ -37,15 +37,23 @@ from workbench.per_sample.registry import SAMPLER_CHECKS, find_grad_sampler, lay
 from workbench.per_sample.uses import UseTracker
 
 
+def own_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The trainable parameters a module owns itself: registered on it and not also on one of
+    its submodules (a DP layer re-exposes its parts' weights under torch.nn's names; the
+    part, the innermost owner, is where they are used and sampled)."""
+    deeper = {id(p) for child in module.children() for p in child.parameters()}
+    return [(name, p) for name, p in module.named_parameters(recurse=False)
+            if p.requires_grad and id(p) not in deeper]
+
+
 def layers_with_parameters(model: nn.Module) -> dict[str, nn.Module]:
-    """``{path: module}`` of modules owning trainable parameters directly (not via children).
+    """``{path: module}`` of modules owning trainable parameters themselves.
 
     A ``ParametrizationList`` (``torch.nn.utils.parametrize``) is left out: its output is a
     weight, not a batch, so its parameters are uses outside any layer (exact fallback).
     """
     return {path: module for path, module in model.named_modules()
-            if not isinstance(module, ParametrizationList)
-            and any(p.requires_grad for p in module.parameters(recurse=False))}
+            if not isinstance(module, ParametrizationList) and own_parameters(module)}
 
 
 def owners_of(layers: dict[str, nn.Module], model: nn.Module) -> dict[int, set[str]]:
@@ -53,9 +61,8 @@ def owners_of(layers: dict[str, nn.Module], model: nn.Module) -> dict[int, set[s
     ``model`` (an empty set: no recorded layer owns it, so every use is uncovered)."""
     owners: dict[int, set[str]] = {id(p): set() for p in model.parameters() if p.requires_grad}
     for path, layer in layers.items():
-        for p in layer.parameters(recurse=False):
-            if p.requires_grad:
-                owners.setdefault(id(p), set()).add(path)
+        for _, p in own_parameters(layer):
+            owners.setdefault(id(p), set()).add(path)
     return owners
 
 
@@ -145,8 +152,14 @@ class Recording:
     def own(self, layer) -> list[tuple[str, nn.Parameter]]:
         """The layer's trainable parameters computed by its rule (not by the fallback)."""
         ids = self._ids()
-        return [(name, p) for name, p in layer.named_parameters(recurse=False)
+        return [(name, p) for name, p in self._owned(layer)
                 if id(p) in ids and id(p) not in self.fallback]
+
+    def _owned(self, layer):
+        cache = self.__dict__.setdefault("_own_cache", {})
+        if id(layer) not in cache:
+            cache[id(layer)] = own_parameters(layer)
+        return cache[id(layer)]
 
     def _ids(self) -> set[int]:
         """ids of the parameters this recording is for (an optimizer's may be a subset)."""
@@ -167,10 +180,9 @@ class Recording:
 
     def mark(self, layer, path: str, reason: str) -> None:
         """Send the layer's parameters to the exact fallback, saying why."""
-        for p in layer.parameters(recurse=False):
-            if p.requires_grad:
-                self.fallback.setdefault(id(p), f"{type(layer).__name__} at {path or '<model>'} "
-                                                 f"{reason}")
+        for _, p in own_parameters(layer):
+            self.fallback.setdefault(id(p), f"{type(layer).__name__} at {path or '<model>'} "
+                                             f"{reason}")
 
 
 def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recording:
