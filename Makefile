@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 	         "pip install torch==$(TORCH_VERSION) (on Linux the CUDA build, several GB)"; \
 	    $(PY) -m pip install torch==$(TORCH_VERSION); }, \
 	  $(PY) -m pip install torch==$(TORCH_VERSION))
-	$(PY) -m pip install -e '.[dev]'
+	$(PY) -m pip install -e '.[dev,crosscheck]'
 	touch $(STAMP)
 
 test: lint unit notebooks browser

@@ -7,7 +7,9 @@
 3. the workbench's DP step (and a --step): mechanism audit, σ = 0 clipping check, canary audit;
    the correct reference step; the bug zoo, every wrong step of which must be caught; a
    no-noise step, whose canary bound must exceed the accountant's ε;
-4. the RDP and PLD accountants side by side.
+4. the sampling audit (the Poisson loader passes, a shuffled loader is caught) and the tight
+   audit of one Gaussian step (the correct step passes, half the noise is caught);
+5. the RDP and PLD accountants side by side.
 
 Every seed is in ``SEEDS`` and every setting in ``settings(args)``, both copied into the
 report's provenance.
@@ -25,6 +27,7 @@ from workbench.audit.mechanism import audit_dp_step
 from workbench.audit.providers import available_providers
 from workbench.audit.report import Skipped, section
 from workbench.audit.report_kinds import LIBRARY_WHAT
+from workbench.audit.report_more_kinds import privacy_extras
 from workbench.audit.report_suites import (
     BugZooSuite,
     GradientSuite,
@@ -36,7 +39,7 @@ METHODS = ("einsum", "vmap", "ghost", "bookkeeping")
 C, SIGMA, B, DIM = 1.5, 1.0, 8, 32  # mechanism audit; C != 1 so that σ vs σC shows
 CANARY = dict(dim=1000, steps=10, sample_rate=0.5, noise_multiplier=4.0)
 SEEDS = {"model_init": 0, "zoo_batch": 0, "mechanism_design": 0, "step_noise": 1, "canary": 0,
-         "clipping_design": 0}
+         "clipping_design": 0, "sampling": 0}
 
 
 class Crashed:
@@ -151,6 +154,7 @@ def privacy_sections(args, user_steps: dict, progress: bool) -> list:
                           generator=torch.Generator().manual_seed(SEEDS["canary"]))
     out.append(section("Canary audit: a step without noise must be caught", leak,
                        expect_failure=True))
+    out += privacy_extras(SEEDS["sampling"])
     out.append(section("Accountants: RDP vs PLD", check_accountants(
         accountant_settings(args.quick))))
     return out

@@ -1,0 +1,68 @@
+"""Report kinds for the sampling audit and the tight Gaussian-step audit, and their sections.
+
+Each result brings its own ``.table`` and ``.summary``; a kind adds the two sentences of what
+and why, and the figure. ``privacy_extras`` builds the sections the headless job runs: the
+workbench's Poisson loader must pass the sampling audit, a shuffled fixed-size loader must be
+caught; the workbench's optimizer step must pass the tight Gaussian audit, a step with half
+the claimed noise must be caught.
+"""
+
+import torch
+from torch.utils.data import DataLoader
+
+from workbench.audit.bug_zoo import correct_step
+from workbench.audit.dpsgd_step import workbench_step
+from workbench.audit.gaussian_audit import audit_gaussian_step
+from workbench.audit.report import Kind, register_kind, section
+from workbench.audit.sampling import audit_sampling
+from workbench.dpsgd.sampling import DPDataLoader
+
+SAMPLING = dict(dataset_size=1000, sample_rate=0.05, epochs=4)
+GAUSSIAN = dict(dim=1000, batch_size=8, max_grad_norm=1.5, noise_multiplier=2.0, calls=200)
+
+
+def _plot_gaussian(ax, result):
+    return result.plot(ax)
+
+
+register_kind("SamplingAudit", Kind(
+    what="The loader under test draws batches from a data set whose items are their own "
+         "indices, for several epochs; batch sizes, per-example counts and the overlap of "
+         "batches must look like Poisson sampling. The accountant's amplification by sampling "
+         "holds only for Poisson batches; shuffled fixed-size batches are the most common "
+         "accounting error in deployed DP-SGD (Chua et al., ICML 2024).",
+    summary=lambda r: (r.summary, f"min p = {r.table['p_value'].min():.3g}")))
+
+register_kind("GaussianAudit", Kind(
+    what="Many calls of the step on a gradient that is present or absent, scored by the "
+         "white-box test of Nasr et al. 2023: a tight lower bound on one step's ε, compared "
+         "with the accountant's claim. Unlike the one-run canary bound, it reaches the claim "
+         "for a correct step, so a step with less noise than claimed fails.",
+    summary=lambda r: (r.summary, f"ε_lower {r.table['epsilon_lower'].iloc[0]:.3g} vs "
+                                  f"{r.table['epsilon_upper'].iloc[0]:.3g}"),
+    figures=(_plot_gaussian,)))
+
+
+def privacy_extras(seed: int = 0) -> list:
+    """The sampling and tight Gaussian sections of the headless audit."""
+    def poisson(dataset):
+        return DPDataLoader(dataset, sample_rate=SAMPLING["sample_rate"],
+                            generator=torch.Generator().manual_seed(seed))
+
+    def shuffled(dataset):
+        return DataLoader(dataset, batch_size=round(SAMPLING["sample_rate"] * len(dataset)),
+                          shuffle=True, generator=torch.Generator().manual_seed(seed))
+
+    out = [section("Sampling: the workbench's Poisson loader", audit_sampling(poisson,
+                                                                               **SAMPLING)),
+           section("Sampling: a shuffled fixed-size loader must be caught",
+                   audit_sampling(shuffled, **SAMPLING), expect_failure=True)]
+    C, sigma, B = GAUSSIAN["max_grad_norm"], GAUSSIAN["noise_multiplier"], GAUSSIAN["batch_size"]
+    ours = workbench_step(C, sigma, B, torch.Generator().manual_seed(seed + 1))
+    out.append(section("Tight audit of one step: workbench DP optimizer", audit_gaussian_step(
+        ours, generator=torch.Generator().manual_seed(seed), **GAUSSIAN)))
+    leaky = correct_step(C, sigma / 2, B, torch.Generator().manual_seed(seed + 1))  # σ/2 noise
+    out.append(section("Tight audit of one step: half the claimed noise must be caught",
+                       audit_gaussian_step(leaky, generator=torch.Generator().manual_seed(seed),
+                                           **GAUSSIAN), expect_failure=True))
+    return out
