@@ -33,7 +33,7 @@ def layer_route(layer, call, shared: set[int], fallback=None) -> tuple[str, str]
 
 def ghost_routes(model, loss_fn, inputs, targets) -> pd.DataFrame:
     """One row per layer call: path, layer type, call index, route, reason."""
-    rec = record(model, loss_fn, inputs, targets, retain_graph=False)
+    rec = record(model, loss_fn, inputs, targets, retain_graph=False, check=True)
     shared = rec.shared_ids()
     rows, seen = [], {}
     for path, layer, call in rec.calls():

@@ -21,7 +21,8 @@ gap, both cheap next to a step:
 
 Both run the first time a model is seen with a given call signature (the shapes of every
 recorded call); later calls with the same signature reuse the verdict and the probe's
-decisions. ``check="always"`` checks every call, ``check=False`` none (benchmarks only).
+decisions. ``check="always"`` checks every call, ``check=False`` none (benchmarks only: on a
+model never checked before, a sequence-first layer with T == n then goes undetected).
 
 Notation: n batch size, i the probed sample, g_i exact per-sample gradient, ĝ_i fast one.
 """
@@ -60,15 +61,15 @@ def signature(rec: Recording) -> tuple:
 def known(model, rec: Recording, check) -> tuple | None:
     """The signature to verify, or None when this call need not be checked (re-applying the
     probe's decisions of the first call with the same signature)."""
-    if check is False or rec.n < 2:
+    if rec.n < 2:
         return None
     sig = signature(rec)
     marks = _VERIFIED.get(model, {}).get(sig)
     if marks is not None and check != "always":
-        for key, reason in marks.items():
+        for key, reason in marks.items():  # the probe's decisions, also with check=False
             rec.fallback.setdefault(key, reason)
         return None
-    return sig
+    return None if check is False else sig
 
 
 def remember(model, sig, marks: dict) -> None:
