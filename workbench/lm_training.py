@@ -7,11 +7,10 @@ expected batch size B = qN in the denominator (see ``dpsgd/optimizer.py`` for wh
     ḡ       = (Σ_{i ∈ batch} min(1, C / ||g_i||) g_i + N(0, σ² C² I)) / (q N)
     θ       ← Adam(θ, ḡ)                                            post-processing of ḡ
 
-The clipped sum is ``wb.clipped_grad_sum(..., method=method)``, so every clipping method of
-the workbench can drive the loop: ``method`` is the one word to change (``"vmap"`` and
-``"microbatch"`` are exact on tiny_gpt today; ``"ghost"`` and ``"bookkeeping"`` once the
-engine handles tied heads and ``arange`` positions). σ is calibrated with
-``accounting.get_noise_multiplier`` for ``target_epsilon`` over the planned steps (RDP).
+The loop is the ordinary one under ``wb.PrivacyEngine``, so every ``grad_sample_mode`` can
+drive it (all are exact on tiny_gpt, tied head and ``arange`` positions included; the
+default is book-keeping). σ is calibrated with ``accounting.get_noise_multiplier`` for
+``target_epsilon`` over the planned steps (RDP).
 
 A sample is one window of T characters (``corpus.windows``): the guarantee is per window.
 
@@ -22,6 +21,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils.data import DataLoader
 
 import workbench as wb
 from workbench import accounting
@@ -70,37 +70,40 @@ class DPRun:
 
 
 def dp_train_lm(model, data, *, target_epsilon: float, delta: float, steps: int,
-                batch_size: int, max_grad_norm: float, lr: float, method: str = "vmap",
+                batch_size: int, max_grad_norm: float, lr: float, method: str = "bookkeeping",
                 generator: torch.Generator, noise_generator: torch.Generator) -> DPRun:
     """DP-SGD (Adam on the noised mean) at (target_epsilon, delta) over ``steps`` steps.
 
-    ``batch_size`` is the expected one (q = batch_size / N). ``target_epsilon=math.inf``
-    runs the same loop with σ = 0 (clipping only), the non-private twin.
+    The ordinary loop under ``wb.PrivacyEngine`` (Poisson batches of expected size
+    ``batch_size``, ``grad_sample_mode=method``). ``target_epsilon=math.inf`` runs the same
+    loop with σ = 0 (clipping only), the non-private twin.
     """
-    x, y = data.tensors
+    x, _ = data.tensors
     N = len(x)
     q = accounting_rate(batch_size, N)
     sigma = 0.0 if math.isinf(target_epsilon) else accounting.get_noise_multiplier(
         target_epsilon, delta, q, steps=steps)
-    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
-    opt = torch.optim.Adam(params.values(), lr=lr)
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine = wb.PrivacyEngine()
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.Adam(params, lr=lr),
+        data_loader=DataLoader(data, batch_size=batch_size), noise_multiplier=sigma,
+        max_grad_norm=max_grad_norm, grad_sample_mode=method, loss_reduction="sum",
+        noise_generator=noise_generator, sampling_generator=generator)
     run = DPRun(sigma, q, int(steps), math.inf, delta)
-    for _ in range(int(steps)):
-        idx = (torch.rand(N, generator=generator) < q).nonzero().squeeze(1)  # Poisson batch
-        if len(idx):
-            sums = wb.clipped_grad_sum(model, sequence_cross_entropy, x[idx], y[idx],
-                                       max_grad_norm, method=method)  # {name: Σ c_i g_i}
-            with torch.no_grad():
-                run.losses.append(sequence_cross_entropy(model(x[idx]), y[idx]).mean().item())
-        else:  # an empty batch still steps and adds noise
-            sums = {k: torch.zeros_like(p) for k, p in params.items()}
-        for k, p in params.items():
-            noise = torch.normal(0.0, sigma * max_grad_norm, p.shape, generator=noise_generator,
-                                 dtype=p.dtype)
-            p.grad = (sums[k] + noise) / (q * N)  # ḡ
-        opt.step()
+    while len(engine.accountant) < steps:
+        for xb, yb in loader:
+            opt.zero_grad()
+            losses = sequence_cross_entropy(model(xb), yb)  # (n,)
+            losses.sum().backward()
+            opt.step()
+            if len(xb):
+                run.losses.append(losses.mean().item())
+            if len(engine.accountant) >= steps:
+                break
+    opt.detach()
     if sigma > 0:
-        run.epsilon = accounting.epsilon(q, sigma, steps, delta)
+        run.epsilon = engine.get_epsilon(delta)
     return run
 
 
