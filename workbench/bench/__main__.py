@@ -17,6 +17,7 @@ BENCHMARKS = {
     "memory": ("workbench.bench.memory", "peak memory per layer and DP mode"),
     "embedding_norm": ("workbench.bench.embedding_norm",
                        "embedding ghost norms vs PyTorch's embedding backward"),
+    "selfcheck": ("workbench.bench.selfcheck", "the self-check's cost: checked vs unchecked"),
     "all": ("workbench.bench.all", "every benchmark, CSVs and Fig. 2/3-style figures"),
 }
 
