@@ -44,6 +44,8 @@ def worker(rank, world, store, out):
     grads = dp_step(ddp, x[half], y[half], inner=model)
     if rank == 0:
         torch.save(grads, out)
+    del ddp  # DDP's reducer threads end before the group does (else gloo may abort)
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -80,6 +82,9 @@ def engine_worker(rank, world, store, out):
         seen += y.tolist()
     torch.save({"rank": rank, "steps": len(engine.accountant), "n": len(loader),
                 "B": opt.expected_batch_size, "shard": len(loader.dataset)}, f"{out}.{rank}")
+    opt.detach()
+    del ddp, opt  # DDP's reducer threads end before the group does (else gloo may abort)
+    dist.barrier()
     dist.destroy_process_group()
 
 
