@@ -161,3 +161,25 @@ def test_virtual_loader_iterates_without_warning_when_finished():
                 opt.zero_grad()
                 CE(model(x), y).mean().backward()
                 opt.step()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_live_tensors_stay_flat_over_many_steps(mode):
+    model = mlp()
+    opt = optimizer(model, mode)
+
+    def live_tensors():
+        gc.collect()
+        with warnings.catch_warnings():  # isinstance on deprecated torch objects warns
+            warnings.simplefilter("ignore")
+            return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+    counts = []
+    for step in range(60):
+        x, y = data(16, step)
+        opt.zero_grad()
+        CE(model(x), y).mean().backward()
+        opt.step()
+        if step in (10, 59):
+            counts.append(live_tensors())
+    assert counts[1] <= counts[0], counts  # nothing accumulates from step to step
