@@ -44,7 +44,9 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Linear(base.in_features, self.r, bias=False, **like)  # A (r, d)
         self.lora_B = nn.Linear(self.r, base.out_features, bias=False, **like)  # B (p, r)
         with torch.no_grad():
-            self.lora_A.weight.normal_(0.0, 1.0 / math.sqrt(self.r), generator=generator)
+            A = torch.randn(self.lora_A.weight.shape, generator=generator,  # on the generator's
+                            device=generator.device if generator is not None else None)  # device
+            self.lora_A.weight.copy_(A / math.sqrt(self.r))
             self.lora_B.weight.zero_()  # ΔW = BA = 0: the adapted model starts as the base
 
     @property
