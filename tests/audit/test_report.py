@@ -117,3 +117,11 @@ def test_every_built_in_kind_draws_its_figures(sections):
     expected = {"gradients": 1, "step": 2, "clipping": 1, "zoo": 1, "canary": 2,
                 "accountants": 1}
     assert {k: len(sections[k].figures) for k in expected} == expected
+
+
+def test_sampling_and_gaussian_sections_have_findings_and_key_numbers():
+    from workbench.audit.report_more_kinds import privacy_extras
+
+    sections = privacy_extras(seed=0)
+    assert [s.label for s in sections] == ["passed", "caught", "passed", "caught"]
+    assert all(s.finding and s.key_number for s in sections)

@@ -31,7 +31,7 @@ register_kind("SamplingAudit", Kind(
          "batches must look like Poisson sampling. The accountant's amplification by sampling "
          "holds only for Poisson batches; shuffled fixed-size batches are the most common "
          "accounting error in deployed DP-SGD (Chua et al., ICML 2024).",
-    summary=lambda r: (r.summary, f"min p = {r.table['p_value'].min():.3g}")))
+    summary=lambda r: (r.summary, f"smallest p-value {r.table['p-value'].min():.3g}")))
 
 register_kind("GaussianAudit", Kind(
     what="Many calls of the step on a gradient that is present or absent, scored by the "
