@@ -65,17 +65,23 @@ def plain_step(layer, x, t):
     return torch.autograd.grad(loss, params)
 
 
-def bench_layer(name, b, methods, repeats, device, bandwidth, seed=0, compare=False):
-    """One row per (layer, b): median seconds per candidate, the floor and the ratios.
-
-    ``compare``: also time Opacus' GradSampleModule (``bench.opacus_twin``) on the layer.
-    """
+def layer_case(name, b, device, seed=0):
+    """(layer, inputs, targets) of ``LAYERS[name]`` at batch size b, seeded."""
     make_layer, make_input = LAYERS[name]
     g = torch.Generator().manual_seed(seed)
     layer = make_layer().to(device)
     x = make_input(b, g, device)
     with torch.no_grad():
         t = torch.randn(layer(x).shape, generator=g).to(device)
+    return layer, x, t
+
+
+def bench_layer(name, b, methods, repeats, device, bandwidth, seed=0, compare=False):
+    """One row per (layer, b): median seconds per candidate, the floor and the ratios.
+
+    ``compare``: also time Opacus' GradSampleModule (``bench.opacus_twin``) on the layer.
+    """
+    layer, x, t = layer_case(name, b, device, seed)
     candidates = {"plain": lambda: plain_step(layer, x, t)}
     for method in methods:
         candidates[method] = (lambda m=method: wb.per_sample_gradients(

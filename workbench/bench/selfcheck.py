@@ -23,7 +23,7 @@ import torch
 import workbench as wb
 from workbench import models
 from workbench.bench.e2e import DEFAULT_MODELS, LOSS
-from workbench.bench.layers import LAYERS, sum_of_squares
+from workbench.bench.layers import LAYERS, layer_case, sum_of_squares
 from workbench.bench.timing import (
     benchmark_parser,
     device_name,
@@ -43,12 +43,7 @@ def _ratios(row: dict, times: dict, prefix: str = "") -> dict:
 
 
 def bench_layer(name, b, repeats, device, seed=0) -> dict:
-    make_layer, make_input = LAYERS[name]
-    g = torch.Generator().manual_seed(seed)
-    layer = make_layer().to(device)
-    x = make_input(b, g, device)
-    with torch.no_grad():
-        t = torch.randn(layer(x).shape, generator=g).to(device)
+    layer, x, t = layer_case(name, b, device, seed)
     candidates = {mode: (lambda c=check: wb.per_sample_gradients(
         layer, sum_of_squares, x, t, method="einsum", check=c)) for mode, check in MODES.items()}
     times = time_interleaved(candidates, device, repeats=repeats)
