@@ -65,15 +65,25 @@ class UseTracker(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
-        name = getattr(func, "__name__", "")
-        if not self.random and _is_random(name, args, kwargs):
-            self.random = True
-        if self.owners and torch.is_grad_enabled():
-            used = [t for t in tree_flatten((args, kwargs))[0]
-                    if isinstance(t, torch.Tensor) and id(t) in self.owners]
+        if not self.random and getattr(func, "__name__", "") in RANDOM_FUNCTIONS:
+            self.random = _is_random(func.__name__, args, kwargs)
+        if torch.is_grad_enabled():
+            used = self._parameters_in(args, kwargs)
             if used and _differentiable(result):
                 where = LOSS if self.in_loss else self.stack[-1] if self.stack else _OUTSIDE
                 for p in used:
                     if where not in self.owners[id(p)]:
                         self.uncovered.setdefault(id(p), set()).add(where)
         return result
+
+    def _parameters_in(self, args, kwargs) -> list:
+        """The tracked parameters among the arguments (one level into lists and tuples:
+        ``torch.cat([w1, w2])``, the weight lists of fused RNN kernels). A scan by id, the
+        cheap part of a call that runs for every op of the forward pass."""
+        owners, used = self.owners, []
+        for a in (*args, *kwargs.values()):
+            if id(a) in owners:
+                used.append(a)
+            elif type(a) in (list, tuple):
+                used.extend(b for b in a if id(b) in owners)
+        return used
