@@ -63,19 +63,19 @@ def test_a_bug_that_is_not_caught_fails():
 
 
 def test_a_new_audit_is_one_registration():
-    class SamplingAudit:
+    class ToyAudit:  # a name no real audit uses: the registry is global
         passed, table = False, pd.DataFrame({"test": ["sizes"], "p_value": [1e-9]})
 
     def plot(ax, result):
         return ax.plot([0, 1], [0, 1])
 
     try:
-        register_kind("SamplingAudit", Kind(
+        register_kind("ToyAudit", Kind(
             what="Batches are Poisson.", figures=(plot,),
             summary=lambda r: ("batch sizes are not Binomial", f"p {r.table.p_value[0]:.0e}")))
-        s = section("sampling", SamplingAudit())
+        s = section("sampling", ToyAudit())
     finally:
-        del KINDS["SamplingAudit"]
+        del KINDS["ToyAudit"]
     assert (s.what, s.verdict, s.finding, s.key_number) == (
         "Batches are Poisson.", FAILED, "batch sizes are not Binomial", "p 1e-09")
     assert len(s.figures) == 1 and s.figures[0][:4] == b"\x89PNG"
