@@ -3,17 +3,13 @@
 import torch
 
 import workbench as wb
+from workbench.audit.gradients import relative_error  # noqa: F401  (one home: the audit's)
 
 # float64: the methods differ only by summation order, so ~1e2 ulp (1e-14) is typical; the
 # issue's bar is 1e-9. float32: eps = 1.2e-7, times sums over up to ~1e3 terms -> 1e-4.
 RTOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 
 
-def relative_error(g: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |g - ref| / max |ref| over one parameter's (n, *shape) tensor (0 when both are 0)."""
-    scale = ref.abs().max().item()
-    err = (g - ref).abs().max().item()
-    return err / scale if scale > 0 else err
 
 
 def assert_agree(model, loss_fn, inputs, targets, methods=("vmap", "einsum"), **kwargs):

@@ -2,6 +2,7 @@ import pytest
 import torch
 from torch import nn
 
+import workbench as wb
 from tests.helpers import assert_agree, mse_per_sample
 
 
@@ -25,7 +26,9 @@ def test_layer_norm(norm_dims, bias):
 
 
 def test_layer_norm_without_affine_behind_linear():
-    check(nn.LayerNorm(5, elementwise_affine=False), (6, 3, 5), lead=None)
+    frozen = nn.LayerNorm(5, elementwise_affine=False)  # nothing trainable: nothing returned
+    assert wb.per_sample_gradients(frozen, lambda o, _: o.sum((1, 2)), torch.randn(6, 3, 5),
+                                   None) == {}
     check(nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5, elementwise_affine=False)), (6, 3, 4))
 
 

@@ -13,8 +13,8 @@ from workbench.viz.budget import plot_budget  # noqa: E402
 from workbench.widgets.budget import BudgetExplorer  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def explorer():
+@pytest.fixture
+def explorer():  # a fresh widget per test: no test depends on what another one set
     return BudgetExplorer(dataset_size=60_000, batch_size=256, noise_multiplier=1.1, epochs=30)
 
 

@@ -33,7 +33,6 @@ import pandas as pd
 import torch
 from scipy import stats
 
-_N_CHECKS = 8  # rows of the table; alpha is split evenly (Bonferroni)
 _CHECKS = {
     "mean · designed batch": "E[step(G)] = Σ clip_C(g_i)/B with huge, tiny, zero, outlier and "
     "aligned samples; catches inverted, per-batch and per-coordinate clipping, wrong scale",
@@ -139,7 +138,7 @@ def audit_dp_step(step_fn, dim: int, batch_size: float, max_grad_norm: float,
     C, sigma, B, T = float(max_grad_norm), float(noise_multiplier), float(batch_size), int(trials)
     if T < 20:
         raise ValueError(f"trials must be >= 20 for the tests' normal approximations; got {T}")
-    a = alpha / _N_CHECKS
+    a = alpha / len(_CHECKS)  # one row per check; alpha split evenly (Bonferroni)
     s, tol = sigma * C / B, 1e-6 * C / B
     batches = design_batches(dim, B, C, generator)
     rows, resid, mus, ybars = [], [], {}, {}

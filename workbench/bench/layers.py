@@ -23,6 +23,7 @@ from torch import nn
 
 import workbench as wb
 from workbench.bench import opacus_twin
+from workbench.bench.dp_layers import sum_of_products  # the benches' one per-sample loss
 from workbench.bench.timing import (
     benchmark_parser,
     copy_bandwidth,
@@ -31,12 +32,6 @@ from workbench.bench.timing import (
     time_interleaved,
 )
 from workbench.per_sample import memory
-
-
-def sum_of_squares(outputs, targets):
-    """A per-sample loss for any output shape: Σ over non-batch dims of o ⊙ t."""
-    return (outputs * targets).flatten(1).sum(1)
-
 
 # name -> (layer factory, input factory(b, generator, device)). Sizes follow Opacus' per-layer
 # benchmark settings (opacus/benchmarks/config.json, used for the paper's Fig. 2 and Tables
@@ -61,7 +56,7 @@ LAYERS = {
 
 def plain_step(layer, x, t):
     params = [p for p in layer.parameters() if p.requires_grad]
-    loss = sum_of_squares(layer(x), t).sum()
+    loss = sum_of_products(layer(x), t).sum()
     return torch.autograd.grad(loss, params)
 
 
@@ -85,10 +80,10 @@ def bench_layer(name, b, methods, repeats, device, bandwidth, seed=0, compare=Fa
     candidates = {"plain": lambda: plain_step(layer, x, t)}
     for method in methods:
         candidates[method] = (lambda m=method: wb.per_sample_gradients(
-            layer, sum_of_squares, x, t, method=m))
+            layer, sum_of_products, x, t, method=m))
     if compare:
         twin = opacus_twin.opacus_layer(name, None, layer).to(device)
-        candidates["opacus"] = opacus_twin.gsm_step(twin, sum_of_squares, x, t)
+        candidates["opacus"] = opacus_twin.gsm_step(twin, sum_of_products, x, t)
     times = time_interleaved(candidates, device, repeats=repeats)
     per_sample_bytes = sum(b * p.numel() * p.element_size() for p in layer.parameters())
     row = {"layer": name, "batch_size": b, "params": sum(p.numel() for p in layer.parameters()),

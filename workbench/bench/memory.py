@@ -63,7 +63,7 @@ from torch import nn
 
 import workbench as wb
 from workbench.bench import opacus_twin
-from workbench.bench.dp_layers import sum_of_products  # the per-sample loss all benches use
+from workbench.bench.dp_layers import sum_of_products
 from workbench.bench.timing import benchmark_parser, device_name, parse_benchmark_args
 from workbench.clipping.ghost import record
 from workbench.clipping.routes import layer_route

@@ -22,8 +22,9 @@ import torch
 
 import workbench as wb
 from workbench import models
+from workbench.bench.dp_layers import sum_of_products
 from workbench.bench.e2e import DEFAULT_MODELS, LOSS
-from workbench.bench.layers import LAYERS, layer_case, sum_of_squares
+from workbench.bench.layers import LAYERS, layer_case
 from workbench.bench.timing import (
     benchmark_parser,
     device_name,
@@ -45,7 +46,7 @@ def _ratios(row: dict, times: dict, prefix: str = "") -> dict:
 def bench_layer(name, b, repeats, device, seed=0) -> dict:
     layer, x, t = layer_case(name, b, device, seed)
     candidates = {mode: (lambda c=check: wb.per_sample_gradients(
-        layer, sum_of_squares, x, t, method="einsum", check=c)) for mode, check in MODES.items()}
+        layer, sum_of_products, x, t, method="einsum", check=c)) for mode, check in MODES.items()}
     times = time_interleaved(candidates, device, repeats=repeats)
     return _ratios({"case": f"layer {name}", "method": "einsum", "batch_size": b}, times)
 
