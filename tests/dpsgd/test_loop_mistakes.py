@@ -113,15 +113,21 @@ def test_optimizer_with_a_foreign_parameter_is_an_error():
         optimizer(model, "einsum", params=[*model.parameters(), nn.Parameter(torch.ones(2))])
 
 
-def test_abandoned_virtual_steps_are_discarded_with_a_warning():
-    torch.manual_seed(0)
-    model = mlp()
-    ds = TensorDataset(*data(64, 3))
+def virtual_setup(n, batch_size, seed):
+    """(engine, model, optimizer, loader): noiseless, logical batches in chunks of 4."""
     engine = PrivacyEngine()
+    model = mlp()
     model, opt, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-        data_loader=DataLoader(ds, batch_size=32), noise_multiplier=0.0, max_grad_norm=1.0,
-        max_physical_batch_size=4, sampling_generator=torch.Generator().manual_seed(1))
+        data_loader=DataLoader(TensorDataset(*data(n, seed)), batch_size=batch_size),
+        noise_multiplier=0.0, max_grad_norm=1.0, max_physical_batch_size=4,
+        sampling_generator=torch.Generator().manual_seed(1))
+    return engine, model, opt, loader
+
+
+def test_abandoned_virtual_steps_are_discarded_with_a_warning():
+    torch.manual_seed(0)
+    engine, model, opt, loader = virtual_setup(64, 32, seed=3)
     for x, y in loader:  # leave after the first chunk of a logical batch
         opt.zero_grad()
         CE(model(x), y).mean().backward()
@@ -147,13 +153,7 @@ def test_half_precision_norms_do_not_overflow(dtype):
 
 
 def test_virtual_loader_iterates_without_warning_when_finished():
-    model = mlp()
-    ds = TensorDataset(*data(32, 4))
-    engine = PrivacyEngine()
-    model, opt, loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-        data_loader=DataLoader(ds, batch_size=16), noise_multiplier=0.0, max_grad_norm=1.0,
-        max_physical_batch_size=4)
+    engine, model, opt, loader = virtual_setup(32, 16, seed=4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for _ in range(2):
