@@ -13,6 +13,9 @@ small σ and many steps per epoch. ``epsilon_bounds`` says what each sampler can
                      arXiv:1805.06530, Thm. 8), so lower = upper.
     "shuffle"        lower: Chua et al.'s bound (``shuffle.py``); upper: the deterministic ε
                      (shuffling is never worse than a fixed order, and no better bound is known).
+                     For small σ and many batches per epoch the lower bound is far above the
+                     Poisson ε: T = 1000, σ = 0.8, one epoch, δ = 1e-6 gives Poisson 0.47 but
+                     shuffle in [6.04, 6.31] (``shuffle.py``, tests/accounting/test_shuffle.py).
 
 Notation: q = B/N sample rate, T = round(1/q) batches per epoch, E epochs, σ, δ.
 """

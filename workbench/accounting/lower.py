@@ -81,11 +81,15 @@ def poisson_lower_epsilon(q, sigma, steps, delta, h=H_LOWER):
     return eps
 
 
-def lower_epsilon(pairs, delta, compositions):
-    """ε_low(δ) of ``compositions`` copies of the worse of the binned pairs [(log_p, log_q)]."""
+def lower_epsilon(pairs, delta, compositions, h=H_LOWER):
+    """ε_low(δ) of ``compositions`` copies of the worse of the binned pairs [(log_p, log_q)].
+
+    ``h`` is the loss grid step: any h > 0 gives a lower bound, a coarser one a looser bound
+    (each composition can lose up to h of loss to the rounding) at a smaller FFT.
+    """
     eps = 0.0
     for log_p, log_q in pairs:
-        pld = compose([(binned_pld_down(log_p, log_q), compositions)])
+        pld = compose([(binned_pld_down(log_p, log_q, h), compositions)])
         eps = max(eps, epsilon_for_delta(pld, delta + SLACK))
     return eps
 
