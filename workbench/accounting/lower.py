@@ -21,7 +21,7 @@ Notation: p, q bin masses, L privacy loss, h loss grid step, E compositions, δ 
 
 import numpy as np
 
-from workbench.accounting.compose import compose
+from workbench.accounting.compose import compose, self_compose_many
 from workbench.accounting.pld import (
     DiscretePLD,
     _g_inv,
@@ -87,10 +87,18 @@ def lower_epsilon(pairs, delta, compositions, h=H_LOWER):
     ``h`` is the loss grid step: any h > 0 gives a lower bound, a coarser one a looser bound
     (each composition can lose up to h of loss to the rounding) at a smaller FFT.
     """
-    eps = 0.0
+    return float(lower_epsilons(pairs, delta, [compositions], h)[0])
+
+
+def lower_epsilons(pairs, delta, counts, h=H_LOWER):
+    """ε_low(δ) after each number of compositions in ``counts``: one forward FFT per pair."""
+    eps = np.zeros(len(counts))
     for log_p, log_q in pairs:
-        pld = compose([(binned_pld_down(log_p, log_q, h), compositions)])
-        eps = max(eps, epsilon_for_delta(pld, delta + SLACK))
+        pld = binned_pld_down(log_p, log_q, h)
+        fft_counts = sorted({int(t) for t in counts if t > 1})  # one copy needs no FFT
+        composed = dict(zip(fft_counts, self_compose_many(pld, fft_counts) if fft_counts else []))
+        many = [pld if t == 1 else composed[int(t)] for t in counts]
+        eps = np.maximum(eps, [epsilon_for_delta(c, delta + SLACK) for c in many])
     return eps
 
 

@@ -51,7 +51,7 @@ m the mean of the differing batch in MoG(m).
 import numpy as np
 from scipy.special import log_ndtr, ndtri
 
-from workbench.accounting.lower import H_LOWER, interval_log_masses, lower_epsilon
+from workbench.accounting.lower import H_LOWER, interval_log_masses, lower_epsilons
 
 MEANS = (2.0, 1.0)  # (P, Q) = (MoG(2), MoG(1)), Eq. (1)
 LOSS_PER_BIN = 2e-3  # bin width of Y is LOSS_PER_BIN σ² / (m_P - m_Q): the loss's slope bound
@@ -94,6 +94,11 @@ def shuffle_lower_epsilon(batches, noise_multiplier, epochs, delta, h=H_LOWER):
     >>> round(shuffle_lower_epsilon(1000, 0.8, 1, 1e-6), 2)  # Poisson's ε here is 0.47
     6.04
     """
+    return float(shuffle_lower_curve(batches, noise_multiplier, [epochs], delta, h)[0])
+
+
+def shuffle_lower_curve(batches, noise_multiplier, epochs, delta, h=H_LOWER):
+    """ε_low(δ) after each whole number of epochs in ``epochs`` (one binning, one FFT each way)."""
     T, sigma = int(batches), float(noise_multiplier)
     log_p, log_q = max_log_masses(T, sigma, _edges(T, sigma))
-    return lower_epsilon([(log_p, log_q), (log_q, log_p)], delta, int(epochs), h)
+    return lower_epsilons([(log_p, log_q), (log_q, log_p)], delta, [int(e) for e in epochs], h)
