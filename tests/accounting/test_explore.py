@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from workbench import accounting
 from workbench.accounting import epsilon, explore_budget
 
 
@@ -32,6 +33,20 @@ def test_solve_mode_hits_the_target():
     assert r.noise_multiplier != 99.0 and r.target_epsilon == 3.0
 
 
+def test_shuffle_bracket_is_epsilon_bounds_on_a_coarser_loss_grid():
+    # N = 60,000, B = 256 (T_b = 234 batches per epoch): the lower bound is far above Poisson's
+    r = explore_budget(60_000, 256, 1.1, 60, 1e-5, points=2, pld_points=1, shuffle_points=3)
+    assert r.shuffle_epochs.tolist() == [20, 40, 60]
+    for e, lower, upper in zip(r.shuffle_epochs, r.shuffle_lower, r.shuffle_upper):
+        b = accounting.epsilon_bounds("shuffle", sample_rate=256 / 60_000, noise_multiplier=1.1,
+                                      epochs=int(e), delta=1e-5)
+        assert upper == b.upper and 0.99 * b.lower <= lower <= b.lower  # coarse: still below
+    assert r.epsilon_shuffle[0] > 4 * r.epsilon_pld  # measured: 10.8 vs 2.38
+    assert explore_budget(60_000, 256, 1.1, 0.5, 1e-5).epsilon_shuffle is None  # < 1 epoch
+    off = explore_budget(60_000, 256, 1.1, 60, 1e-5, shuffle=False)
+    assert off.shuffle_epochs.size == off.shuffle_lower.size == 0
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(batch_size=0), r"batch_size must be an integer in \[1, dataset_size=1000\]; got 0"),
     (dict(batch_size=1001), r"batch_size must be an integer in \[1, dataset_size=1000\]"),
@@ -41,6 +56,7 @@ def test_solve_mode_hits_the_target():
     (dict(mode="guess"), "mode must be one of"),
     (dict(points=0), r"points must be an integer in \[1, 1000000\]; got 0"),
     (dict(pld_points=2.5), "pld_points must be an integer; got 2.5"),
+    (dict(shuffle_points=0), r"shuffle_points must be an integer in \[1, 1000000\]; got 0"),
 ])
 def test_bad_input(kwargs, match):
     args = dict(dataset_size=1000, batch_size=100, noise_multiplier=1.0, epochs=5, delta=1e-5)

@@ -16,13 +16,22 @@ Where the loss of one step is narrow (tiny q: batch sizes of a few records) the 
 leaves the grid coarse and the bound looser than the fine-grid PLD; in the usual range
 (B >= 16 of N = 60,000) it is within 1% of it (tests/widgets/test_budget.py measures both).
 
+With ``shuffle=True`` the explorer also brackets the same run with *shuffled* fixed-size
+batches (T_b = round(N / B) per epoch, ``bounds.py``): Chua et al.'s lower bound
+(``shuffle.py``, on a coarse loss grid ``EXPLORE_SHUFFLE_H``, still a lower bound, within 1%
+of the fine grid) and the no-amplification upper bound, at ``shuffle_points`` whole epochs.
+Where the lower bound is above the Poisson curves (small σ, many batches per epoch), reporting
+the Poisson ε for a shuffled run understates it.
+
 Notation: N dataset size, B batch size, q = B / N, σ noise multiplier, E epochs, δ, T steps.
 """
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
+from workbench.accounting.bounds import batches_per_epoch
 from workbench.accounting.calibrate import get_noise_multiplier, steps_from_epochs
 from workbench.accounting.checks import (
     check_choice,
@@ -32,10 +41,13 @@ from workbench.accounting.checks import (
     check_noise_multiplier,
     check_positive,
 )
-from workbench.accounting.curve import epsilon_curve
+from workbench.accounting.curve import check_pld_delta, epsilon_curve
+from workbench.accounting.gaussian import gaussian_epsilon
+from workbench.accounting.shuffle import shuffle_lower_curve
 
 EXPLORE_DISCRETIZATION = 1e-3
 EXPLORE_GRID_POINTS = 2**15  # per-step grid cap: bounds the cost of a refined grid
+EXPLORE_SHUFFLE_H = 1e-3  # loss grid of the shuffle lower bound (tests/accounting/test_shuffle)
 MODES = ("epsilon", "solve")
 
 
@@ -57,6 +69,9 @@ class BudgetResult:
     pld_epochs: np.ndarray  # (m,) fewer points: each costs an inverse FFT
     pld_epsilon: np.ndarray  # (m,) upper bound: min(PLD on a coarse grid, RDP), see above
     discretization: float
+    shuffle_epochs: np.ndarray  # (k,) whole epochs of the shuffle bracket; (0,) when off
+    shuffle_lower: np.ndarray  # (k,) ε(δ) lower bound for shuffled fixed-size batches
+    shuffle_upper: np.ndarray  # (k,) no-amplification upper bound (Gaussian, σ/√E)
 
     @property
     def epsilon_rdp(self):
@@ -68,6 +83,13 @@ class BudgetResult:
         """ε(δ) by PLD at the end of training."""
         return float(self.pld_epsilon[-1])
 
+    @property
+    def epsilon_shuffle(self):
+        """(lower, upper) on ε(δ) at the last shuffle epoch with shuffled batches, or None."""
+        if self.shuffle_epochs.size == 0:
+            return None
+        return float(self.shuffle_lower[-1]), float(self.shuffle_upper[-1])
+
 
 def _check_sizes(dataset_size, batch_size):
     n, b = dataset_size, batch_size
@@ -76,6 +98,22 @@ def _check_sizes(dataset_size, batch_size):
     if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 1 <= b <= n:
         raise ValueError(f"batch_size must be an integer in [1, dataset_size={n}]; got {b!r}")
     return int(n), int(b)
+
+
+@lru_cache(maxsize=256)  # slider moves revisit the same settings
+def _shuffle_bracket(batches, sigma, epochs, delta):
+    """(lower, upper) arrays at the whole epochs ``epochs`` (a tuple), see the docstring."""
+    upper = np.array([gaussian_epsilon(sigma, delta, e) for e in epochs])
+    if sigma == 0:
+        return upper, upper
+    lower = shuffle_lower_curve(batches, sigma, epochs, delta, EXPLORE_SHUFFLE_H)
+    return np.minimum(lower, upper), upper
+
+
+def _shuffle_epochs(epochs, points):
+    """Up to ``points`` whole epochs spread over [1, floor(E)]; none when E < 1."""
+    grid = np.round(np.linspace(epochs / points, epochs, points))
+    return tuple(int(e) for e in np.unique(np.clip(grid, 1, np.floor(epochs))) if epochs >= 1)
 
 
 def _curve(q, sigma, epochs, delta, points, accountant, h):
@@ -88,12 +126,13 @@ def _curve(q, sigma, epochs, delta, points, accountant, h):
 
 def explore_budget(dataset_size, batch_size, noise_multiplier, epochs, delta, *, mode="epsilon",
                    target_epsilon=None, points=40, pld_points=8,
-                   discretization=EXPLORE_DISCRETIZATION):
+                   discretization=EXPLORE_DISCRETIZATION, shuffle=True, shuffle_points=4):
     """Compute a :class:`BudgetResult`: ε(δ) against epochs up to E, by RDP and by PLD.
 
     In ``mode="solve"`` the noise multiplier is ignored and calibrated instead, so that the RDP
     ε after E epochs is at most ``target_epsilon``, with σ within 1% of the least that does so.
-    ``points`` and ``pld_points`` (integers >= 1) are the numbers of curve points.
+    ``points`` and ``pld_points`` (integers >= 1) are the numbers of curve points;
+    ``shuffle_points`` that of the shuffle bracket (``shuffle=False`` leaves it out).
 
     >>> r = explore_budget(60_000, 256, 1.1, 60, 1e-5, points=4, pld_points=2)
     >>> r.steps, r.rdp_epochs.tolist(), r.pld_epochs.tolist()
@@ -103,6 +142,8 @@ def explore_budget(dataset_size, batch_size, noise_multiplier, epochs, delta, *,
     >>> s = explore_budget(60_000, 256, 1.1, 60, 1e-5, mode="solve", target_epsilon=8.0)
     >>> round(s.noise_multiplier, 2), 7.8 <= s.epsilon_rdp <= 8.0
     (0.68, True)
+    >>> r.shuffle_epochs.tolist(), [round(e, 1) for e in r.epsilon_shuffle]
+    ([15, 30, 45, 60], [10.8, 54.0])
     """
     n, b = _check_sizes(dataset_size, batch_size)
     q = b / n
@@ -119,9 +160,16 @@ def explore_budget(dataset_size, batch_size, noise_multiplier, epochs, delta, *,
     pld_epochs, pld_eps = _curve(q, sigma, epochs, delta, pld_points, "pld", h)
     rdp_at_pld = _curve(q, sigma, epochs, delta, pld_points, "rdp", h)[1]
     pld_eps = np.minimum(pld_eps, rdp_at_pld)  # two upper bounds: keep the smaller
+    shuffle_points = check_count(shuffle_points, "shuffle_points")
+    shuffle_epochs = _shuffle_epochs(epochs, shuffle_points) if shuffle else ()
+    shuffle_lower, shuffle_upper = (
+        _shuffle_bracket(batches_per_epoch(q), sigma, shuffle_epochs, check_pld_delta(delta))
+        if shuffle_epochs else (np.zeros(0), np.zeros(0)))
     return BudgetResult(
         dataset_size=n, batch_size=b, sample_rate=q, noise_multiplier=sigma, epochs=epochs,
         delta=delta, steps=steps_from_epochs(epochs, q), mode=mode,
         target_epsilon=target_epsilon, rdp_epochs=rdp_epochs, rdp_epsilon=rdp_eps,
         pld_epochs=pld_epochs, pld_epsilon=pld_eps, discretization=h,
+        shuffle_epochs=np.array(shuffle_epochs, dtype=int), shuffle_lower=shuffle_lower,
+        shuffle_upper=shuffle_upper,
     )

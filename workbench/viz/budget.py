@@ -5,6 +5,11 @@ between the two curves is the looseness of RDP's conversion to (ε, δ) (Balle e
 arXiv:1905.09982, Thm. 21) against the near-exact PLD (Koskela et al. 2020, arXiv:1906.03049).
 The PLD curve is labelled an upper bound: the explorer computes it on a coarse grid, capped by
 RDP (``accounting.explore``), so at tiny batch sizes it can sit above the fine-grid PLD.
+When the result carries a shuffle bracket, the band between its lower bound (Chua et al. 2024,
+arXiv:2403.17673) and the no-amplification upper bound is where the ε of the same run with
+shuffled fixed-size batches lies; a lower edge above the Poisson curves means Poisson
+accounting understates a shuffled run. The y-axis is scaled to the curves and the lower edge,
+so the band may run off the top (its upper end is in the legend).
 
 Notation: q sample rate, σ noise multiplier, E epochs, T steps, δ target delta.
 """
@@ -16,22 +21,32 @@ def plot_budget(ax, result):
     """Draw ε(δ) vs epochs on ``ax``; returns a dict of the artists drawn.
 
     Keys: "rdp" and "pld" (Line2D), "target" (the target ε line in solve mode, else None),
-    "legend". Does not clear ``ax`` or create a figure; the caller owns both.
+    "shuffle_band" (PolyCollection) and "shuffle_lower" (Line2D) when the result has a shuffle
+    bracket, else None, and "legend". Does not clear ``ax`` or create a figure.
     """
     r = result
     artists = {
         "rdp": ax.plot(r.rdp_epochs, r.rdp_epsilon, color="C0", label="RDP")[0],
         "pld": ax.plot(r.pld_epochs, r.pld_epsilon, color="C1", marker="o", markersize=3,
                        label=f"PLD upper bound (grid {r.discretization:.1g}, capped by RDP)")[0],
-        "target": None,
+        "target": None, "shuffle_band": None, "shuffle_lower": None,
     }
+    if r.shuffle_epochs.size:
+        x, lo, hi = r.shuffle_epochs, r.shuffle_lower, r.shuffle_upper
+        artists["shuffle_band"] = ax.fill_between(
+            x, lo, hi, color="C2", alpha=0.15, linewidth=0,
+            label=f"shuffled batches: ε in bracket (up to {hi[-1]:.3g}, no amplification)")
+        artists["shuffle_lower"] = ax.plot(
+            x, lo, color="C2", marker="s", markersize=3,
+            label="shuffled batches: lower bound (Chua et al. 2024)")[0]
     if r.mode == "solve":
         artists["target"] = ax.axhline(r.target_epsilon, color="k", linestyle="--",
                                        linewidth=1, label=f"target ε = {r.target_epsilon:g}")
     ax.set_xlabel("epochs")
     ax.set_ylabel(f"ε  (δ = {r.delta:.0e})")
     ax.set_xlim(0, r.epochs)
-    finite = [v for v in (*r.rdp_epsilon, *r.pld_epsilon, r.target_epsilon or 0) if v < inf]
+    finite = [v for v in (*r.rdp_epsilon, *r.pld_epsilon, *r.shuffle_lower, r.target_epsilon or 0)
+              if v < inf]
     ax.set_ylim(0, 1.1 * max(finite, default=1) or 1)  # room above the target line
     ax.grid(True, alpha=0.3)
     ax.locator_params(nbins=5)  # fewer tick labels: readable, and each one costs a redraw
@@ -41,5 +56,5 @@ def plot_budget(ax, result):
         f"ε = {r.epsilon_rdp:.3g} (RDP), {r.epsilon_pld:.3g} (PLD)",
         fontsize="small",
     )
-    artists["legend"] = ax.legend(loc="upper left")
+    artists["legend"] = ax.legend(loc="upper left", fontsize="small")
     return artists

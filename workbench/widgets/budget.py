@@ -1,7 +1,8 @@
 """Budget explorer: sliders for N, B, σ, epochs and δ -> ε vs epochs by RDP and PLD.
 
 Glue only: ``accounting.explore_budget`` computes, ``viz.budget.plot_budget`` draws. In "solve"
-mode the σ slider is ignored and the σ that spends exactly the target ε is shown instead.
+mode the σ slider is ignored and the σ that spends exactly the target ε is shown instead. The
+"shuffle bracket" box adds the ε bracket of the same run with shuffled fixed-size batches.
 
 >>> from workbench.widgets.budget import BudgetExplorer
 >>> w = BudgetExplorer()
@@ -19,7 +20,7 @@ from workbench.viz.budget import plot_budget
 from workbench.widgets.base import Explorer
 
 
-def _controls(n, b, sigma, epochs, delta, mode, target):
+def _controls(n, b, sigma, epochs, delta, mode, target, shuffle):
     style = {"description_width": "120px"}
     return {
         "dataset_size": widgets.BoundedIntText(n, min=1, max=10**9, description="dataset size N",
@@ -36,16 +37,17 @@ def _controls(n, b, sigma, epochs, delta, mode, target):
                                       description="mode", style=style),
         "target_epsilon": widgets.FloatSlider(target, min=0.1, max=20, step=0.1,
                                               description="target ε (solve)", style=style),
+        "shuffle": widgets.Checkbox(shuffle, description="shuffle bracket", style=style),
     }
 
 
 class BudgetExplorer(Explorer):
-    """ε(δ) against epochs for RDP and PLD; ``.controls``, ``.result``, ``.figure``, ``.widget``."""
+    """ε(δ) vs epochs: RDP, PLD, shuffle bracket; ``.controls``, ``.result``, ``.figure``."""
 
     def __init__(self, dataset_size=60_000, batch_size=256, noise_multiplier=1.1, epochs=60,
-                 delta=1e-5, mode="epsilon", target_epsilon=8.0):
+                 delta=1e-5, mode="epsilon", target_epsilon=8.0, shuffle=True):
         self.controls = _controls(dataset_size, batch_size, noise_multiplier, epochs, delta,
-                                  mode, target_epsilon)
+                                  mode, target_epsilon, shuffle)
         self.figure = Figure(figsize=(7, 4), dpi=80)  # fixed margins: constrained layout
         self.figure.subplots_adjust(left=0.09, right=0.98, bottom=0.12, top=0.92)  # costs 70 ms
         self.ax = self.figure.add_subplot()
@@ -62,9 +64,12 @@ class BudgetExplorer(Explorer):
             self._show_error(err)
             return
         r = self.result
-        self.message.value = (f"q = {r.sample_rate:.4g}, T = {r.steps} steps<br>"
-                              f"σ = {r.noise_multiplier:.3f}<br>ε = {r.epsilon_rdp:.3f} (RDP), "
-                              f"{r.epsilon_pld:.3f} (PLD)")
+        text = (f"q = {r.sample_rate:.4g}, T = {r.steps} steps<br>σ = {r.noise_multiplier:.3f}"
+                f"<br>ε = {r.epsilon_rdp:.3f} (RDP), {r.epsilon_pld:.3f} (PLD)")
+        if r.epsilon_shuffle is not None:
+            lo, hi = r.epsilon_shuffle
+            text += f"<br>shuffled, {r.shuffle_epochs[-1]} epochs: {lo:.3f} <= ε <= {hi:.3f}"
+        self.message.value = text
         self.ax.clear()
         self.artists = plot_budget(self.ax, r)
         self._show_png()
