@@ -30,10 +30,11 @@ def markdown(rows, header):
 
 
 def memory_table(b=256):
-    from workbench.bench import memory
+    from workbench.bench.layer_specs import LAYERS
+    from workbench.bench.memory_explore import load
 
-    t = memory.load(BENCH / "memory_cpu.csv")
-    t = t[(t["width"] == t["layer"].map(lambda n: memory.LAYERS[n].width))
+    t = load(BENCH / "memory_cpu.csv")
+    t = t[(t["width"] == t["layer"].map(lambda n: LAYERS[n].width))
           & (t["batch_size"] == b)]
     rows = [[f"{r.layer} ({r.width})", fmt(r["L/C"]), fmt(r.plain_MB),
              f"{fmt(r.einsum_x)}x ({fmt(r.model_einsum_x)}x)",

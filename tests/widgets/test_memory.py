@@ -9,6 +9,7 @@ import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
 from workbench.bench import memory as M  # noqa: E402
+from workbench.bench import memory_explore as X  # noqa: E402
 from workbench.viz.memory import plot_memory, plot_overheads, plot_sweep  # noqa: E402
 from workbench.widgets.memory import MemoryExplorer  # noqa: E402
 
@@ -56,9 +57,9 @@ def test_too_large_live_batches_are_not_measured_but_said_so():
 
 def test_a_shipped_csv_is_a_labelled_source(table, tmp_path, monkeypatch):
     table.to_csv(tmp_path / "memory_test.csv", index=False)
-    monkeypatch.setattr(M, "SHIPPED_DIR", tmp_path)
+    monkeypatch.setattr(X, "SHIPPED_DIR", tmp_path)
     w = MemoryExplorer("linear", width=32, batch_size=8)
-    label = M.source_label(table)
+    label = X.source_label(table)
     assert label.endswith(" · 2026-11-22") and "profiler" not in label
     assert w.controls["source"].options == ("live (cpu)", label)
     w.controls["source"].value = label
@@ -68,7 +69,7 @@ def test_a_shipped_csv_is_a_labelled_source(table, tmp_path, monkeypatch):
 
 def test_plots_draw_one_line_per_layer_and_width(table):
     fig, axes = plt.subplots(1, 3)
-    r = M.explore_memory("linear", 32, 8, table, "test")
+    r = X.explore_memory("linear", 32, 8, table, "test")
     artists = plot_memory(axes[0], r)
     # the model over the standard batch sizes and the chosen b (8)
     assert list(artists["model_einsum"].get_xdata()) == [8, *M.BATCH_SIZES]

@@ -95,15 +95,16 @@ def dp_accounting(task, q, sigma, steps, delta, target):
     return pld
 
 
-def bench_task(task, args, libraries):
-    params = (args.sample_rate, args.noise_multiplier, args.steps, args.delta, args.target_epsilon)
+def bench_task(task, params, libraries, repeats):
+    """One row: ``task`` timed for the workbench and each library, at ``params`` =
+    (sample_rate, noise_multiplier, steps, delta, target_epsilon)."""
     candidates = {"workbench": ours(task, *params)}
     for name, factory in libraries.items():
         fn = factory(task, *params)
         if fn is not None:
             candidates[name] = fn
     values = {name: float(fn()) for name, fn in candidates.items()}
-    repeats = {"pld_epsilon": max(1, args.repeats // 2)}.get(task, args.repeats)
+    repeats = {"pld_epsilon": max(1, repeats // 2)}.get(task, repeats)
     times = time_interleaved(candidates, torch.device("cpu"), repeats=repeats, warmup=0)
     row = {"task": task, "target_ms": TARGET_MS[task]}
     for name in candidates:
@@ -113,6 +114,35 @@ def bench_task(task, args, libraries):
             row[f"{name}/workbench"] = times[name] / times["workbench"]
     row["meets_target"] = row["workbench_ms"] <= TARGET_MS[task]
     return row
+
+
+def run(tasks=tuple(TARGET_MS), sample_rate=256 / 60_000, noise_multiplier=1.1, steps=10_000,
+        delta=1e-5, target_epsilon=3.0, repeats=7, compare=True) -> pd.DataFrame:
+    """One ``bench_task`` row per task; ``compare``: Opacus and dp-accounting beside ours."""
+    libraries = {} if not compare else {
+        name: factory for name, factory, module in
+        [("opacus", opacus, "opacus"), ("dp_accounting", dp_accounting, "dp_accounting")]
+        if have(module)}
+    params = (sample_rate, noise_multiplier, steps, delta, target_epsilon)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Opacus warns about its order range at small ε
+        table = pd.DataFrame([bench_task(task, params, libraries, repeats) for task in tasks])
+    table["device"] = device_name(torch.device("cpu"))
+    for column, value in [("sample_rate", sample_rate), ("noise_multiplier", noise_multiplier),
+                          ("steps", steps), ("delta", delta)]:
+        table[column] = value
+    return table
+
+
+def report(table: pd.DataFrame) -> str:
+    """What ``main`` prints: the setting, then ms, ratios and values per task."""
+    first = table.iloc[0]
+    shown = [c for c in table.columns if c.endswith(("_ms", "/workbench", "_value"))]
+    return (f"device: {first['device']}   q={first['sample_rate']:.4g} "
+            f"σ={first['noise_multiplier']} T={first['steps']} δ={first['delta']}   times in "
+            f"ms (median of interleaved rounds)\n"
+            + table[["task", *shown, "meets_target"]].to_string(
+                index=False, float_format=lambda v: f"{v:.4g}"))
 
 
 def main(argv=None):
@@ -130,23 +160,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.steps < 1:
         parser.error("--repeats and --steps must be >= 1")
-    libraries = {} if args.no_compare else {
-        name: factory for name, factory, module in
-        [("opacus", opacus, "opacus"), ("dp_accounting", dp_accounting, "dp_accounting")]
-        if have(module)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Opacus warns about its order range at small ε
-        table = pd.DataFrame([bench_task(task, args, libraries) for task in args.tasks])
-    table["device"] = device_name(torch.device("cpu"))
-    for column, value in [("sample_rate", args.sample_rate), ("noise_multiplier",
-                          args.noise_multiplier), ("steps", args.steps), ("delta", args.delta)]:
-        table[column] = value
+    table = run(args.tasks, args.sample_rate, args.noise_multiplier, args.steps, args.delta,
+                args.target_epsilon, args.repeats, compare=not args.no_compare)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     table.to_csv(args.out, index=False)
-    print(f"device: {table['device'][0]}   q={args.sample_rate:.4g} σ={args.noise_multiplier} "
-          f"T={args.steps} δ={args.delta}   times in ms (median of interleaved rounds)")
-    shown = [c for c in table.columns if c.endswith(("_ms", "/workbench", "_value"))]
-    print(table[["task", *shown, "meets_target"]].to_string(
-        index=False, float_format=lambda v: f"{v:.4g}"))
+    print(report(table))
     print(f"wrote {args.out}")
     return 0

@@ -22,7 +22,7 @@ import pandas as pd
 import torch
 from matplotlib.figure import Figure
 
-from workbench.bench import accounting, e2e, layers, memory
+from workbench.bench import accounting, dp_layers, e2e, layers, memory, opacus_twin
 from workbench.viz.memory import plot_overheads, plot_sweep
 
 
@@ -71,6 +71,51 @@ def figure_3(sweep: pd.DataFrame, device: str) -> Figure:
     return fig
 
 
+def save(table: pd.DataFrame, path: Path, report: str) -> pd.DataFrame:
+    """Write ``table`` to ``path`` and print its report, as the benchmark's own main does."""
+    table.to_csv(path, index=False)
+    print(report, f"wrote {path}", "", sep="\n")
+    return table
+
+
+def run(out: Path, device: str, repeats: int = 5, quick: bool = False) -> dict:
+    """Every benchmark into ``out``: {CSV name: table}; then the two figures."""
+    out.mkdir(parents=True, exist_ok=True)
+    repeats = 1 if quick else repeats
+    sizes = [16, 64] if quick else [16, 64, 256]
+    mem_sizes = sizes if quick else list(memory.BATCH_SIZES)
+    compare = opacus_twin.available()
+    mem_modes = memory.with_opacus(memory.MODES)
+    e2e_quick = dict(models=["mnist_cnn"], methods=["einsum", "ghost", "bookkeeping"])
+    benchmarks = {  # CSV name -> (the run, the report of its main)
+        "layers": (lambda: layers.run(batch_sizes=sizes, repeats=repeats, device=device,
+                                      compare=compare), layers.report),
+        "layers_dp": (lambda: dp_layers.run(layers=list(dp_layers.LAYERS), batch_sizes=sizes,
+                                            repeats=repeats, device=torch.device(device),
+                                            compare=compare), dp_layers.report),
+        "e2e": (lambda: e2e.run(batch_sizes=[16] if quick else [64, 256], repeats=repeats,
+                                device=device, **(e2e_quick if quick else {})), e2e.report),
+        "memory": (lambda: memory.run(batch_sizes=mem_sizes, modes=mem_modes, device=device),
+                   memory.report),
+        "memory_embedding_sweep": (lambda: memory.run(layers=["embedding"], widths="all",
+                                                      batch_sizes=mem_sizes, modes=mem_modes,
+                                                      device=device), memory.report),
+        "accounting": (lambda: accounting.run(repeats=repeats,
+                                              **(dict(steps=100) if quick else {})),
+                       accounting.report),
+    }
+    tables = {}
+    for name, (bench, report) in benchmarks.items():
+        table = bench()
+        tables[name] = save(table, out / f"{name}.csv", report(table))
+    mem = tables["memory"]
+    name = mem["device"].iloc[0]
+    runtime = runtime_overheads(out / "layers.csv", out / "layers_dp.csv")
+    figure_2(runtime, mem, name).savefig(out / "fig2_overheads.png")
+    figure_3(tables["memory_embedding_sweep"], name).savefig(out / "fig3_embedding.png")
+    return tables
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m workbench.bench all",
                                      description=__doc__.split("\n\n")[0])
@@ -82,27 +127,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1; got {args.repeats}")
-    out, device = args.out_dir, args.device
-    out.mkdir(parents=True, exist_ok=True)
-    repeats = "1" if args.quick else str(args.repeats)
-    sizes = ["16", "64"] if args.quick else ["16", "64", "256"]
-    mem_sizes = sizes if args.quick else [str(b) for b in memory.BATCH_SIZES]
-    common = ["--device", device, "--repeats", repeats]
-    layers.main(["--batch-sizes", *sizes, *common, "--out", str(out / "layers.csv")])
-    e2e.main(["--batch-sizes", *(["16"] if args.quick else ["64", "256"]), *common,
-              *(["--models", "mnist_cnn", "--methods", "einsum", "ghost", "bookkeeping"]
-                if args.quick else []), "--out", str(out / "e2e.csv")])
-    memory.main(["--batch-sizes", *mem_sizes, "--device", device,
-                 "--out", str(out / "memory.csv")])
-    memory.main(["--layers", "embedding", "--widths", "all", "--batch-sizes", *mem_sizes,
-                 "--device", device, "--out", str(out / "memory_embedding_sweep.csv")])
-    accounting.main(["--repeats", repeats, *(["--steps", "100"] if args.quick else []),
-                     "--out", str(out / "accounting.csv")])
-    mem = pd.read_csv(out / "memory.csv")
-    name = mem["device"].iloc[0]
-    runtime = runtime_overheads(out / "layers.csv", out / "layers_dp.csv")
-    figure_2(runtime, mem, name).savefig(out / "fig2_overheads.png")
-    figure_3(pd.read_csv(out / "memory_embedding_sweep.csv"), name).savefig(
-        out / "fig3_embedding.png")
+    run(args.out_dir, args.device, args.repeats, args.quick)
+    out = args.out_dir
     print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} to {out}")
     return 0

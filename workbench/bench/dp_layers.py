@@ -30,6 +30,8 @@ from torch import nn
 
 import workbench as wb
 from workbench.bench import opacus_twin
+from workbench.bench.layer_specs import T
+from workbench.bench.steps import plain_step, sum_of_products
 from workbench.bench.timing import (
     benchmark_parser,
     copy_bandwidth,
@@ -40,7 +42,7 @@ from workbench.bench.timing import (
 from workbench.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention
 from workbench.models import RNNOutput, SelfAttention
 
-T, D = 32, 64  # time steps (tokens), input / hidden / embed size
+D = 64  # input / hidden / embed size; T (time steps, tokens) as in bench.layer_specs
 
 LAYERS = {  # name -> (torch.nn layer factory, DP twin, one-input wrapper)
     "rnn": (lambda: nn.RNN(D, D, batch_first=True), DPRNN,
@@ -52,16 +54,6 @@ LAYERS = {  # name -> (torch.nn layer factory, DP twin, one-input wrapper)
     "mha": (lambda: nn.MultiheadAttention(D, 4, batch_first=True), DPMultiheadAttention,
             SelfAttention),
 }
-
-
-def sum_of_products(outputs, targets):
-    """A per-sample loss for any output shape: Σ over non-batch dims of o ⊙ t."""
-    return (outputs * targets).flatten(1).sum(1)
-
-
-def plain_step(model, x, t):
-    params = [p for p in model.parameters() if p.requires_grad]
-    return torch.autograd.grad(sum_of_products(model(x), t).sum(), params)
 
 
 def bench_layer(name, b, repeats, device, bandwidth=None, seed=0, compare=False):
@@ -111,6 +103,12 @@ def run(layers, batch_sizes, repeats, device, compare=False):
     return table
 
 
+def report(table: pd.DataFrame) -> str:
+    """What ``main`` prints: the device, the targets and the table."""
+    return (f"device: {table['device'][0]}   torch {torch.__version__}   times in ms   "
+            f"targets: dp/torch <= 3, einsum/dp <= 2\n" + format_table(table))
+
+
 def format_table(table: pd.DataFrame) -> str:
     ms = [c for c in ("torch", "dp", "dp_einsum", "floor", "opacus") if c in table]
     ratios = [c for c in ("dp/torch", "einsum/dp", "einsum/torch", "einsum/(dp+floor)",
@@ -139,8 +137,6 @@ def main(argv=None):
         torch.set_num_threads(threads)  # leave an in-process caller as it was
     args.out.parent.mkdir(parents=True, exist_ok=True)
     table.to_csv(args.out, index=False)
-    print(f"device: {table['device'][0]}   torch {torch.__version__}   times in ms   "
-          f"targets: dp/torch <= 3, einsum/dp <= 2")
-    print(format_table(table))
+    print(report(table))
     print(f"wrote {args.out}")
     return 0

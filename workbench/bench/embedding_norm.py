@@ -35,6 +35,15 @@ def bench(b: int, T: int, V: int, d: int, repeats: int, device, seed: int = 0) -
             "ghost/torch": times["ghost_norms"] / times["torch_backward"]}
 
 
+def run(batch_sizes=(256,), repeats=40, device="cpu", runs=5, vocab=20000) -> pd.DataFrame:
+    """``runs`` separate interleaved ``bench`` rows per b (T = 32, d = 64), with the device."""
+    device = torch.device(device)
+    table = pd.DataFrame([{"run": r, **bench(b, 32, vocab, 64, repeats, device)}
+                          for b in batch_sizes for r in range(runs)])
+    table["device"] = device_name(device)
+    return table
+
+
 def main(argv=None):
     parser = benchmark_parser("embedding_norm", __doc__, batch_sizes=(256,))
     parser.set_defaults(repeats=40)
@@ -44,10 +53,7 @@ def main(argv=None):
     args = parse_benchmark_args(parser, argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    table = pd.DataFrame([{"run": r, **bench(b, 32, args.vocab, 64, args.repeats, device)}
-                          for b in args.batch_sizes for r in range(args.runs)])
-    table["device"] = device_name(device)
+    table = run(args.batch_sizes, args.repeats, args.device, args.runs, args.vocab)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     table.to_csv(args.out, index=False)
     print(f"device: {table['device'][0]}   times in ms; target ghost/torch <= 1.3")

@@ -4,7 +4,7 @@ The ``tiny_gpt`` rows of ``python -m workbench.bench e2e`` and notebook 08. The 
 the one of the ghost-clipping seeds (Li et al. 2022, arXiv 2110.05679, §4; Bu et al. 2023,
 arXiv 2210.00038, book-keeping): how close does DP clipping get to a non-private step on a
 transformer? At batch b and length T, one row measures side by side (interleaved medians,
-``bench.timing``; peak allocated bytes, ``bench.memory.peak_bytes``):
+``bench.timing``; peak allocated bytes, ``bench.peak_memory.peak_bytes``):
 
 - ``plain``: forward + backward of the mean loss, all parameters;
 - each ``method`` of ``wb.clipped_grad_sum`` on all parameters;
@@ -23,7 +23,8 @@ import copy
 import torch
 
 import workbench as wb
-from workbench.bench.memory import peak_bytes, tensor_bytes
+from workbench.bench.peak_memory import peak_bytes, tensor_bytes
+from workbench.bench.steps import plain_step
 from workbench.bench.timing import time_interleaved
 from workbench.layers import add_lora
 from workbench.models import count_parameters, sequence_cross_entropy, tiny_gpt
@@ -44,12 +45,7 @@ def check_size(size: str) -> dict:
 
 def step_fns(model, x, y, methods, max_grad_norm, prefix=""):
     """{name: callable} for the plain step and each clipped-sum method on ``model``."""
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def plain():
-        return torch.autograd.grad(sequence_cross_entropy(model(x), y).mean(), params)
-
-    fns = {f"{prefix}plain": plain}
+    fns = {f"{prefix}plain": lambda: plain_step(model, x, y, sequence_cross_entropy, torch.mean)}
     for method in methods:
         fns[f"{prefix}{method}"] = (lambda m=method: wb.clipped_grad_sum(
             model, sequence_cross_entropy, x, y, max_grad_norm=max_grad_norm, method=m))

@@ -13,17 +13,20 @@ For each layer and batch size b, one run measures side by side (interleaved medi
 Ratios (microbatch/einsum, vmap/einsum, einsum/(plain + floor)) are what to compare across
 machines; absolute times only with the device named (every row records it). The layers
 follow the Opacus paper's per-layer benchmarks (Yousefpour et al. 2021, arXiv 2109.12298,
-§3.2, Fig. 2) and the sizes quoted in the workbench's issues.
+§3.2, Fig. 2) and the sizes quoted in the workbench's issues: the torch.nn layers of
+``bench.layer_specs`` at their default widths (``bench memory`` measures the same layers).
+Unless ``--no-dp-layers``, ``bench dp_layers`` runs after it on the DP recurrent and
+attention layers and writes its own CSV beside this one (``*_dp.csv``).
 """
 
 
 import pandas as pd
 import torch
-from torch import nn
 
 import workbench as wb
-from workbench.bench import opacus_twin
-from workbench.bench.dp_layers import sum_of_products  # the benches' one per-sample loss
+from workbench.bench import dp_layers, opacus_twin
+from workbench.bench.layer_specs import TORCH_LAYERS, make_case
+from workbench.bench.steps import plain_step, sum_of_products
 from workbench.bench.timing import (
     benchmark_parser,
     copy_bandwidth,
@@ -33,50 +36,13 @@ from workbench.bench.timing import (
 )
 from workbench.per_sample import memory
 
-# name -> (layer factory, input factory(b, generator, device)). Sizes follow Opacus' per-layer
-# benchmark settings (opacus/benchmarks/config.json, used for the paper's Fig. 2 and Tables
-# 2-4) except two: the embedding reads 32 tokens per sample (as in the workbench's targets),
-# and the convolution is scaled down (Opacus: 64 -> 64 channels, 8x8 kernel, 50x100 inputs,
-# ~100x the arithmetic, too heavy for a 2-core CPU run).
-LAYERS = {
-    "linear": (lambda: nn.Linear(512, 512),
-               lambda b, g, d: torch.randn(b, 512, generator=g).to(d)),
-    "conv2d": (lambda: nn.Conv2d(32, 32, 3, padding=1),
-               lambda b, g, d: torch.randn(b, 32, 16, 16, generator=g).to(d)),
-    "embedding": (lambda: nn.Embedding(20000, 64),
-                  lambda b, g, d: torch.randint(0, 20000, (b, 32), generator=g).to(d)),
-    "layernorm": (lambda: nn.LayerNorm(64),
-                  lambda b, g, d: torch.randn(b, 64, generator=g).to(d)),
-    "groupnorm": (lambda: nn.GroupNorm(16, 256),
-                  lambda b, g, d: torch.randn(b, 256, generator=g).to(d)),
-    "instancenorm": (lambda: nn.InstanceNorm1d(256, affine=True),
-                     lambda b, g, d: torch.randn(b, 256, 64, generator=g).to(d)),
-}
-
-
-def plain_step(layer, x, t):
-    params = [p for p in layer.parameters() if p.requires_grad]
-    loss = sum_of_products(layer(x), t).sum()
-    return torch.autograd.grad(loss, params)
-
-
-def layer_case(name, b, device, seed=0):
-    """(layer, inputs, targets) of ``LAYERS[name]`` at batch size b, seeded."""
-    make_layer, make_input = LAYERS[name]
-    g = torch.Generator().manual_seed(seed)
-    layer = make_layer().to(device)
-    x = make_input(b, g, device)
-    with torch.no_grad():
-        t = torch.randn(layer(x).shape, generator=g).to(device)
-    return layer, x, t
-
 
 def bench_layer(name, b, methods, repeats, device, bandwidth, seed=0, compare=False):
     """One row per (layer, b): median seconds per candidate, the floor and the ratios.
 
     ``compare``: also time Opacus' GradSampleModule (``bench.opacus_twin``) on the layer.
     """
-    layer, x, t = layer_case(name, b, device, seed)
+    layer, x, t = make_case(name, b, device=device, seed=seed)
     candidates = {"plain": lambda: plain_step(layer, x, t)}
     for method in methods:
         candidates[method] = (lambda m=method: wb.per_sample_gradients(
@@ -100,7 +66,10 @@ def bench_layer(name, b, methods, repeats, device, bandwidth, seed=0, compare=Fa
     return row
 
 
-def run(layers, batch_sizes, methods, repeats, device, compare=False):
+def run(layers=TORCH_LAYERS, batch_sizes=(16, 64, 256), methods=tuple(wb.METHODS), repeats=5,
+        device="cpu", compare=False) -> pd.DataFrame:
+    """One ``bench_layer`` row per (layer, b), with the device and the copy bandwidths."""
+    device = torch.device(device)
     bandwidth = copy_bandwidth(device, fresh=True)
     warm = copy_bandwidth(device, fresh=False)
     rows = [bench_layer(name, b, methods, repeats, device, bandwidth, compare=compare)
@@ -114,6 +83,14 @@ def run(layers, batch_sizes, methods, repeats, device, compare=False):
     return table
 
 
+def report(table: pd.DataFrame) -> str:
+    """What ``main`` prints: the device, the copy bandwidths and the table."""
+    return (f"device: {table['device'][0]}   torch {torch.__version__}   "
+            f"copy into fresh memory {table['copy_GBps'][0]:.1f} GB/s "
+            f"(reused: {table['warm_copy_GBps'][0]:.1f} GB/s)   times in ms\n"
+            + format_table(table))
+
+
 def format_table(table: pd.DataFrame) -> str:
     ms = [c for c in ("plain", "floor", "microbatch", "vmap", "einsum", "opacus") if c in table]
     shown = table[["layer", "batch_size", *ms]].copy()
@@ -125,7 +102,7 @@ def format_table(table: pd.DataFrame) -> str:
 
 def main(argv=None):
     parser = benchmark_parser("layers", __doc__)
-    parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
+    parser.add_argument("--layers", nargs="+", default=list(TORCH_LAYERS), choices=TORCH_LAYERS)
     parser.add_argument("--methods", nargs="+", default=list(wb.METHODS), choices=wb.METHODS)
     parser.add_argument("--no-dp-layers", action="store_true",
                         help="skip the DP recurrent/attention layers (python -m workbench.bench "
@@ -137,23 +114,19 @@ def main(argv=None):
     args = parse_benchmark_args(parser, argv)
     if args.huge_pages:
         memory.HUGE_PAGES = True
-    table = run(args.layers, args.batch_sizes, args.methods, args.repeats,
-                torch.device(args.device), compare=opacus_twin.available() and not args.no_compare)
+    compare = opacus_twin.available() and not args.no_compare
+    table = run(args.layers, args.batch_sizes, args.methods, args.repeats, args.device,
+                compare=compare)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     table.to_csv(args.out, index=False)
-    print(f"device: {table['device'][0]}   torch {torch.__version__}   "
-          f"copy into fresh memory {table['copy_GBps'][0]:.1f} GB/s "
-          f"(reused: {table['warm_copy_GBps'][0]:.1f} GB/s)   times in ms")
-    print(format_table(table))
+    print(report(table))
     print(f"wrote {args.out}")
     if not args.no_dp_layers:  # the DP layers: torch.nn vs DP module vs DP + per-sample
-        from workbench.bench import dp_layers
-
+        dp_out = args.out.with_name(args.out.stem + "_dp.csv")
+        dp = dp_layers.run(dp_layers.LAYERS, args.batch_sizes, args.repeats,
+                           torch.device(args.device), compare=compare)
+        dp.to_csv(dp_out, index=False)
         print()
-        dp_layers.main(["--batch-sizes", *map(str, args.batch_sizes), "--repeats",
-                        str(args.repeats), "--device", args.device,
-                        *(["--no-compare"] if args.no_compare else []),
-                        "--out", str(args.out.with_name(args.out.stem + "_dp.csv"))])
+        print(dp_layers.report(dp))
+        print(f"wrote {dp_out}")
     return 0
-
-

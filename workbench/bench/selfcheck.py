@@ -22,9 +22,9 @@ import torch
 
 import workbench as wb
 from workbench import models
-from workbench.bench.dp_layers import sum_of_products
 from workbench.bench.e2e import DEFAULT_MODELS, LOSS
-from workbench.bench.layers import LAYERS, layer_case
+from workbench.bench.layer_specs import TORCH_LAYERS, make_case
+from workbench.bench.steps import sum_of_products
 from workbench.bench.timing import (
     benchmark_parser,
     device_name,
@@ -44,7 +44,7 @@ def _ratios(row: dict, times: dict, prefix: str = "") -> dict:
 
 
 def bench_layer(name, b, repeats, device, seed=0) -> dict:
-    layer, x, t = layer_case(name, b, device, seed)
+    layer, x, t = make_case(name, b, device=device, seed=seed)
     candidates = {mode: (lambda c=check: wb.per_sample_gradients(
         layer, sum_of_products, x, t, method="einsum", check=c)) for mode, check in MODES.items()}
     times = time_interleaved(candidates, device, repeats=repeats)
@@ -61,7 +61,7 @@ def bench_model(name, b, method, repeats, device) -> dict:
     return _ratios({"case": f"model {name}", "method": method, "batch_size": b}, times)
 
 
-def run(batch_sizes, repeats, device, methods=("einsum", "bookkeeping"), layers=tuple(LAYERS),
+def run(batch_sizes, repeats, device, methods=("einsum", "bookkeeping"), layers=TORCH_LAYERS,
         zoo=tuple(DEFAULT_MODELS)) -> pd.DataFrame:
     rows = [bench_layer(name, b, repeats, device) for name in layers for b in batch_sizes]
     rows += [bench_model(name, b, method, repeats, device) for name in zoo

@@ -79,12 +79,18 @@ def copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, repeats: int
     return nbytes / t
 
 
-def benchmark_parser(name: str, doc: str, batch_sizes=(16, 64, 256)) -> argparse.ArgumentParser:
-    """The options every benchmark shares: --batch-sizes, --repeats, --device, --out."""
+def benchmark_parser(name: str, doc: str, batch_sizes=(16, 64, 256), repeats: int = 5,
+                     repeats_help: str = "interleaved rounds (median)"
+                     ) -> argparse.ArgumentParser:
+    """The options every benchmark shares: --batch-sizes, --repeats, --device, --out.
+
+    ``repeats`` and ``repeats_help``: the default and meaning of --repeats, for a benchmark
+    whose repeats are not interleaved timing rounds (``bench memory``).
+    """
     parser = argparse.ArgumentParser(prog=f"python -m workbench.bench {name}",
                                      description=doc.split("\n\n")[0])
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=list(batch_sizes))
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds (median)")
+    parser.add_argument("--repeats", type=int, default=repeats, help=repeats_help)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path(f"bench-results/{name}.csv"))
     return parser

@@ -57,15 +57,21 @@ def bench(model_name, b, repeats, device):
     return row
 
 
+def run(models=("digits_mlp", "digits_cnn"), batch_sizes=(64, 256), repeats=5,
+        device="cpu") -> pd.DataFrame:
+    """One ``bench`` row per (model, b), with the device."""
+    device = torch.device(device)
+    table = pd.DataFrame([bench(m, b, repeats, device) for m in models for b in batch_sizes])
+    table["device"] = device_name(device)
+    return table
+
+
 def main(argv=None):
     parser = benchmark_parser("training", __doc__, batch_sizes=(64, 256))
     parser.add_argument("--models", nargs="+", default=["digits_mlp", "digits_cnn"],
                         choices=["digits_mlp", "digits_cnn"])
     args = parse_benchmark_args(parser, argv)
-    device = torch.device(args.device)
-    table = pd.DataFrame([bench(m, b, args.repeats, device)
-                          for m in args.models for b in args.batch_sizes])
-    table["device"] = device_name(device)
+    table = run(args.models, args.batch_sizes, args.repeats, args.device)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     table.to_csv(args.out, index=False)
     print(f"device: {table['device'][0]}   one training step, plain in ms, DP as multiples")

@@ -31,19 +31,31 @@ def layer_route(layer, call, shared: set[int], fallback=None) -> tuple[str, str]
     return route(layer, call.args) if route else ("norm sampler", "registered norm sampler")
 
 
-def ghost_routes(model, loss_fn, inputs, targets) -> pd.DataFrame:
-    """One row per layer call: path, layer type, call index, route, reason."""
-    rec = record(model, loss_fn, inputs, targets, retain_graph=False, check=True)
+COLUMNS = ["layer", "type", "call", "route", "reason"]
+
+
+def route_calls(model, loss_fn, inputs, targets, check=True):
+    """One (row of ``ghost_routes``, layer, recorded call) per layer call.
+
+    The call is ``None`` for a fallback layer no hook saw (called as ``.forward(x)``).
+    ``check``: as in ``per_sample_grad_norms`` (the recording's one-sample probe).
+    """
+    rec = record(model, loss_fn, inputs, targets, retain_graph=False, check=check)
     shared = rec.shared_ids()
-    rows, seen = [], {}
+    seen = {}
     for path, layer, call in rec.calls():
         seen[path] = seen.get(path, -1) + 1
         route, reason = layer_route(layer, call, shared, rec.fallback)
-        rows.append({"layer": path or "<model>", "type": type(layer).__name__, "call": seen[path],
-                     "route": route, "reason": reason})
+        yield ({"layer": path or "<model>", "type": type(layer).__name__, "call": seen[path],
+                "route": route, "reason": reason}, layer, call)
     for path, layer in rec.layers.items():  # fallback layers no hook saw (.forward(x))
         if path not in seen and any(id(p) in rec.fallback for _, p in own_parameters(layer)):
             route, reason = layer_route(layer, None, shared, rec.fallback)
-            rows.append({"layer": path or "<model>", "type": type(layer).__name__,
-                         "call": "-", "route": route, "reason": reason})
-    return pd.DataFrame(rows, columns=["layer", "type", "call", "route", "reason"])
+            yield ({"layer": path or "<model>", "type": type(layer).__name__, "call": "-",
+                    "route": route, "reason": reason}, layer, None)
+
+
+def ghost_routes(model, loss_fn, inputs, targets) -> pd.DataFrame:
+    """One row per layer call: path, layer type, call index, route, reason."""
+    rows = [row for row, _, _ in route_calls(model, loss_fn, inputs, targets)]
+    return pd.DataFrame(rows, columns=COLUMNS)

@@ -1,6 +1,6 @@
 """Plots of memory (and runtime) overhead factors against the batch size.
 
-- ``plot_memory(ax, result)``: one layer at one width (a ``bench.memory.MemoryResult``): the
+- ``plot_memory(ax, result)``: one layer at one width (a ``bench.memory_explore.MemoryResult``): the
   Opacus paper's model for materialised per-sample gradients (Eq. 2 over Eq. 1) and the
   workbench's ghost model as lines, the measured factors as markers, the chosen b marked.
 - ``plot_overheads(ax, table, column)``: one line per layer, in the style of the paper's

@@ -1,13 +1,14 @@
 """Memory explorer: layer, width (so L/C) and batch size -> predicted vs measured overhead.
 
-Glue only: ``bench.memory`` measures (``measure_layer``) and computes the model
-(``explore_memory``), ``viz.memory.plot_memory`` draws. The source is either a live
-measurement on this machine's device (each (layer, width, b) is measured once, when first
-shown, and kept) or a CSV shipped under ``data/bench/`` (e.g. GPU results), named in the
-plot's title. A live measurement runs one step per mode under the profiler, so it is kept
-small: the einsum mode is skipped when its per-sample gradients alone would exceed
-``max_live_MB``, and a batch whose inputs, labels and outputs (bC) exceed ``max_live_batch_MB``
-is not measured at all (the benchmark measures those: ``python -m workbench.bench memory``).
+Glue only: ``bench.memory`` measures (``measure_layer``), ``bench.memory_explore`` computes
+the model beside the measurements (``explore_memory``), ``viz.memory.plot_memory`` draws.
+The source is either a live measurement on this machine's device (each (layer, width, b)
+is measured once, when first shown, and kept) or a CSV shipped under ``data/bench/`` (e.g.
+GPU results), named in the plot's title. A live measurement runs one step per mode under
+the profiler, so it is kept small: the einsum mode is skipped when its per-sample gradients
+alone would exceed ``max_live_MB``, and a batch whose inputs, labels and outputs (bC)
+exceed ``max_live_batch_MB`` is not measured at all (the benchmark measures those:
+``python -m workbench.bench memory``).
 While a live measurement runs (seconds for a big layer) the controls are disabled and the
 previous plot is shown greyed with "measuring ...", so a new slider value never sits silently
 over an old plot.
@@ -26,15 +27,12 @@ import pandas as pd
 import torch
 from matplotlib.figure import Figure
 
-from workbench.bench.memory import (
-    BATCH_SIZES,
-    LAYERS,
-    MODES,
-    check_layer,
+from workbench.bench.layer_specs import LAYERS, check_layer
+from workbench.bench.memory import BATCH_SIZES, MODES, measure_layer
+from workbench.bench.memory_explore import (
     explore_memory,
     layer_constants,
     load,
-    measure_layer,
     shipped_results,
 )
 from workbench.viz.memory import plot_memory
