@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from workbench.accounting.calibrate import get_noise_multiplier, steps_from_epochs
-from workbench.accounting.checks import (
+from workbench.accounting.curve import epsilon_curve
+from workbench.checks import (
     check_choice,
     check_count,
     check_delta,
@@ -32,11 +33,11 @@ from workbench.accounting.checks import (
     check_noise_multiplier,
     check_positive,
 )
-from workbench.accounting.curve import epsilon_curve
 
 EXPLORE_DISCRETIZATION = 1e-3
 EXPLORE_GRID_POINTS = 2**15  # per-step grid cap: bounds the cost of a refined grid
 MODES = ("epsilon", "solve")
+MAX_POINTS = 10**6  # points on a curve: beyond this a plot gains nothing
 
 
 @dataclass(frozen=True)
@@ -69,15 +70,6 @@ class BudgetResult:
         return float(self.pld_epsilon[-1])
 
 
-def _check_sizes(dataset_size, batch_size):
-    n, b = dataset_size, batch_size
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-        raise ValueError(f"dataset_size must be an integer >= 1; got {n!r}")
-    if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 1 <= b <= n:
-        raise ValueError(f"batch_size must be an integer in [1, dataset_size={n}]; got {b!r}")
-    return int(n), int(b)
-
-
 def _curve(q, sigma, epochs, delta, points, accountant, h):
     """(epochs grid, ε at each) with ``points`` points ending at ``epochs``."""
     grid = np.linspace(epochs / points, epochs, points)
@@ -104,7 +96,8 @@ def explore_budget(dataset_size, batch_size, noise_multiplier, epochs, delta, *,
     >>> round(s.noise_multiplier, 2), 7.8 <= s.epsilon_rdp <= 8.0
     (0.68, True)
     """
-    n, b = _check_sizes(dataset_size, batch_size)
+    n = check_count(dataset_size, "dataset_size")
+    b = check_count(batch_size, "batch_size", 1, n, high_name="dataset_size")
     q = b / n
     epochs = check_positive(epochs, "epochs")
     delta = check_delta(delta)
@@ -114,7 +107,8 @@ def explore_budget(dataset_size, batch_size, noise_multiplier, epochs, delta, *,
         target_epsilon = check_epsilon(target_epsilon, "target_epsilon")
         sigma = get_noise_multiplier(target_epsilon, delta, q, epochs=epochs)
     h = check_positive(discretization, "discretization")
-    points, pld_points = check_count(points, "points"), check_count(pld_points, "pld_points")
+    points = check_count(points, "points", 1, MAX_POINTS)
+    pld_points = check_count(pld_points, "pld_points", 1, MAX_POINTS)
     rdp_epochs, rdp_eps = _curve(q, sigma, epochs, delta, points, "rdp", h)
     pld_epochs, pld_eps = _curve(q, sigma, epochs, delta, pld_points, "pld", h)
     rdp_at_pld = _curve(q, sigma, epochs, delta, pld_points, "rdp", h)[1]

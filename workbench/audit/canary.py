@@ -37,6 +37,12 @@ import torch
 
 from workbench import accounting
 from workbench.audit.one_run_bound import attainable_bound, epsilon_lower_bound
+from workbench.checks import (
+    check_count,
+    check_max_grad_norm,
+    check_noise_multiplier,
+    check_sample_rate,
+)
 
 __all__ = ["CanaryAudit", "audit_canaries", "epsilon_lower_bound", "attainable_bound"]
 
@@ -122,13 +128,12 @@ def audit_canaries(step_fn_factory, dim: int, steps: int, sample_rate: float,
     ``canaries``. ``noise_multiplier`` is the *claim*: it is given to the factory and to
     ``accounting.epsilon`` for ε_upper.
     """
-    m, r = int(canaries), int(guesses)
-    if not 1 <= m <= dim:
-        raise ValueError(f"canaries must be in [1, dim={dim}] (one coordinate each); got {m!r}")
-    if not 1 <= r <= m:
-        raise ValueError(f"guesses must be in [1, canaries={m}]; got {r!r}")
-    n_data = m if data_size is None else int(data_size)
-    q, C, sigma = float(sample_rate), float(max_grad_norm), float(noise_multiplier)
+    dim = check_count(dim, "dim")
+    m = check_count(canaries, "canaries", 1, dim, note="one coordinate each", high_name="dim")
+    r = check_count(guesses, "guesses", 1, m, high_name="canaries")
+    n_data = m if data_size is None else check_count(data_size, "data_size")
+    q = check_sample_rate(sample_rate)
+    C, sigma = check_max_grad_norm(max_grad_norm), check_noise_multiplier(noise_multiplier)
     B = q * (n_data + m / 2)  # expected batch size: the canary count is secret
     included = (torch.rand(m, generator=generator) < 0.5).numpy()  # (m,) secret bits
     seed = int(torch.randint(2 ** 62, (1,), generator=generator))

@@ -33,6 +33,13 @@ import pandas as pd
 import torch
 from scipy import stats
 
+from workbench.checks import (
+    check_count,
+    check_max_grad_norm,
+    check_noise_multiplier,
+    check_positive,
+)
+
 _CHECKS = {
     "mean · designed batch": "E[step(G)] = Σ clip_C(g_i)/B with huge, tiny, zero, outlier and "
     "aligned samples; catches inverted, per-batch and per-coordinate clipping, wrong scale",
@@ -135,9 +142,9 @@ def audit_dp_step(step_fn, dim: int, batch_size: float, max_grad_norm: float,
     checks become exact (tolerance 1e-6·C/B, for float32 steps) and the noise checks require
     zero noise. The step's own randomness is its own; ``generator`` only designs G.
     """
-    C, sigma, B, T = float(max_grad_norm), float(noise_multiplier), float(batch_size), int(trials)
-    if T < 20:
-        raise ValueError(f"trials must be >= 20 for the tests' normal approximations; got {T}")
+    C, B = check_max_grad_norm(max_grad_norm), check_positive(batch_size, "batch_size")
+    sigma = check_noise_multiplier(noise_multiplier)
+    T = check_count(trials, "trials", 20, note="for the tests' normal approximations")
     a = alpha / len(_CHECKS)  # one row per check; alpha split evenly (Bonferroni)
     s, tol = sigma * C / B, 1e-6 * C / B
     batches = design_batches(dim, B, C, generator)
