@@ -33,6 +33,7 @@ import torch
 from scipy import stats
 
 from workbench import accounting
+from workbench.audit.result import AuditResult
 from workbench.checks import (
     check_count,
     check_delta,
@@ -41,10 +42,11 @@ from workbench.checks import (
     check_positive,
     check_probability,
 )
+from workbench.viz.audit_privacy import plot_gaussian_scores
 
 
 @dataclass
-class GaussianAudit:
+class GaussianAudit(AuditResult):
     """μ_lower / ε_lower from the canaries against the claim; ``table`` has the numbers."""
 
     passed: bool
@@ -60,18 +62,8 @@ class GaussianAudit:
                 f"{r.mu_lower:.3f} vs claimed {r.mu_claim:.3f}, {r.observations} scores)")
 
     def plot(self, ax, bins: int = 60):
-        """Histograms of the in and out scores with the test's threshold; returns the artists."""
-        edges = np.histogram_bin_edges(self.scores, bins=bins)
-        _, _, p_out = ax.hist(self.scores[~self.bits], bins=edges, alpha=0.6, label="out")
-        _, _, p_in = ax.hist(self.scores[self.bits], bins=edges, alpha=0.6, label="in")
-        line = ax.axvline(0.5, color="k", linestyle="--", label="threshold ½")
-        ax.set_xlabel("score x_j = step_j · B / C")
-        ax.set_title(self.summary.split(":")[0])
-        ax.legend()
-        return [*p_out, *p_in, line]
-
-    def _repr_html_(self):
-        return f"<p><b>{self.summary}</b></p>" + self.table.to_html(index=False)
+        """``workbench.viz.audit_privacy.plot_gaussian_scores``: in/out scores; artists."""
+        return plot_gaussian_scores(ax, self, bins)
 
 
 def mu_lower_bound(false_pos: int, negatives: int, false_neg: int, positives: int,

@@ -33,12 +33,14 @@ import pandas as pd
 import torch
 from scipy import stats
 
+from workbench.audit.result import AuditResult
 from workbench.checks import (
     check_count,
     check_max_grad_norm,
     check_noise_multiplier,
     check_positive,
 )
+from workbench.viz.audit import plot_noise_histogram
 
 _CHECKS = {
     "mean · designed batch": "E[step(G)] = Σ clip_C(g_i)/B with huge, tiny, zero, outlier and "
@@ -60,7 +62,7 @@ _CHECKS = {
 
 
 @dataclass
-class MechanismAudit:
+class MechanismAudit(AuditResult):
     """One row per check in ``table``; ``standardised_noise`` is (step - mean) / s, pooled."""
 
     passed: bool
@@ -69,21 +71,15 @@ class MechanismAudit:
     alpha: float = 1e-3
     trials: int = 400
 
-    def plot(self, ax, bins: int = 60):
-        """Histogram of the standardised noise against the N(0, 1) pdf; returns the artists."""
-        z = self.standardised_noise
-        _, _, patches = ax.hist(z, bins=bins, density=True, alpha=0.6, label="(step - mean) / s")
-        x = np.linspace(-4.5, 4.5, 200)
-        (line,) = ax.plot(x, stats.norm.pdf(x), "k-", label="N(0, 1)")
-        ax.set_xlabel("standardised noise")
-        ax.set_title(f"DP step audit: {'passed' if self.passed else 'FAILED'}")
-        ax.legend()
-        return [*patches, line]
+    @property
+    def summary(self) -> str:
+        failed = ", ".join(self.table["check"][~self.table["passed"]])
+        return (f"DP step audit {'passed' if self.passed else 'FAILED'} (alpha={self.alpha:g}, "
+                f"trials={self.trials})" + (f": fails {failed}" if failed else ""))
 
-    def _repr_html_(self):
-        verdict = "passed" if self.passed else "FAILED"
-        return (f"<p><b>DP step audit {verdict}</b> (alpha={self.alpha:g}, "
-                f"trials={self.trials})</p>" + self.table.to_html(index=False))
+    def plot(self, ax, bins: int = 60):
+        """``workbench.viz.audit.plot_noise_histogram``: noise against N(0, 1); artists."""
+        return plot_noise_histogram(ax, self, bins)
 
 
 _N_BOUNDARY = 32  # rows of the clip-boundary batch

@@ -33,6 +33,7 @@ import torch
 from scipy import stats
 from torch.utils.data import Dataset
 
+from workbench.audit.result import AuditResult
 from workbench.checks import check_count, check_probability, check_sample_rate
 
 
@@ -72,7 +73,7 @@ def _kurt(n, q):
 
 
 @dataclass
-class SamplingAudit:
+class SamplingAudit(AuditResult):
     """The verdict: ``.passed``, ``.table`` (one row per test), ``.summary``."""
 
     passed: bool
@@ -80,11 +81,6 @@ class SamplingAudit:
     significance: float
     steps: int
     summary: str
-
-    def _repr_html_(self):
-        color = "green" if self.passed else "red"
-        return (f"<p style='color:{color}'><b>{self.summary}</b></p>"
-                + self.table.to_html(float_format=lambda v: f"{v:.3g}"))
 
 
 def _tests(x, N, q, L):
