@@ -60,7 +60,7 @@ def test_dp_run_calibrates_sigma_to_target_epsilon():
                       generator=torch.Generator().manual_seed(0),
                       noise_generator=torch.Generator().manual_seed(1))
     assert run.noise_multiplier > 0 and 3.9 <= run.epsilon <= 4.0 and run.sample_rate == 0.25
-    with pytest.raises(ValueError, match=r"batch_size must be in \[1, N=40\]"):
+    with pytest.raises(ValueError, match=r"batch_size must be an integer in \[1, N=40\]"):
         dp_train_lm(model, data, target_epsilon=4.0, delta=1e-5, steps=1, batch_size=41,
                     max_grad_norm=1.0, lr=1e-3, generator=torch.Generator(),
                     noise_generator=torch.Generator())

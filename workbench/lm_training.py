@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 
 import workbench as wb
 from workbench import accounting
+from workbench.checks import check_count
 from workbench.models_gpt import sequence_cross_entropy
 
 
@@ -109,7 +110,5 @@ def dp_train_lm(model, data, *, target_epsilon: float, delta: float, steps: int,
 
 def accounting_rate(batch_size: int, N: int) -> float:
     """q = batch_size / N, checked: the expected batch must fit in the data set."""
-    if not 1 <= batch_size <= N:
-        raise ValueError(f"batch_size must be in [1, N={N}] (expected Poisson batch size); "
-                         f"got {batch_size!r}")
-    return batch_size / N
+    return check_count(batch_size, "batch_size", 1, N, note="the expected Poisson batch size",
+                       high_name="N") / N

@@ -65,8 +65,9 @@ def test_no_noise_is_infinite_epsilon_and_str_names_the_methods():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(sampler="fixed"), "sampler must be one of"),
-    (dict(sampler="shuffle", epochs=1.5), "epochs must be a whole number"),
-    (dict(q=0.0), "sample_rate must be > 0"),
+    (dict(sampler="shuffle", epochs=1.5), r"epochs must be a positive integer \(with "
+                                          r"sampler='shuffle' each epoch is one pass"),
+    (dict(q=0.0), r"sample_rate must be in \(0, 1\] \(q = B / N"),
     (dict(delta=1e-12), "below 1e-10"),
     (dict(sigma=math.nan), "noise_multiplier must be"),
 ])

@@ -75,7 +75,8 @@ def test_unreachable_target_is_a_clear_error():
     (dict(), "exactly one of steps and epochs"),
     (dict(steps=10, rtol=0), "rtol must be a finite number > 0"),
     (dict(steps=10, rtol=2.0), r"rtol must be in \[1e-6, 1\]"),
-    (dict(epochs=1, sample_rate=0.0), "sample_rate must be > 0 to count steps per epoch"),
+    (dict(epochs=1, sample_rate=0.0), r"sample_rate must be in \(0, 1\] \(steps per epoch "
+                                       r"are 1 / sample_rate"),
     (dict(steps=10, accountant="gdp"), "accountant must be one of"),
     (dict(steps=-1), "steps must be a non-negative integer"),
     (dict(epochs=-2), "epochs must be a finite number > 0"),

@@ -138,7 +138,7 @@ def test_pld_at_its_floor_matches_the_exact_gaussian():
 
 
 def test_steps_from_epochs():
-    with pytest.raises(ValueError, match="sample_rate must be > 0 to count steps"):
+    with pytest.raises(ValueError, match=r"sample_rate must be in \(0, 1\] \(steps per epoch"):
         steps_from_epochs(1, 0.0)
-    with pytest.raises(ValueError, match=r"sample_rate must be in \[0, 1\].*got nan"):
+    with pytest.raises(ValueError, match=r"sample_rate must be in \(0, 1\].*got nan"):
         steps_from_epochs(1, math.nan)

@@ -50,12 +50,12 @@ def test_shuffle_bracket_is_epsilon_bounds_on_a_coarser_loss_grid():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(batch_size=0), r"batch_size must be an integer in \[1, dataset_size=1000\]; got 0"),
     (dict(batch_size=1001), r"batch_size must be an integer in \[1, dataset_size=1000\]"),
-    (dict(dataset_size=0), "dataset_size must be an integer >= 1; got 0"),
+    (dict(dataset_size=0), "dataset_size must be a positive integer; got 0"),
     (dict(epochs=0), "epochs must be a finite number > 0"),
     (dict(mode="solve"), "target_epsilon must be a real number"),
     (dict(mode="guess"), "mode must be one of"),
     (dict(points=0), r"points must be an integer in \[1, 1000000\]; got 0"),
-    (dict(pld_points=2.5), "pld_points must be an integer; got 2.5"),
+    (dict(pld_points=2.5), r"pld_points must be an integer in \[1, 1000000\]; got 2.5"),
     (dict(shuffle_points=0), r"shuffle_points must be an integer in \[1, 1000000\]; got 0"),
 ])
 def test_bad_input(kwargs, match):

@@ -88,7 +88,7 @@ def test_table_plot_and_html():
     assert "top 50 -> in" in row["decision rule"]
     fig, ax = plt.subplots()
     artists = a.plot(ax)
-    assert len(artists) == 80 and ax.get_legend() is not None
+    assert len(artists) == 80 + 2 and ax.get_legend() is not None  # 2 × 40 bins, 2 thresholds
     plt.close(fig)
     assert "Canary audit passed" in a._repr_html_() and "can show" in a._repr_html_()
 

@@ -142,5 +142,5 @@ def test_clip_boundary_batch_straddles_c():
 
 
 def test_too_few_trials_is_an_error():
-    with pytest.raises(ValueError, match="trials must be >= 20"):
+    with pytest.raises(ValueError, match="trials must be an integer >= 20"):
         audit_dp_step(ZOO[CORRECT](C, SIGMA, B), DIM, B, C, SIGMA, trials=19)

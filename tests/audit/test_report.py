@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 
 from tests.audit.report_helpers import small_sections
+from workbench.audit import AuditResult
 from workbench.audit.report import (
     FAILED,
     KINDS,
@@ -55,16 +56,17 @@ def test_overall_fails_on_must_pass_only(sections):
 
 
 def test_a_bug_that_is_not_caught_fails():
-    class Clean:  # an audit that passed where it had to fail
-        passed, table = True, pd.DataFrame({"passed": [True]})
+    class Clean(AuditResult):  # an audit that passed where it had to fail
+        passed, table, summary = True, pd.DataFrame({"passed": [True]}), "clean"
 
     s = section("bug", Clean(), expect_failure=True)
     assert s.verdict == FAILED and s.label == "NOT CAUGHT"
 
 
 def test_a_new_audit_is_one_registration():
-    class ToyAudit:  # a name no real audit uses: the registry is global
+    class ToyAudit(AuditResult):  # a name no real audit uses: the registry is global
         passed, table = False, pd.DataFrame({"test": ["sizes"], "p_value": [1e-9]})
+        summary = "toy sampling audit FAILED"
 
     def plot(ax, result):
         return ax.plot([0, 1], [0, 1])
@@ -82,15 +84,23 @@ def test_a_new_audit_is_one_registration():
 
 
 def test_an_unregistered_result_still_gets_an_honest_section():
-    class Custom:
+    class Custom(AuditResult):
         """Checks something custom."""
-        passed, table = True, pd.DataFrame({"x": [1]})
-        summary = ("all good", "x = 1")
+        passed, table, summary = True, pd.DataFrame({"x": [1]}), "all good"
 
     s = section("custom", Custom())
     assert (s.what, s.verdict, s.finding, s.key_number) == (
-        "Checks something custom.", PASSED, "all good", "x = 1")
+        "Checks something custom.", PASSED, "all good", "")
     assert s.figures == []
+
+
+def test_a_result_outside_the_protocol_is_refused_by_name():
+    class Loose:  # duck-typed: passed and table, but not an AuditResult
+        passed, table = True, pd.DataFrame({"x": [1]})
+
+    with pytest.raises(TypeError, match="section 'loose': the result must be an AuditResult.*"
+                                        "got Loose. Subclass workbench.audit.AuditResult"):
+        section("loose", Loose())
 
 
 def test_gradient_table_has_no_unexplained_nan(sections):

@@ -21,12 +21,13 @@ def test_clip_factors_exact_and_zero_norm():
 @pytest.mark.parametrize("C", [0, -1.0, float("inf"), float("nan")])
 def test_bad_max_grad_norm(C):
     model, x, y = nn.Linear(3, 2), torch.randn(4, 3), torch.randint(0, 2, (4,))
-    with pytest.raises(ValueError, match=f"max_grad_norm must be a positive finite.*{C!r}"):
+    match = f"max_grad_norm must be a finite number > 0.*{float(C)!r}"
+    with pytest.raises(ValueError, match=match):
         wb.clipped_grad_sum(model, CE, x, y, max_grad_norm=C)
 
 
 def test_max_grad_norm_of_wrong_type():
-    with pytest.raises(TypeError, match="max_grad_norm must be a positive number"):
+    with pytest.raises(TypeError, match="max_grad_norm must be a real number; got 'one' \\(str\\)"):
         clip_factors(torch.ones(2), "one")
 
 

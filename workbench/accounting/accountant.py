@@ -21,7 +21,10 @@ Notation: σ noise multiplier, q sample rate, T steps, δ target delta.
 
 import numpy as np
 
-from workbench.accounting.checks import (
+from workbench.accounting.convert import rdp_to_epsilon
+from workbench.accounting.curve import PLD_DISCRETIZATION, check_history, history_epsilon
+from workbench.accounting.rdp import DEFAULT_ORDERS, rdp_one_step
+from workbench.checks import (
     check_delta,
     check_noise_multiplier,
     check_orders,
@@ -29,9 +32,6 @@ from workbench.accounting.checks import (
     check_sample_rate,
     check_steps,
 )
-from workbench.accounting.convert import rdp_to_epsilon
-from workbench.accounting.curve import PLD_DISCRETIZATION, check_history, history_epsilon
-from workbench.accounting.rdp import DEFAULT_ORDERS, rdp_one_step
 
 
 class _Accountant:

@@ -28,7 +28,8 @@ Notation: q sample rate, σ noise multiplier, T steps, ε* target epsilon, δ ta
 
 import math
 
-from workbench.accounting.checks import (
+from workbench.accounting.curve import ACCOUNTANTS, epsilon
+from workbench.checks import (
     check_choice,
     check_delta,
     check_epsilon,
@@ -36,7 +37,6 @@ from workbench.accounting.checks import (
     check_sample_rate,
     check_steps,
 )
-from workbench.accounting.curve import ACCOUNTANTS, epsilon
 
 SIGMA_MAX = 1e4  # beyond this the target is reported unreachable
 _MAX_EVALS = 60
@@ -44,10 +44,8 @@ _MAX_EVALS = 60
 
 def steps_from_epochs(epochs, sample_rate):
     """T = ceil(epochs / q), ignoring float noise such as 10 / 0.01 = 1000.0000000000001."""
-    q = check_sample_rate(sample_rate)
-    if q == 0:
-        raise ValueError("sample_rate must be > 0 to count steps per epoch (1 / sample_rate); "
-                         "got 0.0")
+    q = check_sample_rate(sample_rate, positive=True,
+                          note="steps per epoch are 1 / sample_rate, so q = 0 has none")
     return math.ceil(round(check_positive(epochs, "epochs") / q, 9))
 
 

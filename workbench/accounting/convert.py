@@ -16,7 +16,7 @@ Notation: α order, ε(α) the RDP at α (already composed over all steps), δ t
 
 import numpy as np
 
-from workbench.accounting.checks import check_delta, check_orders
+from workbench.checks import check_delta, check_orders
 
 
 def rdp_to_epsilon(orders, rdp, delta):

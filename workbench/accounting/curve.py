@@ -17,7 +17,11 @@ Notation: q sample rate, σ noise multiplier, T steps, δ target delta, h PLD gr
 
 import numpy as np
 
-from workbench.accounting.checks import (
+from workbench.accounting.compose import compose, self_compose_many
+from workbench.accounting.convert import rdp_to_epsilon
+from workbench.accounting.pld import AUTO_GRID_POINTS, epsilon_for_delta, grid_step, sgm_pld
+from workbench.accounting.rdp import DEFAULT_ORDERS, rdp_one_step
+from workbench.checks import (
     check_choice,
     check_delta,
     check_noise_multiplier,
@@ -26,10 +30,6 @@ from workbench.accounting.checks import (
     check_sample_rate,
     check_steps,
 )
-from workbench.accounting.compose import compose, self_compose_many
-from workbench.accounting.convert import rdp_to_epsilon
-from workbench.accounting.pld import AUTO_GRID_POINTS, epsilon_for_delta, grid_step, sgm_pld
-from workbench.accounting.rdp import DEFAULT_ORDERS, rdp_one_step
 
 ACCOUNTANTS = ("rdp", "pld")
 #: Default grid step h of the PLD accountant (the same as dp-accounting's default).

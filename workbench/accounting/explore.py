@@ -33,7 +33,10 @@ import numpy as np
 
 from workbench.accounting.bounds import batches_per_epoch
 from workbench.accounting.calibrate import get_noise_multiplier, steps_from_epochs
-from workbench.accounting.checks import (
+from workbench.accounting.curve import check_pld_delta, epsilon_curve
+from workbench.accounting.gaussian import gaussian_epsilon
+from workbench.accounting.shuffle import shuffle_lower_curve
+from workbench.checks import (
     check_choice,
     check_count,
     check_delta,
@@ -41,14 +44,12 @@ from workbench.accounting.checks import (
     check_noise_multiplier,
     check_positive,
 )
-from workbench.accounting.curve import check_pld_delta, epsilon_curve
-from workbench.accounting.gaussian import gaussian_epsilon
-from workbench.accounting.shuffle import shuffle_lower_curve
 
 EXPLORE_DISCRETIZATION = 1e-3
 EXPLORE_GRID_POINTS = 2**15  # per-step grid cap: bounds the cost of a refined grid
 EXPLORE_SHUFFLE_H = 1e-3  # loss grid of the shuffle lower bound (tests/accounting/test_shuffle)
 MODES = ("epsilon", "solve")
+MAX_POINTS = 10**6  # points on a curve: beyond this a plot gains nothing
 
 
 @dataclass(frozen=True)
@@ -91,15 +92,6 @@ class BudgetResult:
         return float(self.shuffle_lower[-1]), float(self.shuffle_upper[-1])
 
 
-def _check_sizes(dataset_size, batch_size):
-    n, b = dataset_size, batch_size
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-        raise ValueError(f"dataset_size must be an integer >= 1; got {n!r}")
-    if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 1 <= b <= n:
-        raise ValueError(f"batch_size must be an integer in [1, dataset_size={n}]; got {b!r}")
-    return int(n), int(b)
-
-
 @lru_cache(maxsize=256)  # slider moves revisit the same settings
 def _shuffle_bracket(batches, sigma, epochs, delta):
     """(lower, upper) arrays at the whole epochs ``epochs`` (a tuple), see the docstring."""
@@ -114,7 +106,6 @@ def _shuffle_epochs(epochs, points):
     """Up to ``points`` whole epochs spread over [1, floor(E)]; none when E < 1."""
     grid = np.round(np.linspace(epochs / points, epochs, points))
     return tuple(int(e) for e in np.unique(np.clip(grid, 1, np.floor(epochs))) if epochs >= 1)
-
 
 def _curve(q, sigma, epochs, delta, points, accountant, h):
     """(epochs grid, ε at each) with ``points`` points ending at ``epochs``."""
@@ -145,7 +136,8 @@ def explore_budget(dataset_size, batch_size, noise_multiplier, epochs, delta, *,
     >>> r.shuffle_epochs.tolist(), [round(e, 1) for e in r.epsilon_shuffle]
     ([15, 30, 45, 60], [10.8, 54.0])
     """
-    n, b = _check_sizes(dataset_size, batch_size)
+    n = check_count(dataset_size, "dataset_size")
+    b = check_count(batch_size, "batch_size", 1, n, high_name="dataset_size")
     q = b / n
     epochs = check_positive(epochs, "epochs")
     delta = check_delta(delta)
@@ -155,12 +147,13 @@ def explore_budget(dataset_size, batch_size, noise_multiplier, epochs, delta, *,
         target_epsilon = check_epsilon(target_epsilon, "target_epsilon")
         sigma = get_noise_multiplier(target_epsilon, delta, q, epochs=epochs)
     h = check_positive(discretization, "discretization")
-    points, pld_points = check_count(points, "points"), check_count(pld_points, "pld_points")
+    points = check_count(points, "points", 1, MAX_POINTS)
+    pld_points = check_count(pld_points, "pld_points", 1, MAX_POINTS)
     rdp_epochs, rdp_eps = _curve(q, sigma, epochs, delta, points, "rdp", h)
     pld_epochs, pld_eps = _curve(q, sigma, epochs, delta, pld_points, "pld", h)
     rdp_at_pld = _curve(q, sigma, epochs, delta, pld_points, "rdp", h)[1]
     pld_eps = np.minimum(pld_eps, rdp_at_pld)  # two upper bounds: keep the smaller
-    shuffle_points = check_count(shuffle_points, "shuffle_points")
+    shuffle_points = check_count(shuffle_points, "shuffle_points", 1, MAX_POINTS)
     shuffle_epochs = _shuffle_epochs(epochs, shuffle_points) if shuffle else ()
     shuffle_lower, shuffle_upper = (
         _shuffle_bracket(batches_per_epoch(q), sigma, shuffle_epochs, check_pld_delta(delta))

@@ -20,7 +20,7 @@ import numpy as np
 from scipy.optimize import brentq
 from scipy.special import log_ndtr, ndtr
 
-from workbench.accounting.checks import (
+from workbench.checks import (
     check_delta,
     check_noise_multiplier,
     check_nonnegative,

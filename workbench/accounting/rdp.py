@@ -47,7 +47,7 @@ Notation: q sample rate, σ noise multiplier, α order, T steps, Φ standard nor
 import numpy as np
 from scipy.special import gammaln, gammasgn, log_ndtr
 
-from workbench.accounting.checks import (
+from workbench.checks import (
     check_noise_multiplier,
     check_orders,
     check_sample_rate,

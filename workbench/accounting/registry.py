@@ -19,14 +19,15 @@ import math
 from workbench.accounting import curve
 from workbench.accounting.accountant import PLDAccountant, RDPAccountant
 from workbench.accounting.bounds import deterministic_bounds, poisson_bounds, shuffle_bounds
-from workbench.accounting.checks import (
+from workbench.accounting.curve import check_pld_delta
+from workbench.checks import (
     check_choice,
+    check_count,
     check_delta,
     check_noise_multiplier,
     check_positive,
     check_sample_rate,
 )
-from workbench.accounting.curve import check_pld_delta
 
 ACCOUNTANTS = {"rdp": RDPAccountant, "pld": PLDAccountant}
 SAMPLERS = {"poisson": poisson_bounds, "deterministic": deterministic_bounds,
@@ -46,14 +47,12 @@ def epsilon_bounds(sampler, *, sample_rate, noise_multiplier, epochs, delta):
     for "shuffle" and "deterministic": each epoch is one pass), δ >= 1e-10 (the PLD floor).
     """
     check_choice(sampler, "sampler", SAMPLERS)
-    q = check_sample_rate(sample_rate)
-    if q == 0:
-        raise ValueError("sample_rate must be > 0 (q = B / N); got 0.0")
+    q = check_sample_rate(sample_rate, positive=True, note="q = B / N: an epoch is 1 / q steps")
     sigma = check_noise_multiplier(noise_multiplier)
     epochs = check_positive(epochs, "epochs")
-    if sampler != "poisson" and not epochs.is_integer():
-        raise ValueError(f"epochs must be a whole number for sampler={sampler!r} (each epoch is "
-                         f"one pass over the data); got {epochs!r}")
+    if sampler != "poisson":
+        epochs = float(check_count(epochs, "epochs", note=f"with sampler={sampler!r} each "
+                                   f"epoch is one pass over the data"))
     delta = check_pld_delta(check_delta(delta))
     if sigma == 0:
         bounds = SAMPLERS[sampler](q, 1.0, int(epochs), delta)  # steps; ε is inf for all

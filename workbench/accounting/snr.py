@@ -40,7 +40,14 @@ from functools import lru_cache
 import numpy as np
 
 from workbench.accounting.calibrate import get_noise_multiplier, steps_from_epochs
-from workbench.accounting.checks import check_delta, check_epsilon, check_positive
+from workbench.checks import (
+    check_count,
+    check_delta,
+    check_epsilon,
+    check_max_grad_norm,
+    check_nonnegative,
+    check_positive,
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,19 +75,13 @@ def noise_multiplier(sample_rate, epsilon, delta, epochs):
     return get_noise_multiplier(epsilon, delta, sample_rate, epochs=epochs)
 
 
-def _check_count(value, name, lo=1):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
-        raise ValueError(f"{name} must be an integer >= {lo}; got {value!r}")
-    return int(value)
-
-
 def default_batch_sizes(dataset_size, count=12, smallest=16):
     """``count`` batch sizes, log-spaced from ``smallest`` to N (fewer if N is small).
 
     >>> default_batch_sizes(60_000).tolist()
     [16, 34, 71, 151, 319, 674, 1424, 3010, 6359, 13438, 28395, 60000]
     """
-    n = _check_count(dataset_size, "dataset_size")
+    n = check_count(dataset_size, "dataset_size")
     return np.unique(np.geomspace(min(smallest, n), n, count).round().astype(np.int64))
 
 
@@ -95,12 +96,10 @@ def explore_snr(epsilon, delta, epochs, dataset_size, num_params, max_grad_norm,
     epsilon = check_epsilon(epsilon, "epsilon")
     delta = check_delta(delta)
     epochs = check_positive(epochs, "epochs")
-    n = _check_count(dataset_size, "dataset_size")
-    d = _check_count(num_params, "num_params")
-    C = check_positive(max_grad_norm, "max_grad_norm")
-    signal = float(signal)
-    if not 0.0 <= signal < np.inf:
-        raise ValueError(f"signal must be a finite number >= 0 (a gradient norm); got {signal!r}")
+    n = check_count(dataset_size, "dataset_size")
+    d = check_count(num_params, "num_params")
+    C = check_max_grad_norm(max_grad_norm)
+    signal = check_nonnegative(signal, "signal", note="a gradient norm")
     B = default_batch_sizes(n) if batch_sizes is None else np.asarray(batch_sizes)
     if B.ndim != 1 or B.size == 0 or not np.issubdtype(B.dtype, np.integer) or B.min() < 1 \
             or B.max() > n:

@@ -11,6 +11,8 @@ in real code, which the audit must flag; ``workbench_step`` runs the workbench's
 ``audit_gaussian_step`` bounds one step's μ and ε tightly from many calls (Nasr et al. 2023,
 ``gaussian_audit.py``).
 ``audit_sampling`` tests that a data loader draws Poisson batches (``sampling.py``).
+Every result is an ``AuditResult`` (``result.py``): ``passed``, ``table``, ``summary``, an HTML
+repr; their plots are in ``workbench.viz``.
 """
 
 from workbench.audit import bug_zoo
@@ -25,10 +27,11 @@ from workbench.audit.providers import (
     opacus_provider,
     torch_func_provider,
 )
+from workbench.audit.result import AuditResult
 from workbench.audit.sampling import SamplingAudit, audit_sampling
 
-__all__ = ["CanaryAudit", "GaussianAudit", "GradientAudit", "MechanismAudit", "audit_canaries",
-           "audit_dp_step", "audit_gaussian_step",
+__all__ = ["AuditResult", "CanaryAudit", "GaussianAudit", "GradientAudit", "MechanismAudit",
+           "audit_canaries", "audit_dp_step", "audit_gaussian_step",
            "audit_gradients", "attainable_bound", "epsilon_lower_bound",
            "available_providers", "bug_zoo", "opacus_provider", "torch_func_provider",
            "workbench_step", "SamplingAudit", "audit_sampling"]

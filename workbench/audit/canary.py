@@ -37,12 +37,20 @@ import torch
 
 from workbench import accounting
 from workbench.audit.one_run_bound import attainable_bound, epsilon_lower_bound
+from workbench.audit.result import AuditResult
+from workbench.checks import (
+    check_count,
+    check_max_grad_norm,
+    check_noise_multiplier,
+    check_sample_rate,
+)
+from workbench.viz.audit_privacy import plot_canary_scores
 
 __all__ = ["CanaryAudit", "audit_canaries", "epsilon_lower_bound", "attainable_bound"]
 
 
 @dataclass
-class CanaryAudit:
+class CanaryAudit(AuditResult):
     """ε_lower from the canaries against ε_upper from the accountant; ``table`` has the numbers."""
 
     epsilon_lower: float
@@ -56,23 +64,15 @@ class CanaryAudit:
     def passed(self) -> bool:
         return bool(self.epsilon_lower <= self.epsilon_upper)
 
-    def plot(self, ax, bins: int = 40):
-        """Histograms of the scores of included and excluded canaries; returns the artists."""
-        edges = np.histogram_bin_edges(self.scores, bins=bins)
-        _, _, p_in = ax.hist(self.scores[self.included], bins=edges, alpha=0.6, label="in")
-        _, _, p_out = ax.hist(self.scores[~self.included], bins=edges, alpha=0.6, label="out")
-        ax.set_xlabel("canary score Σ_t step_t[j]")
-        ax.set_ylabel("canaries")
-        ax.set_title(f"canary audit: ε_lower {self.epsilon_lower:.2f} vs ε_upper "
-                     f"{self.epsilon_upper:.2f} ({'passed' if self.passed else 'FAILED'})")
-        ax.legend()
-        return [*p_in, *p_out]
+    @property
+    def summary(self) -> str:
+        return (f"Canary audit {'passed' if self.passed else 'FAILED'}: ε_lower = "
+                f"{self.epsilon_lower:.3f}, ε_upper = {self.epsilon_upper:.3f} (the most this "
+                f"configuration can show: {self.epsilon_attainable:.3f})")
 
-    def _repr_html_(self):
-        verdict = "passed" if self.passed else "FAILED"
-        return (f"<p><b>Canary audit {verdict}</b>: ε_lower = {self.epsilon_lower:.3f}, "
-                f"ε_upper = {self.epsilon_upper:.3f} (the most this configuration can show: "
-                f"{self.epsilon_attainable:.3f})</p>" + self.table.to_html(index=False))
+    def plot(self, ax, bins: int = 40):
+        """``workbench.viz.audit_privacy.plot_canary_scores``: scores and thresholds; artists."""
+        return plot_canary_scores(ax, self, bins)
 
 
 def canary_scores(step_fn, dim, steps, sample_rate, max_grad_norm, included, data_size,
@@ -122,13 +122,12 @@ def audit_canaries(step_fn_factory, dim: int, steps: int, sample_rate: float,
     ``canaries``. ``noise_multiplier`` is the *claim*: it is given to the factory and to
     ``accounting.epsilon`` for ε_upper.
     """
-    m, r = int(canaries), int(guesses)
-    if not 1 <= m <= dim:
-        raise ValueError(f"canaries must be in [1, dim={dim}] (one coordinate each); got {m!r}")
-    if not 1 <= r <= m:
-        raise ValueError(f"guesses must be in [1, canaries={m}]; got {r!r}")
-    n_data = m if data_size is None else int(data_size)
-    q, C, sigma = float(sample_rate), float(max_grad_norm), float(noise_multiplier)
+    dim = check_count(dim, "dim")
+    m = check_count(canaries, "canaries", 1, dim, note="one coordinate each", high_name="dim")
+    r = check_count(guesses, "guesses", 1, m, high_name="canaries")
+    n_data = m if data_size is None else check_count(data_size, "data_size")
+    q = check_sample_rate(sample_rate)
+    C, sigma = check_max_grad_norm(max_grad_norm), check_noise_multiplier(noise_multiplier)
     B = q * (n_data + m / 2)  # expected batch size: the canary count is secret
     included = (torch.rand(m, generator=generator) < 0.5).numpy()  # (m,) secret bits
     seed = int(torch.randint(2 ** 62, (1,), generator=generator))

@@ -34,6 +34,7 @@ from workbench.audit.report_suites import (
     check_accountants,
     check_clipping,
 )
+from workbench.audit.result import AuditResult
 
 METHODS = ("einsum", "vmap", "ghost", "bookkeeping")
 C, SIGMA, B, DIM = 1.5, 1.0, 8, 32  # mechanism audit; C != 1 so that σ vs σC shows
@@ -42,13 +43,13 @@ SEEDS = {"model_init": 0, "zoo_batch": 0, "mechanism_design": 0, "step_noise": 1
          "clipping_design": 0, "sampling": 0}
 
 
-class Crashed:
+class Crashed(AuditResult):
     """The code under audit raised: a FAILED section that shows the error."""
 
     def __init__(self, error: Exception):
-        self.passed, self.what = False, ""
-        self.summary = (f"raised {type(error).__name__}: {error}", "")
         import pandas as pd
+
+        self.passed, self.summary = False, f"raised {type(error).__name__}: {error}"
         self.table = pd.DataFrame([{"error": f"{type(error).__name__}: {error}"}])
 
 

@@ -33,10 +33,20 @@ import torch
 from scipy import stats
 
 from workbench import accounting
+from workbench.audit.result import AuditResult
+from workbench.checks import (
+    check_count,
+    check_delta,
+    check_max_grad_norm,
+    check_noise_multiplier,
+    check_positive,
+    check_probability,
+)
+from workbench.viz.audit_privacy import plot_gaussian_scores
 
 
 @dataclass
-class GaussianAudit:
+class GaussianAudit(AuditResult):
     """μ_lower / ε_lower from the canaries against the claim; ``table`` has the numbers."""
 
     passed: bool
@@ -52,18 +62,8 @@ class GaussianAudit:
                 f"{r.mu_lower:.3f} vs claimed {r.mu_claim:.3f}, {r.observations} scores)")
 
     def plot(self, ax, bins: int = 60):
-        """Histograms of the in and out scores with the test's threshold; returns the artists."""
-        edges = np.histogram_bin_edges(self.scores, bins=bins)
-        _, _, p_out = ax.hist(self.scores[~self.bits], bins=edges, alpha=0.6, label="out")
-        _, _, p_in = ax.hist(self.scores[self.bits], bins=edges, alpha=0.6, label="in")
-        line = ax.axvline(0.5, color="k", linestyle="--", label="threshold ½")
-        ax.set_xlabel("score x_j = step_j · B / C")
-        ax.set_title(self.summary.split(":")[0])
-        ax.legend()
-        return [*p_out, *p_in, line]
-
-    def _repr_html_(self):
-        return f"<p><b>{self.summary}</b></p>" + self.table.to_html(index=False)
+        """``workbench.viz.audit_privacy.plot_gaussian_scores``: in/out scores; artists."""
+        return plot_gaussian_scores(ax, self, bins)
 
 
 def mu_lower_bound(false_pos: int, negatives: int, false_neg: int, positives: int,
@@ -92,15 +92,12 @@ def audit_gaussian_step(step_fn, dim: int, batch_size: float, max_grad_norm: flo
     ``generator`` draws the secret bits; the step's noise is its own. At d = 1000 and 200
     calls (2·10⁵ scores) a correct step at ε ≈ 2 gets ε_lower ≈ 0.95 ε_upper.
     """
-    C, sigma, B = float(max_grad_norm), float(noise_multiplier), float(batch_size)
-    if dim < 2 or calls < 1:
-        raise ValueError(f"need dim >= 2 and calls >= 1; got dim={dim!r}, calls={calls!r}")
-    if not sigma > 0:
-        raise ValueError(f"noise_multiplier must be > 0 (σ = 0 claims no privacy, ε = inf: "
-                         f"nothing to audit); got {noise_multiplier!r}")
-    if not 0 < confidence < 1 or not 0 < delta < 1:
-        raise ValueError(f"confidence and delta must be in (0, 1); got confidence="
-                         f"{confidence!r}, delta={delta!r}")
+    C, B = check_max_grad_norm(max_grad_norm), check_positive(batch_size, "batch_size")
+    sigma = check_noise_multiplier(noise_multiplier, positive=True,
+                                   note="σ = 0 claims no privacy, ε = inf: nothing to audit")
+    dim, calls = check_count(dim, "dim", 2), check_count(calls, "calls")
+    confidence = check_probability(confidence, "confidence", note="e.g. 0.95")
+    delta = check_delta(delta)
     eye = C * torch.eye(dim, dtype=torch.float64)  # (d, d) canary j = C·e_j
     bits = torch.rand(int(calls), dim, generator=generator) < 0.5  # (calls, d) secret
     scores = np.empty((int(calls), dim))

@@ -27,13 +27,14 @@ import copy
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import pandas as pd
 import torch
 
+from workbench.audit.result import AuditResult
 from workbench.clipping import clipped_grad_sum, per_sample_grad_norms
 from workbench.clipping.flat import clip_factors, grad_norms, weighted_sum
 from workbench.per_sample import METHODS, per_sample_gradients
+from workbench.viz.audit import plot_gradient_audit
 
 GHOST_METHODS = ("ghost", "bookkeeping")
 TOLERANCES = {
@@ -43,7 +44,7 @@ TOLERANCES = {
 
 
 @dataclass
-class GradientAudit:
+class GradientAudit(AuditResult):
     """The verdict of ``audit_gradients``: one table row per (method, parameter).
 
     ``table`` columns: method, parameter, layer, quantity, max_abs_error, max_rel_error,
@@ -78,24 +79,15 @@ class GradientAudit:
             return f"PASSED: {', '.join(self.worst().index)} agree with {versus}"
         return f"FAILED: {', '.join(self.failed_methods())} disagree with {versus}"
 
-    def plot(self, ax):
-        """Bar per method of its worst relative error, log scale, tolerance line; artists."""
-        worst = self.worst()
-        shown = worst.fillna(0).clip(lower=1e-18)  # log scale: exact agreement drawn at 1e-18
-        ok = self.table.groupby("method", sort=False)["passed"].all()[worst.index]
-        colors = np.where(ok.to_numpy(), "tab:green", "tab:red")
-        bars = ax.bar(list(worst.index), shown.to_numpy(), color=colors)
-        line = ax.axhline(self.tolerance, color="k", linestyle="--",
-                          label=f"tolerance {self.tolerance:.0e}")
-        ax.set_yscale("log")
-        ax.set_ylabel(f"max relative error vs {self.reference}")
-        ax.legend(loc="upper left")
-        return [*bars, line]
+    @property
+    def summary(self) -> str:
+        return self.verdict()
 
-    def _repr_html_(self) -> str:
-        color = "green" if self.passed else "red"
-        head = f'<p style="color:{color}"><b>{self.verdict()}</b></p>'
-        return head + self.table.to_html(index=False, float_format="{:.2e}".format)
+    float_format = "{:.2e}"
+
+    def plot(self, ax):
+        """``workbench.viz.audit.plot_gradient_audit``: worst error per method; artists."""
+        return plot_gradient_audit(ax, self)
 
 
 def _cast(x, dtype):

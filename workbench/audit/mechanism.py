@@ -33,6 +33,15 @@ import pandas as pd
 import torch
 from scipy import stats
 
+from workbench.audit.result import AuditResult
+from workbench.checks import (
+    check_count,
+    check_max_grad_norm,
+    check_noise_multiplier,
+    check_positive,
+)
+from workbench.viz.audit import plot_noise_histogram
+
 _CHECKS = {
     "mean · designed batch": "E[step(G)] = Σ clip_C(g_i)/B with huge, tiny, zero, outlier and "
     "aligned samples; catches inverted, per-batch and per-coordinate clipping, wrong scale",
@@ -53,7 +62,7 @@ _CHECKS = {
 
 
 @dataclass
-class MechanismAudit:
+class MechanismAudit(AuditResult):
     """One row per check in ``table``; ``standardised_noise`` is (step - mean) / s, pooled."""
 
     passed: bool
@@ -62,21 +71,15 @@ class MechanismAudit:
     alpha: float = 1e-3
     trials: int = 400
 
-    def plot(self, ax, bins: int = 60):
-        """Histogram of the standardised noise against the N(0, 1) pdf; returns the artists."""
-        z = self.standardised_noise
-        _, _, patches = ax.hist(z, bins=bins, density=True, alpha=0.6, label="(step - mean) / s")
-        x = np.linspace(-4.5, 4.5, 200)
-        (line,) = ax.plot(x, stats.norm.pdf(x), "k-", label="N(0, 1)")
-        ax.set_xlabel("standardised noise")
-        ax.set_title(f"DP step audit: {'passed' if self.passed else 'FAILED'}")
-        ax.legend()
-        return [*patches, line]
+    @property
+    def summary(self) -> str:
+        failed = ", ".join(self.table["check"][~self.table["passed"]])
+        return (f"DP step audit {'passed' if self.passed else 'FAILED'} (alpha={self.alpha:g}, "
+                f"trials={self.trials})" + (f": fails {failed}" if failed else ""))
 
-    def _repr_html_(self):
-        verdict = "passed" if self.passed else "FAILED"
-        return (f"<p><b>DP step audit {verdict}</b> (alpha={self.alpha:g}, "
-                f"trials={self.trials})</p>" + self.table.to_html(index=False))
+    def plot(self, ax, bins: int = 60):
+        """``workbench.viz.audit.plot_noise_histogram``: noise against N(0, 1); artists."""
+        return plot_noise_histogram(ax, self, bins)
 
 
 _N_BOUNDARY = 32  # rows of the clip-boundary batch
@@ -135,9 +138,9 @@ def audit_dp_step(step_fn, dim: int, batch_size: float, max_grad_norm: float,
     checks become exact (tolerance 1e-6·C/B, for float32 steps) and the noise checks require
     zero noise. The step's own randomness is its own; ``generator`` only designs G.
     """
-    C, sigma, B, T = float(max_grad_norm), float(noise_multiplier), float(batch_size), int(trials)
-    if T < 20:
-        raise ValueError(f"trials must be >= 20 for the tests' normal approximations; got {T}")
+    C, B = check_max_grad_norm(max_grad_norm), check_positive(batch_size, "batch_size")
+    sigma = check_noise_multiplier(noise_multiplier)
+    T = check_count(trials, "trials", 20, note="for the tests' normal approximations")
     a = alpha / len(_CHECKS)  # one row per check; alpha split evenly (Bonferroni)
     s, tol = sigma * C / B, 1e-6 * C / B
     batches = design_batches(dim, B, C, generator)

@@ -27,16 +27,14 @@ Notation: m canaries, r guesses, v correct guesses, β = 1 - confidence, δ the 
 import numpy as np
 from scipy import optimize, special, stats
 
+from workbench.checks import check_count, check_delta, check_probability
+
 
 def _check(guesses, correct, confidence, delta, canaries):
-    r, v = int(guesses), int(correct)
-    if r < 1 or not 0 <= v <= r:
-        raise ValueError(f"need 0 <= correct <= guesses and guesses >= 1; got correct={v!r}, "
-                         f"guesses={r!r}")
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be in (0, 1), e.g. 0.95; got {confidence!r}")
-    if not 0 <= delta < 1:
-        raise ValueError(f"delta must be in [0, 1); got {delta!r}")
+    r = check_count(guesses, "guesses")
+    v = check_count(correct, "correct", 0, r, high_name="guesses")
+    check_probability(confidence, "confidence", note="e.g. 0.95")
+    check_delta(delta, zero_ok=True)
     if delta > 0 and (canaries is None or int(canaries) < r):
         raise ValueError(f"with delta={delta!r} > 0 the bound depends on the number of "
                          f"canaries m (Thm. 3.1's 2mδ term): pass canaries >= guesses={r}; "

@@ -1,9 +1,11 @@
 """The audit report's sections: one protocol for every audit, one registration per kind.
 
-A *section* is an audit result under a title. Any result works if it has
+A *section* is an audit result under a title. Every result is an ``AuditResult``
+(``workbench.audit.result``, the one protocol):
 
     .passed  bool                      the audit's own verdict
     .table   pandas DataFrame          its numbers
+    .summary str                       its one-line finding
     .skipped bool, .reason str         (optional) it could not run, and why
 
 and the report learns the rest (what the audit checks and why, the one-line finding, the key
@@ -15,8 +17,8 @@ name::
         summary=lambda r: ("inclusions look Poisson", f"min p {r.table.p_value.min():.2g}"),
         figures=(plot_sampling,)))          # plot_x(ax, result) -> artists, workbench.viz
 
-A result may instead carry its own ``.summary`` (a (finding, key number) pair or a string) and
-``.what``. Unregistered results still get a section (docstring as "what", no figure).
+An unregistered result still gets a section: its ``.summary`` is the finding, its ``.what``
+or docstring says what it checks, no key number and no figure.
 
 Verdicts are honest: a skipped section is SKIPPED with its reason and never counts as passed;
 a section whose audit is *expected* to fail (a bug the audit must catch) reads "caught" when it
@@ -31,6 +33,8 @@ from typing import Callable
 
 import pandas as pd
 from matplotlib.figure import Figure
+
+from workbench.audit.result import AuditResult
 
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
 
@@ -65,7 +69,7 @@ def kind_of(result) -> Kind | None:
 
 
 @dataclass
-class Skipped:
+class Skipped(AuditResult):
     """An audit that could not run: never passed, always with the reason."""
 
     reason: str
@@ -73,6 +77,10 @@ class Skipped:
     skipped: bool = True
     passed: bool = False
     table: pd.DataFrame = field(default_factory=pd.DataFrame)
+
+    @property
+    def summary(self) -> str:
+        return f"not run: {self.reason}"
 
 
 @dataclass
@@ -107,13 +115,10 @@ def render_png(plot, result, figsize=(6.4, 3.2), dpi=100) -> bytes:
     return buffer.getvalue()
 
 
-def _summary(result, kind, passed):
+def _summary(result, kind):
     if kind is not None:  # the registered kind is the report's view of the result
         return kind.summary(result)
-    own = getattr(result, "summary", None)
-    if own is not None and not callable(own):
-        return tuple(own) if isinstance(own, (tuple, list)) else (str(own), "")
-    return ("all checks passed" if passed else "some checks failed"), ""
+    return str(result.summary), ""
 
 
 def section(title: str, result, must_pass: bool = True, expect_failure: bool = False,
@@ -122,14 +127,18 @@ def section(title: str, result, must_pass: bool = True, expect_failure: bool = F
     with a ``passed`` column). ``expect_failure``: the audit must *catch* this (a bug)."""
     if isinstance(result, pd.DataFrame):
         return _table_section(title, result, must_pass)
+    if not isinstance(result, AuditResult):
+        raise TypeError(f"section {title!r}: the result must be an AuditResult or a DataFrame "
+                        f"with a 'passed' column; got {type(result).__name__}. Subclass "
+                        f"workbench.audit.AuditResult and give it passed, table and summary")
     kind = kind_of(result)
-    what = getattr(result, "what", "") or (kind.what if kind else "") or \
+    what = result.what or (kind.what if kind else "") or \
         (type(result).__doc__ or "").strip().split("\n\n")[0]
-    if getattr(result, "skipped", False):
-        return Section(title, what, SKIPPED, f"not run: {result.reason}", "", pd.DataFrame(),
+    if result.skipped:
+        return Section(title, what, SKIPPED, result.summary, "", pd.DataFrame(),
                        [], must_pass, reason=str(result.reason))
     passed = bool(result.passed)
-    finding, key = _summary(result, kind, passed)
+    finding, key = _summary(result, kind)
     table, notes = kind.table(result) if kind and kind.table else (result.table, [])
     ok = passed != expect_failure
     words = ("caught", "NOT CAUGHT") if expect_failure else ("passed", "FAILED")

@@ -16,13 +16,10 @@ from workbench.audit.gaussian_audit import audit_gaussian_step
 from workbench.audit.report import Kind, register_kind, section
 from workbench.audit.sampling import audit_sampling
 from workbench.dpsgd.sampling import DPDataLoader
+from workbench.viz.audit_privacy import plot_gaussian_scores
 
 SAMPLING = dict(dataset_size=1000, sample_rate=0.05, epochs=4)
 GAUSSIAN = dict(dim=1000, batch_size=8, max_grad_norm=1.5, noise_multiplier=2.0, calls=200)
-
-
-def _plot_gaussian(ax, result):
-    return result.plot(ax)
 
 
 register_kind("SamplingAudit", Kind(
@@ -40,7 +37,7 @@ register_kind("GaussianAudit", Kind(
          "for a correct step, so a step with less noise than claimed fails.",
     summary=lambda r: (r.summary, f"ε_lower {r.table['epsilon_lower'].iloc[0]:.3g} vs "
                                   f"{r.table['epsilon_upper'].iloc[0]:.3g}"),
-    figures=(_plot_gaussian,)))
+    figures=(plot_gaussian_scores,)))
 
 
 def privacy_extras(seed: int = 0) -> list:

@@ -1,6 +1,6 @@
 """Result objects for the report's sections that gather several audits or small checks.
 
-Each has ``.passed`` and ``.table`` (the protocol of ``workbench.audit.report``):
+Each is an ``AuditResult`` (``.passed``, ``.table``, ``.summary``; ``workbench.audit.result``):
 
 - ``GradientSuite``: several models' ``GradientAudit``s, restricted to some methods;
 - ``BugZooSuite``: the mechanism audit of every wrong step of ``bug_zoo`` (passed = all caught);
@@ -18,13 +18,14 @@ import pandas as pd
 
 from workbench import accounting
 from workbench.audit.mechanism import design_batches, expected_step
+from workbench.audit.result import AuditResult
 
 CLIPPING_TOLERANCE = 1e-6  # relative: a float32 step rounds at ~1e-7; a clipping bug moves
 # the sum by a sizeable fraction of C/B
 
 
 @dataclass
-class GradientSuite:
+class GradientSuite(AuditResult):
     """Gradient audits of several models (``audits``: name -> GradientAudit) for ``methods``."""
 
     audits: dict
@@ -53,9 +54,20 @@ class GradientSuite:
     def tolerance(self) -> float:
         return max(a.tolerance for a in self.audits.values())
 
+    @property
+    def summary(self) -> str:
+        rows = self.rows
+        if self.passed:
+            methods = ", ".join(dict.fromkeys(rows["method"]))
+            return f"{methods} agree with micro-batching on {len(self.audits)} model(s)"
+        bad = rows[~rows["passed"]] if len(rows) else rows
+        where = ", ".join(dict.fromkeys(bad["method"] + " on " + bad["model"])) if len(bad) \
+            else "no rows audited"
+        return f"disagree or fail: {where}"
+
 
 @dataclass
-class BugZooSuite:
+class BugZooSuite(AuditResult):
     """Mechanism audits of wrong steps (``audits``: name -> MechanismAudit) and what is wrong
     with each (``docs``: name -> one line). ``passed``: the audit caught every one."""
 
@@ -73,9 +85,13 @@ class BugZooSuite:
     def passed(self) -> bool:
         return bool(self.audits) and not any(a.passed for a in self.audits.values())
 
+    @property
+    def summary(self) -> str:
+        return f"{int(self.table['caught'].sum())} of {len(self.table)} wrong steps caught"
+
 
 @dataclass
-class ClippingCheck:
+class ClippingCheck(AuditResult):
     """A σ = 0 step against μ(G) on the designed batches of the mechanism audit."""
 
     observed: dict  # batch name -> (d,) step output
@@ -101,6 +117,10 @@ class ClippingCheck:
     def passed(self) -> bool:
         return bool(self.table["passed"].all())
 
+    @property
+    def summary(self) -> str:
+        return "clipped sums match" if self.passed else "clipped sums differ"
+
 
 def check_clipping(step_factory, max_grad_norm, batch_size, dim, generator=None):
     """Run ``step_factory(C, 0, B, generator)`` once on each designed batch."""
@@ -115,7 +135,7 @@ def check_clipping(step_factory, max_grad_norm, batch_size, dim, generator=None)
 
 
 @dataclass
-class AccountantCheck:
+class AccountantCheck(AuditResult):
     """ε(δ) of RDP and PLD per setting (``table``) and along one run (``curve``)."""
 
     table: pd.DataFrame
@@ -125,6 +145,10 @@ class AccountantCheck:
     @property
     def passed(self) -> bool:
         return bool(self.table["passed"].all()) and bool(self.curve["passed"].all())
+
+    @property
+    def summary(self) -> str:
+        return "PLD ≤ RDP in every setting" if self.passed else "PLD exceeds RDP"
 
 
 def _epsilons(q, sigma, steps, delta):

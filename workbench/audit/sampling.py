@@ -33,7 +33,8 @@ import torch
 from scipy import stats
 from torch.utils.data import Dataset
 
-from workbench.accounting.checks import check_count, check_sample_rate
+from workbench.audit.result import AuditResult
+from workbench.checks import check_count, check_probability, check_sample_rate
 
 
 class IndexDataset(Dataset):
@@ -72,7 +73,7 @@ def _kurt(n, q):
 
 
 @dataclass
-class SamplingAudit:
+class SamplingAudit(AuditResult):
     """The verdict: ``.passed``, ``.table`` (one row per test), ``.summary``."""
 
     passed: bool
@@ -80,11 +81,6 @@ class SamplingAudit:
     significance: float
     steps: int
     summary: str
-
-    def _repr_html_(self):
-        color = "green" if self.passed else "red"
-        return (f"<p style='color:{color}'><b>{self.summary}</b></p>"
-                + self.table.to_html(float_format=lambda v: f"{v:.3g}"))
 
 
 def _tests(x, N, q, L):
@@ -119,12 +115,10 @@ def audit_sampling(make_loader, dataset_size, sample_rate, *, epochs=4, signific
     q = 0.05, E = 4 the four failure modes of the tests are caught every time (measured).
     """
     N = check_count(dataset_size, "dataset_size", 2, 10**7)
-    q = check_sample_rate(sample_rate)
-    if not 0 < q < 1:
-        raise ValueError(f"sample_rate must be in (0, 1) to test sampling; got {q!r}")
+    q = check_sample_rate(sample_rate, positive=True, below_one=True,
+                          note="at q = 0 or 1 every batch is fixed: there is nothing to test")
     epochs = check_count(epochs, "epochs", 2, 10**4)
-    if not 0 < significance < 1:
-        raise ValueError(f"significance must be in (0, 1); got {significance!r}")
+    significance = check_probability(significance, "significance", note="e.g. 0.05")
     loader = make_loader(IndexDataset(N))
     rows, first_epoch = [], None
     for _ in range(epochs):

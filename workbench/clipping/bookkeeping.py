@@ -20,8 +20,8 @@ itself is the one clipping engine's (``engine.clipped_sum``, mode ``"bookkeeping
 Notation: n batch, a activations, b backprops, c clip factors (n,).
 """
 
+from workbench.checks import check_max_grad_norm
 from workbench.clipping.engine import clipped_sum
-from workbench.clipping.flat import check_max_grad_norm
 from workbench.clipping.ghost import record, squared_norms, verify_norms
 
 

@@ -15,23 +15,11 @@ the 1e-6 slack.
 Notation: n batch size, g_i per-sample gradient (all parameters), C max_grad_norm.
 """
 
-import math
-
 import torch
 
+from workbench.checks import check_max_grad_norm
+
 LOW_PRECISION = (torch.float16, torch.bfloat16)  # norms and squares accumulate in float32
-
-
-def check_max_grad_norm(max_grad_norm) -> float:
-    """C must be a positive finite number."""
-    try:
-        C = float(max_grad_norm)
-    except (TypeError, ValueError):
-        raise TypeError(f"max_grad_norm must be a positive number; got {max_grad_norm!r}") from None
-    if not (C > 0 and math.isfinite(C)):
-        raise ValueError(f"max_grad_norm must be a positive finite number (the clip norm C); "
-                         f"got {max_grad_norm!r}")
-    return C
 
 
 def clip_factors(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:

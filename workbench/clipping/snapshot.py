@@ -41,7 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from workbench.clipping.flat import check_max_grad_norm, clip_factors, grad_norms, weighted_sum
+from workbench.checks import check_max_grad_norm
+from workbench.clipping.flat import clip_factors, grad_norms, weighted_sum
 from workbench.per_sample import per_sample_gradients
 
 ROOT = "(root)"  # layer name for parameters registered on the model itself, e.g. nn.Linear

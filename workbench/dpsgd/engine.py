@@ -29,6 +29,7 @@ import warnings
 
 from workbench.accounting import get_noise_multiplier
 from workbench.accounting.registry import epsilon_bounds, make_accountant
+from workbench.checks import check_count
 from workbench.dpsgd import distributed
 from workbench.dpsgd.attached import detach_earlier, remember
 from workbench.dpsgd.misuse import (
@@ -49,11 +50,8 @@ class VirtualStepLoader:
     tells the optimizer which chunk ends the logical batch (noise is added once, there)."""
 
     def __init__(self, loader, optimizer: DPOptimizer, max_physical_batch_size: int):
-        if int(max_physical_batch_size) < 1:
-            raise ValueError(f"max_physical_batch_size must be a positive integer; got "
-                             f"{max_physical_batch_size!r}")
+        self.size = check_count(max_physical_batch_size, "max_physical_batch_size")
         self.loader, self.optimizer = loader, optimizer
-        self.size = int(max_physical_batch_size)
         self.sample_rate = getattr(loader, "sample_rate", None)
         self.dataset = loader.dataset
 

@@ -40,20 +40,12 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from workbench.checks import check_max_grad_norm, check_noise_multiplier, check_positive
 from workbench.clipping.engine import MODES, clipped_sum
-from workbench.clipping.flat import check_max_grad_norm
 from workbench.dpsgd.distributed import DEFAULT_TIMEOUT_MINUTES, all_reduce
 from workbench.dpsgd.privatise import gaussian_noise
 from workbench.dpsgd.recorded import ModelRecorder
 from workbench.per_sample.checks import check_no_sample_mixing
-
-
-def check_noise_multiplier(noise_multiplier) -> float:
-    sigma = float(noise_multiplier)
-    if not (sigma >= 0 and math.isfinite(sigma)):
-        raise ValueError(f"noise_multiplier must be a finite number >= 0 (σ, the noise std in "
-                         f"units of max_grad_norm); got {noise_multiplier!r}")
-    return sigma
 
 
 class DPOptimizer(Optimizer):
@@ -68,14 +60,13 @@ class DPOptimizer(Optimizer):
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' (criterion averages over the batch)"
                              f" or 'sum'; got {loss_reduction!r}")
-        if not expected_batch_size > 0:
-            raise ValueError(f"expected_batch_size must be > 0 (q N); got {expected_batch_size!r}")
+        B = check_positive(expected_batch_size, "expected_batch_size", note="B = q N")
         check_no_sample_mixing(model)
         super().__init__(optimizer.param_groups, optimizer.defaults)  # creates the hook tables
         self.__dict__["original_optimizer"] = optimizer  # from now on the properties delegate
         self.noise_multiplier = check_noise_multiplier(noise_multiplier)
         self.max_grad_norm = self._check_clip_norms(max_grad_norm)
-        self.expected_batch_size = float(expected_batch_size)
+        self.expected_batch_size = B
         self.grad_sample_mode = grad_sample_mode
         self.loss_reduction = loss_reduction
         self.generator = generator

@@ -36,6 +36,8 @@ from torch.utils.data import (
     default_collate,
 )
 
+from workbench.checks import check_count, check_sample_rate
+
 # What from_data_loader copies from the original loader: everything but the choice of batches.
 KEPT_OPTIONS = ("collate_fn", "worker_init_fn", "num_workers", "pin_memory", "persistent_workers",
                 "prefetch_factor", "multiprocessing_context", "timeout", "pin_memory_device",
@@ -60,26 +62,15 @@ def check_dataset(dataset, name: str = "dataset") -> int:
     return N
 
 
-def check_sample_rate(sample_rate) -> float:
-    q = float(sample_rate)
-    if not (0 < q <= 1):
-        raise ValueError(f"sample_rate must be in (0, 1] (the probability that an example is in "
-                         f"a batch); got {sample_rate!r}")
-    return q
-
-
 class PoissonBatchSampler(Sampler[list[int]]):
     """Yields ``steps`` batches of indices; index j is in each with probability q."""
 
     def __init__(self, num_samples: int, sample_rate: float, steps: int | None = None,
                  generator: torch.Generator | None = None):
-        if int(num_samples) != num_samples or num_samples < 1:
-            raise ValueError(f"num_samples must be a positive integer; got {num_samples!r}")
-        self.num_samples = int(num_samples)
-        self.sample_rate = check_sample_rate(sample_rate)
-        self.steps = max(1, round(1 / self.sample_rate)) if steps is None else int(steps)
-        if self.steps < 1:
-            raise ValueError(f"steps must be a positive integer; got {steps!r}")
+        self.num_samples = check_count(num_samples, "num_samples")
+        self.sample_rate = check_sample_rate(sample_rate, positive=True)
+        self.steps = max(1, round(1 / self.sample_rate)) if steps is None else \
+            check_count(steps, "steps")
         self.generator = generator
 
     def __len__(self) -> int:

@@ -15,16 +15,16 @@ does not change ε (the noise std is σ C, so the ratio σ stays what the accoun
 ``weights_only=True``).
 """
 
-import math
+from workbench.checks import check_choice, check_count, check_max_grad_norm, check_noise_multiplier
+
+CHECKS = {"noise_multiplier": check_noise_multiplier, "max_grad_norm": check_max_grad_norm}
 
 
 class _Schedule:
     attribute = None  # "noise_multiplier" or "max_grad_norm"
 
     def __init__(self, optimizer, attribute: str):
-        if attribute not in ("noise_multiplier", "max_grad_norm"):
-            raise ValueError(f"attribute must be 'noise_multiplier' or 'max_grad_norm'; "
-                             f"got {attribute!r}")
+        check_choice(attribute, "attribute", CHECKS)
         self.optimizer, self.attribute = optimizer, attribute
         if isinstance(getattr(optimizer, attribute), list):
             raise ValueError("schedules of per-layer clip norms are not supported; schedule a "
@@ -38,10 +38,11 @@ class _Schedule:
     def step(self) -> None:
         self.last_epoch += 1
         value = self.base * self.factor(self.last_epoch)
-        if not (value >= 0 and math.isfinite(value)) or (
-                self.attribute == "max_grad_norm" and value == 0):
+        try:
+            value = CHECKS[self.attribute](value)
+        except ValueError as e:
             raise ValueError(f"the schedule gave {self.attribute} = {value!r} at step "
-                             f"{self.last_epoch}; it must stay finite and positive")
+                             f"{self.last_epoch}: {e}") from None
         setattr(self.optimizer, self.attribute, value)
 
     def state_dict(self) -> dict:
@@ -57,9 +58,7 @@ class StepSchedule(_Schedule):
 
     def __init__(self, optimizer, step_size: int, gamma: float,
                  attribute: str = "noise_multiplier"):
-        if int(step_size) != step_size or step_size < 1:
-            raise ValueError(f"step_size must be a positive integer; got {step_size!r}")
-        self.step_size, self.gamma = int(step_size), float(gamma)
+        self.step_size, self.gamma = check_count(step_size, "step_size"), float(gamma)
         super().__init__(optimizer, attribute)
 
     def factor(self, t: int) -> float:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from workbench.checks import check_count
 from workbench.dpsgd.engine import check_criterion
 
 
@@ -37,8 +38,7 @@ def accuracy(model: nn.Module, data) -> float:
 def train(model, optimizer, loader, *, epochs: int, criterion=None, engine=None,
           delta: float = 1e-5, eval_data=None, progress: bool = True) -> pd.DataFrame:
     """Train for ``epochs``; returns a DataFrame with one row per epoch (see module doc)."""
-    if int(epochs) != epochs or epochs < 1:
-        raise ValueError(f"epochs must be a positive integer; got {epochs!r}")
+    epochs = check_count(epochs, "epochs")
     criterion = nn.CrossEntropyLoss() if criterion is None else criterion
     if hasattr(optimizer, "loss_reduction") and hasattr(criterion, "reduction"):
         check_criterion(criterion, optimizer.loss_reduction)  # a DP optimizer: same reduction

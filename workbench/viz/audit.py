@@ -2,7 +2,8 @@
 
 ``plot_x(ax, result)`` draws on the axes it is given and returns the artists (no figure, no
 ``plt.show()``). Results: ``GradientSuite``, ``BugZooSuite``, ``ClippingCheck``
-(``workbench.audit.report_suites``) and ``MechanismAudit`` (``workbench.audit.mechanism``).
+(``workbench.audit.report_suites``), ``GradientAudit`` (``workbench.audit.gradients``) and
+``MechanismAudit`` (``workbench.audit.mechanism``).
 The canary and accountant plots are in ``viz/audit_privacy.py``.
 
 Noise variance: with residuals r of T calls on d coordinates of 3 batches, Σ r²/s² ~ χ²(k),
@@ -44,6 +45,34 @@ def plot_gradient_errors(ax, suite):
                  f"0 drawn at {FLOOR:.0e}", fontsize="small")
     ax.legend(loc="upper left", fontsize="small")
     return artists
+
+
+def plot_gradient_audit(ax, result):
+    """One bar per method of its worst relative error (a ``GradientAudit``), log scale, with
+    the tolerance line; exact agreement drawn at FLOOR."""
+    worst = result.worst()
+    shown = worst.fillna(0).clip(lower=FLOOR)
+    ok = result.table.groupby("method", sort=False)["passed"].all()[worst.index]
+    colors = np.where(ok.to_numpy(), "tab:green", "tab:red")
+    bars = ax.bar(list(worst.index), shown.to_numpy(), color=colors)
+    line = ax.axhline(result.tolerance, color="k", linestyle="--",
+                      label=f"tolerance {result.tolerance:.0e}")
+    ax.set_yscale("log")
+    ax.set_ylabel(f"max relative error vs {result.reference}")
+    ax.legend(loc="upper left")
+    return [*bars, line]
+
+
+def plot_noise_histogram(ax, result, bins: int = 60):
+    """Histogram of a MechanismAudit's standardised noise against the N(0, 1) pdf."""
+    z = result.standardised_noise
+    _, _, patches = ax.hist(z, bins=bins, density=True, alpha=0.6, label="(step - mean) / s")
+    x = np.linspace(-4.5, 4.5, 200)
+    (line,) = ax.plot(x, stats.norm.pdf(x), "k-", label="N(0, 1)")
+    ax.set_xlabel("standardised noise")
+    ax.set_title(f"DP step audit: {'passed' if result.passed else 'FAILED'}")
+    ax.legend()
+    return [*patches, line]
 
 
 def noise_variance(result):

@@ -1,8 +1,8 @@
 """Plots of the audit report's privacy sections: canary scores and bounds, ε curves.
 
 ``plot_x(ax, result)`` draws on the axes it is given and returns the artists. Results:
-``CanaryAudit`` (``workbench.audit.canary``) and ``AccountantCheck``
-(``workbench.audit.report_suites``).
+``CanaryAudit`` (``workbench.audit.canary``), ``GaussianAudit``
+(``workbench.audit.gaussian_audit``) and ``AccountantCheck`` (``workbench.audit.report_suites``).
 
 Canary decision rule (Steinke, Nasr, Jagielski 2023, arXiv 2305.08846): the top k₊ scores are
 guessed "in", the bottom k₋ "out", the rest abstain; the two score thresholds are the k₊-th
@@ -45,6 +45,18 @@ def plot_canary_scores(ax, result, bins: int = 40):
     ax.set_ylabel("canaries")
     ax.legend(fontsize="small")
     return [*p_in, *p_out, *lines]
+
+
+def plot_gaussian_scores(ax, result, bins: int = 60):
+    """A GaussianAudit's scores of present (in) and absent (out) canaries, threshold ½."""
+    edges = np.histogram_bin_edges(result.scores, bins=bins)
+    _, _, p_out = ax.hist(result.scores[~result.bits], bins=edges, alpha=0.6, label="out")
+    _, _, p_in = ax.hist(result.scores[result.bits], bins=edges, alpha=0.6, label="in")
+    line = ax.axvline(0.5, color="k", linestyle="--", label="threshold ½")
+    ax.set_xlabel("score x_j = step_j · B / C")
+    ax.set_title(result.summary.split(":")[0])
+    ax.legend()
+    return [*p_out, *p_in, line]
 
 
 def plot_canary_bounds(ax, result):

@@ -26,7 +26,7 @@ import math
 import ipywidgets as widgets
 from matplotlib.figure import Figure
 
-from workbench.clipping.flat import check_max_grad_norm
+from workbench.checks import check_max_grad_norm
 from workbench.clipping.snapshot import clip_at, per_sample_snapshot
 from workbench.viz.clipping import ALL, plot_layer_norms, plot_norms
 from workbench.widgets.base import Explorer
