@@ -10,7 +10,8 @@ RDP bound does not cover.
 Two consequences built in here:
 - an empty batch comes out as correctly shaped empty tensors (n = 0), so the step still runs
   and still adds noise: skipping it would reveal that the batch was empty;
-- an "epoch" is ``round(1 / q)`` steps, so each example is used once per epoch on average.
+- an "epoch" is ``round(1 / q)`` steps (``accounting.steps_per_epoch``, the accountants' epoch
+  too), so each example is used about once per epoch on average.
 
 Randomness comes from an explicit ``torch.Generator`` (reproducible runs); ``secure_mode``
 swaps in the operating system's cryptographic generator (``secure.py``).
@@ -35,6 +36,8 @@ from torch.utils.data import (
     SequentialSampler,
     default_collate,
 )
+
+from workbench.accounting.calibrate import steps_per_epoch
 
 # What from_data_loader copies from the original loader: everything but the choice of batches.
 KEPT_OPTIONS = ("collate_fn", "worker_init_fn", "num_workers", "pin_memory", "persistent_workers",
@@ -77,7 +80,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
             raise ValueError(f"num_samples must be a positive integer; got {num_samples!r}")
         self.num_samples = int(num_samples)
         self.sample_rate = check_sample_rate(sample_rate)
-        self.steps = max(1, round(1 / self.sample_rate)) if steps is None else int(steps)
+        self.steps = steps_per_epoch(self.sample_rate) if steps is None else int(steps)
         if self.steps < 1:
             raise ValueError(f"steps must be a positive integer; got {steps!r}")
         self.generator = generator
