@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml
 test: lint unit notebooks browser
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check workbench tests notebooks data tools
+	$(VENV)/bin/ruff check workbench tests notebooks tools
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests workbench --doctest-modules --ignore=tests/browser

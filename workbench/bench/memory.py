@@ -67,6 +67,7 @@ from workbench.bench.dp_layers import sum_of_products
 from workbench.bench.timing import benchmark_parser, device_name, parse_benchmark_args
 from workbench.clipping.ghost import record
 from workbench.clipping.routes import layer_route
+from workbench.data import bundled
 from workbench.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention
 from workbench.models import RNNOutput, SelfAttention
 
@@ -431,7 +432,7 @@ def main(argv=None):
     return 0
 
 
-SHIPPED_DIR = Path(__file__).resolve().parents[2] / "data" / "bench"
+SHIPPED_DIR = bundled("bench")  # workbench/_data/bench/: package data, found by importlib
 
 
 def source_label(table: pd.DataFrame) -> str:
@@ -449,7 +450,7 @@ def source_label(table: pd.DataFrame) -> str:
 
 
 def shipped_results() -> dict[str, Path]:
-    """{label: path} of the memory CSVs shipped under ``data/bench/`` (``source_label``)."""
+    """{label: path} of the memory CSVs shipped in ``workbench/_data/bench/`` (``source_label``)."""
     return {source_label(load(path)): path
             for path in sorted(SHIPPED_DIR.glob("memory_*.csv"))}
 
@@ -528,7 +529,7 @@ def explore_memory(layer: str, width: int, batch_size: int, measurements: pd.Dat
 
 
 def load(path: str | Path) -> pd.DataFrame:
-    """A memory CSV written by this benchmark (e.g. one shipped under ``data/bench/``)."""
+    """A memory CSV written by this benchmark (e.g. one shipped in ``workbench/_data/bench/``)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"memory results {str(path)!r} not found; write one with "
