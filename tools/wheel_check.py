@@ -14,11 +14,11 @@
 
 Where the fresh environment gets torch, numpy, ... from: installing them afresh would download
 several hundred MB (torch alone ~200 MB from the CPU index, then scipy, jupyterlab, ...) on
-every CI run, for no test of ours. So the fresh venv borrows them: a ``.pth`` file in its site-
-packages holds the path of this checkout's ``.venv`` site-packages. A ``.pth`` *path* line only
-appends that directory to sys.path; ``.pth`` files inside it are not processed, so the editable
-install of the checkout (``__editable__...pth`` and its import finder) stays off, and the fresh
-venv's own site-packages, where the wheel went, comes first. Step 3 asserts both
+every CI run, for no test of ours. So the fresh venv borrows them: a ``.pth`` file in its
+site-packages holds the path of this checkout's ``.venv`` site-packages. A ``.pth`` *path* line
+only appends that directory to sys.path; ``.pth`` files inside it are not processed, so the
+editable install of the checkout (``__editable__...pth`` and its import finder) stays off, and
+the fresh venv's own site-packages, where the wheel went, comes first. Step 3 asserts both
 (``workbench.__file__`` lies in the fresh venv, not the checkout), and ``pip check`` confirms
 that the wheel's declared dependencies are met by what is borrowed. pip too is borrowed (run by
 the fresh interpreter, it installs into the fresh venv): a pip of the venv's own would bring an
