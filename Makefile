@@ -16,7 +16,8 @@ STAMP  := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX   ?= $(if $(filter Linux,$(shell uname -s)),https://download.pytorch.org/whl/cpu,)
 
-.PHONY: test lab audit bench lint unit notebooks notebooks-full browser clean record-notebooks
+.PHONY: test lab audit bench lint unit notebooks notebooks-full browser clean record-notebooks \
+        wheel-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,7 +33,7 @@ $(STAMP): pyproject.toml
 test: lint unit notebooks browser
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check workbench tests notebooks data tools
+	$(VENV)/bin/ruff check workbench tests notebooks tools
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests workbench --doctest-modules --ignore=tests/browser
@@ -50,6 +51,12 @@ notebooks-full: $(STAMP)
 # with the reason printed, when chromium or playwright is missing (.ci/run installs chromium).
 browser: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m browser tests/browser
+
+# The installable package: build the wheel, install it into a fresh venv outside the checkout
+# (torch and the other dependencies borrowed from .venv, not downloaded again: the script says
+# how), check every data file's bytes, load the data and run the README example there.
+wheel-check: $(STAMP)
+	$(PY) tools/wheel_check.py
 
 # JupyterLab refuses to run as root unless told to (containers, CI machines): say so only then.
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)

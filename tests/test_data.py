@@ -78,7 +78,7 @@ def test_missing_file_names_path_and_fix(tmp_path):
     with pytest.raises(FileNotFoundError) as info:
         load_digits(path=missing)
     message = str(info.value)
-    assert str(missing) in message and "python data/make_digits.py" in message
+    assert str(missing) in message and "python tools/make_digits.py" in message
 
 
 def test_corrupt_file_names_both_checksums_and_fix(tmp_path):
@@ -91,7 +91,7 @@ def test_corrupt_file_names_both_checksums_and_fix(tmp_path):
     assert isinstance(info.value, ValueError)
     message = str(info.value)
     assert DIGITS_SHA256 in message and sha256_of(corrupt) in message
-    assert "python data/make_digits.py" in message
+    assert "python tools/make_digits.py" in message
 
 
 @pytest.mark.parametrize(
@@ -171,7 +171,7 @@ def test_split_and_windows_shift_by_one():
 
 def test_text_checksum_and_missing_file_errors(tmp_path):
     (tmp_path / "alice29.txt").write_text("not Alice")
-    with pytest.raises(DataChecksumError, match="git checkout data/text/alice29.txt"):
+    with pytest.raises(DataChecksumError, match="git checkout workbench/_data/text/alice29.txt"):
         load_text("carroll", directory=tmp_path)
     with pytest.raises(FileNotFoundError, match="asyoulik.txt"):
         load_text("shakespeare", directory=tmp_path)

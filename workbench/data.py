@@ -5,8 +5,12 @@ names are re-exported at the end of this module.
 
 Source: E. Alpaydin and C. Kaynak (1998), "Optical Recognition of Handwritten Digits",
 UCI Machine Learning Repository, https://doi.org/10.24432/C50P49 (CC BY 4.0), in the copy
-that scikit-learn bundles as ``sklearn.datasets.load_digits``. ``data/make_digits.py``
-writes it to ``data/digits.npz``; data/README.md has the provenance.
+that scikit-learn bundles as ``sklearn.datasets.load_digits``. ``tools/make_digits.py``
+writes it to ``workbench/_data/digits.npz``; workbench/_data/README.md has the provenance.
+
+The data files ship inside the package (``workbench/_data/``, package data in the wheel) and
+are found with ``importlib.resources`` (``bundled``), so an installed copy (``pip install .``,
+not only an editable checkout) loads them; their sha256 is checked on every load.
 
 Small enough for micro-batching and for training a model on two CPU cores in seconds,
 real enough that DP-SGD's accuracy cost is visible.
@@ -21,6 +25,7 @@ the first floor(0.8 n) = 1437 are the training set, the other 360 the test set. 
 import hashlib
 import math
 import os
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -29,9 +34,25 @@ from torch.utils.data import TensorDataset
 
 from workbench.errors import WorkbenchError
 
-DIGITS_PATH = Path(__file__).resolve().parents[1] / "data" / "digits.npz"
+
+def bundled(*parts: str) -> Path:
+    """Path of a data file shipped in the package, ``workbench/_data/<parts>``.
+
+    Found with ``importlib.resources``, so it is the installed copy's file wherever the package
+    lives. pip installs packages as files, so this is an ordinary path; imported from a zip
+    archive it would not be, and this raises instead of handing back something ``open`` cannot
+    read.
+    """
+    ref = resources.files("workbench").joinpath("_data", *parts)
+    if not isinstance(ref, Path):
+        raise RuntimeError(f"workbench is imported from {ref!r}, not from files on disk; its data "
+                           f"files need an unpacked install (pip install dpsgd-workbench)")
+    return ref
+
+
+DIGITS_PATH = bundled("digits.npz")
 DIGITS_SHA256 = "1dc781c8fe699ce12f056a510e6dd518c795428f089effc1a3e2eec0f3ece269"
-REGENERATE = "python data/make_digits.py"  # run from the repository root; needs scikit-learn
+REGENERATE = "python tools/make_digits.py"  # run from the repository root; needs scikit-learn
 SPLIT_SEED = 0
 TRAIN_FRACTION = 0.8
 MAX_PIXEL = 16  # pixel values are counts of on-pixels in 4x4 blocks: 0..16
@@ -78,7 +99,7 @@ def check_digits_file(path: Path) -> None:
         raise DataChecksumError(
             f"digits data file {path} has sha256 {got}, expected {DIGITS_SHA256}; the file is "
             f"corrupt or was written differently. Regenerate it with `{REGENERATE}` or restore "
-            "it with `git checkout data/digits.npz`"
+            "it with `git checkout workbench/_data/digits.npz` (or reinstall the package)"
         )
 
 
@@ -113,7 +134,8 @@ def load_digits(path: str | Path | None = None) -> tuple[TensorDataset, TensorDa
     """The digits as (train, test) TensorDatasets of 1437 and 360 samples.
 
     Each item is (x, y): x float32 (1, 8, 8) scaled into [0, 1], y int64 in 0..9.
-    ``path`` defaults to ``data/digits.npz`` in the repository; the file's sha256 is checked
+    ``path`` defaults to the copy shipped in the package (``DIGITS_PATH``,
+    ``workbench/_data/digits.npz``); the file's sha256 is checked
     (FileNotFoundError when missing, DataChecksumError, a ValueError, when corrupt).
     """
     images, labels = load_digits_arrays(path)

@@ -5,7 +5,13 @@ import math
 import numpy as np
 import pytest
 
-from workbench.accounting import DEFAULT_ORDERS, epsilon, get_noise_multiplier, steps_from_epochs
+from workbench.accounting import (
+    DEFAULT_ORDERS,
+    epsilon,
+    get_noise_multiplier,
+    steps_from_epochs,
+    steps_per_epoch,
+)
 
 CASES = [(2.0, 1e-5, 0.01, 1000), (8.0, 1e-5, 256 / 60_000, 14_063), (1.0, 1e-6, 0.004, 10_000),
          (0.5, 1e-5, 0.001, 5000), (10.0, 1e-5, 0.1, 50), (3.0, 1e-3, 0.5, 20)]
@@ -53,11 +59,23 @@ def test_pld_sigma_is_least_and_needs_less_noise(target, delta, q, steps):
     assert sigma < get_noise_multiplier(target, delta, q, steps=steps)
 
 
-def test_epochs_mean_ceil_of_epochs_over_q():
+@pytest.mark.parametrize("q, T", [(0.01, 100), (0.3, 3), (256 / 60_000, 234), (1.0, 1),
+                                  (0.7, 1), (0.4, 2), (2 / 7, 4)])
+def test_an_epoch_is_round_of_one_over_q_steps(q, T):
+    # 1/0.4 = 2.5 -> 2 (half to even); 1/(2/7) = 3.4999999999999996 in floats -> 3.5 -> 4
+    assert steps_per_epoch(q) == T
+    for epochs in (1, 3, 20):
+        assert steps_from_epochs(epochs, q) == epochs * T
+    assert steps_from_epochs(2.5, q) == math.ceil(2.5 * T)  # a partial epoch rounds up
+
+
+def test_epochs_calibrate_like_their_steps():
     assert steps_from_epochs(10, 0.01) == 1000  # 10 / 0.01 = 1000.0000000000001 in floats
-    assert steps_from_epochs(1, 0.3) == 4
     a = get_noise_multiplier(2.0, 1e-5, 0.01, epochs=10)
     assert a == get_noise_multiplier(2.0, 1e-5, 0.01, steps=1000)
+    q = 256 / 60_000  # 1/q = 234.375: 20 epochs are 20 x 234 steps, not ceil(20 / q) = 4688
+    assert get_noise_multiplier(3.0, 1e-5, q, epochs=20) == get_noise_multiplier(
+        3.0, 1e-5, q, steps=4680)
 
 
 def test_nothing_released_needs_no_noise():

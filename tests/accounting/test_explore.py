@@ -9,7 +9,7 @@ from workbench.accounting import epsilon, explore_budget
 
 def test_curves_follow_the_configuration():
     r = explore_budget(60_000, 256, 1.1, 60, 1e-5, points=30, pld_points=6)
-    assert r.sample_rate == 256 / 60_000 and r.steps == 14_063  # ceil(60 / q)
+    assert r.sample_rate == 256 / 60_000 and r.steps == 14_040  # 60 epochs x round(1 / q)
     assert r.rdp_epochs.shape == r.rdp_epsilon.shape == (30,)
     assert r.pld_epochs.shape == r.pld_epsilon.shape == (6,)
     assert r.rdp_epochs[-1] == r.pld_epochs[-1] == 60

@@ -76,9 +76,15 @@ def test_history_without_engine_is_refused_unless_explicitly_ignored(tmp_path):
 
 
 def test_no_history_needs_no_engine(tmp_path):
-    model, opt, *_ = setup()
+    model, opt, *_ = setup()  # no step taken: the accountant's history is empty
     save_checkpoint(tmp_path / "fresh.pt", model=model, optimizer=opt)
-    load_checkpoint(tmp_path / "fresh.pt", model=model, optimizer=opt)
+    model2, opt2, *_ = setup()
+    with torch.no_grad():  # weights that differ from the saved ones
+        for p in model2.parameters():
+            p.add_(1.0)
+    load_checkpoint(tmp_path / "fresh.pt", model=model2, optimizer=opt2)  # no engine= needed
+    for (name, saved), loaded in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(saved, loaded), name
 
 
 def test_corrupted_truncated_and_foreign_files_fail_with_their_name(tmp_path):

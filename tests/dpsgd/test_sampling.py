@@ -2,6 +2,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+import workbench as wb
+from workbench.accounting import get_noise_multiplier, steps_from_epochs, steps_per_epoch
 from workbench.dpsgd import DPDataLoader, PoissonBatchSampler
 
 
@@ -86,3 +88,40 @@ def test_a_subclassed_sampler_is_refused_even_if_it_derives_from_random_sampler(
     loader = DataLoader(dataset(10), batch_size=2, sampler=Weighted(dataset(10)))
     with pytest.raises(ValueError, match=r"own sampler \(Weighted\)"):
         DPDataLoader.from_data_loader(loader)
+
+
+@pytest.mark.parametrize("N, B", [(70, 20), (100, 40), (30, 9), (10, 10), (50, 3)])
+def test_the_loaders_epoch_is_the_accountants_epoch(N, B):
+    # 1/q = 3.5, 2.5, 3.33.., 1, 16.67: each epoch is round(1/q) Poisson batches, and E epochs
+    # of the loader are the steps_from_epochs(E, q) steps the accountants count and calibrate for.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    engine = wb.PrivacyEngine()
+    _, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(torch.randn(N, 2), torch.arange(N) % 2),
+                               batch_size=B),
+        noise_multiplier=1.0, max_grad_norm=1.0)
+    q = loader.sample_rate
+    assert q == B / N
+    epochs, steps_run = 3, 0
+    for _ in range(epochs):
+        for x, y in loader:
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+            optimizer.step()
+            steps_run += 1
+    assert steps_run == epochs * steps_per_epoch(q) == steps_from_epochs(epochs, q)
+    assert len(engine.accountant) == steps_run
+
+
+def test_make_private_with_epsilon_plans_the_steps_the_loader_runs():
+    N, B, epochs = 70, 20, 3  # 1/q = 3.5: 4 batches an epoch, 12 steps; ceil(E / q) = 11
+    model = torch.nn.Linear(2, 2)
+    _, optimizer, loader = wb.PrivacyEngine().make_private_with_epsilon(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(dataset(N), batch_size=B), target_epsilon=2.0,
+        target_delta=1e-3, epochs=epochs, max_grad_norm=1.0)
+    assert len(loader) == 4
+    assert optimizer.noise_multiplier == get_noise_multiplier(2.0, 1e-3, B / N,
+                                                              steps=epochs * len(loader))

@@ -1,6 +1,5 @@
 """The SNR explorer: explore_snr against the accountant, its monotone trends, and the widget."""
 
-import math
 
 import matplotlib
 
@@ -36,7 +35,7 @@ def test_sigma_is_the_accountants_and_the_formulas_hold(result):
     r = result
     assert r.batch_sizes.tolist() == default_batch_sizes(60_000).tolist()
     for B, q, T, sigma in zip(r.batch_sizes, r.sample_rates, r.steps, r.noise_multipliers):
-        assert q == B / 60_000 and T == math.ceil(round(10 / q, 9))
+        assert q == B / 60_000 and T == 10 * round(1 / q)  # 10 epochs of round(1/q) steps
         assert sigma == get_noise_multiplier(2.0, 1e-5, B / 60_000, epochs=10)
     np.testing.assert_allclose(r.noise_norms, r.noise_multipliers * 1.0 * 100 / r.batch_sizes,
                                rtol=1e-15)  # σ C √d / B, √10000 = 100

@@ -24,7 +24,11 @@ One concept per file:
 
 from workbench.accounting.accountant import PLDAccountant, RDPAccountant
 from workbench.accounting.bounds import EpsilonBounds
-from workbench.accounting.calibrate import get_noise_multiplier, steps_from_epochs
+from workbench.accounting.calibrate import (
+    get_noise_multiplier,
+    steps_from_epochs,
+    steps_per_epoch,
+)
 from workbench.accounting.convert import rdp_to_epsilon
 from workbench.accounting.curve import (
     ACCOUNTANTS,
@@ -62,4 +66,5 @@ __all__ = [
     "make_accountant",
     "rdp_to_epsilon",
     "steps_from_epochs",
+    "steps_per_epoch",
 ]

@@ -22,7 +22,7 @@ Notation: q = B/N sample rate, T = round(1/q) batches per epoch, E epochs, Ïƒ, Î
 
 from dataclasses import dataclass
 
-from workbench.accounting.calibrate import steps_from_epochs
+from workbench.accounting.calibrate import steps_from_epochs, steps_per_epoch
 from workbench.accounting.curve import epsilon
 from workbench.accounting.gaussian import gaussian_epsilon
 from workbench.accounting.lower import poisson_lower_epsilon
@@ -48,8 +48,8 @@ class EpsilonBounds:
 
 
 def batches_per_epoch(q):
-    """T = round(1/q) fixed-size batches per epoch (at least 1)."""
-    return max(1, round(1 / q))
+    """T = round(1/q) fixed-size batches per epoch, the workbench's one epoch (steps_per_epoch)."""
+    return steps_per_epoch(q)
 
 
 def poisson_bounds(q, sigma, epochs, delta):

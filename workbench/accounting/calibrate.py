@@ -42,11 +42,34 @@ SIGMA_MAX = 1e4  # beyond this the target is reported unreachable
 _MAX_EVALS = 60
 
 
-def steps_from_epochs(epochs, sample_rate):
-    """T = ceil(epochs / q), ignoring float noise such as 10 / 0.01 = 1000.0000000000001."""
+def steps_per_epoch(sample_rate):
+    """One epoch is T = round(1/q) steps: the whole number of batches nearest to one pass over
+    the data (q N T ≈ N examples drawn in expectation); at least 1.
+
+    The one definition the workbench uses: the Poisson loader's default length
+    (``DPDataLoader``), ``steps_from_epochs`` (accountants, calibration, widgets),
+    ``make_private_with_epsilon`` and the fixed-size-batch bounds, so the steps a loader runs
+    over E epochs are the steps the accountant counts. Python's ``round``: a half goes to the
+    even number (q = 0.4: 1/q = 2.5 -> 2); float noise such as 1 / (2/7) = 3.4999999999999996
+    is rounded away first.
+
+    >>> steps_per_epoch(256 / 60_000), steps_per_epoch(0.01), steps_per_epoch(1.0)
+    (234, 100, 1)
+    """
     q = check_sample_rate(sample_rate, positive=True,
                           note="steps per epoch are 1 / sample_rate, so q = 0 has none")
-    return math.ceil(round(check_positive(epochs, "epochs") / q, 9))
+    return max(1, round(round(1 / q, 9)))
+
+
+def steps_from_epochs(epochs, sample_rate):
+    """T = ceil(E round(1/q)): E epochs of ``steps_per_epoch`` steps; a fractional last epoch
+    is rounded up (float noise such as 0.3 x 10 = 3.0000000000000004 ignored).
+
+    >>> steps_from_epochs(20, 256 / 60_000), steps_from_epochs(0.5, 0.3)
+    (4680, 2)
+    """
+    T = steps_per_epoch(sample_rate)
+    return math.ceil(round(check_positive(epochs, "epochs") * T, 9))
 
 
 def _initial_sigma(target_epsilon, target_delta, q, steps):
@@ -61,7 +84,7 @@ def get_noise_multiplier(target_epsilon, target_delta, sample_rate, steps=None, 
     """The noise multiplier σ with ε(σ) <= target_epsilon, at most ``rtol`` above the least such σ.
 
     Precisely: ε(σ) <= target_epsilon < ε(σ / (1 + rtol)), Eq. (1); rtol in [1e-6, 1].
-    Give exactly one of ``steps`` and ``epochs`` (steps = ceil(epochs / sample_rate)).
+    Give exactly one of ``steps`` and ``epochs`` (``steps_from_epochs``).
     ``options`` go to :func:`workbench.accounting.epsilon` (``orders``, ``discretization``).
 
     >>> sigma = get_noise_multiplier(2.0, 1e-5, 0.01, epochs=10)

@@ -2,10 +2,11 @@
 
 Pure function, small dataclass out (DESIGN.md, style item 7); ``workbench.viz.budget`` draws
 it and ``workbench.widgets.budget`` wires it to sliders. A dataset of N records read in Poisson
-batches of expected size B has sample rate q = B / N, so one epoch is 1 / q steps and E epochs
-are T = ceil(E / q) steps (Abadi et al. 2016, arXiv:1607.00133, §3.1). ε(δ) is drawn for both
-accountants (``curve.py``); in "solve" mode the noise multiplier is first calibrated so the run
-ends exactly at the target ε (``calibrate.py``, with the RDP accountant).
+batches of expected size B has sample rate q = B / N, so one epoch is round(1/q) steps and E
+epochs are T = E round(1/q) steps (``steps_from_epochs``; Abadi et al. 2016, arXiv:1607.00133,
+§3.1). ε(δ) is drawn for both accountants (``curve.py``); in "solve" mode the noise multiplier
+is first calibrated so the run ends exactly at the target ε (``calibrate.py``, with the RDP
+accountant).
 
 The PLD curve is a fast *upper bound*, labelled so in the plot: a coarser grid,
 ``EXPLORE_DISCRETIZATION`` = 1e-3 instead of 1e-4, refined up to 100 times for narrow losses
@@ -62,7 +63,7 @@ class BudgetResult:
     noise_multiplier: float  # σ of the curves (the solved σ in "solve" mode)
     epochs: float
     delta: float
-    steps: int  # T = ceil(E / q)
+    steps: int  # T = E round(1/q) (steps_from_epochs)
     mode: str  # "epsilon" or "solve"
     target_epsilon: float | None
     rdp_epochs: np.ndarray  # (n,) epochs of the RDP curve points
@@ -127,9 +128,9 @@ def explore_budget(dataset_size, batch_size, noise_multiplier, epochs, delta, *,
 
     >>> r = explore_budget(60_000, 256, 1.1, 60, 1e-5, points=4, pld_points=2)
     >>> r.steps, r.rdp_epochs.tolist(), r.pld_epochs.tolist()
-    (14063, [15.0, 30.0, 45.0, 60.0], [30.0, 60.0])
+    (14040, [15.0, 30.0, 45.0, 60.0], [30.0, 60.0])
     >>> round(r.epsilon_rdp, 2), round(r.epsilon_pld, 2)
-    (2.6, 2.38)
+    (2.59, 2.38)
     >>> s = explore_budget(60_000, 256, 1.1, 60, 1e-5, mode="solve", target_epsilon=8.0)
     >>> round(s.noise_multiplier, 2), 7.8 <= s.epsilon_rdp <= 8.0
     (0.68, True)

@@ -2,7 +2,7 @@
 
 The SNR explorer's compute step (DESIGN.md, style item 7). DP-SGD (Abadi et al. 2016,
 arXiv:1607.00133, Algorithm 1) updates with the clipped gradients' sum plus N(0, σ²C² I_d),
-divided by the (expected) batch size B. With q = B / N and T = ceil(E / q) steps for E epochs,
+divided by the (expected) batch size B. With q = B / N and T = E round(1/q) steps for E epochs,
 the budget (ε, δ) fixes σ(B) through the accountant (``calibrate.get_noise_multiplier``), and
 
     noise(B) = σ(B) C √d / B          RMS norm of the noise on the averaged update       (1)
@@ -63,7 +63,7 @@ class SNRResult:
     signal: float  # ||m̃||
     batch_sizes: np.ndarray  # (k,) B, increasing
     sample_rates: np.ndarray  # (k,) q = B / N
-    steps: np.ndarray  # (k,) T = ceil(E / q)
+    steps: np.ndarray  # (k,) T = E round(1/q) (steps_from_epochs)
     noise_multipliers: np.ndarray  # (k,) σ(B) for the budget
     noise_norms: np.ndarray  # (k,) Eq. (1)
     snr: np.ndarray  # (k,) Eq. (2)
@@ -91,7 +91,7 @@ def explore_snr(epsilon, delta, epochs, dataset_size, num_params, max_grad_norm,
 
     >>> r = explore_snr(1.0, 1e-5, 10, 60_000, 10_000, 1.0, 0.1, batch_sizes=[64, 256, 1024])
     >>> r.steps.tolist(), r.noise_multipliers.round(2).tolist(), r.snr.round(2).tolist()
-    ([9375, 2344, 586], [0.92, 1.16, 1.89], [0.07, 0.22, 0.54])
+    ([9380, 2340, 590], [0.92, 1.16, 1.9], [0.07, 0.22, 0.54])
     """
     epsilon = check_epsilon(epsilon, "epsilon")
     delta = check_delta(delta)

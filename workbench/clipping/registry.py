@@ -33,8 +33,6 @@ def register_norm_sampler(*layer_types: type[nn.Module], route=None):
 
     >>> import torch
     >>> from torch import nn
-
-from workbench.per_sample.registry import check_callable, check_layer_types
     >>> class Scale(nn.Module):
     ...     def __init__(self, d):
     ...         super().__init__()

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler, Subset
 from torch.utils.data.distributed import DistributedSampler
 
+from workbench.accounting.calibrate import steps_per_epoch
 from workbench.dpsgd.sampling import (
     DPDataLoader,
     check_dataset,
@@ -91,7 +92,7 @@ def shard_loader(data_loader: DataLoader, generator=None) -> DPDataLoader:
     q = min(1.0, data_loader.batch_size / N)
     shard = Subset(data_loader.dataset, range(rank, N, world))
     check_dataset(shard, f"rank {rank}'s shard of data_loader.dataset (N = {N}, {world} ranks)")
-    return DPDataLoader(shard, sample_rate=q, steps=max(1, round(1 / q)), generator=generator,
+    return DPDataLoader(shard, sample_rate=q, steps=steps_per_epoch(q), generator=generator,
                         **loader_options(data_loader))
 
 

@@ -27,7 +27,7 @@ Notation: N data set size, q sample rate, σ noise multiplier, C max_grad_norm.
 
 import warnings
 
-from workbench.accounting import get_noise_multiplier
+from workbench.accounting import get_noise_multiplier, steps_from_epochs
 from workbench.accounting.registry import epsilon_bounds, make_accountant
 from workbench.checks import check_count
 from workbench.dpsgd import distributed
@@ -144,13 +144,14 @@ class PrivacyEngine:
                                   **kwargs):
         """``make_private`` with the σ that spends ``target_epsilon`` over ``epochs``.
 
-        Planned for the steps the Poisson loader will run: ``epochs`` x round(1 / q).
+        Planned for the steps the Poisson loader will run: ``steps_from_epochs(epochs, q)``,
+        ``epochs`` x round(1 / q) (``accounting.steps_per_epoch``).
         """
         N = check_dataset(data_loader.dataset, "data_loader.dataset")
         check_own_sampler(data_loader, allowed=distributed.SAMPLERS)  # batch_size, q are real
         warn_delta(target_delta, N, "make_private_with_epsilon")
         q = min(1.0, data_loader.batch_size / N)
-        steps = round(epochs * max(1, round(1 / q)))
+        steps = steps_from_epochs(epochs, q)
         sigma = get_noise_multiplier(target_epsilon, target_delta, q, steps=steps,
                                      accountant=self.accountant_name)
         return self.make_private(data_loader=data_loader, noise_multiplier=sigma, **kwargs)

@@ -10,7 +10,8 @@ RDP bound does not cover.
 Two consequences built in here:
 - an empty batch comes out as correctly shaped empty tensors (n = 0), so the step still runs
   and still adds noise: skipping it would reveal that the batch was empty;
-- an "epoch" is ``round(1 / q)`` steps, so each example is used once per epoch on average.
+- an "epoch" is ``round(1 / q)`` steps (``accounting.steps_per_epoch``, the accountants' epoch
+  too), so each example is used about once per epoch on average.
 
 Randomness comes from an explicit ``torch.Generator`` (reproducible runs); ``secure_mode``
 swaps in the operating system's cryptographic generator (``secure.py``).
@@ -36,6 +37,7 @@ from torch.utils.data import (
     default_collate,
 )
 
+from workbench.accounting.calibrate import steps_per_epoch
 from workbench.checks import check_count, check_sample_rate
 
 # What from_data_loader copies from the original loader: everything but the choice of batches.
@@ -69,7 +71,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
                  generator: torch.Generator | None = None):
         self.num_samples = check_count(num_samples, "num_samples")
         self.sample_rate = check_sample_rate(sample_rate, positive=True)
-        self.steps = max(1, round(1 / self.sample_rate)) if steps is None else \
+        self.steps = steps_per_epoch(self.sample_rate) if steps is None else \
             check_count(steps, "steps")
         self.generator = generator
 
