@@ -69,6 +69,8 @@ def reweighted_weight_grads(layer, call, c, own: list, graph_alive: bool) -> dic
     if graph_alive:
         outputs = list(call.edges)
         retain = True
+        if call.meet is not None:  # a batch-free call: Σ_i c_i b_i at its own output's edge
+            weighted = [call.meet.collapse(w) for w in weighted]  # per_sample/broadcast.py
     else:
         detach = lambda t: t.detach() if isinstance(t, torch.Tensor) else t  # noqa: E731
         with torch.enable_grad():

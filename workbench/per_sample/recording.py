@@ -66,6 +66,11 @@ def owners_of(layers: dict[str, nn.Module], model: nn.Module) -> dict[int, set[s
     return owners
 
 
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    """{id(param): name} of the trainable parameters (paths of functional layers)."""
+    return {id(p): name for name, p in model.named_parameters() if p.requires_grad}
+
+
 def check_layers(layers: dict[str, nn.Module], strict: bool, covered=None) -> None:
     """Before the forward pass: each sampler's option check, and ``strict`` for layers
     without a sampler (``covered(layer) -> bool`` marks layers another rule handles)."""
@@ -194,7 +199,7 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
     params = trainable_parameters(model)
     p0 = next(iter(params.values()))
     with ActivationRecorder(layers) as recorder:
-        tracker = UseTracker(owners_of(layers, model), recorder.stack)
+        tracker = UseTracker(owners_of(layers, model), recorder, parameter_names(model))
         with tracker:
             outputs = forward(model, inputs)
             tracker.in_loss = True
