@@ -14,9 +14,8 @@ returns o expanded to n copies, so the call is recorded as if it had been that o
 
     activations  x.expand(n, *x.shape)      backprops  ∂ℓ_i/∂o  (n, *o.shape)
 
-and the layer's ordinary rule (grad sampler, norm sampler) applies to it unchanged. For
-book-keeping the clipped sum needs no copies at all: o does not depend on i, so
-Σ_i c_i g_i = J_oᵀ (Σ_i c_i ∂ℓ_i/∂o), one weight gradient at o's own edge (``collapse``).
+and the layer's ordinary rule (grad sampler, norm sampler, book-keeping's weight gradient
+from c ⊙ b) applies to it unchanged.
 
 When is this done? The use tracker (``uses.py``) counts every differentiable use of the
 output o of such a call during the forward pass and the loss. Exactly one use, an ``add``
@@ -44,20 +43,15 @@ ADDS = {"add", "add_", "__add__", "__radd__", "__iadd__"}
 
 @dataclass
 class Meeting:
-    """Where a batch-free call's output o (``out_shape``) meets the batch: h's gradient edge."""
+    """Where a batch-free call's output o meets the batch: h's gradient edge, and the sizes."""
 
     edge: GradientEdge  # h = a + o
     target: tuple  # (n, 1, ..., *o_rest): h's gradient summed to this size
     shape: tuple  # (n, *o_rest): the per-sample backprop of the expanded call
-    out_shape: tuple  # o.shape
 
     def reduce(self, grad_h: torch.Tensor) -> torch.Tensor:
         """∂ℓ_i/∂o (n, *o_rest) from ∂(Σ ℓ)/∂h (n, *h.shape[1:])."""
         return grad_h.sum_to_size(self.target).reshape(self.shape)
-
-    def collapse(self, b: torch.Tensor) -> torch.Tensor:
-        """Σ_i b_i reshaped to o: the gradient at o's own edge of Σ_i ⟨o, b_i⟩."""
-        return b.sum(0).reshape(self.out_shape)
 
 
 @dataclass
@@ -147,6 +141,6 @@ def convert(recorder, call, edge: GradientEdge, h_shape: tuple) -> None:
     rest = tuple(o_shape) if new_dim else tuple(o_shape[1:])
     target = (n, *[1] * (len(h_shape) - 1 - len(rest)), *rest)
     call.args = tuple(args)
-    call.meet = Meeting(edge, target, (n, *rest), tuple(o_shape))
+    call.meet = Meeting(edge, target, (n, *rest))
     call.outputs = [(torch.Size((n, *rest)), dtype, device)]
     recorder.redirect(call, edge)
