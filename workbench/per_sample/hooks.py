@@ -25,6 +25,11 @@ it, or not), and, in ``capture="hooks"``, the *generation* of each call: the num
 backward passes that had finished when its gradient arrived, so that samples of two
 backward passes before one optimizer step are never merged.
 
+A call can also be recorded without a module hook (``add_call``): the use tracker records a
+tied head's ``F.linear`` as a Linear call (``tied.py``), and ``redirect`` reads a batch-free
+call's backprops where its output meets the batch (``broadcast.py``; in ``capture="hooks"`` by a
+pre-hook on that add's autograd node).
+
 Nothing is left behind: ``ActivationRecorder`` is a context manager that removes every hook
 on exit, also when the forward or backward pass raises.
 """

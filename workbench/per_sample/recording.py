@@ -7,8 +7,12 @@ the call's inputs and outputs. ``record`` runs the forward pass with the hooks o
 the two it is:
 
 - **by rule**: every use is covered and every call carries the batch on dim 0;
-- **exact fallback**: anything else (a tied head, a positional embedding on ``arange(T)``,
-  a sequence-first layer, ``self.fc.forward(x)``, a parametrised weight). Its per-sample
+- **exact fallback**: anything else (a tied head written ``h @ E.T``, a positional embedding
+  used twice, a sequence-first layer, ``self.fc.forward(x)``, a parametrised weight).
+
+Two common uses outside a layer's own call become rule calls during the forward pass
+(``uses.py``): ``F.linear(h, E)`` of a tied head (``tied.py``) and a position-wise layer called
+without the batch and added to it, ``tok + wpe(arange(T))`` (``broadcast.py``). Its per-sample
   gradient comes from ``torch.func`` over the whole model (``vmap(grad(...))``), or, where
   vmap cannot run the model, from micro-batching; ``fallback`` says why, per parameter.
 
