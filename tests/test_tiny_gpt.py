@@ -134,3 +134,16 @@ def test_dp_optimizer_noiseless_step_is_clipped_sum(mode):
     opt.detach()
     got = {k: p.grad for k, p in model.named_parameters()}
     assert max_error(got, {k: v / B for k, v in ref.items()}) <= TOL
+
+
+@pytest.mark.parametrize("n", [4, 6])  # n = T = 6: positions look batch-first by shape
+def test_tied_head_and_positions_are_rule_calls_not_the_fallback(n):
+    """The tied head F.linear(h, E) is a Linear call on E and wpe(arange(T)) is recorded where
+    it meets the batch: no parameter needs the whole-model fallback (the speed of issue 18)."""
+    from workbench.clipping.ghost import record
+    model, (x, y) = small_model(), tokens(n=n)
+    rec = record(model, sequence_cross_entropy, x, y, retain_graph=False, check="always")
+    assert rec.fallback_names() == [] and "F.linear(wte.weight)" in rec.layers
+    wpe = [call for path, _, call in rec.calls() if path == "wpe"]
+    assert len(wpe) == 1 and wpe[0].backprops.shape == (n, 6, 8)  # (n, T, C) per sample
+    assert id(model.wte.weight) in rec.shared_ids()  # summed over both uses before the norm

@@ -27,16 +27,44 @@ def mse(out, y):
 
 
 class TiedLM(nn.Module):
-    """nanoGPT's habits: tied head by F.linear, positional embedding on arange(T)."""
+    """nanoGPT's habits: tied head by F.linear, positional embedding on arange(T).
 
-    def __init__(self):
+    ``head``: how the tied head is written ("linear": F.linear(h, E), a rule call; "matmul":
+    h @ E.T and "torch_matmul": torch.matmul(h, E.t()), exact by the fallback). ``pos``: how
+    the positions enter ("arange", "radd": pos + tok, "unsqueeze": wpe(arange(T)[None]),
+    "linear": a Linear on batch-free features, all rule calls; "expand": wpe on arange
+    expanded to the batch, an ordinary call; "twice": the positions added twice, fallback).
+    """
+
+    def __init__(self, head="linear", pos="arange"):
         super().__init__()
+        self.head, self.pos = head, pos
         self.wte, self.wpe = nn.Embedding(V, D), nn.Embedding(T, D)
         self.ln, self.fc = nn.LayerNorm(D), nn.Linear(D, D)
+        self.pfc = nn.Linear(D, D)
+        self.register_buffer("features", torch.randn(T, D))
+
+    def positions(self, idx):
+        n, t = idx.shape
+        if self.pos == "unsqueeze":
+            return self.wpe(torch.arange(t)[None])  # (1, t, D)
+        if self.pos == "expand":
+            return self.wpe(torch.arange(t).unsqueeze(0).expand(n, t))  # (n, t, D)
+        if self.pos == "linear":
+            return self.pfc(self.features[:t])  # (t, D)
+        return self.wpe(torch.arange(t))  # (t, D)
 
     def forward(self, idx):
-        h = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
-        return F.linear(torch.tanh(self.fc(self.ln(h))), self.wte.weight)
+        tok, pos = self.wte(idx), self.positions(idx)
+        h = pos + tok if self.pos == "radd" else tok + pos
+        u = torch.tanh(self.fc(self.ln(h)))
+        if self.pos == "twice":
+            u = u + pos
+        if self.head == "matmul":
+            return u @ self.wte.weight.T
+        if self.head == "torch_matmul":
+            return torch.matmul(u, self.wte.weight.t())
+        return F.linear(u, self.wte.weight)
 
 
 class ParentReadsChild(nn.Module):
@@ -166,8 +194,8 @@ def reals(shape, out, seed):
 def family(name, n):
     """(model in float64, loss_fn, inputs, targets)."""
     torch.manual_seed(0)
-    if name == "tied_lm":
-        return TiedLM().double(), seq_loss, *ids(n, n)
+    if name.startswith("tied_lm"):
+        return TiedLM(**TIED[name]).double(), seq_loss, *ids(n, n)
     if name == "parent_reads_child":
         return ParentReadsChild().double(), mse, *reals((n, 4), (n, 3), n)
     if name == "forward_bypass":
@@ -185,7 +213,11 @@ def family(name, n):
     raise KeyError(name)
 
 
-FAMILIES = ["tied_lm", "parent_reads_child", "forward_bypass", "seq_first",
+TIED = {"tied_lm": {}, "tied_lm_matmul": dict(head="matmul"),
+         "tied_lm_torch_matmul": dict(head="torch_matmul"), "tied_lm_pos_radd": dict(pos="radd"),
+         "tied_lm_pos_unsqueeze": dict(pos="unsqueeze"), "tied_lm_pos_expand": dict(pos="expand"),
+         "tied_lm_pos_linear": dict(pos="linear"), "tied_lm_pos_twice": dict(pos="twice")}
+FAMILIES = [*TIED, "parent_reads_child", "forward_bypass", "seq_first",
             "tuple_with_sampler", "param_weight_norm", "param_orthogonal", "param_spectral",
             "param_old_weight_norm", "transformer_sf", "transformer_bf", "dp_lstm_seq_first"]
 SIZES = [3, T]  # n = T: the shapes of a sequence-first layer look batch-first
@@ -235,6 +267,26 @@ def test_dp_optimizer_is_exact(name, mode):
     for k, p in model.named_parameters():
         if p.requires_grad:
             assert relative_error(p.grad * B, ref[k]) <= TOL, (name, mode, k)
+
+
+# which parameters the exact whole-model fallback computes: none where a rule covers every use
+FALLBACK = {"tied_lm": set(), "tied_lm_pos_radd": set(), "tied_lm_pos_unsqueeze": set(),
+            "tied_lm_pos_expand": set(), "tied_lm_pos_linear": set(),
+            "tied_lm_matmul": {"wte.weight"}, "tied_lm_torch_matmul": {"wte.weight"},
+            "tied_lm_pos_twice": {"wpe.weight"}}
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("name", FALLBACK)
+def test_tied_heads_and_positions_by_rule_where_they_can(name, n):
+    """A tied head by F.linear and positions added to the batch are rule calls (fast); the
+    forms no rule covers are left to the exact fallback, after the probe, at n != T and n = T."""
+    from workbench.clipping.ghost import record
+    model, loss_fn, x, y = family(name, n)
+    rec = quiet(record, model, loss_fn, x, y, retain_graph=False, check="always")
+    assert set(rec.fallback_names()) == FALLBACK[name], rec.fallback
+    tied = [path for path in rec.layers if path.startswith("F.linear")]
+    assert tied == ([] if "matmul" in name else ["F.linear(wte.weight)"])
 
 
 class Centre(nn.Module):

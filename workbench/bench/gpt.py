@@ -12,8 +12,15 @@ transformer? At batch b and length T, one row measures side by side (interleaved
   and MLP projections, only the adapters trainable. ``lora_<method>/lora_plain`` is the
   issue's LoRA ratio.
 
-A method that raises on this model (before the engine handles tied heads and ``arange``
-positions) is left out of the row and named in its ``failed`` column, never timed silently.
+- ``opacus`` (where it is installed): Opacus' ``GradSampleModule`` forward + backward
+  (``bench.opacus_twin``), per-sample gradients without clipping. It runs on tiny_gpt but its
+  per-sample gradients are wrong for this model (opacus 1.6, checked against micro-batching in
+  float64): its hooks never see the tied head ``F.linear(h, E)``, so E's misses the head's
+  part (relative error 0.79 on a 1-layer model), and ``wpe(arange(T))``'s ``grad_sample`` has
+  T rows, not n. Its time is a lower bound for what a correct hook engine could cost.
+
+A method that raises on this model is left out of the row and named in its ``failed``
+column, never timed silently.
 
 Notation: b batch, T sequence length, C max_grad_norm.
 """
@@ -23,6 +30,7 @@ import copy
 import torch
 
 import workbench as wb
+from workbench.bench import opacus_twin
 from workbench.bench.peak_memory import peak_bytes, tensor_bytes
 from workbench.bench.steps import plain_step
 from workbench.bench.timing import time_interleaved
@@ -34,6 +42,11 @@ SIZES = {  # name -> tiny_gpt shape; parameters at V = 96, T = 128
     "tiny_gpt": dict(n_layer=2, n_head=4, n_embd=64),  # 114,432
     "tiny_gpt_10x": dict(n_layer=6, n_head=4, n_embd=128),  # 1,218,560 (10.6x)
 }
+
+
+def per_token_sum(logits, y):
+    """(n,): sequence_cross_entropy summed over tokens, Opacus' loss_reduction="sum"."""
+    return sequence_cross_entropy(logits, y, reduction="sum")
 
 
 def check_size(size: str) -> dict:
@@ -77,6 +90,8 @@ def bench_tiny_gpt(size: str = "tiny_gpt", b: int = 32, T: int = 128,
     y = torch.randint(0, VOCAB, (b, T), generator=gen).to(device)  # (b, T)
     fns = {**step_fns(model, x, y, methods, max_grad_norm),
            **step_fns(lora, x, y, methods, max_grad_norm, prefix="lora_")}
+    if opacus_twin.available():  # GradSampleModule forward + backward, where it runs
+        fns["opacus"] = opacus_twin.gsm_step(copy.deepcopy(model), per_token_sum, x, y)
     fns, failed = runnable(fns)
     times = time_interleaved(fns, device, repeats=repeats)
     row = {"model": size, "batch_size": b, "seq_len": T, "params": count_parameters(model),

@@ -8,9 +8,10 @@ Abadi et al. 2016 (arXiv 1607.00133), Algorithm 1: c_i = min(1, C / ||g_i||), an
 - ``ghost`` / ``bookkeeping``: norms from (a, b) by the norm samplers (``ghost.py``), then each
   layer's clipped sum as its *ordinary* weight gradient with backprops c_i b_i (Bu, Wang, Zha,
   Karypis 2023, arXiv 2210.00038, §3):  Σ_i c_i g_i(a_i, b_i) = Σ_i g_i(a_i, c_i b_i).
-  While the graph is alive (``wb.clipped_grad_sum``) that weight gradient is a local autograd
-  call from the layer's output edges; after the user's backward has freed it (the optimizer),
-  the layer alone is re-run on its stored inputs.
+  The backward pass has freed the graph by then (``wb.clipped_grad_sum``'s book-keeping does
+  not retain it; the optimizer comes after the user's backward): ``nn.Linear``'s weight
+  gradient is one matmul of its stored inputs and c ⊙ b (Bu et al. Eq. 3), and any other layer
+  alone is re-run on its stored inputs.
 
 Parameters materialised anyway (exact fallback, or used in several calls) enter as
 Σ_i c_i g_i from their (n, *shape) tensors.
@@ -23,6 +24,7 @@ Notation: n batch, g_i per-sample gradient, c_i clip factor, C max_grad_norm, b 
 """
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_map
 
 from workbench.clipping.flat import LOW_PRECISION, clip_factors, sample_squares
@@ -62,27 +64,37 @@ def _weighted(b, c):
     return c.to(b.dtype).view(-1, *[1] * (b.dim() - 1)) * b  # c_i b_i
 
 
-def reweighted_weight_grads(layer, call, c, own: list, graph_alive: bool) -> dict:
-    """{id(param): Σ_i c_i g_i} for ``own`` parameters of one call, by one weight gradient."""
+def linear_weight_grads(layer, call, weighted: torch.Tensor, own: list) -> dict:
+    """nn.Linear without its graph: Σ_i c_i B_iᵀ A_i = (c ⊙ B)ᵀ A (Bu et al. 2023, Eq. 3), one
+    matmul over the n·T rows, as PyTorch's own weight gradient (no forward re-run)."""
+    a = call.args[0] if call.args else call.kwargs["input"]  # (n, ..., d)
+    B = weighted.reshape(-1, weighted.shape[-1])  # (n T, p)  c_i b_{i,t}
+    grads = {}
+    if any(p is layer.weight for p in own):
+        grads[id(layer.weight)] = B.T @ a.reshape(-1, a.shape[-1]).to(B.dtype)  # (p, d)
+    if layer.bias is not None and any(p is layer.bias for p in own):
+        grads[id(layer.bias)] = B.sum(0)  # (p,)
+    return grads
+
+
+def reweighted_weight_grads(layer, call, c, own: list) -> dict:
+    """{id(param): Σ_i c_i g_i} for ``own`` parameters of one call, by one weight gradient
+    from the call's stored inputs (the backward pass has freed the graph)."""
     b = call.backprops
     weighted = [_weighted(t, c) for t in (b if isinstance(b, tuple) else (b,))]
-    if graph_alive:
-        outputs = list(call.edges)
-        retain = True
-    else:
-        detach = lambda t: t.detach() if isinstance(t, torch.Tensor) else t  # noqa: E731
-        with torch.enable_grad():
-            out = layer.forward(*tree_map(detach, call.args), **tree_map(detach, call.kwargs))
-        outputs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
-                   if isinstance(t, torch.Tensor) and t.requires_grad]
-        retain = False
-    grads = torch.autograd.grad(outputs, own, grad_outputs=weighted, allow_unused=True,
-                                retain_graph=retain)
+    if type(layer) is nn.Linear:
+        with torch.no_grad():
+            return linear_weight_grads(layer, call, weighted[0], own)
+    detach = lambda t: t.detach() if isinstance(t, torch.Tensor) else t  # noqa: E731
+    with torch.enable_grad():
+        out = layer.forward(*tree_map(detach, call.args), **tree_map(detach, call.kwargs))
+    outputs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
+               if isinstance(t, torch.Tensor) and t.requires_grad]
+    grads = torch.autograd.grad(outputs, own, grad_outputs=weighted, allow_unused=True)
     return {id(p): g for p, g in zip(own, grads) if g is not None}
 
 
-def clipped_sum(rec, max_grad_norm, mode: str, group_of=None, graph_alive=False,
-                exact=None):
+def clipped_sum(rec, max_grad_norm, mode: str, group_of=None, exact=None):
     """({id(param): Σ_i c_i g_i}, norms (n,), clip factors (n,)) for one recorded batch.
 
     ``max_grad_norm``: one C, or {group: C_g} with ``group_of(param)`` naming each parameter's
@@ -113,8 +125,8 @@ def clipped_sum(rec, max_grad_norm, mode: str, group_of=None, graph_alive=False,
                 own = [p for _, p in rec.own(layer)
                        if id(p) not in grads and group_of(p) == group]
                 if own:
-                    for key, g in reweighted_weight_grads(layer, call, c[group], own,
-                                                          graph_alive).items():
+                    for key, g in reweighted_weight_grads(layer, call, c[group],
+                                                          own).items():
                         sums[key] = g if key not in sums else sums[key] + g
             call.backprops = None  # used: free it before the next layer's weight gradient
     with torch.no_grad():

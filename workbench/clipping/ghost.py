@@ -15,10 +15,11 @@ per-sample gradients are materialised, normed and dropped immediately.
 
 A parameter used in more than one call (a module called twice) has the *sum* of several
 layers' gradients as its per-sample gradient; the norm of a sum has cross terms, so such
-parameters are materialised per call and summed before taking the norm. Parameters no
-per-layer rule can account for (a tied head, a positional embedding on ``arange(T)``:
-``per_sample.recording``) are materialised exactly by the whole-model fallback, and the
-norms are checked against micro-batching on one sample (``per_sample.selfcheck``).
+parameters are materialised per call and summed before taking the norm (a tied head's E:
+its Embedding call and its ``F.linear`` call, ``per_sample.tied``). Parameters no per-layer
+rule can account for (``per_sample.recording``) are materialised exactly by the whole-model
+fallback, and the norms are checked against micro-batching on one sample
+(``per_sample.selfcheck``).
 
 Notation: n batch, a activations, b backprops, c clip factors, C max_grad_norm.
 """

@@ -26,6 +26,7 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from workbench.errors import UnsupportedLayerError
 from workbench.per_sample import selfcheck
@@ -39,6 +40,7 @@ from workbench.per_sample.recording import (
     layers_with_parameters,
     note_uncovered,
     owners_of,
+    parameter_names,
 )
 from workbench.per_sample.uses import UseTracker
 
@@ -81,7 +83,8 @@ class ModelRecorder:
         self.snapshot = self._structure()
         self.layer_rec = ActivationRecorder(self.layers, capture="hooks").__enter__()
         self.root_rec = ActivationRecorder({ROOT: model}, capture="hooks").__enter__()
-        self.tracker = UseTracker(owners_of(self.layers, model), self.layer_rec.stack)
+        self.tracker = UseTracker(owners_of(self.layers, model), self.layer_rec,
+                                  parameter_names(model))
         self.uncovered: dict[int, set[str]] = {}
         self._depth, self._tracking = 0, False
         self._handles = [model.register_forward_pre_hook(self._enter),
@@ -101,6 +104,8 @@ class ModelRecorder:
         self._depth -= 1
         if self._depth == 0 and self._tracking:
             self._tracking = False
+            # the loss is not seen here: an output the model returns may be used there
+            self.tracker.batch_free.exclude(tree_flatten(output)[0])
             self.tracker.__exit__(None, None, None)
             for key, where in self.tracker.uncovered.items():
                 self.uncovered.setdefault(key, set()).update(where)

@@ -25,6 +25,11 @@ it, or not), and, in ``capture="hooks"``, the *generation* of each call: the num
 backward passes that had finished when its gradient arrived, so that samples of two
 backward passes before one optimizer step are never merged.
 
+A call can also be recorded without a module hook (``add_call``): the use tracker records a
+tied head's ``F.linear`` as a Linear call (``tied.py``), and ``redirect`` reads a batch-free
+call's backprops where its output meets the batch (``broadcast.py``; in ``capture="hooks"`` by a
+pre-hook on that add's autograd node).
+
 Nothing is left behind: ``ActivationRecorder`` is a context manager that removes every hook
 on exit, also when the forward or backward pass raises.
 """
@@ -36,6 +41,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from workbench.per_sample.broadcast import BROADCASTABLE
 
 
 @dataclass
@@ -50,16 +57,24 @@ class LayerCall:
     backprops: object = None  # Tensor (n, ...) or tuple of them; None: output unused
     generation: int = 0
     grads: list = field(default_factory=list)  # capture="hooks": per-output gradient, or None
+    handles: list = field(default_factory=list)  # capture="hooks": the gradient hooks' handles
+    meet: object = None  # broadcast.Meeting: b comes from where a batch-free output meets n
 
     @property
     def edge(self) -> GradientEdge:
         return self.edges[0]
+
+    def capture_edges(self) -> list[GradientEdge]:
+        """Where b is read: the outputs, or the add where a batch-free output meets n."""
+        return [self.meet.edge] if self.meet is not None else self.edges
 
     def set_backprops(self, grads) -> None:
         """b from the gradients of each output (None -> zeros); None when none arrived."""
         if all(g is None for g in grads):
             self.backprops = None
             return
+        if self.meet is not None:
+            grads = [self.meet.reduce(grads[0])]  # (n, *o.shape)
         full = [torch.zeros(s, dtype=d, device=v) if g is None else g
                 for g, (s, d, v) in zip(grads, self.outputs)]
         self.backprops = tuple(full) if self.is_tuple else full[0]
@@ -85,6 +100,7 @@ class ActivationRecorder:
     recording: bool = True  # False inside ``paused()``: the samplers' own layer calls
     stack: list = field(default_factory=list)  # paths of the layers whose forward is running
     generation: int = 0  # capture="hooks": backward passes finished so far
+    batch_free: object = None  # broadcast.BatchFree while a use tracker runs the forward pass
     _handles: list = field(default_factory=list)
     _pending: bool = False
 
@@ -115,23 +131,46 @@ class ActivationRecorder:
                 self.stack.pop()
             if not self.recording:
                 return None
-            tensors, is_tuple = tensor_outputs(output)
-            if tensors is None:
-                self.untracked[path] = type(output).__name__  # the caller decides if fatal
-                return None
-            if not tensors:
-                return None  # not differentiable here: nothing to sample
-            call = LayerCall(args=args, kwargs=kwargs,
-                             edges=[get_gradient_edge(t) for t in tensors],
-                             outputs=[(t.shape, t.dtype, t.device) for t in tensors],
-                             is_tuple=is_tuple, grads=[None] * len(tensors))
-            self.calls[path].append(call)
-            if self.capture == "hooks":
-                for k, t in enumerate(tensors):
-                    t.register_hook(self._grad_hook(call, k))
+            self.add_call(path, module, args, kwargs, output)
             return None
 
         return hook
+
+    def add_call(self, path: str, layer, args, kwargs, output) -> None:
+        """Record one call of ``layer`` (a module's, or a functional use: ``uses.py``)."""
+        tensors, is_tuple = tensor_outputs(output)
+        if tensors is None:
+            self.untracked[path] = type(output).__name__  # the caller decides if fatal
+            return
+        if not tensors:
+            return  # not differentiable here: nothing to sample
+        call = LayerCall(args=args, kwargs=kwargs,
+                         edges=[get_gradient_edge(t) for t in tensors],
+                         outputs=[(t.shape, t.dtype, t.device) for t in tensors],
+                         is_tuple=is_tuple, grads=[None] * len(tensors))
+        self.calls.setdefault(path, []).append(call)
+        if self.capture == "hooks":
+            call.handles = [t.register_hook(self._grad_hook(call, k))
+                            for k, t in enumerate(tensors)]
+        if self.batch_free is not None and not is_tuple and type(layer) in BROADCASTABLE:
+            self.batch_free.watch(call, tensors[0])
+
+    def add_layer(self, path: str, layer) -> nn.Module:
+        """A layer met during the forward pass (``uses.py``); the one already there if any."""
+        if path not in self.layers:
+            self.layers[path] = layer
+        self.calls.setdefault(path, [])
+        return self.layers[path]
+
+    def redirect(self, call: LayerCall, edge: GradientEdge) -> None:
+        """capture="hooks": read the call's b at ``edge`` (``broadcast.convert``)."""
+        if self.capture != "hooks":
+            return
+        for handle in call.handles:
+            handle.remove()
+        store, nr = self._grad_hook(call, 0), edge.output_nr  # no edge in the closure: a
+        # reference from the node's hook back to the node would be a cycle the GC cannot see
+        call.handles = [edge.node.register_prehook(lambda grad_outputs: store(grad_outputs[nr]))]
 
     def _grad_hook(self, call: LayerCall, k: int):
         ref = weakref.ref(call)  # a strong reference would make a cycle through the graph:
@@ -168,7 +207,7 @@ class ActivationRecorder:
         for calls in self.calls.values():
             for call in calls:  # drop the activations, the graph edges and the gradients now
                 call.args, call.kwargs, call.edges, call.grads = (), {}, [], []
-                call.backprops = None
+                call.backprops, call.meet, call.handles = None, None, []
             calls.clear()
         self.untracked.clear()
 
@@ -187,13 +226,14 @@ class ActivationRecorder:
         ``params``: also return ∂ total_loss / ∂p for these (the self-check's batch gradient).
         """
         calls = self.all_calls()
-        edges = [e for c in calls for e in c.edges]
+        edges = [e for c in calls for e in c.capture_edges()]
         if not edges and not params:
             return []
         grads = torch.autograd.grad(total_loss, [*edges, *params], allow_unused=True,
                                     retain_graph=retain_graph)
         k = 0
         for call in calls:
-            call.set_backprops(grads[k:k + len(call.edges)])
-            k += len(call.edges)
+            m = len(call.capture_edges())
+            call.set_backprops(grads[k:k + m])
+            k += m
         return list(grads[k:])

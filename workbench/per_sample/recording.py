@@ -7,8 +7,12 @@ the call's inputs and outputs. ``record`` runs the forward pass with the hooks o
 the two it is:
 
 - **by rule**: every use is covered and every call carries the batch on dim 0;
-- **exact fallback**: anything else (a tied head, a positional embedding on ``arange(T)``,
-  a sequence-first layer, ``self.fc.forward(x)``, a parametrised weight). Its per-sample
+- **exact fallback**: anything else (a tied head written ``h @ E.T``, a positional embedding
+  used twice, a sequence-first layer, ``self.fc.forward(x)``, a parametrised weight).
+
+Two common uses outside a layer's own call become rule calls during the forward pass
+(``uses.py``): ``F.linear(h, E)`` of a tied head (``tied.py``) and a position-wise layer called
+without the batch and added to it, ``tok + wpe(arange(T))`` (``broadcast.py``). Its per-sample
   gradient comes from ``torch.func`` over the whole model (``vmap(grad(...))``), or, where
   vmap cannot run the model, from micro-batching; ``fallback`` says why, per parameter.
 
@@ -64,6 +68,11 @@ def owners_of(layers: dict[str, nn.Module], model: nn.Module) -> dict[int, set[s
         for _, p in own_parameters(layer):
             owners.setdefault(id(p), set()).add(path)
     return owners
+
+
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    """{id(param): name} of the trainable parameters (paths of functional layers)."""
+    return {id(p): name for name, p in model.named_parameters() if p.requires_grad}
 
 
 def check_layers(layers: dict[str, nn.Module], strict: bool, covered=None) -> None:
@@ -194,7 +203,7 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
     params = trainable_parameters(model)
     p0 = next(iter(params.values()))
     with ActivationRecorder(layers) as recorder:
-        tracker = UseTracker(owners_of(layers, model), recorder.stack)
+        tracker = UseTracker(owners_of(layers, model), recorder, parameter_names(model))
         with tracker:
             outputs = forward(model, inputs)
             tracker.in_loss = True

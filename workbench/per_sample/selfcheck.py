@@ -34,7 +34,13 @@ import torch
 from workbench.errors import PerSampleCheckError
 from workbench.per_sample.checks import check_losses, forward, take
 from workbench.per_sample.hooks import ActivationRecorder
-from workbench.per_sample.recording import Recording, checked_shapes
+from workbench.per_sample.recording import (
+    Recording,
+    checked_shapes,
+    owners_of,
+    parameter_names,
+)
+from workbench.per_sample.uses import UseTracker
 
 # relative tolerance of the comparison: float64 methods agree to ~1e-13; float32 to ~1e-5;
 # a wrong row, a missed use or a mixed batch is off by O(1)
@@ -82,7 +88,11 @@ def probe(rec: Recording, model, loss_fn, inputs, targets) -> dict[str, torch.Te
     rows = slice(i, i + 1)
     devices = [rec.device] if rec.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), ActivationRecorder(rec.layers) as small:
-        loss = loss_fn(forward(model, take(inputs, rows)), take(targets, rows))  # (1,)
+        tracker = UseTracker(owners_of(rec.layers, model), small, parameter_names(model))
+        with tracker:  # the same functional and batch-free calls as the batch's (uses.py)
+            out = forward(model, take(inputs, rows))
+            tracker.in_loss = True
+            loss = loss_fn(out, take(targets, rows))  # (1,)
     check_losses(loss, 1)
     for path, layer in rec.layers.items():
         big = [c for c in rec.recorder.calls[path]

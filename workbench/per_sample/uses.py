@@ -13,11 +13,19 @@ used: inside the forward of a recorded layer that owns it (a *covered* use: the 
 accounts for it) or anywhere else (an *uncovered* use: its per-sample gradient must come from
 an exact method). It also notes random functions (dropout), which decide how the result can be
 checked (``selfcheck.py``).
+
+Given the recorder, it also turns two uses into rule calls instead of uncovered ones:
+``F.linear(x, W)`` of a parameter outside its layer (a tied head: ``tied.py``), and a
+position-wise layer called without the batch whose output is added to a batched tensor (a
+positional embedding on ``arange(T)``: ``broadcast.py``).
 """
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
+
+from workbench.per_sample.broadcast import BatchFree
+from workbench.per_sample.tied import LINEAR, record_linear
 
 RANDOM_FUNCTIONS = {
     "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
@@ -52,15 +60,31 @@ class UseTracker(TorchFunctionMode):
 
     Args:
         owners: {id(param): set of paths of the recorded layers that own it directly}.
-        stack: the recorder's list of paths of layers whose forward is running.
+        recorder: the ``hooks.ActivationRecorder`` of the forward pass (its ``stack``: the
+            paths of layers whose forward is running; its calls: where functional calls and
+            batch-free calls are recorded).
+        names: {id(param): name}, for the paths of functional layers.
     """
 
-    def __init__(self, owners: dict[int, set[str]], stack: list):
+    def __init__(self, owners: dict[int, set[str]], recorder, names=None):
         super().__init__()
-        self.owners, self.stack = owners, stack
+        self.owners, self.recorder, self.stack = owners, recorder, recorder.stack
+        self.names = names or {}
         self.uncovered: dict[int, set[str]] = {}  # id(param) -> where it was used
         self.random = False
         self.in_loss = False  # set while loss_fn runs: a use there is the loss's own
+        self.batch_free = BatchFree()
+
+    def __enter__(self):
+        self.recorder.batch_free = self.batch_free
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self.recorder.batch_free = None
+        if exc[0] is None:
+            self.batch_free.finish(self.recorder)  # outside the mode: its ops are not uses
+        return False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -68,9 +92,14 @@ class UseTracker(TorchFunctionMode):
         if not self.random and getattr(func, "__name__", "") in RANDOM_FUNCTIONS:
             self.random = _is_random(func.__name__, args, kwargs)
         if torch.is_grad_enabled():
+            if self.batch_free.watched:
+                self.batch_free.saw(func, args, kwargs, result, _differentiable)
             used = self._parameters_in(args, kwargs)
             if used and _differentiable(result):
                 where = LOSS if self.in_loss else self.stack[-1] if self.stack else _OUTSIDE
+                if (func is LINEAR and not self.in_loss and self.recorder.recording
+                        and record_linear(self, args, kwargs, result, where)):
+                    return result  # a tied head: a Linear rule call (tied.py)
                 for p in used:
                     if where not in self.owners[id(p)]:
                         self.uncovered.setdefault(id(p), set()).add(where)
