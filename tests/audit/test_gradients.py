@@ -228,3 +228,37 @@ def test_zero_dim_parameter_is_audited_not_failed():
                              methods=("vmap", "einsum"))
     assert result.passed, result.table
     assert "temperature" in set(result.table["parameter"])
+
+
+def attention_lm(n=4, T=6):
+    """tiny_gpt: its attention key biases have a true gradient of exactly zero (softmax ignores a
+    shift shared by all keys), so their computed gradients are rounding noise (~1e-21)."""
+    torch.manual_seed(0)
+    model = wb.models.tiny_gpt(vocab_size=11, block_size=T, n_layer=1, n_head=2, n_embd=8)
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, 11, (n, T), generator=g) for _ in range(2))
+    return model, x, y
+
+
+def test_a_zero_gradient_is_judged_against_the_model_scale_not_its_rounding_noise():
+    model, x, y = attention_lm()
+    loss = wb.models.sequence_cross_entropy
+    result = audit.audit_gradients(model, loss, x, y, methods=("einsum", "bookkeeping"))
+    key_bias = result.table[result.table["parameter"].str.endswith("key.bias")]
+    assert len(key_bias) and (key_bias["max_abs_error"] < 1e-15).all()
+    assert result.passed, result.table[~result.table["passed"]]
+
+
+def test_an_error_on_a_small_parameter_is_still_caught():
+    model, x, y = attention_lm()
+    loss = wb.models.sequence_cross_entropy
+
+    def off_key_bias(model, loss_fn, inputs, targets):  # a wrong gradient where the truth is 0
+        grads = wb.per_sample_gradients(model, loss_fn, inputs, targets, method="einsum")
+        scale = max(g.abs().max() for g in grads.values())
+        return {k: g + (1e-6 * scale if k.endswith("key.bias") else 0) for k, g in grads.items()}
+
+    result = audit.audit_gradients(model, loss, x, y, methods=(), providers={"off": off_key_bias})
+    assert result.failed_methods() == ["off"]
+    failed = result.table[~result.table["passed"]]["parameter"]
+    assert failed.str.endswith("key.bias").all() and len(failed)

@@ -111,16 +111,29 @@ def _check_choices(methods, reference, providers, dtype):
         raise ValueError(f"dtype must be one of {tuple(TOLERANCES)}; got {dtype!r}")
 
 
-def relative_error(g: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |g - ref| / max |ref| (the absolute error when ref is all zero)."""
-    scale = ref.abs().max().item()
+# A parameter's error is relative to max(its own largest entry, FLOOR x the model's largest
+# entry). Without the floor, a parameter whose true gradient is zero (the key bias of attention:
+# softmax ignores a shift shared by all keys) is judged on its rounding noise alone, 1e-21 / 1e-21.
+# With it, a parameter that small can hide an error of at most FLOOR x tolerance of the model's
+# scale, far below anything that moves a per-sample norm or a clipping decision.
+FLOOR = 1e-3
+
+
+def relative_error(g: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
+    """max |g - ref| / max(max |ref|, floor) (the absolute error when both are zero)."""
+    scale = max(ref.abs().max().item(), floor)
     err = (g - ref).abs().max().item()
     return err / scale if scale > 0 else err
 
 
-def _per_sample_relative(g, ref):
-    """(n,) max_k |g_i - ref_i| / max |ref|: which samples disagree on one parameter."""
-    scale = ref.abs().max().item() or 1.0
+def model_floor(ref: dict) -> float:
+    """FLOOR x the largest |entry| of any reference gradient: the scale a zero gradient meets."""
+    return FLOOR * max((r.abs().max().item() for r in ref.values() if r.numel()), default=0.0)
+
+
+def _per_sample_relative(g, ref, floor=0.0):
+    """(n,) max_k |g_i - ref_i| / max(max |ref|, floor): which samples disagree on one parameter."""
+    scale = max(ref.abs().max().item(), floor) or 1.0
     return (g - ref).reshape(g.shape[0], -1).abs().amax(1) / scale  # (n,); 0-dim params too
 
 
@@ -154,6 +167,7 @@ def _audit_per_sample(method, grads, ref, layers, tol):
     if missing:
         return [_failed_row(method, f"missing parameters {missing}", tol)], None
     norm_err = relative_error(grad_norms({k: grads[k] for k in ref}), grad_norms(ref))
+    floor = model_floor(ref)
     rows, per_sample = [], []
     for name, r in ref.items():
         g = grads[name]
@@ -162,10 +176,10 @@ def _audit_per_sample(method, grads, ref, layers, tol):
             rows.append(_failed_row(method, msg, tol, name, layers[name]))
             continue
         g = g.to(r.dtype)
-        per_sample.append(_per_sample_relative(g, r))  # (n,)
+        per_sample.append(_per_sample_relative(g, r, floor))  # (n,)
         abs_err = (g - r).abs().max().item()
         rows.append(_row(method, name, layers[name], "per-sample grads",
-                         relative_error(g, r), abs_err, norm_err, tol))
+                         relative_error(g, r, floor), abs_err, norm_err, tol))
     errs = torch.stack(per_sample).amax(0) if per_sample else None  # (n,)
     return rows, errs
 
@@ -179,11 +193,11 @@ def _audit_ghost(method, make_model, loss_fn, inputs, targets, ref_sum, ref_norm
         norm_err = relative_error(norms, ref_norms)
         errs = (norms - ref_norms).abs() / (ref_norms.abs().max().item() or 1.0)  # (n,)
     got = clipped_grad_sum(make_model(), loss_fn, inputs, targets, C, method=method)
-    rows = []
+    rows, floor = [], model_floor(ref_sum)
     for name, r in ref_sum.items():
         g = got[name]
         rows.append(_row(method, name, layers[name], f"clipped sum (C={C:.3g})",
-                         relative_error(g, r), (g - r).abs().max().item(), norm_err, tol))
+                         relative_error(g, r, floor), (g - r).abs().max().item(), norm_err, tol))
     return rows, errs
 
 
