@@ -36,6 +36,7 @@ PLDAccountant(steps=0, groups=0)
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from workbench.checks import check_choice
 
@@ -56,10 +57,18 @@ class AccountantSpec:
 
     def options_for(self, fn, options):
         """The entries of ``options`` that ``fn`` (this accountant's function) names."""
-        accepted = inspect.signature(fn).parameters
-        if any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
-            return dict(options)
-        return {k: v for k, v in options.items() if k in accepted}
+        accepted = _keywords(fn)
+        return dict(options) if accepted is None else {
+            k: v for k, v in options.items() if k in accepted}
+
+
+@lru_cache(maxsize=None)
+def _keywords(fn):
+    """The parameter names of ``fn``, or None when it takes **kwargs (every option)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    return frozenset(params)
 
 
 ACCOUNTANTS: dict[str, AccountantSpec] = {}
