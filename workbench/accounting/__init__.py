@@ -6,49 +6,56 @@ One concept per file:
     convert.py     RDP -> (ε, δ) (Balle et al. 2020, Thm. 21)
     pld.py         its privacy-loss distribution, discretised pessimistically (connect-the-dots)
     compose.py     composition of PLDs by FFT (Koskela, Jälkö, Honkela 2020)
-    curve.py       ε of a run, a curve over steps, or a heterogeneous schedule; RDP or PLD
+    registry.py    the table of accountants: register_accountant, make_accountant
+    accountants/   one file per accountant, each registering itself: rdp.py, pld.py
+    curve.py       ε of a run, a curve over steps, or a heterogeneous schedule, by name
     calibrate.py   the noise multiplier σ for a target ε
-    accountant.py  RDPAccountant / PLDAccountant: a history of steps, ε on demand
+    accountant.py  Accountant: a history of steps, ε on demand (RDPAccountant, PLDAccountant)
     gaussian.py    the exact Gaussian mechanism (q = 1), the yardstick (Balle & Wang 2018)
     explore.py     the budget explorer's compute step (ε vs epochs, σ for a target)
     checks.py      argument validation
     lower.py       lower bounds on ε: binned output laws, losses rounded down
     shuffle.py     shuffled fixed-size batches: Chua et al. (2024)'s lower bound
     bounds.py      [lower, upper] on ε for a sampler: Poisson, shuffle, deterministic
-    registry.py    the table of accountants and samplers; epsilon_bounds
 
 >>> from workbench import accounting
 >>> round(accounting.epsilon(0.01, 1.0, 1000, 1e-5), 3)
 2.101
 """
 
-from workbench.accounting.accountant import PLDAccountant, RDPAccountant
-from workbench.accounting.bounds import EpsilonBounds
+from workbench.accounting import accountants  # noqa: F401  (registers RDP and PLD)
+from workbench.accounting.accountant import Accountant
+from workbench.accounting.accountants.pld import PLD_DISCRETIZATION, PLDAccountant
+from workbench.accounting.accountants.rdp import RDPAccountant
+from workbench.accounting.bounds import SAMPLERS, EpsilonBounds, epsilon_bounds
 from workbench.accounting.calibrate import (
     get_noise_multiplier,
     steps_from_epochs,
     steps_per_epoch,
 )
 from workbench.accounting.convert import rdp_to_epsilon
-from workbench.accounting.curve import (
-    ACCOUNTANTS,
-    PLD_DISCRETIZATION,
-    epsilon,
-    epsilon_curve,
-    history_epsilon,
-)
-from workbench.accounting.explore import BudgetResult, explore_budget
+from workbench.accounting.curve import epsilon, epsilon_curve, history_epsilon
+from workbench.accounting.explore import BudgetResult, EpsilonCurve, explore_budget
 from workbench.accounting.gaussian import gaussian_delta, gaussian_epsilon
 from workbench.accounting.rdp import DEFAULT_ORDERS, compute_rdp
-from workbench.accounting.registry import SAMPLERS, epsilon_bounds, make_accountant
+from workbench.accounting.registry import (
+    ACCOUNTANTS,
+    AccountantSpec,
+    make_accountant,
+    register_accountant,
+    unregister_accountant,
+)
 from workbench.accounting.snr import SNRResult, explore_snr
 
 __all__ = [
     "ACCOUNTANTS",
+    "Accountant",
+    "AccountantSpec",
     "DEFAULT_ORDERS",
     "PLD_DISCRETIZATION",
     "BudgetResult",
     "EpsilonBounds",
+    "EpsilonCurve",
     "SAMPLERS",
     "PLDAccountant",
     "RDPAccountant",
@@ -65,6 +72,8 @@ __all__ = [
     "history_epsilon",
     "make_accountant",
     "rdp_to_epsilon",
+    "register_accountant",
     "steps_from_epochs",
     "steps_per_epoch",
+    "unregister_accountant",
 ]

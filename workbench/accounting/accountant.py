@@ -3,12 +3,11 @@
 The thin wrapper over the pure functions of ``curve.py`` (DESIGN.md, style item 6): the class
 only records what was run, as groups (σ, q, T) with consecutive steps of equal σ and q merged,
 so a training loop can call ``.step()`` after every optimiser step and a schedule that changes σ
-or q (heterogeneous composition) is kept exactly. ε is recomputed from the history when asked.
-
-    RDPAccountant: Rényi DP, Mironov, Talwar, Zhang (2019), arXiv:1908.10530, with the
-                   conversion of Balle et al. (2020), arXiv:1905.09982, Thm. 21.
-    PLDAccountant: privacy-loss distribution composed by FFT, Koskela et al. (2020),
-                   arXiv:1906.03049, discretised as in Doroshenko et al. (2022), arXiv:2207.04380.
+or q (heterogeneous composition) is kept exactly. ε is recomputed from the history when asked,
+by the accountant registered under ``mechanism`` (``registry.py``). The subclasses with options
+live beside their ε functions: ``accountants/rdp.py`` (RDPAccountant, Rényi DP) and
+``accountants/pld.py`` (PLDAccountant, privacy-loss distribution); an accountant registered
+without a class gets a plain ``Accountant`` subclass named after it.
 
 ε is recomputed from the (short, merged) history on every ``get_epsilon``: about a millisecond
 for RDP, tens to hundreds of milliseconds for PLD, so call it once per epoch, not per step.
@@ -19,23 +18,16 @@ checkpoint and read back with ``torch.load(..., weights_only=True)``.
 Notation: σ noise multiplier, q sample rate, T steps, δ target delta.
 """
 
-import numpy as np
-
-from workbench.accounting.convert import rdp_to_epsilon
-from workbench.accounting.curve import PLD_DISCRETIZATION, check_history, history_epsilon
-from workbench.accounting.rdp import DEFAULT_ORDERS, rdp_one_step
-from workbench.checks import (
-    check_delta,
-    check_noise_multiplier,
-    check_orders,
-    check_positive,
-    check_sample_rate,
-    check_steps,
-)
+from workbench.accounting.curve import check_history, history_epsilon
+from workbench.checks import check_noise_multiplier, check_sample_rate, check_steps
 
 
-class _Accountant:
-    """History of (σ, q, T) groups; subclasses say how to turn it into ε."""
+class Accountant:
+    """History of (σ, q, T) groups; ε by the registered accountant named ``mechanism``.
+
+    A subclass with options returns them from ``_options()`` (passed to the ε function and
+    saved in the state) and reads them back in ``_load_options``.
+    """
 
     mechanism = ""
 
@@ -91,66 +83,3 @@ class _Accountant:
 
     def _load_options(self, state_dict):
         pass
-
-
-class RDPAccountant(_Accountant):
-    """Rényi DP accountant; ``orders`` are the α tried (default ``DEFAULT_ORDERS``).
-
-    >>> acc = RDPAccountant()
-    >>> for _ in range(100):
-    ...     acc.step(noise_multiplier=1.0, sample_rate=0.01)
-    >>> acc.step(noise_multiplier=0.8, sample_rate=0.02, steps=50)
-    >>> len(acc), acc.history
-    (150, [(1.0, 0.01, 100), (0.8, 0.02, 50)])
-    >>> round(acc.get_epsilon(1e-5), 3)
-    2.897
-    """
-
-    mechanism = "rdp"
-
-    def __init__(self, orders=DEFAULT_ORDERS):
-        super().__init__()
-        self.orders = check_orders(orders)
-
-    def get_privacy_spent(self, delta):
-        """(ε, best order α) for ``delta``; (0.0, None) while no record has been sampled.
-
-        The same ε as ``get_epsilon``. Before the first step (or with only q = 0 or T = 0
-        steps) nothing was released, ε = 0 and no order is used; converting an RDP of 0 would
-        instead give the conversion's floor, a positive ε for nothing spent.
-        """
-        delta = check_delta(delta)
-        if not any(q > 0 and t > 0 for _, q, t in self.history):
-            return 0.0, None
-        rdp = np.zeros_like(self.orders)
-        for sigma, q, t in self.history:
-            rdp += t * rdp_one_step(q, sigma, self.orders)  # RDP adds up over steps
-        return rdp_to_epsilon(self.orders, rdp, delta)
-
-    def _options(self):
-        return {"orders": [float(a) for a in self.orders]}
-
-    def _load_options(self, state_dict):
-        self.orders = check_orders(state_dict["orders"])
-
-
-class PLDAccountant(_Accountant):
-    """Privacy-loss-distribution accountant; ``discretization`` is the loss grid step h.
-
-    >>> acc = PLDAccountant()
-    >>> acc.step(noise_multiplier=1.0, sample_rate=0.01, steps=1000)
-    >>> round(acc.get_epsilon(1e-5), 3)
-    1.828
-    """
-
-    mechanism = "pld"
-
-    def __init__(self, discretization=PLD_DISCRETIZATION):
-        super().__init__()
-        self.discretization = check_positive(discretization, "discretization")
-
-    def _options(self):
-        return {"discretization": self.discretization}
-
-    def _load_options(self, state_dict):
-        self.discretization = check_positive(state_dict["discretization"], "discretization")

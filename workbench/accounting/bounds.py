@@ -1,10 +1,10 @@
 """ε of a DP-SGD run as a bracket [lower, upper] that knows how the batches were drawn.
 
-The accountants (``curve.py``) assume Poisson sampling. Implementations often shuffle the data
-into fixed-size batches instead, or walk through it in a fixed order, and account as if Poisson:
-Chua, Ghazi, Kamath, Kumar, Manurangsi, Sinha, Zhang (2024), "How Private are DP-SGD
-Implementations?", ICML, arXiv:2403.17673, show that this can understate ε badly, most for
-small σ and many steps per epoch. ``epsilon_bounds`` says what each sampler can claim:
+The accountants (``curve.py``, ``registry.py``) assume Poisson sampling. Implementations often
+shuffle the data into fixed-size batches instead, or walk through it in a fixed order, and
+account as if Poisson: Chua, Ghazi, Kamath, Kumar, Manurangsi, Sinha, Zhang (2024), "How Private
+are DP-SGD Implementations?", ICML, arXiv:2403.17673, show that this can understate ε badly,
+most for small σ and many steps per epoch. ``epsilon_bounds`` says what each sampler can claim:
 
     "poisson"        lower: optimistic PLD (``lower.py``); upper: pessimistic PLD (``pld.py``),
                      the two discretisations of Doroshenko et al. (2022, arXiv:2207.04380).
@@ -18,15 +18,32 @@ small σ and many steps per epoch. ``epsilon_bounds`` says what each sampler can
                      shuffle in [6.04, 6.31] (``shuffle.py``, tests/accounting/test_shuffle.py).
 
 Notation: q = B/N sample rate, T = round(1/q) batches per epoch, E epochs, σ, δ.
+
+>>> sorted(SAMPLERS)
+['deterministic', 'poisson', 'shuffle']
+>>> b = epsilon_bounds("deterministic", sample_rate=0.01, noise_multiplier=1.0, epochs=4,
+...                    delta=1e-5)
+>>> round(b.lower, 3) == round(b.upper, 3), b.steps
+(True, 400)
 """
 
+import math
 from dataclasses import dataclass
 
 from workbench.accounting.calibrate import steps_from_epochs, steps_per_epoch
 from workbench.accounting.curve import epsilon
 from workbench.accounting.gaussian import gaussian_epsilon
 from workbench.accounting.lower import poisson_lower_epsilon
+from workbench.accounting.pld import check_pld_delta
 from workbench.accounting.shuffle import shuffle_lower_epsilon
+from workbench.checks import (
+    check_choice,
+    check_count,
+    check_delta,
+    check_noise_multiplier,
+    check_positive,
+    check_sample_rate,
+)
 
 
 @dataclass(frozen=True)
@@ -72,3 +89,29 @@ def shuffle_bounds(q, sigma, epochs, delta):
     lower = min(shuffle_lower_epsilon(T, sigma, epochs, delta), upper)
     return EpsilonBounds("shuffle", lower, upper, "Chua et al. 2024, max of batch sums",
                          "no amplification (Gaussian mechanism)", delta, epochs * T)
+
+
+SAMPLERS = {"poisson": poisson_bounds, "deterministic": deterministic_bounds,
+            "shuffle": shuffle_bounds}
+"""sampler name -> (q, σ, E, δ) -> EpsilonBounds; a new sampler is a function and a line here."""
+
+
+def epsilon_bounds(sampler, *, sample_rate, noise_multiplier, epochs, delta):
+    """[lower, upper] on ε(δ) of DP-SGD whose batches come from ``sampler``.
+
+    ``sampler`` in {"poisson", "shuffle", "deterministic"}; q = B/N, σ, E epochs (an integer
+    for "shuffle" and "deterministic": each epoch is one pass), δ >= 1e-10 (the PLD floor).
+    """
+    check_choice(sampler, "sampler", SAMPLERS)
+    q = check_sample_rate(sample_rate, positive=True, note="q = B / N: an epoch is 1 / q steps")
+    sigma = check_noise_multiplier(noise_multiplier)
+    epochs = check_positive(epochs, "epochs")
+    if sampler != "poisson":
+        epochs = float(check_count(epochs, "epochs", note=f"with sampler={sampler!r} each "
+                                   f"epoch is one pass over the data"))
+    delta = check_pld_delta(check_delta(delta))
+    if sigma == 0:
+        bounds = SAMPLERS[sampler](q, 1.0, int(epochs), delta)  # steps; ε is inf for all
+        return type(bounds)(sampler, math.inf, math.inf, "no noise", "no noise", delta,
+                            bounds.steps)
+    return SAMPLERS[sampler](q, sigma, int(epochs) if sampler != "poisson" else epochs, delta)

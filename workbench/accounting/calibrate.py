@@ -18,19 +18,19 @@ so T steps have ε(α) ≈ ρα with ρ = T q² (e^(1/σ²) - 1) / 2, and the co
     σ0 = 1 / sqrt(log(1 + 2ρ / (T q²))),    sqrt(ρ) = sqrt(log(1/δ) + ε*) - sqrt(log(1/δ)),
 
 and solved by the Illinois variant of regula falsi in x = 1/σ, where ε(x) is nearly linear;
-typically 4-8 evaluations of ε. The PLD search starts from the RDP answer, which is an upper
-end (the PLD ε is never larger). RDP has a floor: as σ grows, ε tends to
-min_α [log((α-1)/α) - (log δ + log α)/(α - 1)] > 0, so tiny targets are unreachable with the
-given orders, and the error says so.
+typically 4-8 evaluations of ε. An accountant registered as never above another (PLD: RDP)
+starts from that one's answer, which is an upper end (its ε is never larger). RDP has a floor:
+as σ grows, ε tends to min_α [log((α-1)/α) - (log δ + log α)/(α - 1)] > 0, so tiny targets are
+unreachable with the given orders, and the error says so.
 
 Notation: q sample rate, σ noise multiplier, T steps, ε* target epsilon, δ target delta.
 """
 
 import math
 
-from workbench.accounting.curve import ACCOUNTANTS, epsilon
+from workbench.accounting.curve import epsilon
+from workbench.accounting.registry import ACCOUNTANTS, get_accountant
 from workbench.checks import (
-    check_choice,
     check_delta,
     check_epsilon,
     check_positive,
@@ -97,7 +97,7 @@ def get_noise_multiplier(target_epsilon, target_delta, sample_rate, steps=None, 
     rtol = check_positive(rtol, "rtol")
     if not 1e-6 <= rtol <= 1:
         raise ValueError(f"rtol must be in [1e-6, 1] (relative precision of sigma); got {rtol!r}")
-    check_choice(accountant, "accountant", ACCOUNTANTS)
+    spec = get_accountant(accountant)
     if (steps is None) == (epochs is None):
         raise ValueError(f"give exactly one of steps and epochs; got steps={steps!r}, "
                          f"epochs={epochs!r}")
@@ -109,10 +109,11 @@ def get_noise_multiplier(target_epsilon, target_delta, sample_rate, steps=None, 
         return epsilon(q, sigma, steps, target_delta, accountant, **options)
 
     start = _initial_sigma(target_epsilon, target_delta, q, steps)
-    if accountant == "pld":  # the RDP answer is a good upper end when it exists
-        try:
+    for looser in (n for n in spec.never_above if n in ACCOUNTANTS):
+        try:  # ε here <= ε there at every σ: that σ meets the target here too, an upper end
             start = get_noise_multiplier(target_epsilon, target_delta, q, steps=steps,
-                                         rtol=rtol)
+                                         accountant=looser, rtol=rtol)
+            break
         except ValueError:
             pass
     return _solve(eps, target_epsilon, rtol, start)

@@ -4,17 +4,19 @@ Pure function, small dataclass out (DESIGN.md, style item 7); ``workbench.viz.bu
 it and ``workbench.widgets.budget`` wires it to sliders. A dataset of N records read in Poisson
 batches of expected size B has sample rate q = B / N, so one epoch is round(1/q) steps and E
 epochs are T = E round(1/q) steps (``steps_from_epochs``; Abadi et al. 2016, arXiv:1607.00133,
-§3.1). ε(δ) is drawn for both accountants (``curve.py``); in "solve" mode the noise multiplier
-is first calibrated so the run ends exactly at the target ε (``calibrate.py``, with the RDP
-accountant).
+§3.1). ε(δ) is drawn for every registered accountant (``registry.ACCOUNTANTS``: RDP and PLD
+built in), one ``EpsilonCurve`` each; in "solve" mode the noise multiplier is first calibrated
+so the run ends exactly at the target ε (``calibrate.py``, with the RDP accountant). An
+accountant registered ``slow`` gets ``pld_points`` points instead of ``points``, and each curve
+is capped by the curves of the accountants it is registered as never above (``never_above``).
 
-The PLD curve is a fast *upper bound*, labelled so in the plot: a coarser grid,
-``EXPLORE_DISCRETIZATION`` = 1e-3 instead of 1e-4, refined up to 100 times for narrow losses
-but to at most ``EXPLORE_GRID_POINTS`` points per step (``pld.grid_step``), and fewer points
-(8). The pessimistic discretisation keeps it above the exact ε, and it is capped by the RDP
-curve at the same epochs (the smaller of two upper bounds is one too), so it never exceeds RDP.
-Where the loss of one step is narrow (tiny q: batch sizes of a few records) the point cap
-leaves the grid coarse and the bound looser than the fine-grid PLD; in the usual range
+The PLD curve (slow, never above RDP) is a fast *upper bound*, labelled so in the plot: a
+coarser grid, ``EXPLORE_DISCRETIZATION`` = 1e-3 instead of 1e-4, refined up to 100 times for
+narrow losses but to at most ``EXPLORE_GRID_POINTS`` points per step (``pld.grid_step``), and
+fewer points (8). The pessimistic discretisation keeps it above the exact ε, and it is capped by
+the RDP curve at the same epochs (the smaller of two upper bounds is one too), so it never
+exceeds RDP. Where the loss of one step is narrow (tiny q: batch sizes of a few records) the
+point cap leaves the grid coarse and the bound looser than the fine-grid PLD; in the usual range
 (B >= 16 of N = 60,000) it is within 1% of it (tests/widgets/test_budget.py measures both).
 
 With ``shuffle=True`` the explorer also brackets the same run with *shuffled* fixed-size
@@ -34,8 +36,10 @@ import numpy as np
 
 from workbench.accounting.bounds import batches_per_epoch
 from workbench.accounting.calibrate import get_noise_multiplier, steps_from_epochs
-from workbench.accounting.curve import check_pld_delta, epsilon_curve
+from workbench.accounting.curve import epsilon_curve
 from workbench.accounting.gaussian import gaussian_epsilon
+from workbench.accounting.pld import check_pld_delta
+from workbench.accounting.registry import ACCOUNTANTS
 from workbench.accounting.shuffle import shuffle_lower_curve
 from workbench.checks import (
     check_choice,
@@ -54,6 +58,23 @@ MAX_POINTS = 10**6  # points on a curve: beyond this a plot gains nothing
 
 
 @dataclass(frozen=True)
+class EpsilonCurve:
+    """One accountant's ε(δ) against epochs, with how to draw it."""
+
+    name: str  # the accountant's registered name, e.g. "rdp"
+    label: str  # its short label, e.g. "RDP"
+    legend: str  # the legend entry (the PLD one says it is a capped upper bound)
+    style: dict  # line keywords for matplotlib, from the registration
+    epochs: np.ndarray  # (n,) epochs of the points
+    epsilon: np.ndarray  # (n,) ε(δ) at each
+
+    @property
+    def final(self):
+        """ε(δ) at the end of training."""
+        return float(self.epsilon[-1])
+
+
+@dataclass(frozen=True)
 class BudgetResult:
     """ε against epochs for one configuration of N, B, σ, E and δ."""
 
@@ -66,24 +87,23 @@ class BudgetResult:
     steps: int  # T = E round(1/q) (steps_from_epochs)
     mode: str  # "epsilon" or "solve"
     target_epsilon: float | None
-    rdp_epochs: np.ndarray  # (n,) epochs of the RDP curve points
-    rdp_epsilon: np.ndarray  # (n,) ε(δ) by RDP
-    pld_epochs: np.ndarray  # (m,) fewer points: each costs an inverse FFT
-    pld_epsilon: np.ndarray  # (m,) upper bound: min(PLD on a coarse grid, RDP), see above
+    curves: dict  # accountant name -> EpsilonCurve, in registration order (RDP, PLD)
     discretization: float
     shuffle_epochs: np.ndarray  # (k,) whole epochs of the shuffle bracket; (0,) when off
     shuffle_lower: np.ndarray  # (k,) ε(δ) lower bound for shuffled fixed-size batches
     shuffle_upper: np.ndarray  # (k,) no-amplification upper bound (Gaussian, σ/√E)
 
-    @property
-    def epsilon_rdp(self):
-        """ε(δ) by RDP at the end of training."""
-        return float(self.rdp_epsilon[-1])
-
-    @property
-    def epsilon_pld(self):
-        """ε(δ) by PLD at the end of training."""
-        return float(self.pld_epsilon[-1])
+    def __getattr__(self, attr):
+        """``r.epsilon_<name>`` (final ε), ``r.<name>_epochs``, ``r.<name>_epsilon`` (arrays)
+        for every accountant in ``curves``: ``r.epsilon_rdp``, ``r.pld_epochs``, ..."""
+        curves = self.__dict__.get("curves") or {}
+        for name, c in curves.items():
+            found = {f"epsilon_{name}": c.final if c.epsilon.size else None,
+                     f"{name}_epochs": c.epochs, f"{name}_epsilon": c.epsilon}.get(attr)
+            if found is not None:
+                return found
+        raise AttributeError(f"{type(self).__name__} has no attribute {attr!r} (curves: "
+                             f"{sorted(curves)})")
 
     @property
     def epsilon_shuffle(self):
@@ -108,22 +128,41 @@ def _shuffle_epochs(epochs, points):
     grid = np.round(np.linspace(epochs / points, epochs, points))
     return tuple(int(e) for e in np.unique(np.clip(grid, 1, np.floor(epochs))) if epochs >= 1)
 
+
+def _options(h):
+    """Options of the explorer's curves; each accountant reads those it names (PLD: all)."""
+    return {"discretization": h, "max_refine": 100, "max_grid_points": EXPLORE_GRID_POINTS}
+
+
 def _curve(q, sigma, epochs, delta, points, accountant, h):
     """(epochs grid, ε at each) with ``points`` points ending at ``epochs``."""
     grid = np.linspace(epochs / points, epochs, points)
     steps = [steps_from_epochs(e, q) for e in grid]
-    return grid, epsilon_curve(q, sigma, steps, delta, accountant, discretization=h,
-                               max_refine=100, max_grid_points=EXPLORE_GRID_POINTS)
+    return grid, epsilon_curve(q, sigma, steps, delta, accountant, **_options(h))
+
+
+def _curves(q, sigma, epochs, delta, points, slow_points, h):
+    """An EpsilonCurve per registered accountant, capped by those it is never above."""
+    curves = {}
+    for name, spec in ACCOUNTANTS.items():
+        n = slow_points if spec.slow else points
+        grid, eps = _curve(q, sigma, epochs, delta, n, name, h)
+        for looser in (a for a in spec.never_above if a in ACCOUNTANTS):
+            eps = np.minimum(eps, _curve(q, sigma, epochs, delta, n, looser, h)[1])
+        legend = spec.explore_label(_options(h)) if spec.explore_label else spec.label
+        curves[name] = EpsilonCurve(name, spec.label, legend, dict(spec.style), grid, eps)
+    return curves
 
 
 def explore_budget(dataset_size, batch_size, noise_multiplier, epochs, delta, *, mode="epsilon",
                    target_epsilon=None, points=40, pld_points=8,
                    discretization=EXPLORE_DISCRETIZATION, shuffle=True, shuffle_points=4):
-    """Compute a :class:`BudgetResult`: ε(δ) against epochs up to E, by RDP and by PLD.
+    """Compute a :class:`BudgetResult`: ε(δ) against epochs up to E, by every accountant.
 
     In ``mode="solve"`` the noise multiplier is ignored and calibrated instead, so that the RDP
     ε after E epochs is at most ``target_epsilon``, with σ within 1% of the least that does so.
-    ``points`` and ``pld_points`` (integers >= 1) are the numbers of curve points;
+    ``points`` and ``pld_points`` (integers >= 1) are the numbers of curve points (the latter
+    for the slow accountants, PLD);
     ``shuffle_points`` that of the shuffle bracket (``shuffle=False`` leaves it out).
 
     >>> r = explore_budget(60_000, 256, 1.1, 60, 1e-5, points=4, pld_points=2)
@@ -150,10 +189,8 @@ def explore_budget(dataset_size, batch_size, noise_multiplier, epochs, delta, *,
     h = check_positive(discretization, "discretization")
     points = check_count(points, "points", 1, MAX_POINTS)
     pld_points = check_count(pld_points, "pld_points", 1, MAX_POINTS)
-    rdp_epochs, rdp_eps = _curve(q, sigma, epochs, delta, points, "rdp", h)
-    pld_epochs, pld_eps = _curve(q, sigma, epochs, delta, pld_points, "pld", h)
-    rdp_at_pld = _curve(q, sigma, epochs, delta, pld_points, "rdp", h)[1]
-    pld_eps = np.minimum(pld_eps, rdp_at_pld)  # two upper bounds: keep the smaller
+    curves = _curves(q, sigma, epochs, delta, points, pld_points, h)  # two upper bounds of
+    # one run (PLD, RDP): the smaller is one too, so a curve is capped by those it is never above
     shuffle_points = check_count(shuffle_points, "shuffle_points", 1, MAX_POINTS)
     shuffle_epochs = _shuffle_epochs(epochs, shuffle_points) if shuffle else ()
     shuffle_lower, shuffle_upper = (
@@ -162,8 +199,7 @@ def explore_budget(dataset_size, batch_size, noise_multiplier, epochs, delta, *,
     return BudgetResult(
         dataset_size=n, batch_size=b, sample_rate=q, noise_multiplier=sigma, epochs=epochs,
         delta=delta, steps=steps_from_epochs(epochs, q), mode=mode,
-        target_epsilon=target_epsilon, rdp_epochs=rdp_epochs, rdp_epsilon=rdp_eps,
-        pld_epochs=pld_epochs, pld_epsilon=pld_eps, discretization=h,
+        target_epsilon=target_epsilon, curves=curves, discretization=h,
         shuffle_epochs=np.array(shuffle_epochs, dtype=int), shuffle_lower=shuffle_lower,
         shuffle_upper=shuffle_upper,
     )

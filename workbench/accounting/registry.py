@@ -1,61 +1,129 @@
-"""One table naming the accountants and the batch samplers.
+"""One table naming the accountants, one naming the batch samplers.
 
-An accountant is a class with ``step(noise_multiplier=, sample_rate=)``, ``get_epsilon(delta)``
-and ``state_dict()`` (``accountant.py``); a sampler is a function (q, σ, E, δ) ->
-``EpsilonBounds`` (``bounds.py``). Adding either is one file plus one line here; the training
-engine, the budget explorer and ``epsilon_bounds`` read these tables instead of spelling the
-names out.
+An *accountant* registers itself, once, in the file that implements it
+(``accountants/<name>.py``; every file there is imported, ``workbench.plugins``)::
 
->>> sorted(ACCOUNTANTS), sorted(SAMPLERS)
-(['pld', 'rdp'], ['deterministic', 'poisson', 'shuffle'])
->>> b = epsilon_bounds("deterministic", sample_rate=0.01, noise_multiplier=1.0, epochs=4,
-...                    delta=1e-5)
->>> round(b.lower, 3) == round(b.upper, 3), b.steps
-(True, 400)
+    register_accountant("rdp", label="RDP", epsilon=rdp_epsilon, curve=rdp_curve,
+                        accountant_class=RDPAccountant)
+
+- ``epsilon(history, delta, **options) -> float``: ε(δ) after the groups [(σ, q, T), ...] of a
+  run. The caller (``curve.history_epsilon``) has validated them and removed the empty ones,
+  and answers the trivial runs itself (no group left: 0; some σ = 0: inf), so every group
+  has σ > 0, q > 0, T > 0;
+- ``curve(q, σ, steps, delta, **options) -> array`` (optional): ε after each count in
+  ``steps`` (all > 0) at once, when that is cheaper than one ``epsilon`` per point;
+- options: the keyword arguments those functions name (RDP: ``orders``; PLD:
+  ``discretization``, ``max_refine``, ``max_grid_points``). Every caller passes an accountant
+  only the options its function names (``options_for``), so one call site can carry both;
+- ``accountant_class`` (optional): the stateful class (``accountant.Accountant`` subclass);
+  without one, a plain history-keeping ``Accountant`` named after it is made;
+- ``never_above``: names of accountants whose ε this one never exceeds (PLD: RDP). The audit
+  report checks it, and the noise calibration starts from their σ (an upper end);
+- for the budget explorer: ``slow`` (drawn at fewer points and capped by the fast curves: the
+  smaller of two upper bounds is one too), ``style`` (line keywords), ``explore_label(options)``
+  (the legend, given the options the explorer passed, e.g. PLD's coarse ``discretization``).
+
+The training engine, ``get_noise_multiplier``, the ε functions, the budget explorer and the audit
+report read this table instead of spelling the names out. (The batch samplers' table,
+``SAMPLERS``, is in ``bounds.py`` beside the bounds it names.)
+
+>>> sorted(ACCOUNTANTS), ACCOUNTANTS["pld"].label, ACCOUNTANTS["pld"].never_above
+(['pld', 'rdp'], 'PLD', ('rdp',))
+>>> make_accountant("pld", discretization=1e-3)
+PLDAccountant(steps=0, groups=0)
 """
 
-import math
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import lru_cache
 
-from workbench.accounting import curve
-from workbench.accounting.accountant import PLDAccountant, RDPAccountant
-from workbench.accounting.bounds import deterministic_bounds, poisson_bounds, shuffle_bounds
-from workbench.accounting.curve import check_pld_delta
-from workbench.checks import (
-    check_choice,
-    check_count,
-    check_delta,
-    check_noise_multiplier,
-    check_positive,
-    check_sample_rate,
-)
+from workbench.checks import check_choice
 
-ACCOUNTANTS = {"rdp": RDPAccountant, "pld": PLDAccountant}
-SAMPLERS = {"poisson": poisson_bounds, "deterministic": deterministic_bounds,
-            "shuffle": shuffle_bounds}
-assert set(ACCOUNTANTS) == set(curve.ACCOUNTANTS), "curve.py and the registry disagree"
+
+@dataclass(frozen=True)
+class AccountantSpec:
+    """One accountant's entry in ``ACCOUNTANTS`` (see the module docstring for each field)."""
+
+    name: str
+    label: str
+    epsilon: Callable
+    curve: Callable | None = None
+    accountant_class: type | None = None
+    never_above: tuple = ()
+    slow: bool = False
+    style: dict = field(default_factory=dict)
+    explore_label: Callable | None = None
+
+    def options_for(self, fn, options):
+        """The entries of ``options`` that ``fn`` (this accountant's function) names."""
+        accepted = _keywords(fn)
+        return dict(options) if accepted is None else {
+            k: v for k, v in options.items() if k in accepted}
+
+
+@lru_cache(maxsize=None)
+def _keywords(fn):
+    """The parameter names of ``fn``, or None when it takes **kwargs (every option)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    return frozenset(params)
+
+
+ACCOUNTANTS: dict[str, AccountantSpec] = {}
+"""name -> AccountantSpec: the fast ones first, each group in registration order (RDP, PLD).
+Every listing (explorer curves and legend, report columns) follows this order."""
+
+
+def register_accountant(name, *, label, epsilon, curve=None, accountant_class=None,
+                        never_above=(), slow=False, style=None, explore_label=None):
+    """Add an accountant to ``ACCOUNTANTS``; returns its ``AccountantSpec``.
+
+    A name already taken raises (two files claiming one name would silently shadow each
+    other); ``unregister_accountant`` first to replace one.
+    """
+    if not (isinstance(name, str) and name.isidentifier() and name == name.lower()):
+        raise ValueError(f"register_accountant: name must be a lower-case identifier such as "
+                         f"'rdp'; got {name!r}")
+    if name in ACCOUNTANTS:
+        raise ValueError(f"register_accountant: an accountant named {name!r} is already "
+                         f"registered; unregister_accountant({name!r}) first to replace it")
+    for fn_name, fn in (("epsilon", epsilon), ("curve", curve), ("explore_label", explore_label)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"register_accountant({name!r}): {fn_name} must be callable; "
+                            f"got {fn!r}")
+    if accountant_class is None:  # a plain history of (σ, q, T), ε by this accountant
+        from workbench.accounting.accountant import Accountant  # it imports curve -> here
+
+        accountant_class = type(f"{label}Accountant", (Accountant,),
+                                {"mechanism": name, "__doc__": f"{label} accountant."})
+    if getattr(accountant_class, "mechanism", None) != name:
+        raise ValueError(f"register_accountant({name!r}): accountant_class.mechanism must be "
+                         f"{name!r}; got {getattr(accountant_class, 'mechanism', None)!r}")
+    spec = AccountantSpec(name, str(label), epsilon, curve, accountant_class,
+                          tuple(never_above), bool(slow), dict(style or {}), explore_label)
+    listed = sorted([*ACCOUNTANTS.values(), spec], key=lambda a: a.slow)  # stable: fast first
+    ACCOUNTANTS.clear()  # in place: every module holds this one dict
+    ACCOUNTANTS.update((a.name, a) for a in listed)
+    return spec
+
+
+def unregister_accountant(name):
+    """Remove ``name`` from ``ACCOUNTANTS`` (tests, or to replace a built-in)."""
+    return ACCOUNTANTS.pop(check_accountant(name))
+
+
+def check_accountant(name):
+    """``name`` is a registered accountant, else ValueError listing them."""
+    return check_choice(name, "accountant", ACCOUNTANTS)
+
+
+def get_accountant(name):
+    """The ``AccountantSpec`` registered as ``name``."""
+    return ACCOUNTANTS[check_accountant(name)]
 
 
 def make_accountant(name, **options):
     """A fresh accountant by name: ``make_accountant("pld", discretization=1e-4)``."""
-    return ACCOUNTANTS[check_choice(name, "accountant", ACCOUNTANTS)](**options)
-
-
-def epsilon_bounds(sampler, *, sample_rate, noise_multiplier, epochs, delta):
-    """[lower, upper] on ε(δ) of DP-SGD whose batches come from ``sampler``.
-
-    ``sampler`` in {"poisson", "shuffle", "deterministic"}; q = B/N, σ, E epochs (an integer
-    for "shuffle" and "deterministic": each epoch is one pass), δ >= 1e-10 (the PLD floor).
-    """
-    check_choice(sampler, "sampler", SAMPLERS)
-    q = check_sample_rate(sample_rate, positive=True, note="q = B / N: an epoch is 1 / q steps")
-    sigma = check_noise_multiplier(noise_multiplier)
-    epochs = check_positive(epochs, "epochs")
-    if sampler != "poisson":
-        epochs = float(check_count(epochs, "epochs", note=f"with sampler={sampler!r} each "
-                                   f"epoch is one pass over the data"))
-    delta = check_pld_delta(check_delta(delta))
-    if sigma == 0:
-        bounds = SAMPLERS[sampler](q, 1.0, int(epochs), delta)  # steps; ε is inf for all
-        return type(bounds)(sampler, math.inf, math.inf, "no noise", "no noise", delta,
-                            bounds.steps)
-    return SAMPLERS[sampler](q, sigma, int(epochs) if sampler != "poisson" else epochs, delta)
+    return get_accountant(name).accountant_class(**options)

@@ -6,7 +6,8 @@ Each is an ``AuditResult`` (``.passed``, ``.table``, ``.summary``; ``workbench.a
 - ``BugZooSuite``: the mechanism audit of every wrong step of ``bug_zoo`` (passed = all caught);
 - ``ClippingCheck``: a DP step run with σ = 0 on designed batches must return exactly
   μ(G) = Σ_i min(1, C/||g_i||) g_i / B (Abadi et al. 2016, arXiv 1607.00133, Algorithm 1);
-- ``AccountantCheck``: ε of the RDP and PLD accountants side by side (PLD never above RDP).
+- ``AccountantCheck``: ε of every registered accountant side by side (``accounting.ACCOUNTANTS``),
+  none above one it is registered as never above (PLD never above RDP).
 
 Notation: C max_grad_norm, B expected batch size, σ noise multiplier, g_i row i of G.
 """
@@ -136,32 +137,49 @@ def check_clipping(step_factory, max_grad_norm, batch_size, dim, generator=None)
 
 @dataclass
 class AccountantCheck(AuditResult):
-    """ε(δ) of RDP and PLD per setting (``table``) and along one run (``curve``)."""
+    """ε(δ) of every registered accountant per setting (``table``, one ``eps_<name>`` column
+    each) and along one run (``curve``); ``pairs``: (tighter, looser) names whose order is
+    checked, from the registry's ``never_above``."""
 
     table: pd.DataFrame
-    curve: pd.DataFrame = field(repr=False)  # steps, eps_rdp, eps_pld for settings[0]
+    curve: pd.DataFrame = field(repr=False)  # steps and eps_<name> columns for settings[0]
     delta: float = 1e-5
+    labels: dict = field(default_factory=dict)  # name -> label, in the registry's order
+    pairs: tuple = ()  # ((tighter, looser), ...)
 
     @property
     def passed(self) -> bool:
         return bool(self.table["passed"].all()) and bool(self.curve["passed"].all())
 
+    def _order(self, a, b):
+        return f"{self.labels[a]} ≤ {self.labels[b]}"
+
     @property
     def summary(self) -> str:
-        return "PLD ≤ RDP in every setting" if self.passed else "PLD exceeds RDP"
+        if self.passed:
+            checked = " and ".join(self._order(a, b) for a, b in self.pairs) or "ε computed"
+            return f"{checked} in every setting"
+        rows = pd.concat([self.table, self.curve])
+        return "; ".join(f"{self.labels[a]} exceeds {self.labels[b]}" for a, b in self.pairs
+                         if (rows[f"eps_{a}"] > rows[f"eps_{b}"] * (1 + 1e-9)).any())
 
 
-def _epsilons(q, sigma, steps, delta):
-    rdp = accounting.epsilon(q, sigma, steps, delta, accountant="rdp")
-    pld = accounting.epsilon(q, sigma, steps, delta, accountant="pld")
-    return {"q": q, "sigma": sigma, "steps": steps, "delta": delta, "eps_rdp": rdp,
-            "eps_pld": pld, "passed": pld <= rdp * (1 + 1e-9)}
+def _epsilons(q, sigma, steps, delta, pairs):
+    eps = {name: accounting.epsilon(q, sigma, steps, delta, accountant=name)
+           for name in accounting.ACCOUNTANTS}
+    return {"q": q, "sigma": sigma, "steps": steps, "delta": delta,
+            **{f"eps_{name}": e for name, e in eps.items()},
+            "passed": all(eps[a] <= eps[b] * (1 + 1e-9) for a, b in pairs)}
 
 
 def check_accountants(settings, delta=1e-5, curve_points=8) -> AccountantCheck:
     """``settings``: [(q, σ, steps)]; the curve follows the first one up to its steps."""
-    table = pd.DataFrame([_epsilons(q, s, t, delta) for q, s, t in settings])
+    registered = accounting.ACCOUNTANTS
+    pairs = tuple((name, looser) for name, spec in registered.items()
+                  for looser in spec.never_above if looser in registered)
+    table = pd.DataFrame([_epsilons(q, s, t, delta, pairs) for q, s, t in settings])
     q, sigma, steps = settings[0]
     grid = np.unique(np.geomspace(10, steps, curve_points).astype(int))
-    curve = pd.DataFrame([_epsilons(q, sigma, int(t), delta) for t in grid])
-    return AccountantCheck(table, curve, delta)
+    curve = pd.DataFrame([_epsilons(q, sigma, int(t), delta, pairs) for t in grid])
+    labels = {name: spec.label for name, spec in registered.items()}
+    return AccountantCheck(table, curve, delta, labels, pairs)

@@ -28,7 +28,8 @@ Notation: N data set size, q sample rate, σ noise multiplier, C max_grad_norm.
 import warnings
 
 from workbench.accounting import get_noise_multiplier, steps_from_epochs
-from workbench.accounting.registry import epsilon_bounds, make_accountant
+from workbench.accounting.bounds import epsilon_bounds
+from workbench.accounting.registry import make_accountant
 from workbench.checks import check_count
 from workbench.dpsgd import distributed
 from workbench.dpsgd.attached import detach_earlier, remember

@@ -78,15 +78,19 @@ def plot_canary_bounds(ax, result):
 
 
 def plot_epsilon_curves(ax, check):
-    """ε(δ) of the RDP and PLD accountants against steps for the first setting."""
+    """ε(δ) of every accountant in ``check.labels`` against steps for the first setting."""
     c = check.curve
     q, sigma = c["q"].iloc[0], c["sigma"].iloc[0]
-    rdp = ax.plot(c["steps"], c["eps_rdp"], "o-", label="RDP")[0]
-    pld = ax.plot(c["steps"], c["eps_pld"], "s-", label="PLD")[0]
+    markers = "os^vDP*X"
+    lines = [ax.plot(c["steps"], c[f"eps_{name}"], f"{markers[k % len(markers)]}-",
+                     label=label)[0] for k, (name, label) in enumerate(check.labels.items())]
     ax.set_xscale("log")
     ax.set_xlabel("steps")
     ax.set_ylabel(f"ε (δ = {check.delta:.0e})")
-    ax.set_title(f"q = {q:.3g}, σ = {sigma:g}: PLD must not exceed RDP", fontsize="small")
+    rules = "; ".join(f"{check.labels[a]} must not exceed {check.labels[b]}"
+                      for a, b in check.pairs)
+    ax.set_title(f"q = {q:.3g}, σ = {sigma:g}" + (f": {rules}" if rules else ""),
+                 fontsize="small")
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper left")
-    return [rdp, pld]
+    return lines

@@ -1,6 +1,7 @@
-"""Plot of the privacy budget: ε against epochs, RDP and PLD side by side.
+"""Plot of the privacy budget: ε against epochs, one curve per accountant (RDP, PLD, ...).
 
-Draws a :class:`workbench.accounting.BudgetResult` (from ``accounting.explore_budget``). The gap
+Draws a :class:`workbench.accounting.BudgetResult` (from ``accounting.explore_budget``), each
+of its ``curves`` with the style and legend its accountant registered. The gap
 between the two curves is the looseness of RDP's conversion to (ε, δ) (Balle et al. 2020,
 arXiv:1905.09982, Thm. 21) against the near-exact PLD (Koskela et al. 2020, arXiv:1906.03049).
 The PLD curve is labelled an upper bound: the explorer computes it on a coarse grid, capped by
@@ -20,17 +21,18 @@ from math import inf
 def plot_budget(ax, result):
     """Draw ε(δ) vs epochs on ``ax``; returns a dict of the artists drawn.
 
-    Keys: "rdp" and "pld" (Line2D), "target" (the target ε line in solve mode, else None),
+    Keys: each accountant's name, "rdp", "pld", ... (Line2D), "target" (the target ε line in
+    solve mode, else None),
     "shuffle_band" (PolyCollection) and "shuffle_lower" (Line2D) when the result has a shuffle
     bracket, else None, and "legend". Does not clear ``ax`` or create a figure.
     """
     r = result
-    artists = {
-        "rdp": ax.plot(r.rdp_epochs, r.rdp_epsilon, color="C0", label="RDP")[0],
-        "pld": ax.plot(r.pld_epochs, r.pld_epsilon, color="C1", marker="o", markersize=3,
-                       label=f"PLD upper bound (grid {r.discretization:.1g}, capped by RDP)")[0],
-        "target": None, "shuffle_band": None, "shuffle_lower": None,
-    }
+    artists = {}
+    unstyled = (f"C{k}" for k in range(3, 10))  # C0, C1: RDP, PLD; C2: the shuffle bracket
+    for name, c in r.curves.items():
+        style = c.style or {"color": next(unstyled, "k"), "linestyle": "--"}
+        artists[name] = ax.plot(c.epochs, c.epsilon, label=c.legend, **style)[0]
+    artists.update(target=None, shuffle_band=None, shuffle_lower=None)
     if r.shuffle_epochs.size:
         x, lo, hi = r.shuffle_epochs, r.shuffle_lower, r.shuffle_upper
         artists["shuffle_band"] = ax.fill_between(
@@ -45,15 +47,15 @@ def plot_budget(ax, result):
     ax.set_xlabel("epochs")
     ax.set_ylabel(f"ε  (δ = {r.delta:.0e})")
     ax.set_xlim(0, r.epochs)
-    finite = [v for v in (*r.rdp_epsilon, *r.pld_epsilon, *r.shuffle_lower, r.target_epsilon or 0)
-              if v < inf]
+    values = [v for c in r.curves.values() for v in c.epsilon]
+    finite = [v for v in (*values, *r.shuffle_lower, r.target_epsilon or 0) if v < inf]
     ax.set_ylim(0, 1.1 * max(finite, default=1) or 1)  # room above the target line
     ax.grid(True, alpha=0.3)
     ax.locator_params(nbins=5)  # fewer tick labels: readable, and each one costs a redraw
     ax.set_title(
         f"N={r.dataset_size}, B={r.batch_size} (q={r.sample_rate:.3g}), "
-        f"σ={r.noise_multiplier:.3f}, T={r.steps}: "
-        f"ε = {r.epsilon_rdp:.3g} (RDP), {r.epsilon_pld:.3g} (PLD)",
+        f"σ={r.noise_multiplier:.3f}, T={r.steps}: ε = "
+        + ", ".join(f"{c.final:.3g} ({c.label})" for c in r.curves.values()),
         fontsize="small",
     )
     artists["legend"] = ax.legend(loc="upper left", fontsize="small")

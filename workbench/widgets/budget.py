@@ -1,4 +1,4 @@
-"""Budget explorer: sliders for N, B, σ, epochs and δ -> ε vs epochs by RDP and PLD.
+"""Budget explorer: sliders for N, B, σ, epochs and δ -> ε vs epochs by each accountant.
 
 Glue only: ``accounting.explore_budget`` computes, ``viz.budget.plot_budget`` draws. In "solve"
 mode the σ slider is ignored and the σ that spends exactly the target ε is shown instead. The
@@ -42,7 +42,7 @@ def _controls(n, b, sigma, epochs, delta, mode, target, shuffle):
 
 
 class BudgetExplorer(Explorer):
-    """ε(δ) vs epochs: RDP, PLD, shuffle bracket; ``.controls``, ``.result``, ``.figure``."""
+    """ε(δ) vs epochs by each accountant, shuffle bracket; ``.controls``, ``.result``."""
 
     def __init__(self, dataset_size=60_000, batch_size=256, noise_multiplier=1.1, epochs=60,
                  delta=1e-5, mode="epsilon", target_epsilon=8.0, shuffle=True):
@@ -65,7 +65,7 @@ class BudgetExplorer(Explorer):
             return
         r = self.result
         text = (f"q = {r.sample_rate:.4g}, T = {r.steps} steps<br>σ = {r.noise_multiplier:.3f}"
-                f"<br>ε = {r.epsilon_rdp:.3f} (RDP), {r.epsilon_pld:.3f} (PLD)")
+                "<br>ε = " + ", ".join(f"{c.final:.3f} ({c.label})" for c in r.curves.values()))
         if r.epsilon_shuffle is not None:
             lo, hi = r.epsilon_shuffle
             text += f"<br>shuffled, {r.shuffle_epochs[-1]} epochs: {lo:.3f} <= ε <= {hi:.3f}"

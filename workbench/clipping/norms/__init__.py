@@ -1,5 +1,8 @@
 """Built-in norm samplers; importing this registers them.
 
+Every module in this folder is imported (``workbench.plugins``), so a new norm sampler is one
+new file with ``@register_norm_sampler(MyLayer)``; the table below is a reading aid.
+
 | layer                  | file          | rule                                                  |
 |------------------------|---------------|-------------------------------------------------------|
 | Linear                 | linear.py     | ||b_i|| ||a_i||, <A_i A_iᵀ, B_i B_iᵀ>, or materialise  |
@@ -10,4 +13,6 @@ Everything else (LayerNorm, GroupNorm, InstanceNorm, RMSNorm, custom layers): fa
 clipping, i.e. the layer's per-sample gradient is materialised, normed and dropped.
 """
 
-from workbench.clipping.norms import conv, embedding, linear  # noqa: F401
+from workbench.plugins import import_submodules
+
+import_submodules(__name__, __path__)

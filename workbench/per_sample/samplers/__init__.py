@@ -1,5 +1,8 @@
 """Built-in grad samplers, one file per layer family; importing this registers them all.
 
+Every module in this folder is imported (``workbench.plugins``), so a new layer family is one
+new file with ``@register_grad_sampler(MyLayer)``; the table below is a reading aid.
+
 | layer                                   | file          | rule                                 |
 |-----------------------------------------|---------------|--------------------------------------|
 | Linear (any leading dims)               | linear.py     | b_iᵀ a_i summed over positions       |
@@ -9,4 +12,6 @@
 | RMSNorm                                 |               |                                      |
 """
 
-from workbench.per_sample.samplers import conv, embedding, linear, norms  # noqa: F401
+from workbench.plugins import import_submodules
+
+import_submodules(__name__, __path__)

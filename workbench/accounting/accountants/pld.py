@@ -1,0 +1,93 @@
+"""The PLD accountant: the privacy-loss distribution of the run, composed by FFT.
+
+Koskela, Jälkö, Honkela (2020), arXiv:1906.03049: the loss of one step of the sampled Gaussian
+mechanism is discretised on a grid of step h (``../pld.py``, pessimistically, as in Doroshenko
+et al. 2022, arXiv:2207.04380), the T steps are composed by FFT (``../compose.py``), and ε(δ)
+is read off the composed distribution. Tighter than RDP (typically 5-15% smaller ε for DP-SGD
+settings, whose conversion to (ε, δ) is lossy), slower (tens to hundreds of milliseconds). The
+pessimistic discretisation stays an upper bound, and shrinking h tightens it; h is refined
+automatically when one step's loss is narrow (``pld.grid_step``). Add/remove adjacency: ε is
+the worse of the two directions, each on one grid shared by all its groups.
+
+Notation: σ noise multiplier, q sample rate, T steps, h grid step, δ target delta.
+"""
+
+import numpy as np
+
+from workbench.accounting.accountant import Accountant
+from workbench.accounting.compose import compose, self_compose_many
+from workbench.accounting.pld import (
+    AUTO_GRID_POINTS,
+    check_pld_delta,
+    epsilon_for_delta,
+    grid_step,
+    sgm_pld,
+)
+from workbench.accounting.registry import register_accountant
+from workbench.checks import check_positive
+
+#: Default grid step h of the PLD accountant (the same as dp-accounting's default).
+PLD_DISCRETIZATION = 1e-4
+#: Default limit on the automatic grid refinement of narrow losses (``pld.grid_step``).
+MAX_REFINE = 100
+DIRECTIONS = ("remove", "add")  # add/remove adjacency: ε is the worse of the two
+
+
+def pld_epsilon(history, delta, discretization=PLD_DISCRETIZATION, max_refine=MAX_REFINE):
+    """ε(δ) after the groups [(σ, q, T), ...] (all > 0), composed on the grid h."""
+    h = check_positive(discretization, "discretization")
+    max_refine = check_positive(max_refine, "max_refine")
+    check_pld_delta(delta)
+    eps = 0.0
+    for d in DIRECTIONS:  # each direction on one grid shared by all its groups
+        h_d = min(grid_step(h, q, s, d, max_refine) for s, q, _ in history)
+        pld = compose([(sgm_pld(q, s, h_d, d), t) for s, q, t in history])
+        eps = max(eps, epsilon_for_delta(pld, delta))
+    return eps
+
+
+def pld_curve(q, sigma, steps, delta, discretization=PLD_DISCRETIZATION, max_refine=MAX_REFINE,
+              max_grid_points=AUTO_GRID_POINTS):
+    """ε(δ) after each count in ``steps`` (all > 0), sharing one forward FFT between them."""
+    h = check_positive(discretization, "discretization")
+    max_refine = check_positive(max_refine, "max_refine")
+    check_pld_delta(delta)
+    out = np.zeros(len(steps))
+    for d in DIRECTIONS:
+        h_d = grid_step(h, q, sigma, d, max_refine, max_grid_points)
+        plds = self_compose_many(sgm_pld(q, sigma, h_d, d), list(steps))
+        out = np.maximum(out, [epsilon_for_delta(p, delta) for p in plds])
+    return out
+
+
+class PLDAccountant(Accountant):
+    """Privacy-loss-distribution accountant; ``discretization`` is the loss grid step h.
+
+    >>> acc = PLDAccountant()
+    >>> acc.step(noise_multiplier=1.0, sample_rate=0.01, steps=1000)
+    >>> round(acc.get_epsilon(1e-5), 3)
+    1.828
+    """
+
+    mechanism = "pld"
+
+    def __init__(self, discretization=PLD_DISCRETIZATION):
+        super().__init__()
+        self.discretization = check_positive(discretization, "discretization")
+
+    def _options(self):
+        return {"discretization": self.discretization}
+
+    def _load_options(self, state_dict):
+        self.discretization = check_positive(state_dict["discretization"], "discretization")
+
+
+def _explore_label(options):
+    """The explorer draws PLD on a coarse grid, capped by RDP (``explore.py``)."""
+    return f"PLD upper bound (grid {options['discretization']:.1g}, capped by RDP)"
+
+
+register_accountant("pld", label="PLD", epsilon=pld_epsilon, curve=pld_curve,
+                    accountant_class=PLDAccountant, never_above=("rdp",), slow=True,
+                    style={"color": "C1", "marker": "o", "markersize": 3},
+                    explore_label=_explore_label)
