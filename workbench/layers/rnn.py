@@ -51,6 +51,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from workbench.errors import UnsupportedLayerError
+from workbench.layers.bptt import fusable, run_bptt
 from workbench.layers.cells import STEPS
 from workbench.layers.parts import (
     InputProjection,
@@ -97,6 +98,7 @@ class DPRNNBase(PartsOwner):
                 self.parts[f"hh_{name}"] = RecurrentProjection(
                     self, weight=f"weight_hh_{name}", bias=b_hh if gru else "")
         self.recurrent_calls = "auto"  # "auto" | "per_step" | "one": see the module docstring
+        self.backward_through_time = "bptt"  # "bptt" | "autograd": see the module docstring
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -158,8 +160,12 @@ class DPRNNBase(PartsOwner):
         if direction:
             x = reverse_padded(x, lengths)  # read each sequence from its last token
         X = ih(x)  # (n, T, G H): the input projection of every step, one hooked call
-        run = run_one_call if self._one_recurrent_call(hh) else run_per_step
-        out, state = run(self._step, X, hh, state, valid)  # (n, T, H), final state
+        one = self._one_recurrent_call(hh)
+        if self._hand_written_backward(hh, one, X, state):
+            out, state = run_bptt(self.mode, X, hh, state, valid, one_call=one)
+        else:
+            run = run_one_call if one else run_per_step
+            out, state = run(self._step, X, hh, state, valid)  # (n, T, H), final state
         return (reverse_padded(out, lengths) if direction else out), state
 
     def _one_recurrent_call(self, hh) -> bool:
@@ -169,6 +175,15 @@ class DPRNNBase(PartsOwner):
         if self.recurrent_calls == "auto":
             return bool(hh._forward_hooks)  # recorded, e.g. by wb.per_sample_gradients
         return self.recurrent_calls == "one"
+
+    def _hand_written_backward(self, hh, one_call, X, state) -> bool:
+        if self.backward_through_time not in ("bptt", "autograd"):
+            raise ValueError(f"{type(self).__name__}.backward_through_time must be 'bptt' or "
+                             f"'autograd'; got {self.backward_through_time!r}")
+        if self.backward_through_time == "autograd":
+            return False
+        per_step_recorded = not one_call and bool(hh._forward_hooks)  # T hooked calls
+        return not per_step_recorded and fusable(X, hh.weight, *state)
 
     def _initial_states(self, hx, n, x, batched):
         """[(h0,) or (h0, c0)] per layer and direction, each tensor (n, H)."""
