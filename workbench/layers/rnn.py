@@ -162,7 +162,8 @@ class DPRNNBase(PartsOwner):
         X = ih(x)  # (n, T, G H): the input projection of every step, one hooked call
         one = self._one_recurrent_call(hh)
         if self._hand_written_backward(hh, one, X, state):
-            out, state = run_bptt(self.mode, X, hh, state, valid, one_call=one)
+            out, state = run_bptt(self.mode, X, hh, state, valid, one_call=one, x=x,
+                                  weights=self._torch_weights(name))
         else:
             run = run_one_call if one else run_per_step
             out, state = run(self._step, X, hh, state, valid)  # (n, T, H), final state
@@ -175,6 +176,12 @@ class DPRNNBase(PartsOwner):
         if self.recurrent_calls == "auto":
             return bool(hh._forward_hooks)  # recorded, e.g. by wb.per_sample_gradients
         return self.recurrent_calls == "one"
+
+    def _torch_weights(self, name):
+        """[W_ih, W_hh(, b_ih, b_hh)] of layer and direction ``name``, as torch.nn's kernels
+        take them (e.g. ``torch._VF.lstm``)."""
+        kinds = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")[:4 if self.bias else 2]
+        return [getattr(self, f"{kind}_{name}") for kind in kinds]
 
     def _hand_written_backward(self, hh, one_call, X, state) -> bool:
         if self.backward_through_time not in ("bptt", "autograd"):
