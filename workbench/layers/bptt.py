@@ -35,14 +35,13 @@ Two "ports" give W_hh its gradient:
   W_hh's gradient, batch and per sample, comes from the Linear rule on that one call.
 
 The autograd loops of recurrence.py are the slow twins; tests compare both in float64 for
-every cell and option. ``bptt`` is differentiable once (``once_differentiable``: a double
-backward raises), and not under torch.func transforms, where the layer uses the loops.
+every cell and option. ``bptt`` is differentiable once (a backward with ``create_graph=True``
+raises, naming the fix); under torch.func transforms and autocast the layer uses the loops.
 
 Notation: n batch, T steps, H hidden size, G gate blocks, x̄ the gradient of Σ ℓ w.r.t. x.
 """
 
 import torch
-from torch.autograd.function import once_differentiable
 
 FAST_TANH_MIN = 8192
 """From this many float32 elements on, ``tanh`` computes 2 σ(2x) - 1 (three passes of fast
@@ -309,8 +308,13 @@ class BPTT(torch.autograd.Function):
         return Hs[:, 1:].clone(), Hs[:, T].clone()
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dOut, dhT, dcT=None):
+        if torch.is_grad_enabled():  # create_graph=True: a graph of this backward is wanted
+            raise RuntimeError(
+                "the DP recurrent layers' hand-written backward through time is differentiable "
+                "once, and create_graph=True asks for more (e.g. a double backward); set "
+                "layer.backward_through_time = 'autograd' on the DPRNN/DPGRU/DPLSTM to use "
+                "autograd's loop instead")
         W, keep, *tensors = ctx.saved_tensors
         saved = dict(zip(ctx.names, tensors))
         dc0 = None
@@ -336,10 +340,11 @@ class BPTT(torch.autograd.Function):
 def fusable(*tensors) -> bool:
     """Whether ``bptt`` may run: not under torch.func transforms (vmap, grad) or autocast,
     where the layer uses the autograd loops of recurrence.py."""
-    if torch.is_autocast_enabled():
+    tensors = [t for t in tensors if t is not None]
+    if any(torch.is_autocast_enabled(kind) for kind in {t.device.type for t in tensors}):
         return False
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    return not any(t is not None and wrapped(t) for t in tensors)
+    return not any(wrapped(t) for t in tensors)
 
 
 def run_bptt(mode, X, hh, state, valid=None, one_call=False, x=None, weights=None):
