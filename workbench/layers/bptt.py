@@ -161,16 +161,17 @@ def kernel_forward(mode, x, X, weights, W, b, state):
         RZ = torch.sigmoid(X[..., :2 * H] + U[..., :2 * H])
         M = tanh(torch.addcmul(X[..., 2 * H:], RZ[..., :H], U[..., 2 * H:]))
         return {"Hs": Hs, "U": U, "RZ": RZ, "M": M}
-    pre = torch.addmm(X.reshape(n * T, G), H_prev, W.t()).view(n, T, G)
-    S = torch.sigmoid(pre)
-    S[..., 2 * H:3 * H] = tanh(pre[..., 2 * H:3 * H])
-    i, f, g, _ = S.chunk(4, dim=2)
-    IG = i * g
+    S = torch.addmm(X.reshape(n * T, G), H_prev, W.t()).view(n, T, G)  # pre-activations
+    i, f, g, o = S.chunk(4, dim=2)
+    for block in (i, f, o):
+        block.sigmoid_()
+    tanh(g, out=g)
     Cs = X.new_empty(n, T + 1, H)
     Cs[:, 0] = state[1]
-    cs, fs, igs = Cs.unbind(1), f.unbind(1), IG.unbind(1)
+    torch.mul(i, g, out=Cs[:, 1:])  # σ(i) tanh(g), then + σ(f) c_{t-1} step by step
+    cs, fs = Cs.unbind(1), f.unbind(1)
     for t in range(T):
-        torch.addcmul(igs[t], fs[t], cs[t], out=cs[t + 1])
+        cs[t + 1].addcmul_(fs[t], cs[t])
     return {"Hs": Hs, "Cs": Cs, "S": S, "TC": tanh(Cs[:, 1:])}
 
 
@@ -219,31 +220,35 @@ def rnn_backward(saved, W, keep, dOut, dhT, relu):
 
 
 def lstm_backward(saved, W, keep, dOut, dhT, dcT):
-    """(Ū = X̄ (n, T, 4H), h̄_0, c̄_0)."""
+    """(Ū = X̄ (n, T, 4H), h̄_0, c̄_0).
+
+    Ū's buffer first holds the factors ∂c/∂(i, f, g)_pre and ∂h/∂o_pre; step t multiplies
+    its block by c̄ and h̄_t in place (no separate buffers for the factors).
+    """
     S, TC, Cs = saved["S"], saved["TC"], saved["Cs"]
     n, T, G = S.shape
     i, f, g, o = S.chunk(4, dim=2)  # (n, T, H) each
     tanh_d, sigmoid_d = torch.ops.aten.tanh_backward, torch.ops.aten.sigmoid_backward
     A = tanh_d(o, TC)  # ∂h/∂c = σ(o) tanh'(c): fused kernels, one pass each
-    P = sigmoid_d(TC, o)  # ∂h/∂o_pre = tanh(c) σ'(o)
-    M = S.new_empty(n, T, 3, G // 4)  # ∂c/∂(i, f, g)_pre
-    sigmoid_d.grad_input(g, i, grad_input=M[:, :, 0])  # tanh(g) σ'(i)
-    sigmoid_d.grad_input(Cs[:, :T], f, grad_input=M[:, :, 1])  # c_{t-1} σ'(f)
-    tanh_d.grad_input(i, g, grad_input=M[:, :, 2])  # σ(i) tanh'(g)
-    k, pass_through = _masks(keep, S.dtype)
-    if k is not None:
-        A, P = A * k, P * k
     dU = S.new_empty(n, T, G)
     dU4 = dU.view(n, T, 4, G // 4)
+    sigmoid_d.grad_input(g, i, grad_input=dU4[:, :, 0])  # ∂c/∂i_pre = tanh(g) σ'(i)
+    sigmoid_d.grad_input(Cs[:, :T], f, grad_input=dU4[:, :, 1])  # ∂c/∂f_pre = c_{t-1} σ'(f)
+    tanh_d.grad_input(i, g, grad_input=dU4[:, :, 2])  # ∂c/∂g_pre = σ(i) tanh'(g)
+    sigmoid_d.grad_input(TC, o, grad_input=dU4[:, :, 3])  # ∂h/∂o_pre = tanh(c) σ'(o)
+    k, pass_through = _masks(keep, S.dtype)
+    if k is not None:
+        A = A * k
+        dU4[:, :, 3] *= k
     dUs, ifg, o_bar = dU.unbind(1), dU4[:, :, :3].unbind(1), dU4[:, :, 3].unbind(1)
-    As, Ps, Ms, fs, Gs = A.unbind(1), P.unbind(1), M.unbind(1), f.unbind(1), dOut.unbind(1)
+    As, fs, Gs = A.unbind(1), f.unbind(1), dOut.unbind(1)
     ks = k.unbind(1) if k is not None else None
     Ks = pass_through.unbind(1) if k is not None else None
     dh, dc = dhT + Gs[T - 1], dcT
     for t in range(T - 1, -1, -1):
         c_bar = torch.addcmul(dc if ks is None else dc * ks[t], dh, As[t])  # c̄
-        torch.mul(c_bar.unsqueeze(1), Ms[t], out=ifg[t])  # ū for i, f, g
-        torch.mul(dh, Ps[t], out=o_bar[t])  # ū for o
+        ifg[t].mul_(c_bar.unsqueeze(1))  # ū for i, f, g
+        o_bar[t].mul_(dh)  # ū for o
         dc_prev = c_bar * fs[t]  # c̄_{t-1} = c̄ ⊙ σ(f)
         if Ks is not None:
             dc_prev.addcmul_(dc, Ks[t])
@@ -260,22 +265,24 @@ def gru_backward(saved, W, keep, dOut, dhT):
     r, z = RZ.chunk(2, dim=2)
     tanh_d, sigmoid_d = torch.ops.aten.tanh_backward, torch.ops.aten.sigmoid_backward
     a = tanh_d(1 - z, M)  # ∂h/∂(m's pre-activation) = (1 - z) tanh'(m)
-    QU = U.new_empty(n, T, 3, H)  # (n, T, 3, H): ∂h/∂u for r, z, n
-    sigmoid_d.grad_input(a * U[..., 2 * H:], r, grad_input=QU[:, :, 0])  # a u_n σ'(r)
-    sigmoid_d.grad_input(Hs[:, :T] - M, z, grad_input=QU[:, :, 1])  # (h_{t-1} - m) σ'(z)
-    torch.mul(a, r, out=QU[:, :, 2])
+    dU = U.new_empty(n, T, G)  # first the factors ∂h/∂u for r, z, n; times h̄_t in the loop
+    dU4 = dU.view(n, T, 3, H)
+    sigmoid_d.grad_input(a * U[..., 2 * H:], r, grad_input=dU4[:, :, 0])  # a u_n σ'(r)
+    sigmoid_d.grad_input(Hs[:, :T] - M, z, grad_input=dU4[:, :, 1])  # (h_{t-1} - m) σ'(z)
+    torch.mul(a, r, out=dU4[:, :, 2])
     k, pass_through = _masks(keep, U.dtype)
     Z = z
     if k is not None:
-        QU, a, Z = QU * k.unsqueeze(2), a * k, torch.addcmul(pass_through, z, k)  # zk + 1 - k
-    dU, DH = U.new_empty(n, T, G), U.new_empty(n, T, H)  # DH: h̄_t for every t
-    dUs, dU4s, DHs = dU.unbind(1), dU.view(n, T, 3, H).unbind(1), DH.unbind(1)
-    QUs, Zs, Gs = QU.unbind(1), Z.unbind(1), dOut.unbind(1)
+        dU4 *= k.unsqueeze(2)
+        a, Z = a * k, torch.addcmul(pass_through, z, k)  # z k + 1 - k
+    DH = U.new_empty(n, T, H)  # h̄_t for every t
+    dUs, dU4s, DHs = dU.unbind(1), dU4.unbind(1), DH.unbind(1)
+    Zs, Gs = Z.unbind(1), dOut.unbind(1)
     torch.add(dhT, Gs[T - 1], out=DHs[T - 1])
     for t in range(T - 1, 0, -1):
-        torch.mul(DHs[t].unsqueeze(1), QUs[t], out=dU4s[t])  # ū_t
+        dU4s[t].mul_(DHs[t].unsqueeze(1))  # ū_t
         torch.addcmul(Gs[t - 1], DHs[t], Zs[t], out=DHs[t - 1]).addmm_(dUs[t], W)  # h̄_{t-1}
-    torch.mul(DHs[0].unsqueeze(1), QUs[0], out=dU4s[0])
+    dU4s[0].mul_(DHs[0].unsqueeze(1))
     dh0 = torch.addmm(DHs[0] * Zs[0], dUs[0], W)
     dX = torch.cat([dU[..., :2 * H], DH * a], dim=2)  # r, z as ū; n without the factor r
     return dU, dX, dh0
