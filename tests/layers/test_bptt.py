@@ -12,7 +12,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 from tests.helpers import assert_agree, mse_per_sample
 from tests.layers.wrappers import RNNModel, relative_error
-from workbench.layers import DPGRU, DPLSTM, DPRNN, bptt
+from workbench.layers import DPGRU, DPLSTM, DPRNN, bptt, bptt_forward
 
 KINDS = {
     "rnn_tanh": (DPRNN, {"nonlinearity": "tanh"}),
@@ -63,7 +63,7 @@ def initial_states(kind, LD, n, dtype=torch.float64):
 def forward_values(request, monkeypatch):
     """Forward values from torch's fused kernel (small n H) or from bptt's own loop."""
     if request.param == "loop":
-        monkeypatch.setattr(bptt, "KERNEL_MAX", 0)
+        monkeypatch.setattr(bptt_forward, "KERNEL_MAX", 0)
     return request.param
 
 
@@ -121,7 +121,8 @@ def test_float32_with_the_fast_tanh(kind):
     torch.manual_seed(0)
     dp = cls(16, 128, batch_first=True, **extra)
     x = torch.randn(96, 6, 16, requires_grad=True)
-    assert x.shape[0] * 128 > bptt.KERNEL_MAX and x.shape[0] * 128 >= bptt.FAST_TANH_MIN
+    nH = x.shape[0] * 128
+    assert nH > bptt_forward.KERNEL_MAX and nH >= bptt_forward.FAST_TANH_MIN
     fast = outputs_and_gradients(dp, x, None, "bptt")
     slow = outputs_and_gradients(dp, x, None, "autograd")
     for a, b in zip(fast, slow):  # float32: eps 1.2e-7, sums over ~1e3 terms
@@ -130,12 +131,12 @@ def test_float32_with_the_fast_tanh(kind):
 
 def test_fast_tanh_error_bound():
     x = torch.linspace(-20, 20, 100_001)
-    assert x.numel() >= bptt.FAST_TANH_MIN
-    assert (bptt.tanh(x) - torch.tanh(x.double())).abs().max() <= 3e-7
+    assert x.numel() >= bptt_forward.FAST_TANH_MIN
+    assert (bptt_forward.tanh(x) - torch.tanh(x.double())).abs().max() <= 3e-7
     small = torch.linspace(-1, 1, 101)  # below the threshold: torch.tanh itself
-    assert torch.equal(bptt.tanh(small), torch.tanh(small))
+    assert torch.equal(bptt_forward.tanh(small), torch.tanh(small))
     out = torch.empty_like(x)
-    assert bptt.tanh(x, out=out) is out
+    assert bptt_forward.tanh(x, out=out) is out
 
 
 def test_double_backward_raises_instead_of_a_wrong_answer():

@@ -20,8 +20,9 @@ where X̄, ū are the backprops of the parts' outputs. For W_hh, recurrence.py h
 the loop: one RecurrentProjection call per step (the engine sums T outer products), or one
 call on all T states (one bmm, like W_ih), at the price of a forward-only pass to learn the
 states first. ``recurrent_calls`` picks: ``"auto"`` (default) uses one call when something
-records the part (the einsum engine's hooks), else per-step calls, the fewest operations;
-``"per_step"`` / ``"one"`` force a form. Both compute the same function.
+records the part (the einsum engine's hooks), else none at all (bptt.py's backward gives W_hh
+its gradient directly; the autograd loops make per-step calls); ``"per_step"`` / ``"one"``
+force a form. All compute the same function.
 
 Hooks see the batch on dim 0 of every call: ``batch_first=False`` inputs are transposed on
 the way in (the results are per sample, (n, ...), either way), and a ``PackedSequence`` runs
@@ -35,9 +36,13 @@ share the Parameters). Supported: ``num_layers``, ``bidirectional``, ``batch_fir
 ``dropout`` between layers, ``bias``, initial states, unbatched and packed inputs. Not
 supported: LSTM ``proj_size`` (raises UnsupportedLayerError).
 
-Speed: the Python loop over time costs a few small ops per step where torch.nn runs one
-fused kernel; ``python -m workbench.bench dp_layers`` measures the price against torch.nn
-(the Opacus paper's Table 2 reports up to 11x on a GPU for its DP layers).
+Speed: the loop over time runs as ONE autograd node per layer and direction, with a
+hand-written backward through time (bptt.py): a few small ops per step instead of the ~15
+autograd nodes a step of recurrence.py's loops records; at small n H the forward values even
+come from torch.nn's fused kernel. ``backward_through_time = "autograd"`` switches back to those
+loops, the slow twin the tests compare with (and what runs under torch.func transforms and
+autocast). ``python -m workbench.bench dp_layers`` measures the price against torch.nn (the
+Opacus paper's Table 2 reports up to 11x on a GPU for its DP layers).
 
 Notation: n batch, T steps, d input size, H hidden size, G gate blocks (1 RNN, 3 GRU,
 4 LSTM), L layers, D directions.
