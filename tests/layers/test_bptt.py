@@ -1,13 +1,12 @@
 """The hand-written backpropagation through time (layers/bptt.py) against its slow twin, the
 autograd loops of recurrence.py (``backward_through_time="autograd"``): same outputs, final
 states and gradients (weights, inputs, initial states) in float64, for every cell and option,
-both ways of computing the forward values (torch's kernel, the loop), and both ports."""
+and both ports (W_hh's gradient directly, or through one recorded call)."""
 
 import itertools
 
 import pytest
 import torch
-from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 from tests.helpers import assert_agree, mse_per_sample
@@ -59,14 +58,6 @@ def initial_states(kind, LD, n, dtype=torch.float64):
     return (h0, c0) if kind == "lstm" else h0
 
 
-@pytest.fixture(params=["kernel", "loop"])
-def forward_values(request, monkeypatch):
-    """Forward values from torch's fused kernel (small n H) or from bptt's own loop."""
-    if request.param == "loop":
-        monkeypatch.setattr(bptt_forward, "KERNEL_MAX", 0)
-    return request.param
-
-
 OPTIONS = [dict(num_layers=L, bidirectional=bi, bias=bias, batch_first=bf)
            for L, bi, bias, bf in itertools.product((1, 2), (False, True), (True, False),
                                                     (True, False))]
@@ -75,7 +66,7 @@ OPTIONS = [dict(num_layers=L, bidirectional=bi, bias=bias, batch_first=bf)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(
     f"{k}={int(v)}" for k, v in o.items()))
-def test_bptt_equals_the_autograd_loops(kind, options, forward_values):
+def test_bptt_equals_the_autograd_loops(kind, options):
     dp = make(kind, **options)
     n, T = 3, 5
     shape = (n, T, d) if options["batch_first"] else (T, n, d)
@@ -86,7 +77,7 @@ def test_bptt_equals_the_autograd_loops(kind, options, forward_values):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_bptt_packed_sequences_and_dropout(kind, forward_values):
+def test_bptt_packed_sequences_and_dropout(kind):
     dp = make(kind, num_layers=2, bidirectional=True)
     x = torch.randn(4, 5, d, dtype=torch.float64, requires_grad=True)
     packed = pack_padded_sequence(x, torch.tensor([3, 5, 1, 3]), batch_first=True,
@@ -102,7 +93,7 @@ def test_bptt_packed_sequences_and_dropout(kind, forward_values):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_per_sample_gradients_through_both_ports(kind, forward_values):
+def test_per_sample_gradients_through_both_ports(kind):
     # einsum records the parts: the U port (hh called once on all states); vmap runs the
     # autograd loops (torch.func); micro-batching runs bptt's W port on each sample
     dp = make(kind, num_layers=2, bidirectional=True, batch_first=True)
@@ -116,13 +107,12 @@ def test_per_sample_gradients_through_both_ports(kind, forward_values):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_float32_with_the_fast_tanh(kind):
-    # n H above KERNEL_MAX (the loop) and tensors above FAST_TANH_MIN (tanh as 2σ(2x) - 1)
+    # per-step tensors above FAST_TANH_MIN: tanh as 2σ(2x) - 1
     cls, extra = KINDS[kind]
     torch.manual_seed(0)
     dp = cls(16, 128, batch_first=True, **extra)
     x = torch.randn(96, 6, 16, requires_grad=True)
-    nH = x.shape[0] * 128
-    assert nH > bptt_forward.KERNEL_MAX and nH >= bptt_forward.FAST_TANH_MIN
+    assert x.shape[0] * 128 >= bptt_forward.FAST_TANH_MIN
     fast = outputs_and_gradients(dp, x, None, "bptt")
     slow = outputs_and_gradients(dp, x, None, "autograd")
     for a, b in zip(fast, slow):  # float32: eps 1.2e-7, sums over ~1e3 terms
@@ -206,13 +196,3 @@ def graph_nodes(fn) -> set:
         seen.add(node)
         stack.extend(next_fn for next_fn, _ in node.next_functions)
     return seen
-
-
-def test_torch_weights_are_the_kernels_arguments():
-    dp = make("gru", bias=False)
-    assert [w is p for w, p in zip(dp._torch_weights("l0"),
-                                   (dp.weight_ih_l0, dp.weight_hh_l0))] == [True, True]
-    ref = nn.GRU(d, H, bias=False).double()
-    ref.load_state_dict(dp.state_dict())
-    x = torch.randn(4, 2, d, dtype=torch.float64)
-    assert relative_error(dp(x)[0], ref(x)[0]) <= 1e-12

@@ -44,8 +44,7 @@ Notation: n batch, T steps, H hidden size, G gate blocks, x̄ the gradient of Σ
 
 import torch
 
-from workbench.layers import bptt_forward
-from workbench.layers.bptt_forward import FORWARDS, kernel_forward
+from workbench.layers.bptt_forward import FORWARDS
 
 # --- backward loops: the sequential part of the chain rule -------------------------------
 
@@ -218,20 +217,14 @@ def fusable(*tensors) -> bool:
     return not any(wrapped(t) for t in tensors)
 
 
-def run_bptt(mode, X, hh, state, valid=None, one_call=False, x=None, weights=None):
+def run_bptt(mode, X, hh, state, valid=None, one_call=False):
     """Outputs (n, T, H) and the final state, like ``recurrence.run_per_step``, as one node.
 
     ``one_call``: the U port, with one (hooked) call of hh on all T states; else the W port.
-    ``x``, ``weights`` (see ``kernel_forward``): take the forward values from torch's fused
-    kernel when there is no mask; else the forward loop here computes them.
     """
     W, b = hh.weight, hh.bias
     with torch.no_grad():
-        small = X.shape[0] * hh.weight.shape[1] <= bptt_forward.KERNEL_MAX  # n H
-        if x is not None and valid is None and small:
-            saved = kernel_forward(mode, x, X, weights, W, b, state)
-        else:
-            saved = FORWARDS[mode](X, W, b, state, valid)
+        saved = FORWARDS[mode](X, W, b, state, valid)
     if one_call:
         U = hh(saved["Hs"][:, :-1])  # (n, T, G H) = H_prev W_hhᵀ (+ b_hh), one hooked call
         W, b = W.detach(), None  # a constant of the backward: W_hh's gradient comes via U

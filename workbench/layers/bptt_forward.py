@@ -1,19 +1,17 @@
-"""The forward values of the DP recurrent layers' loop, and what bptt.py's backward needs.
+"""The forward loop of the DP recurrent layers, without autograd: outputs, and what bptt.py's
+hand-written backward reads.
 
-``bptt.py`` runs the recurrence as one autograd node: its forward pass computes, without
-autograd, the outputs and the tensors the hand-written backward reads (gate activations, cell
-states). Two ways, same values:
+One step at a time from the input projections X (n, T, G H): one matrix product and a few
+elementwise ops a step (the cell equations are cells.py's), written into preallocated
+(n, T, ...) buffers: the states h_0..h_T (and c_0..c_T), the gate activations, tanh(c_t).
+A mask (packed sequences, sequences.py) keeps a finished sequence's state.
 
-- **the loop** (``FORWARDS``): one step at a time from the input projections X (n, T, G H),
-  one matrix product and a few elementwise ops a step; handles masks (packed sequences);
-- **torch's kernel** (``kernel_forward``): the states h_1..h_T from torch.nn's fused kernel
-  (``torch._VF.lstm`` etc., the one ``nn.LSTM`` runs), then the gates recomputed for all T
-  steps at once from H_prev = (h_0..h_{T-1}): one product, no per-step ops (LSTM's cell state
-  is a cheap recurrence, c_t = σ(f_t) c_{t-1} + σ(i_t) tanh(g_t), one op a step). Used for
-  unmasked input at small n H, where per-op overhead is the time.
+Measured alternative, not kept: the states from torch.nn's fused kernel (``torch._VF.lstm``)
+and the gates recomputed for all T at once cost as much as this loop (0.93x to 1.3x of it
+for a whole training step, 1-thread CPU, H = 64, n = 8 to 128), for a second code path.
 
-The cell equations are cells.py's. Notation: n batch, T steps, H hidden size, G gate blocks,
-h hidden state, c cell state, σ the logistic sigmoid.
+Notation: n batch, T steps, H hidden size, G gate blocks, h hidden state, c cell state,
+σ the logistic sigmoid.
 """
 
 import torch
@@ -101,51 +99,6 @@ def gru_forward(X, W, b, state, keep):
         else:
             torch.where(keep[:, t:t + 1], torch.lerp(m, hs[t], z), hs[t], out=hs[t + 1])
     return {"Hs": Hs, "U": U, "RZ": RZ, "M": M}
-
-
-# --- the same values from torch.nn's fused kernel (no masks) --------------------------------
-
-KERNEL_MAX = 64 * 64
-"""Use the kernel up to n H = KERNEL_MAX. It pays one more input projection (inside the
-kernel) and one recomputed product, and saves ~7 small ops a step: a gain where per-op
-overhead is the time (small n H), a loss where arithmetic is (measured on a 1-thread CPU:
-DPLSTM/DPGRU with H = 64 gain at n = 16, break even at n = 64, lose at n = 256)."""
-
-_KERNELS = {"RNN_TANH": torch._VF.rnn_tanh, "RNN_RELU": torch._VF.rnn_relu,
-            "LSTM": torch._VF.lstm, "GRU": torch._VF.gru}
-
-
-def kernel_forward(mode, x, X, weights, W, b, state):
-    """``FORWARDS[mode]``'s result for unmasked input, the states from torch's kernel.
-
-    x (n, T, d) the layer's input, X = ih(x); ``weights``: [W_ih, W_hh(, b_ih, b_hh)] in
-    torch.nn's order; W, b: the recurrent weight and GRU's b_hh, as in ``FORWARDS``.
-    """
-    n, T, G = X.shape
-    H = G // {"LSTM": 4, "GRU": 3}.get(mode, 1)
-    hx = tuple(s.unsqueeze(0) for s in state) if mode == "LSTM" else state[0].unsqueeze(0)
-    out = _KERNELS[mode](x, hx, weights, len(weights) == 4, 1, 0.0, False, False, True)[0]
-    Hs = torch.cat([state[0].unsqueeze(1), out], dim=1)  # (n, T+1, H)
-    if mode.startswith("RNN"):
-        return {"Hs": Hs}
-    H_prev = Hs[:, :T].reshape(n * T, H)
-    if mode == "GRU":
-        U = (torch.mm(H_prev, W.t()) if b is None else torch.addmm(b, H_prev, W.t())).view(n, T, G)
-        RZ = torch.sigmoid(X[..., :2 * H] + U[..., :2 * H])
-        M = tanh(torch.addcmul(X[..., 2 * H:], RZ[..., :H], U[..., 2 * H:]))
-        return {"Hs": Hs, "U": U, "RZ": RZ, "M": M}
-    S = torch.addmm(X.reshape(n * T, G), H_prev, W.t()).view(n, T, G)  # pre-activations
-    i, f, g, o = S.chunk(4, dim=2)
-    for block in (i, f, o):
-        block.sigmoid_()
-    tanh(g, out=g)
-    Cs = X.new_empty(n, T + 1, H)
-    Cs[:, 0] = state[1]
-    torch.mul(i, g, out=Cs[:, 1:])  # σ(i) tanh(g), then + σ(f) c_{t-1} step by step
-    cs, fs = Cs.unbind(1), f.unbind(1)
-    for t in range(T):
-        cs[t + 1].addcmul_(fs[t], cs[t])
-    return {"Hs": Hs, "Cs": Cs, "S": S, "TC": tanh(Cs[:, 1:])}
 
 
 FORWARDS = {

@@ -38,11 +38,11 @@ supported: LSTM ``proj_size`` (raises UnsupportedLayerError).
 
 Speed: the loop over time runs as ONE autograd node per layer and direction, with a
 hand-written backward through time (bptt.py): a few small ops per step instead of the ~15
-autograd nodes a step of recurrence.py's loops records; at small n H the forward values even
-come from torch.nn's fused kernel. ``backward_through_time = "autograd"`` switches back to those
-loops, the slow twin the tests compare with (and what runs under torch.func transforms and
-autocast). ``python -m workbench.bench dp_layers`` measures the price against torch.nn (the
-Opacus paper's Table 2 reports up to 11x on a GPU for its DP layers).
+autograd nodes a step of recurrence.py's loops records. ``backward_through_time =
+"autograd"`` switches back to those loops, the slow twin the tests compare with (and what
+runs under torch.func transforms and autocast). ``python -m workbench.bench dp_layers``
+measures the price against torch.nn (the Opacus paper's Table 2 reports up to 11x on a GPU
+for its DP layers).
 
 Notation: n batch, T steps, d input size, H hidden size, G gate blocks (1 RNN, 3 GRU,
 4 LSTM), L layers, D directions.
@@ -167,8 +167,7 @@ class DPRNNBase(PartsOwner):
         X = ih(x)  # (n, T, G H): the input projection of every step, one hooked call
         one = self._one_recurrent_call(hh)
         if self._hand_written_backward(hh, one, X, state):
-            out, state = run_bptt(self.mode, X, hh, state, valid, one_call=one, x=x,
-                                  weights=self._torch_weights(name))
+            out, state = run_bptt(self.mode, X, hh, state, valid, one_call=one)
         else:
             run = run_one_call if one else run_per_step
             out, state = run(self._step, X, hh, state, valid)  # (n, T, H), final state
@@ -181,12 +180,6 @@ class DPRNNBase(PartsOwner):
         if self.recurrent_calls == "auto":
             return bool(hh._forward_hooks)  # recorded, e.g. by wb.per_sample_gradients
         return self.recurrent_calls == "one"
-
-    def _torch_weights(self, name):
-        """[W_ih, W_hh(, b_ih, b_hh)] of layer and direction ``name``, as torch.nn's kernels
-        take them (e.g. ``torch._VF.lstm``)."""
-        kinds = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")[:4 if self.bias else 2]
-        return [getattr(self, f"{kind}_{name}") for kind in kinds]
 
     def _hand_written_backward(self, hh, one_call, X, state) -> bool:
         if self.backward_through_time not in ("bptt", "autograd"):
