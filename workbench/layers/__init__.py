@@ -11,8 +11,9 @@
 themselves, so the Linear samplers cover them.
 
 Files: parts.py (the hookable parts and their grad samplers, parameter sharing), cells.py (one
-time step of each cell), recurrence.py (the loop over time), sequences.py (packed and
-variable-length sequences), rnn.py and attention.py (the layers).
+time step of each cell), recurrence.py (the loop over time, recorded by autograd), bptt.py (the
+same loop as one autograd node with a hand-written backward, the default), sequences.py
+(packed and variable-length sequences), rnn.py and attention.py (the layers).
 
 Each is a drop-in: same constructor, forward, parameter names, shapes and initialisation, so
 ``state_dict`` loads both ways; ``DPLSTM.from_torch(lstm)`` and ``.to_torch()`` convert, and

@@ -25,6 +25,12 @@ Both forms are tested against each other and against micro-batching. ``DPRNNBase
 one-call form when something records the part (the einsum engine's forward hooks), else the
 per-step form; ``recurrent_calls`` on the layer forces either.
 
+These loops let autograd record every op of every step. By default the layers run the same
+recurrence as one autograd node with a hand-written backward (bptt.py, whose "U port" is the
+one-call form above); these loops are its slow twin, used with
+``backward_through_time = "autograd"``, under torch.func transforms and under autocast, and for
+per-step recorded calls (``recurrent_calls = "per_step"`` while recorded).
+
 Notation: n batch, T steps, H hidden size, G gate blocks, ū backprops of u.
 """
 

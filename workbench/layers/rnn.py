@@ -20,8 +20,9 @@ where X̄, ū are the backprops of the parts' outputs. For W_hh, recurrence.py h
 the loop: one RecurrentProjection call per step (the engine sums T outer products), or one
 call on all T states (one bmm, like W_ih), at the price of a forward-only pass to learn the
 states first. ``recurrent_calls`` picks: ``"auto"`` (default) uses one call when something
-records the part (the einsum engine's hooks), else per-step calls, the fewest operations;
-``"per_step"`` / ``"one"`` force a form. Both compute the same function.
+records the part (the einsum engine's hooks), else none at all (bptt.py's backward gives W_hh
+its gradient directly; the autograd loops make per-step calls); ``"per_step"`` / ``"one"``
+force a form. All compute the same function.
 
 Hooks see the batch on dim 0 of every call: ``batch_first=False`` inputs are transposed on
 the way in (the results are per sample, (n, ...), either way), and a ``PackedSequence`` runs
@@ -35,9 +36,13 @@ share the Parameters). Supported: ``num_layers``, ``bidirectional``, ``batch_fir
 ``dropout`` between layers, ``bias``, initial states, unbatched and packed inputs. Not
 supported: LSTM ``proj_size`` (raises UnsupportedLayerError).
 
-Speed: the Python loop over time costs a few small ops per step where torch.nn runs one
-fused kernel; ``python -m workbench.bench dp_layers`` measures the price against torch.nn
-(the Opacus paper's Table 2 reports up to 11x on a GPU for its DP layers).
+Speed: the loop over time runs as ONE autograd node per layer and direction, with a
+hand-written backward through time (bptt.py): a few small ops per step instead of the ~15
+autograd nodes a step of recurrence.py's loops records. ``backward_through_time =
+"autograd"`` switches back to those loops, the slow twin the tests compare with (and what
+runs under torch.func transforms and autocast). ``python -m workbench.bench dp_layers``
+measures the price against torch.nn (the Opacus paper's Table 2 reports up to 11x on a GPU
+for its DP layers).
 
 Notation: n batch, T steps, d input size, H hidden size, G gate blocks (1 RNN, 3 GRU,
 4 LSTM), L layers, D directions.
@@ -51,6 +56,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from workbench.errors import UnsupportedLayerError
+from workbench.layers.bptt import fusable, run_bptt
 from workbench.layers.cells import STEPS
 from workbench.layers.parts import (
     InputProjection,
@@ -97,6 +103,7 @@ class DPRNNBase(PartsOwner):
                 self.parts[f"hh_{name}"] = RecurrentProjection(
                     self, weight=f"weight_hh_{name}", bias=b_hh if gru else "")
         self.recurrent_calls = "auto"  # "auto" | "per_step" | "one": see the module docstring
+        self.backward_through_time = "bptt"  # "bptt" | "autograd": see the module docstring
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -158,8 +165,12 @@ class DPRNNBase(PartsOwner):
         if direction:
             x = reverse_padded(x, lengths)  # read each sequence from its last token
         X = ih(x)  # (n, T, G H): the input projection of every step, one hooked call
-        run = run_one_call if self._one_recurrent_call(hh) else run_per_step
-        out, state = run(self._step, X, hh, state, valid)  # (n, T, H), final state
+        one = self._one_recurrent_call(hh)
+        if self._hand_written_backward(hh, one, X, state):
+            out, state = run_bptt(self.mode, X, hh, state, valid, one_call=one)
+        else:
+            run = run_one_call if one else run_per_step
+            out, state = run(self._step, X, hh, state, valid)  # (n, T, H), final state
         return (reverse_padded(out, lengths) if direction else out), state
 
     def _one_recurrent_call(self, hh) -> bool:
@@ -169,6 +180,15 @@ class DPRNNBase(PartsOwner):
         if self.recurrent_calls == "auto":
             return bool(hh._forward_hooks)  # recorded, e.g. by wb.per_sample_gradients
         return self.recurrent_calls == "one"
+
+    def _hand_written_backward(self, hh, one_call, X, state) -> bool:
+        if self.backward_through_time not in ("bptt", "autograd"):
+            raise ValueError(f"{type(self).__name__}.backward_through_time must be 'bptt' or "
+                             f"'autograd'; got {self.backward_through_time!r}")
+        if self.backward_through_time == "autograd":
+            return False
+        per_step_recorded = not one_call and bool(hh._forward_hooks)  # T hooked calls
+        return not per_step_recorded and fusable(X, hh.weight, *state)
 
     def _initial_states(self, hx, n, x, batched):
         """[(h0,) or (h0, c0)] per layer and direction, each tensor (n, H)."""
