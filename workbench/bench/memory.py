@@ -69,6 +69,7 @@ from workbench.clipping.ghost import record
 from workbench.clipping.routes import layer_route
 from workbench.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention
 from workbench.models import RNNOutput, SelfAttention
+from workbench.per_sample.memory import pooling
 
 MODES = ("plain", "einsum", "ghost", "bookkeeping")
 DP_MODES = MODES[1:]
@@ -185,8 +186,15 @@ def peak_bytes(fn, device: torch.device, resident: int) -> int:
     ``tensor_bytes(layer, x, t)``: parameters, buffers, inputs, labels). What the call adds:
     on CUDA ``max_memory_allocated`` after ``reset_peak_memory_stats``, minus what was
     allocated before (so other tensors on the device do not count); on CPU the profiler's
-    peak of allocations minus frees during the call.
+    peak of allocations minus frees during the call. CPU buffer reuse is off while ``fn``
+    runs (``per_sample.memory.pooling``): a buffer cached by an earlier call would otherwise
+    not count as allocated, and the peak would hide it.
     """
+    with pooling(False):
+        return _peak_bytes(fn, device, resident)
+
+
+def _peak_bytes(fn, device, resident):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
