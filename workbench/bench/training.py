@@ -3,7 +3,9 @@
 One optimizer step of the ordinary loop (zero_grad, forward, backward, step) on a digits
 batch, plain SGD against the PrivacyEngine's DPOptimizer in every grad_sample_mode
 (interleaved medians). The DP step includes per-sample clipping, the noise draw and the
-accountant's bookkeeping of the step.
+accountant's bookkeeping of the step. ``auto`` is make_private's default (``clipping/auto.py``:
+einsum or book-keeping by a rule on the recorded layers); ``auto_chose`` says which it ran.
+Zoo models (``--models imdb_embedding ...``) step on ``models.example_batch``.
 """
 
 import pandas as pd
@@ -12,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import workbench as wb
+from workbench import models
 from workbench.bench.timing import (
     benchmark_parser,
     device_name,
@@ -19,6 +22,9 @@ from workbench.bench.timing import (
     time_interleaved,
 )
 from workbench.dpsgd import MODES
+
+CANDIDATES = (*MODES, "auto")
+DIGITS = ("digits_mlp", "digits_cnn")
 
 
 def step_fn(model, optimizer, x, y):
@@ -32,17 +38,21 @@ def step_fn(model, optimizer, x, y):
     return step
 
 
-def bench(model_name, b, repeats, device):
-    train_set, _ = wb.data.load_digits()
-    x, y = (t[:b].to(device) for t in train_set.tensors)
+def bench(model_name, b, repeats, device, modes=CANDIDATES):
+    if model_name in DIGITS:
+        train_set, _ = wb.data.load_digits()
+        x, y = (t[:b].to(device) for t in train_set.tensors)
+    else:
+        x, y = (t.to(device) for t in models.example_batch(
+            model_name, b, generator=torch.Generator().manual_seed(0)))
     candidates = {}
     torch.manual_seed(0)
-    plain = getattr(wb.models, model_name)().to(device)
+    plain = models.make_model(model_name).to(device)
     candidates["plain"] = step_fn(plain, torch.optim.SGD(plain.parameters(), lr=0.01), x, y)
     optimizers = []
-    for mode in MODES:
+    for mode in modes:
         torch.manual_seed(0)
-        model = getattr(wb.models, model_name)().to(device)
+        model = models.make_model(model_name).to(device)
         loader = DataLoader(TensorDataset(x, y), batch_size=b)
         _, opt, _ = wb.PrivacyEngine().make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
@@ -53,17 +63,19 @@ def bench(model_name, b, repeats, device):
     for opt in optimizers:
         opt.detach()
     row = {"model": model_name, "batch_size": b, "plain_ms": times["plain"] * 1e3}
-    row.update({f"{m}/plain": times[m] / times["plain"] for m in MODES})
+    row.update({f"{m}/plain": times[m] / times["plain"] for m in modes})
+    if "auto" in modes:
+        row["auto_chose"] = optimizers[list(modes).index("auto")].last.get("mode")
     return row
 
 
 def main(argv=None):
     parser = benchmark_parser("training", __doc__, batch_sizes=(64, 256))
-    parser.add_argument("--models", nargs="+", default=["digits_mlp", "digits_cnn"],
-                        choices=["digits_mlp", "digits_cnn"])
+    parser.add_argument("--models", nargs="+", default=list(DIGITS), choices=list(models.ZOO))
+    parser.add_argument("--modes", nargs="+", default=list(CANDIDATES), choices=CANDIDATES)
     args = parse_benchmark_args(parser, argv)
     device = torch.device(args.device)
-    table = pd.DataFrame([bench(m, b, args.repeats, device)
+    table = pd.DataFrame([bench(m, b, args.repeats, device, args.modes)
                           for m in args.models for b in args.batch_sizes])
     table["device"] = device_name(device)
     args.out.parent.mkdir(parents=True, exist_ok=True)
