@@ -12,16 +12,22 @@ what they pay beyond the ordinary backward pass, per layer call of n samples:
   Linear "materialise" routes, layers with no norm sampler) are materialised in both modes.
 
 So book-keeping saves the materialisation of the cheaply normed layers and spends a second
-weight gradient on them. The rule, per recorded batch:
+weight gradient (and, in the optimizer, a re-run of the layer's forward) on them. Which costs
+more is a matter of memory against arithmetic; the rule, per recorded batch, is
 
     avoided = Σ_{cheaply normed calls} n·P        materialised = Σ_{all calls} n·P
-    "bookkeeping" if avoided >= SHARE · materialised, else "einsum"
+    "bookkeeping" if avoided >= SHARE · materialised and avoided · bytes >= BYTES,
+    else "einsum"
 
-i.e. book-keeping when it avoids most of what einsum would write (SHARE = 1/2). Measured on
-the zoo (``python -m workbench.bench training --models ...``, CPU): the embedding models
-(whose Embedding(V, d) per-sample gradient is n·V·d numbers against n·T·d inputs) and the
-large-Linear CIFAR-10 CNN go to book-keeping; the MNIST CNN (conv layers, which
-materialise in both modes) and the LSTM (parameters shared over T steps) go to einsum.
+SHARE = 1/2: book-keeping must avoid most of what einsum writes; BYTES = 32 MiB, about a
+last-level CPU cache: per-sample gradients smaller than that are written and read back from
+cache, faster than book-keeping's extra weight gradients. Calibrated on the zoo's optimizer
+step (2-core AMD EPYC, 32 MiB L3; ``python -m workbench.bench training --models ...``,
+b = 64 and 256, noisy shared machine): the MNIST CNN (6-25 MB avoided) runs faster in einsum
+(2.0-2.1x plain against 2.7-3.7x); the IMDb embedding model (41-164 MB, an Embedding(V, d)
+whose per-sample gradient is n·V·d numbers against n·T·d inputs) in book-keeping (3.9-4.3x
+against 8.8-8.9x); the CIFAR-10 CNN (138-553 MB) and the IMDb LSTM (256 MB-1 GB) were within
+the machine's noise of a tie. Both modes are exact, so the rule only ever costs time.
 ``choose_mode`` returns the choice and the numbers behind it, and ``DPOptimizer.last["mode"]``
 keeps it for every step.
 
@@ -34,6 +40,7 @@ from workbench.clipping.registry import NORM_ROUTES, find_norm_sampler
 from workbench.per_sample.recording import own_parameters
 
 SHARE = 0.5
+BYTES = 32 * 2**20
 MATERIALISING_ROUTES = ("materialise", "materialise (shared)", "exact fallback")
 
 
@@ -49,7 +56,8 @@ def cheaply_normed(rec, layer, call, shared: set[int]) -> bool:
 
 
 def choose_mode(rec) -> tuple[str, dict]:
-    """("einsum" or "bookkeeping", {"avoided": ..., "materialised": ...}) for a recording."""
+    """("einsum" or "bookkeeping", {"avoided": n·P, "materialised": n·P, "avoided_bytes"})
+    for a recording."""
     shared = rec.shared_ids()
     avoided = materialised = 0
     for _, layer, call in rec.calls():
@@ -57,5 +65,7 @@ def choose_mode(rec) -> tuple[str, dict]:
         materialised += size
         if size and cheaply_normed(rec, layer, call, shared):
             avoided += size
-    mode = "bookkeeping" if materialised and avoided >= SHARE * materialised else "einsum"
-    return mode, {"avoided": avoided, "materialised": materialised}
+    nbytes = avoided * rec.dtype.itemsize
+    big = materialised and avoided >= SHARE * materialised and nbytes >= BYTES
+    return ("bookkeeping" if big else "einsum"), {
+        "avoided": avoided, "materialised": materialised, "avoided_bytes": nbytes}
