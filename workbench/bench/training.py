@@ -5,7 +5,8 @@ batch, plain SGD against the PrivacyEngine's DPOptimizer in every grad_sample_mo
 (interleaved medians). The DP step includes per-sample clipping, the noise draw and the
 accountant's bookkeeping of the step. ``auto`` is make_private's default (``clipping/auto.py``:
 einsum or book-keeping by a rule on the recorded layers); ``auto_chose`` says which it ran.
-Zoo models (``--models imdb_embedding ...``) step on ``models.example_batch``.
+Zoo models (``--models imdb_embedding ...``) step on ``models.example_batch``. ``--opacus hooks
+ghost`` adds Opacus' own loop in those modes (``bench.opacus_twin``), same model and batch.
 """
 
 import pandas as pd
@@ -15,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import workbench as wb
 from workbench import models
+from workbench.bench import opacus_twin
 from workbench.bench.timing import (
     benchmark_parser,
     device_name,
@@ -38,7 +40,7 @@ def step_fn(model, optimizer, x, y):
     return step
 
 
-def bench(model_name, b, repeats, device, modes=CANDIDATES):
+def bench(model_name, b, repeats, device, modes=CANDIDATES, opacus=()):
     if model_name in DIGITS:
         train_set, _ = wb.data.load_digits()
         x, y = (t[:b].to(device) for t in train_set.tensors)
@@ -59,11 +61,16 @@ def bench(model_name, b, repeats, device, modes=CANDIDATES):
             data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode=mode)
         candidates[mode] = step_fn(model, opt, x, y)
         optimizers.append(opt)
+    for mode in opacus:  # Opacus' own loop on the same model and batch
+        torch.manual_seed(0)
+        candidates[f"opacus_{mode}"] = opacus_twin.opacus_training_step(
+            lambda: models.make_model(model_name).to(device), x, y, mode)
     times = time_interleaved(candidates, device, repeats=repeats)
     for opt in optimizers:
         opt.detach()
     row = {"model": model_name, "batch_size": b, "plain_ms": times["plain"] * 1e3}
     row.update({f"{m}/plain": times[m] / times["plain"] for m in modes})
+    row.update({f"opacus_{m}/plain": times[f"opacus_{m}"] / times["plain"] for m in opacus})
     if "auto" in modes:
         row["auto_chose"] = optimizers[list(modes).index("auto")].last.get("mode")
     return row
@@ -73,9 +80,11 @@ def main(argv=None):
     parser = benchmark_parser("training", __doc__, batch_sizes=(64, 256))
     parser.add_argument("--models", nargs="+", default=list(DIGITS), choices=list(models.ZOO))
     parser.add_argument("--modes", nargs="+", default=list(CANDIDATES), choices=CANDIDATES)
+    parser.add_argument("--opacus", nargs="*", default=[], choices=opacus_twin.OPACUS_MODES,
+                        help="also time Opacus' own loop in these grad_sample_modes")
     args = parse_benchmark_args(parser, argv)
     device = torch.device(args.device)
-    table = pd.DataFrame([bench(m, b, args.repeats, device, args.modes)
+    table = pd.DataFrame([bench(m, b, args.repeats, device, args.modes, args.opacus)
                           for m in args.models for b in args.batch_sizes])
     table["device"] = device_name(device)
     args.out.parent.mkdir(parents=True, exist_ok=True)
