@@ -21,13 +21,17 @@ more is a matter of memory against arithmetic; the rule, per recorded batch, is
 
 SHARE = 1/2: book-keeping must avoid most of what einsum writes; BYTES = 32 MiB, about a
 last-level CPU cache: per-sample gradients smaller than that are written and read back from
-cache, faster than book-keeping's extra weight gradients. Calibrated on the zoo's optimizer
-step (2-core AMD EPYC, 32 MiB L3; ``python -m workbench.bench training --models ...``,
-b = 64 and 256, noisy shared machine): the MNIST CNN (6-25 MB avoided) runs faster in einsum
-(2.0-2.1x plain against 2.7-3.7x); the IMDb embedding model (41-164 MB, an Embedding(V, d)
-whose per-sample gradient is n·V·d numbers against n·T·d inputs) in book-keeping (3.9-4.3x
-against 8.8-8.9x); the CIFAR-10 CNN (138-553 MB) and the IMDb LSTM (256 MB-1 GB) were within
-the machine's noise of a tie. Both modes are exact, so the rule only ever costs time.
+cache, faster than book-keeping's extra weight gradients (in the optimizer also a re-run of
+each layer's forward, since the user's backward has freed the graph). Calibrated on the zoo's
+optimizer step (``python -m workbench.bench training --models mnist_cnn cifar10_cnn
+imdb_embedding imdb_lstm --modes einsum bookkeeping auto``; 2-core AMD EPYC, 32 MiB L3, a
+noisy shared machine, b = 64 and 256): the MNIST CNN (6-25 MB avoided) is faster in einsum
+(1.8-2.0x plain against 2.0-2.3x); the IMDb embedding model (41-164 MB; an Embedding(V, d)
+has n·V·d per-sample numbers against n·T·d inputs) in book-keeping (3.7-4.4x against
+6.2-8.9x); the CIFAR-10 CNN (138-553 MB) was a tie within the noise. Known miss: the IMDb
+LSTM (256 MB-1 GB avoided, all in its Embedding) gets book-keeping, but einsum was 15-20%
+faster in 4 of 5 measurements: its LSTM parts are materialised in both modes and book-keeping
+re-runs them over T = 256 steps. Both modes are exact, so the rule only ever costs time.
 ``choose_mode`` returns the choice and the numbers behind it, and ``DPOptimizer.last["mode"]``
 keeps it for every step.
 
