@@ -29,9 +29,11 @@ that no tensor, view or storage object other than the pool's own still points at
 the user keeps (or any view of it, a numpy array over it, an autograd graph that saved it) is
 never written again; the next request then gets fresh memory. ``zeros_per_sample`` zeroes a
 reused buffer in full (whatever its last holder wrote), a memset of warm memory.
-Measured here (Embedding(20000, 64), n = 256, T = 32, 1.3 GB; ``bench layers``): fresh
-memory took 0.3-1.8 s per call depending on the machine's load (kernel page faults), a
-reused buffer ~0.1-0.2 s.
+Measured here (``wb.per_sample_gradients`` of Embedding(20000, 64), n = 256, T = 32, 1.3 GB,
+2-core CPU): with other jobs loading the machine (load ~9), fresh and reused interleaved in
+one process, fresh memory took a median 3.5 s (min 2.6 s) a call, a reused buffer 0.84 s
+(min 0.24 s); quiet, fresh ~0.32 s and reused ~0.18 s. Page faults, not arithmetic, are
+what a loaded machine slows down most.
 The pool holds at most ``POOL_BYTES`` (env ``WORKBENCH_POOL_BYTES``, default 2 GiB; 0 turns
 reuse off), least recently used buffers go first, ``release_pool()`` frees it all, and
 ``pooling(False)`` turns it off for a block (the memory benchmarks measure peaks that way, so
