@@ -1,4 +1,5 @@
 import pandas as pd
+import pytest
 
 from workbench.bench.__main__ import main
 
@@ -9,3 +10,13 @@ def test_training_benchmark_writes_csv(tmp_path):
           "--out", str(out)])
     table = pd.read_csv(out)
     assert {"plain_ms", "einsum/plain", "ghost/plain", "bookkeeping/plain"} <= set(table)
+
+
+def test_training_benchmark_zoo_model_auto_and_opacus(tmp_path):
+    pytest.importorskip("opacus")
+    out = tmp_path / "training.csv"
+    main(["training", "--models", "imdb_embedding", "--batch-sizes", "4", "--repeats", "1",
+          "--modes", "einsum", "auto", "--opacus", "hooks", "--out", str(out)])
+    table = pd.read_csv(out)
+    assert {"einsum/plain", "auto/plain", "opacus_hooks/plain"} <= set(table)
+    assert table["auto_chose"][0] in ("einsum", "bookkeeping")

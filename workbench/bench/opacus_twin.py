@@ -63,3 +63,40 @@ def gsm_step(module: nn.Module, loss_fn, x, t):
         clear()
 
     return step
+
+
+OPACUS_MODES = ("hooks", "ghost")  # Opacus' per-sample and fast-gradient-clipping modes
+
+
+def opacus_training_step(make_model, x, y, mode: str, lr: float = 0.01):
+    """A callable: one step of Opacus' own private training loop (its PrivacyEngine in
+    ``grad_sample_mode=mode``, noise_multiplier 1, C = 1) on the fixed batch (x, y).
+
+    ``mode="ghost"`` is Opacus' fast gradient clipping: its loss wrapper runs the two backward
+    passes (seed 004, the Opacus blog on ghost clipping). The model is a fresh copy.
+    """
+    import torch
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    loader = DataLoader(TensorDataset(x, y), batch_size=len(x))
+    criterion = nn.CrossEntropyLoss()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        made = PrivacyEngine().make_private(
+            module=model, optimizer=optimizer, criterion=criterion, data_loader=loader,
+            noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode=mode,
+            poisson_sampling=False)
+    model, optimizer = made[0], made[1]
+    criterion = made[2] if mode == "ghost" else criterion
+
+    def step():
+        optimizer.zero_grad()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            criterion(model(x), y).backward()
+        optimizer.step()
+
+    return step

@@ -35,6 +35,8 @@ import sys
 import torch
 from torch import nn
 
+from workbench.per_sample.memory import pooling
+
 CANARY_BYTES = 3 * 2**20 + 4096  # an allocation size no step here happens to make first
 
 
@@ -103,8 +105,15 @@ def peak_bytes(fn, device: torch.device, resident: int) -> int:
     ``resident`` is what the step needs live before it starts (e.g.
     ``tensor_bytes(layer, x, t)``). What the call adds: on CUDA ``max_memory_allocated`` after
     ``reset_peak_memory_stats``, minus what was allocated before; on CPU the profiler's peak
-    of allocations minus frees during the call (the module docstring says how, and why).
+    of allocations minus frees during the call (the module docstring says how, and why). CPU
+    buffer reuse is off while ``fn`` runs (``per_sample.memory.pooling``): a buffer cached by an
+    earlier call would otherwise not count as allocated, and the peak would hide it.
     """
+    with pooling(False):
+        return _peak_bytes(fn, device, resident)
+
+
+def _peak_bytes(fn, device, resident):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)

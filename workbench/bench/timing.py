@@ -63,8 +63,9 @@ def copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, repeats: int
                    fresh: bool = True) -> float:
     """Bytes per second of copying a ``nbytes`` float32 buffer (median of ``repeats``).
 
-    ``fresh=True``: into a newly allocated destination each time, allocated the way the
-    workbench allocates per-sample tensors (``per_sample.memory.empty_per_sample``);
+    ``fresh=True``: into a destination requested anew each time, the way the workbench
+    allocates per-sample tensors (``per_sample.memory.empty_per_sample``: a large one is a
+    reused pool buffer unless reuse is off, so the floor is what the workbench pays);
     ``fresh=False``: into one destination reused across copies.
     """
     src = torch.ones(nbytes // 4, device=device)

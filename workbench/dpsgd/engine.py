@@ -86,7 +86,7 @@ class PrivacyEngine:
         self.sampler = None  # "poisson" or "shuffle" (poisson_sampling=False)
 
     def make_private(self, *, module, optimizer, data_loader, noise_multiplier, max_grad_norm,
-                     grad_sample_mode="einsum", poisson_sampling=True, loss_reduction="mean",
+                     grad_sample_mode="auto", poisson_sampling=True, loss_reduction="mean",
                      criterion=None, noise_generator=None, sampling_generator=None,
                      max_physical_batch_size=None,
                      all_reduce_timeout_minutes=distributed.DEFAULT_TIMEOUT_MINUTES):
@@ -96,6 +96,10 @@ class PrivacyEngine:
         equal ``loss_reduction``. Without it nothing checks that, nor that the loss is this
         criterion at all: a loop whose loss is a sum when ``loss_reduction="mean"`` (or the
         reverse) scales every per-sample gradient by n (or 1/n) before clipping.
+        ``grad_sample_mode``: one of ``wb.dpsgd.MODES``, or ``"auto"`` (the default): einsum or
+        book-keeping, whichever the rule of ``clipping/auto.py`` expects to be faster for the
+        recorded layers of each batch (``optimizer.last["mode"]`` says which ran); every mode
+        gives the same clipped sums.
         ``all_reduce_timeout_minutes``: under torch.distributed, how long a rank waits for the
         others in the noise all-reduce before ``CollectiveTimeoutError`` (``distributed.py``).
         """

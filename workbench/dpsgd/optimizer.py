@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from workbench.checks import check_max_grad_norm, check_noise_multiplier, check_positive
+from workbench.clipping.auto import choose_mode
 from workbench.clipping.engine import MODES, clipped_sum
 from workbench.dpsgd.distributed import DEFAULT_TIMEOUT_MINUTES, all_reduce
 from workbench.dpsgd.privatise import gaussian_noise
@@ -53,10 +54,11 @@ class DPOptimizer(Optimizer):
 
     def __init__(self, optimizer: Optimizer, model: torch.nn.Module, *, noise_multiplier: float,
                  max_grad_norm: float, expected_batch_size: float,
-                 grad_sample_mode: str = "einsum", loss_reduction: str = "mean",
+                 grad_sample_mode: str = "auto", loss_reduction: str = "mean",
                  generator: torch.Generator | None = None, on_step=None):
-        if grad_sample_mode not in MODES:
-            raise ValueError(f"grad_sample_mode must be one of {MODES}; got {grad_sample_mode!r}")
+        if grad_sample_mode not in (*MODES, "auto"):
+            raise ValueError(f"grad_sample_mode must be one of {(*MODES, 'auto')}; got "
+                             f"{grad_sample_mode!r}")
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' (criterion averages over the batch)"
                              f" or 'sum'; got {loss_reduction!r}")
@@ -149,13 +151,16 @@ class DPOptimizer(Optimizer):
         since the last step is a batch of its own samples, clipped one by one."""
         C, group_of = self._clip_spec()
         verify = self.verify in ("first", "next", "always")
-        norms, factors = [], []
+        norms, factors, modes = [], [], []
         with self.recorder.paused():  # the samplers may call the layers themselves
             for rec, exact in self.recorder.batches(self.loss_reduction, verify):
                 if rec.n == 0:
                     continue
-                sums, norm, c = clipped_sum(rec, C, self.grad_sample_mode, group_of,
-                                            exact=exact)
+                mode = self.grad_sample_mode
+                if mode == "auto":  # einsum or book-keeping, by clipping/auto.py's rule
+                    mode = choose_mode(rec)[0]
+                modes.append(mode)
+                sums, norm, c = clipped_sum(rec, C, mode, group_of, exact=exact)
                 self.recorder.verify(rec, norm)
                 for key, s in sums.items():
                     self._sums[key] = s if key not in self._sums else self._sums[key] + s
@@ -164,7 +169,8 @@ class DPOptimizer(Optimizer):
         if verify and self.verify != "always":
             self.verify = False
         self.last = {"norms": torch.cat(norms) if norms else torch.zeros(0),
-                     "clip_factors": torch.cat(factors) if factors else torch.zeros(0)}
+                     "clip_factors": torch.cat(factors) if factors else torch.zeros(0),
+                     "mode": modes[-1] if modes else None}  # the mode "auto" chose
         self.recorder.clear()
 
     def privatise(self) -> None:
