@@ -133,6 +133,22 @@ def test_wrong_keys_and_shapes_fail():
     assert "shape (6, 144), expected (6, 16, 1, 3, 3)" in errors["flat"]
 
 
+def test_a_parameter_with_the_wrong_number_of_rows_fails_alone():
+    """Opacus' grad_sample of wpe(arange(T)) has T rows, not n: that parameter's row says so,
+    and the others are still judged (the norms over all parameters cannot be formed)."""
+    model, x, y = digits_cnn()
+
+    def rows(model, loss_fn, inputs, targets):
+        grads = wb.per_sample_gradients(model, loss_fn, inputs, targets, method="vmap")
+        return {**grads, "fc1.bias": grads["fc1.bias"][:4]}
+
+    table = audit.audit_gradients(model, LOSS, x, y, methods=(), providers={"rows": rows}).table
+    bad = table[~table["passed"]]
+    assert list(bad["parameter"]) == ["fc1.bias"] and "shape (4, 10), expected (6, 10)" in \
+        bad["error"].iloc[0]
+    assert table["passed"].sum() == len(table) - 1
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(methods=("einsum", "magic")), "magic.*valid choices"),
     (dict(reference="ghost"), "reference must be one of"),

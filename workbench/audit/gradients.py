@@ -166,7 +166,9 @@ def _audit_per_sample(method, grads, ref, layers, tol):
     missing = sorted(set(ref) - set(grads))
     if missing:
         return [_failed_row(method, f"missing parameters {missing}", tol)], None
-    norm_err = relative_error(grad_norms({k: grads[k] for k in ref}), grad_norms(ref))
+    rows_match = all(grads[k].shape[:1] == r.shape[:1] for k, r in ref.items())
+    norm_err = relative_error(grad_norms({k: grads[k] for k in ref}), grad_norms(ref)) \
+        if rows_match else float("nan")  # a wrong number of rows: no per-sample norm
     floor = model_floor(ref)
     rows, per_sample = [], []
     for name, r in ref.items():

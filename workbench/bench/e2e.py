@@ -89,9 +89,16 @@ def report(table: pd.DataFrame) -> str:
     """What ``main`` prints: plain in ms, the other candidates as multiples of plain."""
     ratios = [c for c in table.columns if c.endswith(("/plain", "/lora_plain"))]
     shown = table[["model", "batch_size", "plain_ms", *ratios]]
-    return (f"device: {table['device'][0]}   torch {torch.__version__}   "
+    text = (f"device: {table['device'][0]}   torch {torch.__version__}   "
             f"(plain in ms, the others as multiples of plain)\n"
             + shown.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    audits = [c for c in table.columns if c.endswith(("_audit", "_worst"))]
+    if audits:  # the tiny_gpt rows: per-sample gradients against micro-batching (float64)
+        rows = table.dropna(subset=audits, how="all")[["model", *audits]]
+        text += "\nper-sample gradients vs micro-batching (float64):\n" + "\n".join(
+            f"  {r['model']} {c.removesuffix('_audit')}: {r[c]}, worst {r[c[:-6] + '_worst']}"
+            for _, r in rows.iterrows() for c in audits if c.endswith("_audit"))
+    return text
 
 
 def main(argv=None):

@@ -18,6 +18,11 @@ transformer? At batch b and length T, one row measures side by side (interleaved
   float64): its hooks never see the tied head ``F.linear(h, E)``, so E's misses the head's
   part (relative error 0.79 on a 1-layer model), and ``wpe(arange(T))``'s ``grad_sample`` has
   T rows, not n. Its time is a lower bound for what a correct hook engine could cost.
+- ``<method>_audit`` and ``<method>_worst`` (``audit_columns``): whether each method's
+  per-sample gradients (ghost and book-keeping: norms and clipped sums) are right for this
+  model, by ``wb.audit.audit_gradients`` against micro-batching in float64 on a small batch,
+  and the parameter with the largest relative error; ``opacus_audit`` the same for Opacus'
+  hooks (failed: wte.weight off by O(1), wpe.weight with T rows).
 
 A method that raises on this model is left out of the row and named in its ``failed``
 column, never timed silently.
@@ -26,6 +31,7 @@ Notation: b batch, T sequence length, C max_grad_norm.
 """
 
 import copy
+import warnings
 
 import torch
 
@@ -77,11 +83,52 @@ def runnable(fns: dict) -> tuple[dict, list[str]]:
     return ok, failed
 
 
+AUDIT_BATCH, AUDIT_LEN = 4, 16  # n != T: a positional embedding's T rows cannot pass as n
+
+
+def audit_columns(model, methods, T: int = AUDIT_LEN, seed: int = 1) -> dict:
+    """``<method>_audit``: "passed" or "failed", and ``<method>_worst``: the parameter with
+    the largest relative error and that error (or the error raised), for each workbench
+    method and, where it is installed, Opacus' hooks (``opacus_audit``). One
+    ``wb.audit.audit_gradients`` run against micro-batching, float64, on a copy of ``model``
+    at n = AUDIT_BATCH and ``T`` tokens (at most the model's block size): a few seconds,
+    once per model size."""
+    from workbench.audit.providers import opacus_provider
+
+    gen = torch.Generator().manual_seed(seed)
+    x, y = (torch.randint(0, VOCAB, (AUDIT_BATCH, T), generator=gen) for _ in range(2))
+    providers = {"opacus": opacus_provider("hooks")} if opacus_twin.available() else {}
+    with warnings.catch_warnings():  # Opacus: "Full backward hook is firing ..." (no input grad)
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        table = wb.audit.audit_gradients(model, sequence_cross_entropy, x, y,
+                                         methods=tuple(methods), providers=providers).table
+    columns = {}
+    for method, rows in table.groupby("method", sort=False):
+        errors = rows[["max_rel_error", "norm_rel_error"]].max(axis=1, skipna=True)
+        worst = rows.loc[errors.idxmax()] if errors.notna().any() else rows.iloc[0]
+        if rows["passed"].all():
+            columns[f"{method}_audit"] = "passed"
+        else:
+            columns[f"{method}_audit"] = "failed"
+            failed = rows[~rows["passed"]]
+            scored = errors[~rows["passed"]].dropna()
+            worst = failed.loc[scored.idxmax()] if len(scored) else failed.iloc[0]
+        what = f"{worst['max_rel_error']:.2g}" if worst["max_rel_error"] == worst[
+            "max_rel_error"] else str(worst["error"])  # NaN: the row carries its error
+        columns[f"{method}_worst"] = f"{worst['parameter'] or '-'}: {what}"
+        if not rows["passed"].all():
+            names = [p for p in failed["parameter"] if p]
+            columns[f"{method}_worst"] += f" ({len(names)} failed: {', '.join(names)})" \
+                if names else ""
+    return columns
+
+
 def bench_tiny_gpt(size: str = "tiny_gpt", b: int = 32, T: int = 128,
                    methods=("einsum", "ghost", "bookkeeping"), repeats: int = 3,
                    device: torch.device | str = "cpu", max_grad_norm: float = 1.0,
-                   lora_rank: int = 4) -> dict:
-    """One table row: ms, ratios to plain (or lora_plain) and peak MB of every candidate."""
+                   lora_rank: int = 4, audit: bool = True) -> dict:
+    """One table row: ms, ratios to plain (or lora_plain) and peak MB of every candidate,
+    and (``audit``) whether each method's per-sample gradients are right for the model."""
     device = torch.device(device)
     gen = torch.Generator().manual_seed(0)
     model = tiny_gpt(VOCAB, block_size=T, generator=gen, **check_size(size)).to(device)
@@ -108,4 +155,6 @@ def bench_tiny_gpt(size: str = "tiny_gpt", b: int = 32, T: int = 128,
         if name != base and base in times:
             row[f"{name}_mem/{base}"] = row[f"{name}_peak_MB"] / row[f"{base}_peak_MB"]
     row["failed"] = "; ".join(failed)
+    if audit:
+        row.update(audit_columns(model, methods, T=min(T, AUDIT_LEN)))
     return row

@@ -4,10 +4,17 @@ DP-SGD needs only ||g_i|| and Σ_i c_i g_i, never the n per-sample gradients the
 Ghost clipping (Goodfellow 2015, arXiv 1510.01799; Li, Tramèr, Liang, Hashimoto 2022,
 arXiv 2110.05679, §4) gets both with two backward passes over one forward pass:
 
-1. a backward pass of Σ_i ℓ_i that keeps each layer's backprops b; each layer's
-   *norm sampler* turns (a, b) into ||g_i^{layer}||², and ||g_i||² = Σ_layers ||g_i^{layer}||²;
+1. a backward pass of Σ_i ℓ_i in which each layer's *norm sampler* turns (a, b) into
+   ||g_i^{layer}||² the moment the layer's backprop b is complete, and b is dropped
+   (``per_sample.streaming``); ||g_i||² = Σ_layers ||g_i^{layer}||²;
 2. c_i = min(1, C / ||g_i||) (``flat.clip_factors``), then an ordinary backward pass of
-   Σ_i c_i ℓ_i, whose parameter gradient is Σ_i c_i g_i: the clipped sum.
+   Σ_i c_i ℓ_i over the retained graph, whose parameter gradient is Σ_i c_i g_i: the
+   clipped sum.
+
+Memory: the first pass retains the graph (what a plain step's backward frees as it goes),
+but never holds two layers' b at once; its peak is a plain backward's plus n numbers per
+layer (bench e2e, tiny_gpt, b = 32, T = 128: ghost 1.62x a plain step's peak when every b
+was kept to the end of the pass).
 
 Layers without a norm sampler (normalisation layers, custom layers) get "fast gradient
 clipping" (Opacus blog on fast gradient clipping and ghost clipping, seed 004): their
@@ -16,7 +23,8 @@ per-sample gradients are materialised, normed and dropped immediately.
 A parameter used in more than one call (a module called twice) has the *sum* of several
 layers' gradients as its per-sample gradient; the norm of a sum has cross terms, so such
 parameters are materialised per call and summed before taking the norm (a tied head's E:
-its Embedding call and its ``F.linear`` call, ``per_sample.tied``). Parameters no per-layer
+its Embedding call and its ``F.linear`` call, ``per_sample.tied``): one (n, *shape) tensor
+per shared parameter, to which each call adds its part as its b arrives. Parameters no per-layer
 rule can account for (``per_sample.recording``) are materialised exactly by the whole-model
 fallback, and the norms are checked against micro-batching on one sample
 (``per_sample.selfcheck``).
@@ -33,27 +41,48 @@ from workbench.per_sample import selfcheck
 from workbench.per_sample.einsum import fallback_gradients, sample_layer, warn_fallbacks
 from workbench.per_sample.recording import Recording, own_parameters
 from workbench.per_sample.recording import record as record_forward
+from workbench.per_sample.streaming import stream_backward
 
 
 def _covered(layer) -> bool:
     return find_norm_sampler(layer) is not None
 
 
-def record(model, loss_fn, inputs, targets, retain_graph: bool, check=False) -> Recording:
-    """Forward, then one backward pass collecting backprops (no parameter gradients).
-
-    Returns the recording with ``exact`` (the fallback parameters' per-sample gradients) and,
-    when ``check`` asks for it, ``probe`` (micro-batching's gradient of one sample) set.
-    """
+def record_batch(model, loss_fn, inputs, targets, check=False) -> Recording:
+    """The forward pass with hooks; the fallback decided and, when ``check`` asks for it,
+    ``probe`` (micro-batching's gradient of one sample) set. No backward pass yet."""
     selfcheck.check_option(check)
     rec = record_forward(model, loss_fn, inputs, targets, covered=_covered)
     warn_fallbacks(rec, _covered)
     sig = selfcheck.known(model, rec, check)
     rec.probe = selfcheck.probe(rec, model, loss_fn, inputs, targets) if sig else None
     rec.signature = sig
+    return rec
+
+
+def record(model, loss_fn, inputs, targets, retain_graph: bool, check=False) -> Recording:
+    """Forward, then one backward pass collecting every call's backprops (book-keeping keeps
+    them for its clipped sum), and ``exact`` (the fallback parameters' per-sample gradients)."""
+    rec = record_batch(model, loss_fn, inputs, targets, check)
     rec.recorder.backward(rec.losses.sum(), retain_graph=retain_graph)
     rec.exact = fallback_gradients(rec, model, loss_fn, inputs, targets)
     return rec
+
+
+def record_norms(model, loss_fn, inputs, targets, retain_graph: bool, check=False):
+    """(rec, ||g_i||² (n,), materialised): forward, then one backward pass in which each
+    call's backprops become its norm contribution as they arrive and are dropped
+    (``per_sample.streaming``), so no two layers' b are held at once."""
+    rec = record_batch(model, loss_fn, inputs, targets, check)
+    norms = NormSum(rec, lambda p: None, shared=recorded_shared(rec))
+    layer_of = {id(call): layer for path, layer in rec.layers.items()
+                for call in rec.recorder.calls[path]}
+    stream_backward(rec.recorder.all_calls(), rec.losses.sum(),
+                    lambda call: norms.add_call(layer_of[id(call)], call), retain_graph)
+    rec.exact = fallback_gradients(rec, model, loss_fn, inputs, targets)
+    squares, materialised = norms.result(rec.exact)
+    zeros = torch.zeros(rec.n, dtype=rec.dtype, device=rec.device)
+    return rec, squares.get(None, zeros), materialised
 
 
 def verify_norms(model, rec: Recording, squares: torch.Tensor) -> None:
@@ -63,6 +92,17 @@ def verify_norms(model, rec: Recording, squares: torch.Tensor) -> None:
     if not rec.random:
         selfcheck.compare_norm(rec, squares[rec.n - 1].sqrt(), rec.probe)
     selfcheck.remember(model, rec.signature, dict(rec.fallback))
+
+
+def recorded_shared(rec: Recording) -> set[int]:
+    """ids of rule parameters in more than one *recorded* call, known before the backward
+    pass (``Recording.shared_ids`` counts the calls the loss reached, known after it)."""
+    seen: dict[int, int] = {}
+    for path, layer in rec.layers.items():
+        for _ in rec.recorder.calls[path]:
+            for _, p in rec.own(layer):
+                seen[id(p)] = seen.get(id(p), 0) + 1
+    return {key for key, count in seen.items() if count > 1}
 
 
 def squared_norms(rec: Recording, exact=None):
@@ -75,40 +115,58 @@ def squared_norms(rec: Recording, exact=None):
 def squared_norms_by(rec: Recording, group_of, exact=None):
     """Like ``squared_norms``, with ||g_i||² split by ``group_of(param)`` (per-layer clipping).
 
-    Returns ({group: (n,)}, materialised). A norm sampler gives one number per layer, so a
-    layer whose rule parameters lie in different groups, or that has parameters left to the
-    fallback, is materialised instead.
+    Returns ({group: (n,)}, materialised), from the recorded backprops of every call.
     """
-    shared = rec.shared_ids()
-    squares: dict = {}
-    materialised: dict[int, torch.Tensor] = dict(exact or {})
-    params = {id(p): p for p in rec.params.values()}
+    norms = NormSum(rec, group_of)
+    for _, layer, call in rec.calls():
+        norms.add_call(layer, call)
+    return norms.result(exact)
 
-    def add(group, value):
+
+class NormSum:
+    """||g_i||² by group, one call at a time (a norm sampler gives one number per layer, so
+    a layer whose rule parameters lie in different groups, or that has parameters left to
+    the fallback, is materialised instead; so are ``shared`` parameters, summed over their
+    calls before the norm)."""
+
+    def __init__(self, rec: Recording, group_of, shared=None):
+        self.rec, self.group_of = rec, group_of
+        self.shared = rec.shared_ids() if shared is None else shared
+        self.squares: dict = {}
+        self.materialised: dict[int, torch.Tensor] = {}
+
+    def add(self, group, value) -> None:
+        squares = self.squares
         squares[group] = value if group not in squares else squares[group] + value
 
-    with torch.no_grad():
-        for _, layer, call in rec.calls():
-            own = dict(rec.own(layer))
-            if not own:
-                continue
+    def add_call(self, layer, call) -> None:
+        own = dict(self.rec.own(layer))
+        if not own:
+            return
+        with torch.no_grad():
             sampler = None if is_parametrized(layer) else find_norm_sampler(layer)
             everything = len(own) == len(own_parameters(layer))
-            groups = {group_of(p) for p in own.values()}
+            groups = {self.group_of(p) for p in own.values()}
             if (sampler is not None and everything and len(groups) == 1
-                    and not any(id(p) in shared for p in own.values())):
+                    and not any(id(p) in self.shared for p in own.values())):
                 args, b = widen(call.args), widen(call.backprops)  # float16 -> float32
-                add(groups.pop(), sampler(layer, args, b))  # ghost norm
-                continue
+                self.add(groups.pop(), sampler(layer, args, b))  # ghost norm
+                return
             for name, g in sample_layer(layer, call, keep=own).items():  # fast gradient clipping
                 p = own[name]
-                if id(p) in shared:  # summed over its uses before the norm
-                    materialised[id(p)] = materialised.get(id(p), 0) + g
+                if id(p) in self.shared:  # summed over its uses before the norm
+                    self.materialised[id(p)] = self.materialised.get(id(p), 0) + g
                 else:
-                    add(group_of(p), sample_squares(g))  # normed, then dropped
-    for key, g in materialised.items():
-        add(group_of(params[key]), sample_squares(g))
-    return squares, materialised
+                    self.add(self.group_of(p), sample_squares(g))  # normed, then dropped
+
+    def result(self, exact=None):
+        """({group: (n,)}, {id(param): (n, *shape)}: the shared and the ``exact`` ones)."""
+        params = {id(p): p for p in self.rec.params.values()}
+        materialised = {**(exact or {}), **self.materialised}
+        with torch.no_grad():
+            for key, g in materialised.items():
+                self.add(self.group_of(params[key]), sample_squares(g))
+        return self.squares, materialised
 
 
 def widen(x):
@@ -122,16 +180,16 @@ def widen(x):
 
 def ghost_norms(model, loss_fn, inputs, targets, check=True) -> torch.Tensor:
     """||g_i|| (n,) from one forward and one backward pass."""
-    rec = record(model, loss_fn, inputs, targets, retain_graph=False, check=check)
-    squares = squared_norms(rec, rec.exact)[0]
+    rec, squares, _ = record_norms(model, loss_fn, inputs, targets, retain_graph=False,
+                                   check=check)
     verify_norms(model, rec, squares)
     return squares.sqrt()
 
 
 def ghost_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm, check=True):
     """{name: Σ_i c_i g_i} by a second backward pass of Σ_i c_i ℓ_i."""
-    rec = record(model, loss_fn, inputs, targets, retain_graph=True, check=check)
-    squares, materialised = squared_norms(rec, rec.exact)
+    rec, squares, _ = record_norms(model, loss_fn, inputs, targets, retain_graph=True,
+                                   check=check)
     verify_norms(model, rec, squares)
     c = clip_factors(squares.sqrt(), max_grad_norm)  # (n,)
     for call in rec.recorder.all_calls():
