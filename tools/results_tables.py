@@ -1,7 +1,7 @@
 """Print the README's results tables (markdown) from benchmark CSVs.
 
     python tools/results_tables.py [--e2e bench-results/e2e.csv]
-        [--accounting bench-results/accounting.csv]
+        [--gpt bench-results/e2e_gpt.csv] [--accounting bench-results/accounting.csv]
 
 Memory and per-layer runtime come from the CSVs shipped in workbench/_data/bench/; the end-to-end
 and accounting tables from fresh runs of ``python -m workbench.bench e2e`` / ``accounting``
@@ -81,6 +81,29 @@ def e2e_table(path):
             f"({t['device'].iloc[0]}):\n\n" + markdown(rows, header))
 
 
+def gpt_table(path):
+    """The tiny_gpt rows of ``bench e2e --models tiny_gpt tiny_gpt_10x``: full fine-tuning and
+    LoRA, each DP method against its own plain step, and the gradient audit's verdict."""
+    t = pd.read_csv(path)
+    rows = []
+    for _, r in t.iterrows():
+        for prefix, plain in (("", "plain"), ("lora_", "lora_plain")):
+            for m in ("einsum", "ghost", "bookkeeping", "opacus"):
+                col = f"{prefix}{m}/{plain}"
+                if col not in t or pd.isna(r[col]):
+                    continue
+                audit = r.get(f"{m}_audit", "") if not prefix else ""
+                rows.append([r.model, f"{int(r.params):,}", "LoRA" if prefix else "full", m,
+                             f"{fmt(r[col])}x", f"{fmt(r[f'{prefix}{m}_mem/{plain}'])}x",
+                             audit if isinstance(audit, str) else ""])
+    header = ["model", "params", "trained", "method", "time / plain", "peak memory / plain",
+              "per-sample gradients (audit)"]
+    r0 = t.iloc[0]
+    return (f"The nanoGPT-style tiny_gpt, one DP step at b = {r0.batch_size}, T = {r0.seq_len} "
+            f"({r0.device}; Opacus: GradSampleModule's per-sample gradients, unclipped):\n\n"
+            + markdown(rows, header))
+
+
 def accounting_table(path):
     t = pd.read_csv(path)
     cols = [c for c in t.columns if c.endswith("_ms") and c != "target_ms"]
@@ -91,12 +114,15 @@ def accounting_table(path):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--e2e", type=Path, default=ROOT / "bench-results" / "e2e.csv")
+    parser.add_argument("--gpt", type=Path, default=ROOT / "bench-results" / "e2e_gpt.csv")
     parser.add_argument("--accounting", type=Path,
                         default=ROOT / "bench-results" / "accounting.csv")
     args = parser.parse_args(argv)
     parts = [memory_table(), runtime_table()]
     if args.e2e.is_file():
         parts.append(e2e_table(args.e2e))
+    if args.gpt.is_file():
+        parts.append(gpt_table(args.gpt))
     if args.accounting.is_file():
         parts.append(accounting_table(args.accounting))
     print("\n\n".join(parts))
