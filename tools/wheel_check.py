@@ -52,7 +52,7 @@ import hashlib, json, sys
 from pathlib import Path
 
 import workbench
-from workbench.bench.memory import shipped_results
+from workbench.bench.memory_explore import shipped_results
 from workbench.data import bundled, load_digits, load_text, TEXTS
 
 manifest, checkout = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
