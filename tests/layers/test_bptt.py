@@ -3,14 +3,13 @@ autograd loops of recurrence.py (``backward_through_time="autograd"``): same out
 states and gradients (weights, inputs, initial states) in float64, for every cell and option,
 and both ports (W_hh's gradient directly, or through one recorded call)."""
 
-import itertools
 
 import pytest
 import torch
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 from tests.helpers import assert_agree, mse_per_sample
-from tests.layers.wrappers import RNNModel, relative_error
+from tests.layers.wrappers import RNN_OPTIONS, RNNModel, options_id, relative_error
 from workbench.layers import DPGRU, DPLSTM, DPRNN, bptt, bptt_forward
 
 KINDS = {
@@ -58,14 +57,10 @@ def initial_states(kind, LD, n, dtype=torch.float64):
     return (h0, c0) if kind == "lstm" else h0
 
 
-OPTIONS = [dict(num_layers=L, bidirectional=bi, bias=bias, batch_first=bf)
-           for L, bi, bias, bf in itertools.product((1, 2), (False, True), (True, False),
-                                                    (True, False))]
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(
-    f"{k}={int(v)}" for k, v in o.items()))
+@pytest.mark.parametrize("options", RNN_OPTIONS, ids=options_id)
 def test_bptt_equals_the_autograd_loops(kind, options):
     dp = make(kind, **options)
     n, T = 3, 5

@@ -2,7 +2,6 @@
 micro-batching in float64, for every supported option."""
 
 import copy
-import itertools
 
 import pytest
 import torch
@@ -11,7 +10,14 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 import workbench as wb
 from tests.helpers import assert_agree, mse_per_sample
-from tests.layers.wrappers import PackedRNNModel, RNNModel, flat_state, relative_error
+from tests.layers.wrappers import (
+    RNN_OPTIONS,
+    PackedRNNModel,
+    RNNModel,
+    flat_state,
+    options_id,
+    relative_error,
+)
 from workbench.errors import UnsupportedLayerError
 from workbench.layers import DPGRU, DPLSTM, DPRNN
 
@@ -74,14 +80,10 @@ def test_same_names_shapes_init_and_state_dict(kind):
     assert torch.equal(back(x)[0], reference(x)[0])
 
 
-CONFIGS = [dict(num_layers=L, bidirectional=bi, batch_first=bf, bias=bias)
-           for L, bi, bf, bias in itertools.product((1, 2), (False, True), (False, True),
-                                                    (True, False))]
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("options", CONFIGS, ids=lambda o: "-".join(
-    f"{k}={int(v)}" for k, v in o.items()))
+@pytest.mark.parametrize("options", RNN_OPTIONS, ids=options_id)
 def test_outputs_equal_torch(kind, options):
     reference, dp = twins(kind, **options)
     n, T = 3, 5

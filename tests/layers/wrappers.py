@@ -5,6 +5,8 @@ one output tensor; these wrappers adapt the layers' torch.nn conventions (time-m
 (L D, n, H) states, PackedSequence, (output, state) pairs) to that.
 """
 
+import itertools
+
 import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
@@ -71,3 +73,14 @@ class AttentionModel(nn.Module):
         out, _ = self.attention(query, key, value, key_padding_mask=key_padding_mask,
                                 attn_mask=self.attn_mask)
         return out if self.attention.batch_first else out.transpose(0, 1)
+
+
+# Every constructor option of the recurrent twins that changes the computation: layers,
+# directions, bias, batch layout (16 combinations), with readable test ids.
+RNN_OPTIONS = [dict(num_layers=L, bidirectional=bi, batch_first=bf, bias=bias)
+               for L, bi, bf, bias in itertools.product((1, 2), (False, True), (False, True),
+                                                        (True, False))]
+
+
+def options_id(options):
+    return "-".join(f"{k}={int(v)}" for k, v in options.items())
