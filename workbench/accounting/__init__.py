@@ -29,6 +29,8 @@ from workbench.accounting.accountants.pld import PLD_DISCRETIZATION, PLDAccounta
 from workbench.accounting.accountants.rdp import RDPAccountant
 from workbench.accounting.bounds import SAMPLERS, EpsilonBounds, epsilon_bounds
 from workbench.accounting.calibrate import (
+    Calibration,
+    calibrate,
     get_noise_multiplier,
     steps_from_epochs,
     steps_per_epoch,
@@ -60,6 +62,8 @@ __all__ = [
     "PLDAccountant",
     "RDPAccountant",
     "SNRResult",
+    "Calibration",
+    "calibrate",
     "compute_rdp",
     "epsilon",
     "epsilon_bounds",

@@ -1,14 +1,17 @@
-"""Noise calibration: the σ that spends a target ε.
+"""Noise calibration: the σ that spends a target ε, tight in ε.
 
 ε(σ) of the sampled Gaussian mechanism falls monotonically with σ (for every order α the RDP
 of Mironov, Talwar, Zhang 2019, arXiv:1908.10530, decreases in σ; so does the PLD's δ(ε)), so the
-noise multiplier for a target (ε*, δ) is the smallest σ* with ε(σ*) <= ε*, found as a bracket (1)
+noise multiplier for a target (ε*, δ) is found in a bracket σ_lo < σ_hi and returned as the σ
+whose ε lies in a thin band just below the target:                                       (1)
 
-    ε(σ_lo) > ε* >= ε(σ_hi),        σ_hi <= (1 + rtol) σ_lo,        returned: σ_hi,
+    (1 - τ) ε* <= ε(σ) <= ε*,        τ = epsilon_tolerance (default 1e-3),
 
-so σ* <= σ_hi <= (1 + rtol) σ*: the noise is never more than rtol (default 1%) above the least
-that meets the target, whatever the size of ε* (a tolerance on ε instead, say 0.01, would
-cost 18% extra noise at ε* = 0.05 and 40% at ε* = 1e-3).
+never above the target, and at most τ ε* below it: the noise added is what the target needs,
+and the user can read how much was left unspent (``calibrate``). A relative band keeps the
+precision the same at every size of ε* (an absolute one, say 0.01, would cost 18% extra noise
+at ε* = 0.05). The older stop, ``rtol`` on σ (σ within 1 + rtol of the least σ), is still
+accepted when given; it can leave ε a few percent below the target at large ε*.
 
 The root is bracketed, starting from a Gaussian-like approximation of the RDP curve. For small
 q the binomial sum of Mironov, Talwar, Zhang (§3.3) starts A_α ≈ 1 + C(α, 2) q² (e^(1/σ²) - 1),
@@ -17,16 +20,20 @@ so T steps have ε(α) ≈ ρα with ρ = T q² (e^(1/σ²) - 1) / 2, and the co
 
     σ0 = 1 / sqrt(log(1 + 2ρ / (T q²))),    sqrt(ρ) = sqrt(log(1/δ) + ε*) - sqrt(log(1/δ)),
 
-and solved by the Illinois variant of regula falsi in x = 1/σ, where ε(x) is nearly linear;
-typically 4-8 evaluations of ε. An accountant registered as never above another (PLD: RDP)
-starts from that one's answer, which is an upper end (its ε is never larger). RDP has a floor:
-as σ grows, ε tends to min_α [log((α-1)/α) - (log δ + log α)/(α - 1)] > 0, so tiny targets are
-unreachable with the given orders, and the error says so.
+and solved by the Illinois variant of regula falsi in x = 1/σ, where ε(x) is nearly linear,
+aiming at the middle of the band (1); typically 4-8 evaluations of ε. An accountant registered
+as never above another (PLD: RDP) starts from that one's answer, which is an upper end (its ε is
+never larger). RDP has a floor: as σ grows, ε tends to min_α [log((α-1)/α) - (log δ + log α)/(α
+- 1)] > 0, so tiny targets are unreachable with the given orders, and the error says so. An
+accountant whose ε is a step function of σ (a coarse grid) may have no σ in the band; then the
+bracket shrinks to σ_hi (1 ± 1e-10) and σ_hi is returned, still never above the target.
 
-Notation: q sample rate, σ noise multiplier, T steps, ε* target epsilon, δ target delta.
+Notation: q sample rate, σ noise multiplier, T steps, ε* target epsilon, δ target delta,
+τ relative tolerance in ε.
 """
 
 import math
+from dataclasses import dataclass
 
 from workbench.accounting.curve import epsilon
 from workbench.accounting.registry import ACCOUNTANTS, get_accountant
@@ -80,57 +87,100 @@ def _initial_sigma(target_epsilon, target_delta, q, steps):
 
 
 def get_noise_multiplier(target_epsilon, target_delta, sample_rate, steps=None, epochs=None,
-                         accountant="rdp", rtol=0.01, **options):
-    """The noise multiplier σ with ε(σ) <= target_epsilon, at most ``rtol`` above the least such σ.
+                         accountant="rdp", epsilon_tolerance=1e-3, rtol=None, **options):
+    """The noise multiplier σ with (1 - τ) target_epsilon <= ε(σ) <= target_epsilon, Eq. (1).
 
-    Precisely: ε(σ) <= target_epsilon < ε(σ / (1 + rtol)), Eq. (1); rtol in [1e-6, 1].
-    Give exactly one of ``steps`` and ``epochs`` (``steps_from_epochs``).
+    τ = ``epsilon_tolerance`` in [1e-6, 0.5] (default 1e-3, for every accountant). Given
+    ``rtol`` (in [1e-6, 1]) instead, the older stop on σ: ε(σ) <= target_epsilon <
+    ε(σ / (1 + rtol)). Give exactly one of ``steps`` and ``epochs`` (``steps_from_epochs``).
     ``options`` go to :func:`workbench.accounting.epsilon` (``orders``, ``discretization``).
 
     >>> sigma = get_noise_multiplier(2.0, 1e-5, 0.01, epochs=10)
-    >>> round(sigma, 2), epsilon(0.01, sigma, 1000, 1e-5) <= 2.0
-    (1.02, True)
+    >>> eps = epsilon(0.01, sigma, 1000, 1e-5)
+    >>> round(sigma, 3), 2.0 * (1 - 1e-3) <= eps <= 2.0
+    (1.012, True)
+    """
+    return calibrate(target_epsilon, target_delta, sample_rate, steps=steps, epochs=epochs,
+                     accountant=accountant, epsilon_tolerance=epsilon_tolerance, rtol=rtol,
+                     **options).noise_multiplier
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What ``calibrate`` found: σ, the ε it spends and how much of the target is unspent."""
+
+    noise_multiplier: float
+    epsilon: float
+    target_epsilon: float
+    evaluations: int
+
+    @property
+    def unspent(self) -> float:
+        """(ε* - ε(σ)) / ε*: the relative part of the target the noise leaves unspent."""
+        if not self.target_epsilon:
+            return 0.0
+        return (self.target_epsilon - self.epsilon) / self.target_epsilon
+
+
+def calibrate(target_epsilon, target_delta, sample_rate, steps=None, epochs=None,
+              accountant="rdp", epsilon_tolerance=1e-3, rtol=None, **options) -> Calibration:
+    """``get_noise_multiplier`` with the evidence: σ, ε(σ), the target and the ε evaluations.
+
+    >>> c = calibrate(3.0, 1e-5, 0.004, steps=2500)
+    >>> c.epsilon <= 3.0, c.unspent <= 1e-3
+    (True, True)
     """
     target_epsilon = check_epsilon(target_epsilon, "target_epsilon")
     target_delta = check_delta(target_delta, "target_delta")
     q = check_sample_rate(sample_rate)
-    rtol = check_positive(rtol, "rtol")
-    if not 1e-6 <= rtol <= 1:
-        raise ValueError(f"rtol must be in [1e-6, 1] (relative precision of sigma); got {rtol!r}")
+    tau = check_positive(epsilon_tolerance, "epsilon_tolerance")
+    if not 1e-6 <= tau <= 0.5:
+        raise ValueError(f"epsilon_tolerance must be in [1e-6, 0.5] (relative band below the "
+                         f"target epsilon); got {epsilon_tolerance!r}")
+    if rtol is not None:
+        rtol = check_positive(rtol, "rtol")
+        if not 1e-6 <= rtol <= 1:
+            raise ValueError(f"rtol must be in [1e-6, 1] (relative precision of sigma); got "
+                             f"{rtol!r}")
     spec = get_accountant(accountant)
     if (steps is None) == (epochs is None):
         raise ValueError(f"give exactly one of steps and epochs; got steps={steps!r}, "
                          f"epochs={epochs!r}")
     steps = check_steps(steps) if epochs is None else steps_from_epochs(epochs, q)
-    if q == 0 or steps == 0:
-        return 0.0  # nothing is released about anyone: no noise needed
+    if q == 0 or steps == 0:  # nothing is released about anyone: no noise needed
+        return Calibration(0.0, 0.0, target_epsilon, 0)
+    calls = []
 
     def eps(sigma):
+        calls.append(sigma)
         return epsilon(q, sigma, steps, target_delta, accountant, **options)
 
     start = _initial_sigma(target_epsilon, target_delta, q, steps)
     for looser in (n for n in spec.never_above if n in ACCOUNTANTS):
         try:  # ε here <= ε there at every σ: that σ meets the target here too, an upper end
             start = get_noise_multiplier(target_epsilon, target_delta, q, steps=steps,
-                                         accountant=looser, rtol=rtol)
+                                         accountant=looser, epsilon_tolerance=tau, rtol=rtol)
             break
         except ValueError:
             pass
-    return _solve(eps, target_epsilon, rtol, start)
+    sigma, e = _solve(eps, target_epsilon, tau, rtol, start)
+    return Calibration(sigma, e, target_epsilon, len(calls))
 
 
-def _bracket(eps, target, sigma):
+def _bracket(eps, target, sigma, tau):
     """(σ_lo, ε_lo, σ_hi, ε_hi) with ε_lo > target >= ε_hi, stepping from σ by factors
-    1.25, 1.25², 1.25⁴, ... (small steps first: the starting guess is usually close)."""
+    1.25, 1.25², 1.25⁴, ... (small steps first: the starting guess is usually close). Returns
+    early, with σ_lo = None, when an ε already lies in the band (1)."""
     e, factor = eps(sigma), 1.25
     if e <= target:  # too much noise: shrink σ until ε exceeds the target
         hi, e_hi = sigma, e
-        while True:
+        while tau is None or e_hi < (1 - tau) * target:
             lo = hi / factor
             e_lo, factor = eps(lo), factor**2
             if e_lo > target:
                 return lo, e_lo, hi, e_hi
             hi, e_hi = lo, e_lo
+        return None, None, hi, e_hi
     lo, e_lo = sigma, e
     while True:  # too little noise: grow σ until ε is within the target
         hi = lo * factor
@@ -147,34 +197,43 @@ def _bracket(eps, target, sigma):
         lo, e_lo = hi, e_hi
 
 
-def _solve(eps, target, rtol, sigma0):
-    """σ_hi of a bracket with ε(σ_hi) <= target < ε(σ_lo) and σ_hi <= (1 + rtol) σ_lo, Eq. (1).
+def _solve(eps, target, tau, rtol, sigma0):
+    """(σ_hi, ε(σ_hi)) of a bracket meeting the stop: Eq. (1) in ε (``rtol`` None), else
+    σ_hi <= (1 + rtol) σ_lo.
 
-    Illinois regula falsi in x = 1/σ, each probe nudged by rtol/3 past the estimated root
-    towards the end that moved least recently, so both ends close in; every third probe bisects
-    (in log σ), which bounds the number of evaluations even where ε(x) is far from linear.
+    Illinois regula falsi in x = 1/σ aiming at the middle of the band (at the target minus
+    τ/2 of it; with ``rtol``, rtol/3 past the root); every third probe bisects (in log σ),
+    which bounds the number of evaluations even where ε(x) is far from linear.
     """
-    lo, e_lo, hi, e_hi = _bracket(eps, target, sigma0)
+    band = None if rtol is not None else tau
+    lo, e_lo, hi, e_hi = _bracket(eps, target, sigma0, band)
+    if lo is None:
+        return hi, e_hi
     x_lo, x_hi = 1 / lo, 1 / hi  # x_lo > x_hi; ε grows with x
-    f_lo, f_hi = e_lo - target, e_hi - target  # f_lo > 0 >= f_hi
+    aim = 0.0 if rtol is not None else -tau * target / 2  # f = ε - target aimed at
+    f_lo, f_hi = e_lo - target - aim, e_hi - target - aim
     side = 0
     for it in range(_MAX_EVALS):
-        if x_lo <= x_hi * (1 + rtol):
-            return 1 / x_hi
+        if rtol is not None and x_lo <= x_hi * (1 + rtol):
+            return 1 / x_hi, e_hi
+        if rtol is None and (e_hi >= (1 - tau) * target or x_lo <= x_hi * (1 + 1e-10)):
+            return 1 / x_hi, e_hi  # in the band, or ε jumps over it (a step in σ)
         if it % 3 == 2 or math.isinf(f_lo):
             x = math.sqrt(x_lo * x_hi)  # bisect (log scale)
         else:
             x = x_hi - f_hi * (x_lo - x_hi) / (f_lo - f_hi)  # the secant's root
-            x *= (1 + rtol / 3) if side >= 0 else 1 / (1 + rtol / 3)  # aim past the root
-            x = min(max(x, x_hi * (1 + rtol / 10)), x_lo / (1 + rtol / 10))  # stay inside
-        f = eps(1 / x) - target
-        if f > 0:
+            if rtol is not None:
+                x *= (1 + rtol / 3) if side >= 0 else 1 / (1 + rtol / 3)  # aim past the root
+            x = min(max(x, x_hi * (1 + 1e-12)), x_lo / (1 + 1e-12))  # stay inside
+        e = eps(1 / x)
+        f = e - target - aim
+        if e > target:
             x_lo, f_lo = x, f
             if side == -1:
                 f_hi /= 2  # Illinois: halve the stale end's weight
             side = -1
         else:
-            x_hi, f_hi = x, f
+            x_hi, f_hi, e_hi = x, f, e
             if side == 1:
                 f_lo /= 2
             side = 1
