@@ -75,7 +75,7 @@ def test_bad_arguments(kwargs, match):
 
 def test_registry_names_every_accountant_and_sampler():
     assert set(SAMPLERS) == {"poisson", "shuffle", "deterministic"}
-    assert list(ACCOUNTANTS) == ["rdp", "pld"]  # fast first: the explorer's legend order
+    assert list(ACCOUNTANTS) == ["rdp", "pld", "prv"]  # fast first: the explorer's legend order
     for name, spec in ACCOUNTANTS.items():
         acc = make_accountant(name)
         assert type(acc) is spec.accountant_class and acc.state_dict()["mechanism"] == name

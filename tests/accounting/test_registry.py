@@ -48,12 +48,12 @@ def gauss():
 
 
 def test_builtins_are_registered_in_listing_order():
-    assert list(ACCOUNTANTS) == ["rdp", "pld"]
+    assert list(ACCOUNTANTS) == ["rdp", "pld", "prv"]
     assert ACCOUNTANTS["pld"].never_above == ("rdp",) and ACCOUNTANTS["pld"].slow
 
 
 def test_epsilon_functions_find_it(gauss):
-    assert list(ACCOUNTANTS) == ["rdp", "gauss", "pld"]  # fast ones first
+    assert list(ACCOUNTANTS) == ["rdp", "gauss", "pld", "prv"]  # fast ones first
     exact = gaussian_epsilon(1.0 / math.sqrt(100), 1e-5)
     assert accounting.epsilon(0.01, 1.0, 100, 1e-5, accountant="gauss") == exact
     history = [(1.0, 0.01, 100), (2.0, 0.5, 40)]  # σ_eff² = 1 / (100 + 10)
@@ -104,7 +104,7 @@ def test_engine_trains_with_it(gauss):
 
 def test_budget_explorer_draws_it(gauss):
     r = explore_budget(60_000, 256, 1.1, 10, 1e-5, points=5, pld_points=2, shuffle=False)
-    assert list(r.curves) == ["rdp", "gauss", "pld"]
+    assert list(r.curves) == ["rdp", "gauss", "pld", "prv"]
     assert r.gauss_epochs.shape == (5,) and r.pld_epochs.shape == (2,)
     assert r.epsilon_gauss == gaussian_epsilon(1.1 / math.sqrt(r.steps), 1e-5)
     assert r.epsilon_gauss > r.epsilon_rdp > r.epsilon_pld  # no amplification: far larger
@@ -118,11 +118,11 @@ def test_budget_explorer_draws_it(gauss):
 
 def test_audit_report_lists_and_checks_it(gauss):
     check = check_accountants([(0.01, 1.0, 100)], curve_points=3)
-    assert list(check.labels.values()) == ["RDP", "Gaussian", "PLD"]
+    assert list(check.labels.values()) == ["RDP", "Gaussian", "PLD", "PRV"]
     assert check.passed and check.pairs == (("pld", "rdp"),)  # the toy claims no order
     assert check.table["eps_gauss"].iloc[0] == gaussian_epsilon(0.1, 1e-5)
     assert accountant_epsilons(check).endswith("(Gaussian)")  # the largest ε, last
-    assert len(plot_epsilon_curves(Figure().add_subplot(), check)) == 3
+    assert len(plot_epsilon_curves(Figure().add_subplot(), check)) == 4
 
 
 def test_a_wrong_order_claim_is_caught():
@@ -139,13 +139,13 @@ def test_a_wrong_order_claim_is_caught():
 def test_unregistered_is_gone_everywhere():
     register_accountant("gauss", label="Gaussian", epsilon=no_amplification_epsilon)
     unregister_accountant("gauss")
-    assert list(ACCOUNTANTS) == ["rdp", "pld"]
-    with pytest.raises(ValueError, match=r"accountant must be one of \['pld', 'rdp'\]"):
+    assert list(ACCOUNTANTS) == ["rdp", "pld", "prv"]
+    with pytest.raises(ValueError, match=r"accountant must be one of \['pld', 'prv', 'rdp'\]"):
         accounting.epsilon(0.01, 1.0, 10, 1e-5, accountant="gauss")
     with pytest.raises(ValueError, match="accountant must be one of"):
         wb.PrivacyEngine(accountant="gauss")
     r = explore_budget(60_000, 256, 1.1, 10, 1e-5, points=2, pld_points=1, shuffle=False)
-    assert list(r.curves) == ["rdp", "pld"]
+    assert list(r.curves) == ["rdp", "pld", "prv"]
     with pytest.raises(AttributeError, match="no attribute 'epsilon_gauss'"):
         r.epsilon_gauss  # noqa: B018
 

@@ -93,7 +93,8 @@ def test_plot_budget_draws_on_the_given_axes_only():
     result = explore_budget(1000, 50, 1.0, 10, 1e-5, mode="solve", target_epsilon=2.0, points=5,
                             pld_points=3)
     artists = plot_budget(ax, result)
-    assert set(artists) == {"rdp", "pld", "target", "shuffle_band", "shuffle_lower", "legend"}
+    assert set(artists) == {"rdp", "pld", "prv", "target", "shuffle_band", "shuffle_lower",
+                            "legend"}
     assert list(artists["rdp"].get_ydata()) == list(result.rdp_epsilon)
     assert artists["target"].get_ydata()[0] == 2.0
     assert ax.get_legend() is artists["legend"]

@@ -98,7 +98,7 @@ def get_noise_multiplier(target_epsilon, target_delta, sample_rate, steps=None, 
     >>> sigma = get_noise_multiplier(2.0, 1e-5, 0.01, epochs=10)
     >>> eps = epsilon(0.01, sigma, 1000, 1e-5)
     >>> round(sigma, 3), 2.0 * (1 - 1e-3) <= eps <= 2.0
-    (1.012, True)
+    (1.023, True)
     """
     return calibrate(target_epsilon, target_delta, sample_rate, steps=steps, epochs=epochs,
                      accountant=accountant, epsilon_tolerance=epsilon_tolerance, rtol=rtol,

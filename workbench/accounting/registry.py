@@ -28,7 +28,7 @@ report read this table instead of spelling the names out. (The batch samplers' t
 ``SAMPLERS``, is in ``bounds.py`` beside the bounds it names.)
 
 >>> sorted(ACCOUNTANTS), ACCOUNTANTS["pld"].label, ACCOUNTANTS["pld"].never_above
-(['pld', 'rdp'], 'PLD', ('rdp',))
+(['pld', 'prv', 'rdp'], 'PLD', ('rdp',))
 >>> make_accountant("pld", discretization=1e-3)
 PLDAccountant(steps=0, groups=0)
 """

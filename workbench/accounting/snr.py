@@ -91,7 +91,7 @@ def explore_snr(epsilon, delta, epochs, dataset_size, num_params, max_grad_norm,
 
     >>> r = explore_snr(1.0, 1e-5, 10, 60_000, 10_000, 1.0, 0.1, batch_sizes=[64, 256, 1024])
     >>> r.steps.tolist(), r.noise_multipliers.round(2).tolist(), r.snr.round(2).tolist()
-    ([9380, 2340, 590], [0.92, 1.16, 1.9], [0.07, 0.22, 0.54])
+    ([9380, 2340, 590], [0.91, 1.16, 1.89], [0.07, 0.22, 0.54])
     """
     epsilon = check_epsilon(epsilon, "epsilon")
     delta = check_delta(delta)
