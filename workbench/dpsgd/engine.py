@@ -32,6 +32,7 @@ from workbench.accounting.bounds import epsilon_bounds
 from workbench.accounting.registry import make_accountant
 from workbench.checks import check_count
 from workbench.dpsgd import distributed
+from workbench.dpsgd.adaptive import AdaptiveClipDPOptimizer, AdaptiveClipping
 from workbench.dpsgd.attached import detach_earlier, remember
 from workbench.dpsgd.misuse import (
     PrivacyAccountingWarning,
@@ -88,7 +89,7 @@ class PrivacyEngine:
     def make_private(self, *, module, optimizer, data_loader, noise_multiplier, max_grad_norm,
                      grad_sample_mode="auto", poisson_sampling=True, loss_reduction="mean",
                      criterion=None, noise_generator=None, sampling_generator=None,
-                     max_physical_batch_size=None,
+                     max_physical_batch_size=None, adaptive_clipping=None,
                      all_reduce_timeout_minutes=distributed.DEFAULT_TIMEOUT_MINUTES):
         """(model, DPOptimizer, loader): the same shapes in every ``grad_sample_mode``.
 
@@ -100,9 +101,15 @@ class PrivacyEngine:
         book-keeping, whichever the rule of ``clipping/auto.py`` expects to be faster for the
         recorded layers of each batch (``optimizer.last["mode"]`` says which ran); every mode
         gives the same clipped sums.
+        ``adaptive_clipping``: an ``AdaptiveClipping`` (``adaptive.py``; Andrew et al. 2021):
+        ``max_grad_norm`` is then the initial C, which follows a quantile of the norms; the
+        accountant still charges ``noise_multiplier``, shared between the sum and the count.
         ``all_reduce_timeout_minutes``: under torch.distributed, how long a rank waits for the
         others in the noise all-reduce before ``CollectiveTimeoutError`` (``distributed.py``).
         """
+        if adaptive_clipping is not None and not isinstance(adaptive_clipping, AdaptiveClipping):
+            raise TypeError(f"adaptive_clipping must be a wb.dpsgd.AdaptiveClipping(...) or "
+                            f"None; got {type(adaptive_clipping).__name__}")
         if criterion is not None:
             check_criterion(criterion, loss_reduction)
         timeout = distributed.check_timeout_minutes(all_reduce_timeout_minutes)
@@ -131,8 +138,10 @@ class PrivacyEngine:
             warn_shuffle()
             loader = data_loader
         q = loader.sample_rate if poisson_sampling else data_loader.batch_size / N
-        dp_optimizer = DPOptimizer(
-            optimizer, module, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+        extra = {} if adaptive_clipping is None else {"adaptive": adaptive_clipping}
+        dp_optimizer = (DPOptimizer if adaptive_clipping is None else AdaptiveClipDPOptimizer)(
+            optimizer, module, **extra, noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm,
             expected_batch_size=q * N, grad_sample_mode=grad_sample_mode,
             loss_reduction=loss_reduction, generator=noise_generator,
             on_step=lambda sigma: self.accountant.step(noise_multiplier=sigma, sample_rate=q))

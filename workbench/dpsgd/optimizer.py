@@ -173,6 +173,10 @@ class DPOptimizer(Optimizer):
                      "mode": modes[-1] if modes else None}  # the mode "auto" chose
         self.recorder.clear()
 
+    def noise_std(self) -> float:
+        """σ C: the standard deviation of the noise on each coordinate of the clipped sum."""
+        return self.noise_multiplier * self.clip_norm_total
+
     def privatise(self) -> None:
         """p.grad = (Σ_i c_i g_i + N(0, σ²C² I)) / B for every trainable parameter.
 
@@ -180,7 +184,7 @@ class DPOptimizer(Optimizer):
         σ C √d / B (d trainable coordinates) in ``self.last``: their ratio is the gradient
         signal-to-noise ratio of this step.
         """
-        std = self.noise_multiplier * self.clip_norm_total
+        std = self.noise_std()
         distributed = dist.is_available() and dist.is_initialized()
         adds_noise = not distributed or dist.get_rank() == 0  # noise exactly once
         signal_sq, d = 0.0, 0
