@@ -21,6 +21,7 @@ from workbench.clipping import (
 )
 from workbench.dpsgd import PrivacyEngine, train
 from workbench.errors import (
+    LossCouplingError,
     LossShapeError,
     PerSampleCheckError,
     SampleMixingError,
@@ -41,6 +42,7 @@ __all__ = [
     "GRAD_SAMPLERS",
     "METHODS",
     "PrivacyEngine",
+    "LossCouplingError",
     "LossShapeError",
     "PerSampleCheckError",
     "SampleMixingError",
