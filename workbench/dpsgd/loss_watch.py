@@ -32,7 +32,10 @@ from workbench.per_sample.selfcheck import TOLERANCE, symbolic
 
 
 class LossWatch:
-    """The loss calls of each backward pass (``generation``): (generation, f, name)."""
+    """The loss calls of each backward pass (``generation``): (generation, f, name). One
+    window is open at a time, process-wide: the last model's forward pass owns the loss."""
+
+    _open: "LossWatch | None" = None
 
     def __init__(self, loss_reduction: str, criterion=None):
         self.loss_reduction, self.criterion = loss_reduction, criterion
@@ -45,6 +48,9 @@ class LossWatch:
     def open(self, n: int, generation: int) -> None:
         """At the end of the model's forward pass (n records, before backward ``generation``)."""
         self.n, self.generation, self._depth = n, generation, 0
+        if LossWatch._open is not None and LossWatch._open is not self:
+            LossWatch._open.close()
+        LossWatch._open = self
         if not self._handles:
             self._handles = [module_hooks.register_module_forward_pre_hook(self._enter),
                              module_hooks.register_module_forward_hook(self._exit)]
@@ -53,6 +59,8 @@ class LossWatch:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if LossWatch._open is self:
+            LossWatch._open = None
 
     def clear(self) -> None:
         self.calls = []
