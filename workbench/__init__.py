@@ -25,6 +25,7 @@ from workbench.errors import (
     LossShapeError,
     PerSampleCheckError,
     SampleMixingError,
+    UnattributedGradientError,
     UnsupportedLayerError,
     WorkbenchError,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "LossShapeError",
     "PerSampleCheckError",
     "SampleMixingError",
+    "UnattributedGradientError",
     "UnsupportedLayerError",
     "WorkbenchError",
     "accounting",
