@@ -10,8 +10,9 @@ returning a scalar that requires grad. For each such call (``per_sample.loss``):
 - its reduction must be the optimizer's ``loss_reduction`` (else ``ValueError``);
 - the per-record factors f (Eq. 2 of ``loss.py``) that make record i's recorded gradient the
   gradient of its own loss (class weights, ``ignore_index``) are computed from the targets;
-- the first call with a new signature (type, reduction, shapes with n symbolic) is probed:
-  a loss coupling records raises ``LossCouplingError`` at the loss line of the loop.
+- the first call with a new signature (type, reduction, shapes with n symbolic) is probed
+  at the next ``step()``, after the recorded activations are freed (``probe``): a loss
+  coupling records raises ``LossCouplingError`` before anything is released.
 
 A loss written as a plain function (``F.cross_entropy``) is not a module call and is not
 seen: its records are then taken as ``loss_reduction`` says (f = n or 1), as before. Pass
@@ -41,6 +42,7 @@ class LossWatch:
         self.loss_reduction, self.criterion = loss_reduction, criterion
         self.calls: list[tuple[int, torch.Tensor, str]] = []
         self.checked: set = set()  # loss signatures already probed
+        self.pending: list = []  # (key, criterion, z, rest, n, reduction): probed at step
         self.check = True  # the optimizer's verify policy: False skips the probe
         self.n, self.generation, self._depth, self._busy = 0, 0, 0, False
         self._handles: list = []
@@ -64,6 +66,7 @@ class LossWatch:
 
     def clear(self) -> None:
         self.calls = []
+        self.pending = []
 
     def _enter(self, module, args):
         self._depth += 1
@@ -93,13 +96,17 @@ class LossWatch:
         n = self.n
         shapes = tuple(symbolic(a.shape, n) for a in (z, *rest) if isinstance(a, torch.Tensor))
         key = (type(criterion), reduction, shapes)
-        if not self.check or key in self.checked:
-            y = rest[0] if rest else None
-            return record_factors(criterion, z.detach(), y, n, reduction)
-        tol = TOLERANCE.get(z.dtype, 1e-3)
-        f = check_separable(criterion, z.detach(), tuple(rest), n, reduction, tol)
-        self.checked.add(key)
-        return f
+        if self.check and key not in self.checked:
+            self.pending.append((key, criterion, z.detach(), tuple(rest), n, reduction))
+        return record_factors(criterion, z.detach(), rest[0] if rest else None, n, reduction)
+
+    def probe(self) -> None:
+        """The separability probe (``loss.check_separable``) of each new loss signature."""
+        pending, self.pending = self.pending, []
+        for key, criterion, z, rest, n, reduction in pending:
+            if key not in self.checked:
+                check_separable(criterion, z, rest, n, reduction, TOLERANCE.get(z.dtype, 1e-3))
+                self.checked.add(key)
 
     def factors(self, generation: int, n: int) -> torch.Tensor | None:
         """f (n,) of one backward pass: the loss calls' own (they must agree), or None when

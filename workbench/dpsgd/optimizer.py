@@ -192,7 +192,8 @@ class DPOptimizer(Optimizer):
                         self._sums[key] = s if key not in self._sums else self._sums[key] + s
                     norms.append(norm.detach())
                     factors.append(c.detach())
-            self.recorder.clear()  # the check's extra pass runs on freed memory
+            self.recorder.clear(keep_pending=True)  # the checks' extra passes: on freed memory
+            self.recorder.watch.probe()
             for rec, norm in replays:
                 self._verify(rec, norm)
             if paths:

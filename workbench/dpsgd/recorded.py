@@ -144,11 +144,15 @@ class ModelRecorder:
             stack.enter_context(self.root_rec.paused())
             yield
 
-    def clear(self) -> None:
+    def clear(self, keep_pending: bool = False) -> None:
+        """Forget the recorded calls; ``keep_pending``: the loss probes still to run."""
+        pending = self.watch.pending
         self.layer_rec.clear()
         self.root_rec.clear()
         self.watch.close()
         self.watch.clear()
+        if keep_pending:
+            self.watch.pending = pending
 
     def check_step(self) -> None:
         """A fresh backward pass since the last step, into the model made private."""

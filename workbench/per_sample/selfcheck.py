@@ -206,6 +206,7 @@ def compare_norm(rec: Recording, got: torch.Tensor, ref: dict) -> None:
         f"{float(got):.6g}, its exact twin gives {exact:.6g} (tolerance {tol:g} for "
         f"{rec.dtype}; the twin runs the sample alone, or, with randomness such as dropout, "
         f"the batch again with the same random state and the other samples replaced). A "
-        f"norm or grad sampler registered for one of the layers is wrong, or the model or "
-        f"the loss mixes samples (e.g. x - x.mean(0), with or without dropout). Nothing was "
+        f"norm or grad sampler registered for one of the layers is wrong, or the model "
+        f"mixes samples outside any module (e.g. x - x.mean(0), with or without dropout), "
+        f"or the loss does. Nothing was "
         f"returned; locate it with wb.audit.audit_gradients(model, loss_fn, inputs, targets)")
