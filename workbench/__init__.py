@@ -21,9 +21,11 @@ from workbench.clipping import (
 )
 from workbench.dpsgd import PrivacyEngine, train
 from workbench.errors import (
+    LossCouplingError,
     LossShapeError,
     PerSampleCheckError,
     SampleMixingError,
+    UnattributedGradientError,
     UnsupportedLayerError,
     WorkbenchError,
 )
@@ -41,9 +43,11 @@ __all__ = [
     "GRAD_SAMPLERS",
     "METHODS",
     "PrivacyEngine",
+    "LossCouplingError",
     "LossShapeError",
     "PerSampleCheckError",
     "SampleMixingError",
+    "UnattributedGradientError",
     "UnsupportedLayerError",
     "WorkbenchError",
     "accounting",

@@ -24,3 +24,13 @@ class LossShapeError(WorkbenchError, ValueError):
 
 class PerSampleCheckError(WorkbenchError, RuntimeError):
     """A fast per-sample result failed its self-check against an exact twin: never returned."""
+
+
+class LossCouplingError(WorkbenchError, ValueError):
+    """The loss makes one record's gradient depend on other records (or cannot be attributed
+    to records): DP-SGD's per-record clipping would not bound the sensitivity."""
+
+
+class UnattributedGradientError(WorkbenchError, ValueError):
+    """Part of the loop's gradient reaches the parameters outside the model's output (an L2
+    penalty, a loss reading a parameter): it cannot be attributed to records and clipped."""

@@ -38,7 +38,12 @@ from torch.nn.utils.parametrize import is_parametrized
 from workbench.clipping.flat import LOW_PRECISION, clip_factors, sample_squares
 from workbench.clipping.registry import find_norm_sampler
 from workbench.per_sample import selfcheck
-from workbench.per_sample.einsum import fallback_gradients, sample_layer, warn_fallbacks
+from workbench.per_sample.einsum import (
+    fallback_gradients,
+    replay_probe,
+    sample_layer,
+    warn_fallbacks,
+)
 from workbench.per_sample.recording import Recording, own_parameters
 from workbench.per_sample.recording import record as record_forward
 from workbench.per_sample.streaming import stream_backward
@@ -56,6 +61,8 @@ def record_batch(model, loss_fn, inputs, targets, check=False) -> Recording:
     warn_fallbacks(rec, _covered)
     sig = selfcheck.known(model, rec, check)
     rec.probe = selfcheck.probe(rec, model, loss_fn, inputs, targets) if sig else None
+    if sig is not None and rec.random:  # the record probe, run when the norms are known
+        rec.replay = lambda: replay_probe(rec, model, loss_fn, inputs, targets)
     rec.signature = sig
     return rec
 
@@ -86,11 +93,13 @@ def record_norms(model, loss_fn, inputs, targets, retain_graph: bool, check=Fals
 
 
 def verify_norms(model, rec: Recording, squares: torch.Tensor) -> None:
-    """The probed sample's norm against micro-batching (deterministic models); remember."""
+    """The probed sample's norm against micro-batching (deterministic models) or the record
+    probe (random ones: ``selfcheck.py``); remember."""
     if rec.signature is None:
         return
-    if not rec.random:
-        selfcheck.compare_norm(rec, squares[rec.n - 1].sqrt(), rec.probe)
+    ref = rec.replay() if rec.random else rec.probe
+    rec.replay = None
+    selfcheck.compare_norm(rec, squares[rec.n - 1].sqrt(), ref)
     selfcheck.remember(model, rec.signature, dict(rec.fallback))
 
 

@@ -93,10 +93,14 @@ class PrivacyEngine:
                      all_reduce_timeout_minutes=distributed.DEFAULT_TIMEOUT_MINUTES):
         """(model, DPOptimizer, loader): the same shapes in every ``grad_sample_mode``.
 
-        ``criterion`` (optional): the loss module the loop will use; its ``reduction`` must
-        equal ``loss_reduction``. Without it nothing checks that, nor that the loss is this
-        criterion at all: a loop whose loss is a sum when ``loss_reduction="mean"`` (or the
-        reverse) scales every per-sample gradient by n (or 1/n) before clipping.
+        ``criterion`` (optional): the loss module the loop will use; its ``reduction`` (if it
+        has one) must equal ``loss_reduction``. Every ``torch.nn`` loss module the loop calls
+        after the model's forward pass is seen anyway (``loss_watch.py``): its reduction is
+        checked, class weights and ``ignore_index`` are made per-record exact, and a loss
+        coupling records raises ``LossCouplingError``; ``criterion=`` adds a custom module
+        loss to what is seen. A loss written as a plain function (``F.cross_entropy``) is
+        not seen: then a sum when ``loss_reduction="mean"`` (or the reverse) scales every
+        per-sample gradient by n (or 1/n) before clipping.
         ``grad_sample_mode``: one of ``wb.dpsgd.MODES``, or ``"auto"`` (the default): einsum or
         book-keeping, whichever the rule of ``clipping/auto.py`` expects to be faster for the
         recorded layers of each batch (``optimizer.last["mode"]`` says which ran); every mode
@@ -143,7 +147,7 @@ class PrivacyEngine:
             optimizer, module, **extra, noise_multiplier=noise_multiplier,
             max_grad_norm=max_grad_norm,
             expected_batch_size=q * N, grad_sample_mode=grad_sample_mode,
-            loss_reduction=loss_reduction, generator=noise_generator,
+            loss_reduction=loss_reduction, generator=noise_generator, criterion=criterion,
             on_step=lambda sigma: self.accountant.step(noise_multiplier=sigma, sample_rate=q))
         dp_optimizer.all_reduce_timeout_minutes = timeout  # read by privatise's all-reduces
         detach_earlier(module, self, keep=dp_optimizer)  # a re-run cell: one recorder a model

@@ -15,6 +15,8 @@
 
 import warnings
 
+from torch import nn
+
 
 class PrivacyAccountingWarning(UserWarning):
     """The reported ε may understate the privacy spent (the message says why and the cost)."""
@@ -35,7 +37,11 @@ def warn_delta(delta, N: int, where: str) -> None:
 
 
 def check_criterion(criterion, loss_reduction: str) -> None:
-    """The criterion's ``reduction`` must be ``loss_reduction`` (see ``make_private``)."""
+    """The criterion's ``reduction`` must be ``loss_reduction`` (see ``make_private``); a
+    module loss without one (a custom ``nn.Module``) is probed at its first call
+    (``loss_watch.py``)."""
+    if isinstance(criterion, nn.Module) and not hasattr(criterion, "reduction"):
+        return
     reduction = getattr(criterion, "reduction", None)
     if reduction not in ("mean", "sum"):
         raise ValueError(f"criterion={criterion!r} has reduction={reduction!r}; make_private "

@@ -26,6 +26,18 @@ all-reduced, so the update equals the single-process one for the union of the ra
 samples: samples are clipped before any reduction, and noise enters exactly once. B is then
 the expected *global* batch size (q times the whole data set).
 
+**Checked, not assumed** (``recorded.py``, ``loss_watch.py``, ``per_sample/selfcheck.py``):
+every batch whose call signature is new (n symbolic: varying Poisson sizes share one, a size
+equal to another dimension of a call is new) is verified: the engine's ||g_i|| of one record
+against its exact twin (micro-batching; with randomness, the batch replayed with the same
+random state and the other records substituted), and the user's ``.grad`` against Σ_i g_i
+(a term reaching the parameters outside the model's output, e.g. an L2 penalty, raises:
+use the optimizer's ``weight_decay``, data-independent and applied after the noise).
+``torch.amp.GradScaler``: ``scaler.step(optimizer)`` hands over its scale
+(``_step_supports_amp_scaling``), which is divided out of every recorded gradient before
+clipping; ``scaler.update()`` reads the inf check of ``.grad`` as usual. The step is taken
+even when an inf was found (skipping it would depend on the data).
+
 **Empty batches** still step: the clipped sum is zero and the noise is added; skipping would
 reveal that the batch was empty.
 
@@ -45,17 +57,21 @@ from workbench.clipping.auto import choose_mode
 from workbench.clipping.engine import MODES, clipped_sum
 from workbench.dpsgd.distributed import DEFAULT_TIMEOUT_MINUTES, all_reduce
 from workbench.dpsgd.privatise import gaussian_noise
-from workbench.dpsgd.recorded import ModelRecorder
+from workbench.dpsgd.recorded import ModelRecorder, distributed_run
+from workbench.errors import UnattributedGradientError
+from workbench.per_sample import selfcheck
 from workbench.per_sample.checks import check_no_sample_mixing
 
 
 class DPOptimizer(Optimizer):
     """Wraps ``optimizer``; records ``model``'s layer calls; steps with DP-SGD gradients."""
 
+    _step_supports_amp_scaling = True  # torch.amp.GradScaler.step passes its scale: step()
+
     def __init__(self, optimizer: Optimizer, model: torch.nn.Module, *, noise_multiplier: float,
                  max_grad_norm: float, expected_batch_size: float,
                  grad_sample_mode: str = "auto", loss_reduction: str = "mean",
-                 generator: torch.Generator | None = None, on_step=None):
+                 generator: torch.Generator | None = None, on_step=None, criterion=None):
         if grad_sample_mode not in (*MODES, "auto"):
             raise ValueError(f"grad_sample_mode must be one of {(*MODES, 'auto')}; got "
                              f"{grad_sample_mode!r}")
@@ -75,8 +91,10 @@ class DPOptimizer(Optimizer):
         self.on_step = on_step  # called as on_step(noise_multiplier) after each logical step
         self.expect_more = False  # set by a virtual-step loader: more chunks of this batch
         self.model = model
-        self.recorder = ModelRecorder(model, self.param_groups)
-        self.verify = "first"  # "first" step, "always", or False: see verify_next_step()
+        self.recorder = ModelRecorder(model, self.param_groups, loss_reduction, criterion)
+        self.verify = True  # each new call signature; "always"; False: see verify_next_step()
+        self._verify_next = False
+        self._zeroed, self._released = False, {}  # is .grad this step's own? (_check_path)
         self.all_reduce_timeout_minutes = DEFAULT_TIMEOUT_MINUTES  # make_private may set it
         self._sums: dict[int, torch.Tensor] = {}
         self.last = {}  # norms and clip factors of the last batch, for widgets and training logs
@@ -130,12 +148,13 @@ class DPOptimizer(Optimizer):
         self.recorder.close()
 
     def verify_next_step(self) -> None:
-        """Check the next step against micro-batching on one sample (``recorded.py``)."""
-        self.verify = "always" if self.verify == "always" else "next"
+        """Verify the next step whatever its call signature (``recorded.py``)."""
+        self._verify_next = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
         self.recorder.clear()
+        self._zeroed = True
 
     def reset_virtual_step(self) -> None:
         """Drop the partial sums of an unfinished logical batch (a virtual-step loop that was
@@ -146,32 +165,86 @@ class DPOptimizer(Optimizer):
                           "discarded and no step was taken for it", stacklevel=3)
         self._sums, self.expect_more = {}, False
 
-    def accumulate_clipped_sum(self) -> None:
+    def accumulate_clipped_sum(self, scale=None) -> None:
         """Add this (physical) batch's Σ_i c_i g_i to the running sums: every backward pass
-        since the last step is a batch of its own samples, clipped one by one."""
+        since the last step is a batch of its own samples, clipped one by one. ``scale``: a
+        GradScaler's scale, divided out first."""
         C, group_of = self._clip_spec()
-        verify = self.verify in ("first", "next", "always")
-        norms, factors, modes = [], [], []
-        with self.recorder.paused():  # the samplers may call the layers themselves
-            for rec, exact in self.recorder.batches(self.loss_reduction, verify):
-                if rec.n == 0:
-                    continue
-                mode = self.grad_sample_mode
-                if mode == "auto":  # einsum or book-keeping, by clipping/auto.py's rule
-                    mode = choose_mode(rec)[0]
-                modes.append(mode)
-                sums, norm, c = clipped_sum(rec, C, mode, group_of, exact=exact)
-                self.recorder.verify(rec, norm)
-                for key, s in sums.items():
-                    self._sums[key] = s if key not in self._sums else self._sums[key] + s
-                norms.append(norm.detach())
-                factors.append(c.detach())
-        if verify and self.verify != "always":
-            self.verify = False
+        check = "always" if self.verify == "always" or self._verify_next else self.verify
+        self.recorder.watch.check = check is not False
+        norms, factors, modes, replays, paths = [], [], [], [], {}
+        try:
+            with self.recorder.paused():  # the samplers may call the layers themselves
+                for rec, exact in self.recorder.batches(self.loss_reduction, check, scale):
+                    if rec.n == 0:
+                        continue
+                    mode = self.grad_sample_mode
+                    if mode == "auto":  # einsum or book-keeping, by clipping/auto.py's rule
+                        mode = choose_mode(rec)[0]
+                    modes.append(mode)
+                    if rec.signature is not None:  # before clipping frees the backprops
+                        for key, g in self.recorder.path_gradient(rec, exact).items():
+                            paths[key] = g if key not in paths else paths[key] + g
+                    sums, norm, c = clipped_sum(rec, C, mode, group_of, exact=exact)
+                    if rec.signature is not None:
+                        replays.append((rec, norm[rec.n - 1].detach()))
+                    for key, s in sums.items():
+                        self._sums[key] = s if key not in self._sums else self._sums[key] + s
+                    norms.append(norm.detach())
+                    factors.append(c.detach())
+            self.recorder.clear(keep_pending=True)  # the checks' extra passes: on freed memory
+            self.recorder.watch.probe()
+            for rec, norm in replays:
+                self._verify(rec, norm)
+            if paths:
+                self._check_path(paths)
+        except Exception:
+            self._sums = {}  # nothing of a refused batch is kept for a later step
+            self.recorder.clear()
+            raise
+        self._verify_next = False
         self.last = {"norms": torch.cat(norms) if norms else torch.zeros(0),
                      "clip_factors": torch.cat(factors) if factors else torch.zeros(0),
                      "mode": modes[-1] if modes else None}  # the mode "auto" chose
-        self.recorder.clear()
+
+    def _verify(self, rec, norm) -> None:
+        """Record n - 1's ||g_i|| against its exact twin; then the verdict is remembered."""
+        if rec.replay is not None:  # randomness: the record probe (selfcheck.py)
+            ref = self.recorder.replay_probe(rec, *rec.replay)
+        else:
+            ref = rec.probe
+        rec.replay = None
+        selfcheck.compare_norm(rec, norm, ref)
+        selfcheck.remember(self.recorder.model, rec.signature, dict(rec.fallback))
+
+    def _check_path(self, paths: dict) -> None:
+        """The user's ``.grad`` must be Σ_i g_i: what flowed through the model's output."""
+        if distributed_run(self.model) or not (self._zeroed or all(
+                p.grad is not self._released.get(id(p)) for p in self.recorder.params.values())):
+            return  # .grad is all-reduced, or holds an earlier step's: not this batch's sum
+        names = {id(p): k for k, p in self.recorder.params.items()}
+        diffs, total, scale = [], 0.0, 0.0
+        for key, name in names.items():
+            p = self.recorder.params[name]
+            user = torch.zeros_like(p) if p.grad is None else p.grad.detach()
+            ours = paths.get(key, torch.zeros_like(p)).to(user.dtype)
+            d = float((user - ours).double().norm())
+            diffs.append((d, name))
+            total += d * d
+            scale = max(scale, float(user.double().norm()), float(ours.double().norm()))
+        tol = selfcheck.TOLERANCE.get(next(iter(self.recorder.params.values())).dtype, 1e-3)
+        if total ** 0.5 <= tol * scale + 1e-12:
+            return
+        worst = [name for d, name in sorted(diffs, reverse=True)[:3] if d > 0]
+        raise UnattributedGradientError(
+            f"the gradient of the loss in .grad differs from the sum of the per-record "
+            f"gradients by {total ** 0.5:.3g} (relative {total ** 0.5 / max(scale, 1e-300):.3g})"
+            f", mostly in {', '.join(worst)}: a term of the loss reaches these parameters "
+            f"outside the model's output (an L2 penalty lambda * ||theta||^2, a loss reading a "
+            f"parameter directly), and DP-SGD can neither clip it per record nor drop it "
+            f"silently. For an L2 penalty use the optimizer's weight_decay (= 2 lambda for "
+            f"SGD; data-independent, it is applied outside the noise); move any other "
+            f"parameter-dependent term into the model's forward")
 
     def noise_std(self) -> float:
         """σ C: the standard deviation of the noise on each coordinate of the clipped sum."""
@@ -220,14 +293,33 @@ class DPOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.recorder.check_step()  # a fresh backward since the last step, same model
-        self.accumulate_clipped_sum()
+        self.accumulate_clipped_sum(self._amp_scale())
         if self.expect_more:
+            self._mark_released()
             return loss  # a virtual step: noise comes with the logical batch's last chunk
         self.privatise()
+        self._mark_released()
         self.original_optimizer.step()
         if self.on_step is not None:
             self.on_step(self.noise_multiplier)
         return loss
+
+    def _mark_released(self) -> None:
+        """The .grad tensors now held: a later backward adding into them is not fresh."""
+        self._released = {id(p): p.grad for p in self.recorder.params.values()}
+        self._zeroed = False
+
+    def _amp_scale(self):
+        """The scale torch.amp.GradScaler.step set (``grad_scale``), or None without one."""
+        if "grad_scale" not in self.__dict__:
+            return None
+        if self.grad_scale is None:
+            raise ValueError("scaler.unscale_(optimizer) was called before scaler.step("
+                             "optimizer): it divides only .grad, which DP-SGD discards, and "
+                             "hides the scale the recorded per-sample gradients carry. Remove "
+                             "scaler.unscale_ (clip with max_grad_norm, not clip_grad_norm_): "
+                             "scaler.step(optimizer) unscales the per-sample gradients itself")
+        return self.grad_scale
 
     def state_dict(self):
         return self.original_optimizer.state_dict()

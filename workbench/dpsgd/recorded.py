@@ -11,11 +11,18 @@
 - the uses of parameters outside their layer (``per_sample.uses``), seen while the model's
   forward runs.
 
+- the loss calls between the forward and the backward pass (``loss_watch.py``): their
+  per-record factors f_i replace the mean's n, so record i's recorded backprops become the
+  gradient of its own loss (``per_sample.loss``, class weights and ``ignore_index``);
+- the random state at the start of the model's forward pass, for the record probe.
+
 Two backward passes before one ``step()`` (gradient accumulation) are two batches of distinct
-samples: each is clipped on its own. ``verify`` (the first step, or on request) compares the
-engine's ||g_i|| with micro-batching on one sample (``per_sample.selfcheck``); a model with
-randomness (dropout) cannot be compared that way, and then only the batch dimensions are
-verified. A loss that reads a parameter directly (not through the model) cannot be seen here.
+samples: each is clipped on its own. Every batch whose call signature (n symbolic,
+``selfcheck.signature``) is new is verified: the engine's ||g_i|| against micro-batching on
+one sample, or, with randomness (dropout), against the record probe that replays the batch's
+random state with the other records substituted (``per_sample.selfcheck``). A loss term
+reaching the parameters outside the model's output (an L2 penalty) is found by
+``path_gradient``: the user's ``.grad`` must equal Σ_i g_i (the optimizer compares).
 
 Notation: n batch size, b_out gradient of the loss w.r.t. the model's output, g_i per-sample
 gradient.
@@ -28,8 +35,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from workbench.clipping.engine import reweighted_weight_grads
+from workbench.dpsgd.loss_watch import LossWatch
 from workbench.errors import UnsupportedLayerError
 from workbench.per_sample import selfcheck
+from workbench.per_sample.checks import ModelCall
 from workbench.per_sample.fallback import exact_per_sample_gradients
 from workbench.per_sample.hooks import ActivationRecorder
 from workbench.per_sample.recording import (
@@ -41,6 +51,7 @@ from workbench.per_sample.recording import (
     note_uncovered,
     owners_of,
     parameter_names,
+    rng_state,
 )
 from workbench.per_sample.uses import UseTracker
 
@@ -57,7 +68,7 @@ def dot_loss(outputs, backprops) -> torch.Tensor:
 class ModelRecorder:
     """Hooks on ``model`` for the parameters of ``param_groups``; removed by ``close``."""
 
-    def __init__(self, model, param_groups):
+    def __init__(self, model, param_groups, loss_reduction="mean", criterion=None):
         # DistributedDataParallel / DataParallel: record and probe the wrapped module itself,
         # so the checks' extra passes never start a collective the other ranks do not join
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
@@ -86,7 +97,8 @@ class ModelRecorder:
         self.tracker = UseTracker(owners_of(self.layers, model), self.layer_rec,
                                   parameter_names(model))
         self.uncovered: dict[int, set[str]] = {}
-        self._depth, self._tracking = 0, False
+        self.watch = LossWatch(loss_reduction, criterion)
+        self._depth, self._tracking, self._rng, self._roots = 0, False, None, 0
         self._handles = [model.register_forward_pre_hook(self._enter),
                          model.register_forward_hook(self._exit, always_call=True)]
 
@@ -97,6 +109,9 @@ class ModelRecorder:
     def _enter(self, module, args):
         self._depth += 1
         if self._depth == 1 and self.layer_rec.recording:
+            self.watch.close()  # a new forward pass: the loss window of the last one ends
+            self._rng = rng_state(next(iter(self.params.values())).device)
+            self._roots = len(self.root_rec.calls[ROOT])
             self.tracker.__enter__()
             self._tracking = True
 
@@ -109,8 +124,14 @@ class ModelRecorder:
             self.tracker.__exit__(None, None, None)
             for key, where in self.tracker.uncovered.items():
                 self.uncovered.setdefault(key, set()).update(where)
+            roots = self.root_rec.calls[ROOT]
+            if len(roots) > self._roots:  # this forward pass's call: its random state
+                roots[-1].rng = self._rng
+                shape = roots[-1].outputs[0][0]
+                self.watch.open(shape[0] if len(shape) else 1, self.root_rec.generation)
 
     def close(self) -> None:
+        self.watch.close()
         for handle in self._handles:
             handle.remove()
         self.layer_rec.__exit__(None, None, None)
@@ -123,9 +144,15 @@ class ModelRecorder:
             stack.enter_context(self.root_rec.paused())
             yield
 
-    def clear(self) -> None:
+    def clear(self, keep_pending: bool = False) -> None:
+        """Forget the recorded calls; ``keep_pending``: the loss probes still to run."""
+        pending = self.watch.pending
         self.layer_rec.clear()
         self.root_rec.clear()
+        self.watch.close()
+        self.watch.clear()
+        if keep_pending:
+            self.watch.pending = pending
 
     def check_step(self) -> None:
         """A fresh backward pass since the last step, into the model made private."""
@@ -141,23 +168,34 @@ class ModelRecorder:
                                "loss.backward(), then optimizer.step(). A step without fresh "
                                "gradients would be a pure-noise update charged to the budget")
 
-    def batches(self, loss_reduction: str, verify: bool):
-        """(Recording, exact per-sample gradients of fallback parameters) per backward pass."""
+    def batches(self, loss_reduction: str, check, scale=None):
+        """(Recording, exact per-sample gradients of fallback parameters) per backward pass.
+
+        ``check``: ``selfcheck``'s option (True: each new call signature). ``scale``: a
+        GradScaler's scale, divided out of every recorded backprop."""
         self.layer_rec.collect()
         self.root_rec.collect()
         check_recorded(self.layers, self.layer_rec)
         roots = [c for c in self.root_rec.calls[ROOT] if c.backprops is not None]
         for gen in sorted({c.generation for c in roots}):
             mine = [c for c in roots if c.generation == gen]
-            rec = self._recording(gen, mine, loss_reduction)
+            rec = self._recording(gen, mine, loss_reduction, scale)
+            root = mine[0]
+            rec.rng = getattr(root, "rng", None)
+            sig = selfcheck.known(self.model, rec, check, extra=("optimizer",))
+            rec.signature = sig if len(mine) == 1 else None
             rec.probe = None
-            if verify and rec.n >= 2 and len(mine) == 1:
-                root = mine[0]
-                rec.probe = selfcheck.probe(rec, self.model, dot_loss, _inputs(root),
+            if rec.signature is not None:
+                rec.probe = selfcheck.probe(rec, self.model, dot_loss, _inputs(root, rec.n),
                                             root.backprops)
+                if rec.random and rec.rng is not None:  # for the record probe, after clipping
+                    b = root.backprops
+                    row = tuple(t[-1:].clone() for t in b) if isinstance(b, tuple) \
+                        else b[-1:].clone()
+                    rec.replay = (root.args, root.kwargs, row)
             yield rec, self._exact(rec, mine)
 
-    def _recording(self, gen: int, roots, loss_reduction: str) -> Recording:
+    def _recording(self, gen: int, roots, loss_reduction: str, scale=None) -> Recording:
         b = roots[0].backprops
         t = b[0] if isinstance(b, tuple) else b
         n = t.shape[0] if t.dim() else 1
@@ -165,16 +203,51 @@ class ModelRecorder:
         rec = Recording(n, self.layers, self.layer_rec, self.params, p0.dtype, p0.device,
                         random=self.tracker.random, generation=gen)
         note_uncovered(rec, self.uncovered)
+        f = self.watch.factors(gen, n)  # (n,) per-record factors of the loss (loss.py)
+        if f is None:  # no loss seen: a mean-reduced loss scaled every b_i by 1/n
+            f = torch.full((n,), float(n if loss_reduction == "mean" else 1), device=t.device)
+        if scale is not None:  # a GradScaler's scale: out of every b_i
+            f = f / scale.to(f.device, f.dtype)
+        rec.factors = f
         calls = [c for _, _, c in rec.calls()] + list(roots)
-        if loss_reduction == "mean":  # a mean-reduced loss scaled every b_i by 1/n
-            for call in calls:
-                b = call.backprops
-                call.backprops = tuple(t * n for t in b) if isinstance(b, tuple) else b * n
+        for call in calls:
+            call.backprops = _rescaled(call.backprops, f, n)
         for path, layer, call in rec.calls():
             problem = batch_problem(layer, call, n)
             if problem:
                 rec.mark(layer, path, problem)
         return rec
+
+    def path_gradient(self, rec: Recording, exact: dict) -> dict:
+        """{id(param): Σ_i g_i} as the user's backward pass computed it (before the factors
+        f_i): every gradient that flows through the model's output. Call before clipping
+        (book-keeping frees the backprops)."""
+        f = rec.factors
+        c = torch.where(f != 0, 1 / torch.where(f != 0, f, 1), 0)  # (n,) undo f_i
+        sums: dict = {}
+        for _, layer, call in rec.calls():
+            own = [p for _, p in rec.own(layer)]
+            if own:
+                for key, g in reweighted_weight_grads(layer, call, c, own).items():
+                    sums[key] = g if key not in sums else sums[key] + g
+        with torch.no_grad():
+            for key, g in exact.items():
+                s = torch.tensordot(c.to(g.dtype), g, dims=1)
+                sums[key] = s if key not in sums else sums[key] + s
+        return sums
+
+    def replay_probe(self, rec: Recording, args, kwargs, b_i) -> dict:
+        """Exact g_i of record n - 1 (``selfcheck.record_probe``): the batch again with the
+        other records substituted and the random state of its forward pass replayed, then
+        ⟨o_i, f_i b_i⟩ backpropagated (b_i: the loss's recorded gradient of that record)."""
+        i = rec.n - 1
+
+        def loss_of_record(out):
+            leaves = out if isinstance(out, (tuple, list)) else (out,)
+            return dot_loss(tuple(o[i:i + 1] for o in leaves), b_i).sum()
+
+        with self.paused():
+            return selfcheck.record_probe(rec, self.model, args, kwargs, loss_of_record)
 
     def _exact(self, rec: Recording, roots) -> dict:
         names = rec.fallback_names()
@@ -189,20 +262,41 @@ class ModelRecorder:
                 f"dim 0 of the inputs and outputs; this backward pass had {len(roots)} model "
                 f"call(s). Restructure the forward pass, or compute per-sample gradients with "
                 f"wb.clipped_grad_sum(model, loss_fn, x, y, C, method=...)")
-        grads = exact_per_sample_gradients(self.model, dot_loss, _inputs(root), root.backprops,
+        grads = exact_per_sample_gradients(self.model, dot_loss, _inputs(root, rec.n),
+                                           root.backprops,
                                            names, reasons)
         return {id(self.params[k]): g for k, g in grads.items()}
-
-    def verify(self, rec: Recording, norms: torch.Tensor) -> None:
-        """The probed sample's norm against micro-batching (deterministic models)."""
-        if rec.probe is not None and not rec.random:
-            selfcheck.compare_norm(rec, norms[rec.n - 1], rec.probe)
 
     def drop_outside_grads(self) -> None:
         for p in self.outside:
             p.grad = None
 
 
-def _inputs(call):
+def distributed_run(model) -> bool:
+    """torch.distributed is on, or the model is wrapped: .grad is then all-reduced."""
+    import torch.distributed as dist
+    wrapped = isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel))
+    return wrapped or (dist.is_available() and dist.is_initialized())
+
+
+def _inputs(call, n: int):
+    if call.kwargs:
+        return ModelCall(call.args, call.kwargs, n)
     return call.args if len(call.args) != 1 else call.args[0]
+
+
+def _rescaled(b, f: torch.Tensor, n: int):
+    """b (or a tuple of them) with record i's rows times f_i; one scalar when f is uniform.
+    A tensor whose dim 0 is not n (not the batch: sent to the exact fallback) is unchanged
+    unless f is uniform."""
+    if b is None or f.numel() == 0:
+        return b
+    if isinstance(b, tuple):
+        return tuple(_rescaled(t, f, n) for t in b)
+    if bool((f == f[0]).all()):
+        f0 = float(f[0])
+        return b if f0 == 1 else b * f0
+    if b.dim() == 0 or b.shape[0] != n:
+        return b
+    return b * f.to(b.dtype).view(-1, *[1] * (b.dim() - 1))
 

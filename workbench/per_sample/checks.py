@@ -4,10 +4,13 @@ Each check raises a specific exception that names the argument (or module path),
 received and the fix, before any expensive work starts.
 """
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
+from torch.utils._pytree import tree_map
 
 from workbench.errors import LossShapeError, SampleMixingError
 
@@ -87,15 +90,34 @@ def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
+class ModelCall(NamedTuple):
+    """A recorded call ``model(*args, **kwargs)`` of a batch of n (dict and nested inputs)."""
+
+    args: tuple
+    kwargs: dict
+    n: int
+
+
 def forward(model: nn.Module, inputs):
-    """``model(inputs)``, or ``model(*inputs)`` when inputs is a tuple/list of Tensors."""
+    """``model(inputs)``, ``model(*inputs)`` for a tuple/list of Tensors, or a ModelCall."""
+    if isinstance(inputs, ModelCall):
+        return model(*inputs.args, **inputs.kwargs)
     return model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)
 
 
 def take(batch, index: slice):
-    """Rows ``index`` of a Tensor, or of each Tensor in a tuple/list (None stays None)."""
+    """Rows ``index`` of a Tensor, or of each Tensor in a tuple/list (None stays None), or of
+    each Tensor with n rows in a ModelCall."""
     if batch is None:
         return None
+    if isinstance(batch, ModelCall):
+        def rows(t):
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch.n:
+                return t[index]
+            return t
+
+        args, kwargs = tree_map(rows, (batch.args, batch.kwargs))
+        return ModelCall(args, kwargs, len(range(batch.n)[index]))
     if isinstance(batch, (tuple, list)):
         return type(batch)(x[index] for x in batch)
     return batch[index]

@@ -85,6 +85,16 @@ def fallback_gradients(rec: Recording, model, loss_fn, inputs, targets):
     return {id(rec.params[name]): g for name, g in grads.items()}
 
 
+def replay_probe(rec: Recording, model, loss_fn, inputs, targets) -> dict:
+    """Exact g_i of sample n - 1 with the other samples substituted and the batch's random
+    state replayed (``selfcheck.record_probe``): loss_fn's own term of that sample."""
+    i = rec.n - 1
+    args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    swapped = selfcheck.substituted(targets, i, rec.n)
+    return selfcheck.record_probe(rec, model, args, {},
+                                  lambda out: loss_fn(out, swapped)[i])
+
+
 def einsum_per_sample_gradients(model, loss_fn, inputs, targets, strict=False, check=True):
     """``{name: Tensor(n, *param.shape)}`` from one forward and one backward pass."""
     selfcheck.check_option(check)
@@ -92,9 +102,7 @@ def einsum_per_sample_gradients(model, loss_fn, inputs, targets, strict=False, c
     warn_fallbacks(rec)
     sig = selfcheck.known(model, rec, check)
     ref = selfcheck.probe(rec, model, loss_fn, inputs, targets) if sig else None
-    rule = [p for p in rec.params.values() if id(p) not in rec.fallback]
-    sum_check = sig is not None and rec.random
-    batch = rec.recorder.backward(rec.losses.sum(), params=rule if sum_check else ())
+    rec.recorder.backward(rec.losses.sum())
     by_param = rule_gradients(rec)
     by_param.update(fallback_gradients(rec, model, loss_fn, inputs, targets))
     n = rec.n
@@ -102,14 +110,9 @@ def einsum_per_sample_gradients(model, loss_fn, inputs, targets, strict=False, c
              else torch.zeros(n, *p.shape, dtype=p.dtype, device=p.device)  # never reached loss
              for name, p in rec.params.items()}
     if sig is not None:
-        if sum_check:
-            names = [k for k, p in rec.params.items() if id(p) not in rec.fallback]
-            total = {k: torch.zeros_like(rec.params[k]) if g is None else g
-                     for k, g in zip(names, batch)}
-            selfcheck.compare(rec, {k: grads[k].sum(0) for k in names}, total,
-                              "the sum over the batch of the per-sample gradients")
-        else:
-            selfcheck.compare(rec, {k: g[n - 1] for k, g in grads.items()}, ref,
-                              f"the per-sample gradient of sample {n - 1}")
+        if rec.random:  # sample i alone draws other masks: replay the batch's (selfcheck.py)
+            ref = replay_probe(rec, model, loss_fn, inputs, targets)
+        selfcheck.compare(rec, {k: g[n - 1] for k, g in grads.items()}, ref,
+                          f"the per-sample gradient of sample {n - 1}")
         selfcheck.remember(model, sig, dict(rec.fallback))
     return grads

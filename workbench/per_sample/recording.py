@@ -41,6 +41,13 @@ from workbench.per_sample.registry import SAMPLER_CHECKS, find_grad_sampler, lay
 from workbench.per_sample.uses import UseTracker
 
 
+def rng_state(device: torch.device) -> tuple:
+    """The random state a forward pass starts from (CPU, and the CUDA device's), replayed by
+    ``selfcheck.record_probe``."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
 def own_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The trainable parameters a module owns itself: registered on it and not also on one of
     its submodules (a DP layer re-exposes its parts' weights under torch.nn's names; the
@@ -149,6 +156,9 @@ class Recording:
     exact: dict = field(default_factory=dict)  # id(param) -> (n, *shape): the fallback's g_i
     probe: dict | None = None  # selfcheck.probe: micro-batching's g_i of one sample
     signature: tuple | None = None  # selfcheck: the call signature this recording verifies
+    rng: tuple | None = None  # selfcheck.rng_state before the forward pass (record_probe)
+    replay: object = None  # () -> exact g_i of the record probe (random models, when checked)
+    factors: torch.Tensor | None = None  # (n,) f_i applied to record i's backprops (loss.py)
 
     def calls(self):
         """(path, layer, call) for every call whose output reached the loss."""
@@ -202,6 +212,7 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
     check_layers(layers, strict, covered)
     params = trainable_parameters(model)
     p0 = next(iter(params.values()))
+    rng = rng_state(p0.device)
     with ActivationRecorder(layers) as recorder:
         tracker = UseTracker(owners_of(layers, model), recorder, parameter_names(model))
         with tracker:
@@ -211,7 +222,7 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
         check_losses(losses, n)
     check_recorded(layers, recorder)
     rec = Recording(n, layers, recorder, params, p0.dtype, p0.device, losses,
-                    random=tracker.random)
+                    random=tracker.random, rng=rng)
     note_uncovered(rec, tracker.uncovered)
     for path, layer in layers.items():
         for call in recorder.calls[path]:

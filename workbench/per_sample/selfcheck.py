@@ -14,26 +14,37 @@ gap, both cheap next to a step:
 
    which catches a wrong sampler, a sample-mixing model (``x - x.mean(0)``) and any use the
    tracker missed. Cost: one forward and backward pass at batch size 1.
-2. **With randomness in the model** (dropout), sample i alone draws other masks than in the
-   batch, so the probe's g_i differs by design; the *sum check* replaces it: the batch
-   gradient from the same backward pass (same masks) must equal Σ_i ĝ_i over the rule
-   parameters. It catches missing and double-counted uses, not a permutation of rows.
+2. **The record probe, for randomness** (dropout): sample i alone draws other masks than in
+   the batch, so the probe above cannot compare. Instead the batch forward is re-run at the
+   same n with the random state of the batch's forward restored (the same masks, drawn in
+   the same order), every record but i *substituted* by record 0, and record i's own loss
+   backpropagated (``record_probe``). If model and loss treat records independently, g_i is
+   unchanged; a model that mixes records (``x - x.mean(0)`` with Dropout(0.1)), a coupled
+   loss or a missed use changes it, and the comparison above fails. Cost: one forward and
+   backward pass at batch size n, on checked calls only.
 
-Both run the first time a model is seen with a given call signature (the shapes of every
-recorded call); later calls with the same signature reuse the verdict and the probe's
-decisions. ``check="always"`` checks every call, ``check=False`` none (benchmarks only: on a
-model never checked before, a sequence-first layer with T == n then goes undetected).
+Both run the first time a model is seen with a given call signature: the shapes of every
+recorded call with the batch size made symbolic (every dimension equal to n written "n"), so
+Poisson batches of varying n reuse one verdict, while a batch whose n equals another
+dimension of some call (T == n: T5's relative position bias on a (T, T) bucket matrix) is a
+new signature and is checked again. Later calls with the same signature reuse the verdict and
+the probe's decisions. ``check="always"`` checks every call, ``check=False`` none (benchmarks
+only: on a model never checked before, a sequence-first layer with T == n then goes
+undetected).
 
 Notation: n batch size, i the probed sample, g_i exact per-sample gradient, ĝ_i fast one.
 """
 
 import weakref
+from contextlib import contextmanager
 
 import torch
+from torch.utils._pytree import tree_map
 
 from workbench.errors import PerSampleCheckError
 from workbench.per_sample.checks import check_losses, forward, take
 from workbench.per_sample.hooks import ActivationRecorder
+from workbench.per_sample.loss import substitute
 from workbench.per_sample.recording import (
     Recording,
     checked_shapes,
@@ -58,18 +69,25 @@ def check_option(check) -> None:
                          f"{check!r}")
 
 
-def signature(rec: Recording) -> tuple:
-    calls = tuple((path, tuple(tuple(s) for s in checked_shapes(layer, call)))
-                  for path, layer in rec.layers.items() for call in rec.recorder.calls[path])
-    return calls, tuple(sorted(rec.fallback)), rec.n, rec.dtype
+def symbolic(shape, n: int) -> tuple:
+    """The shape with every dimension equal to n written -1 ("n")."""
+    return tuple(-1 if d == n else d for d in shape)
 
 
-def known(model, rec: Recording, check) -> tuple | None:
+def signature(rec: Recording, extra=()) -> tuple:
+    """The verdict's key: every recorded call's checked shapes with n symbolic."""
+    calls = tuple((path, tuple(symbolic(s, rec.n) for s in checked_shapes(layer, call)))
+                  for path, layer in rec.layers.items() for call in rec.recorder.calls[path]
+                  if rec.generation is None or call.generation == rec.generation)
+    return calls, tuple(sorted(rec.fallback)), rec.dtype, extra
+
+
+def known(model, rec: Recording, check, extra=()) -> tuple | None:
     """The signature to verify, or None when this call need not be checked (re-applying the
     probe's decisions of the first call with the same signature)."""
     if rec.n < 2:
         return None
-    sig = signature(rec)
+    sig = signature(rec, extra)
     marks = _VERIFIED.get(model, {}).get(sig)
     if marks is not None and check != "always":
         for key, reason in marks.items():  # the probe's decisions, also with check=False
@@ -116,6 +134,41 @@ def probe(rec: Recording, model, loss_fn, inputs, targets) -> dict[str, torch.Te
             for (name, p), g in zip(rec.params.items(), grads)}
 
 
+@contextmanager
+def replayed(state: tuple, device: torch.device):
+    """Inside: the random state ``state``; outside: the caller's, untouched."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
+
+
+def substituted(batch, i: int, n: int):
+    """Every Tensor of ``batch`` (any nesting) with n rows: record i kept, the others
+    replaced by record 0 (``loss.substitute``); other leaves unchanged."""
+    def swap(t):
+        if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == n:
+            return substitute(t, i, 0, n)
+        return t
+
+    return tree_map(swap, batch)
+
+
+def record_probe(rec: Recording, model, args, kwargs, loss_of_record) -> dict:
+    """Exact g_i of record i = n - 1 in the batch with every other record substituted and
+    the batch's random state replayed: ∇_θ loss_of_record(model(*args', **kwargs'))."""
+    i = rec.n - 1
+    args, kwargs = substituted((args, kwargs), i, rec.n)
+    with replayed(rec.rng, rec.device), torch.enable_grad():
+        loss = loss_of_record(model(*args, **kwargs))
+    params = list(rec.params.values())
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return {name: torch.zeros_like(p) if g is None else g
+            for (name, p), g in zip(rec.params.items(), grads)}
+
+
 def _norm(tensors) -> torch.Tensor:
     return torch.sqrt(sum((t.double() ** 2).sum() for t in tensors))
 
@@ -150,7 +203,10 @@ def compare_norm(rec: Recording, got: torch.Tensor, ref: dict) -> None:
         return
     raise PerSampleCheckError(
         f"self-check failed: the per-sample gradient norm of sample {rec.n - 1} is "
-        f"{float(got):.6g}, micro-batching gives {exact:.6g} (tolerance {tol:g} for "
-        f"{rec.dtype}). A norm or grad sampler registered for one of the layers is wrong, or "
-        f"the model mixes samples outside any module (e.g. x - x.mean(0)). Nothing was "
+        f"{float(got):.6g}, its exact twin gives {exact:.6g} (tolerance {tol:g} for "
+        f"{rec.dtype}; the twin runs the sample alone, or, with randomness such as dropout, "
+        f"the batch again with the same random state and the other samples replaced). A "
+        f"norm or grad sampler registered for one of the layers is wrong, or the model "
+        f"mixes samples outside any module (e.g. x - x.mean(0), with or without dropout), "
+        f"or the loss does. Nothing was "
         f"returned; locate it with wb.audit.audit_gradients(model, loss_fn, inputs, targets)")
