@@ -24,3 +24,7 @@ class LossShapeError(WorkbenchError, ValueError):
 
 class PerSampleCheckError(WorkbenchError, RuntimeError):
     """A fast per-sample result failed its self-check against an exact twin: never returned."""
+
+
+class NonFiniteGradientError(WorkbenchError, ValueError):
+    """A record's per-sample gradient holds NaN or inf where no clipped sum can be made of it."""

@@ -29,13 +29,19 @@ rule can account for (``per_sample.recording``) are materialised exactly by the 
 fallback, and the norms are checked against micro-batching on one sample
 (``per_sample.selfcheck``).
 
+Norm samplers compute ||g_i||² in the layer's dtype (||a_i||² ||b_i||² for ``nn.Linear``), which
+overflows float32 once ||g_i|| passes 1.8e19: a layer whose ghost norm comes out NaN or inf is
+re-normed by fast gradient clipping, whose norms are overflow-safe (``flat.sample_norms``); a
+record that is non-finite there too is non-finite (``nonfinite.py``). Squared norms are float64.
+
 Notation: n batch, a activations, b backprops, c clip factors, C max_grad_norm.
 """
 
 import torch
 from torch.nn.utils.parametrize import is_parametrized
 
-from workbench.clipping.flat import LOW_PRECISION, clip_factors, sample_squares
+from workbench.clipping.flat import LOW_PRECISION, clip_factors, norm_dtype, sample_squares
+from workbench.clipping.nonfinite import refuse_nonfinite
 from workbench.clipping.registry import find_norm_sampler
 from workbench.per_sample import selfcheck
 from workbench.per_sample.einsum import fallback_gradients, sample_layer, warn_fallbacks
@@ -81,7 +87,7 @@ def record_norms(model, loss_fn, inputs, targets, retain_graph: bool, check=Fals
                     lambda call: norms.add_call(layer_of[id(call)], call), retain_graph)
     rec.exact = fallback_gradients(rec, model, loss_fn, inputs, targets)
     squares, materialised = norms.result(rec.exact)
-    zeros = torch.zeros(rec.n, dtype=rec.dtype, device=rec.device)
+    zeros = torch.zeros(rec.n, dtype=torch.float64, device=rec.device)
     return rec, squares.get(None, zeros), materialised
 
 
@@ -108,7 +114,7 @@ def recorded_shared(rec: Recording) -> set[int]:
 def squared_norms(rec: Recording, exact=None):
     """(||g_i||² (n,), {id(param): (n, *shape)} materialised: shared and exact)."""
     squares, materialised = squared_norms_by(rec, lambda p: None, exact)
-    return squares.get(None, torch.zeros(rec.n, dtype=rec.dtype, device=rec.device)), \
+    return squares.get(None, torch.zeros(rec.n, dtype=torch.float64, device=rec.device)), \
         materialised
 
 
@@ -150,8 +156,10 @@ class NormSum:
             if (sampler is not None and everything and len(groups) == 1
                     and not any(id(p) in self.shared for p in own.values())):
                 args, b = widen(call.args), widen(call.backprops)  # float16 -> float32
-                self.add(groups.pop(), sampler(layer, args, b))  # ghost norm
-                return
+                value = sampler(layer, args, b).double()  # ghost norm, (n,)
+                if torch.isfinite(value).all():  # else overflow, or a non-finite record:
+                    self.add(groups.pop(), value)  # re-normed below, without overflow
+                    return
             for name, g in sample_layer(layer, call, keep=own).items():  # fast gradient clipping
                 p = own[name]
                 if id(p) in self.shared:  # summed over its uses before the norm
@@ -183,7 +191,7 @@ def ghost_norms(model, loss_fn, inputs, targets, check=True) -> torch.Tensor:
     rec, squares, _ = record_norms(model, loss_fn, inputs, targets, retain_graph=False,
                                    check=check)
     verify_norms(model, rec, squares)
-    return squares.sqrt()
+    return squares.sqrt().to(norm_dtype(rec.dtype))  # NaN or inf for a non-finite record
 
 
 def ghost_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm, check=True):
@@ -191,6 +199,7 @@ def ghost_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm, check=True
     rec, squares, _ = record_norms(model, loss_fn, inputs, targets, retain_graph=True,
                                    check=check)
     verify_norms(model, rec, squares)
+    refuse_nonfinite(squares)  # 0 · NaN in the second backward pass would spread it
     c = clip_factors(squares.sqrt(), max_grad_norm)  # (n,)
     for call in rec.recorder.all_calls():
         call.backprops = None  # not needed by the second pass: free them before it runs

@@ -26,6 +26,10 @@ all-reduced, so the update equals the single-process one for the union of the ra
 samples: samples are clipped before any reduction, and noise enters exactly once. B is then
 the expected *global* batch size (q times the whole data set).
 
+**Non-finite records** (a NaN or inf per-sample gradient) are left out of the sum, counted in
+``last["nonfinite"]`` (indices in ``last["nonfinite_indices"]``) and warned about; a batch of
+n >= 2 records that are all non-finite raises (``clipping/nonfinite.py`` says why).
+
 **Empty batches** still step: the clipped sum is zero and the noise is added; skipping would
 reveal that the batch was empty.
 
@@ -43,6 +47,7 @@ from torch.optim import Optimizer
 from workbench.checks import check_max_grad_norm, check_noise_multiplier, check_positive
 from workbench.clipping.auto import choose_mode
 from workbench.clipping.engine import MODES, clipped_sum
+from workbench.clipping.nonfinite import skip_nonfinite, warn_skipped
 from workbench.dpsgd.distributed import DEFAULT_TIMEOUT_MINUTES, all_reduce
 from workbench.dpsgd.privatise import gaussian_noise
 from workbench.dpsgd.recorded import ModelRecorder
@@ -151,7 +156,7 @@ class DPOptimizer(Optimizer):
         since the last step is a batch of its own samples, clipped one by one."""
         C, group_of = self._clip_spec()
         verify = self.verify in ("first", "next", "always")
-        norms, factors, modes = [], [], []
+        norms, factors, modes, skipped, seen = [], [], [], [], 0
         with self.recorder.paused():  # the samplers may call the layers themselves
             for rec, exact in self.recorder.batches(self.loss_reduction, verify):
                 if rec.n == 0:
@@ -162,6 +167,8 @@ class DPOptimizer(Optimizer):
                 modes.append(mode)
                 sums, norm, c = clipped_sum(rec, C, mode, group_of, exact=exact)
                 self.recorder.verify(rec, norm)
+                skipped += [seen + i for i in skip_nonfinite(norm)]  # masked by the engine
+                seen += rec.n
                 for key, s in sums.items():
                     self._sums[key] = s if key not in self._sums else self._sums[key] + s
                 norms.append(norm.detach())
@@ -170,7 +177,9 @@ class DPOptimizer(Optimizer):
             self.verify = False
         self.last = {"norms": torch.cat(norms) if norms else torch.zeros(0),
                      "clip_factors": torch.cat(factors) if factors else torch.zeros(0),
-                     "mode": modes[-1] if modes else None}  # the mode "auto" chose
+                     "mode": modes[-1] if modes else None,  # the mode "auto" chose
+                     "nonfinite": len(skipped), "nonfinite_indices": skipped}
+        warn_skipped(skipped, seen)
         self.recorder.clear()
 
     def privatise(self) -> None:

@@ -27,6 +27,7 @@ model never checked before, a sequence-first layer with T == n then goes undetec
 Notation: n batch size, i the probed sample, g_i exact per-sample gradient, ĝ_i fast one.
 """
 
+import math
 import weakref
 
 import torch
@@ -127,6 +128,9 @@ def compare(rec: Recording, got: dict, ref: dict, what: str) -> None:
     tol = TOLERANCE.get(rec.dtype, 1e-3)
     err = _norm([got[k] - ref[k] for k in ref])
     scale = max(float(_norm(ref.values())), float(_norm(got.values())))
+    if not math.isfinite(float(_norm(ref.values()))) and \
+            not math.isfinite(float(_norm(got.values()))):
+        return  # a non-finite record either way: clipping/nonfinite.py's policy handles it
     atol = 1e-12 if rec.dtype == torch.float64 else 1e-6
     if float(err) <= tol * scale + atol:
         return
@@ -145,6 +149,8 @@ def compare_norm(rec: Recording, got: torch.Tensor, ref: dict) -> None:
     """The fast ||g_i|| of the probed sample against the probe's exact gradient."""
     tol = TOLERANCE.get(rec.dtype, 1e-3)
     exact = float(_norm(ref.values()))
+    if not math.isfinite(exact) and not math.isfinite(float(got)):
+        return  # a non-finite record either way: clipping/nonfinite.py's policy handles it
     err = abs(float(got) - exact)
     if err <= tol * max(exact, float(got)) + (1e-12 if rec.dtype == torch.float64 else 1e-6):
         return
