@@ -123,7 +123,7 @@ def squared_norms_by(rec: Recording, group_of, exact=None):
 
     Returns ({group: (n,)}, materialised), from the recorded backprops of every call.
     """
-    norms = NormSum(rec, group_of)
+    norms = NormSum(rec, group_of, deferred=True)  # the backprops stay until result()
     for _, layer, call in rec.calls():
         norms.add_call(layer, call)
     return norms.result(exact)
@@ -133,13 +133,20 @@ class NormSum:
     """||g_i||² by group, one call at a time (a norm sampler gives one number per layer, so
     a layer whose rule parameters lie in different groups, or that has parameters left to
     the fallback, is materialised instead; so are ``shared`` parameters, summed over their
-    calls before the norm)."""
+    calls before the norm).
 
-    def __init__(self, rec: Recording, group_of, shared=None):
+    A ghost norm that is NaN or inf (float32 overflow, or a non-finite record) is re-normed by
+    fast gradient clipping (module docstring). ``deferred`` (the calls keep their backprops
+    until ``result``): the check waits for ``result``, one device sync for all layers; else
+    (``stream_backward`` drops each b once handed over) each layer is checked as it comes.
+    """
+
+    def __init__(self, rec: Recording, group_of, shared=None, deferred=False):
         self.rec, self.group_of = rec, group_of
         self.shared = rec.shared_ids() if shared is None else shared
         self.squares: dict = {}
         self.materialised: dict[int, torch.Tensor] = {}
+        self.deferred, self.ghost = deferred, []  # [(layer, call, own, group, (n,) value)]
 
     def add(self, group, value) -> None:
         squares = self.squares
@@ -157,18 +164,39 @@ class NormSum:
                     and not any(id(p) in self.shared for p in own.values())):
                 args, b = widen(call.args), widen(call.backprops)  # float16 -> float32
                 value = sampler(layer, args, b).double()  # ghost norm, (n,)
+                if self.deferred:
+                    self.ghost.append((layer, call, own, groups.pop(), value))
+                    return
                 if torch.isfinite(value).all():  # else overflow, or a non-finite record:
                     self.add(groups.pop(), value)  # re-normed below, without overflow
                     return
-            for name, g in sample_layer(layer, call, keep=own).items():  # fast gradient clipping
-                p = own[name]
-                if id(p) in self.shared:  # summed over its uses before the norm
-                    self.materialised[id(p)] = self.materialised.get(id(p), 0) + g
+            self.fast_gradient_clipping(layer, call, own)
+
+    def fast_gradient_clipping(self, layer, call, own) -> None:
+        """The layer's per-sample gradients materialised, normed (overflow-safe) and dropped."""
+        for name, g in sample_layer(layer, call, keep=own).items():
+            p = own[name]
+            if id(p) in self.shared:  # summed over its uses before the norm
+                self.materialised[id(p)] = self.materialised.get(id(p), 0) + g
+            else:
+                self.add(self.group_of(p), sample_squares(g))  # normed, then dropped
+
+    def _check_deferred(self) -> None:
+        if not self.ghost:
+            return
+        values = torch.stack([value for *_, value in self.ghost])  # (L, n)
+        finite = torch.isfinite(values).all(1).tolist()  # one sync for every layer
+        with torch.no_grad():
+            for (layer, call, own, group, value), ok in zip(self.ghost, finite):
+                if ok:
+                    self.add(group, value)
                 else:
-                    self.add(self.group_of(p), sample_squares(g))  # normed, then dropped
+                    self.fast_gradient_clipping(layer, call, own)
+        self.ghost = []
 
     def result(self, exact=None):
         """({group: (n,)}, {id(param): (n, *shape)}: the shared and the ``exact`` ones)."""
+        self._check_deferred()
         params = {id(p): p for p in self.rec.params.values()}
         materialised = {**(exact or {}), **self.materialised}
         with torch.no_grad():
