@@ -1,3 +1,8 @@
+import io
+import multiprocessing
+import random
+
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -5,7 +10,8 @@ from torch.utils.data import DataLoader
 
 import workbench as wb
 from workbench.dpsgd import load_checkpoint, save_checkpoint
-from workbench.dpsgd.checkpoint import CheckpointError
+from workbench.dpsgd.checkpoint import CheckpointError, read_checkpoint
+from workbench.dpsgd.checkpoint_file import OLD_MAGIC, write_checkpoint_file
 
 
 def setup():
@@ -175,9 +181,6 @@ def test_resume_with_the_engine_alone_restores_its_generators(tmp_path):
 
 
 def test_resume_restores_the_global_rng_noise_batches_and_dropout(tmp_path):
-    import random
-
-    import numpy as np
     model, opt, loader, engine = run_without_generators()
     plain_steps(model, opt, loader, 2)
     save_checkpoint(tmp_path / "run.pt", model=model, optimizer=opt, engine=engine)
@@ -279,14 +282,9 @@ def test_resume_between_logical_batches_of_virtual_steps(tmp_path):
 
 def forge(path, state):
     """A well-formed (hash-verified) checkpoint file holding ``state``."""
-    import hashlib
-    import io
-
-    from workbench.dpsgd.checkpoint import MAGIC
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    payload = buffer.getvalue()
-    path.write_bytes(MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
+    write_checkpoint_file(path, buffer.getvalue())
 
 
 def snapshot(model, opt, engine, scheduler, noise, sampling):
@@ -358,7 +356,6 @@ def test_a_mismatched_checkpoint_changes_nothing(tmp_path, match):
 
 
 def io_payload(path):
-    import io
     data = path.read_bytes()
     return io.BytesIO(data[data.find(b"\n") + 1:])
 
@@ -382,7 +379,6 @@ def test_a_restore_that_fails_late_puts_back_what_it_restored(tmp_path, monkeypa
 
 
 def test_a_format_1_checkpoint_needs_restore_global_rng_false(tmp_path):
-    from workbench.dpsgd.checkpoint import OLD_MAGIC
     model, opt, loader, engine, scheduler, *_ = setup()
     save_checkpoint(tmp_path / "run.pt", model=model, optimizer=opt, engine=engine)
     data = (tmp_path / "run.pt").read_bytes()
@@ -402,9 +398,6 @@ def _save_many(path, seed, count):
 
 
 def test_processes_saving_to_one_path_each_write_a_whole_file(tmp_path):
-    import multiprocessing
-
-    from workbench.dpsgd.checkpoint import read_checkpoint
     path = tmp_path / "shared.pt"
     ctx = multiprocessing.get_context("fork")
     procs = [ctx.Process(target=_save_many, args=(path, seed, 15)) for seed in (0, 1)]
@@ -414,9 +407,9 @@ def test_processes_saving_to_one_path_each_write_a_whole_file(tmp_path):
         p.join(timeout=120)
     assert [p.exitcode for p in procs] == [0, 0]
     state = read_checkpoint(path)  # verifies: one whole file, either process's
-    weights = [nn.Linear(200, 200) for _ in range(2)]
-    for seed, w in enumerate(weights):
+    weights = []
+    for seed in (0, 1):
         torch.manual_seed(seed)
-        weights[seed] = nn.Linear(200, 200).weight
+        weights.append(nn.Linear(200, 200).weight)
     assert any(torch.equal(state["model"]["weight"], w) for w in weights)
     assert not list(tmp_path.glob("*.partial"))

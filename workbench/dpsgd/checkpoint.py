@@ -30,22 +30,17 @@ the accountant's history, the scheduler's keys, each generator and global RNG st
 a scratch generator). Only then does it restore, and should a restore still fail, what was
 restored before it is put back.
 
-File format: one header line ``WORKBENCH-CHECKPOINT-2 sha256=<64 hex digits>`` followed by the
-``torch.save`` payload, read back with ``torch.load(weights_only=True)`` (a checkpoint from
-elsewhere cannot run code on load). The SHA-256 (FIPS 180-4) of the payload is checked before
-anything is read, so a corrupted or truncated file fails with its name. Each save writes a
-temporary file of its own (the process id and a random suffix) and renames it over ``path``
-(atomic on POSIX and Windows), so a crash mid-save leaves the old file, and processes saving
-to one path at once (every DDP rank) each write a whole file: the last rename wins.
+The file (``checkpoint_file.py``): a SHA-256 header line, checked before anything is read,
+then a ``torch.save`` payload read with ``weights_only=True``; each save writes a temporary
+file of its own and renames it over ``path``, so concurrent saves to one path (every DDP rank)
+each leave a whole file and a crash mid-save leaves the old one.
 Format-1 files (no global RNG states) load only with ``restore_global_rng=False``.
+Under DistributedDataParallel each rank has its own RNG states and Poisson shard: to resume
+every rank exactly, save one file per rank (``f"run.rank{rank}.pt"``) and load each rank's own.
 """
 
 import copy
-import hashlib
 import io
-import os
-import secrets
-from pathlib import Path
 
 import torch
 
@@ -58,12 +53,10 @@ from workbench.dpsgd.checkpoint_checks import (
     check_scheduler,
     not_mid_batch,
 )
+from workbench.dpsgd.checkpoint_file import FORMAT, read_checkpoint, write_checkpoint_file
 from workbench.dpsgd.rng_state import SECURE, generator_state
 from workbench.dpsgd.secure import SecureGenerator
 
-FORMAT = 2
-MAGIC = b"WORKBENCH-CHECKPOINT-2 sha256="
-OLD_MAGIC = b"WORKBENCH-CHECKPOINT-1 sha256="
 GENERATORS = ("noise_generator", "sampling_generator")
 __all__ = ["SECURE", "CheckpointError", "load_checkpoint", "read_checkpoint", "save_checkpoint"]
 
@@ -100,49 +93,7 @@ def save_checkpoint(path, *, model, optimizer, engine=None, scheduler=None,
         **{name: generator_state(name, g) for name, g in generators.items()},
         "global_rng": rng_state.global_rng_state(),
     }, buffer)
-    payload = buffer.getvalue()
-    write_atomically(Path(path), MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n"
-                     + payload)
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """``data`` to a temporary file of this call's own, flushed to disk, renamed to ``path``."""
-    partial = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(8)}.partial")
-    try:
-        with open(partial, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(partial, path)
-    finally:
-        if partial.exists():
-            partial.unlink()
-
-
-def read_checkpoint(path, allow_old: bool = False) -> dict:
-    """The verified payload of ``path`` as a dict (``CheckpointError`` if it does not verify)."""
-    data = Path(path).read_bytes()
-    end = data.find(b"\n")
-    magic = next((m for m in (MAGIC, OLD_MAGIC) if data.startswith(m)), None)
-    if magic is None or end != len(magic) + 64:
-        raise CheckpointError(f"{path} is not a workbench checkpoint (no SHA-256 header line): "
-                              f"write it with wb.dpsgd.save_checkpoint")
-    expected, payload = data[len(magic):end].decode("ascii", "replace"), data[end + 1:]
-    actual = hashlib.sha256(payload).hexdigest()
-    if actual != expected:
-        raise CheckpointError(f"{path} is corrupted or truncated: the SHA-256 of its "
-                              f"{len(payload)}-byte payload is {actual[:16]}..., the header "
-                              f"says {expected[:16]}...; resume from another checkpoint")
-    if magic == OLD_MAGIC and not allow_old:
-        raise CheckpointError(f"{path} is a format-1 checkpoint, which holds no global RNG "
-                              f"states (torch, CUDA, random, NumPy): a run resumed from it "
-                              f"would draw what the first run drew. Load it with "
-                              f"restore_global_rng=False and seed the global RNGs afresh")
-    state = torch.load(io.BytesIO(payload), weights_only=True)
-    if state.get("format", 1) not in (1, FORMAT):
-        raise CheckpointError(f"{path} is format {state.get('format')!r}; this workbench "
-                              f"reads format {FORMAT}: load it with the version that wrote it")
-    return state
+    write_checkpoint_file(path, buffer.getvalue())
 
 
 def _check_generator(path, name, generator, state) -> None:
