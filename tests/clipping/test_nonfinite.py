@@ -215,3 +215,34 @@ def test_optimizer_clips_a_huge_gradient_to_C(mode, dtype):
     for name, p in model.named_parameters():
         assert relative_error(p.grad, expected[name]) <= 10 * RTOL[dtype], (mode, name)
     opt.detach()
+
+
+class ParentReadsChild(nn.Module):
+    """``lin.bias`` is also read outside ``lin``: its per-sample gradient comes from the exact
+    whole-model fallback, the path of the parameters no per-layer rule accounts for."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.head = nn.Linear(4, 5), nn.Linear(5, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        return self.head(h) + h[:, :2] * self.lin.bias[:2]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nonfinite_record_in_the_exact_fallback_is_masked(mode):
+    model = ParentReadsChild().double()
+    x, y, loss, i = batch(torch.float64, "nan_input")
+    expected = good_twin(model, loss, x, y, i, 0.5)
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
+                      max_grad_norm=0.5, expected_batch_size=1.0, grad_sample_mode=mode,
+                      loss_reduction="sum")
+    opt.zero_grad()
+    loss(model(x), y).sum().backward()
+    with pytest.warns(NonFiniteRecordWarning):
+        opt.step()
+    for name, p in model.named_parameters():
+        assert relative_error(p.grad, expected[name]) <= 1e-9, (mode, name)
+    opt.detach()

@@ -36,7 +36,8 @@ def steps(model, opt, loader, scheduler, k):
         opt.zero_grad()
         nn.CrossEntropyLoss()(model(x), y).backward()
         opt.step()
-        scheduler.step()
+        if scheduler is not None:
+            scheduler.step()
 
 
 def test_resume_reproduces_the_uninterrupted_run(tmp_path):
@@ -156,15 +157,6 @@ def run_without_generators():
     return model, opt, loader, engine
 
 
-def plain_steps(model, opt, loader, k):
-    it = iter(loader)
-    for _ in range(k):
-        x, y = next(it)
-        opt.zero_grad()
-        nn.CrossEntropyLoss()(model(x), y).backward()
-        opt.step()
-
-
 def test_resume_with_the_engine_alone_restores_its_generators(tmp_path):
     model, opt, loader, engine, scheduler, *_ = setup()
     steps(model, opt, loader, scheduler, 2)
@@ -182,14 +174,14 @@ def test_resume_with_the_engine_alone_restores_its_generators(tmp_path):
 
 def test_resume_restores_the_global_rng_noise_batches_and_dropout(tmp_path):
     model, opt, loader, engine = run_without_generators()
-    plain_steps(model, opt, loader, 2)
+    steps(model, opt, loader, None, 2)
     save_checkpoint(tmp_path / "run.pt", model=model, optimizer=opt, engine=engine)
-    plain_steps(model, opt, loader, 2)
+    steps(model, opt, loader, None, 2)
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     draws = (torch.rand(3), random.random(), np.random.rand())
     model2, opt2, loader2, engine2 = run_without_generators()  # re-seeded: would replay
     load_checkpoint(tmp_path / "run.pt", model=model2, optimizer=opt2, engine=engine2)
-    plain_steps(model2, opt2, loader2, 2)
+    steps(model2, opt2, loader2, None, 2)
     for k, v in model2.state_dict().items():
         assert torch.equal(v, expected[k]), k
     assert torch.equal(torch.rand(3), draws[0])
