@@ -22,6 +22,7 @@ from workbench.clipping import (
 from workbench.dpsgd import PrivacyEngine, train
 from workbench.errors import (
     LossShapeError,
+    NonFiniteGradientError,
     PerSampleCheckError,
     SampleMixingError,
     UnsupportedLayerError,
@@ -42,6 +43,7 @@ __all__ = [
     "METHODS",
     "PrivacyEngine",
     "LossShapeError",
+    "NonFiniteGradientError",
     "PerSampleCheckError",
     "SampleMixingError",
     "UnsupportedLayerError",
