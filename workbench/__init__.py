@@ -23,6 +23,7 @@ from workbench.dpsgd import PrivacyEngine, train
 from workbench.errors import (
     LossCouplingError,
     LossShapeError,
+    NonFiniteGradientError,
     PerSampleCheckError,
     SampleMixingError,
     UnattributedGradientError,
@@ -45,6 +46,7 @@ __all__ = [
     "PrivacyEngine",
     "LossCouplingError",
     "LossShapeError",
+    "NonFiniteGradientError",
     "PerSampleCheckError",
     "SampleMixingError",
     "UnattributedGradientError",

@@ -34,3 +34,7 @@ class LossCouplingError(WorkbenchError, ValueError):
 class UnattributedGradientError(WorkbenchError, ValueError):
     """Part of the loop's gradient reaches the parameters outside the model's output (an L2
     penalty, a loss reading a parameter): it cannot be attributed to records and clipped."""
+
+
+class NonFiniteGradientError(WorkbenchError, ValueError):
+    """A record's per-sample gradient holds NaN or inf where no clipped sum can be made of it."""

@@ -11,15 +11,19 @@
 | ghost         | norms from (a, b); clipped sum by a 2nd backward pass   | ghost.py        |
 | bookkeeping   | norms from (a, b); clipped sum from the same (a, b)     | bookkeeping.py  |
 
-All methods share ``flat.clip_factors`` (exact, no stabiliser), so they agree to rounding.
+All methods share ``flat.clip_factors`` (exact, no stabiliser), so they agree to rounding,
+and ``flat.sample_norms`` (float32 gradients above 1e19 are normed without overflow).
+A record whose gradient holds NaN or inf has a NaN or inf norm; ``clipped_grad_sum`` raises
+``NonFiniteGradientError`` naming it (``nonfinite.py``; the DP optimizer skips and counts it).
 """
 
 import torch
 
 from workbench.clipping import norms  # noqa: F401  (registers the built-in norm samplers)
 from workbench.clipping.bookkeeping import bookkeeping_clipped_sum
-from workbench.clipping.flat import clip_factors, grad_norms, weighted_sum
+from workbench.clipping.flat import clip_factors, grad_norms, norm_dtype, weighted_sum
 from workbench.clipping.ghost import ghost_clipped_sum, ghost_norms
+from workbench.clipping.nonfinite import refuse_nonfinite
 from workbench.clipping.registry import NORM_SAMPLERS, register_norm_sampler
 from workbench.clipping.routes import ghost_routes
 from workbench.clipping.snapshot import (
@@ -44,7 +48,8 @@ def _nothing_trainable(model, inputs, targets) -> bool:
 
 
 def per_sample_grad_norms(model, loss_fn, inputs, targets, method="ghost", check=True):
-    """||g_i|| over all trainable parameters, Tensor(n,).
+    """||g_i|| over all trainable parameters, Tensor(n,): NaN or inf for a record whose
+    gradient holds NaN or inf (this finds the records ``clipped_grad_sum`` refuses).
 
     ``check`` (einsum and ghost): compare with micro-batching on one sample the first time a
     model is seen with a given call signature; ``"always"``; ``False`` for benchmarks.
@@ -66,8 +71,9 @@ def per_sample_grad_norms(model, loss_fn, inputs, targets, method="ghost", check
     check_option(check)
     if method == "ghost":
         return ghost_norms(model, loss_fn, inputs, targets, check=check)
-    return grad_norms(per_sample_gradients(model, loss_fn, inputs, targets, method=method,
-                                           check=check))
+    grads = per_sample_gradients(model, loss_fn, inputs, targets, method=method, check=check)
+    dtype = norm_dtype(next(iter(grads.values())).dtype) if grads else torch.float32
+    return grad_norms(grads).to(dtype)
 
 
 def clipped_grad_sum(model, loss_fn, inputs, targets, max_grad_norm, method="bookkeeping",
@@ -75,6 +81,7 @@ def clipped_grad_sum(model, loss_fn, inputs, targets, max_grad_norm, method="boo
     """{param_name: Σ_i min(1, C / ||g_i||) g_i} for the trainable parameters.
 
     ``check``: as in ``per_sample_grad_norms`` (einsum, ghost, bookkeeping).
+    ``NonFiniteGradientError`` names the records whose gradient holds NaN or inf.
     """
     if method not in CLIP_METHODS:
         raise ValueError(f"method must be one of {CLIP_METHODS}; got {method!r}")
@@ -88,7 +95,9 @@ def clipped_grad_sum(model, loss_fn, inputs, targets, max_grad_norm, method="boo
         return bookkeeping_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm,
                                        check=check)
     grads = per_sample_gradients(model, loss_fn, inputs, targets, method=method, check=check)
-    return weighted_sum(grads, clip_factors(grad_norms(grads), max_grad_norm))
+    sample_norms = grad_norms(grads)  # (n,) float64
+    refuse_nonfinite(sample_norms)
+    return weighted_sum(grads, clip_factors(sample_norms, max_grad_norm))
 
 
 __all__ = [

@@ -28,6 +28,7 @@ Notation: n batch, a activations, b backprops, c clip factors (n,).
 from workbench.checks import check_max_grad_norm
 from workbench.clipping.engine import clipped_sum
 from workbench.clipping.ghost import record, squared_norms, verify_norms
+from workbench.clipping.nonfinite import refuse_nonfinite
 
 
 def bookkeeping_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm, check=True):
@@ -36,6 +37,7 @@ def bookkeeping_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm, chec
     rec = record(model, loss_fn, inputs, targets, retain_graph=False, check=check)
     if rec.signature is not None:  # the norms are the engine's; verify them first
         verify_norms(model, rec, squared_norms(rec, rec.exact)[0])
-    sums, _, _ = clipped_sum(rec, C, "bookkeeping", exact=rec.exact)
+    sums, norms, _ = clipped_sum(rec, C, "bookkeeping", exact=rec.exact)
+    refuse_nonfinite(norms)  # the engine masked them; the functional API names them
     return {name: sums[id(p)] if id(p) in sums else p.new_zeros(p.shape)
             for name, p in rec.params.items()}

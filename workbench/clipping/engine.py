@@ -20,6 +20,10 @@ Parameters materialised anyway (exact fallback, or used in several calls) enter 
 §3): each group's part of g_i is clipped to C_g, so the clipped gradient has norm at most
 ||C||₂ = (Σ_g C_g²)^½, the sensitivity the noise is scaled to.
 
+**Norms and non-finite records.** Squared norms are float64 and overflow-safe (``flat.py``);
+a record whose norm is NaN or inf in any group gets c_i = 0 in *every* group and is masked,
+not multiplied, out of each product (``nonfinite.py``), so it cannot turn the sum into NaN.
+
 Notation: n batch, g_i per-sample gradient, c_i clip factor, C max_grad_norm, b backprops.
 """
 
@@ -27,8 +31,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from workbench.clipping.flat import LOW_PRECISION, clip_factors, sample_squares
+from workbench.clipping.flat import clip_factors, sample_squares
 from workbench.clipping.ghost import squared_norms_by
+from workbench.clipping.nonfinite import bad_records, finite_values, masked
 from workbench.per_sample.einsum import sample_layer
 from workbench.per_sample.functional import layer_vmap_grad_sampler
 from workbench.per_sample.microbatch import layer_microbatch_grad_sampler
@@ -60,14 +65,18 @@ def materialise(rec, mode: str) -> dict[int, torch.Tensor]:
     return grads
 
 
-def _weighted(b, c):
-    return c.to(b.dtype).view(-1, *[1] * (b.dim() - 1)) * b  # c_i b_i
+def _weighted(b, c, ok=None):
+    cb = c.to(b.dtype).view(-1, *[1] * (b.dim() - 1)) * b  # c_i b_i
+    return cb if ok is None else masked(cb, ok)  # a non-finite record's row: 0, not 0 · NaN
 
 
-def linear_weight_grads(layer, call, weighted: torch.Tensor, own: list) -> dict:
+def linear_weight_grads(layer, call, weighted: torch.Tensor, own: list, ok=None) -> dict:
     """nn.Linear without its graph: Σ_i c_i B_iᵀ A_i = (c ⊙ B)ᵀ A (Bu et al. 2023, Eq. 3), one
-    matmul over the n·T rows, as PyTorch's own weight gradient (no forward re-run)."""
+    matmul over the n·T rows, as PyTorch's own weight gradient (no forward re-run).
+    ``ok`` (n,): records to keep when some are non-finite (the others' rows of A are zeroed)."""
     a = call.args[0] if call.args else call.kwargs["input"]  # (n, ..., d)
+    if ok is not None:
+        a = masked(a, ok)
     B = weighted.reshape(-1, weighted.shape[-1])  # (n T, p)  c_i b_{i,t}
     grads = {}
     if any(p is layer.weight for p in own):
@@ -77,17 +86,22 @@ def linear_weight_grads(layer, call, weighted: torch.Tensor, own: list) -> dict:
     return grads
 
 
-def reweighted_weight_grads(layer, call, c, own: list) -> dict:
+def reweighted_weight_grads(layer, call, c, own: list, ok=None) -> dict:
     """{id(param): Σ_i c_i g_i} for ``own`` parameters of one call, by one weight gradient
-    from the call's stored inputs (the backward pass has freed the graph)."""
+    from the call's stored inputs (the backward pass has freed the graph). ``ok`` (n,), when
+    some records are non-finite: the others' backprops are masked to 0 and the stored inputs'
+    NaN and inf entries replaced by 0, so no 0 · NaN enters the weight gradient."""
     b = call.backprops
-    weighted = [_weighted(t, c) for t in (b if isinstance(b, tuple) else (b,))]
+    weighted = [_weighted(t, c, ok) for t in (b if isinstance(b, tuple) else (b,))]
     if type(layer) is nn.Linear:
         with torch.no_grad():
-            return linear_weight_grads(layer, call, weighted[0], own)
+            return linear_weight_grads(layer, call, weighted[0], own, ok)
     detach = lambda t: t.detach() if isinstance(t, torch.Tensor) else t  # noqa: E731
+    args, kwargs = tree_map(detach, call.args), tree_map(detach, call.kwargs)
+    if ok is not None:
+        args, kwargs = finite_values(args), finite_values(kwargs)
     with torch.enable_grad():
-        out = layer.forward(*tree_map(detach, call.args), **tree_map(detach, call.kwargs))
+        out = layer.forward(*args, **kwargs)
     outputs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
                if isinstance(t, torch.Tensor) and t.requires_grad]
     grads = torch.autograd.grad(outputs, own, grad_outputs=weighted, allow_unused=True)
@@ -105,8 +119,7 @@ def clipped_sum(rec, max_grad_norm, mode: str, group_of=None, exact=None):
     C = max_grad_norm if per_group else {None: max_grad_norm}
     group_of = group_of if per_group else (lambda p: None)
     params = {id(p): p for p in rec.params.values()}
-    wide = torch.float32 if rec.dtype in LOW_PRECISION else rec.dtype  # norms of half models
-    zeros = torch.zeros(rec.n, dtype=wide, device=rec.device)
+    zeros = torch.zeros(rec.n, dtype=torch.float64, device=rec.device)  # squares: flat.py
     exact = exact or {}
     if mode in MATERIALISING:
         grads = {**materialise(rec, mode), **exact}
@@ -114,24 +127,28 @@ def clipped_sum(rec, max_grad_norm, mode: str, group_of=None, exact=None):
         for key, g in grads.items():
             group = group_of(params[key])
             squares[group] = squares.get(group, zeros) + sample_squares(g)
-        c = {group: clip_factors(sq.sqrt(), C[group]) for group, sq in squares.items()}
-        sums = {}
     else:
         squares, grads = squared_norms_by(rec, group_of, exact)
-        c = {group: clip_factors(sq.sqrt(), C[group]) for group, sq in squares.items()}
-        sums = {}
+    norms = sum(squares.values(), zeros).sqrt()  # (n,) NaN or inf if any group is
+    bad = bad_records(norms)
+    ok = ~bad if bad.any() else None  # None: the usual case, nothing to mask
+    c = {group: clip_factors(sq.sqrt(), C[group]) for group, sq in squares.items()}
+    if ok is not None:  # a non-finite record: 0 in every group, not only in its bad one
+        c = {group: masked(cg, ok) for group, cg in c.items()}
+    sums = {}
+    if mode not in MATERIALISING:
         for _, layer, call in list(rec.calls()):
             for group in {group_of(p) for _, p in rec.own(layer)} & set(c):
                 own = [p for _, p in rec.own(layer)
                        if id(p) not in grads and group_of(p) == group]
                 if own:
-                    for key, g in reweighted_weight_grads(layer, call, c[group],
-                                                          own).items():
+                    for key, g in reweighted_weight_grads(layer, call, c[group], own,
+                                                          ok).items():
                         sums[key] = g if key not in sums else sums[key] + g
             call.backprops = None  # used: free it before the next layer's weight gradient
     with torch.no_grad():
         for key, g in grads.items():  # materialised: Σ_i c_i g_i directly
+            g = g if ok is None else masked(g, ok)
             sums[key] = torch.tensordot(c[group_of(params[key])].to(g.dtype), g, dims=1)
-    norms = sum(squares.values(), zeros).sqrt()
     factors = torch.stack(list(c.values())).min(0).values if c else zeros + 1
     return sums, norms, factors

@@ -12,6 +12,18 @@ the convention c_i = 1 when ||g_i|| = 0 (C / 0 = inf, then the min gives 1). Eve
 the workbench shares this function, so they agree exactly, and ||ḡ_i|| <= C holds without
 the 1e-6 slack.
 
+**Norms that do not overflow.** ||g_i||² of a float32 gradient overflows float32 once ||g_i||
+passes 1.8e19 (a record with entries near 1e18 in a thousand coordinates): the norm would be
+inf, c_i = C / inf = 0, and the record would silently vanish from the sum instead of being
+clipped. ``sample_norms`` computes each row's norm in the gradient's dtype (one reduction, no
+copy) and recomputes only the rows that came out inf, scaled by their largest entry
+m_i = max_j |g_ij|:  ||g_i|| = m_i ||g_i / m_i||. Squared norms are then kept in float64,
+whose range holds the square of any float32 (or float16) norm; a float64 model's norm above
+1.3e154 still overflows there and is treated as non-finite (``nonfinite.py``). Every norm that
+sets a clip factor goes through ``sample_norms``: the materialised paths, the fast-gradient-
+clipping layers and the shared or fallback parameters of ghost clipping, and the re-check of
+any ghost norm that came out non-finite (``ghost.NormSum``).
+
 Notation: n batch size, g_i per-sample gradient (all parameters), C max_grad_norm.
 """
 
@@ -23,32 +35,54 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)  # norms and squares accumulate 
 
 
 def clip_factors(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
-    """c_i = min(1, C / ||g_i||), and 1 where ||g_i|| = 0.
+    """c_i = min(1, C / ||g_i||), 1 where ||g_i|| = 0, and 0 where ||g_i|| is NaN or inf
+    (a non-finite record: ``nonfinite.py`` says what the callers do with it).
 
-    >>> clip_factors(torch.tensor([0.0, 0.5, 2.0, 4.0]), 1.0)
-    tensor([1.0000, 1.0000, 0.5000, 0.2500])
+    >>> clip_factors(torch.tensor([0.0, 0.5, 2.0, 4.0, float("nan")]), 1.0)
+    tensor([1.0000, 1.0000, 0.5000, 0.2500, 0.0000])
     """
     C = check_max_grad_norm(max_grad_norm)
-    return (C / norms).clamp(max=1.0)  # (n,); C / 0 = inf -> 1
+    c = (C / norms).clamp(max=1.0)  # (n,); C / 0 = inf -> 1
+    return torch.where(torch.isfinite(norms), c, torch.zeros_like(c))  # C / NaN is NaN
 
 
 def grad_norms(grads: dict[str, torch.Tensor]) -> torch.Tensor:
-    """||g_i|| over all parameters from materialised per-sample gradients {name: (n, ...)}."""
-    squares = [sample_squares(g) for g in grads.values()]  # each (n,)
+    """||g_i|| (n,) float64 over all parameters from per-sample gradients {name: (n, ...)}."""
+    squares = [sample_squares(g) for g in grads.values()]  # each (n,) float64
     return torch.stack(squares).sum(0).sqrt()
 
 
-def sample_squares(g: torch.Tensor) -> torch.Tensor:
-    """||g_i||² for each sample of an (n, ...) tensor, as one reduction: (n,).
+def norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the public norms are returned in: float32 for half models, else the model's."""
+    return torch.float32 if dtype in LOW_PRECISION else dtype
 
-    ``g.pow(2).sum(...)`` would first write a second (n, ...) tensor, which doubles the peak
-    memory of every method that materialises per-sample gradients
-    (``python -m workbench.bench memory`` measures it).
+
+def sample_norms(g: torch.Tensor) -> torch.Tensor:
+    """||g_i|| (n,) float64 for each sample of an (n, ...) tensor, without overflow.
+
+    One reduction in g's dtype: ``g.pow(2).sum(...)`` would first write a second (n, ...)
+    tensor, and ``vector_norm(..., dtype=float64)`` a float64 copy of g, either doubling the
+    peak memory of every method that materialises per-sample gradients (``python -m
+    workbench.bench memory``). Rows that overflow (inf) are recomputed alone, scaled by their
+    largest entry (module docstring); a row holding NaN or inf stays NaN or inf.
     """
     wide = torch.float32 if g.dtype in LOW_PRECISION else None  # 256² overflows float16
     if g.dim() == 1:
-        return g.to(wide or g.dtype).square()
-    return torch.linalg.vector_norm(g, dim=tuple(range(1, g.dim())), dtype=wide).square()
+        return g.to(wide or g.dtype).abs().double()
+    dims = tuple(range(1, g.dim()))
+    norms = torch.linalg.vector_norm(g, dim=dims, dtype=wide).double()  # (n,)
+    over = torch.isinf(norms)
+    if over.any():  # rare: ||g_i||² passed the dtype's range, or g_i holds an inf
+        rows = g[over]
+        m = torch.linalg.vector_norm(rows, ord=float("inf"), dim=dims, keepdim=True)  # max |g|
+        scaled = torch.linalg.vector_norm(rows / m, dim=dims, dtype=wide).double()
+        norms[over] = scaled * m.flatten().double()  # inf / inf = NaN: stays non-finite
+    return norms
+
+
+def sample_squares(g: torch.Tensor) -> torch.Tensor:
+    """||g_i||² (n,) in float64, from ``sample_norms`` (no overflow for float32 gradients)."""
+    return sample_norms(g).square()
 
 
 def weighted_sum(grads: dict[str, torch.Tensor], c: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -29,13 +29,19 @@ rule can account for (``per_sample.recording``) are materialised exactly by the 
 fallback, and the norms are checked against micro-batching on one sample
 (``per_sample.selfcheck``).
 
+Norm samplers compute ||g_i||² in the layer's dtype (||a_i||² ||b_i||² for ``nn.Linear``), which
+overflows float32 once ||g_i|| passes 1.8e19: a layer whose ghost norm comes out NaN or inf is
+re-normed by fast gradient clipping, whose norms are overflow-safe (``flat.sample_norms``); a
+record that is non-finite there too is non-finite (``nonfinite.py``). Squared norms are float64.
+
 Notation: n batch, a activations, b backprops, c clip factors, C max_grad_norm.
 """
 
 import torch
 from torch.nn.utils.parametrize import is_parametrized
 
-from workbench.clipping.flat import LOW_PRECISION, clip_factors, sample_squares
+from workbench.clipping.flat import LOW_PRECISION, clip_factors, norm_dtype, sample_squares
+from workbench.clipping.nonfinite import refuse_nonfinite
 from workbench.clipping.registry import find_norm_sampler
 from workbench.per_sample import selfcheck
 from workbench.per_sample.einsum import (
@@ -88,7 +94,7 @@ def record_norms(model, loss_fn, inputs, targets, retain_graph: bool, check=Fals
                     lambda call: norms.add_call(layer_of[id(call)], call), retain_graph)
     rec.exact = fallback_gradients(rec, model, loss_fn, inputs, targets)
     squares, materialised = norms.result(rec.exact)
-    zeros = torch.zeros(rec.n, dtype=rec.dtype, device=rec.device)
+    zeros = torch.zeros(rec.n, dtype=torch.float64, device=rec.device)
     return rec, squares.get(None, zeros), materialised
 
 
@@ -117,7 +123,7 @@ def recorded_shared(rec: Recording) -> set[int]:
 def squared_norms(rec: Recording, exact=None):
     """(||g_i||² (n,), {id(param): (n, *shape)} materialised: shared and exact)."""
     squares, materialised = squared_norms_by(rec, lambda p: None, exact)
-    return squares.get(None, torch.zeros(rec.n, dtype=rec.dtype, device=rec.device)), \
+    return squares.get(None, torch.zeros(rec.n, dtype=torch.float64, device=rec.device)), \
         materialised
 
 
@@ -126,7 +132,7 @@ def squared_norms_by(rec: Recording, group_of, exact=None):
 
     Returns ({group: (n,)}, materialised), from the recorded backprops of every call.
     """
-    norms = NormSum(rec, group_of)
+    norms = NormSum(rec, group_of, deferred=True)  # the backprops stay until result()
     for _, layer, call in rec.calls():
         norms.add_call(layer, call)
     return norms.result(exact)
@@ -136,13 +142,20 @@ class NormSum:
     """||g_i||² by group, one call at a time (a norm sampler gives one number per layer, so
     a layer whose rule parameters lie in different groups, or that has parameters left to
     the fallback, is materialised instead; so are ``shared`` parameters, summed over their
-    calls before the norm)."""
+    calls before the norm).
 
-    def __init__(self, rec: Recording, group_of, shared=None):
+    A ghost norm that is NaN or inf (float32 overflow, or a non-finite record) is re-normed by
+    fast gradient clipping (module docstring). ``deferred`` (the calls keep their backprops
+    until ``result``): the check waits for ``result``, one device sync for all layers; else
+    (``stream_backward`` drops each b once handed over) each layer is checked as it comes.
+    """
+
+    def __init__(self, rec: Recording, group_of, shared=None, deferred=False):
         self.rec, self.group_of = rec, group_of
         self.shared = rec.shared_ids() if shared is None else shared
         self.squares: dict = {}
         self.materialised: dict[int, torch.Tensor] = {}
+        self.deferred, self.ghost = deferred, []  # [(layer, call, own, group, (n,) value)]
 
     def add(self, group, value) -> None:
         squares = self.squares
@@ -159,17 +172,40 @@ class NormSum:
             if (sampler is not None and everything and len(groups) == 1
                     and not any(id(p) in self.shared for p in own.values())):
                 args, b = widen(call.args), widen(call.backprops)  # float16 -> float32
-                self.add(groups.pop(), sampler(layer, args, b))  # ghost norm
-                return
-            for name, g in sample_layer(layer, call, keep=own).items():  # fast gradient clipping
-                p = own[name]
-                if id(p) in self.shared:  # summed over its uses before the norm
-                    self.materialised[id(p)] = self.materialised.get(id(p), 0) + g
+                value = sampler(layer, args, b).double()  # ghost norm, (n,)
+                if self.deferred:
+                    self.ghost.append((layer, call, own, groups.pop(), value))
+                    return
+                if torch.isfinite(value).all():  # else overflow, or a non-finite record:
+                    self.add(groups.pop(), value)  # re-normed below, without overflow
+                    return
+            self.fast_gradient_clipping(layer, call, own)
+
+    def fast_gradient_clipping(self, layer, call, own) -> None:
+        """The layer's per-sample gradients materialised, normed (overflow-safe) and dropped."""
+        for name, g in sample_layer(layer, call, keep=own).items():
+            p = own[name]
+            if id(p) in self.shared:  # summed over its uses before the norm
+                self.materialised[id(p)] = self.materialised.get(id(p), 0) + g
+            else:
+                self.add(self.group_of(p), sample_squares(g))  # normed, then dropped
+
+    def _check_deferred(self) -> None:
+        if not self.ghost:
+            return
+        values = torch.stack([value for *_, value in self.ghost])  # (L, n)
+        finite = torch.isfinite(values).all(1).tolist()  # one sync for every layer
+        with torch.no_grad():
+            for (layer, call, own, group, value), ok in zip(self.ghost, finite):
+                if ok:
+                    self.add(group, value)
                 else:
-                    self.add(self.group_of(p), sample_squares(g))  # normed, then dropped
+                    self.fast_gradient_clipping(layer, call, own)
+        self.ghost = []
 
     def result(self, exact=None):
         """({group: (n,)}, {id(param): (n, *shape)}: the shared and the ``exact`` ones)."""
+        self._check_deferred()
         params = {id(p): p for p in self.rec.params.values()}
         materialised = {**(exact or {}), **self.materialised}
         with torch.no_grad():
@@ -192,7 +228,7 @@ def ghost_norms(model, loss_fn, inputs, targets, check=True) -> torch.Tensor:
     rec, squares, _ = record_norms(model, loss_fn, inputs, targets, retain_graph=False,
                                    check=check)
     verify_norms(model, rec, squares)
-    return squares.sqrt()
+    return squares.sqrt().to(norm_dtype(rec.dtype))  # NaN or inf for a non-finite record
 
 
 def ghost_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm, check=True):
@@ -200,6 +236,7 @@ def ghost_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm, check=True
     rec, squares, _ = record_norms(model, loss_fn, inputs, targets, retain_graph=True,
                                    check=check)
     verify_norms(model, rec, squares)
+    refuse_nonfinite(squares)  # 0 · NaN in the second backward pass would spread it
     c = clip_factors(squares.sqrt(), max_grad_norm)  # (n,)
     for call in rec.recorder.all_calls():
         call.backprops = None  # not needed by the second pass: free them before it runs

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from workbench.checks import check_max_grad_norm
-from workbench.clipping.flat import clip_factors, grad_norms, weighted_sum
+from workbench.clipping.flat import clip_factors, grad_norms, sample_norms, weighted_sum
 from workbench.per_sample import per_sample_gradients
 
 ROOT = "(root)"  # layer name for parameters registered on the model itself, e.g. nn.Linear
@@ -103,7 +103,7 @@ def _by_layer(grads):
 def _tables(g, norms, order):
     """(5, n + 1) inner products of Eq. (4) for one layer's g (n, d_l), samples in ``order``."""
     n, d = g.shape
-    inv = torch.where(norms > 0, 1 / norms, 0.0)[order, None]  # (n, 1); u_i = 0 if g_i = 0
+    inv = torch.where(norms > 0, 1 / norms, 0.0).to(g.dtype)[order, None]  # (n, 1); 0: g_i = 0
     g, out = g[order], g.new_zeros(5, n + 1)  # g sorted, largest norm first
     step = max(1, BLOCK // (n + 1))
     for j in range(0, d, step):
@@ -118,8 +118,8 @@ def _tables(g, norms, order):
 def per_sample_snapshot(model, loss_fn, inputs, targets) -> PerSampleSnapshot:
     """The expensive step: per-sample gradients (einsum) once, reduced to Eq. (4) tables."""
     flat = _by_layer(per_sample_gradients(model, loss_fn, inputs, targets, method="einsum"))
-    layer_norms = torch.stack([g.norm(dim=1) for g in flat.values()], dim=1)  # (n, L)
-    norms = layer_norms.pow(2).sum(1).sqrt()  # (n,)  Eq. (3)
+    layer_norms = torch.stack([sample_norms(g) for g in flat.values()], dim=1)  # (n, L) f64
+    norms = layer_norms.square().sum(1).sqrt()  # (n,)  Eq. (3)
     order = torch.argsort(norms, descending=True, stable=True)  # (n,)
     tables = torch.stack([_tables(g, norms, order) for g in flat.values()], dim=1)
     return PerSampleSnapshot(layers=tuple(flat), num_params=sum(g.shape[1] for g in flat.values()),
@@ -164,7 +164,7 @@ def direct_clip_at(grads, max_grad_norm) -> ClippingResult:
     c = clip_factors(grad_norms(flat), C)  # (n,)
     m = {layer: g.mean(0) for layer, g in flat.items()}  # (d_l,) each
     mc = {layer: s / n for layer, s in weighted_sum(flat, c).items()}  # (d_l,)  Eq. (1)
-    layer_norms = torch.stack([g.norm(dim=1) for g in flat.values()], dim=1)  # (n, L)
+    layer_norms = torch.stack([sample_norms(g) for g in flat.values()], dim=1)  # (n, L)
     return _result(C, tuple(flat), sum(g.shape[1] for g in flat.values()),
                    grad_norms(flat).numpy(), layer_norms.numpy(),
                    dots=np.array([float(m[k] @ mc[k]) for k in flat]),

@@ -1,90 +1,103 @@
-"""Checkpoints of a private training run: model, optimizer, accountant, scheduler, RNG states.
+"""Checkpoints of a private training run: restore everything, or refuse and change nothing.
 
-Everything is saved as tensors and plain Python containers, so ``load_checkpoint`` reads it
-back with ``torch.load(weights_only=True)``: a checkpoint from elsewhere cannot run code on
-load. The accountant's history is part of the checkpoint because ε is a property of the
-*whole* run: resuming with a fresh accountant would under-report the privacy spent. So
-loading a checkpoint that holds privacy history without ``engine=`` is an error, unless
-``ignore_privacy_history=True`` says the weights are wanted without the ledger (evaluation).
+A checkpoint holds the model, the optimizer, the accountant's history, the LR scheduler, the
+run's noise and sampling generators and the global RNG states (``rng_state.py``: torch CPU and
+CUDA, ``random``, NumPy). Resuming from it continues the run bit for bit: the same noise and
+the same Poisson batches as the uninterrupted run (each Poisson batch is an independent draw of
+the sampling generator, so any point between two logical steps is a place to resume).
 
-File format: one header line ``WORKBENCH-CHECKPOINT-1 sha256=<64 hex digits>`` followed by the
-``torch.save`` payload. The SHA-256 (FIPS 180-4) of the payload is checked before anything is
-read, so a corrupted or truncated file fails with its name, not with a half-restored run.
-Files are written to a temporary name and renamed, so a crash mid-save leaves the old one.
+What is refused, because the resumed run would silently differ or leak:
 
-A secure-mode generator (``secure.SecureGenerator``) has no state: every draw is seeded afresh
-from the OS. It is saved as the marker ``"secure"``, and restoring it is a no-op; restoring it
-into a seeded ``torch.Generator`` (or the reverse) is refused, since neither can stand in for
-the other.
+- **loading without the generators**: the noise generator is the one the optimizer draws from
+  (``optimizer.generator``) and the sampling generator the one ``make_private`` was given
+  (``engine.sampling_generator``); explicit ``noise_generator=``/``sampling_generator=`` must be
+  those same objects. A checkpoint that holds a generator state with nowhere to restore it is
+  refused: the resumed run would otherwise replay the first run's noise (repeated noise cancels
+  between iterates) and its batches;
+- **a save in the middle of a logical batch** (virtual steps: chunks accumulated, noise not yet
+  added) or between a backward pass and its step: the partial sums are not saved;
+- **a load into an optimizer in the middle of a logical batch**: its partial sums would enter
+  the resumed run's first step.
+
+The accountant's history is part of the checkpoint because ε is a property of the *whole*
+run: loading a checkpoint that holds privacy history without ``engine=`` is an error, unless
+``ignore_privacy_history=True`` says the weights are wanted without the ledger (evaluation;
+then generators with nowhere to go are not restored either: this is not a resume).
+
+**Nothing changes unless everything fits.** ``load_checkpoint`` first checks every part: the
+format version, the model's keys and shapes, the optimizer's parameter groups and state shapes,
+the accountant's history, the scheduler's keys, each generator and global RNG state (tried on
+a scratch generator). Only then does it restore, and should a restore still fail, what was
+restored before it is put back.
+
+The file (``checkpoint_file.py``): a SHA-256 header line, checked before anything is read,
+then a ``torch.save`` payload read with ``weights_only=True``; each save writes a temporary
+file of its own and renames it over ``path``, so concurrent saves to one path (every DDP rank)
+each leave a whole file and a crash mid-save leaves the old one.
+Format-1 files (no global RNG states) load only with ``restore_global_rng=False``.
+Under DistributedDataParallel each rank has its own RNG states and Poisson shard: to resume
+every rank exactly, save one file per rank (``f"run.rank{rank}.pt"``) and load each rank's own.
 """
 
-import hashlib
+import copy
 import io
-import os
-from pathlib import Path
 
 import torch
 
+from workbench.dpsgd import rng_state
+from workbench.dpsgd.checkpoint_checks import (
+    CheckpointError,
+    check_accountant,
+    check_model,
+    check_optimizer,
+    check_scheduler,
+    not_mid_batch,
+)
+from workbench.dpsgd.checkpoint_file import FORMAT, read_checkpoint, write_checkpoint_file
+from workbench.dpsgd.rng_state import SECURE, generator_state
 from workbench.dpsgd.secure import SecureGenerator
-from workbench.errors import WorkbenchError
 
-MAGIC = b"WORKBENCH-CHECKPOINT-1 sha256="
-SECURE = "secure"
-
-
-class CheckpointError(WorkbenchError, ValueError):
-    """A checkpoint file is corrupted, truncated, foreign, or does not fit what it restores."""
+GENERATORS = ("noise_generator", "sampling_generator")
+__all__ = ["SECURE", "CheckpointError", "load_checkpoint", "read_checkpoint", "save_checkpoint"]
 
 
-def _generator_state(name, generator):
-    if generator is None:
-        return None
-    if isinstance(generator, SecureGenerator):
-        return SECURE
-    if isinstance(generator, torch.Generator):
-        return generator.get_state()
-    raise TypeError(f"{name} must be a torch.Generator or a secure-mode generator; got "
-                    f"{type(generator).__name__}")
+def run_generators(engine, optimizer, noise_generator, sampling_generator) -> dict:
+    """{name: the generator the run really draws from}: the explicit ones must be those."""
+    used = {"noise_generator": getattr(optimizer, "generator", None),
+            "sampling_generator": getattr(engine, "sampling_generator", None)}
+    given = {"noise_generator": noise_generator, "sampling_generator": sampling_generator}
+    where = {"noise_generator": "optimizer.generator, the one the noise is drawn from",
+             "sampling_generator": "the sampling_generator passed to make_private"}
+    for name, g in given.items():
+        generator_state(name, g)  # a TypeError for anything but a generator
+        if g is not None and used[name] is not None and g is not used[name]:
+            raise CheckpointError(f"{name} is not {where[name]}: its state would not be the "
+                                  f"run's; pass that generator, or leave {name} out (the "
+                                  f"engine's and the optimizer's are used)")
+        used[name] = g if g is not None else used[name]
+    return used
 
 
 def save_checkpoint(path, *, model, optimizer, engine=None, scheduler=None,
                     noise_generator=None, sampling_generator=None) -> None:
-    """Write the run's state to ``path`` (see the module docstring for the format)."""
+    """Write the run's state to ``path`` (module docstring: what, and what is refused)."""
+    not_mid_batch(optimizer, "save_checkpoint")
+    generators = run_generators(engine, optimizer, noise_generator, sampling_generator)
     buffer = io.BytesIO()
     torch.save({
+        "format": FORMAT,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "accountant": None if engine is None else engine.accountant.state_dict(),
         "scheduler": None if scheduler is None else scheduler.state_dict(),
-        "noise_generator": _generator_state("noise_generator", noise_generator),
-        "sampling_generator": _generator_state("sampling_generator", sampling_generator),
+        **{name: generator_state(name, g) for name, g in generators.items()},
+        "global_rng": rng_state.global_rng_state(),
     }, buffer)
-    payload = buffer.getvalue()
-    path = Path(path)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_bytes(MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
-    os.replace(partial, path)
-
-
-def read_checkpoint(path) -> dict:
-    """The verified payload of ``path`` as a dict (``CheckpointError`` if it does not verify)."""
-    data = Path(path).read_bytes()
-    end = data.find(b"\n")
-    if not data.startswith(MAGIC) or end != len(MAGIC) + 64:
-        raise CheckpointError(f"{path} is not a workbench checkpoint (no SHA-256 header line): "
-                              f"write it with wb.dpsgd.save_checkpoint")
-    expected, payload = data[len(MAGIC):end].decode("ascii", "replace"), data[end + 1:]
-    actual = hashlib.sha256(payload).hexdigest()
-    if actual != expected:
-        raise CheckpointError(f"{path} is corrupted or truncated: the SHA-256 of its "
-                              f"{len(payload)}-byte payload is {actual[:16]}..., the header "
-                              f"says {expected[:16]}...; resume from another checkpoint")
-    return torch.load(io.BytesIO(payload), weights_only=True)
+    write_checkpoint_file(path, buffer.getvalue())
 
 
 def _check_generator(path, name, generator, state) -> None:
-    """The saved generator and the one to restore into are of the same mode."""
-    _generator_state(name, generator)  # a TypeError for anything but a generator
+    """The saved generator and the one to restore into are of the same mode, and it fits."""
     secure_saved = isinstance(state, str) and state == SECURE
     if isinstance(generator, SecureGenerator) != secure_saved:
         saved = "a secure-mode" if secure_saved else "a seeded"
@@ -92,14 +105,16 @@ def _check_generator(path, name, generator, state) -> None:
                               f"{type(generator).__name__}: a secure-mode generator has no "
                               f"seed to restore and takes none; resume in the run's own mode, "
                               f"or load without {name}")
+    try:
+        rng_state.check_generator_state(generator, state)
+    except (RuntimeError, ValueError) as e:
+        raise CheckpointError(f"{path}: the saved {name} state does not fit {name} "
+                              f"({e}); resume with a generator of the kind and device the run "
+                              f"used") from None
 
 
-def load_checkpoint(path, *, model, optimizer, engine=None, scheduler=None,
-                    noise_generator=None, sampling_generator=None,
-                    ignore_privacy_history: bool = False) -> None:
-    """Restore, in place, what ``save_checkpoint`` wrote; check everything before changing
-    anything (see the module docstring)."""
-    state = read_checkpoint(path)
+def _targets(path, state, engine, generators, ignore_privacy_history) -> dict:
+    """{part: where it is restored to}, after refusing parts with nowhere to go."""
     history = (state["accountant"] or {}).get("history", [])
     if engine is None and history and not ignore_privacy_history:
         steps = sum(int(t) for *_, t in history)
@@ -107,20 +122,82 @@ def load_checkpoint(path, *, model, optimizer, engine=None, scheduler=None,
                               f"engine= was given to restore it into: the resumed run would "
                               f"report the privacy of its new steps only. Pass engine=..., or "
                               f"ignore_privacy_history=True to load the weights alone")
-    targets = {"accountant": engine and engine.accountant, "scheduler": scheduler,
-               "noise_generator": noise_generator, "sampling_generator": sampling_generator}
+    for name in GENERATORS:
+        if state.get(name) is not None and generators[name] is None \
+                and not ignore_privacy_history:
+            raise CheckpointError(
+                f"{path} holds the run's {name} state, and the run being resumed has no "
+                f"{name} to restore it into: a fresh one would replay the first run's "
+                f"{'noise' if name.startswith('noise') else 'batches'}. Pass engine= (after "
+                f"make_private(..., {name}=g)) or {name}=g, or ignore_privacy_history=True to "
+                f"load the weights alone")
+    return {"accountant": engine and engine.accountant, **generators}
+
+
+def load_checkpoint(path, *, model, optimizer, engine=None, scheduler=None,
+                    noise_generator=None, sampling_generator=None,
+                    ignore_privacy_history: bool = False,
+                    restore_global_rng: bool = True) -> None:
+    """Restore, in place, what ``save_checkpoint`` wrote; check every part before changing
+    anything (module docstring). ``restore_global_rng=False`` leaves the global RNGs as they
+    are (the caller then seeds them afresh: a replay of the first run's seed replays its
+    dropout, and its noise and batches if they came from the global RNG)."""
+    state = read_checkpoint(path, allow_old=not restore_global_rng)
+    not_mid_batch(optimizer, "load_checkpoint")
+    generators = run_generators(engine, optimizer, noise_generator, sampling_generator)
+    targets = _targets(path, state, engine, generators, ignore_privacy_history)
+    targets["scheduler"] = scheduler
     for name, target in targets.items():
-        if target is not None and state[name] is None:
+        if target is not None and state.get(name) is None:
             raise CheckpointError(f"{path} has no {name} state; save it with "
                                   f"save_checkpoint(..., {name}=...) or load without it")
-        if name.endswith("generator") and target is not None:
+        if name in GENERATORS and target is not None:
             _check_generator(path, name, target, state[name])
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    for name, target in targets.items():
-        if target is None:
-            continue
-        if isinstance(target, torch.Generator):
-            target.set_state(state[name])
-        elif not isinstance(target, SecureGenerator):  # a secure one has nothing to restore
-            target.load_state_dict(state[name])
+    try:
+        check_model(model, state["model"])
+        check_optimizer(optimizer, state["optimizer"])
+        if targets["accountant"] is not None:
+            check_accountant(targets["accountant"], state["accountant"])
+        if scheduler is not None:
+            check_scheduler(scheduler, state["scheduler"])
+        if restore_global_rng:
+            rng_state.check_global_rng_state(state.get("global_rng"))
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise CheckpointError(f"{path} does not fit the run it is loaded into: {e}. Nothing "
+                              f"was changed") from None
+    _restore(state, model, optimizer, targets, restore_global_rng)
+
+
+def _restore(state, model, optimizer, targets, restore_global_rng) -> None:
+    """Every part in turn; if one still fails, the parts restored before it are put back."""
+    steps = [(lambda: optimizer.load_state_dict(state["optimizer"]),
+              _undo_state_dict(optimizer, deep=False))]  # its load makes new state tensors
+    for name in ("accountant", "scheduler"):
+        if targets[name] is not None:
+            steps.append((lambda t=targets[name], s=state[name]: t.load_state_dict(s),
+                          _undo_state_dict(targets[name])))
+    for name in GENERATORS:
+        g = targets[name]
+        if isinstance(g, torch.Generator):
+            old = g.get_state()
+            steps.append((lambda g=g, s=state[name]: rng_state.restore_generator(g, s),
+                          lambda g=g, old=old: g.set_state(old)))
+    if restore_global_rng:
+        old_rng = rng_state.global_rng_state()
+        steps.append((lambda: rng_state.restore_global_rng(state["global_rng"]),
+                      lambda: rng_state.restore_global_rng(old_rng)))
+    steps.append((lambda: model.load_state_dict(state["model"]), lambda: None))  # checked
+    done = []
+    try:
+        for apply, undo in steps:
+            apply()
+            done.append(undo)
+    except Exception:
+        for undo in reversed(done):
+            undo()
+        raise
+
+
+def _undo_state_dict(obj, deep=True):
+    old = copy.deepcopy(obj.state_dict()) if deep else obj.state_dict()
+    return lambda: obj.load_state_dict(old)

@@ -85,6 +85,7 @@ class PrivacyEngine:
         self.accountant_name = accountant
         self.sample_rate = self.dataset_size = None
         self.sampler = None  # "poisson" or "shuffle" (poisson_sampling=False)
+        self.noise_generator = self.sampling_generator = None  # make_private's (checkpoints)
 
     def make_private(self, *, module, optimizer, data_loader, noise_multiplier, max_grad_norm,
                      grad_sample_mode="auto", poisson_sampling=True, loss_reduction="mean",
@@ -154,6 +155,7 @@ class PrivacyEngine:
         remember(module, dp_optimizer, self)
         self.sample_rate, self.dataset_size = q, N
         self.sampler = "poisson" if poisson_sampling else "shuffle"
+        self.noise_generator, self.sampling_generator = noise_generator, sampling_generator
         if max_physical_batch_size is not None:
             loader = VirtualStepLoader(loader, dp_optimizer, max_physical_batch_size)
         return module, dp_optimizer, loader

@@ -38,6 +38,10 @@ use the optimizer's ``weight_decay``, data-independent and applied after the noi
 clipping; ``scaler.update()`` reads the inf check of ``.grad`` as usual. The step is taken
 even when an inf was found (skipping it would depend on the data).
 
+**Non-finite records** (a NaN or inf per-sample gradient) are left out of the sum, counted in
+``last["nonfinite"]`` (indices in ``last["nonfinite_indices"]``) and warned about; a batch of
+n >= 2 records that are all non-finite raises (``clipping/nonfinite.py`` says why).
+
 **Empty batches** still step: the clipped sum is zero and the noise is added; skipping would
 reveal that the batch was empty.
 
@@ -55,6 +59,7 @@ from torch.optim import Optimizer
 from workbench.checks import check_max_grad_norm, check_noise_multiplier, check_positive
 from workbench.clipping.auto import choose_mode
 from workbench.clipping.engine import MODES, clipped_sum
+from workbench.clipping.nonfinite import skip_nonfinite, warn_skipped
 from workbench.dpsgd.distributed import DEFAULT_TIMEOUT_MINUTES, all_reduce
 from workbench.dpsgd.privatise import gaussian_noise
 from workbench.dpsgd.recorded import ModelRecorder, distributed_run
@@ -173,6 +178,7 @@ class DPOptimizer(Optimizer):
         check = "always" if self.verify == "always" or self._verify_next else self.verify
         self.recorder.watch.check = check is not False
         norms, factors, modes, replays, paths = [], [], [], [], {}
+        skipped, seen = [], 0
         try:
             with self.recorder.paused():  # the samplers may call the layers themselves
                 for rec, exact in self.recorder.batches(self.loss_reduction, check, scale):
@@ -188,6 +194,8 @@ class DPOptimizer(Optimizer):
                     sums, norm, c = clipped_sum(rec, C, mode, group_of, exact=exact)
                     if rec.signature is not None:
                         replays.append((rec, norm[rec.n - 1].detach()))
+                    skipped += [seen + i for i in skip_nonfinite(norm)]  # masked by the engine
+                    seen += rec.n
                     for key, s in sums.items():
                         self._sums[key] = s if key not in self._sums else self._sums[key] + s
                     norms.append(norm.detach())
@@ -195,17 +203,21 @@ class DPOptimizer(Optimizer):
             self.recorder.clear(keep_pending=True)  # the checks' extra passes: on freed memory
             self.recorder.watch.probe()
             for rec, norm in replays:
-                self._verify(rec, norm)
-            if paths:
+                if torch.isfinite(norm):  # a non-finite record is left out, not compared
+                    self._verify(rec, norm)
+            if paths and not skipped:  # Σ_i g_i with a NaN record in it proves nothing
                 self._check_path(paths)
         except Exception:
             self._sums = {}  # nothing of a refused batch is kept for a later step
             self.recorder.clear()
             raise
-        self._verify_next = False
+        # a check a non-finite record kept from running waits for the next batch
+        self._verify_next = bool(skipped) and bool(replays or paths)
         self.last = {"norms": torch.cat(norms) if norms else torch.zeros(0),
                      "clip_factors": torch.cat(factors) if factors else torch.zeros(0),
-                     "mode": modes[-1] if modes else None}  # the mode "auto" chose
+                     "mode": modes[-1] if modes else None,  # the mode "auto" chose
+                     "nonfinite": len(skipped), "nonfinite_indices": skipped}
+        warn_skipped(skipped, seen)
 
     def _verify(self, rec, norm) -> None:
         """Record n - 1's ||g_i|| against its exact twin; then the verdict is remembered."""
