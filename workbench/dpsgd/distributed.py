@@ -33,6 +33,7 @@ from workbench.dpsgd.sampling import (
     check_dataset,
     check_own_sampler,
     loader_options,
+    loader_sample_rate,
 )
 from workbench.errors import WorkbenchError
 
@@ -89,7 +90,7 @@ def shard_loader(data_loader: DataLoader, generator=None) -> DPDataLoader:
     N = check_dataset(data_loader.dataset, "data_loader.dataset")
     check_own_sampler(data_loader, allowed=SAMPLERS)
     rank, world = dist.get_rank(), dist.get_world_size()
-    q = min(1.0, data_loader.batch_size / N)
+    q = loader_sample_rate(data_loader, N)
     shard = Subset(data_loader.dataset, range(rank, N, world))
     check_dataset(shard, f"rank {rank}'s shard of data_loader.dataset (N = {N}, {world} ranks)")
     return DPDataLoader(shard, sample_rate=q, steps=steps_per_epoch(q), generator=generator,
