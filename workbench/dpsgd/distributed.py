@@ -14,7 +14,13 @@ here waits at most ``timeout_minutes`` (``DEFAULT_TIMEOUT_MINUTES`` = 10 unless
 ``CollectiveTimeoutError`` naming the collective, this rank and the world size. Set it above
 the slowest legitimate gap between ranks (a step's forward, backward and clipping, plus any
 evaluation one rank runs alone). After the error the process group is unusable: destroy it
-and restart the job (from a checkpoint).
+and restart the job (from a checkpoint). Every collective the engine itself starts goes
+through ``all_reduce`` here (``make_private`` and the checks start none: they probe the
+wrapped module, never the DDP wrapper); a step that times out has neither moved the weights
+nor been accounted (``DPOptimizer.step`` accounts, then moves). Collectives the *user's* code
+starts (DistributedDataParallel's construction broadcast and its gradient all-reduce in
+``backward()``, a barrier) wait for the process group's own timeout: bound them with
+``dist.init_process_group(..., timeout=datetime.timedelta(minutes=...))``.
 
 Notation: N data set size, q sample rate, world the number of ranks.
 """
