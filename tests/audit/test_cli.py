@@ -56,6 +56,9 @@ USER_CODE = textwrap.dedent("""
     def short_step(C, sigma, B, generator):
         return lambda G: G.sum(0)[:-1]
 
+    def nan_step(C, sigma, B, generator):
+        return lambda G: G.sum(0) / 0 * 0  # NaN everywhere
+
     NUMBER = 3
 """)
 
@@ -136,6 +139,20 @@ def test_a_wrong_or_crashing_step_is_a_failed_section():
 
     crashed = cli_suite.step_sections("crash", crashing, trials=50)
     assert all(s.verdict == "failed" and "out of coffee" in s.finding for s in crashed)
+
+
+def test_a_step_returning_nan_fails_its_sections_and_the_report_is_written(user, tmp_path,
+                                                                          capsys, monkeypatch):
+    monkeypatch.setattr(cli_suite, "gradient_sections", lambda *a: [])  # the steps only: quick
+    monkeypatch.setattr(cli_suite, "privacy_sections", lambda args, steps, progress: [
+        s for spec, f in steps.items()
+        for s in cli_suite.step_sections(f"your step {spec}", f, trials=50)])
+    code = audit("--step", "wb_user_code:nan_step", "--out", tmp_path)
+    out = capsys.readouterr().out
+    assert code == 1 and (tmp_path / "report.json").exists() and (tmp_path / "report.html").exists()
+    assert "FAILED: Canary audit: your step wb_user_code:nan_step" in out
+    assert "raised NonFiniteStepError: your step wb_user_code:nan_step's step_fn returned" in out
+    assert "Traceback" not in out
 
 
 @pytest.mark.parametrize("argv, message", [

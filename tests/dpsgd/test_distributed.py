@@ -155,3 +155,52 @@ def test_all_reduce_needs_a_process_group_and_a_valid_timeout():
     if not dist.is_initialized():
         with pytest.raises(RuntimeError, match=r"'noise' needs torch.distributed initialised"):
             all_reduce(torch.zeros(1), name="noise")
+
+
+def engine_stall_worker(rank, world, store, out):
+    import os
+    import time
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import workbench as wb
+    from workbench.dpsgd.distributed import CollectiveTimeoutError
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    model, _, _ = model_and_batch()
+    engine = wb.PrivacyEngine()
+    data = TensorDataset(torch.randn(40, 5, dtype=torch.float64), torch.arange(40) % 3)
+    _, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(data, batch_size=8), noise_multiplier=1.0, max_grad_norm=1.0,
+        all_reduce_timeout_minutes=0.02, sampling_generator=torch.Generator().manual_seed(rank))
+    if rank == 1:  # the stalled rank: never takes its step
+        deadline = time.monotonic() + 60
+        while not os.path.exists(out) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        hard_exit()
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = next(iter(loader))
+    opt.zero_grad()
+    nn.CrossEntropyLoss()(model(x), y).backward()
+    start = time.monotonic()
+    try:
+        opt.step()
+        message = None
+    except CollectiveTimeoutError as e:
+        message = str(e)
+    torch.save({"message": message, "waited": time.monotonic() - start,
+                "steps": len(engine.accountant),
+                "moved": any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))},
+               out)
+    hard_exit()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_engine_step_with_a_stalled_rank_times_out_unaccounted_and_unmoved(tmp_path):
+    out = str(tmp_path / "engine_stall.pt")
+    mp.spawn(engine_stall_worker, args=(2, str(tmp_path / "store4"), out), nprocs=2, join=True)
+    r = torch.load(out)
+    assert r["message"] is not None and 1.0 < r["waited"] < 30, r  # 1.2 s, not 30 min
+    assert "within 0.02 minutes on rank 0 of 2" in r["message"]
+    assert r["steps"] == 0 and not r["moved"]  # nothing moved, nothing accounted

@@ -272,7 +272,9 @@ def test_make_private_on_a_wrapper_of_an_already_private_model_detaches_the_firs
     model = net()
     private(loader, model=model)
     wrapper = nn.Sequential(model)  # e.g. a DDP-like wrapper around the same layers
-    _, _, opt, dp_loader = private(loader, model=wrapper)
+    with pytest.warns(UserWarning, match="a model containing one an earlier make_private.*"
+                                         "detached from every layer"):
+        _, _, opt, dp_loader = private(loader, model=wrapper)
     assert forward_hooks(model) == [1, 1]
     x, y, grads = one_step(wrapper, opt, dp_loader)
     for got, want in zip(grads, reference_grads(net(), x, y, B=N)):

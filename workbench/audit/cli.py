@@ -110,8 +110,9 @@ def main(argv=None) -> int:
     c = doc["counts"]
     print(f"{doc['verdict']}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} "
           f"skipped (not counted as passed)")
+    crashed = {s.title: s.finding for s in sections if str(s.finding).startswith("raised ")}
     for title in doc["failed"]:
-        print(f"  FAILED: {title}")
+        print(f"  FAILED: {title}" + (f"\n    {crashed[title]}" if title in crashed else ""))
     for title in doc["informational_failures"]:
         print(f"  informational (another library): {title}")
     print(f"wrote {html_path} and {json_path}")

@@ -7,11 +7,12 @@ that loads but then fails *during* the audit is a finding of the audit instead (
 """
 
 import importlib
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from workbench.outputs import OutputPathError, check_output_dir
 
 
 class InputError(Exception):
@@ -119,16 +120,9 @@ def user_step(spec: str, C: float, sigma: float, B: float, dim: int):
 
 
 def check_out(out: Path) -> Path:
-    """Create --out and prove it writable (a probe file), before the audit spends minutes."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise InputError(f"--out {str(out)!r} is a file; give a folder for report.html and "
-                         f"report.json")
+    """Create --out and prove it writable (``workbench.outputs``), before the audit spends
+    minutes."""
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
-            pass
-    except OSError as err:
-        raise InputError(f"--out {str(out)!r} is not writable ({type(err).__name__}: "
-                         f"{err.strerror or err}); choose a folder you can write to") from None
-    return out
+        return check_output_dir(out, "--out")
+    except OutputPathError as err:
+        raise InputError(str(err)) from None

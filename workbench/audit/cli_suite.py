@@ -117,7 +117,34 @@ def _guarded(fn, *args, **kwargs):
         return Crashed(err)
 
 
+class NonFiniteStepError(ValueError):
+    """A step under audit returned NaN or inf: no audit of it can mean anything."""
+
+
+def _finite(factory, name: str):
+    """``factory`` whose step_fn refuses to return a non-finite update (NaN, inf): the audit
+    section then fails with that finding instead of crashing in a statistic or a figure."""
+    def checked_factory(*args, **kwargs):
+        step = factory(*args, **kwargs)
+
+        def checked_step(G):
+            out = step(G)
+            if isinstance(out, torch.Tensor) and not bool(torch.isfinite(out).all()):
+                bad = int((~torch.isfinite(out)).sum())
+                raise NonFiniteStepError(
+                    f"{name}'s step_fn returned {bad} non-finite value(s) (NaN or inf) of "
+                    f"{out.numel()} for G of shape {tuple(G.shape)} with finite entries; a DP "
+                    f"step must return a finite update (check its clipping's division by "
+                    f"the norm, and its noise)")
+            return out
+
+        return checked_step
+
+    return checked_factory
+
+
 def step_sections(name: str, factory, trials: int) -> list:
+    factory = _finite(factory, name)
     mech = _guarded(audit_dp_step, factory(C, SIGMA, B, torch.Generator().manual_seed(
         SEEDS["step_noise"])), dim=DIM, batch_size=B, max_grad_norm=C, noise_multiplier=SIGMA,
         trials=trials, generator=torch.Generator().manual_seed(SEEDS["mechanism_design"]))

@@ -19,7 +19,6 @@ the target time of the workbench's issue, and the device. Opacus and dp-accounti
 import argparse
 import importlib
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -27,6 +26,7 @@ import torch
 
 from workbench import accounting
 from workbench.bench.timing import device_name, time_interleaved
+from workbench.outputs import output_file_arg
 
 TARGET_MS = {"rdp_epsilon": 2, "rdp_curve": 20, "noise_multiplier": 20, "pld_epsilon": 500}
 
@@ -156,7 +156,9 @@ def main(argv=None):
     parser.add_argument("--target-epsilon", type=float, default=3.0)
     parser.add_argument("--repeats", type=int, default=7, help="interleaved rounds (median)")
     parser.add_argument("--no-compare", action="store_true", help="skip Opacus / dp-accounting")
-    parser.add_argument("--out", type=Path, default=Path("bench-results/accounting.csv"))
+    parser.add_argument("--out", type=output_file_arg("--out"),
+                        default="bench-results/accounting.csv",
+                        help="CSV file for the results (checked for writing before the run)")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.steps < 1:
         parser.error("--repeats and --steps must be >= 1")

@@ -23,6 +23,7 @@ import torch
 from matplotlib.figure import Figure
 
 from workbench.bench import accounting, dp_layers, e2e, layers, memory, opacus_twin
+from workbench.outputs import output_dir_arg
 from workbench.viz.memory import plot_overheads, plot_sweep
 
 
@@ -119,7 +120,8 @@ def run(out: Path, device: str, repeats: int = 5, quick: bool = False) -> dict:
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m workbench.bench all",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out-dir", type=Path, default=Path("bench-results"))
+    parser.add_argument("--out-dir", type=output_dir_arg("--out-dir"), default="bench-results",
+                        help="folder for the CSVs and figures (checked for writing first)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds (median)")
     parser.add_argument("--quick", action="store_true",

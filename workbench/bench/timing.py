@@ -18,10 +18,10 @@ import argparse
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from workbench.outputs import output_file_arg
 from workbench.per_sample.memory import empty_per_sample
 
 
@@ -93,7 +93,8 @@ def benchmark_parser(name: str, doc: str, batch_sizes=(16, 64, 256), repeats: in
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=list(batch_sizes))
     parser.add_argument("--repeats", type=int, default=repeats, help=repeats_help)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=Path, default=Path(f"bench-results/{name}.csv"))
+    parser.add_argument("--out", type=output_file_arg("--out"), default=f"bench-results/{name}.csv",
+                        help="CSV file for the results (checked for writing before the run)")
     return parser
 
 

@@ -99,14 +99,14 @@ class AdaptiveClipDPOptimizer(DPOptimizer):
         gradient_noise_multiplier(self.noise_multiplier, self.count_noise_multiplier)  # checks
         self._centred_count = 0.0
 
-    def accumulate_clipped_sum(self) -> None:
+    def accumulate_clipped_sum(self, scale=None) -> None:
         C = self.max_grad_norm
-        super().accumulate_clipped_sum()
+        super().accumulate_clipped_sum(scale)
         norms = self.last["norms"]  # inf or NaN (a non-finite record) counts as clipped
         self._centred_count += float(((norms <= C).to(torch.float64) - 0.5).sum())  # Eq. (1)
 
-    def reset_virtual_step(self) -> None:
-        super().reset_virtual_step()
+    def reset_virtual_step(self, stacklevel: int = 3) -> None:
+        super().reset_virtual_step(stacklevel + 1)
         self._centred_count = 0.0  # the abandoned batch's records are not counted either
 
     def noise_std(self) -> float:

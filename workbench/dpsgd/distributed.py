@@ -14,7 +14,13 @@ here waits at most ``timeout_minutes`` (``DEFAULT_TIMEOUT_MINUTES`` = 10 unless
 ``CollectiveTimeoutError`` naming the collective, this rank and the world size. Set it above
 the slowest legitimate gap between ranks (a step's forward, backward and clipping, plus any
 evaluation one rank runs alone). After the error the process group is unusable: destroy it
-and restart the job (from a checkpoint).
+and restart the job (from a checkpoint). Every collective the engine itself starts goes
+through ``all_reduce`` here (``make_private`` and the checks start none: they probe the
+wrapped module, never the DDP wrapper); a step that times out has neither moved the weights
+nor been accounted (``DPOptimizer.step`` accounts, then moves). Collectives the *user's* code
+starts (DistributedDataParallel's construction broadcast and its gradient all-reduce in
+``backward()``, a barrier) wait for the process group's own timeout: bound them with
+``dist.init_process_group(..., timeout=datetime.timedelta(minutes=...))``.
 
 Notation: N data set size, q sample rate, world the number of ranks.
 """
@@ -33,6 +39,7 @@ from workbench.dpsgd.sampling import (
     check_dataset,
     check_own_sampler,
     loader_options,
+    loader_sample_rate,
 )
 from workbench.errors import WorkbenchError
 
@@ -89,7 +96,7 @@ def shard_loader(data_loader: DataLoader, generator=None) -> DPDataLoader:
     N = check_dataset(data_loader.dataset, "data_loader.dataset")
     check_own_sampler(data_loader, allowed=SAMPLERS)
     rank, world = dist.get_rank(), dist.get_world_size()
-    q = min(1.0, data_loader.batch_size / N)
+    q = loader_sample_rate(data_loader, N)
     shard = Subset(data_loader.dataset, range(rank, N, world))
     check_dataset(shard, f"rank {rank}'s shard of data_loader.dataset (N = {N}, {world} ranks)")
     return DPDataLoader(shard, sample_rate=q, steps=steps_per_epoch(q), generator=generator,

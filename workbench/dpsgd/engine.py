@@ -25,15 +25,19 @@ Notation: N data set size, q sample rate, σ noise multiplier, C max_grad_norm.
 """
 
 
+import itertools
+import math
 import warnings
 
 from workbench.accounting import get_noise_multiplier, steps_from_epochs
 from workbench.accounting.bounds import epsilon_bounds
+from workbench.accounting.calibrate import steps_per_epoch
 from workbench.accounting.registry import make_accountant
-from workbench.checks import check_count
+from workbench.checks import check_count, check_positive
 from workbench.dpsgd import distributed
 from workbench.dpsgd.adaptive import AdaptiveClipDPOptimizer, AdaptiveClipping
 from workbench.dpsgd.attached import detach_earlier, remember
+from workbench.dpsgd.batches import batch_size, take
 from workbench.dpsgd.misuse import (
     PrivacyAccountingWarning,
     check_criterion,
@@ -41,39 +45,47 @@ from workbench.dpsgd.misuse import (
     warn_shuffle,
 )
 from workbench.dpsgd.optimizer import DPOptimizer
-from workbench.dpsgd.sampling import DPDataLoader, check_dataset, check_own_sampler
+from workbench.dpsgd.sampling import (
+    DPDataLoader,
+    check_dataset,
+    check_own_sampler,
+    loader_sample_rate,
+)
 from workbench.dpsgd.secure import SecureGenerator
 from workbench.errors import SampleMixingError
 from workbench.validate import validate_model
 
 
 class VirtualStepLoader:
-    """Splits each logical batch into chunks of at most ``max_physical_batch_size`` and
-    tells the optimizer which chunk ends the logical batch (noise is added once, there)."""
+    """Splits each logical batch into chunks of at most ``max_physical_batch_size`` records
+    (along dim 0 of every tensor of the batch: tuples, namedtuples, dicts, nested;
+    ``batches.py``) and tells the optimizer which logical batch each chunk belongs to and
+    which chunk ends it (noise is added once, there: ``DPOptimizer.begin_chunk``)."""
 
     def __init__(self, loader, optimizer: DPOptimizer, max_physical_batch_size: int):
         self.size = check_count(max_physical_batch_size, "max_physical_batch_size")
         self.loader, self.optimizer = loader, optimizer
         self.sample_rate = getattr(loader, "sample_rate", None)
         self.dataset = loader.dataset
+        self._passes = itertools.count()
 
     def __len__(self):
         return len(self.loader)
 
-    def _chunks(self):
-        for batch in self.loader:
-            tensors = batch if isinstance(batch, (tuple, list)) else (batch,)
-            n = tensors[0].shape[0]
+    def __iter__(self):
+        this_pass = next(self._passes)  # a new pass: an unfinished batch of an old one is
+        for b, batch in enumerate(self.loader):  # discarded (with a warning) by begin_chunk
+            n = batch_size(batch, "the loader's batch")
             starts = list(range(0, n, self.size)) or [0]  # an empty batch: one empty chunk
             for k, start in enumerate(starts):
-                chunk = type(tensors)(t[start:start + self.size] for t in tensors)
-                self.optimizer.expect_more = k < len(starts) - 1
-                yield chunk if isinstance(batch, (tuple, list)) else chunk[0]
-            self.optimizer.expect_more = False
+                chunk = take(batch, slice(start, start + self.size), "the loader's batch")
+                self.optimizer.begin_chunk((id(self), this_pass, b), last=k == len(starts) - 1)
+                yield chunk
 
-    def __iter__(self):
-        self.optimizer.reset_virtual_step()  # a loop left early must not leak into this one
-        yield from self._chunks()
+
+def _world() -> int:
+    """Ranks that each draw a batch per step (1 outside torch.distributed)."""
+    return distributed.dist.get_world_size() if distributed.is_distributed() else 1
 
 
 class PrivacyEngine:
@@ -140,9 +152,11 @@ class PrivacyEngine:
             loader = DPDataLoader.from_data_loader(data_loader, generator=sampling_generator)
         else:
             check_own_sampler(data_loader)  # q = batch_size / N: batches from the whole set
+            loader_sample_rate(data_loader, N, _world())  # q <= 1, before the warning
             warn_shuffle()
             loader = data_loader
-        q = loader.sample_rate if poisson_sampling else data_loader.batch_size / N
+        q = loader.sample_rate if poisson_sampling else \
+            loader_sample_rate(data_loader, N, _world())  # every rank draws batch_size
         extra = {} if adaptive_clipping is None else {"adaptive": adaptive_clipping}
         dp_optimizer = (DPOptimizer if adaptive_clipping is None else AdaptiveClipDPOptimizer)(
             optimizer, module, **extra, noise_multiplier=noise_multiplier,
@@ -164,17 +178,28 @@ class PrivacyEngine:
                                   **kwargs):
         """``make_private`` with the σ that spends ``target_epsilon`` over ``epochs``.
 
-        Planned for the steps the Poisson loader will run: ``steps_from_epochs(epochs, q)``,
-        ``epochs`` x round(1 / q) (``accounting.steps_per_epoch``).
+        Planned for the steps the returned loader runs in ``epochs`` passes (``epochs`` x
+        len(loader), a fractional last epoch rounded up): the Poisson loader's round(1 / q)
+        (``accounting.steps_per_epoch``, on every rank under DDP), or, with
+        ``poisson_sampling=False``, the shuffled loader's own len(data_loader)
+        (ceil(N / B), or floor(N / B) with ``drop_last``). Checked against the loader built.
         """
         N = check_dataset(data_loader.dataset, "data_loader.dataset")
         check_own_sampler(data_loader, allowed=distributed.SAMPLERS)  # batch_size, q are real
         warn_delta(target_delta, N, "make_private_with_epsilon")
-        q = min(1.0, data_loader.batch_size / N)
-        steps = steps_from_epochs(epochs, q)
+        poisson = kwargs.get("poisson_sampling", True)
+        q = loader_sample_rate(data_loader, N, 1 if poisson else _world())
+        per_epoch = steps_per_epoch(q) if poisson else len(data_loader)
+        steps = steps_from_epochs(epochs, q) if poisson else \
+            math.ceil(round(check_positive(epochs, "epochs") * per_epoch, 9))
         sigma = get_noise_multiplier(target_epsilon, target_delta, q, steps=steps,
                                      accountant=self.accountant_name)
-        return self.make_private(data_loader=data_loader, noise_multiplier=sigma, **kwargs)
+        out = self.make_private(data_loader=data_loader, noise_multiplier=sigma, **kwargs)
+        if len(out[2]) != per_epoch or self.sample_rate != q:  # the plan is the loop's
+            raise RuntimeError(f"make_private_with_epsilon planned {per_epoch} steps per epoch "
+                               f"at q = {q:.4g}, but the loader runs {len(out[2])} at q = "
+                               f"{self.sample_rate:.4g}; please report this bug")
+        return out
 
     def get_epsilon(self, delta: float) -> float:
         """ε(δ) spent by every step taken so far (under Poisson sampling; see the warning

@@ -56,11 +56,21 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from workbench.checks import check_max_grad_norm, check_noise_multiplier, check_positive
+from workbench.checks import (
+    check_choice,
+    check_max_grad_norm,
+    check_noise_multiplier,
+    check_positive,
+)
 from workbench.clipping.auto import choose_mode
 from workbench.clipping.engine import MODES, clipped_sum
 from workbench.clipping.nonfinite import skip_nonfinite, warn_skipped
-from workbench.dpsgd.distributed import DEFAULT_TIMEOUT_MINUTES, all_reduce
+from workbench.dpsgd import loop
+from workbench.dpsgd.distributed import (
+    DEFAULT_TIMEOUT_MINUTES,
+    all_reduce,
+    check_timeout_minutes,
+)
 from workbench.dpsgd.privatise import gaussian_noise
 from workbench.dpsgd.recorded import ModelRecorder, distributed_run
 from workbench.errors import UnattributedGradientError
@@ -77,26 +87,26 @@ class DPOptimizer(Optimizer):
                  max_grad_norm: float, expected_batch_size: float,
                  grad_sample_mode: str = "auto", loss_reduction: str = "mean",
                  generator: torch.Generator | None = None, on_step=None, criterion=None):
-        if grad_sample_mode not in (*MODES, "auto"):
-            raise ValueError(f"grad_sample_mode must be one of {(*MODES, 'auto')}; got "
-                             f"{grad_sample_mode!r}")
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' (criterion averages over the batch)"
-                             f" or 'sum'; got {loss_reduction!r}")
-        B = check_positive(expected_batch_size, "expected_batch_size", note="B = q N")
-        check_no_sample_mixing(model)
         super().__init__(optimizer.param_groups, optimizer.defaults)  # creates the hook tables
         self.__dict__["original_optimizer"] = optimizer  # from now on the properties delegate
-        self.noise_multiplier = check_noise_multiplier(noise_multiplier)
-        self.max_grad_norm = self._check_clip_norms(max_grad_norm)
-        self.expected_batch_size = B
+        # every setting is checked (the same checks as on a later assignment) before the
+        # model gets a single hook
         self.grad_sample_mode = grad_sample_mode
         self.loss_reduction = loss_reduction
+        self.expected_batch_size = expected_batch_size
+        self.noise_multiplier = noise_multiplier
+        self.max_grad_norm = max_grad_norm
         self.generator = generator
-        self.on_step = on_step  # called as on_step(noise_multiplier) after each logical step
-        self.expect_more = False  # set by a virtual-step loader: more chunks of this batch
+        self.on_step = on_step  # on_step(noise_multiplier): each logical step, before it moves
+        check_no_sample_mixing(model)
+        self.expect_more = False  # more chunks of this logical batch (a virtual-step loader)
+        self._batch_token, self._fresh_chunk = None, False  # see begin_chunk
         self.model = model
         self.recorder = ModelRecorder(model, self.param_groups, loss_reduction, criterion)
+        self.guard = loop.ThreadGuard()
+        self._guard_handle = self.recorder.model.register_forward_pre_hook(
+            self._enter_forward, prepend=True)  # before the recorder's hooks record anything
+        self._drop_handles = loop.drop_gradients(self.recorder.outside)  # no non-private .grad
         self.verify = True  # each new call signature; "always"; False: see verify_next_step()
         self._verify_next = False
         self._zeroed, self._released = False, {}  # is .grad this step's own? (_check_path)
@@ -125,6 +135,21 @@ class DPOptimizer(Optimizer):
     defaults = _delegated("defaults")
     del _delegated
 
+    # Public settings, checked whenever assigned (``loop.Checked``): a bad σ or C set after
+    # construction fails here, before a step could use it.
+    noise_multiplier = loop.Checked(lambda self, v: check_noise_multiplier(v), "σ")
+    max_grad_norm = loop.Checked(lambda self, v: self._check_clip_norms(v), "C, or one per group")
+    expected_batch_size = loop.Checked(
+        lambda self, v: check_positive(v, "expected_batch_size", note="B = q N"), "B = q N")
+    grad_sample_mode = loop.Checked(
+        lambda self, v: check_choice(v, "grad_sample_mode", (*MODES, "auto")), "mode")
+    loss_reduction = loop.Checked(lambda self, v: loop.check_loss_reduction(v), "mean or sum")
+    generator = loop.Checked(lambda self, v: loop.check_generator(v), "the noise generator")
+    on_step = loop.Checked(lambda self, v: loop.check_callback(v), "the accountant's callback")
+    verify = loop.Checked(lambda self, v: loop.check_verify(v), "self-check schedule")
+    all_reduce_timeout_minutes = loop.Checked(
+        lambda self, v: check_timeout_minutes(v), "collective timeout")
+
     def _check_clip_norms(self, max_grad_norm):
         """One C (flat clipping), or one C per parameter group (per-layer clipping)."""
         if isinstance(max_grad_norm, (list, tuple)):
@@ -148,27 +173,47 @@ class DPOptimizer(Optimizer):
         group = {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
         return dict(enumerate(self.max_grad_norm)), lambda p: group.get(id(p))
 
-    def detach(self) -> None:
-        """Remove the recording hooks; the model is as it was before ``make_private``."""
+    def detach(self, reason: str = "") -> None:
+        """Remove the recording hooks; the model is as it was before ``make_private``.
+        ``reason``: why; a later step() or zero_grad() raises with it (``loop.check_alive``)."""
         self.recorder.close()
+        for handle in [self._guard_handle, *self._drop_handles]:
+            handle.remove()
+        self.__dict__["_detached"] = reason or "optimizer.detach() was called"
+
+    def _enter_forward(self, module, args):
+        if torch.is_grad_enabled():  # no_grad passes record nothing (evaluation)
+            self.guard.enter("a forward pass of the private model")
 
     def verify_next_step(self) -> None:
         """Verify the next step whatever its call signature (``recorded.py``)."""
         self._verify_next = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        loop.check_alive(self, "zero_grad")
+        self.guard.enter("optimizer.zero_grad()")
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
         self.recorder.clear()
         self._zeroed = True
+        self.guard.release()
 
-    def reset_virtual_step(self) -> None:
+    def begin_chunk(self, token, last: bool) -> None:
+        """A virtual-step loader hands out a chunk of the logical batch ``token``; ``last``:
+        the batch's last chunk (noise is added at its step). Partial sums of a *different*
+        batch (a loop left early, a new iterator, two iterators interleaved) are discarded
+        with a warning: those samples were drawn for that batch, not for this one."""
+        if token != self._batch_token and (self._sums or self.expect_more):
+            self.reset_virtual_step(stacklevel=4)
+        self._batch_token, self.expect_more, self._fresh_chunk = token, not last, True
+
+    def reset_virtual_step(self, stacklevel: int = 3) -> None:
         """Drop the partial sums of an unfinished logical batch (a virtual-step loop that was
         left early): those samples were sampled for that batch, not for the next one."""
         if self._sums or self.expect_more:
             warnings.warn("a logical batch was left unfinished (the loop over the virtual-step "
                           "loader stopped before its last chunk); its partial clipped sums are "
-                          "discarded and no step was taken for it", stacklevel=3)
-        self._sums, self.expect_more = {}, False
+                          "discarded and no step was taken for it", stacklevel=stacklevel)
+        self._sums, self.expect_more, self._batch_token = {}, False, None
 
     def accumulate_clipped_sum(self, scale=None) -> None:
         """Add this (physical) batch's Σ_i c_i g_i to the running sums: every backward pass
@@ -300,20 +345,38 @@ class DPOptimizer(Optimizer):
         self.last["noise"] = std * d ** 0.5 / B
 
     def step(self, closure=None):
+        loop.check_alive(self, "step")
+        self.guard.enter("optimizer.step()")
+        try:
+            return self._step(closure)
+        finally:
+            self.guard.release()
+
+    def _step(self, closure):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self.recorder.check_step()  # a fresh backward since the last step, same model
+        loop.check_inputs_private(self.recorder.root_rec.all_calls())
+        if self.expect_more and not self._fresh_chunk:
+            raise RuntimeError(
+                "step() on a batch that did not come from the virtual-step loader while its "
+                "logical batch is unfinished (a loop over it was left before the batch's last "
+                "chunk): this step's samples would be mixed into that batch and no update "
+                "would be taken. Finish the loop over the loader, or start a new pass "
+                "(for x, y in loader: ...), which discards the unfinished batch")
+        self._fresh_chunk = False
         self.accumulate_clipped_sum(self._amp_scale())
         if self.expect_more:
             self._mark_released()
             return loss  # a virtual step: noise comes with the logical batch's last chunk
+        self._batch_token = None
         self.privatise()
         self._mark_released()
-        self.original_optimizer.step()
-        if self.on_step is not None:
+        if self.on_step is not None:  # accounted before the weights move: never unaccounted
             self.on_step(self.noise_multiplier)
+        self.original_optimizer.step()
         return loss
 
     def _mark_released(self) -> None:

@@ -89,7 +89,8 @@ class ModelRecorder:
             names = [k for k, p in trainable.items() if id(p) not in in_optimizer]
             warnings.warn(f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''} require "
                           f"grad but are not in the optimizer: they are not clipped or "
-                          f"updated, and their (non-private) .grad is cleared at every step; "
+                          f"updated, and their (non-private) .grad is dropped as soon as "
+                          f"backward computes it; "
                           f"set requires_grad=False to silence this", stacklevel=4)
         self.snapshot = self._structure()
         self.layer_rec = ActivationRecorder(self.layers, capture="hooks").__enter__()
@@ -162,6 +163,13 @@ class ModelRecorder:
                                "gradients would not be recorded. Call make_private again on "
                                "the changed model (with a new optimizer over its parameters)")
         if not any(any(g is not None for g in c.grads) for c in self.root_rec.all_calls()):
+            if ROOT in self.root_rec.untracked:  # e.g. a dict or a Hugging Face ModelOutput
+                raise TypeError(
+                    f"the model returned a {self.root_rec.untracked[ROOT]}: the optimizer "
+                    f"records a model whose output is a tensor or a tuple of tensors (it needs "
+                    f"d loss / d output per record). Wrap the model so that it returns the "
+                    f"tensor the loss reads, e.g. forward = lambda *a, **k: model(*a, **k)"
+                    f"['logits'] in an nn.Module, and compute the loss from that")
             raise RuntimeError("step() called without a backward() since the last step (or "
                                "twice after one backward): each step needs its own "
                                "optimizer.zero_grad(), loss = criterion(model(x), y), "

@@ -39,6 +39,7 @@ from torch.utils.data import (
 
 from workbench.accounting.calibrate import steps_per_epoch
 from workbench.checks import check_count, check_sample_rate
+from workbench.dpsgd.batches import take
 
 # What from_data_loader copies from the original loader: everything but the choice of batches.
 KEPT_OPTIONS = ("collate_fn", "worker_init_fn", "num_workers", "pin_memory", "persistent_workers",
@@ -87,23 +88,14 @@ class PoissonBatchSampler(Sampler[list[int]]):
 
 
 def empty_like_batch(example, collate_fn=default_collate):
-    """An empty batch (n = 0) with the structure, shapes and dtypes of one collated example."""
+    """An empty batch (n = 0) with the structure, shapes and dtypes of one collated example
+    (tuples, namedtuples, dicts and mappings of tensors: ``batches.take``)."""
     try:
-        return _take_none(collate_fn([example]))
+        return take(collate_fn([example]), slice(0, 0), "the collated batch")
     except TypeError as e:
         raise TypeError(f"{e}; collate_fn={getattr(collate_fn, '__name__', collate_fn)!r} must "
                         f"return tensors (or tuples/lists/dicts of them) so that an empty "
                         f"Poisson batch can be shaped like a full one") from None
-
-
-def _take_none(batch):
-    if isinstance(batch, torch.Tensor):
-        return batch[:0]
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_take_none(b) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _take_none(v) for k, v in batch.items()}
-    raise TypeError(f"cannot make an empty batch of {type(batch).__name__}")
 
 
 class PoissonCollate:
@@ -159,9 +151,24 @@ class DPDataLoader(DataLoader):
     def from_data_loader(cls, loader: DataLoader, generator=None, steps=None):
         N = check_dataset(loader.dataset, "data_loader.dataset")
         check_own_sampler(loader)
-        q = loader.batch_size / N
-        return cls(loader.dataset, sample_rate=min(1.0, q), steps=steps, generator=generator,
-                   **loader_options(loader))
+        return cls(loader.dataset, sample_rate=loader_sample_rate(loader, N), steps=steps,
+                   generator=generator, **loader_options(loader))
+
+
+def loader_sample_rate(loader: DataLoader, N: int, world: int = 1) -> float:
+    """q = world x batch_size / N, checked to be in (0, 1] before anything uses it.
+
+    ``world``: ranks that each draw ``batch_size`` per step (shuffled DDP loaders)."""
+    B = loader.batch_size
+    q = world * B / N
+    if not 0 < q <= 1:
+        per = f"{world} ranks x " if world > 1 else ""
+        raise ValueError(f"data_loader.batch_size={B} gives the sample rate q = {per}{B} / N = "
+                         f"{q:.4g} for a data set of N = {N}: q must be in (0, 1] (the "
+                         f"probability that a record is in a step's batch; the accountant "
+                         f"cannot analyse q > 1). Use batch_size <= {N // world} "
+                         f"(the expected batch size)")
+    return q
 
 
 def loader_options(loader: DataLoader) -> dict:
