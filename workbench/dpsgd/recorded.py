@@ -153,8 +153,8 @@ class ModelRecorder:
             rec.probe = None
             if verify and rec.n >= 2 and len(mine) == 1:
                 root = mine[0]
-                rec.probe = selfcheck.probe(rec, self.model, dot_loss, _inputs(root),
-                                            root.backprops)
+                rec.probe = selfcheck.probe_norm(selfcheck.probe(
+                    rec, self.model, dot_loss, _inputs(root), root.backprops))  # ||g_i||
             yield rec, self._exact(rec, mine)
 
     def _recording(self, gen: int, roots, loss_reduction: str) -> Recording:
