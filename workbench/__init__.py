@@ -10,7 +10,13 @@ ghost clipping, book-keeping), ``layers`` (DP recurrent and attention layers),
 ``accounting`` (RDP and PLD privacy accounting), ``dpsgd`` (Poisson sampling), ``data``
 (bundled data sets), ``models`` (benchmark model zoo), ``bench`` (benchmarks),
 ``viz`` / ``widgets`` (plots and interactive explorers).
+
+``import workbench`` loads torch and the training path only; ``audit``, ``bench``, ``viz`` and
+``widgets`` (and pandas, scipy, matplotlib, ipywidgets) load on first use, e.g. the first
+``wb.audit`` (``python -m workbench.bench imports`` measures the import).
 """
+
+import importlib
 
 from workbench import accounting, data, layers, models
 from workbench.clipping import (
@@ -39,6 +45,15 @@ from workbench.per_sample import (
 from workbench.validate import fix_model, validate_model
 
 __version__ = "0.1.0"
+
+LAZY_SUBMODULES = ("audit", "bench", "viz", "widgets")
+
+
+def __getattr__(name):
+    """``wb.audit`` and the other heavy submodules, imported on first use."""
+    if name in LAZY_SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "GRAD_SAMPLERS",

@@ -2,7 +2,7 @@
 
 Linear(4096 -> 4096) on (n = 256, T = 16, 4096) inputs: materialised per-sample weight
 gradients would take 256 * 4096² * 4 B = 17 GB. Ghost clipping (Gram route, 2T² = 512 <
-pd) and book-keeping must stay within 1.3x the peak resident memory of a plain forward +
+pd) and book-keeping must stay within 1.2x the peak resident memory of a plain forward +
 backward pass. Each mode runs in its own process, so peaks do not leak between them; the
 ratio includes the interpreter and torch itself (~0.3 GB), as a user's process would.
 """
@@ -47,7 +47,7 @@ def test_ghost_and_bookkeeping_peak_memory_close_to_plain():
     plain = peak_rss_mb("plain")
     for mode in ("ghost", "bookkeeping"):
         peak = peak_rss_mb(mode)
-        assert peak <= 1.3 * plain, f"{mode}: peak RSS {peak:.0f} MB vs plain {plain:.0f} MB"
+        assert peak <= 1.2 * plain, f"{mode}: peak RSS {peak:.0f} MB vs plain {plain:.0f} MB"
 
 
 def test_ghost_norm_pass_holds_no_layer_backprops_tiny_gpt():
@@ -70,3 +70,24 @@ def test_ghost_norm_pass_holds_no_layer_backprops_tiny_gpt():
     ghost()  # the self-check's probe runs once, outside the measurement
     ratio = peak_bytes(ghost, cpu, resident) / peak_bytes(plain, cpu, resident)
     assert ratio <= 1.3, f"ghost peak {ratio:.2f}x plain"
+
+
+def test_first_checked_call_holds_no_model_sized_copies():
+    """The first call of a model runs the self-check (``check="always"`` here: every call).
+    Its comparison once held the probe's g_i (one model's worth) through the batch's backward
+    pass and squared it in float64 (two more, each twice the size): Linear(1024, 1024), whose
+    weight dominates a plain step, peaked at 2.94x a plain step (profiler bytes, deterministic).
+    The norm check keeps ||g_i|| only, accumulated in 512 KiB float64 chunks: 1.06x."""
+    from workbench.bench.peak_memory import peak_bytes, tensor_bytes
+
+    torch.manual_seed(0)
+    layer, x = torch.nn.Linear(1024, 1024), torch.randn(8, 4, 1024)
+    loss_fn = lambda out, _: out.pow(2).sum((1, 2))  # noqa: E731
+    resident, cpu = tensor_bytes(layer, x), torch.device("cpu")
+    plain = peak_bytes(lambda: torch.autograd.grad(loss_fn(layer(x), None).sum(),
+                                                   list(layer.parameters())), cpu, resident)
+    for mode in ("ghost", "bookkeeping"):
+        checked = peak_bytes(lambda: wb.clipped_grad_sum(layer, loss_fn, x, None, 1.0,
+                                                         method=mode, check="always"),
+                             cpu, resident)
+        assert checked <= 1.1 * plain, f"{mode}: checked peak {checked / plain:.2f}x plain"

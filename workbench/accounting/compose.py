@@ -24,7 +24,6 @@ Notation: ω a discrete PLD, T_g the count of group g, h grid step, λ Chernoff 
 """
 
 import numpy as np
-from scipy.fft import irfft, next_fast_len, rfft
 
 from workbench.accounting.pld import DiscretePLD
 
@@ -76,6 +75,7 @@ def window(logm, support, h):
 
 def _fft_length(lo, hi, plds):
     """A fast FFT length holding the window [lo, hi] and every input PLD; refuses huge ones."""
+    from scipy.fft import next_fast_len  # lazy: scipy only where used
     need = max([hi - lo + 1] + [pld.pmf.size for pld in plds])
     if need > MAX_POINTS:
         h = plds[0].h
@@ -103,6 +103,7 @@ def _read_window(cyclic, lo, hi, shift):
 
 def compose(parts):
     """The PLD of composing ``parts`` = [(DiscretePLD, count), ...] (same h), Eq. (1)."""
+    from scipy.fft import irfft, rfft  # lazy: scipy only where used
     parts = [(pld, int(t)) for pld, t in parts if t > 0]
     h = parts[0][0].h
     if any(pld.h != h for pld, _ in parts):
@@ -118,6 +119,7 @@ def compose(parts):
 
 def self_compose_many(pld, counts):
     """[ω^(*T) for T in counts], sharing one forward FFT: for ε-vs-steps curves."""
+    from scipy.fft import irfft, rfft  # lazy: scipy only where used
     logm = log_mgf(pld)
     windows = [window(t * logm, _support([(pld, t)]), pld.h) for t in counts]
     n = _fft_length(0, max(hi - lo for lo, hi in windows), [pld])  # the widest window

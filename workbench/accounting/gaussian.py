@@ -17,8 +17,6 @@ Notation: σ noise multiplier, ε, δ, T steps, Φ standard normal CDF.
 import math
 
 import numpy as np
-from scipy.optimize import brentq
-from scipy.special import log_ndtr, ndtr
 
 from workbench.checks import (
     check_delta,
@@ -34,6 +32,7 @@ def gaussian_delta(noise_multiplier, epsilon, steps=1):
     >>> round(gaussian_delta(1.0, 1.0), 6)
     0.126937
     """
+    from scipy.special import log_ndtr, ndtr  # lazy: scipy only where used
     epsilon = check_nonnegative(epsilon, "epsilon")
     sigma = check_noise_multiplier(noise_multiplier) / math.sqrt(check_steps(steps) or 1)
     if steps == 0:
@@ -50,6 +49,7 @@ def gaussian_epsilon(noise_multiplier, delta, steps=1):
     >>> round(gaussian_epsilon(1.0, 1e-5), 4)
     4.3772
     """
+    from scipy.optimize import brentq  # lazy: scipy only where used
     delta = check_delta(delta)
     noise_multiplier = check_noise_multiplier(noise_multiplier)
     if gaussian_delta(noise_multiplier, 0.0, steps) <= delta:

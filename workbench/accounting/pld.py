@@ -38,7 +38,6 @@ Notation: q sample rate, σ noise multiplier, h grid step of loss values, ℓ lo
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.special import ndtr, ndtri
 
 #: Per-step probability mass cut from each tail of x (moved up to the grid, or to +inf).
 TAIL_MASS = 1e-18
@@ -102,6 +101,7 @@ def loss_std(q, sigma, direction):
 
 def loss_range(q, sigma, direction):
     """(ℓ_lo, ℓ_hi) holding one step's loss except TAIL_MASS of x on each side, Eq. (2)."""
+    from scipy.special import ndtri  # lazy: scipy only where used
     z = -ndtri(TAIL_MASS)  # x beyond mean ± z σ is cut
     if direction == "remove":
         return float(_g(q, sigma, -z * sigma)), float(_g(q, sigma, 1 + z * sigma))
@@ -129,6 +129,7 @@ def _normal_masses(edges, mean, sigma):
     Left of the mean the lower CDF is differenced, right of it the upper one, so tail bins keep
     their relative precision.
     """
+    from scipy.special import ndtr  # lazy: scipy only where used
     z = (np.concatenate(([-np.inf], edges, [np.inf])) - mean) / sigma
     lower = np.diff(ndtr(z))
     upper = -np.diff(ndtr(-z))

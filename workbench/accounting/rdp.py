@@ -45,7 +45,6 @@ Notation: q sample rate, σ noise multiplier, α order, T steps, Φ standard nor
 """
 
 import numpy as np
-from scipy.special import gammaln, gammasgn, log_ndtr
 
 from workbench.checks import (
     check_noise_multiplier,
@@ -103,6 +102,7 @@ def rdp_one_step(q, sigma, orders):
 
 def _log_factorial(n):
     """log(k!) for k = 0..n, float64 (n + 1,)."""
+    from scipy.special import gammaln  # lazy: scipy only where used
     return gammaln(np.arange(n + 1) + 1.0)
 
 
@@ -128,6 +128,7 @@ def _log_a_int(q, sigma, alphas):
 
 def _terms_frac(q, sigma, z0, a, i):
     """log|term| and sign of Eq. (3) for orders a (m, 1) and indices i (1, w): (m, w) each."""
+    from scipy.special import gammaln, gammasgn, log_ndtr  # lazy: scipy only where used
     j = a - i  # (m, w)
     log_c = gammaln(a + 1) - gammaln(i + 1.0) - gammaln(j + 1)  # log|C(α, i)|
     log_q, log_1q, two_s2 = np.log(q), np.log1p(-q), 2 * sigma**2

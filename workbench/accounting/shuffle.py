@@ -49,7 +49,6 @@ m the mean of the differing batch in MoG(m).
 """
 
 import numpy as np
-from scipy.special import log_ndtr, ndtri
 
 from workbench.accounting.lower import H_LOWER, interval_log_masses, lower_epsilons
 
@@ -61,6 +60,7 @@ TAIL = 1e-30  # mass of Q left of the first edge and of P right of the last (the
 
 def max_log_cdf(y, T, sigma, m):
     """log F_m(y) = log Φ((y - m)/σ) + (T - 1) log Φ(y/σ), Eq. (2)."""
+    from scipy.special import log_ndtr  # lazy: scipy only where used
     return log_ndtr((y - m) / sigma) + (T - 1) * log_ndtr(y / sigma)
 
 
@@ -71,6 +71,7 @@ def max_log_sf(y, T, sigma, m):
 
 def _edges(T, sigma):
     """Increasing bin edges of Y covering all but ``TAIL`` of both laws' mass."""
+    from scipy.special import ndtri  # lazy: scipy only where used
     lo = sigma * ndtri(np.exp(np.log(TAIL) / T))  # F_0(lo) = TAIL, below F_1 and F_2
     hi = MEANS[0] - sigma * ndtri(TAIL / T)  # T Φ(-(hi - 2)/σ) = TAIL bounds 1 - F_2(hi)
     width = LOSS_PER_BIN * sigma**2 / (MEANS[0] - MEANS[1])

@@ -18,6 +18,7 @@ BENCHMARKS = {
     "embedding_norm": ("workbench.bench.embedding_norm",
                        "embedding ghost norms vs PyTorch's embedding backward"),
     "selfcheck": ("workbench.bench.selfcheck", "the self-check's cost: checked vs unchecked"),
+    "imports": ("workbench.bench.imports", "what import workbench costs over import torch"),
     "all": ("workbench.bench.all", "every benchmark, CSVs and Fig. 2/3-style figures"),
 }
 

@@ -61,12 +61,13 @@ def _covered(layer) -> bool:
 
 def record_batch(model, loss_fn, inputs, targets, check=False) -> Recording:
     """The forward pass with hooks; the fallback decided and, when ``check`` asks for it,
-    ``probe`` (micro-batching's gradient of one sample) set. No backward pass yet."""
+    ``probe`` (micro-batching's ||g_i|| of one sample) set. No backward pass yet."""
     selfcheck.check_option(check)
     rec = record_forward(model, loss_fn, inputs, targets, covered=_covered)
     warn_fallbacks(rec, _covered)
     sig = selfcheck.known(model, rec, check)
-    rec.probe = selfcheck.probe(rec, model, loss_fn, inputs, targets) if sig else None
+    rec.probe = selfcheck.probe_norm(selfcheck.probe(rec, model, loss_fn, inputs, targets)) \
+        if sig else None  # ||g_i||: the norm check needs no more
     if sig is not None and rec.random:  # the record probe, run when the norms are known
         rec.replay = lambda: replay_probe(rec, model, loss_fn, inputs, targets)
     rec.signature = sig

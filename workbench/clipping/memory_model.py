@@ -33,12 +33,16 @@ Notation: b (or n) batch size, L parameter bytes, C bytes per sample, S ghost by
 sample, T positions per sample, G groups of a convolution, a activations, b backprops.
 """
 
-import pandas as pd
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from workbench.clipping.norms.conv import conv_dims
 from workbench.clipping.routes import COLUMNS, route_calls
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 def model_bytes(b: int, L: float, C: float, S: float = 0.0) -> dict:
@@ -89,13 +93,15 @@ def route_scratch(route: str, layer: nn.Module, call) -> int:
     return sum(p.numel() for p in layer.parameters(recurse=False) if p.requires_grad)
 
 
-def ghost_memory(model, loss_fn, inputs, targets) -> pd.DataFrame:
+def ghost_memory(model, loss_fn, inputs, targets) -> "pd.DataFrame":
     """``ghost_routes`` with what each layer call holds per sample for the ghost norms.
 
     Columns added: ``backprops`` (numbers per sample kept until the norms are taken),
     ``scratch`` (numbers per sample the route creates, ``route_scratch``) and ``bytes`` (per
     number: the backprops' element size). A batch of two samples is enough: all is per sample.
     """
+    import pandas as pd  # lazy: pandas only where used
+
     rows = []
     for row, layer, call in route_calls(model, loss_fn, inputs, targets, check=False):
         if call is None:  # a fallback layer no hook saw: its gradient, materialised exactly

@@ -5,11 +5,14 @@ layer call: the route its norm takes in ``per_sample_grad_norms(method="ghost")`
 reason (e.g. "2T² = 512 < pd = 4096: (T, T) Grams are smaller").
 """
 
-import pandas as pd
+from typing import TYPE_CHECKING
 
 from workbench.clipping.ghost import record
 from workbench.clipping.registry import NORM_ROUTES, find_norm_sampler
 from workbench.per_sample.recording import own_parameters
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 def layer_route(layer, call, shared: set[int], fallback=None) -> tuple[str, str]:
@@ -55,7 +58,9 @@ def route_calls(model, loss_fn, inputs, targets, check=True):
                     "route": route, "reason": reason}, layer, None)
 
 
-def ghost_routes(model, loss_fn, inputs, targets) -> pd.DataFrame:
+def ghost_routes(model, loss_fn, inputs, targets) -> "pd.DataFrame":
     """One row per layer call: path, layer type, call index, route, reason."""
+    import pandas as pd  # lazy: pandas only where used
+
     rows = [row for row, _, _ in route_calls(model, loss_fn, inputs, targets)]
     return pd.DataFrame(rows, columns=COLUMNS)

@@ -15,13 +15,16 @@ over (measured here: 27 s with two threads against 0.7 s with one for the same 1
 ``torch.set_num_threads(1)`` is worth trying there.
 """
 
-import pandas as pd
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from workbench.checks import check_count
 from workbench.dpsgd.engine import check_criterion
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 def accuracy(model: nn.Module, data) -> float:
@@ -36,8 +39,11 @@ def accuracy(model: nn.Module, data) -> float:
 
 
 def train(model, optimizer, loader, *, epochs: int, criterion=None, engine=None,
-          delta: float = 1e-5, eval_data=None, progress: bool = True) -> pd.DataFrame:
+          delta: float = 1e-5, eval_data=None, progress: bool = True) -> "pd.DataFrame":
     """Train for ``epochs``; returns a DataFrame with one row per epoch (see module doc)."""
+    import pandas as pd  # lazy: pandas and tqdm only where used
+    from tqdm.auto import tqdm
+
     epochs = check_count(epochs, "epochs")
     criterion = nn.CrossEntropyLoss() if criterion is None else criterion
     if hasattr(optimizer, "loss_reduction") and hasattr(criterion, "reduction"):
