@@ -108,6 +108,16 @@ COUPLING = {
 }
 """name -> build() -> (model, coupled loss, inputs, targets, C); each must be flagged."""
 
+DOCS = {
+    "class_weighted_mean": "cross_entropy(weight=w) with mean reduction: Σ_j w_{y_j} over the "
+                           "batch divides every term",
+    "ignore_index_mean": "token mean over labels != -100 (Hugging Face causal LM): the batch's "
+                         "token count divides every term",
+    "info_nce": "InfoNCE: each record's term contains the other records' embeddings",
+    "centred_logits": "logits centred over the batch inside the loss",
+    "mixing_dropout": "a model subtracting the batch mean, with Dropout(0.1)",
+}
+
 
 def plain_case(name: str):
     """The same model, data and C as ``COUPLING[name]`` with ``plain_cross_entropy``."""
