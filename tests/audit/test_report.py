@@ -39,7 +39,8 @@ def test_verdicts_are_honest(sections):
 def test_skipped_never_counts_as_passed():
     skipped = [section("a", Skipped("lib missing")), section("b", Skipped("model unsupported"))]
     verdict = overall(skipped)
-    assert verdict["counts"] == {"passed": 0, "failed": 0, "informational": 0, "skipped": 2}
+    assert verdict["counts"] == {"passed": 0, "failed": 0, "informational": 0, "skipped": 2,
+                                 "not_applicable": 0}
     assert verdict["skipped"] == ["a", "b"]
     with pytest.raises(TypeError):
         Skipped()  # a skip without its reason is not allowed

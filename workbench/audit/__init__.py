@@ -11,15 +11,29 @@ in real code, which the audit must flag; ``workbench_step`` runs the workbench's
 ``audit_gaussian_step`` bounds one step's μ and ε tightly from many calls (Nasr et al. 2023,
 ``gaussian_audit.py``).
 ``audit_sampling`` tests that a data loader draws Poisson batches (``sampling.py``).
+``audit_record_influence`` removes or replaces one record and compares the noiseless released
+sums against C (``influence.py``; adapters for the engine, a naive step and a step factory in
+``influence_steps.py``; losses and models that couple records in ``bug_zoo_coupling``).
+``Claim`` states a privacy claim (``claim.py``, from YAML/JSON); ``audit_claim`` checks it
+element by element (``claim_audit.py``; ``register_evidence`` adds evidence such as a
+membership-inference attack on the trained model).
 Every result is an ``AuditResult`` (``result.py``): ``passed``, ``table``, ``summary``, an HTML
 repr; their plots are in ``workbench.viz``.
 """
 
-from workbench.audit import bug_zoo
+from workbench.audit import bug_zoo, bug_zoo_coupling
 from workbench.audit.canary import CanaryAudit, audit_canaries
+from workbench.audit.claim import Claim, ClaimError, load_claim
+from workbench.audit.claim_audit import ClaimAudit, audit_claim, register_evidence
 from workbench.audit.dpsgd_step import workbench_step
 from workbench.audit.gaussian_audit import GaussianAudit, audit_gaussian_step
 from workbench.audit.gradients import GradientAudit, audit_gradients
+from workbench.audit.influence import InfluenceAudit, audit_record_influence
+from workbench.audit.influence_steps import (
+    engine_released_sum,
+    naive_released_sum,
+    step_released_sum,
+)
 from workbench.audit.mechanism import MechanismAudit, audit_dp_step
 from workbench.audit.one_run_bound import attainable_bound, epsilon_lower_bound
 from workbench.audit.providers import (
@@ -31,6 +45,9 @@ from workbench.audit.result import AuditResult
 from workbench.audit.sampling import SamplingAudit, audit_sampling
 
 __all__ = ["AuditResult", "CanaryAudit", "GaussianAudit", "GradientAudit", "MechanismAudit",
+           "Claim", "ClaimAudit", "ClaimError", "InfluenceAudit", "audit_claim",
+           "audit_record_influence", "bug_zoo_coupling", "engine_released_sum", "load_claim",
+           "naive_released_sum", "register_evidence", "step_released_sum",
            "audit_canaries", "audit_dp_step", "audit_gaussian_step",
            "audit_gradients", "attainable_bound", "epsilon_lower_bound",
            "available_providers", "bug_zoo", "opacus_provider", "torch_func_provider",

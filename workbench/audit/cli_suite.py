@@ -4,12 +4,18 @@
    digits CNN on digits data, or the user's --model/--data); a --provider likewise;
 2. other libraries (Opacus modes, BackPACK) the same way: informational, SKIPPED with the
    reason when not installed;
-3. the workbench's DP step (and a --step): mechanism audit, σ = 0 clipping check, canary audit;
+3. the workbench's DP step (and a --step): mechanism audit, σ = 0 clipping check, canary audit
+   (a --step also the tight one-step audit);
    the correct reference step; the bug zoo, every wrong step of which must be caught; a
    no-noise step, whose canary bound must exceed the accountant's ε;
 4. the sampling audit (the Poisson loader passes, a shuffled loader is caught) and the tight
    audit of one Gaussian step (the correct step passes, half the noise is caught);
-5. every registered accountant side by side (RDP and PLD built in).
+5. every registered accountant side by side (RDP and PLD built in);
+6. record influence (``influence.py``): the engine on a model (or --model with --loss), each
+   --step, and a naive step on each coupled loss of ``bug_zoo_coupling``, which must be caught.
+
+Each section has a part: the subject (the user's code when given, else the workbench), the
+tool's self-checks (bugs it must catch, the reference step), other libraries.
 
 Every seed is in ``SEEDS`` and every setting in ``settings(args)``, both copied into the
 report's provenance.
@@ -22,12 +28,13 @@ from workbench import data, models
 from workbench.audit import bug_zoo
 from workbench.audit.canary import audit_canaries
 from workbench.audit.dpsgd_step import workbench_step
+from workbench.audit.gaussian_audit import audit_gaussian_step
 from workbench.audit.gradients import audit_gradients
 from workbench.audit.mechanism import audit_dp_step
 from workbench.audit.providers import available_providers
-from workbench.audit.report import Skipped, section
+from workbench.audit.report import SELF_CHECK, SUBJECT, Skipped, section
 from workbench.audit.report_kinds import LIBRARY_WHAT
-from workbench.audit.report_more_kinds import privacy_extras
+from workbench.audit.report_more_kinds import GAUSSIAN, privacy_extras
 from workbench.audit.report_suites import (
     BugZooSuite,
     GradientSuite,
@@ -82,7 +89,8 @@ def zoo_cases(quick: bool):
     return cases
 
 
-def gradient_sections(cases, loss_fn, user_providers: dict, progress: bool) -> list:
+def gradient_sections(cases, loss_fn, user_providers: dict, progress: bool,
+                      own_part: str = SUBJECT) -> list:
     found, missing = available_providers()
     libraries = {k: v for k, v in found.items() if k != "torch_func"}
     providers = {**libraries, **user_providers}
@@ -97,13 +105,14 @@ def gradient_sections(cases, loss_fn, user_providers: dict, progress: bool) -> l
                 f"{err})")))
     if audits:
         out.insert(0, section("Per-sample gradients: workbench methods vs micro-batching",
-                              GradientSuite(audits, METHODS)))
+                              GradientSuite(audits, METHODS), part=own_part))
         for spec in user_providers:
             out.append(section(f"Per-sample gradients: your provider {spec} vs micro-batching",
                                GradientSuite(audits, (spec,), LIBRARY_WHAT)))
         for lib in libraries:
             out.append(section(f"Other libraries: {lib} vs micro-batching",
-                               GradientSuite(audits, (lib,), LIBRARY_WHAT), must_pass=False))
+                               GradientSuite(audits, (lib,), LIBRARY_WHAT, library=True),
+                               must_pass=False))
     for lib, reason in missing.items():
         out.append(section(f"Other libraries: {lib} vs micro-batching", Skipped(reason),
                            must_pass=False))
@@ -143,7 +152,7 @@ def _finite(factory, name: str):
     return checked_factory
 
 
-def step_sections(name: str, factory, trials: int) -> list:
+def step_sections(name: str, factory, trials: int, part: str = SUBJECT) -> list:
     factory = _finite(factory, name)
     mech = _guarded(audit_dp_step, factory(C, SIGMA, B, torch.Generator().manual_seed(
         SEEDS["step_noise"])), dim=DIM, batch_size=B, max_grad_norm=C, noise_multiplier=SIGMA,
@@ -152,20 +161,31 @@ def step_sections(name: str, factory, trials: int) -> list:
                     torch.Generator().manual_seed(SEEDS["clipping_design"]))
     canary = _guarded(audit_canaries, factory, **CANARY, max_grad_norm=C,
                       generator=torch.Generator().manual_seed(SEEDS["canary"]))
-    return [section(f"DP step: {name}", mech),
-            section(f"Clipping: {name} with σ = 0", clip),
-            section(f"Canary audit: {name} (ε from below)", canary)]
+    return [section(f"DP step: {name}", mech, part=part),
+            section(f"Clipping: {name} with σ = 0", clip, part=part),
+            section(f"Canary audit: {name} (ε from below)", canary, part=part)]
 
 
-def privacy_sections(args, user_steps: dict, progress: bool) -> list:
-    out = step_sections("workbench DP optimizer", workbench_step, args.trials)
+def user_step_sections(spec: str, factory, trials: int) -> list:
+    """A --step: mechanism, clipping, canary, and the tight one-step audit (the only one that
+    catches noise σ instead of σ·C at C != 1)."""
+    tight = _guarded(audit_gaussian_step, factory(GAUSSIAN["max_grad_norm"],
+                     GAUSSIAN["noise_multiplier"], GAUSSIAN["batch_size"],
+                     torch.Generator().manual_seed(SEEDS["step_noise"])),
+                     generator=torch.Generator().manual_seed(SEEDS["sampling"]), **GAUSSIAN)
+    return step_sections(f"your step {spec}", factory, trials) + [
+        section(f"Tight audit of one step: your step {spec}", tight)]
+
+
+def privacy_sections(args, user_steps: dict, progress: bool, own_part: str = SUBJECT) -> list:
+    out = step_sections("workbench DP optimizer", workbench_step, args.trials, own_part)
     for spec, factory in user_steps.items():
-        out += step_sections(f"your step {spec}", factory, args.trials)
+        out += user_step_sections(spec, factory, args.trials)
     correct = bug_zoo.ZOO[bug_zoo.CORRECT]
     out.append(section("DP step: correct reference step (bug_zoo.correct_step)", audit_dp_step(
         correct(C, SIGMA, B, torch.Generator().manual_seed(SEEDS["step_noise"])), dim=DIM,
         batch_size=B, max_grad_norm=C, noise_multiplier=SIGMA, trials=args.trials,
-        generator=torch.Generator().manual_seed(SEEDS["mechanism_design"]))))
+        generator=torch.Generator().manual_seed(SEEDS["mechanism_design"])), part=SELF_CHECK))
     bugs = {k: f for k, f in bug_zoo.ZOO.items() if k != bug_zoo.CORRECT}
     audits = {}
     for name in tqdm(bugs, desc="bug zoo", disable=not progress):
@@ -177,12 +197,24 @@ def privacy_sections(args, user_steps: dict, progress: bool) -> list:
     docs = {k: " ".join((f.__doc__ or "").split("\n\n")[0].split()).removeprefix("Bug: ")
             for k, f in bugs.items()}  # the docstring's first paragraph, on one line
     out.append(section("DP step: bug zoo, each wrong step must be caught",
-                       BugZooSuite(audits, docs)))
+                       BugZooSuite(audits, docs), part=SELF_CHECK))
     leak = audit_canaries(bug_zoo.no_noise, **CANARY, max_grad_norm=C,
                           generator=torch.Generator().manual_seed(SEEDS["canary"]))
     out.append(section("Canary audit: a step without noise must be caught", leak,
-                       expect_failure=True))
-    out += privacy_extras(SEEDS["sampling"])
+                       expect_failure=True, part=SELF_CHECK))
+    out += privacy_extras(SEEDS["sampling"], own_part)
     check = check_accountants(accountant_settings(args.quick))
-    out.append(section("Accountants: " + " vs ".join(check.labels.values()), check))
+    out.append(section("Accountants: " + " vs ".join(check.labels.values()), check,
+                       part=own_part))
     return out
+
+
+def influence_case(args, cases):
+    """(name, model, inputs, targets) of 9 records for the record-influence audit: the user's
+    --model/--data, else the zoo's digits_mlp on an example batch."""
+    if args.model:
+        return cases[0]
+    torch.manual_seed(SEEDS["model_init"])
+    x, y = models.example_batch("digits_mlp", 9,
+                                generator=torch.Generator().manual_seed(SEEDS["zoo_batch"]))
+    return "digits_mlp", models.make_model("digits_mlp"), x, y

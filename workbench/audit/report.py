@@ -20,7 +20,9 @@ name::
 An unregistered result still gets a section: its ``.summary`` is the finding, its ``.what``
 or docstring says what it checks, no key number and no figure.
 
-Verdicts are honest: a skipped section is SKIPPED with its reason and never counts as passed;
+Verdicts are honest: a skipped section is SKIPPED with its reason and never counts as passed
+(nor does a library's "not applicable": it cannot run the model, e.g. Opacus on the
+workbench's own DPLSTM);
 a section whose audit is *expected* to fail (a bug the audit must catch) reads "caught" when it
 fails and "NOT CAUGHT" otherwise; ``must_pass=False`` marks findings about other libraries,
 reported but not part of the overall verdict.
@@ -36,7 +38,12 @@ from matplotlib.figure import Figure
 
 from workbench.audit.result import AuditResult
 
-PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
+PASSED, FAILED, SKIPPED, NOT_APPLICABLE = "passed", "failed", "skipped", "not applicable"
+SUBJECT, SELF_CHECK, LIBRARY = "subject", "self-check", "library"
+PARTS = {SUBJECT: "What is audited", SELF_CHECK: "Appendix A: the tool's self-checks",
+         LIBRARY: "Appendix B: other libraries"}
+"""part -> heading: the subject's results first; the audit proving its own power (bugs it must
+catch, the reference step) and other libraries (informational) in appendices, counted apart."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +67,8 @@ def register_kind(class_name: str, kind: Kind) -> Kind:
 
 
 def kind_of(result) -> Kind | None:
-    import workbench.audit.report_kinds  # noqa: F401  (registers the built-in kinds)
+    import workbench.audit.report_claim_kinds  # noqa: F401  (registers the built-in kinds)
+    import workbench.audit.report_kinds  # noqa: F401
 
     for cls in type(result).__mro__:
         if cls.__name__ in KINDS:
@@ -87,7 +95,7 @@ class Skipped(AuditResult):
 class Section:
     title: str
     what: str
-    verdict: str  # PASSED, FAILED or SKIPPED
+    verdict: str  # PASSED, FAILED, SKIPPED or NOT_APPLICABLE
     finding: str
     key_number: str
     table: pd.DataFrame  # what people read
@@ -97,11 +105,12 @@ class Section:
     data: pd.DataFrame | None = None  # the full numbers (report.json)
     figures: list = field(default_factory=list)  # PNG bytes
     words: tuple = ("passed", "FAILED")  # how PASSED / FAILED read here
+    part: str = SUBJECT  # SUBJECT, SELF_CHECK or LIBRARY
 
     @property
     def label(self) -> str:
-        if self.verdict == SKIPPED:
-            return "SKIPPED"
+        if self.verdict in (SKIPPED, NOT_APPLICABLE):
+            return self.verdict.upper() if self.verdict == SKIPPED else self.verdict
         return self.words[0] if self.verdict == PASSED else self.words[1]
 
 
@@ -122,9 +131,19 @@ def _summary(result, kind):
 
 
 def section(title: str, result, must_pass: bool = True, expect_failure: bool = False,
-            figures: bool = True) -> Section:
+            figures: bool = True, part: str | None = None) -> Section:
     """The report section of ``result`` (an audit result, a :class:`Skipped` or a DataFrame
-    with a ``passed`` column). ``expect_failure``: the audit must *catch* this (a bug)."""
+    with a ``passed`` column). ``expect_failure``: the audit must *catch* this (a bug).
+    ``part``: SUBJECT, SELF_CHECK or LIBRARY (default: LIBRARY when not ``must_pass``)."""
+    part = part or (SUBJECT if must_pass else LIBRARY)
+    if part not in PARTS:
+        raise ValueError(f"section {title!r}: part must be one of {sorted(PARTS)}; got {part!r}")
+    made = _section(title, result, must_pass, expect_failure, figures)
+    made.part = part
+    return made
+
+
+def _section(title, result, must_pass, expect_failure, figures):
     if isinstance(result, pd.DataFrame):
         return _table_section(title, result, must_pass)
     if not isinstance(result, AuditResult):
@@ -137,6 +156,9 @@ def section(title: str, result, must_pass: bool = True, expect_failure: bool = F
     if result.skipped:
         return Section(title, what, SKIPPED, result.summary, "", pd.DataFrame(),
                        [], must_pass, reason=str(result.reason))
+    if getattr(result, "not_applicable", False) is True:  # nothing it could run on
+        return Section(title, what, NOT_APPLICABLE, result.summary, "", result.table, [],
+                       must_pass, reason=str(result.reason), data=result.table)
     passed = bool(result.passed)
     finding, key = _summary(result, kind)
     table, notes = kind.table(result) if kind and kind.table else (result.table, [])
@@ -154,20 +176,34 @@ def _table_section(title, table, must_pass):
                    data=table)
 
 
+def counts(sections: list) -> dict:
+    """Sections by verdict: passed, failed (must_pass), informational (failed, not must_pass),
+    skipped, not applicable."""
+    return {"passed": sum(s.verdict == PASSED for s in sections),
+            "failed": sum(s.must_pass and s.verdict == FAILED for s in sections),
+            "informational": sum(not s.must_pass and s.verdict == FAILED for s in sections),
+            "skipped": sum(s.verdict == SKIPPED for s in sections),
+            "not_applicable": sum(s.verdict == NOT_APPLICABLE for s in sections)}
+
+
 def overall(sections: list) -> dict:
-    """The report's verdict: FAILED if a must-pass section failed. Skipped sections and failed
-    informational ones (other libraries) are counted apart; skipped never counts as passed."""
+    """The report's verdict: FAILED if a must-pass section failed (the subject's, or a
+    self-check: then the tool cannot be trusted). Counted per part (``by_part``) so the
+    subject's results never mix with the tool's self-checks and other libraries; skipped and
+    not-applicable sections never count as passed."""
     failed = [s.title for s in sections if s.must_pass and s.verdict == FAILED]
     findings = [s.title for s in sections if not s.must_pass and s.verdict == FAILED]
     skipped = [s.title for s in sections if s.verdict == SKIPPED]
-    count = {"passed": sum(s.verdict == PASSED for s in sections), "failed": len(failed),
-             "informational": len(findings), "skipped": len(skipped)}
-    return {"verdict": "FAILED" if failed else "PASSED", "passed": not failed, "counts": count,
+    by_part = {part: counts([s for s in sections if s.part == part]) for part in PARTS}
+    return {"verdict": "FAILED" if failed else "PASSED", "passed": not failed,
+            "counts": counts(sections), "by_part": by_part,
             "failed": failed, "informational_failures": findings, "skipped": skipped}
 
 
-def write_report(out, sections: list, provenance: dict, title: str = "DP-SGD Workbench audit"):
-    """Write ``report.html`` and ``report.json`` into the folder ``out``.
+def write_report(out, sections: list, provenance: dict, title: str = "DP-SGD Workbench audit",
+                 claim=None):
+    """Write ``report.html`` and ``report.json`` into the folder ``out``; ``claim``: a
+    ``ClaimAudit`` for the cover (the claim under test, one verdict per element).
 
     Returns (html path, json path, the JSON document)."""
     from workbench.audit.report_html import render_html
@@ -175,6 +211,8 @@ def write_report(out, sections: list, provenance: dict, title: str = "DP-SGD Wor
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    document = report_document(sections, provenance, title)
+    order = list(PARTS)
+    sections = sorted(sections, key=lambda s: order.index(s.part))  # the subject first
+    document = report_document(sections, provenance, title, claim)
     (out / "report.html").write_text(render_html(document, sections), encoding="utf-8")
     return out / "report.html", write_json(out / "report.json", document), document

@@ -12,7 +12,7 @@ import base64
 import html
 import math
 
-from workbench.audit.report import FAILED, PASSED, SKIPPED
+from workbench.audit.report import FAILED, NOT_APPLICABLE, PARTS, PASSED, SKIPPED
 
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#1d2330;
@@ -24,9 +24,14 @@ h1{font-size:22px;margin:4px 0}h2{font-size:18px;margin:28px 0 6px;border-top:1p
  border:1px solid currentColor;white-space:nowrap}
 .big{font-size:18px;padding:2px 12px}
 .passed{color:#17632a;background:#e3f4e6}.failed{color:#a4161a;background:#fde4e4}
-.skipped{color:#6b5500;background:#fdf3d1}.info{color:#555;background:#eee}
-table{border-collapse:collapse;margin:8px 0;font-size:12.5px}
-th,td{border-bottom:1px solid #dde;padding:3px 8px;text-align:left;vertical-align:top}
+.skipped{color:#6b5500;background:#fdf3d1}.info,.na{color:#555;background:#eee}
+.supported{color:#17632a;background:#e3f4e6}.refuted{color:#a4161a;background:#fde4e4}
+.inconclusive,.not-checked,.stated{color:#555;background:#eee}
+table{border-collapse:collapse;margin:8px 0;font-size:12.5px;max-width:100%}
+th,td{border-bottom:1px solid #dde;padding:3px 8px;text-align:left;vertical-align:top;
+ overflow-wrap:anywhere}
+#cover{border:1px solid #ccd;border-radius:6px;padding:8px 14px;margin:8px 0}
+#cover h2{border:0;margin:4px 0;padding:0}
 th{background:#f3f4f8}td.num{text-align:right;font-variant-numeric:tabular-nums}
 table.summary{width:100%}table.summary td:nth-child(2){white-space:nowrap}
 table.summary td:first-child a{color:inherit}
@@ -48,7 +53,8 @@ def esc(value) -> str:
 
 
 def badge(verdict: str, label: str, big: bool = False) -> str:
-    cls = {PASSED: "passed", FAILED: "failed", SKIPPED: "skipped"}.get(verdict, verdict)
+    cls = {PASSED: "passed", FAILED: "failed", SKIPPED: "skipped",
+           NOT_APPLICABLE: "na"}.get(verdict, verdict.replace(" ", "-"))
     return f'<span class="badge {cls}{" big" if big else ""}">{esc(label)}</span>'
 
 
@@ -72,8 +78,11 @@ def table_html(df, cls: str = "") -> str:
 
 
 def summary_html(sections) -> str:
-    rows = []
+    rows, part = [], None
     for i, s in enumerate(sections):
+        if s.part != part:
+            part = s.part
+            rows.append(f'<tr class="part"><th colspan="4">{esc(PARTS[part])}</th></tr>')
         label = badge(s.verdict, s.label) + ("" if s.must_pass else INFO)
         rows.append(f'<tr><td><a href="#s{i}">{esc(s.title)}</a></td><td>{label}</td>'
                     f"<td>{esc(s.finding)}</td><td>{esc(s.key_number)}</td></tr>")
@@ -91,11 +100,14 @@ def section_html(i: int, s) -> str:
                      "not part of the workbench's verdict.</p>")
     if s.verdict == SKIPPED:
         parts.append(f'<p class="reason">Skipped, not counted as passed: {esc(s.reason)}</p>')
+    if s.verdict == NOT_APPLICABLE:
+        parts.append(f'<p class="reason">Not applicable (the library cannot run it; not a '
+                     f"failure, not counted as passed): {esc(s.reason)}</p>")
     if s.figures:
         imgs = "".join(f'<img alt="{esc(s.title)}: figure {k + 1}" src="data:image/png;base64,'
                        f'{base64.b64encode(png).decode()}">' for k, png in enumerate(s.figures))
         parts.append(f'<div class="figures">{imgs}</div>')
-    parts.append(table_html(s.table))
+    parts.append(f'<div class="tablewrap">{table_html(s.table)}</div>')
     if s.notes:
         parts.append('<ul class="notes">' + "".join(f"<li>{esc(n)}</li>" for n in s.notes)
                      + "</ul>")
@@ -106,7 +118,8 @@ def provenance_html(p: dict) -> str:
     git = p.get("git")
     code = (f"{git['commit']}{' (with uncommitted changes)' if git['dirty'] else ''}"
             if git else "not run from a git checkout")
-    rows = [("git commit", code), ("date", p["date"]),
+    rows = [("git commit", code), ("uncommitted changes", "yes" if git and git["dirty"] else
+                                   "no" if git else "—"), ("date", p["date"]),
             *((f"version: {k}", v) for k, v in p["versions"].items()),
             *((f"machine: {k}", v) for k, v in p["machine"].items()),
             *((f"setting: {k}", v) for k, v in p["settings"].items()),
@@ -116,20 +129,54 @@ def provenance_html(p: dict) -> str:
             f"<pre>{esc(p['command'])}</pre><table>{body}</table></section>")
 
 
+def _count_line(c: dict) -> str:
+    parts = [f"{c['passed']} passed", f"{c['failed'] + c['informational']} failed"]
+    parts += [f"{c[k]} {k.replace('_', ' ')}" for k in ("skipped", "not_applicable") if c[k]]
+    return " · ".join(parts)
+
+
+def claim_html(claim) -> str:
+    """The claim under test and one verdict per element (the report's cover)."""
+    if not claim:
+        return '<p id="claim">No privacy claim under test (pass --claim claim.yaml).</p>'
+    c = claim["claim"]
+    stated = "; ".join(f"{k} {v}" for k, v in c.items() if k != "subject")
+    rows = "".join(
+        f'<tr><td>{esc(e["element"])}</td><td>{esc(e["claimed"])}</td><td>'
+        f'{badge(e["verdict"], e["verdict"])}</td><td>{esc(e["evidence"])}</td>'
+        f'<td>{esc(e["finding"])}</td></tr>' for e in claim["elements"])
+    head = "<tr><th>element</th><th>claimed</th><th>verdict</th><th>evidence</th>" \
+           "<th>finding</th></tr>"
+    return (f'<div id="claim"><p><b>Claim under test:</b> {esc(stated)}</p>'
+            f'<table id="claim-elements" class="summary"><thead>{head}</thead><tbody>{rows}'
+            f"</tbody></table></div>")
+
+
 def render_html(document: dict, sections: list) -> str:
     """The page for ``document`` (from ``report_json.report_document``) and its sections."""
-    c, p = document["counts"], document["provenance"]
+    p, by = document["provenance"], document["by_part"]
     verdict = PASSED if document["passed"] else FAILED
-    extra = (f" · {c['informational']} informational finding(s) about other libraries"
-             if c["informational"] else "")
-    commit = (p.get("git") or {}).get("commit", "")[:10] or "no git checkout"
-    head = (f'<header><h1>{esc(document["title"])}</h1><p class="verdict" id="verdict">'
-            f'{badge(verdict, document["verdict"], big=True)} {c["passed"]} passed · '
-            f'{c["failed"]} failed · {c["skipped"]} skipped (skipped never counts as passed)'
-            f'{esc(extra)}</p><p class="meta">{esc(p["date"])} · commit {esc(commit)} · '
-            f'workbench {esc(p["versions"]["workbench"])} · <a href="#provenance">provenance'
-            f"</a></p></header>")
-    body = "".join(section_html(i, s) for i, s in enumerate(sections))
+    git = p.get("git") or {}
+    commit = (git.get("commit", "")[:10] + (" (uncommitted changes)" if git.get("dirty")
+                                            else "")) or "no git checkout"
+    counts = "".join(f'<li id="count-{part.replace(" ", "-")}">{esc(PARTS[part])}: '
+                     f"{esc(_count_line(by[part]))}</li>" for part in PARTS)
+    head = (f'<header><h1>{esc(document["title"])}</h1><section id="cover">'
+            f'<p class="verdict" id="verdict">{badge(verdict, document["verdict"], big=True)} '
+            f'<b>Audited:</b> <span id="subject">{esc(document["subject"])}</span></p>'
+            f'{claim_html(document.get("claim"))}<ul class="counts">{counts}</ul>'
+            f'<p class="notes">Skipped and not applicable never count as passed; the verdict '
+            f"fails when the subject or a self-check fails, never on another library.</p>"
+            f'<p class="meta">{esc(p["date"])} · commit {esc(commit)} · workbench '
+            f'{esc(p["versions"]["workbench"])} · {esc(p["machine"].get("cpu_model", ""))} · '
+            f'<a href="#provenance">provenance</a></p></section></header>')
+    body, part = [], None
+    for i, s in enumerate(sections):
+        if s.part != part:
+            part = s.part
+            body.append(f'<h2 class="part" id="part-{part}">{esc(PARTS[part])}</h2>')
+        body.append(section_html(i, s))
+    body = "".join(body)
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><meta name="viewport" '
             f'content="width=device-width, initial-scale=1"><title>{esc(document["title"])}: '
             f'{document["verdict"]}</title><style>{CSS}</style></head><body>{head}'

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from workbench.audit.report import overall
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"  # 1.1: part, by_part, not applicable, claim, subject, cpu_model
 SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
 
 
@@ -42,12 +42,30 @@ def section_json(s) -> dict:
             "passed": s.verdict == "passed", "skipped": s.verdict == "skipped",
             "must_pass": s.must_pass, "reason": s.reason, "finding": s.finding,
             "key_number": s.key_number, "notes": list(s.notes), "figures": len(s.figures),
-            "table": _records(s.data if s.data is not None else s.table)}
+            "part": s.part, "table": _records(s.data if s.data is not None else s.table)}
 
 
-def report_document(sections: list, provenance: dict, title: str) -> dict:
+def claim_json(audit) -> dict | None:
+    """The claim under test and one verdict per element (None without a claim)."""
+    if audit is None:
+        return None
+    return {"claim": _clean(audit.claim.as_dict()), "refuted": not audit.passed,
+            "elements": _records(audit.table), "epsilons": _records(audit.epsilons)}
+
+
+def subject(sections, provenance, audit) -> str:
+    """What is audited, in one line: the claim's subject, the user's code, or the workbench."""
+    named = getattr(getattr(audit, "claim", None), "subject", "")
+    settings = provenance.get("settings", {})
+    code = [f"{k} {settings[k]}" for k in ("model", "step", "provider", "loader")
+            if settings.get(k) not in (None, "None", "[]")]
+    return named or "; ".join(code) or "the DP-SGD Workbench itself (its engine and methods)"
+
+
+def report_document(sections: list, provenance: dict, title: str, claim=None) -> dict:
     verdict = overall(sections)
     return {"schema_version": SCHEMA_VERSION, "title": title, **verdict,
+            "subject": subject(sections, provenance, claim), "claim": claim_json(claim),
             "provenance": _clean(provenance), "sections": [section_json(s) for s in sections]}
 
 

@@ -41,17 +41,26 @@ def _compared(group) -> str:
 
 def gradient_table(suite):
     rows = []
+    na_rows = suite._na(suite.rows)
     for (model, method), g in suite.rows.groupby(["model", "method"], sort=False):
         worst = g[["max_rel_error", "norm_rel_error"]].max(axis=1, skipna=True)
         at = g["parameter"][worst.idxmax()] if worst.notna().any() else ""
+        error = "; ".join(sorted(set(g["error"]) - {""}))
+        na = bool(na_rows[g.index].any())
         rows.append({"model": model, "method": method, "compared": _compared(g),
                      "parameters": int((g["parameter"] != "").sum()),
-                     "worst relative error": _g(worst.max()), "at parameter": at or "—",
-                     "passed": bool(g["passed"].all()),
-                     "error": "; ".join(sorted(set(g["error"]) - {""}))})
+                     "worst relative error": "raised" if error and worst.isna().all()
+                     else _g(worst.max()), "at parameter": at or "—",
+                     "passed": "not applicable" if na else bool(g["passed"].all()),
+                     "error": error})
     table = pd.DataFrame(rows)
     if len(table) and (table["error"] == "").all():
         table = table.drop(columns="error")
+    if na_rows.any():
+        notes_na = ["Not applicable: the library raised on this model (it cannot run it, e.g. "
+                    "a layer it does not know); not a failure of the library, not counted."]
+    else:
+        notes_na = []
     reason = suite.rows["tolerance_reason"].iloc[0]
     notes = [f"Tolerance for every row: {suite.tolerance:.0e} relative ({reason}).",
              "Relative error: max |g − g_ref| / max |g_ref| over samples and coordinates, per "
@@ -63,14 +72,14 @@ def gradient_table(suite):
                      "report.json has no norm error (null) on its rows. Ghost is audited on its "
                      "norms and the same clipped sum.")
     notes.append("One row per model and method here; report.json has one row per parameter.")
-    return table, notes
+    return table, notes + notes_na
 
 
 def gradient_summary(suite):
     rows = suite.rows
     worst = rows[["max_rel_error", "norm_rel_error"]].max(axis=1, skipna=True).max()
     key = f"worst rel. error {_g(worst)} (tolerance {suite.tolerance:.0e})"
-    errors = rows["error"] != ""
+    errors = (rows["error"] != "") & ~suite._na(rows)  # a library's not-applicable rows apart
     if errors.any():  # a method that raised has no error number: do not show the others'
         key = f"{int(errors.sum())} of {len(rows)} rows raised an error"
     return suite.summary, key

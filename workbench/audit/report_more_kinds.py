@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from workbench.audit.bug_zoo import correct_step
 from workbench.audit.dpsgd_step import workbench_step
 from workbench.audit.gaussian_audit import audit_gaussian_step
-from workbench.audit.report import Kind, register_kind, section
+from workbench.audit.report import SELF_CHECK, SUBJECT, Kind, register_kind, section
 from workbench.audit.sampling import audit_sampling
 from workbench.dpsgd.sampling import DPDataLoader
 from workbench.viz.audit_privacy import plot_gaussian_scores
@@ -40,8 +40,9 @@ register_kind("GaussianAudit", Kind(
     figures=(plot_gaussian_scores,)))
 
 
-def privacy_extras(seed: int = 0) -> list:
-    """The sampling and tight Gaussian sections of the headless audit."""
+def privacy_extras(seed: int = 0, own_part: str = SUBJECT) -> list:
+    """The sampling and tight Gaussian sections of the headless audit; the workbench's own
+    loader and step are ``own_part``, the bugs that must be caught are self-checks."""
     def poisson(dataset):
         return DPDataLoader(dataset, sample_rate=SAMPLING["sample_rate"],
                             generator=torch.Generator().manual_seed(seed))
@@ -51,15 +52,17 @@ def privacy_extras(seed: int = 0) -> list:
                           shuffle=True, generator=torch.Generator().manual_seed(seed))
 
     out = [section("Sampling: the workbench's Poisson loader", audit_sampling(poisson,
-                                                                               **SAMPLING)),
+                                                                               **SAMPLING),
+                   part=own_part),
            section("Sampling: a shuffled fixed-size loader must be caught",
-                   audit_sampling(shuffled, **SAMPLING), expect_failure=True)]
+                   audit_sampling(shuffled, **SAMPLING), expect_failure=True, part=SELF_CHECK)]
     C, sigma, B = GAUSSIAN["max_grad_norm"], GAUSSIAN["noise_multiplier"], GAUSSIAN["batch_size"]
     ours = workbench_step(C, sigma, B, torch.Generator().manual_seed(seed + 1))
     out.append(section("Tight audit of one step: workbench DP optimizer", audit_gaussian_step(
-        ours, generator=torch.Generator().manual_seed(seed), **GAUSSIAN)))
+        ours, generator=torch.Generator().manual_seed(seed), **GAUSSIAN), part=own_part))
     leaky = correct_step(C, sigma / 2, B, torch.Generator().manual_seed(seed + 1))  # σ/2 noise
     out.append(section("Tight audit of one step: half the claimed noise must be caught",
                        audit_gaussian_step(leaky, generator=torch.Generator().manual_seed(seed),
-                                           **GAUSSIAN), expect_failure=True))
+                                           **GAUSSIAN), expect_failure=True,
+                       part=SELF_CHECK))
     return out

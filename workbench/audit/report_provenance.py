@@ -46,6 +46,21 @@ def git_commit(path: Path | None = None) -> dict | None:
         return None
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo, macOS sysctl), else platform.processor()."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("model name", "hardware")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    try:
+        return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True,
+                              text=True, timeout=5, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return platform.processor() or platform.machine() or "unknown"
+
+
 def device() -> str:
     if torch.cuda.is_available():
         return f"cuda: {torch.cuda.get_device_name(0)} (audit ran on cpu)"
@@ -70,6 +85,7 @@ def provenance(argv, settings: dict, seeds: dict) -> dict:
         "date": now.isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "machine": platform.machine(),
                     "processor": platform.processor() or platform.machine(),
+                    "cpu_model": cpu_model(),
                     "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "device": device()},
         "settings": settings,

@@ -32,6 +32,25 @@ class GradientSuite(AuditResult):
     audits: dict
     methods: tuple
     what: str = ""  # overrides the kind's "what" (e.g. for another library)
+    library: bool = False  # another library: a model it raises on is "not applicable"
+
+    def _na(self, rows) -> pd.Series:
+        """Rows another library could not run (it raised): not applicable, not failed."""
+        if not self.library or not len(rows):
+            return pd.Series(False, index=rows.index)
+        return rows["error"] != ""
+
+    @property
+    def not_applicable(self) -> bool:
+        rows = self.rows
+        return bool(len(rows)) and bool(self._na(rows).all())
+
+    @property
+    def reason(self) -> str:
+        rows = self.rows
+        bad = rows[self._na(rows)] if len(rows) else rows
+        return "; ".join(dict.fromkeys(f"cannot run {m}: {e}" for m, e in
+                                       zip(bad.get("model", []), bad.get("error", []))))
 
     @property
     def rows(self) -> pd.DataFrame:
@@ -49,6 +68,7 @@ class GradientSuite(AuditResult):
     @property
     def passed(self) -> bool:
         rows = self.rows
+        rows = rows[~self._na(rows)] if len(rows) else rows
         return bool(len(rows)) and bool(rows["passed"].all())
 
     @property
@@ -58,13 +78,20 @@ class GradientSuite(AuditResult):
     @property
     def summary(self) -> str:
         rows = self.rows
+        na = self._na(rows)
+        models = sorted(set(rows["model"][na])) if len(rows) else []
+        if self.not_applicable:
+            return f"not applicable: cannot run {', '.join(models)}"
+        note = f" (not applicable on {', '.join(models)})" if models else ""
         if self.passed:
             methods = ", ".join(dict.fromkeys(rows["method"]))
-            return f"{methods} agree with micro-batching on {len(self.audits)} model(s)"
+            ran = len(self.audits) - len(models)
+            return f"{methods} agree with micro-batching on {ran} model(s){note}"
+        rows = rows[~na] if len(rows) else rows
         bad = rows[~rows["passed"]] if len(rows) else rows
         where = ", ".join(dict.fromkeys(bad["method"] + " on " + bad["model"])) if len(bad) \
             else "no rows audited"
-        return f"disagree or fail: {where}"
+        return f"disagree or fail: {where}{note}"
 
 
 @dataclass

@@ -3,7 +3,8 @@
 ``plot_x(ax, result)`` draws on the axes it is given and returns the artists (no figure, no
 ``plt.show()``). Results: ``GradientSuite``, ``BugZooSuite``, ``ClippingCheck``
 (``workbench.audit.report_suites``), ``GradientAudit`` (``workbench.audit.gradients``) and
-``MechanismAudit`` (``workbench.audit.mechanism``).
+``MechanismAudit`` (``workbench.audit.mechanism``), ``InfluenceAudit``
+(``workbench.audit.influence``).
 The canary and accountant plots are in ``viz/audit_privacy.py``.
 
 Noise variance: with residuals r of T calls on d coordinates of 3 batches, Σ r²/s² ~ χ²(k),
@@ -20,30 +21,44 @@ FLOOR = 1e-18  # exact agreement (error 0) is drawn here on a log axis
 
 
 def plot_gradient_errors(ax, suite):
-    """Relative error per (model, parameter), one column per method, log scale, tolerance."""
+    """Relative error per (model, parameter), one column per method, log scale, tolerance.
+
+    A row without a number (the method raised) has no height: it is drawn as the word
+    "raised" in a strip along the top (red for a failure, grey where another library cannot
+    run the model: "n/a"), never as a point at an invented error."""
     rows = suite.rows
     methods = list(dict.fromkeys(rows["method"]))
     err = rows[["max_rel_error", "norm_rel_error"]].max(axis=1, skipna=True)  # worst per row
-    shown = err.fillna(np.inf).clip(lower=FLOOR).to_numpy()  # failed rows (no number) on top
-    top = np.nanmax(np.where(np.isfinite(shown), shown, np.nan), initial=suite.tolerance)
-    shown = np.where(np.isfinite(shown), shown, 100 * top)
+    has = err.notna().to_numpy()
+    shown = err.clip(lower=FLOOR).to_numpy()
+    top = np.nanmax(np.where(has, shown, np.nan), initial=suite.tolerance)
     x = rows["method"].map({m: i for i, m in enumerate(methods)}).to_numpy()
     jitter = np.random.default_rng(0).uniform(-0.18, 0.18, len(x))  # fixed: same figure
     ok = rows["passed"].to_numpy(bool)
-    artists = [ax.scatter(x[ok] + jitter[ok], shown[ok], s=14, color="tab:green",
-                          label="parameter (passed)")]
-    if (~ok).any():
-        artists.append(ax.scatter(x[~ok] + jitter[~ok], shown[~ok], s=22, marker="x",
-                                  color="tab:red", label="parameter (FAILED)"))
+    artists = [ax.scatter(x[ok & has] + jitter[ok & has], shown[ok & has], s=14,
+                          color="tab:green", label="parameter (passed)")]
+    if (~ok & has).any():
+        artists.append(ax.scatter(x[~ok & has] + jitter[~ok & has], shown[~ok & has], s=22,
+                                  marker="x", color="tab:red", label="parameter (FAILED)"))
+    na = suite._na(rows).to_numpy(bool) if hasattr(suite, "_na") else np.zeros(len(x), bool)
+    strip = ax.get_xaxis_transform()  # x in data, y in axes fraction
+    for i, m in enumerate(methods):
+        raised, skipped = (x == i) & ~has & ~na, (x == i) & ~has & na
+        if raised.any():
+            artists.append(ax.text(i, 0.96, f"raised ({int(raised.sum())})", color="tab:red",
+                                   ha="center", va="top", fontsize="x-small", transform=strip))
+        if skipped.any():
+            artists.append(ax.text(i, 0.88, f"n/a ({int(skipped.sum())})", color="0.4",
+                                   ha="center", va="top", fontsize="x-small", transform=strip))
     artists.append(ax.axhline(suite.tolerance, color="k", linestyle="--",
                               label=f"tolerance {suite.tolerance:.0e}"))
     ax.set_xticks(range(len(methods)), methods, rotation=20 if len(methods) > 4 else 0)
     ax.set_yscale("log")
-    ax.set_ylim(FLOOR / 10, max(1.0, 1000 * top))
+    ax.set_ylim(FLOOR / 10, max(1.0, 1e4 * top))  # headroom for the "raised" strip
     ax.set_ylabel("relative error vs micro-batching")
     ax.set_title(f"per-sample gradients, every parameter of {len(suite.audits)} model(s); "
                  f"0 drawn at {FLOOR:.0e}", fontsize="small")
-    ax.legend(loc="upper left", fontsize="small")
+    ax.legend(loc="center left", fontsize="small")
     return artists
 
 
@@ -136,13 +151,45 @@ def plot_clipping(ax, check):
 
 
 def plot_bug_zoo(ax, suite):
-    """Which checks fail for which wrong step: red = the check caught the bug."""
+    """Which checks fail for which wrong step. One colour meaning everywhere: green = good (the
+    check caught the bug), light grey = this check did not see it, red = no check caught the
+    bug (a row the audit missed)."""
+    from matplotlib.colors import ListedColormap
+
     names = list(suite.audits)
     checks = list(next(iter(suite.audits.values())).table["check"])
     grid = np.array([[not ok for ok in suite.audits[n].table["passed"]] for n in names], float)
-    image = ax.imshow(grid, cmap="RdYlGn_r", vmin=0, vmax=1, aspect="auto")
+    missed = ~grid.astype(bool).any(axis=1)
+    grid[missed] = 2.0  # a whole row red
+    cmap = ListedColormap(["#eeeeee", "#2ca02c", "#d62728"])
+    image = ax.imshow(grid, cmap=cmap, vmin=0, vmax=2, aspect="auto")
     ax.set_yticks(range(len(names)), names, fontsize="x-small")
     ax.set_xticks(range(len(checks)), [c.replace("mean · ", "mean: ") for c in checks],
                   rotation=35, ha="right", fontsize="x-small")
-    ax.set_title("red: this check caught the bug", fontsize="small")
+    ax.set_title("green: this check caught the bug · grey: not seen by it · red: missed by "
+                 "all", fontsize="small")
     return [image]
+
+
+def plot_record_influence(ax, result):
+    """||S(A) - S(A')|| / C per record for each neighbouring relation (an ``InfluenceAudit``),
+    with the bound (1 for add/remove, 2 for substitution): green within, red above."""
+    t = result.table
+    relations = list(dict.fromkeys(t["relation"]))
+    width = 0.8 / len(relations)
+    artists = []
+    for k, rel in enumerate(relations):
+        rows = t[t["relation"] == rel]
+        x = rows["record"].to_numpy() + (k - (len(relations) - 1) / 2) * width
+        colors = np.where(rows["passed"].to_numpy(bool), "tab:green", "tab:red")
+        artists.append(ax.bar(x, rows["change_over_C"], width, color=colors,
+                              alpha=1.0 if k == 0 else 0.55, label=rel))
+        bound = float(rows["bound"].iloc[0])
+        artists.append(ax.axhline(bound, color="k", linestyle="--" if k == 0 else ":",
+                                  linewidth=1, label=f"bound {bound:g} C ({rel})"))
+    ax.set_xlabel("record removed / replaced")
+    ax.set_ylabel("change of the released sum / C")
+    ax.set_title(f"largest: {result.worst(relations[0]):.6g} C ({relations[0]})",
+                 fontsize="small")
+    ax.legend(loc="lower right", fontsize="x-small")
+    return artists

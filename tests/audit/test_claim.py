@@ -1,0 +1,160 @@
+"""A privacy claim, checked element by element: python -m workbench audit --claim.
+
+The shipped example claims give the right verdicts (the README's MNIST-style example is not
+refuted; the false one, a shuffled loader reported with a Poisson ε and a step with noise σ
+instead of σ·C, is refuted on exactly those elements); invalid claims exit 2 with one line.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from workbench.__main__ import main as workbench_main
+from workbench.audit import bug_zoo, cli, cli_suite
+from workbench.audit.claim import Claim, ClaimError, load_claim, validate
+from workbench.audit.claim_audit import (
+    EVIDENCE,
+    REFUTED,
+    SUPPORTED,
+    audit_claim,
+    register_evidence,
+)
+from workbench.audit.report_json import validate as validate_report
+from workbench.audit.result import AuditResult
+
+EXAMPLES = Path(__file__).parents[2] / "examples" / "claims"
+VALID = dict(neighbouring="add/remove", sampler="poisson", dataset_size=1000, batch_size=50,
+             noise_multiplier=1.0, max_grad_norm=2.0, steps=40, delta=1e-5, accountant="rdp",
+             epsilon=3.0)
+
+
+def _claim_only(monkeypatch):
+    """The claim's evidence only (the rest of the suite has its own tests): quick."""
+    monkeypatch.setattr(cli_suite, "gradient_sections", lambda *a: [])
+    monkeypatch.setattr(cli_suite, "privacy_sections", lambda *a: [])
+    monkeypatch.setattr(cli, "influence_sections", lambda *a: [])
+
+
+def _verdicts(report):
+    return {e["element"]: e["verdict"] for e in report["claim"]["elements"]}
+
+
+def test_the_mnist_example_claim_is_not_refuted(tmp_path, monkeypatch, capsys):
+    _claim_only(monkeypatch)
+    code = workbench_main(["audit", "--no-progress", "--trials", "50", "--out", str(tmp_path),
+                           "--claim", str(EXAMPLES / "mnist_example.yaml"),
+                           "--loader", "examples.claims.loaders:poisson_loader"])
+    assert code == 0, capsys.readouterr().out
+    report = json.loads((tmp_path / "report.json").read_text())
+    validate_report(report)
+    verdicts = _verdicts(report)
+    assert REFUTED not in verdicts.values()
+    for element in ("sampler", "ε", "step: noise σ·C on the clipped sum", "unit of privacy",
+                    "neighbouring relation"):
+        assert verdicts[element] == SUPPORTED, element
+    assert verdicts["trained model"] == "not checked"
+    sources = {(e["source"], e["accountant"]) for e in report["claim"]["epsilons"]}
+    assert {("workbench", "RDP"), ("workbench", "PLD")} <= sources
+    assert report["subject"].startswith("MNIST-style CNN")
+
+
+def test_the_false_claim_is_refuted_on_the_sampler_the_step_and_the_epsilon(tmp_path,
+                                                                            monkeypatch, capsys):
+    _claim_only(monkeypatch)
+    code = workbench_main(["audit", "--no-progress", "--trials", "50", "--out", str(tmp_path),
+                           "--claim", str(EXAMPLES / "false_claim.yaml"),
+                           "--loader", "examples.claims.loaders:shuffled_loader",
+                           "--step", "workbench.audit.bug_zoo:noise_std_sigma_not_sigma_c"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    report = json.loads((tmp_path / "report.json").read_text())
+    validate_report(report)
+    verdicts = _verdicts(report)
+    assert verdicts["sampler"] == verdicts["ε"] == REFUTED
+    assert verdicts["step: noise σ·C on the clipped sum"] == REFUTED
+    eps = next(e for e in report["claim"]["elements"] if e["element"] == "ε")
+    assert "shuffle" in eps["evidence"]  # judged by the shuffle bracket, not the Poisson ε
+    assert verdicts["δ"] == SUPPORTED and "claim REFUTED" in out
+
+
+def test_the_tight_audit_catches_sigma_instead_of_sigma_c_even_at_c_1():
+    claim = validate({**VALID, "max_grad_norm": 1.0})
+    result = audit_claim(claim, step=bug_zoo.noise_std_sigma_not_sigma_c, trials=50)
+    step = result.table.set_index("element").loc["step: noise σ·C on the clipped sum"]
+    assert step["verdict"] == REFUTED, step["finding"]
+    assert audit_claim(claim, trials=50).passed  # the workbench's optimizer
+
+
+def test_an_epsilon_below_the_accountant_is_refuted_and_tuning_runs_compose():
+    honest = audit_claim(validate(VALID), trials=50)
+    eps = honest.epsilons.set_index(["source", "accountant"])["epsilon"]
+    rdp = eps[("workbench", "RDP")]
+    assert rdp <= 3.0 and eps[("workbench", "PLD")] <= rdp * (1 + 1e-9)
+    low = audit_claim(validate({**VALID, "epsilon": 0.9 * rdp}), trials=50)
+    assert low.table.set_index("element").loc["ε", "verdict"] == REFUTED
+    tuned = audit_claim(validate({**VALID, "epsilon": 1.01 * rdp,
+                                  "covers": {"tuning_runs": 10}}), trials=50)
+    assert tuned.table.set_index("element").loc["ε", "verdict"] == REFUTED  # 10 runs cost more
+
+
+def test_trained_model_evidence_plugs_in(monkeypatch):
+    class Attack(AuditResult):
+        passed, summary, epsilon_lower = True, "attack", 5.0
+
+    monkeypatch.setitem(EVIDENCE, "trained model", [])
+    register_evidence("trained model", lambda claim, context: Attack())
+    result = audit_claim(validate(VALID), trials=50)
+    row = result.table.set_index("element").loc["trained model"]
+    assert row["verdict"] == REFUTED and "5" in row["finding"]
+    assert any(isinstance(r, Attack) for _, r in result.evidence)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"delta": 1e-3}, "delta 0.001 >= 1/N"),
+    ({"sampler": "stratified"}, "unknown sampler 'stratified'"),
+    ({"unit": "user"}, "user-level privacy needs user-level sampling"),
+    ({"neighbouring": "swap"}, "unknown neighbouring 'swap'"),
+    ({"accountant": "moments"}, "unknown accountant 'moments'"),
+    ({"epsilon": -1}, "epsilon must be a number > 0"),
+    ({"batch_size": 5000}, "batch_size 5000 > dataset_size 1000"),
+    ({"colour": "blue"}, "unknown field(s) colour"),
+    ({"covers": {"tuning_runs": 0}}, "tuning_runs must be an integer >= 1"),
+    ({"covers": {"pretraining": "maybe"}}, "covers.pretraining 'maybe'"),
+])
+def test_invalid_claims_are_named(change, message):
+    with pytest.raises(ClaimError) as err:
+        validate({**VALID, **change})
+    assert message in str(err.value)
+
+
+def test_missing_fields_are_all_named():
+    data = {k: v for k, v in VALID.items() if k not in ("delta", "batch_size", "steps")}
+    with pytest.raises(ClaimError, match="missing field.*delta.*sample_rate or batch_size.*"
+                                         "steps or epochs"):
+        validate(data)
+
+
+@pytest.mark.parametrize("text, suffix, message", [
+    ("delta: 0.01\n", ".yaml", "missing field(s)"),
+    ("[1, 2]", ".yaml", "must hold a mapping"),
+    ("{not json", ".json", "is not valid JSON"),
+    ("a: [", ".yaml", "is not valid YAML"),
+])
+def test_invalid_claim_files_exit_2_with_one_line(tmp_path, capsys, text, suffix, message):
+    path = tmp_path / f"claim{suffix}"
+    path.write_text(text)
+    assert workbench_main(["audit", "--claim", str(path), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
+
+
+def test_loader_needs_a_claim_and_json_claims_load(tmp_path, capsys):
+    assert workbench_main(["audit", "--loader", "examples.claims.loaders:poisson_loader",
+                           "--out", str(tmp_path / "r")]) == 2
+    assert "--loader needs --claim" in capsys.readouterr().err
+    path = tmp_path / "claim.json"
+    path.write_text(json.dumps(VALID))
+    claim = load_claim(path)
+    assert isinstance(claim, Claim) and claim.q == 0.05 and claim.total_steps == 40
+    assert Claim.from_file(EXAMPLES / "mnist_example.yaml").total_steps == 60 * 234

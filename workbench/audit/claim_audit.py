@@ -1,0 +1,191 @@
+"""Audit a privacy claim element by element: which evidence supports or refutes each one.
+
+``audit_claim(claim, step=..., loader=...)`` gathers the evidence and returns a
+:class:`ClaimAudit`: one row per element of the :class:`~workbench.audit.claim.Claim` with the
+evidence, its finding and a verdict in ``VERDICTS``, plus the evidence's own results (report
+sections). Evidence:
+
+- the step (a ``--step`` factory, or the workbench's DPOptimizer when none is given): the
+  mechanism audit at the claimed σ and C, the tight one-step audit (Nasr et al. 2023; at C' =
+  1.5·C when the claimed C is 1, where σ and σ·C coincide and a step confusing them passes),
+  and the record-influence audit (``influence.py``) for the neighbouring relation;
+- the loader (``--loader``): the sampling audit (``sampling.py``) on min(N, 2000) indices at
+  the claimed q; a Poisson claim whose loader is not Poisson is refuted, and the ε is then
+  judged by the shuffle bracket;
+- the ε: recomputed by the claimed accountant (the deciding figure) and every other one at hand
+  (``claim_epsilon.py``); for fixed-size batches the bracket of ``accounting.epsilon_bounds``;
+- the trained model: evidence registered with ``register_evidence("trained model", fn)``,
+  ``fn(claim, context) -> AuditResult`` with ``epsilon_lower`` (e.g. a membership-inference
+  attack); it refutes the ε when its lower bound exceeds it.
+
+A claim is never "supported" by an element no evidence checked: that row says "not checked"
+and why; what only the claimant can know (pretraining) is "stated".
+"""
+
+from dataclasses import dataclass, field
+
+import pandas as pd
+import torch
+
+from workbench.audit.claim_epsilon import bracket, epsilon_figures
+from workbench.audit.dpsgd_step import workbench_step
+from workbench.audit.gaussian_audit import audit_gaussian_step
+from workbench.audit.influence import audit_record_influence
+from workbench.audit.influence_steps import influence_pool, step_released_sum
+from workbench.audit.mechanism import audit_dp_step
+from workbench.audit.result import AuditResult
+from workbench.audit.sampling import audit_sampling
+
+SUPPORTED, REFUTED, INCONCLUSIVE, NOT_CHECKED, STATED = (
+    "supported", "refuted", "inconclusive", "not checked", "stated")
+VERDICTS = (SUPPORTED, REFUTED, INCONCLUSIVE, NOT_CHECKED, STATED)
+ROUNDING = 0.01  # a claimed ε may be rounded down by 1% of the recomputed one
+B_AUDIT, DIM, LOADER_N = 8, 32, 2000
+EVIDENCE: dict = {}  # element -> [fn(claim, context) -> AuditResult | None]
+
+
+def register_evidence(element: str, fn) -> None:
+    """Add ``fn(claim, context) -> AuditResult`` as evidence for ``element`` ("trained model");
+    ``context`` holds the step factory, loader and settings of the run."""
+    EVIDENCE.setdefault(element, []).append(fn)
+
+
+@dataclass
+class ClaimAudit(AuditResult):
+    """The claim, one row per element (``table``), and the evidence's results."""
+
+    claim: object
+    table: pd.DataFrame  # element, claimed, evidence, finding, verdict
+    evidence: list = field(default_factory=list)  # [(title, AuditResult)]
+    epsilons: pd.DataFrame = field(default_factory=pd.DataFrame)
+
+    @property
+    def passed(self) -> bool:
+        return not (self.table["verdict"] == REFUTED).any()
+
+    @property
+    def summary(self) -> str:
+        counts = self.table["verdict"].value_counts()
+        parts = ", ".join(f"{int(counts[v])} {v}" for v in VERDICTS if v in counts)
+        return f"claim {'REFUTED' if not self.passed else 'not refuted'}: {parts}"
+
+
+def _row(element, claimed, evidence, finding, verdict):
+    return {"element": element, "claimed": claimed, "evidence": evidence, "finding": finding,
+            "verdict": verdict}
+
+
+def _step_rows(claim, factory, name, trials, seed):
+    C, sigma = claim.max_grad_norm, claim.noise_multiplier
+    probe_C = C if abs(C - 1.0) > 0.2 else 1.5 * C
+    gen = torch.Generator
+    mech = audit_dp_step(factory(C, sigma, B_AUDIT, gen().manual_seed(seed + 1)), dim=DIM,
+                         batch_size=B_AUDIT, max_grad_norm=C, noise_multiplier=sigma,
+                         trials=trials, generator=gen().manual_seed(seed))
+    tight = audit_gaussian_step(factory(probe_C, sigma, B_AUDIT, gen().manual_seed(seed + 1)),
+                                dim=1000, batch_size=B_AUDIT, max_grad_norm=probe_C,
+                                noise_multiplier=sigma, delta=claim.delta, calls=200,
+                                generator=gen().manual_seed(seed))
+    G = influence_pool(B_AUDIT, DIM, C, gen().manual_seed(seed))
+    influence = audit_record_influence(step_released_sum(factory, G, C, B_AUDIT), B_AUDIT,
+                                       max_grad_norm=C, name=name)
+    ok = mech.passed and tight.passed
+    rows = [_row("step: noise σ·C on the clipped sum", f"σ = {sigma:g}, C = {C:g}",
+                 f"{name}: mechanism audit + tight one-step audit (at C = {probe_C:g})",
+                 f"{mech.summary if not mech.passed else 'mechanism matches'}; {tight.summary}",
+                 SUPPORTED if ok else REFUTED)]
+    rel = claim.neighbouring
+    worst = influence.worst(rel)
+    held = bool(influence.table.loc[influence.table["relation"] == rel, "passed"].all())
+    rows.append(_row("neighbouring relation", rel, f"{name}: record-influence audit",
+                     f"largest change {worst:.6g} C (bound {1 if rel == 'add/remove' else 2} C)",
+                     SUPPORTED if held else REFUTED))
+    add_ok = bool(influence.table.loc[influence.table["relation"] == "add/remove",
+                                      "passed"].all())
+    rows.append(_row("unit of privacy", claim.unit, f"{name}: record-influence audit",
+                     "each record's own clipped contribution" if add_ok else
+                     "one record moves other records' contributions",
+                     SUPPORTED if add_ok else REFUTED))
+    evidence = [(f"Claim · step: mechanism audit of {name}", mech),
+                (f"Claim · step: tight one-step audit of {name}", tight),
+                (f"Claim · record influence of {name}", influence)]
+    return rows, evidence
+
+
+def _loader_row(claim, loader, seed):
+    if loader is None:
+        return _row("sampler", claim.sampler, "none", "pass --loader module:make_loader to "
+                    "audit the data loader", NOT_CHECKED), None, claim.sampler
+    N = min(claim.dataset_size, LOADER_N)
+    result = audit_sampling(loader, N, min(claim.q, 0.5), epochs=4)
+    if claim.sampler == "poisson":
+        verdict, used = (SUPPORTED, "poisson") if result.passed else (REFUTED, "shuffle")
+    else:  # a fixed-size claim: a loader that is not Poisson is consistent with it
+        verdict, used = (INCONCLUSIVE if result.passed else SUPPORTED), claim.sampler
+    return _row("sampler", claim.sampler, f"--loader: sampling audit on {N} indices",
+                result.summary, verdict), result, used
+
+
+def _epsilon_row(claim, sampler, figures):
+    eps = claim.epsilon
+    if sampler == "poisson":
+        deciding = figures[(figures["source"] == "workbench") &
+                           (figures["key"] == claim.accountant)]["epsilon"].iloc[0]
+        if deciding is None or pd.isna(deciding):
+            return _row("ε", f"{eps:g}", "recomputed", "the workbench's accountants are "
+                        "add/remove; see the other libraries' figures", INCONCLUSIVE)
+        ok = eps >= deciding * (1 - ROUNDING)
+        return _row("ε", f"{eps:g} ({claim.accountant}, δ = {claim.delta:g})",
+                    f"recomputed by the workbench's {claim.accountant}",
+                    f"ε = {deciding:.4g} for q = {claim.q:.4g}, σ = {claim.noise_multiplier:g},"
+                    f" {claim.total_steps * claim.tuning_runs} steps",
+                    SUPPORTED if ok else REFUTED)
+    b = bracket(claim, sampler)
+    why = ("" if sampler == claim.sampler else
+           "the loader is not Poisson, so the Poisson ε does not apply; ")
+    verdict = REFUTED if eps < b.lower else SUPPORTED if eps >= b.upper else INCONCLUSIVE
+    return _row("ε", f"{eps:g}", f"the {sampler} bracket (accounting.epsilon_bounds)",
+                f"{why}{b.lower:.4g} <= ε <= {b.upper:.4g}", verdict)
+
+
+def _trained_rows(claim, context):
+    rows, evidence = [], []
+    for fn in EVIDENCE.get("trained model", []):
+        result = fn(claim, context)
+        if result is None:
+            continue
+        low = float(getattr(result, "epsilon_lower", float("nan")))
+        verdict = REFUTED if low > claim.epsilon else SUPPORTED
+        rows.append(_row("trained model", f"ε = {claim.epsilon:g}", type(result).__name__,
+                         f"attack's ε lower bound {low:.3g}", verdict))
+        evidence.append(("Claim · trained model: " + type(result).__name__, result))
+    if not rows:
+        rows.append(_row("trained model", f"ε = {claim.epsilon:g}", "none",
+                         "no membership-inference audit registered for this run", NOT_CHECKED))
+    return rows, evidence
+
+
+def audit_claim(claim, *, step=None, step_name: str = "", loader=None, trials: int = 200,
+                seed: int = 0) -> ClaimAudit:
+    """Check ``claim`` against the step (``step(C, σ, B, generator) -> step_fn``, default the
+    workbench's DPOptimizer), the ``loader`` (``make_loader(dataset)``) and the accountants."""
+    factory = step or workbench_step
+    name = step_name or ("your step" if step else "the workbench's DPOptimizer")
+    rows, evidence = _step_rows(claim, factory, name, trials, seed)
+    loader_row, sampling, sampler = _loader_row(claim, loader, seed)
+    rows.insert(0, loader_row)
+    if sampling is not None:
+        evidence.append(("Claim · sampler: sampling audit of --loader", sampling))
+    figures = epsilon_figures(claim)
+    rows.append(_epsilon_row(claim, sampler, figures))
+    rows.append(_row("δ", f"{claim.delta:g}", "dataset_size",
+                     f"δ < 1/N = {1 / claim.dataset_size:.3g}", SUPPORTED))
+    runs = claim.tuning_runs
+    rows.append(_row("covers: tuning runs", str(runs), "the ε above",
+                     f"ε recomputed for {runs} run(s) of {claim.total_steps} steps", STATED))
+    rows.append(_row("covers: pretraining", claim.covers["pretraining"], "none",
+                     "only the claimant can state what pretraining used", STATED))
+    trained, more = _trained_rows(claim, {"step": factory, "loader": loader, "seed": seed})
+    order = ["unit of privacy", "neighbouring relation", "sampler"]
+    rows.sort(key=lambda r: order.index(r["element"]) if r["element"] in order else 3)
+    return ClaimAudit(claim, pd.DataFrame(rows + trained), evidence + more, figures)

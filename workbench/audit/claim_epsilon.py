@@ -1,0 +1,91 @@
+"""ε of a claim recomputed by every accountant at hand: the workbench's and other libraries'.
+
+The workbench's registered accountants (``accounting.ACCOUNTANTS``: RDP, PLD) compute ε of T
+steps of the Poisson-sampled Gaussian mechanism under add/remove; dp-accounting (Google; RDP
+and PLD, ``NeighboringRelation`` add/remove or replace-one) and Opacus (RDP, PRV) are used
+when installed, each figure on its own row, so a claim is judged against more than one
+implementation. A library that is absent, or cannot compute this case (Opacus has no
+substitution relation), is a row that says why, never a number.
+
+For fixed-size batches (``sampler`` shuffle or deterministic) the Poisson figures do not
+apply: ``accounting.epsilon_bounds`` brackets the true ε (Chua et al. 2024's lower bound for
+shuffling; the deterministic upper bound). Tuning: k runs compose, ε of k·T steps.
+"""
+
+import importlib
+
+import pandas as pd
+
+from workbench import accounting
+
+
+def _installed(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+def _dp_accounting(kind, q, sigma, steps, delta, relation):
+    import dp_accounting as dpa
+
+    rel = (dpa.NeighboringRelation.ADD_OR_REMOVE_ONE if relation == "add/remove"
+           else dpa.NeighboringRelation.REPLACE_ONE)
+    acc = (dpa.rdp.RdpAccountant(neighboring_relation=rel) if kind == "RDP" else
+           dpa.pld.PLDAccountant(neighboring_relation=rel, value_discretization_interval=1e-3))
+    acc.compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(
+        sigma)), steps))
+    return float(acc.get_epsilon(delta))
+
+
+def _opacus(kind, q, sigma, steps, delta, relation):
+    if relation != "add/remove":
+        raise NotImplementedError("Opacus accounts add/remove only")
+    from opacus.accountants import PRVAccountant, RDPAccountant
+
+    acc = RDPAccountant() if kind == "RDP" else PRVAccountant()
+    acc.history = [(sigma, q, steps)]
+    return float(acc.get_epsilon(delta))
+
+
+LIBRARIES = {"dp-accounting": ("dp_accounting", _dp_accounting, ("RDP", "PLD")),
+             "Opacus": ("opacus", _opacus, ("RDP", "PRV"))}
+
+
+def epsilon_figures(claim) -> pd.DataFrame:
+    """One row per accountant: source, accountant, relation, ε (None with a note if n/a)."""
+    q, sigma, delta = claim.q, claim.noise_multiplier, claim.delta
+    steps = claim.total_steps * claim.tuning_runs
+    rows = []
+    for name, spec in accounting.ACCOUNTANTS.items():
+        ok = claim.neighbouring == "add/remove"
+        rows.append({"source": "workbench", "accountant": spec.label, "key": name,
+                     "relation": "add/remove",
+                     "epsilon": accounting.epsilon(q, sigma, steps, delta, accountant=name)
+                     if ok else None,
+                     "note": "" if ok else "add/remove only; the claim is substitution"})
+    for lib, (module, fn, kinds) in LIBRARIES.items():
+        for kind in kinds:
+            row = {"source": lib, "accountant": kind, "key": "", "relation": claim.neighbouring,
+                   "epsilon": None, "note": ""}
+            if not _installed(module):
+                row["note"] = f"not installed (pip install {lib.lower()})"
+            else:
+                try:
+                    row["epsilon"] = fn(kind, q, sigma, steps, delta, claim.neighbouring)
+                except Exception as err:  # noqa: BLE001  (the library cannot do this case)
+                    row["note"] = f"not applicable: {type(err).__name__}: {err}"
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def bracket(claim, sampler: str):
+    """``accounting.epsilon_bounds`` for ``sampler`` at the claim's q, σ, epochs (rounded up
+    to whole passes), δ and tuning runs (as epochs)."""
+    epochs = claim.total_epochs * claim.tuning_runs
+    if sampler != "poisson":
+        epochs = max(1, round(epochs + 0.4999))
+    return accounting.epsilon_bounds(sampler, sample_rate=claim.q,
+                                     noise_multiplier=claim.noise_multiplier, epochs=epochs,
+                                     delta=claim.delta)

@@ -1,0 +1,104 @@
+"""Record influence: does removing (or replacing) one record move the released sum by <= C?
+
+The privacy of DP-SGD rests on one invariant (Abadi et al. 2016, arXiv 1607.00133, Alg. 1):
+the released sum is Σ_i clip_C(g_i), each record's contribution its own and of norm <= C, so
+for neighbouring batches A ~ A'
+
+    add/remove     A' = A \\ {i}              ||S(A) - S(A')|| = ||clip_C(g_i)|| <= C
+    substitution   A' = A with i -> j         ||S(A) - S(A')|| <= 2C
+
+whatever the model, the loss and the randomness. A loss that couples records (class weights
+normalised over the batch, a token mean over ``ignore_index`` labels, InfoNCE, logits centred
+over the batch) or a model that mixes samples moves the *other* records' contributions too,
+and the noise N(0, σ²C²) no longer covers the change.
+
+``audit_record_influence(released_sum, n, max_grad_norm=C)`` measures it on any step, without
+noise: ``released_sum(idx)`` returns the noiseless released sum (a Tensor, any shape) of the
+records ``idx`` of a pool of n + 1 (the batch is records 0..n-1, record n the substitute).
+Record i is put last in both batches, and torch's global RNG is seeded identically before each
+call (``torch.random.fork_rng``), so the remaining records see the same dropout masks; the
+audit first checks the replay (two calls on one batch must agree exactly) and raises if not.
+What a step must provide: no noise (σ = 0, or noise from a generator re-seeded on every call
+so that it cancels) and randomness only from torch's global RNG or a re-seeded generator.
+Adapters for the engine, a naive step and a ``--step`` factory are in ``influence_steps.py``.
+
+Tolerance: 1e-9 C (float64; the issue's ``ignore_index`` case is 1.005 C).
+
+Notation: n batch size, C max_grad_norm, S(A) the noiseless released sum over batch A.
+"""
+
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from workbench.audit.result import AuditResult
+from workbench.checks import check_count, check_max_grad_norm
+
+TOLERANCE = 1e-9  # relative to C: float64 sums of clipped gradients round at ~1e-15
+RELATIONS = {"add/remove": 1.0, "substitution": 2.0}  # relation -> bound in units of C
+
+
+@dataclass
+class InfluenceAudit(AuditResult):
+    """Per record and relation: ||S(A) - S(A')|| / C against its bound (1 or 2)."""
+
+    table: pd.DataFrame  # record, relation, change_over_C, bound, passed
+    max_grad_norm: float
+    name: str = ""
+    tolerance: float = TOLERANCE
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.table["passed"].all())
+
+    def worst(self, relation: str) -> float:
+        rows = self.table[self.table["relation"] == relation]
+        return float(rows["change_over_C"].max()) if len(rows) else float("nan")
+
+    @property
+    def summary(self) -> str:
+        parts = [f"{rel}: largest change {self.worst(rel):.6g} C (bound {bound:g} C)"
+                 for rel, bound in RELATIONS.items() if rel in set(self.table["relation"])]
+        verdict = "holds" if self.passed else "BROKEN"
+        return f"record influence {verdict}: " + "; ".join(parts)
+
+
+def _replayed(released_sum, idx, seed):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        out = released_sum(torch.as_tensor(idx, dtype=torch.long))
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"released_sum(idx) must return a Tensor (the noiseless released sum); "
+                        f"got {type(out).__name__}")
+    return out.detach().to("cpu", torch.float64).reshape(-1)
+
+
+def audit_record_influence(released_sum, n: int, *, max_grad_norm: float,
+                           relations=("add/remove", "substitution"), seed: int = 0,
+                           name: str = "") -> InfluenceAudit:
+    """Remove (add/remove) or replace (substitution) each record i < n of a pool of n + 1 and
+    compare the noiseless released sums; ``passed``: every change <= bound·C (1 + 1e-9)."""
+    C = check_max_grad_norm(max_grad_norm)
+    n = check_count(n, "n", 2)
+    unknown = set(relations) - set(RELATIONS)
+    if unknown or not relations:
+        raise ValueError(f"relations must be some of {sorted(RELATIONS)}; got {relations!r}")
+    first = list(range(n))
+    if not torch.equal(_replayed(released_sum, first, seed), _replayed(released_sum, first,
+                                                                          seed)):
+        raise ValueError("released_sum is not reproducible: two calls on the same batch with "
+                         "torch's RNG re-seeded differ. Disable the noise (σ = 0) and draw any "
+                         "other randomness from torch's global RNG or a generator re-seeded on "
+                         "every call, so that the audit can replay it")
+    rows = []
+    for i in range(n):
+        others = [j for j in range(n) if j != i]
+        full = _replayed(released_sum, others + [i], seed)
+        changed = {"add/remove": others, "substitution": others + [n]}
+        for rel in relations:
+            delta = float((full - _replayed(released_sum, changed[rel], seed)).norm()) / C
+            bound = RELATIONS[rel]
+            rows.append({"record": i, "relation": rel, "change_over_C": delta, "bound": bound,
+                         "passed": delta <= bound * (1 + TOLERANCE)})
+    return InfluenceAudit(pd.DataFrame(rows), C, name)
