@@ -11,6 +11,8 @@ in real code, which the audit must flag; ``workbench_step`` runs the workbench's
 ``audit_gaussian_step`` bounds one step's μ and ε tightly from many calls (Nasr et al. 2023,
 ``gaussian_audit.py``).
 ``audit_sampling`` tests that a data loader draws Poisson batches (``sampling.py``).
+``membership_inference`` attacks trained models with shadow models (LiRA, Carlini et al. 2022)
+and bounds ε from below by the attack's TPR and FPR (``membership.py``).
 Every result is an ``AuditResult`` (``result.py``): ``passed``, ``table``, ``summary``, an HTML
 repr; their plots are in ``workbench.viz``.
 """
@@ -21,6 +23,7 @@ from workbench.audit.dpsgd_step import workbench_step
 from workbench.audit.gaussian_audit import GaussianAudit, audit_gaussian_step
 from workbench.audit.gradients import GradientAudit, audit_gradients
 from workbench.audit.mechanism import MechanismAudit, audit_dp_step
+from workbench.audit.membership import MembershipAudit, membership_inference
 from workbench.audit.one_run_bound import attainable_bound, epsilon_lower_bound
 from workbench.audit.providers import (
     available_providers,
@@ -34,4 +37,5 @@ __all__ = ["AuditResult", "CanaryAudit", "GaussianAudit", "GradientAudit", "Mech
            "audit_canaries", "audit_dp_step", "audit_gaussian_step",
            "audit_gradients", "attainable_bound", "epsilon_lower_bound",
            "available_providers", "bug_zoo", "opacus_provider", "torch_func_provider",
-           "workbench_step", "SamplingAudit", "audit_sampling"]
+           "workbench_step", "SamplingAudit", "audit_sampling", "MembershipAudit",
+           "membership_inference"]
