@@ -113,6 +113,19 @@ def test_bound_is_sound_on_a_gaussian_mechanism_of_known_epsilon():
     assert over_point > 4 * over_lower + 5
 
 
+def test_one_run_bound_counts_top_and_bottom_guesses():
+    from workbench.audit.one_run_bound import epsilon_lower_bound
+
+    y = np.arange(400) % 2 == 0
+    s = y + 0.01 * np.arange(400)  # membership and index mixed: some guesses wrong
+    b = ms.one_run_bound(s, y, 0.1, 1e-5, 0.95)  # r = 0.1·m = 40: top 20, bottom 20
+    top, bottom = np.argsort(s)[-20:], np.argsort(s)[:20]
+    v = int(y[top].sum() + (~y[bottom]).sum())
+    assert (b["guesses"], b["correct"]) == (40, v)
+    assert b["epsilon_lower_one_run"] == epsilon_lower_bound(40, v, 0.95, delta=1e-5,
+                                                             canaries=400)
+
+
 # --- the attack on trained models ------------------------------------------------------------
 
 def test_power_non_private_model_is_attacked_well_above_chance():
@@ -130,6 +143,7 @@ def test_soundness_dp_models_never_exceed_the_accountant(seed):
                              attack="offline", progress=False)
     assert math.isfinite(r.epsilon_claimed) and r.epsilon_claimed > 0
     assert r.epsilon_lower <= r.epsilon_claimed and r.passed
+    assert r.epsilon_lower_one_run <= r.epsilon_claimed
     assert r.epsilon_interval[0] == r.epsilon_lower <= r.epsilon_estimate
 
 
@@ -150,6 +164,7 @@ def test_dp_training_spends_what_the_accountant_says_and_q_ignores_the_mask():
 def test_plot_and_report_section_draw_dp_against_non_dp():
     from matplotlib.figure import Figure
 
+    import workbench.audit.report_more_kinds  # noqa: F401  (registers the MembershipAudit kind)
     from workbench.audit.report import section
     from workbench.viz.audit_membership import plot_membership_roc
 
