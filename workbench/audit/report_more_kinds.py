@@ -81,7 +81,7 @@ def membership_table(result):
         "ε_lower (one-run)": f"{x.epsilon_lower_one_run:.3g}",
         "ε claimed (accountant)": f"{x.epsilon_claimed:.3g}", "passed": x.passed} for x in rows])
     return table, [
-        f"LiRA ({r['attack']}) with {r['shadows']} shadow models on a pool of {r['pool']} "
+        f"{r['attack']} with {r['shadows']} shadow models on a pool of {r['pool']} "
         f"records; {r['targets']} held-out target models give {r['members'] + r['non_members']} "
         f"(record, model) trials. ε_lower holds at confidence {r['confidence']:g} (δ = "
         f"{r['delta']:g}; Clopper-Pearson limits on TPR and FPR at a threshold chosen on the "

@@ -12,7 +12,9 @@ import numpy as np
 
 def _curve(ax, result, floor):
     keep = result.fpr > 0  # log axes: the (0, 0) corner and FPR = 0 points cannot be drawn
-    label = f"{result.label} (AUC {result.auc:.2f}, TPR {result.tpr_at[1e-3]:.2g} at 1e-3)"
+    name = (f"DP, claimed ε {result.epsilon_claimed:.2g}" if np.isfinite(result.epsilon_claimed)
+            else "non-DP")
+    label = f"{name}: AUC {result.auc:.2f}, TPR {result.tpr_at[1e-3]:.2g} at FPR 1e-3"
     (line,) = ax.plot(result.fpr[keep], np.maximum(result.tpr[keep], floor), label=label)
     return line
 
