@@ -17,6 +17,8 @@ sums against C (``influence.py``; adapters for the engine, a naive step and a st
 ``Claim`` states a privacy claim (``claim.py``, from YAML/JSON); ``audit_claim`` checks it
 element by element (``claim_audit.py``; ``register_evidence`` adds evidence such as a
 membership-inference attack on the trained model).
+``membership_inference`` attacks trained models with shadow models (LiRA, Carlini et al. 2022)
+and bounds ε from below by the attack's TPR and FPR (``membership.py``).
 Every result is an ``AuditResult`` (``result.py``): ``passed``, ``table``, ``summary``, an HTML
 repr; their plots are in ``workbench.viz``.
 """
@@ -35,6 +37,7 @@ from workbench.audit.influence_steps import (
     step_released_sum,
 )
 from workbench.audit.mechanism import MechanismAudit, audit_dp_step
+from workbench.audit.membership import MembershipAudit, membership_inference
 from workbench.audit.one_run_bound import attainable_bound, epsilon_lower_bound
 from workbench.audit.providers import (
     available_providers,
@@ -51,4 +54,5 @@ __all__ = ["AuditResult", "CanaryAudit", "GaussianAudit", "GradientAudit", "Mech
            "audit_canaries", "audit_dp_step", "audit_gaussian_step",
            "audit_gradients", "attainable_bound", "epsilon_lower_bound",
            "available_providers", "bug_zoo", "opacus_provider", "torch_func_provider",
-           "workbench_step", "SamplingAudit", "audit_sampling"]
+           "workbench_step", "SamplingAudit", "audit_sampling", "MembershipAudit",
+           "membership_inference"]
