@@ -40,7 +40,7 @@ Notation: n batch, P trainable parameters of a layer call, c clip factors, b bac
 
 from torch.nn.utils.parametrize import is_parametrized
 
-from workbench.clipping.registry import NORM_ROUTES, find_norm_sampler
+from workbench.clipping.registry import find_norm_route, find_norm_sampler
 from workbench.per_sample.recording import own_parameters
 
 SHARE = 0.5
@@ -55,7 +55,7 @@ def cheaply_normed(rec, layer, call, shared: set[int]) -> bool:
             or len(own) != len(own_parameters(layer))
             or any(id(p) in shared or id(p) in rec.fallback for _, p in own)):
         return False
-    route = NORM_ROUTES.get(type(layer))
+    route = find_norm_route(layer)
     return route is None or route(layer, call.args)[0] not in MATERIALISING_ROUTES
 
 

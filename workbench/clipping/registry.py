@@ -9,7 +9,8 @@ It may come with ``route(layer, activations) -> (route, reason)``, a pure functi
 saying how it will compute the norm (``ghost_routes`` shows it per layer and call).
 Layers without a norm sampler are handled by "fast gradient clipping": their per-sample
 gradients are materialised by the grad sampler (or vmap), normed and dropped at once.
-Lookup is by exact type, as for grad samplers.
+Lookup is ``per_sample.registry.find_rule``'s, as for grad samplers: the exact type, a parent
+whose forward the layer does not change, or a behaviour rule (``register_norm_by_behaviour``).
 """
 
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from workbench.per_sample.registry import check_callable, check_layer_types
+from workbench.per_sample.registry import check_callable, check_layer_types, find_rule
 
 NormSamplerFn = Callable[[nn.Module, tuple, torch.Tensor], torch.Tensor]
 
@@ -26,6 +27,10 @@ NORM_SAMPLERS: dict[type[nn.Module], NormSamplerFn] = {}
 
 NORM_ROUTES: dict[type[nn.Module], Callable] = {}
 """layer type -> ``route(layer, activations) -> (route, reason)``."""
+
+NORM_BEHAVIOURS: list[tuple[Callable, NormSamplerFn]] = []
+"""(matches(layer), norm sampler): rules found by what a layer computes."""
+ROUTE_BEHAVIOURS: list[tuple[Callable, Callable]] = []
 
 
 def register_norm_sampler(*layer_types: type[nn.Module], route=None):
@@ -59,5 +64,25 @@ def register_norm_sampler(*layer_types: type[nn.Module], route=None):
     return decorator
 
 
+def register_norm_by_behaviour(matches, route=None):
+    """Decorator: the norm sampler of every layer without a type rule for which
+    ``matches(layer)`` holds (see ``per_sample.registry.register_by_behaviour``)."""
+    check_callable("register_norm_by_behaviour", matches)
+
+    def decorator(fn: NormSamplerFn) -> NormSamplerFn:
+        check_callable("register_norm_by_behaviour", fn)
+        NORM_BEHAVIOURS.append((matches, fn))
+        if route is not None:
+            ROUTE_BEHAVIOURS.append((matches, route))
+        return fn
+
+    return decorator
+
+
 def find_norm_sampler(layer: nn.Module) -> NormSamplerFn | None:
-    return NORM_SAMPLERS.get(type(layer))
+    return find_rule(NORM_SAMPLERS, layer, NORM_BEHAVIOURS)
+
+
+def find_norm_route(layer: nn.Module):
+    """``route(layer, activations)`` of the layer's norm sampler, or None."""
+    return find_rule(NORM_ROUTES, layer, ROUTE_BEHAVIOURS)

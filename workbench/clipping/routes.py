@@ -2,14 +2,16 @@
 
 ``ghost_routes`` runs one forward and backward pass and returns a table with one row per
 layer call: the route its norm takes in ``per_sample_grad_norms(method="ghost")`` and the
-reason (e.g. "2T² = 512 < pd = 4096: (T, T) Grams are smaller").
+reason (e.g. "2T² = 512 < pd = 4096: (T, T) Grams are smaller"). "fast gradient clipping
+(vmap)" marks a layer with no rule at all: the slow path.
 """
 
 from typing import TYPE_CHECKING
 
 from workbench.clipping.ghost import record
-from workbench.clipping.registry import NORM_ROUTES, find_norm_sampler
+from workbench.clipping.registry import find_norm_route, find_norm_sampler
 from workbench.per_sample.recording import own_parameters
+from workbench.per_sample.registry import find_grad_sampler
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -28,9 +30,13 @@ def layer_route(layer, call, shared: set[int], fallback=None) -> tuple[str, str]
                 f"{', '.join(shared_names)} used in several calls: the norm of the summed "
                 f"per-sample gradient has cross terms")
     if find_norm_sampler(layer) is None:
+        if find_grad_sampler(layer) is None:
+            return ("fast gradient clipping (vmap)",
+                    "no norm sampler and no grad sampler: per-sample gradient by vmap on the "
+                    "layer, normed and dropped (register a rule to take the fast path)")
         return ("fast gradient clipping",
                 "no norm sampler: per-sample gradient materialised, normed and dropped")
-    route = NORM_ROUTES.get(type(layer))
+    route = find_norm_route(layer)
     return route(layer, call.args) if route else ("norm sampler", "registered norm sampler")
 
 

@@ -37,7 +37,7 @@ from workbench.per_sample.checks import (
     trainable_parameters,
 )
 from workbench.per_sample.hooks import ActivationRecorder
-from workbench.per_sample.registry import SAMPLER_CHECKS, find_grad_sampler, layer_type
+from workbench.per_sample.registry import find_grad_sampler, find_sampler_check, layer_type
 from workbench.per_sample.uses import UseTracker
 
 
@@ -87,8 +87,9 @@ def check_layers(layers: dict[str, nn.Module], strict: bool, covered=None) -> No
     without a sampler (``covered(layer) -> bool`` marks layers another rule handles)."""
     for path, layer in layers.items():
         kind = layer_type(layer)
-        if kind in SAMPLER_CHECKS:
-            SAMPLER_CHECKS[kind](layer)
+        check = find_sampler_check(layer)
+        if check is not None:
+            check(layer)
         has_rule = find_grad_sampler(layer) is not None or (covered is not None and covered(layer))
         if strict and not has_rule:
             raise UnsupportedLayerError(

@@ -13,13 +13,26 @@ Yousefpour et al. 2021, arXiv 2109.12298, §2 and Appendix B)::
 - ``param_name``: the layer's own attribute names (``"weight"``, ``"bias"``); the caller maps
   them to the model's dotted names. Only names of trainable parameters need to be returned.
 
-Lookup is by *exact* type: a subclass may change ``forward``, so it does not inherit its
-parent's sampler silently; register it explicitly (the same function usually works).
+Lookup (``find_rule``, one mechanism for the grad and the norm tables) never lets a subclass
+that changes ``forward`` inherit its parent's rule silently:
+
+1. a rule registered for the layer's exact type;
+2. else a parent's rule, only when no class between the layer's type and that parent defines
+   a method other than those in ``INHERITABLE`` (``__init__``, ``reset_parameters``, ...): the
+   computation is then the parent's own (``class MyLinear(nn.Linear)`` with a new
+   ``__init__``);
+3. else a *behaviour* rule (``register_by_behaviour``): a ``matches(layer)`` test that runs the
+   layer's own forward on a probe input and accepts it only where the output is the rule's
+   formula (e.g. every RMSNorm class of Hugging Face, ``per_sample/samplers/affine.py``);
+   its verdict is cached per layer object.
+
+Anything else has no rule: vmap on the layer (``functional.layer_vmap_grad_sampler``).
 
 A sampler may come with a ``check(layer)`` that raises before any work is done when the
 layer uses an option the sampler does not support (e.g. ``nn.Embedding(sparse=True)``).
 """
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -33,6 +46,13 @@ GRAD_SAMPLERS: dict[type[nn.Module], GradSamplerFn] = {}
 
 SAMPLER_CHECKS: dict[type[nn.Module], Callable[[nn.Module], None]] = {}
 """layer type -> ``check(layer)``, raising UnsupportedLayerError for unsupported options."""
+
+GRAD_BEHAVIOURS: list[tuple[Callable[[nn.Module], bool], GradSamplerFn]] = []
+"""(matches(layer), sampler) rules found by what a layer computes, tried in order."""
+
+INHERITABLE = frozenset({"__init__", "reset_parameters", "_reset_parameters", "extra_repr",
+                         "__repr__", "__setstate__", "_load_from_state_dict"})
+"""Methods a subclass may define and still inherit its parent's rule (they do not compute)."""
 
 
 def register_grad_sampler(*layer_types: type[nn.Module], check=None):
@@ -93,6 +113,62 @@ def layer_type(layer: nn.Module) -> type:
     return kind
 
 
+def computes_like(kind: type, parent: type) -> bool:
+    """No class from ``kind`` up to (not including) ``parent`` defines a computing method."""
+    for cls in kind.__mro__:
+        if cls is parent:
+            return True
+        if any(callable(v) and k not in INHERITABLE for k, v in vars(cls).items()):
+            return False
+    return False
+
+
+def find_rule(table: dict, layer: nn.Module, behaviours=()):
+    """``table``'s rule for ``layer`` by the three steps of the module docstring, or None."""
+    kind = layer_type(layer)
+    if kind in table:
+        return table[kind]
+    for parent in kind.__mro__[1:]:
+        if parent in table:
+            if computes_like(kind, parent):
+                return table[parent]
+            break  # the nearest registered parent's forward is not this layer's
+    return by_behaviour(layer, behaviours)
+
+
+_VERDICTS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def by_behaviour(layer: nn.Module, behaviours):
+    """The first behaviour rule whose ``matches(layer)`` holds (cached per layer), or None."""
+    verdicts = _VERDICTS.setdefault(layer, {})
+    for matches, rule in behaviours:
+        if matches not in verdicts:
+            verdicts[matches] = bool(matches(layer))
+        if verdicts[matches]:
+            return rule
+    return None
+
+
+def register_by_behaviour(matches: Callable[[nn.Module], bool]):
+    """Decorator: ``sampler`` is the rule of every layer without a type rule for which
+    ``matches(layer)`` holds. ``matches`` must check what the layer computes (run its forward
+    on a probe and compare with the rule's formula), never only its name."""
+    check_callable("register_by_behaviour", matches)
+
+    def decorator(fn: GradSamplerFn) -> GradSamplerFn:
+        check_callable("register_by_behaviour", fn)
+        GRAD_BEHAVIOURS.append((matches, fn))
+        return fn
+
+    return decorator
+
+
 def find_grad_sampler(layer: nn.Module) -> GradSamplerFn | None:
-    """The sampler registered for ``type(layer)`` (see ``layer_type``), or None."""
-    return GRAD_SAMPLERS.get(layer_type(layer))
+    """The grad sampler of ``layer`` (``find_rule``), or None."""
+    return find_rule(GRAD_SAMPLERS, layer, GRAD_BEHAVIOURS)
+
+
+def find_sampler_check(layer: nn.Module):
+    """The option check of ``layer``'s sampler, or None."""
+    return find_rule(SAMPLER_CHECKS, layer)

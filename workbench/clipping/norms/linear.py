@@ -13,13 +13,17 @@ The Gram route stores 2T² numbers per sample, materialising g_i stores p·d; we
 Gram route exactly when 2T² < p·d, per layer and per call (``linear_route`` says which and
 why). The bias gradient Σ_t b_{i,t} is always cheap: ||Σ_t b_{i,t}||².
 
+A Linear stored input-first (o = a W + c, GPT-2's ``Conv1D``) has the transposed gradient,
+of the same norm: the same rule (``transposed_linear_norm_sampler``).
+
 Notation: n batch, T positions, a activations (n, T, d), b backprops (n, T, p).
 """
 
 import torch
 from torch import nn
 
-from workbench.clipping.registry import register_norm_sampler
+from workbench.clipping.registry import register_norm_by_behaviour, register_norm_sampler
+from workbench.per_sample.samplers.linear import is_transposed_linear
 
 
 def gram_is_cheaper(T: int, p: int, d: int) -> bool:
@@ -72,3 +76,16 @@ def linear_norm_sampler(layer, activations, backprops):
     if layer.bias is not None and layer.bias.requires_grad:
         squares += B.sum(1).pow(2).sum(1)  # ||Σ_t b_t||²
     return squares
+
+
+def transposed_route(layer, activations) -> tuple[str, str]:
+    if not layer.weight.requires_grad:
+        return "bias only", "the weight is frozen; ||Σ_t b_t||² for the bias"
+    d, p = layer.weight.shape
+    return sequence_route(activations[0][0].numel() // d, p, d)
+
+
+@register_norm_by_behaviour(is_transposed_linear, route=transposed_route)
+def transposed_linear_norm_sampler(layer, activations, backprops):
+    """o = a W + c (GPT-2's Conv1D): ||A_iᵀ B_i|| = ||B_iᵀ A_i||, the same rule."""
+    return linear_norm_sampler(layer, activations, backprops)

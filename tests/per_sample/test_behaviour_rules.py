@@ -1,0 +1,122 @@
+"""Rules found by what a layer computes (RMSNorm family, LayerNorm2d, GPT-2's Conv1D), and the
+registry's invariant: a subclass that changes ``forward`` never inherits its parent's rule.
+
+The layers below copy the forward passes of Hugging Face's and timm's classes (so the test
+needs neither library); tests/per_sample/test_real_models.py runs the real classes."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import workbench as wb
+from tests.helpers import assert_agree, assert_clipping_agrees, mse_per_sample
+from workbench.clipping.registry import find_norm_sampler
+from workbench.per_sample.registry import find_grad_sampler
+from workbench.per_sample.samplers.affine import affine_grad_sampler, affine_layout
+from workbench.per_sample.samplers.linear import transposed_linear_grad_sampler
+from workbench.per_sample.samplers.norms import layer_norm_grad_sampler
+
+
+class LlamaRMSNorm(nn.Module):  # transformers' LlamaRMSNorm: statistics in float32
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight, self.variance_epsilon = nn.Parameter(torch.ones(d)), eps
+
+    def forward(self, h):
+        dtype = h.dtype
+        h = h.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(dtype)
+
+
+class GemmaRMSNorm(nn.Module):  # transformers' GemmaRMSNorm: (1 + w), zero init
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.zeros(d)), eps
+
+    def forward(self, x):
+        out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return out * (1.0 + self.weight)
+
+
+class LayerNorm2d(nn.LayerNorm):  # timm's LayerNorm2d: channels first
+    def forward(self, x):
+        x = x.permute(0, 2, 3, 1)
+        x = F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return x.permute(0, 3, 1, 2)
+
+
+class Conv1D(nn.Module):  # transformers' GPT-2 Conv1D: o = a W + c, W (d, p)
+    def __init__(self, p, d):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.randn(d, p)), nn.Parameter(torch.zeros(p))
+
+    def forward(self, x):
+        out = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        return out.view(x.size()[:-1] + (self.weight.size(1),))
+
+
+class ScaledLayerNorm(nn.LayerNorm):  # changes forward: 2 (â w + β) is not â w + β
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+class SquaredLayerNorm(nn.LayerNorm):  # changes forward, not affine in w at all
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps) ** 2
+
+
+class PlainLayerNorm(nn.LayerNorm):  # a new __init__ only: computes as its parent
+    def __init__(self, d):
+        super().__init__(d, eps=1e-6)
+
+
+D = 5
+CASES = {
+    "llama_rms": (LlamaRMSNorm(D), (6, 3, D), affine_grad_sampler),
+    "gemma_rms": (GemmaRMSNorm(D), (6, 3, D), affine_grad_sampler),
+    "layer_norm_2d": (LayerNorm2d(D), (6, D, 3, 2), affine_grad_sampler),
+    "conv1d": (Conv1D(4, D), (6, 3, D), transposed_linear_grad_sampler),
+    "conv1d_one_position": (Conv1D(4, D), (6, D), transposed_linear_grad_sampler),
+    "scaled_layer_norm": (ScaledLayerNorm(D), (6, 3, D), None),
+    "squared_layer_norm": (SquaredLayerNorm(D), (6, 3, D), None),
+    "plain_layer_norm": (PlainLayerNorm(D), (6, 3, D), layer_norm_grad_sampler),
+}
+
+
+def regression(layer, shape):
+    torch.manual_seed(0)
+    model = nn.Sequential(layer, nn.Tanh()).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    x = torch.randn(*shape, dtype=torch.float64)
+    with torch.no_grad():
+        y = torch.randn_like(model(x))
+    return model, x, y
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_rule_found_by_behaviour_is_exact(name):
+    layer, shape, rule = CASES[name]
+    model, x, y = regression(layer, shape)
+    assert find_grad_sampler(model[0]) is rule, name
+    assert_agree(model, mse_per_sample, x, y, check="always")
+    assert_clipping_agrees(model, mse_per_sample, x, y)
+    routes = wb.ghost_routes(model, mse_per_sample, x, y)["route"].tolist()
+    assert ("vmap" in routes[0]) == (rule is None), routes
+
+
+def test_subclass_changing_forward_never_inherits_its_parents_rule():
+    for cls in (ScaledLayerNorm, SquaredLayerNorm, LayerNorm2d):
+        assert find_grad_sampler(cls(D)) is not layer_norm_grad_sampler, cls
+        assert find_norm_sampler(cls(D)) is None, cls
+    assert find_grad_sampler(PlainLayerNorm(D)) is layer_norm_grad_sampler
+
+
+def test_behaviour_probe_reads_the_layout_not_the_name():
+    assert affine_layout(LayerNorm2d(D).double()) == "channel"
+    assert affine_layout(LlamaRMSNorm(D)) == "last"
+    assert affine_layout(SquaredLayerNorm(D)) is None
+    assert affine_layout(nn.Linear(D, D)) is None  # weight (p, d) times a, not elementwise

@@ -1,0 +1,115 @@
+"""Elementwise-affine layers, recognised by what they compute: the RMSNorm / LayerNorm family.
+
+Many layers compute, position by position,
+
+    o = A(a) + B(a) ⊙ w  (+ β)                      w: weight, β: bias, same shape
+
+where A and B do not depend on w or β: Hugging Face's ``LlamaRMSNorm`` and its copies
+(Mistral, Qwen2/3, Mamba: w ⊙ â, â computed in float32), Gemma's (1 + w) ⊙ â (A = B = â),
+``T5LayerNorm``, timm's ``LayerNorm`` subclass and channels-first ``LayerNorm2d``. For all of
+them (the normalisation rule of ``norms.py``, Opacus blog "Efficient per-sample gradient
+computation for more layers")
+
+    ∂ℓ_i/∂w = Σ_{positions} b_i ⊙ B(a_i),      ∂ℓ_i/∂β = Σ_{positions} b_i
+
+and B(a) = o(w = 1, β = 0) − o(w = 0, β = 0): two passes of the layer's *own* forward with its
+parameters swapped, so whatever it does inside (a float32 upcast, a (1 + w) scale, permutes)
+is reproduced exactly, and no name or class is trusted.
+
+``affine_layout(layer)`` is the test behind the rule (``registry.register_by_behaviour``): on
+probe inputs, o(w', β') must equal A + B ⊙ w' + β' for random w', β' with w on the last dims
+("last": (n, ..., *w.shape)) or on dim 1 ("channel": (n, C, ...), LayerNorm2d); a layer for
+which neither holds keeps per-layer vmap.
+
+Notation: n batch, a activations, b backprops, w weight, β bias, â normalised input.
+"""
+
+import torch
+from torch.nn.utils.stateless import _reparametrize_module
+
+from workbench.per_sample.registry import register_by_behaviour
+
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4}  # relative, per probe
+
+
+def run(layer, a, weight, bias=None):
+    """The layer's own forward with weight (and bias) swapped; no hooks run."""
+    params = {"weight": weight} if bias is None else {"weight": weight, "bias": bias}
+    with _reparametrize_module(layer, params):
+        return layer.forward(a)
+
+
+def parts(layer, a):
+    """(A(a), B(a)) of o = A + B ⊙ w + β, by two forward passes."""
+    w, bias = layer.weight, getattr(layer, "bias", None)
+    zero_b = None if bias is None else torch.zeros_like(bias)
+    A = run(layer, a, torch.zeros_like(w), zero_b)
+    return A, run(layer, a, torch.ones_like(w), zero_b) - A
+
+
+def aligned(t: torch.Tensor, out: torch.Tensor, layout: str) -> torch.Tensor:
+    """A parameter-shaped tensor viewed to broadcast against the output ``out``."""
+    if layout == "channel":
+        return t.reshape(1, -1, *[1] * (out.dim() - 2))
+    return t
+
+
+def candidate(layer) -> bool:
+    own = dict(layer.named_parameters(recurse=False))
+    w, bias = own.get("weight"), own.get("bias")
+    return (w is not None and w.dim() >= 1 and set(own) <= {"weight", "bias"}
+            and (bias is None or bias.shape == w.shape)
+            and not any(True for _ in layer.children()))
+
+
+def probe_inputs(w: torch.Tensor):
+    g = torch.Generator().manual_seed(0)
+    yield "last", torch.randn(2, 3, *w.shape, generator=g, dtype=w.dtype)
+    if w.dim() == 1:
+        yield "channel", torch.randn(2, w.shape[0], 3, 3, generator=g, dtype=w.dtype)
+
+
+def affine_layout(layer) -> str | None:
+    """"last" or "channel" where the layer is o = A + B ⊙ w (+ β) on the probes, else None."""
+    if not candidate(layer) or layer.weight.dtype not in TOLERANCE:
+        return None
+    w, bias = layer.weight.detach(), getattr(layer, "bias", None)
+    tol = TOLERANCE[w.dtype]
+    for layout, a in probe_inputs(w):
+        try:
+            with torch.no_grad():
+                A, B = parts(layer, a.to(w.device))
+                w2 = torch.randn_like(w)
+                b2 = None if bias is None else torch.randn_like(bias)
+                out = run(layer, a.to(w.device), w2, b2)
+                want = A + B * aligned(w2, out, layout)
+                if b2 is not None:
+                    want = want + aligned(b2, out, layout)
+        except (RuntimeError, TypeError, ValueError, IndexError):
+            continue
+        if out.shape == want.shape and (out - want).norm() <= tol * want.norm():
+            return layout
+    return None
+
+
+def sum_to_parameter(t: torch.Tensor, layout: str, dims: int) -> torch.Tensor:
+    """(n, ...) summed over every dim but the batch and the parameter's."""
+    if layout == "channel":
+        return t.sum(dim=tuple(range(2, t.dim()))) if t.dim() > 2 else t
+    keep = tuple(range(1, t.dim() - dims))
+    return t.sum(dim=keep) if keep else t
+
+
+@register_by_behaviour(lambda layer: affine_layout(layer) is not None)
+def affine_grad_sampler(layer, activations, backprops):
+    layout, a = affine_layout(layer), activations[0]
+    dims = layer.weight.dim()
+    out = {}
+    if layer.weight.requires_grad:
+        with torch.no_grad():
+            _, B = parts(layer, a.detach())
+        out["weight"] = sum_to_parameter(backprops * B, layout, dims)  # Σ b ⊙ B(a)
+    bias = getattr(layer, "bias", None)
+    if bias is not None and bias.requires_grad:
+        out["bias"] = sum_to_parameter(backprops, layout, dims)  # Σ b
+    return out

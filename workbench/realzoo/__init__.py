@@ -1,0 +1,75 @@
+"""The real-architecture table: models people fine-tune, from tiny configs, random weights.
+
+``PROBLEMS[name]`` builds (model, loss_fn) and batches of any size n: language models on
+token ids (n, T) with the next-token loss summed over positions, encoders and image models with
+cross-entropy on one label per sample. float64 by default: the table checks every method of
+the functional API and every DP-optimizer mode against one-sample-at-a-time gradients
+(``tests/per_sample/test_real_models.py``) and ``python -m workbench.bench real`` times them.
+
+Needs the ``realmodels`` extra (transformers, timm, peft; torchvision through timm):
+``pip install '.[realmodels]'``; nothing is downloaded (``HF_HUB_OFFLINE=1`` is fine).
+
+``REFUSED[name]``: the methods that must raise, and why (never a silent answer): BatchNorm
+mixes the samples of a batch (``fix_model``); Bloom's ALiBi builds its bias with in-place
+writes that ``torch.func.vmap`` cannot run.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workbench.realzoo import text, vision
+
+VOCAB, CLASSES, SIZE = text.VOCAB, text.CLASSES, vision.SIZE
+
+
+def next_token_loss(logits, y):
+    """Σ_t cross-entropy(logits_t, y_t) per sample: (n, T, V), (n, T) -> (n,)."""
+    return F.cross_entropy(logits.transpose(1, 2), y, reduction="none").sum(1)
+
+
+def label_loss(logits, y):
+    """cross-entropy per sample: (n, K), (n,) -> (n,)."""
+    return F.cross_entropy(logits, y, reduction="none")
+
+
+@dataclass(frozen=True)
+class Problem:
+    name: str
+    kind: str  # "causal" (ids -> (n, T, V)), "classify" (ids -> (n, K)), "image"
+
+    def build(self, dtype=torch.float64, seed: int = 0) -> nn.Module:
+        torch.manual_seed(seed)
+        table = {"causal": text.CAUSAL, "classify": text.CLASSIFIERS, "image": vision.IMAGES}
+        return table[self.kind][self.name]().to(dtype)
+
+    @property
+    def loss_fn(self):
+        return next_token_loss if self.kind == "causal" else label_loss
+
+    def batch(self, n: int, T: int = 5, seed: int = 0, dtype=torch.float64):
+        """(inputs, targets) of n samples; T tokens per sequence for the text models."""
+        g = torch.Generator().manual_seed(seed)
+        if self.kind == "image":
+            return (torch.randn(n, 3, SIZE, SIZE, generator=g, dtype=dtype),
+                    torch.randint(0, CLASSES, (n,), generator=g))
+        ids = torch.randint(2, VOCAB, (n, T), generator=g)  # 0, 1: pad / special ids
+        if self.kind == "classify":
+            return ids, torch.randint(0, CLASSES, (n,), generator=g)
+        return ids, torch.randint(0, VOCAB, (n, T), generator=g)
+
+
+PROBLEMS = {name: Problem(name, "causal") for name in text.CAUSAL}
+PROBLEMS.update({name: Problem(name, "classify") for name in text.CLASSIFIERS})
+PROBLEMS.update({name: Problem(name, "image") for name in vision.IMAGES})
+
+BATCHNORM = "BatchNorm"
+REFUSED = {
+    "timm_resnet_bn": {"all": BATCHNORM},
+    "bloom": {"vmap": "vmap"},
+}
+"""name -> {method or "all": a word the error message must contain}."""
+
+__all__ = ["PROBLEMS", "REFUSED", "Problem", "label_loss", "next_token_loss"]
