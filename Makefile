@@ -39,10 +39,12 @@ unit: $(STAMP)
 	$(PY) -m pytest -q tests workbench --doctest-modules --ignore=tests/browser
 
 notebooks: $(STAMP)
-	WORKBENCH_FAST=1 $(PY) -m pytest -q --nbval-lax -p no:cacheprovider notebooks
+	WORKBENCH_FAST=1 WORKBENCH_SOLUTIONS=1 $(PY) -m pytest -q --nbval-lax -p no:cacheprovider notebooks
 
 # Every notebook as a learner runs it: top to bottom in full mode (WORKBENCH_FAST unset), with
 # nbclient; fails on an error or on a figure that would not show, prints each one's time.
+# WORKBENCH_SOLUTIONS=1 (here and in `notebooks`): the on-ramp's reference solutions run and
+# its exercise checks must pass (workbench/exercises.py).
 notebooks-full: $(STAMP)
 	$(PY) tools/nbchecks.py run notebooks/*.ipynb
 

@@ -100,6 +100,7 @@ def record(path: Path, timeout: int = 600):
 
     nb = nbformat.read(path, as_version=4)
     os.environ["WORKBENCH_FAST"] = "1"
+    os.environ["WORKBENCH_SOLUTIONS"] = "1"  # the on-ramp's reference solutions (exercises.py)
     NotebookClient(nb, timeout=timeout, kernel_name="python3",
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     return strip(nb)
@@ -126,6 +127,7 @@ def run_full(path: Path, timeout: int = 1800, save_to: Path | None = EXECUTED) -
 
     nb = nbformat.read(path, as_version=4)
     os.environ.pop("WORKBENCH_FAST", None)
+    os.environ["WORKBENCH_SOLUTIONS"] = "1"  # the on-ramp's reference solutions (exercises.py)
     start = time.perf_counter()
     NotebookClient(nb, timeout=timeout, kernel_name="python3",
                    resources={"metadata": {"path": str(path.parent)}}).execute()

@@ -42,7 +42,7 @@ EXERCISES = {
         "the observed fraction is f = p·π + (1 - p)/2 for a true fraction π: solve for π"),
     "laplace_scale": Exercise(
         F.laplace_scale, ((1.0, 1.0), (1.0, 0.5), (2.0, 0.1), (0.5, 3.0)),
-        "more sensitivity needs more noise, more ε allows less: b = (sensitivity) / ε"),
+        "more sensitivity needs more noise, a larger ε allows less noise"),
     "sum_sensitivity": Exercise(
         F.sum_sensitivity, ((0.0, 1.0, "add/remove"), (0.0, 1.0, "substitute"),
                             (-2.0, 1.0, "add/remove"), (-2.0, 1.0, "substitute")),
@@ -59,8 +59,8 @@ EXERCISES = {
         "(math.expm1(ε) is e^ε - 1)"),
     "group_privacy": Exercise(
         F.group_privacy, ((1.0, 1e-6, 1), (0.5, 1e-6, 2), (0.2, 1e-8, 20), (2.0, 0.0, 3)),
-        "walk from x to x' one record at a time: k steps multiply e^ε k times; δ picks up a "
-        "factor e^{(k-1)ε} per step: k e^{(k-1)ε} δ"),
+        "walk from x to x' one record at a time: the ratio e^ε is applied k times; each "
+        "step's δ is multiplied by the e^ε of the steps after it, at most e^{(k-1)ε}"),
 }
 
 
