@@ -17,7 +17,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX   ?= $(if $(filter Linux,$(shell uname -s)),https://download.pytorch.org/whl/cpu,)
 
 .PHONY: test lab audit bench lint unit notebooks notebooks-full browser clean record-notebooks \
-        wheel-check
+        wheel-check book
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -39,12 +39,23 @@ unit: $(STAMP)
 	$(PY) -m pytest -q tests workbench --doctest-modules --ignore=tests/browser
 
 notebooks: $(STAMP)
-	WORKBENCH_FAST=1 $(PY) -m pytest -q --nbval-lax -p no:cacheprovider notebooks
+	WORKBENCH_FAST=1 WORKBENCH_SOLUTIONS=1 $(PY) -m pytest -q --nbval-lax -p no:cacheprovider notebooks
 
 # Every notebook as a learner runs it: top to bottom in full mode (WORKBENCH_FAST unset), with
 # nbclient; fails on an error or on a figure that would not show, prints each one's time.
+# WORKBENCH_SOLUTIONS=1 (here and in `notebooks`): the on-ramp's reference solutions run and
+# its exercise checks must pass (workbench/exercises.py).
 notebooks-full: $(STAMP)
 	$(PY) tools/nbchecks.py run notebooks/*.ipynb
+
+# The book: every notebook in full mode as static HTML in build/book/ (open build/book/index.html;
+# it works offline). Reuses the executed copies `make notebooks-full` saved in build/executed/
+# (runs only the notebooks changed since), then opens every page in headless Chromium
+# (tests/browser/test_book.py: no console error, figures loaded, navigation).
+book: $(STAMP)
+	$(PY) tools/book.py --out build/book
+	WORKBENCH_BOOK_REQUIRED=1 $(PY) -m pytest -q -p no:cacheprovider -m browser \
+	    tests/browser/test_book.py
 
 # The widgets in JupyterLab in headless Chromium (Debian's /usr/bin/chromium, driven by
 # playwright): each notebook with a widget is run and a slider of each widget moved. Skipped,

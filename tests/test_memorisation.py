@@ -79,3 +79,13 @@ def test_exposure_is_max_when_the_secret_is_preferred_and_small_otherwise():
     assert "rank 28 of 1000" in str(near)
     with pytest.raises(ValueError, match="not among the candidates"):
         exposure(Prefers("481", 1.0), TOK, "is ", "48", cands)
+
+
+def test_windows_with_secret_counts_whole_and_straddling_copies():
+    from workbench.corpus import windows
+    from workbench.memorisation import windows_with_secret
+
+    tok = CharTokenizer()
+    text = "ab PIN1 cd" + "xxxxxxxxPI" + "N1xxxxxxxx" + "x" * 10  # T = 10: whole, straddling
+    data = windows(tok.encode(text), 10)
+    assert windows_with_secret(data, tok, "PIN1") == (1, 3)

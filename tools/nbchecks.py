@@ -10,7 +10,9 @@ with the *stored* one, so a check cell committed empty checks nothing. This tool
   keeps the check cells' stored text;
 - ``run NOTEBOOK...``: runs each notebook as a learner does, top to bottom in *full* mode
   (``WORKBENCH_FAST`` unset), fails on the first error or on a figure that would not show
-  (:func:`figure_problems`), prints each notebook's wall time, and writes nothing
+  (:func:`figure_problems`), prints each notebook's wall time, and saves the executed copy
+  (outputs and widget state) to ``build/executed/NN.ipynb`` with the source's hash in its
+  metadata, so that ``make book`` (tools/book.py) reuses it instead of running it again
   (``make notebooks-full``).
 
 The figure check also runs in ``make test``: ``notebooks/conftest.py`` applies
@@ -32,6 +34,7 @@ import nbformat
 CHECK = "# NBVAL_CHECK_OUTPUT"
 TEXT_OUTPUTS = ("stream", "execute_result")
 IMAGES = ("image/png", "image/svg+xml", "image/jpeg")
+EXECUTED = Path(__file__).resolve().parents[1] / "build" / "executed"
 # a cell that makes or shows a pyplot figure must display an image
 DRAWS = re.compile(r"\bplt\.(subplots|figure|show)\(|\bdisplay\(fig")
 BARE_FIGURE = "<Figure size"
@@ -97,13 +100,25 @@ def record(path: Path, timeout: int = 600):
 
     nb = nbformat.read(path, as_version=4)
     os.environ["WORKBENCH_FAST"] = "1"
+    os.environ["WORKBENCH_SOLUTIONS"] = "1"  # the on-ramp's reference solutions (exercises.py)
     NotebookClient(nb, timeout=timeout, kernel_name="python3",
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     return strip(nb)
 
 
-def run_full(path: Path, timeout: int = 1800) -> float:
+def source_hash(path: Path) -> str:
+    """sha256 of the notebook's cells' sources: what an executed copy was made from."""
+    import hashlib
+
+    nb = nbformat.read(path, as_version=4)
+    text = "\n\0".join(f"{c.cell_type}\0{c.source}" for c in nb.cells)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def run_full(path: Path, timeout: int = 1800, save_to: Path | None = EXECUTED) -> float:
     """Run ``path`` top to bottom in full mode (no ``WORKBENCH_FAST``); seconds it took.
+    The executed notebook goes to ``save_to / path.name`` (None: nowhere), stamped with
+    ``metadata.workbench.source_hash`` (:func:`source_hash`) once it passed.
 
     Raises ``nbclient.exceptions.CellExecutionError`` on a failing cell and ``AssertionError``
     on a figure a learner would not see.
@@ -112,6 +127,7 @@ def run_full(path: Path, timeout: int = 1800) -> float:
 
     nb = nbformat.read(path, as_version=4)
     os.environ.pop("WORKBENCH_FAST", None)
+    os.environ["WORKBENCH_SOLUTIONS"] = "1"  # the on-ramp's reference solutions (exercises.py)
     start = time.perf_counter()
     NotebookClient(nb, timeout=timeout, kernel_name="python3",
                    resources={"metadata": {"path": str(path.parent)}}).execute()
@@ -119,6 +135,11 @@ def run_full(path: Path, timeout: int = 1800) -> float:
     problems = [f"cell {i}: {p}" for i, cell in enumerate(nb.cells) if cell.cell_type == "code"
                 for p in figure_problems(cell.source, cell.outputs)]
     assert not problems, f"{path}: " + "; ".join(problems)
+    if save_to is not None:
+        save_to.mkdir(parents=True, exist_ok=True)
+        nb.metadata["workbench"] = {"source_hash": source_hash(path), "mode": "full",
+                                    "seconds": round(seconds, 1)}
+        nbformat.write(nb, save_to / path.name)
     return seconds
 
 

@@ -87,3 +87,22 @@ def exposure(model, tokenizer, prefix: str, secret: str, candidates: list[str]) 
     rank = int((px <= px[candidates.index(secret)]).sum())  # Def. 3, ties against the secret
     n = len(candidates)
     return Exposure(rank, n, float(torch.log2(torch.tensor(n / rank, dtype=torch.float64))))
+
+
+def windows_with_secret(data, tokenizer, secret: str) -> tuple[int, int]:
+    """(whole, touched): how many windows of ``data`` (x of shape (N, T), corpus.windows)
+    hold all of ``secret``, and how many hold any part of one of its copies.
+
+    With one window as the unit of privacy, a secret in ``touched`` windows is protected only
+    by group privacy over that many records (foundations.group_privacy): about k·ε.
+    """
+    x = data.tensors[0]  # (N, T)
+    text = tokenizer.decode(x.flatten())
+    T, whole, touched = x.shape[1], 0, set()
+    for row in range(x.shape[0]):
+        whole += secret in text[row * T:(row + 1) * T]
+    start = text.find(secret)
+    while start != -1:
+        touched.update(range(start // T, (start + len(secret) - 1) // T + 1))
+        start = text.find(secret, start + 1)
+    return whole, len(touched)

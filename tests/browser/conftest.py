@@ -105,6 +105,7 @@ def lab(browser, tmp_path_factory):
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     env = {**os.environ,
            "WORKBENCH_FAST": "1",
+           "WORKBENCH_SOLUTIONS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, paths)]),
            "JUPYTER_CONFIG_DIR": str(base / "config"),
            "JUPYTER_RUNTIME_DIR": str(base / "runtime"),
