@@ -138,7 +138,7 @@ BAD_SETTINGS = [
     ("loss_reduction", "none", ValueError, "loss_reduction must be 'mean'"),
     ("generator", 3, TypeError, "generator must be a torch.Generator"),
     ("on_step", "rdp", TypeError, "on_step must be callable"),
-    ("verify", "sometimes", ValueError, "verify must be 'first'"),
+    ("verify", "sometimes", ValueError, "verify must be True"),
     ("all_reduce_timeout_minutes", 0, ValueError, "all_reduce_timeout_minutes must be"),
 ]
 

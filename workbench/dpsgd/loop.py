@@ -53,10 +53,10 @@ class Checked:
 
 
 def check_verify(value):
-    if value not in ("first", "next", "always", False):
-        raise ValueError(f"verify must be 'first' (check the first step), 'next', 'always' or "
-                         f"False; got {value!r} (optimizer.verify_next_step() asks for one "
-                         f"more check)")
+    if value not in (True, "always", False) or isinstance(value, int) and value not in (0, 1):
+        raise ValueError(f"verify must be True (verify every new call signature), 'always' "
+                         f"(every step) or False (none: benchmarks only); got {value!r} "
+                         f"(optimizer.verify_next_step() asks for one more check)")
     return value
 
 
