@@ -1,4 +1,4 @@
-"""Notebook conventions (DESIGN.md, Notebooks): checked by structure, run by nbval."""
+"""Notebook conventions (ARCHITECTURE.md, style item 8): checked by structure, run by nbval."""
 
 import sys
 from pathlib import Path

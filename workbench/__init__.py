@@ -1,6 +1,6 @@
 """DP-SGD Workbench: transparent, tested reference implementations of DP-SGD in PyTorch.
 
-The public API is the contract in DESIGN.md::
+The public API is a contract (ARCHITECTURE.md maps the code)::
 
     import workbench as wb
     grads = wb.per_sample_gradients(model, loss_fn, inputs, targets, method="einsum")

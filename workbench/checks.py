@@ -2,7 +2,7 @@
 
 Every public function of the workbench validates σ, q, C, δ, ε and its counts here, so a bad
 value fails early with a message that names the argument, the value received, the valid range
-and what the number means or how to get a good one (DESIGN.md, style item 10), instead of
+and what the number means or how to get a good one (ARCHITECTURE.md, style item 10), instead of
 surfacing later as a NaN, an ε of 0 or an obscure numpy warning. The style, built by one
 function (``_fail``)::
 

@@ -1,6 +1,6 @@
 """Stateful accountants: a history of DP-SGD steps, and ε on demand.
 
-The thin wrapper over the pure functions of ``curve.py`` (DESIGN.md, style item 6): the class
+The thin wrapper over the pure functions of ``curve.py`` (ARCHITECTURE.md, style item 6): the class
 only records what was run, as groups (σ, q, T) with consecutive steps of equal σ and q merged,
 so a training loop can call ``.step()`` after every optimiser step and a schedule that changes σ
 or q (heterogeneous composition) is kept exactly. ε is recomputed from the history when asked,

@@ -1,6 +1,6 @@
 """The budget explorer's compute step: ε against epochs for one DP-SGD configuration.
 
-Pure function, small dataclass out (DESIGN.md, style item 7); ``workbench.viz.budget`` draws
+Pure function, small dataclass out (ARCHITECTURE.md, style item 7); ``workbench.viz.budget`` draws
 it and ``workbench.widgets.budget`` wires it to sliders. A dataset of N records read in Poisson
 batches of expected size B has sample rate q = B / N, so one epoch is round(1/q) steps and E
 epochs are T = E round(1/q) steps (``steps_from_epochs``; Abadi et al. 2016, arXiv:1607.00133,

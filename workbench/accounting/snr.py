@@ -1,6 +1,6 @@
 """Signal-to-noise ratio of a DP-SGD update against the batch size, at a fixed privacy budget.
 
-The SNR explorer's compute step (DESIGN.md, style item 7). DP-SGD (Abadi et al. 2016,
+The SNR explorer's compute step (ARCHITECTURE.md, style item 7). DP-SGD (Abadi et al. 2016,
 arXiv:1607.00133, Algorithm 1) updates with the clipped gradients' sum plus N(0, σ²C² I_d),
 divided by the (expected) batch size B. With q = B / N and T = E round(1/q) steps for E epochs,
 the budget (ε, δ) fixes σ(B) through the accountant (``calibrate.get_noise_multiplier``), and

@@ -1,6 +1,6 @@
 """A snapshot of per-sample gradient norms, and what clipping them at C does to the mean.
 
-The clipping explorer's compute step (DESIGN.md, style item 7). DP-SGD (Abadi et al. 2016,
+The clipping explorer's compute step (ARCHITECTURE.md, style item 7). DP-SGD (Abadi et al. 2016,
 arXiv:1607.00133, Algorithm 1, "clip gradient") scales each sample's gradient g_i by
 c_i = min(1, C / ||g_i||) before averaging, so the update direction is
 

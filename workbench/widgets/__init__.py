@@ -1,5 +1,5 @@
 """Interactive widgets: thin ipywidgets glue, controls -> compute -> plot.
 
 Each widget exposes ``.controls`` (a dict of ipywidgets) and ``.result`` (the last compute
-result), so tests can set values from code and check what changed (DESIGN.md, style item 7).
+result), so tests can set values from code and check what changed (ARCHITECTURE.md, style item 7).
 """
