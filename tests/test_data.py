@@ -171,7 +171,7 @@ def test_split_and_windows_shift_by_one():
 
 def test_text_checksum_and_missing_file_errors(tmp_path):
     (tmp_path / "alice29.txt").write_text("not Alice")
-    with pytest.raises(DataChecksumError, match="git checkout workbench/_data/text/alice29.txt"):
+    with pytest.raises(DataChecksumError, match="git checkout data/text/alice29.txt"):
         load_text("carroll", directory=tmp_path)
     with pytest.raises(FileNotFoundError, match="asyoulik.txt"):
         load_text("shakespeare", directory=tmp_path)

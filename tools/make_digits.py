@@ -1,9 +1,9 @@
-"""Write ``workbench/_data/digits.npz`` from scikit-learn's copy of the UCI handwritten digits.
+"""Write ``data/digits.npz`` from scikit-learn's copy of the UCI handwritten digits.
 
 Source: "Optical Recognition of Handwritten Digits", UCI Machine Learning Repository,
 E. Alpaydin and C. Kaynak (1998), https://doi.org/10.24432/C50P49 (CC BY 4.0). scikit-learn
 ships its test part (1797 images of 8x8 pixels, values 0..16) as
-``sklearn.datasets.load_digits`` (BSD-3-Clause). See workbench/_data/README.md.
+``sklearn.datasets.load_digits`` (BSD-3-Clause). See data/README.md.
 
 The archive holds two arrays, stored uncompressed so the bytes do not depend on the zlib
 build:
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "workbench" / "_data" / "digits.npz"
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "data" / "digits.npz"
 
 
 def digits_arrays() -> tuple[np.ndarray, np.ndarray]:

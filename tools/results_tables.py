@@ -3,7 +3,7 @@
     python tools/results_tables.py [--e2e bench-results/e2e.csv]
         [--gpt bench-results/e2e_gpt.csv] [--accounting bench-results/accounting.csv]
 
-Memory and per-layer runtime come from the CSVs shipped in workbench/_data/bench/; the end-to-end
+Memory and per-layer runtime come from the CSVs shipped in data/bench/; the end-to-end
 and accounting tables from fresh runs of ``python -m workbench.bench e2e`` / ``accounting``
 (skipped when their CSVs are absent). Nothing is typed in by hand.
 """
@@ -16,7 +16,7 @@ import pandas as pd
 from workbench.data import bundled
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = bundled("bench")  # workbench/_data/bench/, the package's shipped CSVs
+BENCH = bundled("bench")  # data/bench/, the package's shipped CSVs
 
 
 def fmt(v, digits=3):

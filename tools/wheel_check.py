@@ -2,15 +2,17 @@
 
     python tools/wheel_check.py [--keep]
 
-1. builds the wheel from a clean copy of this checkout's pyproject.toml, README.md and
-   workbench/ (``pip wheel --no-deps``; nothing is written into the checkout);
+1. builds the wheel from a clean copy of this checkout's pyproject.toml, setup.py,
+   MANIFEST.in, README.md, data/ and workbench/ (``pip wheel --no-deps``; nothing is
+   written into the checkout);
 2. installs it, without dependencies, into a fresh virtual environment (``venv
    --without-pip``) in a temporary directory outside the checkout;
 3. runs, from an empty directory and with ``python -I`` (no PYTHONPATH, no current directory
    on sys.path), a check that the imported ``workbench`` is the installed one, that every data
-   file under ``workbench/_data/`` arrived with the same bytes (sha256; the texts' CRLF line
-   ends included), that ``load_digits``, ``load_text`` and ``shipped_results`` find their
-   files, and then the README's "The API in ten lines" example, as tests/test_readme.py does.
+   file of ``data/`` arrived (as ``workbench/_data/``) with the same bytes (sha256; the
+   texts' CRLF line ends included), that ``load_digits``, ``load_text`` and
+   ``shipped_results`` find their files, and then the README's "The API in ten lines"
+   example, as tests/test_readme.py does.
 
 Where the fresh environment gets torch, numpy, ... from: installing them afresh would download
 several hundred MB (torch alone ~200 MB from the CPU index, then scipy, jupyterlab, ...) on
@@ -43,10 +45,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT / "workbench" / "_data"
+DATA = ROOT / "data"  # shipped in the wheel as workbench/_data/ (setup.py)
 
 # Run by the fresh venv's interpreter, in an empty directory; argv[1]: the JSON manifest
-# {relative path under workbench/_data: sha256} of the checkout, argv[2]: the checkout root.
+# {relative path under data/: sha256} of the checkout, argv[2]: the checkout root.
 CHECK = r"""
 import hashlib, json, sys
 from pathlib import Path
@@ -111,8 +113,9 @@ def main(argv=None) -> int:
             build.append("--no-build-isolation")  # .venv's backend: nothing to download
         src = tmp / "src"  # a clean copy: setuptools would reuse a stale build/ in the checkout
         src.mkdir()
-        for name in ("pyproject.toml", "README.md"):  # with workbench/: all the build reads
-            shutil.copy2(ROOT / name, src / name)
+        for name in ("pyproject.toml", "README.md", "setup.py", "MANIFEST.in"):  # with
+            shutil.copy2(ROOT / name, src / name)  # workbench/ and data/: all the build reads
+        shutil.copytree(DATA, src / "data")
         shutil.copytree(ROOT / "workbench", src / "workbench",
                         ignore=shutil.ignore_patterns("__pycache__"))
         run(*build, src)

@@ -1,6 +1,6 @@
 """Bundled English text for the language-model notebook: two public-domain authors, by character.
 
-Sources (workbench/_data/README.md has the provenance, licences and how to re-fetch them): the
+Sources (data/README.md has the provenance, licences and how to re-fetch them): the
 Canterbury corpus (R. Arnold and T. Bell, 1997, "A corpus for the evaluation of lossless compression
 algorithms", Proc. DCC '97) as shipped byte for byte in the ``brotli`` 1.2.1 source
 distribution on PyPI, ``tests/testdata/``:
@@ -29,7 +29,7 @@ from torch.utils.data import TensorDataset
 
 from workbench.data import DataChecksumError, bundled, sha256_of
 
-TEXT_DIR = bundled("text")  # workbench/_data/text/, byte-exact CRLF files (.gitattributes)
+TEXT_DIR = bundled("text")  # data/text/, byte-exact CRLF files (.gitattributes)
 ALPHABET = "\n" + "".join(chr(c) for c in range(32, 127))  # V = 96
 
 
@@ -71,12 +71,12 @@ def load_text(name: str, directory: str | Path | None = None) -> str:
     path = (TEXT_DIR if directory is None else Path(directory)) / source.file
     if not path.is_file():
         raise FileNotFoundError(f"text file not found: {path}; restore it with `git checkout "
-                                f"workbench/_data/text/{source.file}` or reinstall the package "
-                                f"(workbench/_data/README.md: how to re-fetch)")
+                                f"data/text/{source.file}` or reinstall the package "
+                                f"(data/README.md: how to re-fetch)")
     got = sha256_of(path)
     if got != source.sha256:
         raise DataChecksumError(f"text file {path} has sha256 {got}, expected {source.sha256}; "
-                                f"restore it with `git checkout workbench/_data/text/"
+                                f"restore it with `git checkout data/text/"
                                 f"{source.file}` or reinstall the package")
     return normalise(path.read_text(encoding="ascii"))
 

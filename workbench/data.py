@@ -6,11 +6,13 @@ names are re-exported at the end of this module.
 Source: E. Alpaydin and C. Kaynak (1998), "Optical Recognition of Handwritten Digits",
 UCI Machine Learning Repository, https://doi.org/10.24432/C50P49 (CC BY 4.0), in the copy
 that scikit-learn bundles as ``sklearn.datasets.load_digits``. ``tools/make_digits.py``
-writes it to ``workbench/_data/digits.npz``; workbench/_data/README.md has the provenance.
+writes it to ``data/digits.npz``; data/README.md has the provenance.
 
-The data files ship inside the package (``workbench/_data/``, package data in the wheel) and
-are found with ``importlib.resources`` (``bundled``), so an installed copy (``pip install .``,
-not only an editable checkout) loads them; their sha256 is checked on every load.
+The data files live in the repository's top-level ``data/`` (with their provenance in
+``data/README.md``); the wheel ships them inside the package as ``workbench/_data/``
+(``setup.py`` copies them at build time). ``bundled`` finds the installed copy first and the
+checkout's ``data/`` otherwise, so an installed package (``pip install .``) and an editable
+checkout load the same files; their sha256 is checked on every load.
 
 Small enough for micro-batching and for training a model on two CPU cores in seconds,
 real enough that DP-SGD's accuracy cost is visible.
@@ -36,18 +38,21 @@ from workbench.errors import WorkbenchError
 
 
 def bundled(*parts: str) -> Path:
-    """Path of a data file shipped in the package, ``workbench/_data/<parts>``.
+    """Path of a shipped data file: ``workbench/_data/<parts>`` of an installed wheel, else
+    ``data/<parts>`` of the checkout this package is imported from.
 
     Found with ``importlib.resources``, so it is the installed copy's file wherever the package
     lives. pip installs packages as files, so this is an ordinary path; imported from a zip
     archive it would not be, and this raises instead of handing back something ``open`` cannot
     read.
     """
-    ref = resources.files("workbench").joinpath("_data", *parts)
-    if not isinstance(ref, Path):
-        raise RuntimeError(f"workbench is imported from {ref!r}, not from files on disk; its data "
-                           f"files need an unpacked install (pip install dpsgd-workbench)")
-    return ref
+    package = resources.files("workbench")
+    if not isinstance(package, Path):
+        raise RuntimeError(f"workbench is imported from {package!r}, not from files on disk; its "
+                           f"data files need an unpacked install (pip install dpsgd-workbench)")
+    installed = package / "_data"
+    root = installed if installed.is_dir() else package.parent / "data"  # a wheel, a checkout
+    return root.joinpath(*parts)
 
 
 DIGITS_PATH = bundled("digits.npz")
@@ -99,7 +104,7 @@ def check_digits_file(path: Path) -> None:
         raise DataChecksumError(
             f"digits data file {path} has sha256 {got}, expected {DIGITS_SHA256}; the file is "
             f"corrupt or was written differently. Regenerate it with `{REGENERATE}` or restore "
-            "it with `git checkout workbench/_data/digits.npz` (or reinstall the package)"
+            "it with `git checkout data/digits.npz` (or reinstall the package)"
         )
 
 
@@ -135,7 +140,7 @@ def load_digits(path: str | Path | None = None) -> tuple[TensorDataset, TensorDa
 
     Each item is (x, y): x float32 (1, 8, 8) scaled into [0, 1], y int64 in 0..9.
     ``path`` defaults to the copy shipped in the package (``DIGITS_PATH``,
-    ``workbench/_data/digits.npz``); the file's sha256 is checked
+    ``data/digits.npz``); the file's sha256 is checked
     (FileNotFoundError when missing, DataChecksumError, a ValueError, when corrupt).
     """
     images, labels = load_digits_arrays(path)

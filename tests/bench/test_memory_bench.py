@@ -124,7 +124,7 @@ def test_benchmark_writes_csv_and_explore_reads_it(tmp_path, capsys):
 
 def test_shipped_results_load_and_name_their_device():
     shipped = X.shipped_results()
-    assert shipped, "workbench/_data/bench/memory_*.csv should ship with the package"
+    assert shipped, "data/bench/memory_*.csv should ship with the package"
     for label, path in shipped.items():
         table = X.load(path)
         assert label == X.source_label(table) and label.endswith(f" · {table['date'].iloc[0]}")

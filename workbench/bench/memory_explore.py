@@ -6,7 +6,7 @@ memory_model``), the predicted overhead factors of Eq. (2)/(1) and of the ghost 
 range of batch sizes, and the measured rows of that layer and width. ``viz.memory.
 plot_memory`` draws it; ``widgets.memory.MemoryExplorer`` is the glue. The measurements are a
 table in the format ``python -m workbench.bench memory`` writes, live or one of the CSVs
-shipped under ``workbench/_data/bench/`` (``shipped_results``, ``load``).
+shipped under ``data/bench/`` (``shipped_results``, ``load``).
 
 Notation: b batch size, L parameter bytes, C bytes per sample (features, label, output),
 S ghost bytes per sample.
@@ -23,7 +23,7 @@ from workbench.bench.memory import BATCH_SIZES, ghost_S
 from workbench.clipping.memory_model import layer_sizes, model_bytes
 from workbench.data import bundled
 
-SHIPPED_DIR = bundled("bench")  # workbench/_data/bench/: package data (importlib.resources)
+SHIPPED_DIR = bundled("bench")  # data/bench/: package data (importlib.resources)
 
 
 def source_label(table: pd.DataFrame) -> str:
@@ -41,14 +41,14 @@ def source_label(table: pd.DataFrame) -> str:
 
 
 def shipped_results() -> dict[str, Path]:
-    """{label: path} of the memory CSVs shipped in ``workbench/_data/bench/``
+    """{label: path} of the memory CSVs shipped in ``data/bench/``
     (``source_label``)."""
     return {source_label(load(path)): path
             for path in sorted(SHIPPED_DIR.glob("memory_*.csv"))}
 
 
 def load(path: str | Path) -> pd.DataFrame:
-    """A memory CSV written by the benchmark (e.g. one shipped under ``workbench/_data/bench/``)."""
+    """A memory CSV written by the benchmark (e.g. one shipped under ``data/bench/``)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"memory results {str(path)!r} not found; write one with "

@@ -3,7 +3,7 @@
 Glue only: ``bench.memory`` measures (``measure_layer``), ``bench.memory_explore`` computes
 the model beside the measurements (``explore_memory``), ``viz.memory.plot_memory`` draws.
 The source is either a live measurement on this machine's device (each (layer, width, b)
-is measured once, when first shown, and kept) or a CSV shipped in ``workbench/_data/bench/``
+is measured once, when first shown, and kept) or a CSV shipped in ``data/bench/``
 (e.g. GPU results), named in the plot's title. A live measurement runs one step per mode under
 the profiler, so it is kept small: the einsum mode is skipped when its per-sample gradients
 alone would exceed ``max_live_MB``, and a batch whose inputs, labels and outputs (bC)
