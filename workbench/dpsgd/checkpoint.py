@@ -63,7 +63,9 @@ __all__ = ["SECURE", "CheckpointError", "load_checkpoint", "read_checkpoint", "s
 
 def run_generators(engine, optimizer, noise_generator, sampling_generator) -> dict:
     """{name: the generator the run really draws from}: the explicit ones must be those."""
-    used = {"noise_generator": getattr(optimizer, "generator", None),
+    noise = getattr(optimizer, "generator", None)  # the DPOptimizer's; else the engine's
+    used = {"noise_generator": noise if noise is not None else
+            getattr(engine, "noise_generator", None),
             "sampling_generator": getattr(engine, "sampling_generator", None)}
     given = {"noise_generator": noise_generator, "sampling_generator": sampling_generator}
     where = {"noise_generator": "optimizer.generator, the one the noise is drawn from",
