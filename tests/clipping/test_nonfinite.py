@@ -91,21 +91,42 @@ def test_optimizer_skips_and_counts_a_nonfinite_record(mode, kind, dtype):
     opt.detach()
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_per_layer_clipping_zeroes_the_record_in_every_group(mode):
-    model, x, y, loss, i = setup(torch.float64, "inf_target")  # y[i, 0]: only the head's
-    groups = [{"params": model[0].parameters()}, {"params": [*model[2].parameters(),
-                                                             *model[3].parameters()]}]
+class TwoBranches(nn.Module):
+    """out = [a(x[:, :2]), b(x[:, 2:])]: an inf target on b's output leaves a's gradient finite."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(2, 1), nn.Linear(2, 1)
+
+    def forward(self, x):
+        return torch.cat([self.a(x[:, :2]), self.b(x[:, 2:])], dim=1)
+
+
+def per_layer_step(model, mode, x, y):
+    groups = [{"params": model.a.parameters()}, {"params": model.b.parameters()}]
     opt = DPOptimizer(torch.optim.SGD(groups, lr=0.0), model, noise_multiplier=0.0,
                       max_grad_norm=[0.3, 0.4], expected_batch_size=1.0, grad_sample_mode=mode,
                       loss_reduction="sum")
     opt.zero_grad()
-    loss(model(x), y).sum().backward()
-    with pytest.warns(NonFiniteRecordWarning):
-        opt.step()
-    assert opt.last["nonfinite_indices"] == [i]
-    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    mse(model(x), y).sum().backward()
+    opt.step()
     opt.detach()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}, opt.last
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_per_layer_clipping_zeroes_the_record_in_every_group(mode):
+    model = TwoBranches().double()
+    x, y, _, i = batch(torch.float64, "inf_target")  # y[i, 0]: a's output... make it b's:
+    y[i, 0], y[i, 1] = 0.0, float("inf")  # only b's gradient is non-finite for record i
+    keep = [k for k in range(6) if k != i]
+    expected, _ = per_layer_step(model, "microbatch", x[keep], y[keep])
+    with pytest.warns(NonFiniteRecordWarning):
+        grads, last = per_layer_step(model, mode, x, y)
+    assert last["nonfinite_indices"] == [i]
+    for name, g in grads.items():  # a's part of record i is finite, and left out too
+        assert relative_error(g, expected[name]) <= 1e-12, (mode, name)
 
 
 @pytest.mark.parametrize("mode", MODES)

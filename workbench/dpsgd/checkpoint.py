@@ -9,11 +9,14 @@ the sampling generator, so any point between two logical steps is a place to res
 What is refused, because the resumed run would silently differ or leak:
 
 - **loading without the generators**: the noise generator is the one the optimizer draws from
-  (``optimizer.generator``) and the sampling generator the one ``make_private`` was given
-  (``engine.sampling_generator``); explicit ``noise_generator=``/``sampling_generator=`` must be
-  those same objects. A checkpoint that holds a generator state with nowhere to restore it is
-  refused: the resumed run would otherwise replay the first run's noise (repeated noise cancels
-  between iterates) and its batches;
+  (``optimizer.generator``, else ``engine.noise_generator``) and the sampling generator the one
+  ``make_private`` was given (``engine.sampling_generator``); explicit ``noise_generator=`` /
+  ``sampling_generator=`` must be those same objects. A checkpoint that holds a generator state
+  with nowhere to restore it is refused: the resumed run would otherwise replay the first run's
+  noise (repeated noise cancels between iterates) and its batches. A secure-mode generator
+  (``secure.SecureGenerator``) has no state, every draw is seeded afresh from the OS: it is
+  saved as the marker ``"secure"`` and restoring it is a no-op, but restoring it into a seeded
+  ``torch.Generator`` (or the reverse) is refused, since neither can stand in for the other;
 - **a save in the middle of a logical batch** (virtual steps: chunks accumulated, noise not yet
   added) or between a backward pass and its step: the partial sums are not saved;
 - **a load into an optimizer in the middle of a logical batch**: its partial sums would enter
@@ -63,7 +66,9 @@ __all__ = ["SECURE", "CheckpointError", "load_checkpoint", "read_checkpoint", "s
 
 def run_generators(engine, optimizer, noise_generator, sampling_generator) -> dict:
     """{name: the generator the run really draws from}: the explicit ones must be those."""
-    used = {"noise_generator": getattr(optimizer, "generator", None),
+    noise = getattr(optimizer, "generator", None)  # the DPOptimizer's; else the engine's
+    used = {"noise_generator": noise if noise is not None else
+            getattr(engine, "noise_generator", None),
             "sampling_generator": getattr(engine, "sampling_generator", None)}
     given = {"noise_generator": noise_generator, "sampling_generator": sampling_generator}
     where = {"noise_generator": "optimizer.generator, the one the noise is drawn from",

@@ -8,8 +8,8 @@ it. So a checkpoint holds every random state that feeds the run:
 - the noise and sampling generators (``torch.Generator``, or the secure-mode marker: a
   ``SecureGenerator`` has no state, every draw is seeded afresh from the OS);
 - the global RNGs: torch's CPU generator (noise and batches when no generator was passed,
-  dropout, the DataLoader's worker seeds), every CUDA device's generator, Python's ``random``
-  and NumPy's legacy global ``RandomState``.
+  dropout, the DataLoader's worker seeds), every CUDA device's generator (once CUDA is in
+  use), Python's ``random`` and NumPy's legacy global ``RandomState``.
 
 Each state is kept as tensors and plain Python values, so ``torch.load(weights_only=True)``
 reads it. ``check_*`` try a state on a scratch object of the same kind, so a checkpoint that
@@ -52,12 +52,19 @@ def restore_generator(generator, state) -> None:
         generator.set_state(state)  # a secure-mode generator has nothing to restore
 
 
+def cuda_in_use() -> bool:
+    """CUDA initialised in this process: its generators may have been drawn from. (A save never
+    initialises CUDA itself; before that, the CUDA generators are still in their seeded state,
+    which a resumed process seeded alike reproduces.)"""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 def global_rng_state() -> dict:
-    """torch CPU, every CUDA device (when CUDA is available), ``random`` and NumPy."""
+    """torch CPU, every CUDA device (once CUDA is in use), ``random`` and NumPy."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": torch.cuda.get_rng_state_all() if cuda_in_use() else [],
         "python": random.getstate(),
         "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                   "has_gauss": int(has_gauss), "gauss": float(gauss)},
