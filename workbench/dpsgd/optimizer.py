@@ -172,6 +172,7 @@ class DPOptimizer(Optimizer):
         C, group_of = self._clip_spec()
         check = "always" if self.verify == "always" or self._verify_next else self.verify
         self.recorder.watch.check = check is not False
+        self.recorder.watch.close()  # the loop's loss calls are in: the probes' are not
         norms, factors, modes, replays, paths = [], [], [], [], {}
         try:
             with self.recorder.paused():  # the samplers may call the layers themselves
