@@ -330,3 +330,18 @@ def test_functional_api_refuses_coupled_loss_with_dropout(method):
             wb.per_sample_grad_norms(model, coupled, x, y, method=method)
         else:
             wb.clipped_grad_sum(model, coupled, x, y, C, method=method)
+
+
+def test_grad_rescaled_after_backward_is_harmless():
+    """clip_grad_norm_ on .grad (an habit from non-private training) changes nothing: DP-SGD
+    never reads .grad, and the .grad check accepts a common factor."""
+    x, y = batch()
+    model = mlp()
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
+                      max_grad_norm=C, expected_batch_size=1.0)
+    nn.CrossEntropyLoss()(model(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    opt.step()
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    ref = twin(model, nn.CrossEntropyLoss(), x, y)
+    assert float((got - ref).norm()) <= TOL * float(ref.norm())

@@ -9,8 +9,11 @@ micro-batching; later calls reuse the verdict. This benchmark times, interleaved
 - ``checked``: the default ``check=True`` in steady state (verdict cached);
 - ``always``: ``check="always"``, the probe and comparison on every call (the first-call cost);
 
-on the layers of ``bench layers`` (per-sample gradients, einsum) and the models of ``bench
-e2e`` (clipped sums, einsum and book-keeping). Target: checked / unchecked ≤ 1.3.
+on the layers of ``bench layers`` (per-sample gradients, einsum), the models of ``bench
+e2e`` (clipped sums, einsum and book-keeping), and the DP optimizer on those models over 8
+steps of Poisson-like sizes around b (``optimizer.verify`` True, False, "always": every new
+call signature, with n symbolic, is verified, and its loss probed). Target: checked /
+unchecked ≤ 1.3.
 
     python -m workbench.bench selfcheck [--batch-sizes 16 64 256] [--repeats 5]
 """
@@ -61,11 +64,40 @@ def bench_model(name, b, method, repeats, device) -> dict:
     return _ratios({"case": f"model {name}", "method": method, "batch_size": b}, times)
 
 
+def bench_optimizer(name, b, repeats, device, steps=8) -> dict:
+    """One DP-optimizer pass over ``steps`` batches of sizes ~ Binomial around b."""
+    from workbench.dpsgd.optimizer import DPOptimizer
+
+    g = torch.Generator().manual_seed(0)
+    sizes = torch.binomial(torch.full((steps,), float(b)), torch.full((steps,), 0.5),
+                           generator=g).mul(2).long().clamp(min=2).tolist()
+    batches = [tuple(t.to(device) for t in models.example_batch(name, n, generator=g))
+               for n in sizes]
+    ce = torch.nn.CrossEntropyLoss()
+    candidates = {}
+    for mode, check in MODES.items():
+        model = models.make_model(name).to(device)
+        opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model,
+                          noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=b)
+        opt.verify = check
+
+        def run_steps(model=model, opt=opt):
+            for x, y in batches:
+                opt.zero_grad()
+                ce(model(x), y).backward()
+                opt.step()
+
+        candidates[mode] = run_steps
+    times = time_interleaved(candidates, device, repeats=repeats)
+    return _ratios({"case": f"optimizer {name}", "method": "auto", "batch_size": b}, times)
+
+
 def run(batch_sizes, repeats, device, methods=("einsum", "bookkeeping"), layers=TORCH_LAYERS,
         zoo=tuple(DEFAULT_MODELS)) -> pd.DataFrame:
     rows = [bench_layer(name, b, repeats, device) for name in layers for b in batch_sizes]
     rows += [bench_model(name, b, method, repeats, device) for name in zoo
              for b in batch_sizes for method in methods]
+    rows += [bench_optimizer(name, b, repeats, device) for name in zoo for b in batch_sizes]
     table = pd.DataFrame(rows)
     table["device"] = device_name(device)
     table["torch"] = torch.__version__

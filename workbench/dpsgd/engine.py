@@ -17,7 +17,7 @@ What ``make_private`` refuses or warns about, so that a training-loop mistake ne
 silently wrong: a loader with its own sampler, an empty or iterable data set (``sampling.py``);
 ``poisson_sampling=False`` (warned: the Poisson ε then understates the privacy spent; refused in
 secure mode, whose point the seedable shuffle would defeat); a ``criterion`` whose reduction is
-not ``loss_reduction``; δ >= 1/N (warned: (ε, δ)-DP then allows publishing an example in
+not ``loss_reduction`` (and, at every step, any ``nn`` loss the loop calls: ``loss_watch.py``); δ >= 1/N (warned: (ε, δ)-DP then allows publishing an example in
 full) (``misuse.py``). A second ``make_private`` on the same model removes the first one's
 hooks (``attached.py``).
 

@@ -222,6 +222,7 @@ class DPOptimizer(Optimizer):
         C, group_of = self._clip_spec()
         check = "always" if self.verify == "always" or self._verify_next else self.verify
         self.recorder.watch.check = check is not False
+        self.recorder.watch.close()  # the loop's loss calls are in: the probes' are not
         norms, factors, modes, replays, paths = [], [], [], [], {}
         skipped, seen = [], 0
         try:
@@ -279,16 +280,20 @@ class DPOptimizer(Optimizer):
         if distributed_run(self.model) or not (self._zeroed or all(
                 p.grad is not self._released.get(id(p)) for p in self.recorder.params.values())):
             return  # .grad is all-reduced, or holds an earlier step's: not this batch's sum
-        names = {id(p): k for k, p in self.recorder.params.items()}
-        diffs, total, scale = [], 0.0, 0.0
-        for key, name in names.items():
-            p = self.recorder.params[name]
+        pairs = {}
+        for name, p in self.recorder.params.items():
             user = torch.zeros_like(p) if p.grad is None else p.grad.detach()
-            ours = paths.get(key, torch.zeros_like(p)).to(user.dtype)
-            d = float((user - ours).double().norm())
-            diffs.append((d, name))
-            total += d * d
-            scale = max(scale, float(user.double().norm()), float(ours.double().norm()))
+            pairs[name] = (user, paths.get(id(p), torch.zeros_like(p)).to(user.dtype))
+        # .grad rescaled as a whole after backward (clip_grad_norm_, an unscale_) is
+        # harmless here (DP-SGD never reads it): compare with the best common factor
+        dot = sum(float((u.double() * o.double()).sum()) for u, o in pairs.values())
+        sq = sum(float(o.double().pow(2).sum()) for _, o in pairs.values())
+        alpha = dot / sq if sq > 0 else 1.0
+        diffs = [(float((u.double() - alpha * o.double()).norm()), name)
+                 for name, (u, o) in pairs.items()]
+        total = sum(d * d for d, _ in diffs)
+        scale = max(max(float(u.double().norm()), abs(alpha) * float(o.double().norm()))
+                    for u, o in pairs.values())
         tol = selfcheck.TOLERANCE.get(next(iter(self.recorder.params.values())).dtype, 1e-3)
         if total ** 0.5 <= tol * scale + 1e-12:
             return
