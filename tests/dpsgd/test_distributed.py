@@ -112,6 +112,13 @@ def test_engine_under_ddp_samples_each_rank_shard(tmp_path):
         assert r["steps"] == r["n"] == 5  # every logical step accounted on each rank
 
 
+def spawn_two(worker, tmp_path, name):
+    """Run ``worker`` on two gloo ranks; what rank 0 saved."""
+    out = str(tmp_path / f"{name}.pt")
+    mp.spawn(worker, args=(2, str(tmp_path / f"{name}.store"), out), nprocs=2, join=True)
+    return torch.load(out)
+
+
 def stall_worker(rank, world, store, out):
     import os
     import time
@@ -137,9 +144,7 @@ def stall_worker(rank, world, store, out):
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_stalled_rank_times_out_naming_the_collective(tmp_path):
-    out = str(tmp_path / "stall.pt")
-    mp.spawn(stall_worker, args=(2, str(tmp_path / "store3"), out), nprocs=2, join=True)
-    r = torch.load(out)
+    r = spawn_two(stall_worker, tmp_path, "stall")
     assert torch.equal(r["summed"], torch.full((3,), 3.0))  # the healthy all-reduce sums
     assert r["message"] is not None and 1.0 < r["waited"] < 30  # 0.02 min = 1.2 s, not 30 min
     assert "'noised sum of fc.weight'" in r["message"]
@@ -198,9 +203,7 @@ def engine_stall_worker(rank, world, store, out):
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_engine_step_with_a_stalled_rank_times_out_unaccounted_and_unmoved(tmp_path):
-    out = str(tmp_path / "engine_stall.pt")
-    mp.spawn(engine_stall_worker, args=(2, str(tmp_path / "store4"), out), nprocs=2, join=True)
-    r = torch.load(out)
+    r = spawn_two(engine_stall_worker, tmp_path, "engine_stall")
     assert r["message"] is not None and 1.0 < r["waited"] < 30, r  # 1.2 s, not 30 min
     assert "within 0.02 minutes on rank 0 of 2" in r["message"]
     assert r["steps"] == 0 and not r["moved"]  # nothing moved, nothing accounted

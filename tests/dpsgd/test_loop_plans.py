@@ -175,3 +175,22 @@ def test_good_settings_assigned_after_construction_take_effect():
                                    method="microbatch")
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad * 4, expected[name], rtol=1e-9, atol=1e-12)
+
+
+def test_shuffled_batches_under_ddp_count_every_rank(monkeypatch):
+    # each of 2 ranks draws batch_size records a step: q = 2 B / N, B_global = 2 B (the
+    # process group itself is not needed to build the plan)
+    monkeypatch.setattr(wb.dpsgd.engine, "_world", lambda: 2)
+    engine, model = PrivacyEngine(), net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", wb.dpsgd.engine.PrivacyAccountingWarning)
+        _, opt, loader = engine.make_private_with_epsilon(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(dataset(100), batch_size=20, shuffle=True),
+            target_epsilon=2.0, target_delta=1e-3, epochs=1, max_grad_norm=1.0,
+            poisson_sampling=False)
+    assert engine.sample_rate == 0.4 and opt.expected_batch_size == 40
+    with pytest.raises(ValueError, match="q = 2 ranks x 60 / N = 1.2"):
+        engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1),
+                            data_loader=DataLoader(dataset(100), batch_size=60),
+                            noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False)

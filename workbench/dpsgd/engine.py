@@ -17,9 +17,15 @@ What ``make_private`` refuses or warns about, so that a training-loop mistake ne
 silently wrong: a loader with its own sampler, an empty or iterable data set (``sampling.py``);
 ``poisson_sampling=False`` (warned: the Poisson ε then understates the privacy spent; refused in
 secure mode, whose point the seedable shuffle would defeat); a ``criterion`` whose reduction is
-not ``loss_reduction`` (and, at every step, any ``nn`` loss the loop calls: ``loss_watch.py``); δ >= 1/N (warned: (ε, δ)-DP then allows publishing an example in
-full) (``misuse.py``). A second ``make_private`` on the same model removes the first one's
-hooks (``attached.py``).
+not ``loss_reduction`` (and, at every step, any ``nn`` loss the loop calls: ``loss_watch.py``);
+δ >= 1/N (warned: (ε, δ)-DP then allows publishing an example in
+full) (``misuse.py``); a ``batch_size`` larger than the data set (q = B/N > 1), before any
+hook is added (``sampling.loader_sample_rate``). A second ``make_private`` on the same model
+removes the first one's hooks, and the first optimizer then refuses to step (``attached.py``).
+``make_private_with_epsilon`` plans σ for the steps the returned loader runs per epoch: the
+Poisson loader's round(1/q), or a shuffled loader's own len(data_loader). The loop's own
+mistakes (settings assigned later, virtual steps left early, two threads, gradients outside
+the optimizer) are caught by the optimizer (``loop.py``).
 
 Notation: N data set size, q sample rate, σ noise multiplier, C max_grad_norm.
 """

@@ -18,7 +18,15 @@ multiplies the captured gradients back by n before clipping.
 
 **Virtual steps.** A logical (Poisson) batch may be split into physical chunks
 (``max_physical_batch_size``): each chunk's clipped sum is accumulated, and noise is added
-once, when the logical batch's last chunk steps (``expect_more`` says which chunk is last).
+once, when the logical batch's last chunk steps. The loader tags every chunk with its logical
+batch (``begin_chunk``): a chunk of another batch discards an unfinished one's partial sums
+(warned), and a step on data that did not come from the loader while a batch is unfinished
+raises, so batches never mix and a loop left early never blocks later steps.
+
+**The loop's guards** (``loop.py``): every public setting (σ, C, B, mode, reduction, generator,
+timeout, ...) is checked whenever it is assigned; a step is accounted (``on_step``) before the
+wrapped optimizer moves the weights; one thread at a time may be between a forward pass and
+its step; parameters outside the optimizer never keep a ``.grad``.
 
 **Distributed** (``torch.distributed`` initialised, e.g. under DistributedDataParallel):
 each rank clips its own samples, rank 0 alone adds the noise, and the noised sums are
