@@ -86,6 +86,13 @@ def test_quick_audit_passes_and_writes_a_valid_report(tmp_path, capsys):
     assert zoo["passed"] and len(zoo["table"]) == len(bug_zoo.ZOO) - 1
     assert all(row["caught"] for row in zoo["table"])
     assert report["provenance"]["command"].endswith(f"--out {tmp_path}")
+    verdicts = {s["title"]: (s["verdict"], s["part"]) for s in report["sections"]}
+    assert verdicts["Record influence: workbench engine on digits_mlp"] == ("passed", "subject")
+    assert verdicts["Record influence: a naive step on each coupled loss must be caught"] == (
+        "passed", "self-check")
+    for part, c in report["by_part"].items():  # counted apart, and adding up
+        assert c["passed"] == sum(s["passed"] for s in report["sections"] if s["part"] == part)
+    assert sum(c["passed"] for c in report["by_part"].values()) == report["counts"]["passed"]
     page = (tmp_path / "report.html").read_text()
     assert page.count("data:image/png;base64") == sum(s["figures"] for s in report["sections"])
 
@@ -111,7 +118,11 @@ def test_your_model_provider_and_step(user, tmp_path, capsys):
     verdicts = {s["title"]: s["verdict"] for s in report["sections"]}
     assert verdicts["Per-sample gradients: your provider wb_user_code:provider vs "
                     "micro-batching"] == "passed"
-    for kind in ("DP step", "Clipping", "Canary audit"):
+    assert verdicts["Record influence: your step wb_user_code:step"] == "passed"
+    assert verdicts["Record influence: workbench engine on wb_user_code:model"] == "passed"
+    sections = {s["title"]: s for s in report["sections"]}
+    assert sections["DP step: workbench DP optimizer"]["part"] == "self-check"  # the reference
+    for kind in ("DP step", "Clipping", "Canary audit", "Tight audit of one step"):
         assert any(t.startswith(f"{kind}: your step wb_user_code:step") and v == "passed"
                    for t, v in verdicts.items()), kind
 
@@ -159,6 +170,9 @@ def test_a_wrong_or_crashing_step_is_a_failed_section():
     (["--loss", "mse", "--model", "wb_user_code:model", "--data", "wb_user_code:batch"],
      "--loss mse"),
     (["--trials", "3"], "--trials must be >= 50"),
+    (["--loss", "hinge"], "--loss 'hinge': choose one of cross_entropy, mse or give "
+                          "module:callable"),
+    (["--loss", "wb_user_code:nope"], "has no attribute 'nope'"),
 ])
 def test_input_errors_exit_2_with_one_line(user, tmp_path, capsys, monkeypatch, argv, message):
     def must_not_run(*args):
