@@ -12,19 +12,10 @@ apply: ``accounting.epsilon_bounds`` brackets the true ε (Chua et al. 2024's lo
 shuffling; the deterministic upper bound). Tuning: k runs compose, ε of k·T steps.
 """
 
-import importlib
-
 import pandas as pd
 
 from workbench import accounting
-
-
-def _installed(module: str) -> bool:
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        return False
-    return True
+from workbench.bench.accounting import have as _installed  # the one "is it importable" check
 
 
 def _dp_accounting(kind, q, sigma, steps, delta, relation):
