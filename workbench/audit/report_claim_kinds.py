@@ -27,7 +27,7 @@ from workbench.viz.audit import plot_record_influence
 def _influence_table(result):
     t = result.table
     wide = t.pivot(index="record", columns="relation", values="change_over_C")
-    wide = wide.map(lambda v: f"{v:.6g}").reset_index()
+    wide = wide.apply(lambda col: col.map(lambda v: f"{v:.6g}")).reset_index()
     return wide, [f"Change of the noiseless released sum when record i is removed (add/remove, "
                   f"bound 1 C) or replaced by a spare record (substitution, bound 2 C), in units "
                   f"of C = {result.max_grad_norm:g}; float64, tolerance {TOLERANCE:g} C."]
