@@ -56,6 +56,10 @@ USER_CODE = textwrap.dedent("""
     def short_step(C, sigma, B, generator):
         return lambda G: G.sum(0)[:-1]
 
+    def class_weighted(out, y):  # cross_entropy(weight=w), mean: Σ_j w_{y_j} couples records
+        w = torch.tensor([1.0, 6.0], dtype=out.dtype)[y]
+        return len(y) * w * torch.nn.functional.cross_entropy(out, y, reduction="none") / w.sum()
+
     NUMBER = 3
 """)
 
@@ -134,6 +138,19 @@ def test_a_wrong_provider_fails_the_run_with_exit_1(user, tmp_path, capsys, monk
     out = capsys.readouterr().out
     assert code == 1
     assert "FAILED: Per-sample gradients: your provider wb_user_code:swapped" in out
+
+
+def test_your_coupled_loss_is_caught_by_the_record_influence_audit(user, tmp_path, capsys,
+                                                                  monkeypatch):
+    monkeypatch.setattr(cli_suite, "gradient_sections", lambda *a: [])
+    monkeypatch.setattr(cli_suite, "privacy_sections", lambda *a: [])
+    code = audit("--model", "wb_user_code:model", "--data", "wb_user_code:batch",
+                 "--loss", "wb_user_code:class_weighted", "--out", tmp_path)
+    assert code == 1, capsys.readouterr().out
+    report = json.loads((tmp_path / "report.json").read_text())
+    engine = next(s for s in report["sections"] if s["title"].startswith(
+        "Record influence: workbench engine on wb_user_code:model"))
+    assert engine["verdict"] == "failed" and engine["part"] == "subject"  # flagged or refused
 
 
 def test_a_wrong_or_crashing_step_is_a_failed_section():
