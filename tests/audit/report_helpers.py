@@ -100,8 +100,9 @@ SMALL_CLAIM = dict(subject="a tiny MLP", neighbouring="add/remove", sampler="poi
 
 
 def small_claim():
-    """The claim audit of a small honest claim on the workbench's optimizer (the cover)."""
-    return audit_claim(validate(SMALL_CLAIM), trials=TRIALS)
+    """The claim audit of a small honest claim on the reference step (the cover)."""
+    return audit_claim(validate(SMALL_CLAIM), step=bug_zoo.correct_step,
+                       step_name="bug_zoo.correct_step", trials=TRIALS)
 
 
 def small_provenance():

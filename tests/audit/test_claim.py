@@ -83,18 +83,20 @@ def test_the_tight_audit_catches_sigma_instead_of_sigma_c_even_at_c_1():
     result = audit_claim(claim, step=bug_zoo.noise_std_sigma_not_sigma_c, trials=50)
     step = result.table.set_index("element").loc["step: noise σ·C on the clipped sum"]
     assert step["verdict"] == REFUTED, step["finding"]
-    assert audit_claim(claim, trials=50).passed  # the workbench's optimizer
+    assert audit_claim(claim, step=bug_zoo.correct_step, trials=50).passed
 
 
 def test_an_epsilon_below_the_accountant_is_refuted_and_tuning_runs_compose():
-    honest = audit_claim(validate(VALID), trials=50)
+    honest = audit_claim(validate(VALID), step=bug_zoo.correct_step, trials=50)
     eps = honest.epsilons.set_index(["source", "accountant"])["epsilon"]
     rdp = eps[("workbench", "RDP")]
     assert rdp <= 3.0 and eps[("workbench", "PLD")] <= rdp * (1 + 1e-9)
-    low = audit_claim(validate({**VALID, "epsilon": 0.9 * rdp}), trials=50)
+    low = audit_claim(validate({**VALID, "epsilon": 0.9 * rdp}), step=bug_zoo.correct_step,
+                      trials=50)
     assert low.table.set_index("element").loc["ε", "verdict"] == REFUTED
     tuned = audit_claim(validate({**VALID, "epsilon": 1.01 * rdp,
-                                  "covers": {"tuning_runs": 10}}), trials=50)
+                                  "covers": {"tuning_runs": 10}}), step=bug_zoo.correct_step,
+                        trials=50)
     assert tuned.table.set_index("element").loc["ε", "verdict"] == REFUTED  # 10 runs cost more
 
 
@@ -104,7 +106,7 @@ def test_trained_model_evidence_plugs_in(monkeypatch):
 
     monkeypatch.setitem(EVIDENCE, "trained model", [])
     register_evidence("trained model", lambda claim, context: Attack())
-    result = audit_claim(validate(VALID), trials=50)
+    result = audit_claim(validate(VALID), step=bug_zoo.correct_step, trials=50)
     row = result.table.set_index("element").loc["trained model"]
     assert row["verdict"] == REFUTED and "5" in row["finding"]
     assert any(isinstance(r, Attack) for _, r in result.evidence)

@@ -59,6 +59,10 @@ USER_CODE = textwrap.dedent("""
     def nan_step(C, sigma, B, generator):
         return lambda G: G.sum(0) / 0 * 0  # NaN everywhere
 
+    def class_weighted(out, y):  # cross_entropy(weight=w), mean: Σ_j w_{y_j} couples records
+        w = torch.tensor([1.0, 6.0], dtype=out.dtype)[y]
+        return len(y) * w * torch.nn.functional.cross_entropy(out, y, reduction="none") / w.sum()
+
     NUMBER = 3
 """)
 
@@ -89,6 +93,15 @@ def test_quick_audit_passes_and_writes_a_valid_report(tmp_path, capsys):
     assert zoo["passed"] and len(zoo["table"]) == len(bug_zoo.ZOO) - 1
     assert all(row["caught"] for row in zoo["table"])
     assert report["provenance"]["command"].endswith(f"--out {tmp_path}")
+    verdicts = {s["title"]: (s["verdict"], s["part"]) for s in report["sections"]}
+    assert verdicts["Record influence: workbench engine on digits_mlp"] == ("passed", "subject")
+    assert verdicts["Record influence: a naive step on each coupled loss must be caught"] == (
+        "passed", "self-check")
+    libs = verdicts["Other libraries: dp-accounting and Opacus accountants vs the workbench"]
+    assert libs in (("passed", "library"), ("skipped", "library"))
+    for part, c in report["by_part"].items():  # counted apart, and adding up
+        assert c["passed"] == sum(s["passed"] for s in report["sections"] if s["part"] == part)
+    assert sum(c["passed"] for c in report["by_part"].values()) == report["counts"]["passed"]
     page = (tmp_path / "report.html").read_text()
     assert page.count("data:image/png;base64") == sum(s["figures"] for s in report["sections"])
 
@@ -114,7 +127,11 @@ def test_your_model_provider_and_step(user, tmp_path, capsys):
     verdicts = {s["title"]: s["verdict"] for s in report["sections"]}
     assert verdicts["Per-sample gradients: your provider wb_user_code:provider vs "
                     "micro-batching"] == "passed"
-    for kind in ("DP step", "Clipping", "Canary audit"):
+    assert verdicts["Record influence: your step wb_user_code:step"] == "passed"
+    assert verdicts["Record influence: workbench engine on wb_user_code:model"] == "passed"
+    sections = {s["title"]: s for s in report["sections"]}
+    assert sections["DP step: workbench DP optimizer"]["part"] == "self-check"  # the reference
+    for kind in ("DP step", "Clipping", "Canary audit", "Tight audit of one step"):
         assert any(t.startswith(f"{kind}: your step wb_user_code:step") and v == "passed"
                    for t, v in verdicts.items()), kind
 
@@ -126,6 +143,19 @@ def test_a_wrong_provider_fails_the_run_with_exit_1(user, tmp_path, capsys, monk
     out = capsys.readouterr().out
     assert code == 1
     assert "FAILED: Per-sample gradients: your provider wb_user_code:swapped" in out
+
+
+def test_your_coupled_loss_is_caught_by_the_record_influence_audit(user, tmp_path, capsys,
+                                                                  monkeypatch):
+    monkeypatch.setattr(cli_suite, "gradient_sections", lambda *a: [])
+    monkeypatch.setattr(cli_suite, "privacy_sections", lambda *a: [])
+    code = audit("--model", "wb_user_code:model", "--data", "wb_user_code:batch",
+                 "--loss", "wb_user_code:class_weighted", "--out", tmp_path)
+    assert code == 1, capsys.readouterr().out
+    report = json.loads((tmp_path / "report.json").read_text())
+    engine = next(s for s in report["sections"] if s["title"].startswith(
+        "Record influence: workbench engine on wb_user_code:model"))
+    assert engine["verdict"] == "failed" and engine["part"] == "subject"  # flagged or refused
 
 
 def test_a_wrong_or_crashing_step_is_a_failed_section():
@@ -176,6 +206,9 @@ def test_a_step_returning_nan_fails_its_sections_and_the_report_is_written(user,
     (["--loss", "mse", "--model", "wb_user_code:model", "--data", "wb_user_code:batch"],
      "--loss mse"),
     (["--trials", "3"], "--trials must be >= 50"),
+    (["--loss", "hinge"], "--loss 'hinge': choose one of cross_entropy, mse or give "
+                          "module:callable"),
+    (["--loss", "wb_user_code:nope"], "has no attribute 'nope'"),
 ])
 def test_input_errors_exit_2_with_one_line(user, tmp_path, capsys, monkeypatch, argv, message):
     def must_not_run(*args):

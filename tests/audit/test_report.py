@@ -136,3 +136,54 @@ def test_sampling_and_gaussian_sections_have_findings_and_key_numbers():
     sections = privacy_extras(seed=0)
     assert [s.label for s in sections] == ["passed", "caught", "passed", "caught"]
     assert all(s.finding and s.key_number for s in sections)
+
+
+def test_a_library_that_cannot_run_a_model_is_not_applicable(sections):
+    whole, part = sections["library picky on mlp"], sections["library picky"]
+    assert whole.verdict == "not applicable" and "picky has no rule for Tanh" in whole.reason
+    assert whole.part == "library" and not whole.must_pass
+    assert part.verdict == PASSED and "not applicable on mlp" in part.finding
+    assert (part.table["passed"] == "not applicable").sum() == 1
+    counts = overall(list(sections.values()))["by_part"]["library"]
+    assert counts["not_applicable"] == 1 and counts["failed"] == 0
+
+
+def test_a_row_that_raised_is_drawn_as_raised_not_at_a_height():
+    import torch
+    from matplotlib.figure import Figure
+    from torch import nn
+
+    from workbench.audit.gradients import audit_gradients
+    from workbench.audit.report_suites import GradientSuite
+    from workbench.viz.audit import plot_gradient_errors
+
+    def broken(model, loss_fn, inputs, targets):
+        raise RuntimeError("no")
+
+    torch.manual_seed(0)
+    audit = audit_gradients(nn.Sequential(nn.Linear(3, 2)), nn.CrossEntropyLoss(reduction="none"),
+                            torch.randn(4, 3), torch.tensor([0, 1, 0, 1]), methods=("einsum",),
+                            providers={"broken": broken})
+    ax = Figure().add_subplot()
+    artists = plot_gradient_errors(ax, GradientSuite({"m": audit}, ("einsum", "broken")))
+    texts = [a.get_text() for a in artists if hasattr(a, "get_text")]
+    assert any(t.startswith("raised") for t in texts)
+    points = [a.get_offsets() for a in artists if hasattr(a, "get_offsets")]
+    heights = [float(y) for p in points for y in p[:, 1]]
+    assert heights and max(heights) <= float(audit.table["max_rel_error"].max()) + 1e-30
+
+
+def test_bug_zoo_green_means_caught(sections):
+    from matplotlib.colors import to_hex
+    from matplotlib.figure import Figure
+
+    from tests.audit.report_helpers import mechanism
+    from workbench.audit import bug_zoo
+    from workbench.audit.report_suites import BugZooSuite
+    from workbench.viz.audit import plot_bug_zoo
+
+    assert sections["zoo"].part == "self-check" and sections["zoo"].verdict == PASSED
+    audits = {"no_noise": mechanism(bug_zoo.no_noise)}
+    (image,) = plot_bug_zoo(Figure().add_subplot(), BugZooSuite(audits, {"no_noise": "x"}))
+    colours = {to_hex(image.cmap(image.norm(v))) for v in image.get_array()[0]}
+    assert "#2ca02c" in colours and "#d62728" not in colours  # green: caught; no red row

@@ -12,19 +12,10 @@ apply: ``accounting.epsilon_bounds`` brackets the true ε (Chua et al. 2024's lo
 shuffling; the deterministic upper bound). Tuning: k runs compose, ε of k·T steps.
 """
 
-import importlib
-
 import pandas as pd
 
 from workbench import accounting
-
-
-def _installed(module: str) -> bool:
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        return False
-    return True
+from workbench.bench.accounting import have as _installed  # the one "is it importable" check
 
 
 def _dp_accounting(kind, q, sigma, steps, delta, relation):
@@ -65,18 +56,44 @@ def epsilon_figures(claim) -> pd.DataFrame:
                      "epsilon": accounting.epsilon(q, sigma, steps, delta, accountant=name)
                      if ok else None,
                      "note": "" if ok else "add/remove only; the claim is substitution"})
+    return pd.DataFrame(rows + library_rows(q, sigma, steps, delta, claim.neighbouring))
+
+
+def library_rows(q, sigma, steps, delta, relation="add/remove") -> list:
+    """One row per other library's accountant: ε, or None with a note (absent, n/a)."""
+    rows = []
     for lib, (module, fn, kinds) in LIBRARIES.items():
         for kind in kinds:
-            row = {"source": lib, "accountant": kind, "key": "", "relation": claim.neighbouring,
+            row = {"source": lib, "accountant": kind, "key": "", "relation": relation,
                    "epsilon": None, "note": ""}
             if not _installed(module):
                 row["note"] = f"not installed (pip install {lib.lower()})"
             else:
                 try:
-                    row["epsilon"] = fn(kind, q, sigma, steps, delta, claim.neighbouring)
+                    row["epsilon"] = fn(kind, q, sigma, steps, delta, relation)
                 except Exception as err:  # noqa: BLE001  (the library cannot do this case)
                     row["note"] = f"not applicable: {type(err).__name__}: {err}"
             rows.append(row)
+    return rows
+
+
+AGREEMENT = 0.03  # relative: RDP implementations agree to rounding; PLD/PRV discretise
+SAME_KIND = {"RDP": "rdp", "PLD": "pld", "PRV": "pld"}  # library accountant -> workbench's
+
+
+def compare_libraries(q, sigma, steps, delta) -> pd.DataFrame:
+    """The other libraries' ε beside the workbench's accountant of the same kind (informational:
+    ``passed`` when within 3% relative); empty when none is installed."""
+    rows = []
+    for row in library_rows(q, sigma, steps, delta):
+        if row["epsilon"] is None:
+            continue
+        ours = accounting.epsilon(q, sigma, steps, delta, accountant=SAME_KIND[row["accountant"]])
+        rows.append({"library": row["source"], "accountant": row["accountant"], "q": q,
+                     "sigma": sigma, "steps": steps, "delta": delta,
+                     "epsilon": row["epsilon"], "workbench": ours,
+                     "workbench accountant": SAME_KIND[row["accountant"]],
+                     "passed": abs(row["epsilon"] - ours) <= AGREEMENT * ours})
     return pd.DataFrame(rows)
 
 

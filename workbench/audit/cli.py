@@ -131,11 +131,12 @@ def sections_of(args, loss_fn, cases, providers, steps, claim, loader) -> tuple:
     own = SELF_CHECK if (args.model or args.step or args.provider or claim) else SUBJECT
     out = cli_suite.gradient_sections(cases, loss_fn, providers, progress, own)
     out += cli_suite.privacy_sections(args, steps, progress, own)
-    out += influence_sections(cli_suite.influence_case(args, cases), loss_fn, steps,
+    spec = next(iter(steps), None) if claim is not None else None  # the claim's step
+    out += influence_sections(cli_suite.influence_case(args, cases), loss_fn,
+                              {k: f for k, f in steps.items() if k != spec},  # not twice
                               cli_suite.C, cli_suite.B, SUBJECT if args.model else own)
     audit = None
     if claim is not None:
-        spec = next(iter(steps), None)
         audit = audit_claim(claim, step=steps.get(spec), step_name=f"your step {spec}"
                             if spec else "", loader=loader, trials=args.trials)
         out = [section("The claim, element by element", audit)] + \

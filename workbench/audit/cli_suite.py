@@ -10,7 +10,8 @@
    no-noise step, whose canary bound must exceed the accountant's ε;
 4. the sampling audit (the Poisson loader passes, a shuffled loader is caught) and the tight
    audit of one Gaussian step (the correct step passes, half the noise is caught);
-5. every registered accountant side by side (RDP and PLD built in);
+5. every registered accountant side by side (RDP and PLD built in), and dp-accounting's and
+   Opacus' accountants beside them when installed (informational);
 6. record influence (``influence.py``): the engine on a model (or --model with --loss), each
    --step, and a naive step on each coupled loss of ``bug_zoo_coupling``, which must be caught.
 
@@ -27,12 +28,13 @@ from tqdm.auto import tqdm
 from workbench import data, models
 from workbench.audit import bug_zoo
 from workbench.audit.canary import audit_canaries
+from workbench.audit.claim_epsilon import compare_libraries
 from workbench.audit.dpsgd_step import workbench_step
 from workbench.audit.gaussian_audit import audit_gaussian_step
 from workbench.audit.gradients import audit_gradients
 from workbench.audit.mechanism import audit_dp_step
 from workbench.audit.providers import available_providers
-from workbench.audit.report import SELF_CHECK, SUBJECT, Skipped, section
+from workbench.audit.report import LIBRARY, SELF_CHECK, SUBJECT, Skipped, section
 from workbench.audit.report_kinds import LIBRARY_WHAT
 from workbench.audit.report_more_kinds import GAUSSIAN, privacy_extras
 from workbench.audit.report_suites import (
@@ -206,6 +208,11 @@ def privacy_sections(args, user_steps: dict, progress: bool, own_part: str = SUB
     check = check_accountants(accountant_settings(args.quick))
     out.append(section("Accountants: " + " vs ".join(check.labels.values()), check,
                        part=own_part))
+    others = compare_libraries(*accountant_settings(args.quick)[0], check.delta)
+    out.append(section("Other libraries: dp-accounting and Opacus accountants vs the workbench",
+                       others if len(others) else Skipped(
+                           "neither dp-accounting nor Opacus is installed (pip install "
+                           "dp-accounting opacus)"), must_pass=False, part=LIBRARY))
     return out
 
 

@@ -91,6 +91,21 @@ def step_released_sum(factory, G, max_grad_norm, batch_size):
     return released_sum
 
 
+def median_norm(model, loss_fn, inputs, targets) -> float:
+    """The median norm of the per-record terms' gradients ∂ℓ_i/∂θ through the batch's forward
+    (float64): a C at which some records are clipped and some not, where coupling is easiest
+    to see (with every gradient far below C, a coupled step can stay within the bound)."""
+    m, x, y = _float64(model).train(), _cast(inputs), _cast(targets)
+    params = [p for p in m.parameters() if p.requires_grad]
+    terms = loss_fn(m(x), y)  # (n,)
+    norms = [float(torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+        terms[k], params, retain_graph=True)]).norm()) for k in range(len(terms))]
+    median = float(torch.tensor(norms).median())
+    if not median > 0:
+        raise ValueError("every per-record gradient is zero: no C to audit at")
+    return median
+
+
 def influence_pool(n: int, dim: int, max_grad_norm: float, generator=None) -> torch.Tensor:
     """(n + 1, dim) per-record gradients with norms from C/2 to 3C (some clipped, some not),
     random directions: the pool a ``--step`` is audited on."""

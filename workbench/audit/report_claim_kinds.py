@@ -16,6 +16,7 @@ from workbench.audit.influence import TOLERANCE, audit_record_influence
 from workbench.audit.influence_steps import (
     engine_released_sum,
     influence_pool,
+    median_norm,
     naive_released_sum,
     step_released_sum,
 )
@@ -27,7 +28,7 @@ from workbench.viz.audit import plot_record_influence
 def _influence_table(result):
     t = result.table
     wide = t.pivot(index="record", columns="relation", values="change_over_C")
-    wide = wide.map(lambda v: f"{v:.6g}").reset_index()
+    wide = wide.apply(lambda col: col.map(lambda v: f"{v:.6g}")).reset_index()
     return wide, [f"Change of the noiseless released sum when record i is removed (add/remove, "
                   f"bound 1 C) or replaced by a spare record (substitution, bound 2 C), in units "
                   f"of C = {result.max_grad_norm:g}; float64, tolerance {TOLERANCE:g} C."]
@@ -80,9 +81,14 @@ def influence_sections(case, loss_fn, user_steps: dict, C: float, B: int,
     coupling self-check."""
     name, model, x, y = case
     n = min(len(x) - 1, 8)
-    released = engine_released_sum(model, loss_fn, x[:n + 1], y[:n + 1], C)
+    x, y = x[:n + 1], y[:n + 1]
+    try:  # C at the median norm: some records clipped, some not
+        c = median_norm(model, loss_fn, x, y)
+    except Exception:  # noqa: BLE001  (the engine's own section will show the error)
+        c = C
+    released = engine_released_sum(model, loss_fn, x, y, c)
     out = [section(f"Record influence: workbench engine on {name}",
-                   _guarded(released, n, C, name), part=engine_part)]
+                   _guarded(released, n, c, name), part=engine_part)]
     for spec, factory in user_steps.items():
         G = influence_pool(B, 32, C, torch.Generator().manual_seed(0))
         out.append(section(f"Record influence: your step {spec}", _guarded(

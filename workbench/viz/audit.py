@@ -191,5 +191,6 @@ def plot_record_influence(ax, result):
     ax.set_ylabel("change of the released sum / C")
     ax.set_title(f"largest: {result.worst(relations[0]):.6g} C ({relations[0]})",
                  fontsize="small")
-    ax.legend(loc="lower right", fontsize="x-small")
+    ax.set_ylim(0, 1.3 * max(2.0, float(t["change_over_C"].max())))  # room for the legend
+    ax.legend(loc="upper left", fontsize="x-small", ncol=2)
     return artists
