@@ -18,6 +18,8 @@ BENCHMARKS = {
     "embedding_norm": ("workbench.bench.embedding_norm",
                        "embedding ghost norms vs PyTorch's embedding backward"),
     "selfcheck": ("workbench.bench.selfcheck", "the self-check's cost: checked vs unchecked"),
+    "real": ("workbench.bench.real", "the real-architecture table: exact per method, cost, "
+                                     "Opacus' verdict"),
     "all": ("workbench.bench.all", "every benchmark, CSVs and Fig. 2/3-style figures"),
 }
 
