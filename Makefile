@@ -14,6 +14,12 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
+# torchvision (timm needs it: the realmodels extra) comes with torch, from the same index: its
+# C++ ops are compiled against one torch build (0.28 <-> 2.13; the CPU index serves both as
+# +cpu). Where another build is installed beside torch (PyPI's torchvision is linked against
+# CUDA torch), workbench.realzoo.imports imports its Python parts without the ops, and says so.
+TORCHVISION_VERSION ?= 0.28.0
+TORCH_PKGS := torch==$(TORCH_VERSION) torchvision==$(TORCHVISION_VERSION)
 TORCH_INDEX   ?= $(if $(filter Linux,$(shell uname -s)),https://download.pytorch.org/whl/cpu,)
 
 .PHONY: test lab audit bench lint unit notebooks notebooks-full browser clean record-notebooks \
@@ -22,12 +28,12 @@ TORCH_INDEX   ?= $(if $(filter Linux,$(shell uname -s)),https://download.pytorch
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(if $(TORCH_INDEX),$(PY) -m pip install --timeout 20 --retries 1 \
-	    --index-url $(TORCH_INDEX) torch==$(TORCH_VERSION) || \
+	    --index-url $(TORCH_INDEX) $(TORCH_PKGS) || \
 	  { echo "make: torch from $(TORCH_INDEX) failed; falling back to the default index:" \
-	         "pip install torch==$(TORCH_VERSION) (on Linux the CUDA build, several GB)"; \
-	    $(PY) -m pip install torch==$(TORCH_VERSION); }, \
-	  $(PY) -m pip install torch==$(TORCH_VERSION))
-	$(PY) -m pip install -e '.[dev,crosscheck]'
+	         "pip install $(TORCH_PKGS) (on Linux the CUDA build, several GB)"; \
+	    $(PY) -m pip install $(TORCH_PKGS); }, \
+	  $(PY) -m pip install $(TORCH_PKGS))
+	$(PY) -m pip install -e '.[dev,crosscheck,realmodels]'
 	touch $(STAMP)
 
 test: lint unit notebooks browser

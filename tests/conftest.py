@@ -1,7 +1,8 @@
 """Cross-checks against Opacus and dp-accounting must run in CI, not only on a laptop.
 
-``make test`` installs the ``crosscheck`` extra, so in CI (``CI`` set, as ``.ci/run`` runs)
-a cross-check skipped because one of those libraries is missing is a failure: a skip there
+``make test`` installs the ``crosscheck`` and ``realmodels`` extras, so in CI (``CI`` set, as
+``.ci/run`` runs) a cross-check or real-model test skipped because one of those libraries is
+missing is a failure: a skip there
 would mean the check silently never ran. Elsewhere the skip stays, with its reason.
 """
 
@@ -9,17 +10,21 @@ import os
 
 import pytest
 
-REQUIRED = ("opacus", "dp_accounting", "dp-accounting")  # installed by `make test`
+REQUIRED = ("opacus", "dp_accounting", "dp-accounting",  # installed by `make test`
+            "transformers", "timm", "peft", "torchvision")
+MARKERS = ("crosscheck", "realmodels")  # the extras' tests
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if not (os.environ.get("CI") and report.skipped and item.get_closest_marker("crosscheck")):
+    if not (os.environ.get("CI") and report.skipped
+            and any(item.get_closest_marker(m) for m in MARKERS)):
         return
     reason = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else ""
     if any(name in reason.lower() for name in REQUIRED):
         report.outcome = "failed"
         report.longrepr = (f"crosscheck skipped in CI ({reason}): make test installs the "
-                           f"crosscheck extra, so the library must be importable here")
+                           f"crosscheck and realmodels extras, so the library must be "
+                           f"importable here")

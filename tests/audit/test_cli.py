@@ -269,3 +269,39 @@ def test_backpack_agrees_with_micro_batching():
                              torch.tensor([0, 1, 1, 0, 1]), methods=(),
                              providers={"backpack": backpack_provider})
     assert result.passed, result.table
+
+
+HF_USER_CODE = textwrap.dedent("""
+    import torch
+    import workbench.realzoo.imports as imports
+
+    def model():
+        torch.manual_seed(0)
+        transformers = imports.import_transformers()
+        cfg = transformers.GPT2Config(vocab_size=16, n_embd=8, n_layer=1, n_head=2,
+                                      n_positions=8)
+        return transformers.GPT2LMHeadModel(cfg).double().eval()  # forward -> ModelOutput
+
+    def batch():
+        g = torch.Generator().manual_seed(0)
+        return torch.randint(0, 16, (4, 5), generator=g), torch.randint(0, 16, (4, 5),
+                                                                          generator=g)
+""")
+
+
+@pytest.mark.realmodels
+def test_a_hugging_face_model_through_the_cli(tmp_path, capsys, monkeypatch):
+    """--model accepts a transformers model: input_ids -> ModelOutput with logits."""
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed: pip install '.[realmodels]'")
+    (tmp_path / "wb_hf_code.py").write_text(HF_USER_CODE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(cli_suite, "privacy_sections", lambda *a: [])  # gradients only: quick
+    code = audit("--model", "wb_hf_code:model", "--data", "wb_hf_code:batch", "--loss",
+                 "sequence_cross_entropy", "--out", tmp_path / "report")
+    out = capsys.readouterr().out
+    assert code == 0, out
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    first = report["sections"][0]
+    assert first["title"] == "Per-sample gradients: workbench methods vs micro-batching"
+    assert first["verdict"] == "passed", first

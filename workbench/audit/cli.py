@@ -24,15 +24,21 @@ from workbench.audit.cli_inputs import InputError, check_out, load_callable, use
 from workbench.audit.report import PARTS, SELF_CHECK, SUBJECT, section, write_report
 from workbench.audit.report_claim_kinds import influence_sections
 from workbench.audit.report_provenance import provenance
+from workbench.models import sequence_cross_entropy
 
 LOSSES = {"cross_entropy": nn.CrossEntropyLoss(reduction="none"),
-          "mse": lambda out, y: ((out - y) ** 2).flatten(1).sum(1)}
+          "mse": lambda out, y: ((out - y) ** 2).flatten(1).sum(1),
+          # language models: logits (n, T, V), targets (n, T), summed over the T tokens
+          "sequence_cross_entropy": lambda out, y: sequence_cross_entropy(out, y,
+                                                                          reduction="sum")}
 
 EPILOG = """\
 auditing your own code:
   --model mymod:make_model --data mymod:make_batch
       make_model() -> torch.nn.Module; make_batch() -> (inputs, targets), batch on dim 0.
-      Replaces the model zoo in the gradient audits.
+      Replaces the model zoo in the gradient audits. A Hugging Face model (forward(input_ids)
+      returning a ModelOutput) is audited on its logits; for a language model pass
+      --loss sequence_cross_entropy (logits (n, T, V), targets (n, T)).
   --provider mymod:per_sample_grads
       per_sample_grads(model, loss_fn, inputs, targets) -> {param_name: Tensor(n, *shape)}
       (the signature of workbench.per_sample_gradients), or Tensor(n,) of per-sample norms.

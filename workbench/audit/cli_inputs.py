@@ -1,9 +1,11 @@
 """The headless audit's user inputs, checked before anything runs.
 
 ``--model``, ``--data``, ``--provider`` and ``--step`` name ``module:callable``; ``--out`` a
-folder. Every problem raises :class:`InputError` with one line that names the option, the value
-and what is wrong; ``cli.main`` prints it without a traceback and exits 2. Code under audit
-that loads but then fails *during* the audit is a finding of the audit instead (exit 1).
+folder. A model returning a Hugging Face ``ModelOutput`` (or a dict) with ``logits`` is
+audited as ``inputs -> logits`` (``Logits``). Every problem raises :class:`InputError` with one
+line that names the option, the value and what is wrong; ``cli.main`` prints it without a
+traceback and exits 2. Code under audit that loads but then fails *during* the audit is a
+finding of the audit instead (exit 1).
 """
 
 import importlib
@@ -76,6 +78,8 @@ def user_case(model_spec: str, data_spec: str, loss_fn, loss_name: str):
                          f"{tuple(targets.shape)} need the same batch size n >= 2 on dim 0")
     with torch.no_grad():
         out = _forward(model, model_spec, inputs, data_spec)
+        if has_logits(model(inputs)):
+            model = Logits(model)
         try:
             loss = loss_fn(out, targets)
         except Exception as err:  # noqa: BLE001
@@ -89,12 +93,30 @@ def user_case(model_spec: str, data_spec: str, loss_fn, loss_name: str):
     return model_spec, model, inputs, targets
 
 
+class Logits(nn.Module):
+    """A model whose forward returns a Hugging Face ``ModelOutput`` (or a dict) with
+    ``logits``, as ``inputs -> logits``: the same parameters, under ``model.``."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs):
+        return self.model(inputs)["logits"]
+
+
+def has_logits(out) -> bool:
+    return isinstance(out, dict) and isinstance(out.get("logits"), torch.Tensor)
+
+
 def _forward(model, model_spec, inputs, data_spec):
     try:
         out = model(inputs)
     except Exception as err:  # noqa: BLE001
         raise InputError(f"--model {model_spec!r} cannot take --data {data_spec!r}'s inputs of "
                          f"shape {tuple(inputs.shape)} ({type(err).__name__}: {err})") from None
+    if has_logits(out):  # transformers' ModelOutput is a dict: audit its logits
+        out = out["logits"]
     if not isinstance(out, torch.Tensor) or out.dim() == 0 or len(out) != len(inputs):
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else _kind(out)
         raise InputError(f"--model {model_spec!r} returned outputs {shape} for inputs "

@@ -19,6 +19,8 @@ BENCHMARKS = {
                        "embedding ghost norms vs PyTorch's embedding backward"),
     "selfcheck": ("workbench.bench.selfcheck", "the self-check's cost: checked vs unchecked"),
     "imports": ("workbench.bench.imports", "what import workbench costs over import torch"),
+    "real": ("workbench.bench.real", "the real-architecture table: exact per method, cost, "
+                                     "Opacus' verdict"),
     "all": ("workbench.bench.all", "every benchmark, CSVs and Fig. 2/3-style figures"),
 }
 

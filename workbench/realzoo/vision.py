@@ -65,7 +65,7 @@ def torchvision_resnet18_gn():
 
 def torchvision_mobilenet_v3_gn():
     return import_torchvision().models.mobilenet_v3_small(
-        num_classes=CLASSES, norm_layer=partial(nn.GroupNorm, 1)).eval()
+        num_classes=CLASSES, width_mult=0.25, norm_layer=partial(nn.GroupNorm, 1)).eval()
 
 
 IMAGES = {

@@ -10,6 +10,9 @@ new file with ``@register_grad_sampler(MyLayer)``; the table below is a reading 
 | Embedding                               | embedding.py  | scatter-add of b_i into rows of a_i  |
 | LayerNorm, GroupNorm, InstanceNorm*d,   | norms.py      | b_i ⊙ â_i summed (â: normalised a)   |
 | RMSNorm                                 |               |                                      |
+| by behaviour: o = A(a) + B(a) ⊙ w (+ β) | affine.py     | b_i ⊙ B(a_i) summed; HF RMSNorms,    |
+|   (probe of the layer's own forward)    |               | T5LayerNorm, timm LayerNorm(2d)      |
+| by behaviour: o = a W + c (GPT-2 Conv1D)| linear.py     | A_iᵀ B_i                             |
 """
 
 from workbench.plugins import import_submodules

@@ -1,0 +1,202 @@
+"""The real-architecture table: exact or refused per method, and one DP step's cost.
+
+For each model of ``workbench.realzoo`` (tiny configs, random weights: GPT-2 ... MobileNetV3),
+side by side:
+
+- **verdicts** (float64, n = T = 5 tokens or 3 images): every method of the functional API
+  (per-sample gradients by micro-batching / vmap / einsum; clipped sums by ghost and
+  book-keeping) against the independent one-sample-at-a-time loop of
+  ``realzoo.reference``: "exact" (within 1e-9 relative), "wrong: <parameter> ...", or
+  "refused: <error>" (a ``WorkbenchError`` naming what and why);
+- **Opacus 1.6's verdict** on the same batch: ``GradSampleModule`` (hooks) per-sample
+  gradients against the same loop: exact / wrong / "raised: <error>";
+- **cost** (float32, n = 16, T = 16): one DP-optimizer step in the default mode
+  (``grad_sample_mode="auto"``: zero_grad, forward, backward, step) over one plain SGD step
+  (zero_grad, forward, backward, step): interleaved medians (``bench.timing``) and peak
+  allocated bytes (``bench.peak_memory``).
+
+Run: ``python -m workbench.bench real [--models gpt2 llama ...] [--repeats 3] [--out PATH]``.
+"""
+
+import argparse
+import copy
+import os
+import warnings
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+import workbench as wb
+from workbench.bench import opacus_twin
+from workbench.bench.peak_memory import peak_bytes, tensor_bytes
+from workbench.bench.timing import device_name, time_interleaved
+from workbench.dpsgd import DPOptimizer
+from workbench.errors import WorkbenchError
+from workbench.realzoo import PROBLEMS
+from workbench.realzoo.reference import clipped_sum, norms_of, one_at_a_time, scale, verdict
+
+VERDICT_N, T_CHECK = 5, 5  # n = T: the layout shapes cannot tell apart
+TIME_N, T_TIME = 16, 16
+
+
+def short(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:90]}" if str(error) else \
+        type(error).__name__
+
+
+def attempt(fn):
+    """fn()'s verdict string: its own, or "refused: ..." / "crashed: ..." when it raises."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return fn()
+    except WorkbenchError as error:
+        return "refused: " + short(error)
+    except Exception as error:  # noqa: BLE001  (a crash that is not a clear error: reported)
+        return "crashed: " + short(error)
+
+
+def verdicts(name: str) -> dict:
+    """{method: verdict} for the functional API and Opacus, float64."""
+    problem = PROBLEMS[name]
+    model, loss_fn = problem.build(torch.float64), problem.loss_fn
+    x, y = problem.batch(VERDICT_N, T=T_CHECK)
+    ref = attempt(lambda: one_at_a_time(model, loss_fn, x, y))
+    if isinstance(ref, str):  # the model itself cannot run per sample (BatchNorm in eval: can)
+        return {m: ref for m in ("microbatch", "vmap", "einsum", "ghost", "bookkeeping")}
+    size, C = scale(ref), float(norms_of(ref).median())
+    want = clipped_sum(ref, C)
+    out = {}
+    for method in ("microbatch", "vmap", "einsum"):
+        out[method] = attempt(lambda: verdict(wb.per_sample_gradients(
+            model, loss_fn, x, y, method=method), ref, size, problem.rtol))
+    for method in ("ghost", "bookkeeping"):
+        out[method] = attempt(lambda: verdict(wb.clipped_grad_sum(
+            model, loss_fn, x, y, C, method=method), want, size, problem.rtol))
+    out["opacus"] = opacus_verdict(model, loss_fn, x, y, ref, size, problem.rtol)
+    return out
+
+
+def opacus_verdict(model, loss_fn, x, y, ref, size, rtol) -> str:
+    if not opacus_twin.available():
+        return "not installed"
+
+    def run():
+        from opacus import GradSampleModule
+
+        gsm = GradSampleModule(copy.deepcopy(model), batch_first=True, loss_reduction="sum")
+        loss_fn(gsm(x), y).sum().backward()
+        got = {k.removeprefix("_module."): p.grad_sample for k, p in gsm.named_parameters()
+               if p.requires_grad and p.grad_sample is not None}
+        return verdict(got, ref, size, rtol)
+
+    result = attempt(run)
+    return result.replace("refused: ", "raised: ").replace("crashed: ", "raised: ")
+
+
+def cost(name: str, repeats: int, device: torch.device) -> dict:
+    """One default-mode DP step over one plain SGD step: time and peak memory, float32."""
+    problem = PROBLEMS[name]
+    x, y = (t.to(device) for t in problem.batch(TIME_N, T=T_TIME, dtype=torch.float32))
+    plain_model = problem.build(torch.float32).to(device)
+    dp_model = copy.deepcopy(plain_model)
+    plain_opt = torch.optim.SGD(plain_model.parameters(), lr=1e-3)
+    dp_opt = DPOptimizer(torch.optim.SGD(dp_model.parameters(), lr=1e-3), dp_model,
+                         noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=TIME_N,
+                         loss_reduction="sum")
+
+    def step(model, opt):
+        def run():
+            opt.zero_grad()
+            problem.loss_fn(model(x), y).sum().backward()
+            opt.step()
+        return run
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step(dp_model, dp_opt)()  # the first, self-checked step is not the steady state
+        times = time_interleaved({"plain": step(plain_model, plain_opt),
+                                  "dp": step(dp_model, dp_opt)}, device, repeats=repeats)
+        resident = tensor_bytes(plain_model, x, y)
+        peak = {k: peak_bytes(step(m, o), device, resident)
+                for k, (m, o) in {"plain": (plain_model, plain_opt),
+                                  "dp": (dp_model, dp_opt)}.items()}
+    dp_opt.detach()
+    return {"plain_ms": 1e3 * times["plain"], "time_x": times["dp"] / times["plain"],
+            "memory_x": peak["dp"] / peak["plain"]}
+
+
+def row(name: str, repeats: int, device: torch.device) -> dict:
+    out = {"model": name, **verdicts(name)}
+    dp = attempt(lambda: cost(name, repeats, device))
+    out.update(dp if isinstance(dp, dict) else {"time_x": float("nan"), "memory_x": float("nan"),
+                                                 "cost_note": dp})
+    return out
+
+
+def check_out(path: Path) -> None:
+    """Fail before any work when the CSV cannot be written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir() or (path.exists() and not os.access(path, os.W_OK)) \
+            or not os.access(path.parent, os.W_OK):
+        raise SystemExit(f"--out {path}: cannot write a CSV there; give a writable file path")
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(prog="python -m workbench.bench real",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(PROBLEMS), choices=list(PROBLEMS),
+                        metavar="NAME", help=f"from: {', '.join(PROBLEMS)}")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=Path("bench-results/real.csv"))
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1; got {args.repeats}")
+    return args
+
+
+def brief(cell) -> str:
+    """A verdict cell for the printed table: "exact", "wrong", or "refused (ErrorType)"."""
+    if not isinstance(cell, str) or ":" not in cell:
+        return cell
+    head, rest = cell.split(":", 1)
+    return head if head == "wrong" else f"{head} ({rest.split(':')[0].strip()})"
+
+
+def printable(table: pd.DataFrame) -> pd.DataFrame:
+    out = table.drop(columns=[c for c in ("cost_note",) if c in table]).copy()
+    for column in ("microbatch", "vmap", "einsum", "ghost", "bookkeeping", "opacus"):
+        out[column] = out[column].map(brief)
+    return out.round({"plain_ms": 1, "time_x": 2, "memory_x": 2})
+
+
+def summary(table: pd.DataFrame) -> str:
+    methods = ["microbatch", "vmap", "einsum", "ghost", "bookkeeping"]
+    cells = table[methods].stack()
+    count = {k: int(cells.str.startswith(k).sum()) for k in ("exact", "refused", "wrong",
+                                                              "crashed")}
+    opacus = table["opacus"].str.split(":").str[0].value_counts().to_dict()
+    return (f"workbench: {count['exact']} exact, {count['refused']} refused with a clear error, "
+            f"{count['wrong']} wrong, {count['crashed']} unclear crashes of {len(cells)}; "
+            f"opacus: {opacus}; DP step over plain (default mode): median "
+            f"{table['time_x'].median():.2f}x time, {table['memory_x'].median():.2f}x memory")
+
+
+def main(argv=None):
+    args = parse(argv)
+    check_out(args.out)
+    device = torch.device(args.device)
+    rows = []
+    for name in args.models:
+        rows.append(row(name, args.repeats, device))
+        print(f"{name}: done", flush=True)
+    table = pd.DataFrame(rows)
+    with pd.option_context("display.width", 250):
+        print(f"\n{device_name(device)}, DP step: n = {TIME_N}, T = {T_TIME}, float32; "
+              f"verdicts: n = T = {VERDICT_N}, float64\n"
+              f"{printable(table).to_string(index=False)}\n\n{summary(table)}")
+    table.to_csv(args.out, index=False)
+    print(f"wrote {args.out} (full verdicts and errors)")
+    return 0
