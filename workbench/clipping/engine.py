@@ -10,8 +10,9 @@ Abadi et al. 2016 (arXiv 1607.00133), Algorithm 1: c_i = min(1, C / ||g_i||), an
   Karypis 2023, arXiv 2210.00038, §3):  Σ_i c_i g_i(a_i, b_i) = Σ_i g_i(a_i, c_i b_i).
   The backward pass has freed the graph by then (``wb.clipped_grad_sum``'s book-keeping does
   not retain it; the optimizer comes after the user's backward): ``nn.Linear``'s weight
-  gradient is one matmul of its stored inputs and c ⊙ b (Bu et al. Eq. 3), and any other layer
-  alone is re-run on its stored inputs.
+  gradient is one matmul of its stored inputs and c ⊙ b (Bu et al. Eq. 3), ``nn.Embedding``'s
+  one ``index_add_`` of c ⊙ b at the token ids, and any other layer alone is re-run on its
+  stored inputs.
 
 Parameters materialised anyway (exact fallback, or used in several calls) enter as
 Σ_i c_i g_i from their (n, *shape) tensors.
@@ -86,6 +87,23 @@ def linear_weight_grads(layer, call, weighted: torch.Tensor, own: list, ok=None)
     return grads
 
 
+def embedding_weight_grads(layer, call, weighted: torch.Tensor, own: list) -> dict:
+    """nn.Embedding without its graph: Σ_i c_i g_i = Σ_{i,t} e_{x_it} (c_i b_it)ᵀ, one
+    ``index_add_`` of the (n T, d) reweighted backprops into a zero (V, d), padding row zeroed
+    (what PyTorch's dense embedding backward computes; no forward re-run). Options whose
+    gradient differs (sparse, scale_grad_by_freq, max_norm) are refused before any work
+    (``samplers/embedding.check_embedding``)."""
+    if not any(p is layer.weight for p in own):
+        return {}
+    ids = call.args[0] if call.args else call.kwargs["input"]  # (n, ...)
+    B = weighted.reshape(-1, weighted.shape[-1])  # (n T, d)  c_i b_{i,t}
+    grad = torch.zeros(layer.weight.shape, dtype=B.dtype, device=B.device)
+    grad.index_add_(0, ids.reshape(-1), B)  # (V, d)
+    if layer.padding_idx is not None:
+        grad[layer.padding_idx] = 0
+    return {id(layer.weight): grad}
+
+
 def reweighted_weight_grads(layer, call, c, own: list, ok=None) -> dict:
     """{id(param): Σ_i c_i g_i} for ``own`` parameters of one call, by one weight gradient
     from the call's stored inputs (the backward pass has freed the graph). ``ok`` (n,), when
@@ -96,6 +114,10 @@ def reweighted_weight_grads(layer, call, c, own: list, ok=None) -> dict:
     if type(layer) is nn.Linear:
         with torch.no_grad():
             return linear_weight_grads(layer, call, weighted[0], own, ok)
+    if type(layer) is nn.Embedding and not (layer.sparse or layer.scale_grad_by_freq
+                                            or layer.max_norm is not None):
+        with torch.no_grad():
+            return embedding_weight_grads(layer, call, weighted[0], own)
     detach = lambda t: t.detach() if isinstance(t, torch.Tensor) else t  # noqa: E731
     args, kwargs = tree_map(detach, call.args), tree_map(detach, call.kwargs)
     if ok is not None:
