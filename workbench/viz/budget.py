@@ -46,10 +46,12 @@ def plot_budget(ax, result):
         x, lo, hi = r.shuffle_epochs, r.shuffle_lower, r.shuffle_upper
         artists["shuffle_band"] = ax.fill_between(
             x, lo, hi, color="C2", alpha=0.15, linewidth=0,
-            label=f"shuffled batches: ε in bracket (up to {hi[-1]:.3g}, no amplification)")
+            label=f"shuffled: ε in band (top {hi[-1]:.3g}: no amplification)")
+        if x.size == 1:  # one epoch: a band of one point is invisible; draw it as a bracket
+            ax.vlines(x, lo, hi, color="C2", alpha=0.35, linewidth=6)
         artists["shuffle_lower"] = ax.plot(
             x, lo, color="C2", marker="s", markersize=3,
-            label="shuffled batches: lower bound (Chua et al. 2024)")[0]
+            label="shuffled: lower bound (Chua et al. 2024)")[0]
     if r.mode == "solve":
         artists["target"] = ax.axhline(r.target_epsilon, color="k", linestyle="--",
                                        linewidth=1, label=f"target ε = {r.target_epsilon:g}")
