@@ -24,7 +24,10 @@ pytestmark = pytest.mark.browser
 ROOT = Path(__file__).resolve().parents[2]
 BOOK = Path(os.environ.get("WORKBENCH_BOOK_DIR", ROOT / "build" / "book"))
 EXECUTED = ROOT / "build" / "executed"
-NOTEBOOKS = sorted((ROOT / "notebooks").glob(os.environ.get("WORKBENCH_BOOK_GLOB", "*.ipynb")))
+# WORKBENCH_BOOK_GLOB="00*,10*" checks a book built from some notebooks only (tools/book.py
+# NOTEBOOK...); the default, every notebook, is what make book and CI check.
+NOTEBOOKS = sorted({p for pattern in os.environ.get("WORKBENCH_BOOK_GLOB", "*.ipynb").split(",")
+                    for p in (ROOT / "notebooks").glob(pattern.strip())})
 IMAGES = ("image/png", "image/jpeg", "image/svg+xml")
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
