@@ -14,7 +14,8 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
 def test_there_are_notebooks():
-    assert [p.name for p in NOTEBOOKS][:2] == ["00_tour.ipynb", "01_per_sample_gradients.ipynb"]
+    assert [p.name for p in NOTEBOOKS][:3] == ["00_tour.ipynb", "00b_foundations.ipynb",
+                                              "01_per_sample_gradients.ipynb"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

@@ -17,7 +17,9 @@ Nothing is loaded from the network: the pages work offline from the built folder
 
 Executed notebooks are reused: ``make notebooks-full`` (tools/nbchecks.py run) saves each one
 to ``build/executed/`` stamped with the hash of the cells it ran; a notebook whose stamp
-matches its source is not run again, any other is run here in full mode (and saved).
+matches its source is not run again, any other is run here in full mode (and saved). The
+stamp covers the notebook's cells, not the library: after changing the library, run
+``make notebooks-full`` again (CI always does, before ``make book``).
 """
 
 import argparse
@@ -62,7 +64,9 @@ def executed(path: Path) -> nbformat.NotebookNode:
 
 
 # ---------------------------------------------------------------- math
-MATH = re.compile(r"(?<!\\)\$\$(.+?)\$\$|(?<![\\$])\$(?!\s)([^$\n]+?)(?<!\s)\$(?!\d)", re.S)
+# $$display$$ or $inline$ (inline may wrap onto the next line, not across a blank line)
+MATH = re.compile(r"(?<!\\)\$\$(.+?)\$\$"
+                  r"|(?<![\\$])\$(?!\s)((?:[^$\n]|\n(?!\s*\n))+?)(?<!\s)\$(?!\d)", re.S)
 CODE = re.compile(r"(```.*?```|`[^`\n]*`)", re.S)
 
 
@@ -122,6 +126,12 @@ def _control_text(state) -> str:
     return f"{html.escape(str(label))} {html.escape(str(value))}{note}"
 
 
+def has_image(nb, model_id: str) -> bool:
+    """Whether the widget view ``model_id`` shows an image (an explorer's figure)."""
+    return any(m.get("model_name") == "ImageModel"
+               for _, m in _descendants(_models(nb), model_id))
+
+
 def widget_snapshot(nb, model_id: str) -> str | None:
     """HTML for a widget view: its images and its controls' values, or None if unknown."""
     models = _models(nb)
@@ -135,8 +145,13 @@ def widget_snapshot(nb, model_id: str) -> str | None:
             controls.append(_control_text(model.get("state", {})))
         elif name == "HTMLModel" and model.get("state", {}).get("value"):
             controls.append(model["state"]["value"])
+        elif name in ("FloatProgressModel", "IntProgressModel"):
+            state = model.get("state", {})
+            controls.append(f"[{state.get('value', 0):g} / {state.get('max', 100):g}]")
     if not images and not controls:
         return None
+    if not images:  # a progress bar (tqdm) or a form without a figure: one line of text
+        return f'<div class="widget-text">{" ".join(controls)}</div>'
     listed = "".join(f"<li>{c}</li>" for c in controls)
     return (f'<figure class="widget-snapshot">{"".join(images)}<figcaption>Static snapshot of '
             f'the explorer as the notebook left it (run the notebook to move the controls):'

@@ -119,3 +119,44 @@ def test_pld_curve_is_a_labelled_bound_never_above_rdp(batch_size):
     fig, ax = plt.subplots()
     assert "upper bound" in plot_budget(ax, r)["pld"].get_label()
     plt.close(fig)
+
+
+def test_the_greyed_sigma_slider_shows_the_sigma_in_use(explorer):
+    explorer.controls["noise_multiplier"].value = 2.0
+    explorer.controls["target_epsilon"].value = 4.0
+    explorer.controls["mode"].value = "solve"
+    slider, r = explorer.controls["noise_multiplier"], explorer.result
+    assert slider.disabled and r.noise_multiplier != 2.0
+    assert slider.value == r.noise_multiplier and slider.readout_format == ".3f"
+    assert f"σ={r.noise_multiplier:.3f}" in explorer.ax.get_title()
+    explorer.controls["target_epsilon"].value = 0.2  # a σ beyond the slider's range
+    assert slider.value == explorer.result.noise_multiplier > 5.0 and slider.max >= slider.value
+
+
+def _poisson_share(w):
+    """Fraction of the y-axis (in its own scale) that the Poisson curves span."""
+    lo, hi = w.ax.get_ylim()
+    ys = np.concatenate([w.result.rdp_epsilon, w.result.pld_epsilon])
+    f = np.log10 if w.ax.get_yscale() == "log" else (lambda v: v)
+    assert lo < ys.min() and ys.max() < hi, "a Poisson curve runs off the axes"
+    bottom = f(ys.min()) if w.ax.get_yscale() == "log" else lo  # a linear axis starts at 0
+    return (f(ys.max()) - bottom) / (f(hi) - f(lo))
+
+
+def test_the_shuffle_band_does_not_squash_the_poisson_curves(explorer):
+    assert explorer.controls["shuffle"].value and explorer.ax.get_yscale() == "log"
+    r = explorer.result
+    assert explorer.ax.get_ylim()[1] >= np.max(r.shuffle_upper)  # the whole band is shown
+    assert _poisson_share(explorer) > 0.2
+    explorer.controls["shuffle"].value = False
+    assert explorer.ax.get_yscale() == "linear" and _poisson_share(explorer) > 0.8
+
+
+def test_legend_outside_and_one_epoch_markers_inside(explorer):
+    explorer.controls["epochs"].value = 1
+    explorer.figure.canvas.draw()
+    legend = explorer.artists["legend"].get_window_extent()
+    assert legend.y1 <= explorer.ax.get_window_extent().y0  # below the axes, not on curves
+    marker_x = explorer.artists["shuffle_lower"].get_xdata()
+    assert list(marker_x) == [1] and explorer.ax.get_xlim()[1] > 1.02  # not cut in half
+    assert all(c.layout.width == "440px" for c in explorer.controls.values())

@@ -168,3 +168,20 @@ def test_plot_snr_draws_on_the_given_axes_only(result):
     assert list(artists["sigma"].get_ydata()) == list(result.noise_multipliers)
     assert len(plt.get_fignums()) == len(figures_before) + 1  # only the one made here
     plt.close(fig)
+
+
+def test_the_greyed_signal_slider_shows_the_measured_signal_in_use(measured):
+    w = measured
+    w.controls["signal_source"].value = "measured"
+    for C in (0.5, 3.0):
+        w.controls["max_grad_norm"].value = C
+        assert w.controls["signal"].disabled
+        assert w.controls["signal"].value == pytest.approx(w.result.signal, rel=1e-12)
+        assert w.result.signal == clip_at(w.snapshot, C).clipped_mean_norm
+
+
+def test_the_legend_is_below_the_axes_not_on_the_curves(explorer):
+    explorer.figure.canvas.draw()
+    legend = explorer.artists["legend"].get_window_extent()
+    assert legend.y1 <= explorer.ax.get_window_extent().y0
+    assert explorer.controls["epsilon"].layout.width == "440px"  # a track long enough to aim

@@ -42,5 +42,6 @@ def plot_snr(ax, result):
     ax.set_title(f"ε = {r.epsilon:.3g}, δ = {r.delta:.0e}, E = {r.epochs:g}, C = "
                  f"{r.max_grad_norm:.3g}, d = {r.num_params}, ||m̃|| = {r.signal:.3g}",
                  fontsize="small")
-    artists["legend"] = ax.legend(loc="upper left", fontsize="small")
+    artists["legend"] = ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2,
+                                  fontsize="small", frameon=False)  # below: never on a curve
     return artists

@@ -27,8 +27,9 @@ def _controls(n, b, sigma, epochs, delta, mode, target, shuffle):
                                                style=style),
         "batch_size": widgets.BoundedIntText(b, min=1, max=10**9, description="batch size B",
                                              style=style),
-        "noise_multiplier": widgets.FloatSlider(sigma, min=0.3, max=5.0, step=0.05,
-                                                description="σ", style=style),
+        "noise_multiplier": widgets.FloatSlider(sigma, min=0.3, max=5.0, step=0.01,
+                                                description="σ", readout_format=".3f",
+                                                style=style),
         "epochs": widgets.FloatSlider(epochs, min=1, max=200, step=1, description="epochs",
                                       style=style),
         "delta": widgets.FloatLogSlider(delta, base=10, min=-10, max=-2, step=0.5,
@@ -48,8 +49,8 @@ class BudgetExplorer(Explorer):
                  delta=1e-5, mode="epsilon", target_epsilon=8.0, shuffle=True):
         self.controls = _controls(dataset_size, batch_size, noise_multiplier, epochs, delta,
                                   mode, target_epsilon, shuffle)
-        self.figure = Figure(figsize=(7, 4), dpi=80)  # fixed margins: constrained layout
-        self.figure.subplots_adjust(left=0.09, right=0.98, bottom=0.12, top=0.92)  # costs 70 ms
+        self.figure = Figure(figsize=(7, 4.8), dpi=80)  # fixed margins: constrained layout
+        self.figure.subplots_adjust(left=0.09, right=0.97, bottom=0.3, top=0.93)  # costs 70 ms
         self.ax = self.figure.add_subplot()
         self.result, self.artists = None, {}
         self._wire()
@@ -64,6 +65,8 @@ class BudgetExplorer(Explorer):
             self._show_error(err)
             return
         r = self.result
+        if v["mode"] == "solve" and self._show_in_use("noise_multiplier", r.noise_multiplier):
+            return  # the greyed σ slider now shows the σ in use; its update() drew it
         text = (f"q = {r.sample_rate:.4g}, T = {r.steps} steps<br>σ = {r.noise_multiplier:.3f}"
                 "<br>ε = " + ", ".join(f"{c.final:.3f} ({c.label})" for c in r.curves.values()))
         if r.epsilon_shuffle is not None:

@@ -3,7 +3,8 @@
 Glue only: ``accounting.snr.explore_snr`` computes (σ(B) cached, so C and signal moves never
 call the accountant), ``viz.snr.plot_snr`` draws. Given a model and a batch, the signal ||m̃||
 is measured at the slider's C from one per-sample gradient snapshot (``clipping.snapshot``);
-"manual" uses the signal slider instead. The measured ||m̃|| is the norm of this batch's mean:
+"manual" uses the signal slider instead; in "measured" mode the slider is disabled and shows
+the measured value in use. The measured ||m̃|| is the norm of this batch's mean:
 with n samples it over-estimates the population's by about the samples' spread / √n.
 
 >>> from workbench.widgets.snr import SNRExplorer
@@ -67,8 +68,8 @@ class SNRExplorer(Explorer):
         self.batch_sizes = batch_sizes
         self.controls = _controls(epsilon, delta, epochs, dataset_size, max_grad_norm, signal,
                                   sources)
-        self.figure = Figure(figsize=(7, 4), dpi=80)
-        self.figure.subplots_adjust(left=0.1, right=0.97, bottom=0.12, top=0.92)
+        self.figure = Figure(figsize=(7, 4.8), dpi=80)
+        self.figure.subplots_adjust(left=0.1, right=0.97, bottom=0.3, top=0.93)
         self.ax = self.figure.add_subplot()
         self.result, self.artists = None, {}
         self._wire()
@@ -91,6 +92,8 @@ class SNRExplorer(Explorer):
             self._show_error(err)
             return
         r = self.result
+        if v["signal_source"] == "measured" and self._show_in_use("signal", r.signal):
+            return  # the greyed slider now shows the measured signal; its update() drew it
         self.message.value = (
             f"d = {r.num_params}, signal ||m̃|| = {r.signal:.3g} ({v['signal_source']})<br>"
             f"B = {r.batch_sizes[0]}: σ = {r.noise_multipliers[0]:.3g}, SNR = {r.snr[0]:.3g}, "
