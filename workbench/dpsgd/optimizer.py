@@ -211,16 +211,16 @@ class DPOptimizer(Optimizer):
         batch (a loop left early, a new iterator, two iterators interleaved) are discarded
         with a warning: those samples were drawn for that batch, not for this one."""
         if token != self._batch_token and (self._sums or self.expect_more):
-            self.reset_virtual_step(stacklevel=4)
+            self.reset_virtual_step()  # subclasses (adaptive.py) drop their own partials too
         self._batch_token, self.expect_more, self._fresh_chunk = token, not last, True
 
-    def reset_virtual_step(self, stacklevel: int = 3) -> None:
+    def reset_virtual_step(self) -> None:
         """Drop the partial sums of an unfinished logical batch (a virtual-step loop that was
         left early): those samples were sampled for that batch, not for the next one."""
         if self._sums or self.expect_more:
             warnings.warn("a logical batch was left unfinished (the loop over the virtual-step "
                           "loader stopped before its last chunk); its partial clipped sums are "
-                          "discarded and no step was taken for it", stacklevel=stacklevel)
+                          "discarded and no step was taken for it", stacklevel=4)
         self._sums, self.expect_more, self._batch_token = {}, False, None
 
     def accumulate_clipped_sum(self, scale=None) -> None:
