@@ -105,8 +105,8 @@ class AdaptiveClipDPOptimizer(DPOptimizer):
         norms = self.last["norms"]  # inf or NaN (a non-finite record) counts as clipped
         self._centred_count += float(((norms <= C).to(torch.float64) - 0.5).sum())  # Eq. (1)
 
-    def reset_virtual_step(self, stacklevel: int = 3) -> None:
-        super().reset_virtual_step(stacklevel + 1)
+    def reset_virtual_step(self) -> None:
+        super().reset_virtual_step()
         self._centred_count = 0.0  # the abandoned batch's records are not counted either
 
     def noise_std(self) -> float:
