@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from workbench import data, models
-from workbench.audit import bug_zoo
+from workbench.audit import bug_zoo, membership
 from workbench.audit.canary import audit_canaries
 from workbench.audit.claim_epsilon import compare_libraries
 from workbench.audit.dpsgd_step import workbench_step
@@ -49,7 +49,7 @@ METHODS = ("einsum", "vmap", "ghost", "bookkeeping")
 C, SIGMA, B, DIM = 1.5, 1.0, 8, 32  # mechanism audit; C != 1 so that σ vs σC shows
 CANARY = dict(dim=1000, steps=10, sample_rate=0.5, noise_multiplier=4.0)
 SEEDS = {"model_init": 0, "zoo_batch": 0, "mechanism_design": 0, "step_noise": 1, "canary": 0,
-         "clipping_design": 0, "sampling": 0}
+         "clipping_design": 0, "sampling": 0, "membership": 0}
 
 
 class Crashed(AuditResult):
@@ -205,6 +205,7 @@ def privacy_sections(args, user_steps: dict, progress: bool, own_part: str = SUB
     out.append(section("Canary audit: a step without noise must be caught", leak,
                        expect_failure=True, part=SELF_CHECK))
     out += privacy_extras(SEEDS["sampling"], own_part)
+    out.append(membership.report_section(args.quick, SEEDS["membership"], progress, own_part))
     check = check_accountants(accountant_settings(args.quick))
     out.append(section("Accountants: " + " vs ".join(check.labels.values()), check,
                        part=own_part))

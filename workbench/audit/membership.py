@@ -203,10 +203,12 @@ def audit_digits(quick: bool = False, seed: int = 0, progress: bool = True) -> M
                                 progress=progress, **size)
 
 
-def report_section(quick: bool = False, seed: int = 0, progress: bool = True):
-    """The report section of ``audit_digits`` (registers the kind: ``report_more_kinds``)."""
+def report_section(quick: bool = False, seed: int = 0, progress: bool = True, part=None):
+    """The report section of ``audit_digits`` (registers the kind: ``report_more_kinds``);
+    ``part``: where the report puts it (``report.SUBJECT`` by default)."""
     import workbench.audit.report_more_kinds  # noqa: F401  (the MembershipAudit kind)
     from workbench.audit.report import section
 
+    extra = {} if part is None else {"part": part}
     return section("Membership inference on a trained model: digits MLP, DP vs non-DP",
-                   audit_digits(quick, seed, progress))
+                   audit_digits(quick, seed, progress), **extra)
