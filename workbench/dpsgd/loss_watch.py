@@ -14,18 +14,33 @@ returning a scalar that requires grad. For each such call (``per_sample.loss``):
   at the next ``step()``, after the recorded activations are freed (``probe``): a loss
   coupling records raises ``LossCouplingError`` before anything is released.
 
-A loss written as a plain function (``F.cross_entropy``) is not a module call and is not
-seen: its records are then taken as ``loss_reduction`` says (f = n or 1), as before. Pass
-an ``nn`` loss module (or wrap the function in one and pass it as ``criterion=``) to have it
-checked.
+A loss written as a plain function is seen too, by a ``TorchFunctionMode`` open for the same
+window (``LossFunctions``):
+
+- a functional loss of ``torch.nn.functional`` (``F.cross_entropy(out, y, weight=w)``,
+  ``F.nll_loss``, ``F.mse_loss``, ...) called outside any module is treated as the
+  equivalent ``nn`` loss module (the same reduction check, factors and probe);
+- at ``loss.backward()``, before anything is computed, the loss is tested for coupling through
+  the model's output o (``coupling``): for record i = n - 1 and a random v, the second
+  derivative ∂⟨∂L/∂o_i, v⟩/∂o_j must vanish for every other record j. A contrastive (InfoNCE)
+  loss, logits centred over the batch or any batch statistic of the outputs fails it, and
+  ``LossCouplingError`` is raised before the backward pass runs. Only the loss's own part of
+  the graph (from L down to o) is differentiated twice; the model is not re-run. Once per
+  output signature (shapes with n symbolic), when the optimizer verifies.
 
 Notation: n batch size, f (n,) per-record factors.
 """
 
+import contextlib
+import inspect
+import warnings
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as module_hooks
 from torch.nn.modules.loss import _Loss
+from torch.overrides import TorchFunctionMode
 
 from workbench.errors import LossCouplingError
 from workbench.per_sample.loss import check_separable, record_factors, reduction_of
@@ -46,9 +61,13 @@ class LossWatch:
         self.check = True  # the optimizer's verify policy: False skips the probe
         self.n, self.generation, self._depth, self._busy = 0, 0, 0, False
         self._handles: list = []
+        self.outputs: list = []  # the model's output tensors of the open window
+        self._mode = None  # LossFunctions, on the TorchFunctionMode stack while the window is open
+        self.paused = contextlib.nullcontext  # the recorder's pause (recorded.py sets it)
 
-    def open(self, n: int, generation: int) -> None:
-        """At the end of the model's forward pass (n records, before backward ``generation``)."""
+    def open(self, n: int, generation: int, outputs=()) -> None:
+        """At the end of the model's forward pass (n records, before backward ``generation``);
+        ``outputs``: the model's output tensors, for the coupling test at ``backward``."""
         self.n, self.generation, self._depth = n, generation, 0
         if LossWatch._open is not None and LossWatch._open is not self:
             LossWatch._open.close()
@@ -56,13 +75,87 @@ class LossWatch:
         if not self._handles:
             self._handles = [module_hooks.register_module_forward_pre_hook(self._enter),
                              module_hooks.register_module_forward_hook(self._exit)]
+        self.outputs = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad
+                        and o.dim() and o.shape[0] == n]
+        if self._mode is None:
+            self._mode = LossFunctions(self)
+            self._mode.__enter__()
 
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self.outputs = []
+        self._close_mode()
         if LossWatch._open is self:
             LossWatch._open = None
+
+    def _close_mode(self) -> None:
+        mode, self._mode = self._mode, None
+        if mode is None:
+            return
+        mode.watch = None  # from now on a pass-through, wherever it sits on the stack
+        top = torch._C._len_torch_function_stack()
+        if top and torch._C._get_function_stack_at(top - 1) is mode:
+            mode.__exit__(None, None, None)  # the usual case: ours is on top
+
+    def _loss_call(self, module, z, rest) -> None:
+        """One loss call of the loop (a module, or a functional loss seen as one)."""
+        if not isinstance(z, torch.Tensor) or not z.requires_grad or not z.dim():
+            return
+        self._busy = True  # the probe calls the criterion again: not a loss call of the loop
+        try:
+            self.calls.append((self.generation, self._factors(module, z, rest),
+                               type(module).__name__))
+        finally:
+            self._busy = False
+
+    def coupling(self, loss) -> None:
+        """Before ``loss.backward()``: LossCouplingError if record i's ∂L/∂o_i moves with any
+        other record's output (the second derivative test of the module docstring)."""
+        outs, n = self.outputs, self.n
+        if not (self.check and outs and n >= 2 and isinstance(loss, torch.Tensor)
+                and loss.requires_grad):
+            return
+        key = ("backward", tuple(symbolic(o.shape, n) for o in outs))
+        if key in self.checked:
+            return
+        try:
+            with self.paused(), torch.enable_grad():  # the recording hooks must not see this
+                g = torch.autograd.grad(loss, outs, create_graph=True, retain_graph=True,
+                                        allow_unused=True)
+                gen = torch.Generator().manual_seed(0)  # not the global RNG: the run's stays
+                terms = [(gk[n - 1] * torch.randn(gk[n - 1].shape, generator=gen, dtype=gk.dtype)
+                          .to(gk.device)).sum() for gk in g if gk is not None and gk.requires_grad]
+                if not terms:  # ∂L/∂o does not depend on o: nothing couples through o
+                    self.checked.add(key)
+                    return
+                h = torch.autograd.grad(sum(terms), outs, retain_graph=True, allow_unused=True)
+        except RuntimeError as err:  # an op without a second derivative: say so, once
+            warnings.warn(f"the loss's coupling test could not run ({err}); records are taken "
+                          f"as independent in the loss", stacklevel=4)
+            self.checked.add(key)
+            return
+        own = others = 0.0
+        for hk in h:
+            if hk is not None:
+                own += float(hk[n - 1].double().norm()) ** 2
+                others += float(hk[:n - 1].double().norm()) ** 2
+        tol = TOLERANCE.get(loss.dtype, 1e-3)
+        if others ** 0.5 > tol * max(own ** 0.5, 1e-12) + 1e-12:
+            names = sorted({name for g_, _, name in self.calls if g_ == self.generation})
+            seen = f" ({', '.join(names)})" if names else ""
+            raise LossCouplingError(
+                f"the loss{seen} computed after the model makes record {n - 1}'s gradient "
+                f"depend on "
+                f"the other records' outputs (its second derivative across records is "
+                f"{others ** 0.5:.3g}, against {own ** 0.5:.3g} within the record): a "
+                f"contrastive (InfoNCE) loss, logits centred over the batch, or a batch "
+                f"statistic of the outputs. Removing one record would then move every other "
+                f"record's clipped gradient, so the sensitivity is no longer C. Use a loss "
+                f"that treats each record on its own (one term per record), or train with "
+                f"user- or batch-level accounting that covers the coupling")
+        self.checked.add(key)
 
     def clear(self) -> None:
         self.calls = []
@@ -75,15 +168,7 @@ class LossWatch:
         self._depth = max(self._depth - 1, 0)
         if self._depth or self._busy or not self._is_loss(module, output):
             return
-        z = args[0] if args else None
-        if not isinstance(z, torch.Tensor) or not z.requires_grad or not z.dim():
-            return
-        self._busy = True  # the probe calls the criterion again: not a loss call of the loop
-        try:
-            self.calls.append((self.generation, self._factors(module, z, args[1:]),
-                               type(module).__name__))
-        finally:
-            self._busy = False
+        self._loss_call(module, args[0] if args else None, args[1:])
 
     def _is_loss(self, module, output) -> bool:
         if isinstance(module, _Loss) or module is self.criterion:
@@ -123,3 +208,45 @@ class LossWatch:
                     f"gradients cannot be rescaled to their own losses; use reduction='sum' "
                     f"(and loss_reduction='sum') or one loss")
         return f0
+
+
+#: functional loss -> (its nn module, the keyword arguments the module takes)
+FUNCTIONAL = {
+    F.cross_entropy: (nn.CrossEntropyLoss, ("weight", "ignore_index", "reduction",
+                                            "label_smoothing")),
+    F.nll_loss: (nn.NLLLoss, ("weight", "ignore_index", "reduction")),
+    F.mse_loss: (nn.MSELoss, ("reduction",)),
+    F.l1_loss: (nn.L1Loss, ("reduction",)),
+    F.smooth_l1_loss: (nn.SmoothL1Loss, ("reduction", "beta")),
+    F.huber_loss: (nn.HuberLoss, ("reduction", "delta")),
+    F.binary_cross_entropy: (nn.BCELoss, ("weight", "reduction")),
+    F.binary_cross_entropy_with_logits: (nn.BCEWithLogitsLoss, ("weight", "reduction",
+                                                                "pos_weight")),
+    F.kl_div: (nn.KLDivLoss, ("reduction", "log_target")),
+}
+BACKWARD = (torch.Tensor.backward, torch.autograd.backward)
+
+
+class LossFunctions(TorchFunctionMode):
+    """The loss window's view of plain functions: functional losses outside any module become
+    loss calls, and ``backward`` runs the coupling test first (module docstring)."""
+
+    def __init__(self, watch: LossWatch):
+        super().__init__()
+        self.watch = watch
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        watch = self.watch
+        if watch is not None and not watch._busy:
+            if func in FUNCTIONAL and watch._depth == 0:
+                cls, names = FUNCTIONAL[func]
+                bound = inspect.signature(func).bind(*args, **kwargs)
+                bound.apply_defaults()
+                options = {k: bound.arguments[k] for k in names if k in bound.arguments}
+                positional = [v for k, v in bound.arguments.items() if k not in names]
+                watch._loss_call(cls(**options), positional[0], tuple(positional[1:2]))
+            elif func in BACKWARD:
+                loss = args[0] if args else kwargs.get("tensors", kwargs.get("self"))
+                watch.coupling(loss if isinstance(loss, torch.Tensor) else None)
+        return func(*args, **kwargs)

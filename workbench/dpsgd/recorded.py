@@ -99,6 +99,7 @@ class ModelRecorder:
                                   parameter_names(model))
         self.uncovered: dict[int, set[str]] = {}
         self.watch = LossWatch(loss_reduction, criterion)
+        self.watch.paused = self.paused  # its coupling test must not reach the recording hooks
         self._depth, self._tracking, self._rng, self._roots = 0, False, None, 0
         self._handles = [model.register_forward_pre_hook(self._enter),
                          model.register_forward_hook(self._exit, always_call=True)]
@@ -129,7 +130,8 @@ class ModelRecorder:
             if len(roots) > self._roots:  # this forward pass's call: its random state
                 roots[-1].rng = self._rng
                 shape = roots[-1].outputs[0][0]
-                self.watch.open(shape[0] if len(shape) else 1, self.root_rec.generation)
+                self.watch.open(shape[0] if len(shape) else 1, self.root_rec.generation,
+                                tree_flatten(output)[0])
 
     def close(self) -> None:
         self.watch.close()

@@ -179,7 +179,7 @@ class ActivationRecorder:
 
         def store(grad):
             call = ref()
-            if call is None:
+            if call is None or not self.recording:  # paused: a check's own gradient pass
                 return
             call.grads[k] = grad
             call.generation = self.generation
