@@ -50,6 +50,7 @@ from workbench.per_sample.einsum import (
     sample_layer,
     warn_fallbacks,
 )
+from workbench.per_sample.precision import in_full_precision
 from workbench.per_sample.recording import Recording, own_parameters
 from workbench.per_sample.recording import record as record_forward
 from workbench.per_sample.streaming import stream_backward
@@ -162,6 +163,7 @@ class NormSum:
         squares = self.squares
         squares[group] = value if group not in squares else squares[group] + value
 
+    @in_full_precision  # its products in float32, also inside an autocast block
     def add_call(self, layer, call) -> None:
         own = dict(self.rec.own(layer))
         if not own:
