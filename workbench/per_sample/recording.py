@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn.utils.parametrize import ParametrizationList
 
 from workbench.errors import UnsupportedLayerError
+from workbench.per_sample import precision
 from workbench.per_sample.checks import (
     check_batch,
     check_losses,
@@ -36,7 +37,6 @@ from workbench.per_sample.checks import (
     forward,
     trainable_parameters,
 )
-from workbench.per_sample import precision
 from workbench.per_sample.hooks import ActivationRecorder
 from workbench.per_sample.registry import find_grad_sampler, find_sampler_check, layer_type
 from workbench.per_sample.uses import UseTracker

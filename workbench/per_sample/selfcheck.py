@@ -43,8 +43,8 @@ import torch
 from torch.utils._pytree import tree_map
 
 from workbench.errors import PerSampleCheckError
-from workbench.per_sample.checks import check_losses, forward, take
 from workbench.per_sample import precision
+from workbench.per_sample.checks import check_losses, forward, take
 from workbench.per_sample.hooks import ActivationRecorder
 from workbench.per_sample.loss import substitute
 from workbench.per_sample.recording import (
@@ -234,7 +234,8 @@ def compare_norm(rec: Recording, got: torch.Tensor, exact) -> None:
     raise PerSampleCheckError(
         f"self-check failed: the per-sample gradient norm of sample {rec.n - 1} is "
         f"{float(got):.6g}, its exact twin gives {exact:.6g} (tolerance {tol:g} for "
-        f"{precision.compared_dtype(rec)}; the twin runs the sample alone, or, with randomness such as dropout, "
+        f"{precision.compared_dtype(rec)}; the twin runs the sample alone, or, with "
+        f"randomness such as dropout, "
         f"the batch again with the same random state and the other samples replaced). A "
         f"norm or grad sampler registered for one of the layers is wrong, or the model "
         f"mixes samples outside any module (e.g. x - x.mean(0), with or without dropout), "
