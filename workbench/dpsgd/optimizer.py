@@ -36,7 +36,9 @@ use the optimizer's ``weight_decay``, data-independent and applied after the noi
 ``torch.amp.GradScaler``: ``scaler.step(optimizer)`` hands over its scale
 (``_step_supports_amp_scaling``), which is divided out of every recorded gradient before
 clipping; ``scaler.update()`` reads the inf check of ``.grad`` as usual. The step is taken
-even when an inf was found (skipping it would depend on the data).
+even when an inf was found (skipping it would depend on the data). ``torch.autocast``
+(bfloat16, float16): norms, clip factors and sums are computed in float32, the self-check
+replays the recorded autocast state (``per_sample/precision.py``).
 
 **Non-finite records** (a NaN or inf per-sample gradient) are left out of the sum, counted in
 ``last["nonfinite"]`` (indices in ``last["nonfinite_indices"]``) and warned about; a batch of

@@ -24,6 +24,15 @@ operation), float16 11 (2⁻¹¹ ≈ 5e-4, but no loss scale inside the twins, s
 lose bits to float16's range): both are compared at ``selfcheck.TOLERANCE`` 5e-2, far below
 the O(1) error of a wrong row, a missed use or a mixed batch.
 
+Why the rules do not re-run layers under autocast too: norms and clipped sums must come from
+the same float32 g_i for the bound to hold in float32 (a layer re-run in bfloat16 would round
+c_i b_i to 8 bits inside book-keeping's weight gradient, letting ||c_i g_i|| pass C by ~2⁻⁹).
+A layer whose forward itself depends on the autocast state beyond rounding is then caught by
+the twins, which do replay it. ``torch.func.vmap`` of a whole model under autocast fails for
+some layers (a LayerNorm on a bfloat16 input: torch's batching rule); method='vmap' then
+raises naming autocast (``functional.vmap_or_explain``), and the optimizer's whole-model
+fallback falls back to micro-batching (``fallback.py``), both under the recorded state.
+
 Cost: the widened copies of a call's bfloat16 activations and backprops are float32 (twice
 their size) while the clipping engine holds them.
 
@@ -35,8 +44,6 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 from torch.utils._pytree import tree_map
-
-LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def state(device: torch.device) -> torch.dtype | None:
