@@ -29,6 +29,7 @@ ALL_MODES = (*MODES, "auto")
 C, N, D, K = 0.3, 6, 5, 4  # clip norm (most records are clipped), batch, features, classes
 TOL_SUM = {torch.bfloat16: 3e-2, torch.float16: 5e-3}  # relative to ||twin||: docstring
 AMP = (torch.bfloat16, torch.float16)
+UNIT = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}  # relative rounding step
 
 
 def mlp(seed=0):
@@ -91,24 +92,48 @@ def assert_matches_twin(got, last, ref, ref_norms, amp):
     assert torch.allclose(norms, ref_norms, rtol=tol)
 
 
+def conv(seed=0):  # Conv1d computes in the autocast dtype, book-keeping re-runs it
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv1d(1, 3, 2), nn.Tanh(), nn.Flatten(), nn.Linear(3 * (D - 1), K))
+
+
+def embedding(seed=0):  # Embedding stays float32 under autocast; the Linear after it does not
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Embedding(7, 3), nn.Flatten(), nn.Linear(3 * D, K))
+
+
+MODELS = {"mlp": (mlp, lambda x: x), "conv": (conv, lambda x: x.unsqueeze(1)),
+          "embedding": (embedding, lambda x: (x.abs() * 3).long().clamp(max=6))}
+
+
 @pytest.mark.parametrize("amp", AMP)
 @pytest.mark.parametrize("mode", ALL_MODES)
-def test_autocast_step_matches_the_float64_twin(mode, amp):
+@pytest.mark.parametrize("kind", MODELS)
+def test_autocast_step_matches_the_float64_twin(kind, mode, amp):
+    make, inputs = MODELS[kind]
     x, y = batch()
-    model = mlp()
+    x = inputs(x)
+    model = make()
     got, last = step(model, x, y, mode, amp)
     assert_matches_twin(got, last, *twin(model, x, y), amp)
 
 
 @pytest.mark.parametrize("amp", AMP)
 @pytest.mark.parametrize("mode", ["einsum", "ghost", "bookkeeping"])
-def test_removing_one_record_moves_the_sum_by_at_most_C(mode, amp):
+@pytest.mark.parametrize("kind", ["mlp", "conv"])
+def test_removing_one_record_moves_the_sum_by_at_most_C(kind, mode, amp):
+    make, inputs = MODELS[kind]
     x, y = batch()
-    got, _ = step(mlp(), x, y, mode, amp)
+    x = inputs(x)
+    got, _ = step(make(), x, y, mode, amp)
     for j in (0, N - 1):
         keep = torch.arange(N) != j
-        other, _ = step(mlp(), x[keep], y[keep], mode, amp)
-        assert float((got - other).double().norm()) <= C * (1 + 1e-3)
+        other, _ = step(make(), x[keep], y[keep], mode, amp)
+        # record j's own contribution is ≤ C (checked against the twin above); the others'
+        # move by their rounding in the autocast dtype, which depends on the batch (b_i is
+        # rounded after the mean's 1/n: measured 1.2e-3 C in total for the Conv1d model), at
+        # most ~2 u per record (precision.py)
+        assert float((got - other).double().norm()) <= C * (1 + (N - 1) * 2 * UNIT[amp])
 
 
 class Gain(nn.Module):

@@ -33,6 +33,13 @@ some layers (a LayerNorm on a bfloat16 input: torch's batching rule); method='vm
 raises naming autocast (``functional.vmap_or_explain``), and the optimizer's whole-model
 fallback falls back to micro-batching (``fallback.py``), both under the recorded state.
 
+What stays outside the bound: a record's backprop is rounded to the autocast dtype *after* the
+mean-reduced loss scaled it by 1/n (b_i / 6 and b_i / 5 round differently; the forward rows
+themselves were identical in our check), so removing record j also moves the *others'*
+contributions by their rounding (~2⁻⁸ relative each in bfloat16; measured 1.2e-3 C in total
+with n = 6, a Conv1d model). Each record's own clipped contribution is still ≤ C;
+``tests/dpsgd/test_mixed_precision.py`` bounds the rest.
+
 Cost: the widened copies of a call's bfloat16 activations and backprops are float32 (twice
 their size) while the clipping engine holds them.
 
