@@ -38,11 +38,13 @@ from workbench.clipping.nonfinite import bad_records, finite_values, masked
 from workbench.per_sample.einsum import sample_layer
 from workbench.per_sample.functional import layer_vmap_grad_sampler
 from workbench.per_sample.microbatch import layer_microbatch_grad_sampler
+from workbench.per_sample.precision import in_full_precision
 
 MODES = ("microbatch", "vmap", "einsum", "ghost", "bookkeeping")
 MATERIALISING = ("microbatch", "vmap", "einsum")
 
 
+@in_full_precision  # the layers re-run on widened inputs (per_sample/precision.py)
 def materialise(rec, mode: str) -> dict[int, torch.Tensor]:
     """{id(param): (n, *shape)} per-sample gradients of the rule parameters, summed over each
     parameter's calls."""
@@ -104,6 +106,7 @@ def embedding_weight_grads(layer, call, weighted: torch.Tensor, own: list) -> di
     return {id(layer.weight): grad}
 
 
+@in_full_precision
 def reweighted_weight_grads(layer, call, c, own: list, ok=None) -> dict:
     """{id(param): Σ_i c_i g_i} for ``own`` parameters of one call, by one weight gradient
     from the call's stored inputs (the backward pass has freed the graph). ``ok`` (n,), when

@@ -30,6 +30,7 @@ Notation: n batch size, g_i per-sample gradient (all parameters), C max_grad_nor
 import torch
 
 from workbench.checks import check_max_grad_norm
+from workbench.per_sample.precision import in_full_precision
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)  # norms and squares accumulate in float32
 
@@ -46,6 +47,7 @@ def clip_factors(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
     return torch.where(torch.isfinite(norms), c, torch.zeros_like(c))  # C / NaN is NaN
 
 
+@in_full_precision  # also inside an autocast block (per_sample/precision.py)
 def grad_norms(grads: dict[str, torch.Tensor]) -> torch.Tensor:
     """||g_i|| (n,) float64 over all parameters from per-sample gradients {name: (n, ...)}."""
     squares = [sample_squares(g) for g in grads.values()]  # each (n,) float64
@@ -85,6 +87,7 @@ def sample_squares(g: torch.Tensor) -> torch.Tensor:
     return sample_norms(g).square()
 
 
+@in_full_precision  # Σ_i c_i g_i in g's dtype, not autocast's
 def weighted_sum(grads: dict[str, torch.Tensor], c: torch.Tensor) -> dict[str, torch.Tensor]:
     """{name: Σ_i c_i g_i} from materialised per-sample gradients."""
     return {name: torch.tensordot(c.to(g.dtype), g, dims=1) for name, g in grads.items()}

@@ -40,7 +40,7 @@ Notation: n batch, a activations, b backprops, c clip factors, C max_grad_norm.
 import torch
 from torch.nn.utils.parametrize import is_parametrized
 
-from workbench.clipping.flat import LOW_PRECISION, clip_factors, norm_dtype, sample_squares
+from workbench.clipping.flat import clip_factors, norm_dtype, sample_squares
 from workbench.clipping.nonfinite import refuse_nonfinite
 from workbench.clipping.registry import find_norm_sampler
 from workbench.per_sample import selfcheck
@@ -50,6 +50,7 @@ from workbench.per_sample.einsum import (
     sample_layer,
     warn_fallbacks,
 )
+from workbench.per_sample.precision import in_full_precision, widen
 from workbench.per_sample.recording import Recording, own_parameters
 from workbench.per_sample.recording import record as record_forward
 from workbench.per_sample.streaming import stream_backward
@@ -162,6 +163,7 @@ class NormSum:
         squares = self.squares
         squares[group] = value if group not in squares else squares[group] + value
 
+    @in_full_precision  # its products in float32, also inside an autocast block
     def add_call(self, layer, call) -> None:
         own = dict(self.rec.own(layer))
         if not own:
@@ -172,7 +174,8 @@ class NormSum:
             groups = {self.group_of(p) for p in own.values()}
             if (sampler is not None and everything and len(groups) == 1
                     and not any(id(p) in self.shared for p in own.values())):
-                args, b = widen(call.args), widen(call.backprops)  # float16 -> float32
+                # float16 -> float32: squared norms above 256² fit
+                args, b = widen(call.args, torch.float32), widen(call.backprops, torch.float32)
                 value = sampler(layer, args, b).double()  # ghost norm, (n,)
                 if self.deferred:
                     self.ghost.append((layer, call, own, groups.pop(), value))
@@ -213,15 +216,6 @@ class NormSum:
             for key, g in materialised.items():
                 self.add(self.group_of(params[key]), sample_squares(g))
         return self.squares, materialised
-
-
-def widen(x):
-    """float16/bfloat16 tensors (in tuples) as float32: squared norms above 256² fit."""
-    if isinstance(x, (tuple, list)):
-        return type(x)(widen(t) for t in x)
-    if isinstance(x, torch.Tensor) and x.dtype in LOW_PRECISION:
-        return x.float()
-    return x
 
 
 def ghost_norms(model, loss_fn, inputs, targets, check=True) -> torch.Tensor:

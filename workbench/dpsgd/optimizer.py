@@ -44,7 +44,9 @@ use the optimizer's ``weight_decay``, data-independent and applied after the noi
 ``torch.amp.GradScaler``: ``scaler.step(optimizer)`` hands over its scale
 (``_step_supports_amp_scaling``), which is divided out of every recorded gradient before
 clipping; ``scaler.update()`` reads the inf check of ``.grad`` as usual. The step is taken
-even when an inf was found (skipping it would depend on the data).
+even when an inf was found (skipping it would depend on the data). ``torch.autocast``
+(bfloat16, float16): norms, clip factors and sums are computed in float32, the self-check
+replays the recorded autocast state (``per_sample/precision.py``).
 
 **Non-finite records** (a NaN or inf per-sample gradient) are left out of the sum, counted in
 ``last["nonfinite"]`` (indices in ``last["nonfinite_indices"]``) and warned about; a batch of
@@ -82,7 +84,7 @@ from workbench.dpsgd.distributed import (
 from workbench.dpsgd.privatise import gaussian_noise
 from workbench.dpsgd.recorded import ModelRecorder, distributed_run
 from workbench.errors import UnattributedGradientError
-from workbench.per_sample import selfcheck
+from workbench.per_sample import precision, selfcheck
 from workbench.per_sample.checks import check_no_sample_mixing
 
 
@@ -232,7 +234,7 @@ class DPOptimizer(Optimizer):
         self.recorder.watch.check = check is not False
         self.recorder.watch.close()  # the loop's loss calls are in: the probes' are not
         norms, factors, modes, replays, paths = [], [], [], [], {}
-        skipped, seen = [], 0
+        skipped, seen, tol = [], 0, 0.0
         try:
             with self.recorder.paused():  # the samplers may call the layers themselves
                 for rec, exact in self.recorder.batches(self.loss_reduction, check, scale):
@@ -242,6 +244,7 @@ class DPOptimizer(Optimizer):
                     if mode == "auto":  # einsum or book-keeping, by clipping/auto.py's rule
                         mode = choose_mode(rec)[0]
                     modes.append(mode)
+                    tol = max(tol, selfcheck.TOLERANCE.get(precision.compared_dtype(rec), 1e-3))
                     if rec.signature is not None:  # before clipping frees the backprops
                         for key, g in self.recorder.path_gradient(rec, exact).items():
                             paths[key] = g if key not in paths else paths[key] + g
@@ -260,7 +263,7 @@ class DPOptimizer(Optimizer):
                 if torch.isfinite(norm):  # a non-finite record is left out, not compared
                     self._verify(rec, norm)
             if paths and not skipped:  # Σ_i g_i with a NaN record in it proves nothing
-                self._check_path(paths)
+                self._check_path(paths, tol)
         except Exception:
             self._sums = {}  # nothing of a refused batch is kept for a later step
             self.recorder.clear()
@@ -283,11 +286,16 @@ class DPOptimizer(Optimizer):
         selfcheck.compare_norm(rec, norm, ref)
         selfcheck.remember(self.recorder.model, rec.signature, dict(rec.fallback))
 
-    def _check_path(self, paths: dict) -> None:
-        """The user's ``.grad`` must be Σ_i g_i: what flowed through the model's output."""
+    def _check_path(self, paths: dict, tol: float) -> None:
+        """The user's ``.grad`` must be Σ_i g_i: what flowed through the model's output, to
+        ``tol`` (the dtype the batches were computed in: autocast's, ``precision.py``)."""
         if distributed_run(self.model) or not (self._zeroed or all(
                 p.grad is not self._released.get(id(p)) for p in self.recorder.params.values())):
             return  # .grad is all-reduced, or holds an earlier step's: not this batch's sum
+        if self._amp_scale() is not None and not all(
+                p.grad is None or bool(torch.isfinite(p.grad).all())
+                for p in self.recorder.params.values()):
+            return  # a GradScaler's overflow: its inf check lowers the scale (module docstring)
         pairs = {}
         for name, p in self.recorder.params.items():
             user = torch.zeros_like(p) if p.grad is None else p.grad.detach()
@@ -302,7 +310,8 @@ class DPOptimizer(Optimizer):
         total = sum(d * d for d, _ in diffs)
         scale = max(max(float(u.double().norm()), abs(alpha) * float(o.double().norm()))
                     for u, o in pairs.values())
-        tol = selfcheck.TOLERANCE.get(next(iter(self.recorder.params.values())).dtype, 1e-3)
+        tol = max(tol, selfcheck.TOLERANCE.get(next(iter(self.recorder.params.values())).dtype,
+                                                1e-3))
         if total ** 0.5 <= tol * scale + 1e-12:
             return
         worst = [name for d, name in sorted(diffs, reverse=True)[:3] if d > 0]
@@ -336,7 +345,7 @@ class DPOptimizer(Optimizer):
             for p in group["params"]:
                 if not p.requires_grad:
                     continue
-                total = self._sums.get(id(p), torch.zeros_like(p)).detach().clone()
+                total = self._sums.get(id(p), torch.zeros_like(p)).detach().to(p.dtype).clone()
                 if distributed:  # Σ over all ranks' samples, each clipped on its own rank
                     signal = total.clone()
                     all_reduce(signal, timeout_minutes=self.all_reduce_timeout_minutes,

@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_flatten
 from workbench.clipping.engine import reweighted_weight_grads
 from workbench.dpsgd.loss_watch import LossWatch
 from workbench.errors import UnsupportedLayerError
-from workbench.per_sample import selfcheck
+from workbench.per_sample import precision, selfcheck
 from workbench.per_sample.checks import ModelCall
 from workbench.per_sample.fallback import exact_per_sample_gradients
 from workbench.per_sample.hooks import ActivationRecorder
@@ -101,6 +101,7 @@ class ModelRecorder:
         self.watch = LossWatch(loss_reduction, criterion)
         self.watch.paused = self.paused  # its coupling test must not reach the recording hooks
         self._depth, self._tracking, self._rng, self._roots = 0, False, None, 0
+        self._amp = None  # the autocast dtype of the forward pass running (precision.py)
         self._handles = [model.register_forward_pre_hook(self._enter),
                          model.register_forward_hook(self._exit, always_call=True)]
 
@@ -112,7 +113,8 @@ class ModelRecorder:
         self._depth += 1
         if self._depth == 1 and self.layer_rec.recording:
             self.watch.close()  # a new forward pass: the loss window of the last one ends
-            self._rng = rng_state(next(iter(self.params.values())).device)
+            device = next(iter(self.params.values())).device
+            self._rng, self._amp = rng_state(device), precision.state(device)
             self._roots = len(self.root_rec.calls[ROOT])
             self.tracker.__enter__()
             self._tracking = True
@@ -128,7 +130,7 @@ class ModelRecorder:
                 self.uncovered.setdefault(key, set()).update(where)
             roots = self.root_rec.calls[ROOT]
             if len(roots) > self._roots:  # this forward pass's call: its random state
-                roots[-1].rng = self._rng
+                roots[-1].rng, roots[-1].amp = self._rng, self._amp  # replayed by the checks
                 shape = roots[-1].outputs[0][0]
                 self.watch.open(shape[0] if len(shape) else 1, self.root_rec.generation,
                                 tree_flatten(output)[0])
@@ -192,6 +194,7 @@ class ModelRecorder:
             rec = self._recording(gen, mine, loss_reduction, scale)
             root = mine[0]
             rec.rng = getattr(root, "rng", None)
+            rec.autocast = getattr(root, "amp", None)
             sig = selfcheck.known(self.model, rec, check, extra=("optimizer",))
             rec.signature = sig if len(mine) == 1 else None
             rec.probe = None
@@ -272,9 +275,9 @@ class ModelRecorder:
                 f"dim 0 of the inputs and outputs; this backward pass had {len(roots)} model "
                 f"call(s). Restructure the forward pass, or compute per-sample gradients with "
                 f"wb.clipped_grad_sum(model, loss_fn, x, y, C, method=...)")
-        grads = exact_per_sample_gradients(self.model, dot_loss, _inputs(root, rec.n),
-                                           root.backprops,
-                                           names, reasons)
+        with precision.replayed(rec.autocast, rec.device):  # the model as it was run
+            grads = exact_per_sample_gradients(self.model, dot_loss, _inputs(root, rec.n),
+                                               root.backprops, names, reasons)
         return {id(self.params[k]): g for k, g in grads.items()}
 
     def drop_outside_grads(self) -> None:

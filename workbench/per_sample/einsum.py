@@ -27,6 +27,7 @@ import torch
 from workbench.per_sample import selfcheck
 from workbench.per_sample.fallback import exact_per_sample_gradients
 from workbench.per_sample.functional import layer_vmap_grad_sampler
+from workbench.per_sample.precision import in_full_precision
 from workbench.per_sample.recording import Recording, record
 from workbench.per_sample.registry import find_grad_sampler
 
@@ -48,6 +49,7 @@ def warn_fallbacks(rec: Recording, covered=None) -> None:
                       stacklevel=4)
 
 
+@in_full_precision  # a and b widened (precision.py): the rule computes in their dtype
 def sample_layer(layer, call, keep=None) -> dict[str, torch.Tensor]:
     """Per-sample gradients of ``layer``'s own trainable parameters for one recorded call
     (``keep``: local names to return; default all).

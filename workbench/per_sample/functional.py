@@ -19,6 +19,7 @@ from torch.func import functional_call, grad, vjp, vmap
 from torch.utils._pytree import tree_map
 
 from workbench.errors import UnsupportedLayerError, WorkbenchError
+from workbench.per_sample import precision
 from workbench.per_sample.checks import check_batch, check_losses, trainable_parameters
 
 
@@ -74,6 +75,16 @@ def vmap_or_explain(model, loss_fn, inputs, targets):
     except WorkbenchError:
         raise
     except (RuntimeError, NotImplementedError) as error:
+        p0 = next(model.parameters(), None)
+        amp = None if p0 is None else precision.state(p0.device)
+        if amp is not None:
+            raise UnsupportedLayerError(
+                f"method='vmap' cannot run this model under torch.autocast({amp}): "
+                f"torch.func.vmap's backward failed with {type(error).__name__}: "
+                f"{str(error).splitlines()[0][:160]} (torch's batching rules do not support "
+                f"every mixed-precision backward, e.g. a LayerNorm on a {amp} input). Use "
+                f"method='einsum' or 'microbatch', which are exact under autocast, or call "
+                f"outside the autocast block") from error
         raise UnsupportedLayerError(
             f"method='vmap' cannot run this model: torch.func.vmap failed with "
             f"{type(error).__name__}: {str(error).splitlines()[0][:200]}. Models that pack "

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from workbench.per_sample import precision
 from workbench.per_sample.broadcast import BROADCASTABLE
 
 
@@ -59,6 +60,7 @@ class LayerCall:
     grads: list = field(default_factory=list)  # capture="hooks": per-output gradient, or None
     handles: list = field(default_factory=list)  # capture="hooks": the gradient hooks' handles
     meet: object = None  # broadcast.Meeting: b comes from where a batch-free output meets n
+    widen_to: object = None  # under autocast: the layer's parameter dtype (``precision.py``)
 
     @property
     def edge(self) -> GradientEdge:
@@ -78,6 +80,11 @@ class LayerCall:
         full = [torch.zeros(s, dtype=d, device=v) if g is None else g
                 for g, (s, d, v) in zip(grads, self.outputs)]
         self.backprops = tuple(full) if self.is_tuple else full[0]
+        if self.widen_to is not None:  # autocast: a and b in the parameter's dtype
+            up = self.widen_to
+            self.backprops = precision.widen(self.backprops, up)
+            self.args, self.kwargs = precision.widen(self.args, up), precision.widen(
+                self.kwargs, up)
 
 
 def tensor_outputs(output):
@@ -148,6 +155,8 @@ class ActivationRecorder:
                          edges=[get_gradient_edge(t) for t in tensors],
                          outputs=[(t.shape, t.dtype, t.device) for t in tensors],
                          is_tuple=is_tuple, grads=[None] * len(tensors))
+        if precision.state(tensors[0].device) is not None:
+            call.widen_to = precision.layer_dtype(layer)
         self.calls.setdefault(path, []).append(call)
         if self.capture == "hooks":
             call.handles = [t.register_hook(self._grad_hook(call, k))

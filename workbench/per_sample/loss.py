@@ -89,7 +89,10 @@ def _counted(criterion, z, y):
 def record_factors(criterion, z, y, n: int, reduction: str) -> torch.Tensor:
     """f (n,) of Eq. (2): record i's rows of ∂L/∂z times f_i are ∇_z ℓ_i."""
     rows = z.shape[0] if isinstance(z, torch.Tensor) and z.dim() else n
-    dtype = z.dtype if z.is_floating_point() else torch.get_default_dtype()
+    # at least float32: under autocast z is bfloat16/float16, where n / GradScaler's 65536
+    # would be 0 and D / N_i rounded (per_sample/precision.py)
+    dtype = torch.promote_types(z.dtype, torch.float32) if z.is_floating_point() \
+        else torch.get_default_dtype()
     uniform = torch.full((n,), float(n if reduction == "mean" else 1), dtype=dtype,
                          device=z.device)
     if reduction == "sum" or n == 0 or type(criterion) not in DENOMINATOR or not isinstance(

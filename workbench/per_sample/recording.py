@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn.utils.parametrize import ParametrizationList
 
 from workbench.errors import UnsupportedLayerError
+from workbench.per_sample import precision
 from workbench.per_sample.checks import (
     check_batch,
     check_losses,
@@ -160,6 +161,7 @@ class Recording:
     rng: tuple | None = None  # selfcheck.rng_state before the forward pass (record_probe)
     replay: object = None  # () -> exact g_i of the record probe (random models, when checked)
     factors: torch.Tensor | None = None  # (n,) f_i applied to record i's backprops (loss.py)
+    autocast: torch.dtype | None = None  # the forward pass's autocast dtype (precision.py)
 
     def calls(self):
         """(path, layer, call) for every call whose output reached the loss."""
@@ -223,7 +225,7 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
         check_losses(losses, n)
     check_recorded(layers, recorder)
     rec = Recording(n, layers, recorder, params, p0.dtype, p0.device, losses,
-                    random=tracker.random, rng=rng)
+                    random=tracker.random, rng=rng, autocast=precision.state(p0.device))
     note_uncovered(rec, tracker.uncovered)
     for path, layer in layers.items():
         for call in recorder.calls[path]:

@@ -43,6 +43,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from workbench.errors import PerSampleCheckError
+from workbench.per_sample import precision
 from workbench.per_sample.checks import check_losses, forward, take
 from workbench.per_sample.hooks import ActivationRecorder
 from workbench.per_sample.loss import substitute
@@ -55,7 +56,8 @@ from workbench.per_sample.recording import (
 from workbench.per_sample.uses import UseTracker
 
 # relative tolerance of the comparison: float64 methods agree to ~1e-13; float32 to ~1e-5;
-# a wrong row, a missed use or a mixed batch is off by O(1)
+# a wrong row, a missed use or a mixed batch is off by O(1). Under autocast the tolerance is the
+# autocast dtype's (precision.py: bfloat16 rounds at 2^-8 per operation)
 TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-3, torch.float16: 5e-2,
              torch.bfloat16: 5e-2}
 CHECKS = (True, False, "always")
@@ -106,7 +108,8 @@ def probe(rec: Recording, model, loss_fn, inputs, targets) -> dict[str, torch.Te
     i = rec.n - 1
     rows = slice(i, i + 1)
     devices = [rec.device] if rec.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), ActivationRecorder(rec.layers) as small:
+    with torch.random.fork_rng(devices=devices), ActivationRecorder(rec.layers) as small, \
+            precision.replayed(rec.autocast, rec.device):  # the batch's autocast state
         tracker = UseTracker(owners_of(rec.layers, model), small, parameter_names(model))
         with tracker:  # the same functional and batch-free calls as the batch's (uses.py)
             out = forward(model, take(inputs, rows))
@@ -162,7 +165,8 @@ def record_probe(rec: Recording, model, args, kwargs, loss_of_record) -> dict:
     the batch's random state replayed: ∇_θ loss_of_record(model(*args', **kwargs'))."""
     i = rec.n - 1
     args, kwargs = substituted((args, kwargs), i, rec.n)
-    with replayed(rec.rng, rec.device), torch.enable_grad():
+    with replayed(rec.rng, rec.device), torch.enable_grad(), \
+            precision.replayed(rec.autocast, rec.device):
         loss = loss_of_record(model(*args, **kwargs))
     params = list(rec.params.values())
     grads = torch.autograd.grad(loss, params, allow_unused=True)
@@ -189,7 +193,7 @@ def compare(rec: Recording, got: dict, ref: dict, what: str) -> None:
     """Raise PerSampleCheckError unless ``got`` (name -> tensor) equals ``ref``."""
     if not ref:
         return
-    tol = TOLERANCE.get(rec.dtype, 1e-3)
+    tol = TOLERANCE.get(precision.compared_dtype(rec), 1e-3)
     err = _norm(got[k] - ref[k] for k in ref)  # one difference alive at a time
     scale = max(float(_norm(ref.values())), float(_norm(got.values())))
     if not math.isfinite(float(_norm(ref.values()))) and \
@@ -201,7 +205,8 @@ def compare(rec: Recording, got: dict, ref: dict, what: str) -> None:
     worst = sorted(ref, key=lambda k: -float(_norm([got[k] - ref[k]])))[:3]
     raise PerSampleCheckError(
         f"self-check failed: {what} differs from the exact value by {float(err):.3g} "
-        f"(relative {float(err) / max(scale, 1e-300):.3g}, tolerance {tol:g} for {rec.dtype}); "
+        f"(relative {float(err) / max(scale, 1e-300):.3g}, tolerance {tol:g} for "
+        f"{precision.compared_dtype(rec)}); "
         f"the largest differences are in {', '.join(worst)}. A grad/norm sampler registered "
         f"for their layer is wrong, or the model mixes samples outside any module (e.g. "
         f"x - x.mean(0)), or reads a parameter in a way no hook sees. Nothing was returned. "
@@ -219,7 +224,7 @@ def probe_norm(ref: dict) -> float:
 def compare_norm(rec: Recording, got: torch.Tensor, exact) -> None:
     """The fast ||g_i|| of the probed sample against the exact ||g_i|| (a number, or the
     exact g_i itself as a dict, from the record probe)."""
-    tol = TOLERANCE.get(rec.dtype, 1e-3)
+    tol = TOLERANCE.get(precision.compared_dtype(rec), 1e-3)
     exact = float(_norm(exact.values())) if isinstance(exact, dict) else float(exact)
     if not math.isfinite(exact) and not math.isfinite(float(got)):
         return  # a non-finite record either way: clipping/nonfinite.py's policy handles it
@@ -229,7 +234,8 @@ def compare_norm(rec: Recording, got: torch.Tensor, exact) -> None:
     raise PerSampleCheckError(
         f"self-check failed: the per-sample gradient norm of sample {rec.n - 1} is "
         f"{float(got):.6g}, its exact twin gives {exact:.6g} (tolerance {tol:g} for "
-        f"{rec.dtype}; the twin runs the sample alone, or, with randomness such as dropout, "
+        f"{precision.compared_dtype(rec)}; the twin runs the sample alone, or, with "
+        f"randomness such as dropout, "
         f"the batch again with the same random state and the other samples replaced). A "
         f"norm or grad sampler registered for one of the layers is wrong, or the model "
         f"mixes samples outside any module (e.g. x - x.mean(0), with or without dropout), "

@@ -1,0 +1,120 @@
+"""Mixed precision: per-sample gradients of a model trained under ``torch.autocast``.
+
+Under ``torch.autocast(device, dtype=bfloat16 | float16)`` a layer's parameters stay in their
+own dtype (float32), but the layer computes in the autocast dtype: a Linear's recorded
+activations a (the output of an earlier autocast layer) and its backprops b are bfloat16 or
+float16. The per-layer rules (Yousefpour et al. 2021, arXiv 2109.12298, Eq. 4-5) then read
+
+    g_i = b_iᵀ a_i        computed here in the parameter's dtype: a and b are *widened*
+
+(``widen``, once per call when its backprops arrive: ``hooks.LayerCall.set_backprops``), so
+every per-sample gradient, norm (float64 squares, ``clipping/flat.py``), clip factor
+c_i = min(1, C / ||g_i||) and clipped sum Σ_i c_i g_i is computed in float32, and the bound
+||c_i g_i|| ≤ C holds in float32 arithmetic whatever the autocast dtype. The rules' own
+re-runs of a layer (vmap, micro-batching, book-keeping's weight gradient of a layer that is not
+a Linear) and the norm samplers' products run with autocast *off* on the widened inputs
+(``full_precision``).
+
+The exact twins that check them (``selfcheck.probe``, ``record_probe``, the whole-model
+fallback) re-run the *model*, and a model is what it computes: they run under the autocast
+state its recorded forward pass ran under (``state``, read in the forward pre-hook next to the
+random state; ``replayed``), and the comparison's tolerance is the autocast dtype's
+(``tolerance``): bfloat16 keeps 8 significant bits (relative rounding 2⁻⁸ ≈ 4e-3 per
+operation), float16 11 (2⁻¹¹ ≈ 5e-4, but no loss scale inside the twins, so small gradients
+lose bits to float16's range): both are compared at ``selfcheck.TOLERANCE`` 5e-2, far below
+the O(1) error of a wrong row, a missed use or a mixed batch.
+
+Why the rules do not re-run layers under autocast too: norms and clipped sums must come from
+the same float32 g_i for the bound to hold in float32 (a layer re-run in bfloat16 would round
+c_i b_i to 8 bits inside book-keeping's weight gradient, letting ||c_i g_i|| pass C by ~2⁻⁹).
+A layer whose forward itself depends on the autocast state beyond rounding is then caught by
+the twins, which do replay it. ``torch.func.vmap`` of a whole model under autocast fails for
+some layers (a LayerNorm on a bfloat16 input: torch's batching rule); method='vmap' then
+raises naming autocast (``functional.vmap_or_explain``), and the optimizer's whole-model
+fallback falls back to micro-batching (``fallback.py``), both under the recorded state.
+
+What stays outside the bound: a record's backprop is rounded to the autocast dtype *after* the
+mean-reduced loss scaled it by 1/n (b_i / 6 and b_i / 5 round differently; the forward rows
+themselves were identical in our check), so removing record j also moves the *others'*
+contributions by their rounding (~2⁻⁸ relative each in bfloat16; measured 1.2e-3 C in total
+with n = 6, a Conv1d model). Each record's own clipped contribution is still ≤ C;
+``tests/dpsgd/test_mixed_precision.py`` bounds the rest.
+
+Cost: the widened copies of a call's bfloat16 activations and backprops are float32 (twice
+their size) while the clipping engine holds them.
+
+Notation: n batch size, a activations, b backprops, g_i per-sample gradient, C max_grad_norm.
+"""
+
+import functools
+from contextlib import ExitStack, contextmanager
+
+import torch
+from torch.utils._pytree import tree_map
+
+
+def state(device: torch.device) -> torch.dtype | None:
+    """The autocast dtype active for ``device`` now (bfloat16, float16), or None when off."""
+    kind = torch.device(device).type
+    if not torch.is_autocast_enabled(kind):
+        return None
+    return torch.get_autocast_dtype(kind)
+
+
+@contextmanager
+def replayed(dtype: torch.dtype | None, device: torch.device):
+    """Inside: the autocast state ``dtype`` (None: off) for ``device``, whatever the caller's."""
+    kind = torch.device(device).type
+    with torch.autocast(kind, dtype=dtype, enabled=dtype is not None):
+        yield
+
+
+@contextmanager
+def full_precision():
+    """Autocast off (CPU, and CUDA where present): the rules compute in the widened inputs'
+    dtype, also when they run inside the user's autocast block (the functional API, a step
+    taken inside it)."""
+    kinds = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    with ExitStack() as stack:
+        for kind in kinds:
+            stack.enter_context(torch.autocast(kind, enabled=False))
+        yield
+
+
+def in_full_precision(rule):
+    """``rule`` run under ``full_precision``."""
+    @functools.wraps(rule)
+    def run(*args, **kwargs):
+        with full_precision():
+            return rule(*args, **kwargs)
+
+    return run
+
+
+def widen(tree, dtype: torch.dtype | None):
+    """Every floating Tensor of ``tree`` narrower than ``dtype`` cast to it; others as they are
+    (integer indices, Tensors already as wide). ``dtype`` None: ``tree`` unchanged."""
+    if dtype is None:
+        return tree
+
+    def up(t):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype \
+                and torch.finfo(t.dtype).bits < torch.finfo(dtype).bits:
+            return t.detach().to(dtype)
+        return t
+
+    return tree_map(up, tree)
+
+
+def layer_dtype(layer) -> torch.dtype | None:
+    """The dtype a layer's rules compute in: its first floating parameter's."""
+    for p in layer.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return None
+
+
+def compared_dtype(rec) -> torch.dtype:
+    """The dtype whose tolerance a check of ``rec`` uses: the autocast dtype of its forward
+    pass if it ran under autocast, else the parameters'."""
+    return getattr(rec, "autocast", None) or rec.dtype
