@@ -106,7 +106,7 @@ def test_a_result_outside_the_protocol_is_refused_by_name():
 
 def test_gradient_table_has_no_unexplained_nan(sections):
     s = sections["gradients"]
-    table = s.table
+    table = s.table[s.table["model"] == "mlp"]
     assert list(table["method"]) == ["einsum", "bookkeeping"]
     assert not table.isna().any().any()
     assert table.loc[table["method"] == "bookkeeping", "compared"].item() == "clipped sum only"
@@ -170,7 +170,8 @@ def test_a_row_that_raised_is_drawn_as_raised_not_at_a_height():
     assert any(t.startswith("raised") for t in texts)
     points = [a.get_offsets() for a in artists if hasattr(a, "get_offsets")]
     heights = [float(y) for p in points for y in p[:, 1]]
-    assert heights and max(heights) <= float(audit.table["max_rel_error"].max()) + 1e-30
+    floor = 1e-18  # exact agreement is drawn at the floor; nothing higher is invented
+    assert heights and max(heights) <= max(floor, float(audit.table["max_rel_error"].max()))
 
 
 def test_bug_zoo_green_means_caught(sections):

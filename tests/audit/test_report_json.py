@@ -42,9 +42,16 @@ def test_nan_becomes_null(written):
     assert book and all(r["norm_rel_error"] is None for r in book)
 
 
+def _verdict(d, verdict):
+    return next(s for s in d["sections"] if s["verdict"] == verdict)
+
+
 @pytest.mark.parametrize("breakage", [
-    lambda d: d["sections"][2].update(passed=True),  # a skipped section that "passed"
-    lambda d: d["sections"][2].update(reason=""),  # skipped without a reason
+    lambda d: _verdict(d, "skipped").update(passed=True),  # a skipped section that "passed"
+    lambda d: _verdict(d, "skipped").update(reason=""),  # skipped without a reason
+    lambda d: _verdict(d, "not applicable").update(passed=True),  # n/a counted as passed
+    lambda d: _verdict(d, "passed").update(part="appendix"),  # a part that does not exist
+    lambda d: d["by_part"].pop("library"),
     lambda d: d.pop("schema_version"),
     lambda d: d.update(verdict="OK"),
     lambda d: d["provenance"].update(command="make audit"),
