@@ -121,7 +121,8 @@ def optimizer_case(name, mode):
     return pytest.param(name, mode, marks=marks)
 
 
-@pytest.mark.parametrize("name,mode", [optimizer_case(n, m) for n in NAMES for m in MODES])
+@pytest.mark.parametrize("name,mode", [optimizer_case(n, m) for n in NAMES
+                                       for m in (*MODES, "auto")])
 def test_dp_optimizer_is_exact_every_step_or_refused(name, mode):
     word = refused(name, "all") or refused(name, mode)
     if word:
