@@ -48,7 +48,8 @@ def llama_like(kind: str, **extra):
 
 def gpt2():
     return build("GPT2Config", "GPT2LMHeadModel", vocab_size=VOCAB, n_embd=HIDDEN, n_layer=1,
-                 n_head=2, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                 n_head=2, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                 bos_token_id=1, eos_token_id=1)  # within the vocabulary
 
 
 def gpt_neox():
