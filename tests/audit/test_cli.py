@@ -174,7 +174,7 @@ def test_a_wrong_or_crashing_step_is_a_failed_section():
 def test_a_step_returning_nan_fails_its_sections_and_the_report_is_written(user, tmp_path,
                                                                           capsys, monkeypatch):
     monkeypatch.setattr(cli_suite, "gradient_sections", lambda *a: [])  # the steps only: quick
-    monkeypatch.setattr(cli_suite, "privacy_sections", lambda args, steps, progress: [
+    monkeypatch.setattr(cli_suite, "privacy_sections", lambda args, steps, progress, *part: [
         s for spec, f in steps.items()
         for s in cli_suite.step_sections(f"your step {spec}", f, trials=50)])
     code = audit("--step", "wb_user_code:nan_step", "--out", tmp_path)
@@ -206,8 +206,8 @@ def test_a_step_returning_nan_fails_its_sections_and_the_report_is_written(user,
     (["--loss", "mse", "--model", "wb_user_code:model", "--data", "wb_user_code:batch"],
      "--loss mse"),
     (["--trials", "3"], "--trials must be >= 50"),
-    (["--loss", "hinge"], "--loss 'hinge': choose one of cross_entropy, mse or give "
-                          "module:callable"),
+    (["--loss", "hinge"], "--loss 'hinge': choose one of cross_entropy, mse, "
+                          "sequence_cross_entropy or give module:callable"),
     (["--loss", "wb_user_code:nope"], "has no attribute 'nope'"),
 ])
 def test_input_errors_exit_2_with_one_line(user, tmp_path, capsys, monkeypatch, argv, message):

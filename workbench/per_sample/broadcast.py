@@ -20,7 +20,8 @@ from c ⊙ b) applies to it unchanged.
 When is this done? The use tracker (``uses.py``) counts every differentiable use of the
 output o of such a call during the forward pass and the loss. Exactly one use, an ``add``
 (``+``, ``torch.add``, ``+=``) with a tensor that carries dim 0 of the result, where o is
-broadcast along that dim 0 (o has fewer dims than h, or size 1 in dim 0): converted. Anything
+broadcast along that dim 0 (o has fewer dims than h, or size 1 in dim 0): converted. A no-op that
+returns o itself (``o.to(o.device)``, as Hugging Face's GPT-2 writes it) is not a use. Anything
 else (o used twice, a view of o, ``a - o``) keeps the call as it was; its dim 0 is then not the
 batch and ``recording.py`` sends its parameters to the exact fallback. The self-check
 (``selfcheck.py``) runs the same conversion at n = 1 and compares the result with
@@ -101,6 +102,8 @@ class BatchFree:
     def _use(self, a, func, args, kwargs, result, differentiable) -> None:
         entry = self.watched.get(id(a))
         if entry is None or entry.ref() is not a or not differentiable(result):
+            return
+        if result is a:  # a no-op returning o itself (Hugging Face's ``o.to(device)``)
             return
         entry.uses += 1
         if entry.uses == 1 and meets_batch(func, args, kwargs, a, result):
