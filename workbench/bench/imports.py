@@ -19,6 +19,8 @@ import statistics
 import subprocess
 import sys
 
+from workbench.outputs import output_file_arg
+
 HEAVY = ("pandas", "scipy", "matplotlib", "ipywidgets")
 
 _PROBE = r"""
@@ -65,8 +67,16 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--module", default="workbench")
+    parser.add_argument("--out", type=output_file_arg("--out"), default=None,
+                        help="also write the figures as a one-row CSV")
     args = parser.parse_args(argv)
     r = run(args.repeats, args.module)
+    if args.out is not None:
+        import pandas as pd
+
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        pd.DataFrame([{**r, "heavy_loaded": " ".join(r["heavy_loaded"])}]).to_csv(args.out,
+                                                                               index=False)
     print(f"import {r['module']} over import torch (median of {r['repeats']} fresh "
           f"interpreters): {r['seconds']:.3f} s, {r['MB']:.1f} MB resident, "
           f"{r['modules']:.0f} modules; heavy libraries loaded: "

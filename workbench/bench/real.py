@@ -20,7 +20,6 @@ Run: ``python -m workbench.bench real [--models gpt2 llama ...] [--repeats 3] [-
 
 import argparse
 import copy
-import os
 import warnings
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from workbench.bench.peak_memory import peak_bytes, tensor_bytes
 from workbench.bench.timing import device_name, time_interleaved
 from workbench.dpsgd import DPOptimizer
 from workbench.errors import WorkbenchError
+from workbench.outputs import output_file_arg
 from workbench.realzoo import PROBLEMS
 from workbench.realzoo.reference import clipped_sum, norms_of, one_at_a_time, scale, verdict
 
@@ -136,14 +136,6 @@ def row(name: str, repeats: int, device: torch.device) -> dict:
     return out
 
 
-def check_out(path: Path) -> None:
-    """Fail before any work when the CSV cannot be written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.is_dir() or (path.exists() and not os.access(path, os.W_OK)) \
-            or not os.access(path.parent, os.W_OK):
-        raise SystemExit(f"--out {path}: cannot write a CSV there; give a writable file path")
-
-
 def parse(argv):
     parser = argparse.ArgumentParser(prog="python -m workbench.bench real",
                                      description=__doc__.split("\n\n")[0])
@@ -151,7 +143,8 @@ def parse(argv):
                         metavar="NAME", help=f"from: {', '.join(PROBLEMS)}")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=Path, default=Path("bench-results/real.csv"))
+    parser.add_argument("--out", type=output_file_arg("--out"),
+                        default=Path("bench-results/real.csv"), help="CSV of the table")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1; got {args.repeats}")
@@ -186,8 +179,7 @@ def summary(table: pd.DataFrame) -> str:
 
 
 def main(argv=None):
-    args = parse(argv)
-    check_out(args.out)
+    args = parse(argv)  # --out is checked while parsing (workbench/outputs.py)
     device = torch.device(args.device)
     rows = []
     for name in args.models:
