@@ -10,6 +10,9 @@ import os
 
 import pytest
 
+# tiny configs and random weights only: nothing may reach a model hub (issue 25)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 REQUIRED = ("opacus", "dp_accounting", "dp-accounting",  # installed by `make test`
             "transformers", "timm", "peft", "torchvision")
 MARKERS = ("crosscheck", "realmodels")  # the extras' tests

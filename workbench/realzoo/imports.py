@@ -16,6 +16,7 @@ custom C++ ops" error. It says so once, with a warning.
 """
 
 import importlib
+import os
 import sys
 import types
 import warnings
@@ -44,7 +45,10 @@ def import_torchvision():
 
 
 def import_transformers():
-    """``transformers``, which imports torchvision where it is installed."""
+    """``transformers``, which imports torchvision where it is installed. The table builds
+    every model from a config with random weights, so the hub is never needed: offline mode is
+    set unless the caller chose otherwise."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import_torchvision()
     except ModuleNotFoundError:
