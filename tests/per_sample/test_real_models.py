@@ -30,16 +30,12 @@ SUBSET = ["gpt2", "llama", "opt", "bloom", "t5", "lora_llama", "timm_convnext",
           "timm_resnet_bn"]  # Conv1D, RMSNorm, flattened MLP, vmap refused, T5, LoRA, LN2d, BN
 NAMES = list(PROBLEMS) if ALL else SUBSET
 IMAGE = {name for name, p in PROBLEMS.items() if p.kind == "image"}
-T5_ISSUE = ("T5's relative position bias (an Embedding on a (query, key) bucket matrix) is "
-            "exact only where the optimizer re-probes each new call signature (issue 24's "
-            "per-step verification, helper inv): n = T after the first step")
 # the layers still on per-layer vmap (ghost_routes) and why; any other is a regression
 VMAP_ROUTES = {
     "opt": {"OPTLearnedPositionalEmbedding"},  # an Embedding subclass whose forward builds
     "bart": {"BartLearnedPositionalEmbedding"},  # its indices (cumsum / arange + 2): no rule
     "mamba": {"MambaMixer"},  # the selective scan: a loop over time of several parameters
 }
-
 
 @pytest.fixture(autouse=True)
 def libraries():
@@ -114,15 +110,9 @@ def test_functional_api_is_exact_or_refused(name):
 STEPS = (3, T, 4, T)  # Poisson-like batch sizes, n = T from the second step on
 
 
-def optimizer_case(name, mode):
-    marks = []
-    if name == "t5":
-        marks = [pytest.mark.xfail(reason=T5_ISSUE, strict=False)]
-    return pytest.param(name, mode, marks=marks)
-
-
-@pytest.mark.parametrize("name,mode", [optimizer_case(n, m) for n in NAMES
-                                       for m in (*MODES, "auto")])
+# T5's relative position bias (an Embedding on a (query, key) bucket matrix, permuted) is
+# exact at n = T only because the optimizer re-probes every new call signature
+@pytest.mark.parametrize("name,mode", [(n, m) for n in NAMES for m in (*MODES, "auto")])
 def test_dp_optimizer_is_exact_every_step_or_refused(name, mode):
     word = refused(name, "all")  # Bloom: the optimizer's vmap mode is exact (not refused)
     if word:
