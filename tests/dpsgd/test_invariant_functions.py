@@ -90,3 +90,22 @@ def test_the_window_leaves_no_function_mode_behind():
     assert torch._C._len_torch_function_stack() == before
     model = nn.Linear(3, 2)  # a later unrelated backward is not watched
     model(torch.randn(4, 3)).sum().backward()
+
+
+@pytest.mark.parametrize("mode", ["einsum", "bookkeeping"])
+def test_a_functional_sum_divided_by_n_is_a_mean(mode):
+    def summed_then_mean(o, y):  # the same loss as F.cross_entropy(o, y), written as a sum / n
+        return F.cross_entropy(o, y, reduction="sum") / o.shape[0]
+
+    def own(o, y):
+        return F.cross_entropy(o, y, reduction="sum")
+
+    x, y = batch()
+    assert_invariant(mlp, summed_then_mean, own, x, y, mode)
+
+
+def test_a_functional_mean_under_a_sum_reduction_is_refused():
+    x, y = batch()
+    with pytest.raises(ValueError, match="reduction='mean' but the DP optimizer has "
+                                         "loss_reduction='sum'"):
+        released(mlp(), lambda o, t: F.cross_entropy(o, t), x, y, "einsum", reduction="sum")

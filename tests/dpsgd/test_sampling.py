@@ -101,7 +101,7 @@ def test_the_loaders_epoch_is_the_accountants_epoch(N, B):
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         data_loader=DataLoader(TensorDataset(torch.randn(N, 2), torch.arange(N) % 2),
                                batch_size=B),
-        noise_multiplier=1.0, max_grad_norm=1.0)
+        noise_multiplier=1.0, max_grad_norm=1.0, loss_reduction="sum")  # the loss sums
     q = loader.sample_rate
     assert q == B / N
     epochs, steps_run = 3, 0

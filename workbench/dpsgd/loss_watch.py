@@ -18,8 +18,10 @@ A loss written as a plain function is seen too, by a ``TorchFunctionMode`` open 
 window (``LossFunctions``):
 
 - a functional loss of ``torch.nn.functional`` (``F.cross_entropy(out, y, weight=w)``,
-  ``F.nll_loss``, ``F.mse_loss``, ...) called outside any module is treated as the
-  equivalent ``nn`` loss module (the same reduction check, factors and probe);
+  ``F.nll_loss``, ``F.mse_loss``, ...) called outside any module with its mean is treated as
+  the equivalent ``nn`` loss module (the same reduction check, factors and probe); with
+  ``reduction="sum"`` or ``"none"`` it is a term of a larger expression (``F.cross_entropy(o,
+  y, reduction="sum") / n`` is a mean), so the loop's ``loss_reduction`` decides, as before;
 - at ``loss.backward()``, before anything is computed, the loss is tested for coupling through
   the model's output o (``coupling``): for record i = n - 1 and a random v, the second
   derivative ∂⟨∂L/∂o_i, v⟩/∂o_j must vanish for every other record j. A contrastive (InfoNCE)
@@ -99,14 +101,20 @@ class LossWatch:
         if top and torch._C._get_function_stack_at(top - 1) is mode:
             mode.__exit__(None, None, None)  # the usual case: ours is on top
 
-    def _loss_call(self, module, z, rest) -> None:
+    def _loss_call(self, module, z, rest, functional: bool = False) -> None:
         """One loss call of the loop (a module, or a functional loss seen as one)."""
         if not isinstance(z, torch.Tensor) or not z.requires_grad or not z.dim():
             return
         self._busy = True  # the probe calls the criterion again: not a loss call of the loop
         try:
-            self.calls.append((self.generation, self._factors(module, z, rest),
-                               type(module).__name__))
+            if functional and getattr(module, "reduction", "mean") in ("sum", "none"):
+                # a summed or per-element term inside a larger expression (often divided by
+                # n afterwards): no denominator of its own, so the loop's reduction decides
+                f = torch.full((self.n,), float(self.n if self.loss_reduction == "mean" else 1),
+                               dtype=torch.float64, device=z.device)
+            else:
+                f = self._factors(module, z, rest)
+            self.calls.append((self.generation, f, type(module).__name__))
         finally:
             self._busy = False
 
@@ -245,7 +253,8 @@ class LossFunctions(TorchFunctionMode):
                 bound.apply_defaults()
                 options = {k: bound.arguments[k] for k in names if k in bound.arguments}
                 positional = [v for k, v in bound.arguments.items() if k not in names]
-                watch._loss_call(cls(**options), positional[0], tuple(positional[1:2]))
+                watch._loss_call(cls(**options), positional[0], tuple(positional[1:2]),
+                                 functional=True)
             elif func in BACKWARD:
                 loss = args[0] if args else kwargs.get("tensors", kwargs.get("self"))
                 watch.coupling(loss if isinstance(loss, torch.Tensor) else None)
