@@ -46,7 +46,7 @@ def engine_released_sum(model, loss_fn, inputs, targets, max_grad_norm,
 
     def released_sum(idx):
         if not built:  # lr = 0: the parameters never move, one optimizer serves every call
-            with torch.no_grad():
+            with torch.no_grad(), torch.random.fork_rng():  # this look draws no dropout mask
                 reduction = "sum" if loss_fn(m(x[idx]), y[idx]).dim() == 1 else "mean"
             built["opt"] = DPOptimizer(
                 torch.optim.SGD(m.parameters(), lr=0.0), m, noise_multiplier=0.0,
