@@ -1,6 +1,6 @@
 """Rule files register themselves: importing a package imports every module in it.
 
-The grad samplers (``per_sample/samplers/``), the norm samplers (``clipping/norms/``) and the
+The layer rules (``rules/``) and the
 accountants (``accounting/accountants/``) each live one file per rule, and each file registers
 its rule with a decorator or a ``register_*`` call when it is imported. The package's
 ``__init__`` calls :func:`import_submodules`, so a new rule is a new file and nothing else:
@@ -18,7 +18,7 @@ import pkgutil
 def import_submodules(package_name, package_path):
     """Import every module of the package (``__name__``, ``__path__``); returns their names.
 
-    >>> import workbench.per_sample.samplers as s
+    >>> import workbench.rules as s
     >>> {"conv", "embedding", "linear"} <= set(import_submodules(s.__name__, s.__path__))
     True
     """

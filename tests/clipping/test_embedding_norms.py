@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from workbench.clipping.norms.embedding import embedding_norm_sampler, repeated
+from workbench.rules.embedding import embedding_norm_sampler, repeated
 
 
 def dense_norms(x, b, V, padding_idx=None):

@@ -10,8 +10,8 @@ import workbench as wb
 from tests.helpers import assert_clipping_agrees, mse_per_sample
 from tests.per_sample.test_embedding import EmbedSum
 from tests.per_sample.test_engine import ScaleShift, Tied, Twice
-from workbench.clipping.norms.linear import gram_is_cheaper
 from workbench.per_sample import einsum as einsum_module
+from workbench.rules.linear import gram_is_cheaper
 
 CE = nn.CrossEntropyLoss(reduction="none")
 

@@ -16,8 +16,8 @@ from torch import nn
 from workbench.bench.peak_memory import peak_bytes
 from workbench.bench.steps import sum_of_products
 from workbench.clipping.memory_model import ghost_memory, ghost_scratch_bytes, layer_sizes
-from workbench.clipping.norms.conv import conv_norm_sampler
-from workbench.clipping.norms.linear import linear_norm_sampler
+from workbench.rules.conv import conv_norm_sampler
+from workbench.rules.linear import linear_norm_sampler
 
 CPU = torch.device("cpu")
 CASES = {  # name -> (layer, input shape per sample, groups G, positions T)

@@ -13,9 +13,9 @@ import workbench as wb
 from tests.helpers import assert_agree, assert_clipping_agrees, mse_per_sample
 from workbench.clipping.registry import find_norm_sampler
 from workbench.per_sample.registry import find_grad_sampler
-from workbench.per_sample.samplers.affine import affine_grad_sampler, affine_layout
-from workbench.per_sample.samplers.linear import transposed_linear_grad_sampler
-from workbench.per_sample.samplers.norms import layer_norm_grad_sampler
+from workbench.rules.affine import affine_grad_sampler, affine_layout
+from workbench.rules.linear import transposed_linear_grad_sampler
+from workbench.rules.norms import layer_norm_grad_sampler
 
 
 class LlamaRMSNorm(nn.Module):  # transformers' LlamaRMSNorm: statistics in float32

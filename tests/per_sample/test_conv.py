@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from tests.helpers import assert_agree
-from workbench.per_sample.samplers import conv as conv_sampler
+from workbench.rules import conv as conv_sampler
 
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 SIZE = {1: (13,), 2: (9, 8), 3: (6, 5, 7)}

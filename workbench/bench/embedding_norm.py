@@ -1,7 +1,7 @@
 """The embedding's ghost norms against PyTorch's embedding backward:
 ``python -m workbench.bench embedding_norm``.
 
-Issue 19's target: the norm sampler (``clipping/norms/embedding.py``) does no O(V) work and
+Issue 19's target: the norm sampler (``rules/embedding.py``) does no O(V) work and
 costs at most 1.3x PyTorch's own embedding backward (the weight gradient of Σ_t o_t·b_t, which
 zeroes a (V, d) tensor and adds the n T rows into it) at b = 256, T = 32, Embedding(20000, 64).
 Both are timed side by side, interleaved (``timing.time_interleaved``), in ``--runs`` separate
@@ -18,7 +18,7 @@ from workbench.bench.timing import (
     parse_benchmark_args,
     time_interleaved,
 )
-from workbench.clipping.norms.embedding import embedding_norm_sampler
+from workbench.rules.embedding import embedding_norm_sampler
 
 
 def bench(b: int, T: int, V: int, d: int, repeats: int, device, seed: int = 0) -> dict:

@@ -19,7 +19,7 @@ A record whose gradient holds NaN or inf has a NaN or inf norm; ``clipped_grad_s
 
 import torch
 
-from workbench.clipping import norms  # noqa: F401  (registers the built-in norm samplers)
+from workbench import rules  # noqa: F401  (registers the built-in layer rules)
 from workbench.clipping.bookkeeping import bookkeeping_clipped_sum
 from workbench.clipping.flat import clip_factors, grad_norms, norm_dtype, weighted_sum
 from workbench.clipping.ghost import ghost_clipped_sum, ghost_norms

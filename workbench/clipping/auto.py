@@ -6,10 +6,11 @@ what they pay beyond the ordinary backward pass, per layer call of n samples:
 - einsum materialises every per-sample gradient, n·P numbers for a layer with P trainable
   parameters, then reads them twice (norm, then the weighted sum);
 - book-keeping (Bu et al. 2023, arXiv 2210.00038, §3) gets the norm of a layer with a cheap
-  ghost norm (``norms/``: Linear's norm product or Gram route, Embedding's segment sums)
+  ghost norm (``rules/``: Linear's norm product or Gram route, Embedding's segment sums)
   from its activations and backprops, then one more ordinary weight gradient with c_i b_i.
-  Layers without a cheap ghost norm (shared parameters, the exact fallback, the conv and
-  Linear "materialise" routes, layers with no norm sampler) are materialised in both modes.
+  Layers without a cheap ghost norm (shared parameters, the exact fallback, a route whose
+  ``Route.materialises`` is set, e.g. the conv and Linear "materialise", no norm rule) are
+  materialised in both modes.
 
 So book-keeping saves the materialisation of the cheaply normed layers and spends a second
 weight gradient (and, in the optimizer, a re-run of the layer's forward) on them. Which costs
@@ -40,12 +41,12 @@ Notation: n batch, P trainable parameters of a layer call, c clip factors, b bac
 
 from torch.nn.utils.parametrize import is_parametrized
 
-from workbench.clipping.registry import find_norm_route, find_norm_sampler
+from workbench.clipping.registry import find_norm_sampler
 from workbench.per_sample.recording import own_parameters
+from workbench.rules._rule import norm_route
 
 SHARE = 0.5
 BYTES = 32 * 2**20
-MATERIALISING_ROUTES = ("materialise", "materialise (shared)", "exact fallback")
 
 
 def cheaply_normed(rec, layer, call, shared: set[int]) -> bool:
@@ -55,8 +56,8 @@ def cheaply_normed(rec, layer, call, shared: set[int]) -> bool:
             or len(own) != len(own_parameters(layer))
             or any(id(p) in shared or id(p) in rec.fallback for _, p in own)):
         return False
-    route = find_norm_route(layer)
-    return route is None or route(layer, call.args)[0] not in MATERIALISING_ROUTES
+    route = norm_route(layer, call.args)  # (Route, reason): the route says if it materialises
+    return route is None or not route[0].materialises
 
 
 def choose_mode(rec) -> tuple[str, dict]:

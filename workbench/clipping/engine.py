@@ -9,10 +9,10 @@ Abadi et al. 2016 (arXiv 1607.00133), Algorithm 1: c_i = min(1, C / ||g_i||), an
   layer's clipped sum as its *ordinary* weight gradient with backprops c_i b_i (Bu, Wang, Zha,
   Karypis 2023, arXiv 2210.00038, §3):  Σ_i c_i g_i(a_i, b_i) = Σ_i g_i(a_i, c_i b_i).
   The backward pass has freed the graph by then (``wb.clipped_grad_sum``'s book-keeping does
-  not retain it; the optimizer comes after the user's backward): ``nn.Linear``'s weight
-  gradient is one matmul of its stored inputs and c ⊙ b (Bu et al. Eq. 3), ``nn.Embedding``'s
-  one ``index_add_`` of c ⊙ b at the token ids, and any other layer alone is re-run on its
-  stored inputs.
+  not retain it; the optimizer comes after the user's backward): a layer whose rule has a
+  fast path (``LayerRule.weight_grads``: ``nn.Linear``'s one matmul of its stored inputs and
+  c ⊙ b, Bu et al. Eq. 3; ``nn.Embedding``'s one ``index_add_``) takes it, and any other
+  layer alone is re-run on its stored inputs.
 
 Parameters materialised anyway (exact fallback, or used in several calls) enter as
 Σ_i c_i g_i from their (n, *shape) tensors.
@@ -29,7 +29,6 @@ Notation: n batch, g_i per-sample gradient, c_i clip factor, C max_grad_norm, b 
 """
 
 import torch
-from torch import nn
 from torch.utils._pytree import tree_map
 
 from workbench.clipping.flat import clip_factors, sample_squares
@@ -39,6 +38,7 @@ from workbench.per_sample.einsum import sample_layer
 from workbench.per_sample.functional import layer_vmap_grad_sampler
 from workbench.per_sample.microbatch import layer_microbatch_grad_sampler
 from workbench.per_sample.precision import in_full_precision
+from workbench.rules import fast_weight_grads
 
 MODES = ("microbatch", "vmap", "einsum", "ghost", "bookkeeping")
 MATERIALISING = ("microbatch", "vmap", "einsum")
@@ -73,39 +73,6 @@ def _weighted(b, c, ok=None):
     return cb if ok is None else masked(cb, ok)  # a non-finite record's row: 0, not 0 · NaN
 
 
-def linear_weight_grads(layer, call, weighted: torch.Tensor, own: list, ok=None) -> dict:
-    """nn.Linear without its graph: Σ_i c_i B_iᵀ A_i = (c ⊙ B)ᵀ A (Bu et al. 2023, Eq. 3), one
-    matmul over the n·T rows, as PyTorch's own weight gradient (no forward re-run).
-    ``ok`` (n,): records to keep when some are non-finite (the others' rows of A are zeroed)."""
-    a = call.args[0] if call.args else call.kwargs["input"]  # (n, ..., d)
-    if ok is not None:
-        a = masked(a, ok)
-    B = weighted.reshape(-1, weighted.shape[-1])  # (n T, p)  c_i b_{i,t}
-    grads = {}
-    if any(p is layer.weight for p in own):
-        grads[id(layer.weight)] = B.T @ a.reshape(-1, a.shape[-1]).to(B.dtype)  # (p, d)
-    if layer.bias is not None and any(p is layer.bias for p in own):
-        grads[id(layer.bias)] = B.sum(0)  # (p,)
-    return grads
-
-
-def embedding_weight_grads(layer, call, weighted: torch.Tensor, own: list) -> dict:
-    """nn.Embedding without its graph: Σ_i c_i g_i = Σ_{i,t} e_{x_it} (c_i b_it)ᵀ, one
-    ``index_add_`` of the (n T, d) reweighted backprops into a zero (V, d), padding row zeroed
-    (what PyTorch's dense embedding backward computes; no forward re-run). Options whose
-    gradient differs (sparse, scale_grad_by_freq, max_norm) are refused before any work
-    (``samplers/embedding.check_embedding``)."""
-    if not any(p is layer.weight for p in own):
-        return {}
-    ids = call.args[0] if call.args else call.kwargs["input"]  # (n, ...)
-    B = weighted.reshape(-1, weighted.shape[-1])  # (n T, d)  c_i b_{i,t}
-    grad = torch.zeros(layer.weight.shape, dtype=B.dtype, device=B.device)
-    grad.index_add_(0, ids.reshape(-1), B)  # (V, d)
-    if layer.padding_idx is not None:
-        grad[layer.padding_idx] = 0
-    return {id(layer.weight): grad}
-
-
 @in_full_precision
 def reweighted_weight_grads(layer, call, c, own: list, ok=None) -> dict:
     """{id(param): Σ_i c_i g_i} for ``own`` parameters of one call, by one weight gradient
@@ -114,13 +81,12 @@ def reweighted_weight_grads(layer, call, c, own: list, ok=None) -> dict:
     NaN and inf entries replaced by 0, so no 0 · NaN enters the weight gradient."""
     b = call.backprops
     weighted = [_weighted(t, c, ok) for t in (b if isinstance(b, tuple) else (b,))]
-    if type(layer) is nn.Linear:
+    fast = fast_weight_grads(layer)  # the layer rule's own clipped sum (rules/), if any
+    if fast is not None:
         with torch.no_grad():
-            return linear_weight_grads(layer, call, weighted[0], own, ok)
-    if type(layer) is nn.Embedding and not (layer.sparse or layer.scale_grad_by_freq
-                                            or layer.max_norm is not None):
-        with torch.no_grad():
-            return embedding_weight_grads(layer, call, weighted[0], own)
+            grads = fast(layer, call, weighted[0], own, ok)  # None: not for these options
+        if grads is not None:
+            return grads
     detach = lambda t: t.detach() if isinstance(t, torch.Tensor) else t  # noqa: E731
     args, kwargs = tree_map(detach, call.args), tree_map(detach, call.kwargs)
     if ok is not None:

@@ -13,16 +13,19 @@ Ghost clipping and book-keeping never hold bL. The workbench's model for them is
     M_ghost = bC + 2L + b·S,   S = Σ over layer calls of (backprop numbers kept for the norms
                                    + the norm route's scratch per sample) x bytes per number
 
-with the scratch of each route of ``ghost_routes`` (``route_scratch``), per sample:
+with the scratch of each route of ``ghost_routes``, per sample, which each route declares
+itself (``rules.Route.scratch``, in its layer family's file; ``route_scratch`` asks it):
 
 - "norm product" (one position, Goodfellow 2015): 2 numbers, ||a_i||² and ||b_i||²;
 - "gram" (Li et al. 2022, arXiv 2110.05679, §4): two (T, T) Grams A_i A_iᵀ and B_i B_iᵀ per
   group, 2·G·T² numbers. A Linear (or a DP layer's linear part) has G = 1 and T positions;
   a convolution with G groups unfolds to a Linear per group over its T = L output positions,
-  and ``norms/conv.py`` builds the Grams of every group at once, (n, G, L, L) each;
+  and ``rules/conv.py`` builds the Grams of every group at once, (n, G, L, L) each;
 - "segment sum" (the embedding): the T·d backprop rows summed by index;
-- every other route (materialise, fast gradient clipping, materialise (shared), exact
-  fallback, bias only, a custom rule): the layer's own per-sample gradient.
+- materialise, fast gradient clipping, materialise (shared), exact fallback, bias only: the
+  layer's own per-sample gradient (P numbers);
+- a new layer's routes: what its rule file declares, tested against measurement
+  (``tests/test_new_layer.py``); a route without a declared cost makes the model raise.
 
 Temporaries (an unfolded input, an elementwise product before its sum) are not in the model;
 the paper found Eq. (3) off by -23% to +41% on a GPU, and Eq. (1)-(2) explaining only 57% of
@@ -38,8 +41,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from workbench.clipping.norms.conv import conv_dims
 from workbench.clipping.routes import COLUMNS, route_calls
+from workbench.rules._rule import Route
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -77,20 +80,16 @@ def layer_sizes(layer: nn.Module, x: torch.Tensor, t: torch.Tensor) -> dict:
     return {"L_bytes": L, "C_bytes": C, "L/C": L / C}
 
 
-def route_scratch(route: str, layer: nn.Module, call) -> int:
-    """Numbers per sample that ``route`` creates for one call of ``layer`` (module docstring)."""
-    if route == "norm product":
-        return 2  # ||a_i||², ||b_i||²
-    if route == "gram":
-        a = call.args[0]
-        if isinstance(layer, nn.modules.conv._ConvNd):
-            T, G = conv_dims(layer, a)[0], layer.groups  # L output positions, groups
-        else:
-            T, G = a[0].numel() // a.shape[-1], 1
-        return 2 * G * T**2  # A_i A_iᵀ and B_i B_iᵀ, (G, T, T) each
-    if route == "segment sum":
-        return call.backprops[0].numel()  # T·d sums
-    return sum(p.numel() for p in layer.parameters(recurse=False) if p.requires_grad)
+def route_scratch(route: Route, layer: nn.Module, call) -> int:
+    """Numbers per sample that ``route`` creates for one call of ``layer``: the route's own
+    ``scratch`` (its rule file declares it). A route of unknown cost raises, naming the layer:
+    a model that guessed would be silently wrong for a new layer."""
+    if route.scratch is None:
+        raise ValueError(
+            f"the norm route {route.name!r} of {type(layer).__name__} declares no scratch, so "
+            f"the memory model cannot count it; give its rule Route objects with their costs "
+            f"(workbench.rules.Route(name, scratch=lambda layer, call: ...), see CONTRIBUTING)")
+    return int(route.scratch(layer, call))
 
 
 def ghost_memory(model, loss_fn, inputs, targets) -> "pd.DataFrame":
@@ -103,13 +102,13 @@ def ghost_memory(model, loss_fn, inputs, targets) -> "pd.DataFrame":
     import pandas as pd  # lazy: pandas only where used
 
     rows = []
-    for row, layer, call in route_calls(model, loss_fn, inputs, targets, check=False):
+    for row, layer, call, route in route_calls(model, loss_fn, inputs, targets, check=False):
         if call is None:  # a fallback layer no hook saw: its gradient, materialised exactly
             own = [p for p in layer.parameters(recurse=False) if p.requires_grad]
             kept, size = 0, own[0].element_size() if own else 4
         else:
             kept, size = call.backprops[0].numel(), call.backprops.element_size()
-        rows.append({**row, "backprops": kept, "scratch": route_scratch(row["route"], layer, call),
+        rows.append({**row, "backprops": kept, "scratch": route_scratch(route, layer, call),
                      "bytes": size})
     return pd.DataFrame(rows, columns=[*COLUMNS, "backprops", "scratch", "bytes"])
 

@@ -9,42 +9,49 @@ reason (e.g. "2T² = 512 < pd = 4096: (T, T) Grams are smaller"). "fast gradient
 from typing import TYPE_CHECKING
 
 from workbench.clipping.ghost import record
-from workbench.clipping.registry import find_norm_route, find_norm_sampler
+from workbench.clipping.registry import find_norm_sampler
 from workbench.per_sample.recording import own_parameters
 from workbench.per_sample.registry import find_grad_sampler
+from workbench.rules._rule import Route, norm_route, own_gradient_size
 
 if TYPE_CHECKING:
     import pandas as pd
 
 
-def layer_route(layer, call, shared: set[int], fallback=None) -> tuple[str, str]:
+FALLBACK = Route("exact fallback", own_gradient_size, materialises=True)
+SHARED = Route("materialise (shared)", own_gradient_size, materialises=True)
+FAST_GRADIENT_CLIPPING = Route("fast gradient clipping", own_gradient_size, materialises=True)
+VMAP = Route("fast gradient clipping (vmap)", own_gradient_size, materialises=True)
+UNDECLARED = Route("norm sampler", None)  # a norm rule registered without routes: cost unknown
+
+
+def layer_route(layer, call, shared: set[int], fallback=None) -> tuple[Route, str]:
     reasons = sorted({fallback[id(p)] for _, p in own_parameters(layer)
                       if fallback and id(p) in fallback})
     if reasons:
-        return ("exact fallback", "per-sample gradients over the whole model (vmap, else "
+        return (FALLBACK, "per-sample gradients over the whole model (vmap, else "
                                   "micro-batching): " + "; ".join(reasons))
     shared_names = [name for name, p in layer.named_parameters(recurse=False)
                     if id(p) in shared]
     if shared_names:
-        return ("materialise (shared)",
+        return (SHARED,
                 f"{', '.join(shared_names)} used in several calls: the norm of the summed "
                 f"per-sample gradient has cross terms")
     if find_norm_sampler(layer) is None:
         if find_grad_sampler(layer) is None:
-            return ("fast gradient clipping (vmap)",
+            return (VMAP,
                     "no norm sampler and no grad sampler: per-sample gradient by vmap on the "
                     "layer, normed and dropped (register a rule to take the fast path)")
-        return ("fast gradient clipping",
+        return (FAST_GRADIENT_CLIPPING,
                 "no norm sampler: per-sample gradient materialised, normed and dropped")
-    route = find_norm_route(layer)
-    return route(layer, call.args) if route else ("norm sampler", "registered norm sampler")
+    return norm_route(layer, call.args) or (UNDECLARED, "registered norm sampler")
 
 
 COLUMNS = ["layer", "type", "call", "route", "reason"]
 
 
 def route_calls(model, loss_fn, inputs, targets, check=True):
-    """One (row of ``ghost_routes``, layer, recorded call) per layer call.
+    """One (row of ``ghost_routes``, layer, recorded call, Route) per layer call.
 
     The call is ``None`` for a fallback layer no hook saw (called as ``.forward(x)``).
     ``check``: as in ``per_sample_grad_norms`` (the recording's one-sample probe).
@@ -56,17 +63,17 @@ def route_calls(model, loss_fn, inputs, targets, check=True):
         seen[path] = seen.get(path, -1) + 1
         route, reason = layer_route(layer, call, shared, rec.fallback)
         yield ({"layer": path or "<model>", "type": type(layer).__name__, "call": seen[path],
-                "route": route, "reason": reason}, layer, call)
+                "route": route.name, "reason": reason}, layer, call, route)
     for path, layer in rec.layers.items():  # fallback layers no hook saw (.forward(x))
         if path not in seen and any(id(p) in rec.fallback for _, p in own_parameters(layer)):
             route, reason = layer_route(layer, None, shared, rec.fallback)
             yield ({"layer": path or "<model>", "type": type(layer).__name__, "call": "-",
-                    "route": route, "reason": reason}, layer, None)
+                    "route": route.name, "reason": reason}, layer, None, route)
 
 
 def ghost_routes(model, loss_fn, inputs, targets) -> "pd.DataFrame":
     """One row per layer call: path, layer type, call index, route, reason."""
     import pandas as pd  # lazy: pandas only where used
 
-    rows = [row for row, _, _ in route_calls(model, loss_fn, inputs, targets)]
+    rows = [row for row, *_ in route_calls(model, loss_fn, inputs, targets)]
     return pd.DataFrame(rows, columns=COLUMNS)

@@ -1,7 +1,7 @@
 """Norm samplers for the DP layers' parts: ghost clipping through their linear maps.
 
 Every part of ``parts.py`` is a linear map of its input (or a learned row appended to it), so
-its per-sample gradient norm follows the Linear rule of ``clipping/norms/linear.py`` (Li,
+its per-sample gradient norm follows the Linear rule of ``rules/linear.py`` (Li,
 Tramèr, Liang, Hashimoto 2022, arXiv 2110.05679, §4): with A_i the inputs over T positions
 and B_i the backprops,
 
@@ -18,11 +18,15 @@ and B_i the backprops,
 Notation: n batch, T positions, A activations, B backprops, W (p, d) weight.
 """
 
-import torch
+from types import SimpleNamespace
 
-from workbench.clipping.norms.linear import sequence_route, sequence_view, weight_squared_norms
+import torch
+from torch.nn import Linear
+
 from workbench.clipping.registry import register_norm_sampler
 from workbench.layers.parts import InProjection, InputProjection, RecurrentProjection, SequenceBias
+from workbench.rules._rule import Route
+from workbench.rules.linear import BIAS_ONLY, sequence_route, sequence_view, weight_squared_norms
 
 
 def _trainable(layer, *names):
@@ -30,10 +34,10 @@ def _trainable(layer, *names):
             if getattr(layer, n, None) is not None and getattr(layer, n).requires_grad]
 
 
-def linear_part_route(layer, activations) -> tuple[str, str]:
+def linear_part_route(layer, activations) -> tuple[Route, str]:
     a = activations[0]
     if layer.weight is None or not layer.weight.requires_grad:
-        return "bias only", "the weight is frozen; ||Σ_t b_t||² for the biases"
+        return BIAS_ONLY, "the weight is frozen; ||Σ_t b_t||² for the biases"
     p, d = layer.weight.shape
     return sequence_route(a[0].numel() // a.shape[-1], p, d)
 
@@ -59,12 +63,28 @@ def recurrent_projection_norm_sampler(layer, activations, backprops):
     return linear_part_squared_norms(layer, activations[0], backprops)
 
 
-def in_projection_route(layer, activations) -> tuple[str, str]:
+def block_routes(layer, activations) -> list[Route]:
+    """The Linear rule's route of each q, k, v block (inputs (n, L or S, E))."""
+    return [sequence_route(a.shape[1], W.shape[0], W.shape[1])[0]
+            for a, W in zip(activations, layer.weights())]
+
+
+def blocks_scratch(layer, call) -> int:
+    """Σ over the q, k, v blocks of each block's route's scratch, on that block's call."""
+    L, S = call.args[0].shape[1], call.args[1].shape[1]
+    total = 0
+    for a, b, W, route in zip(call.args, call.backprops.split([L, S, S], dim=1),
+                              layer.weights(), block_routes(layer, call.args)):
+        block = Linear(W.shape[1], W.shape[0], bias=False, device="meta")  # shapes only
+        total += route.scratch(block, SimpleNamespace(args=(a,), backprops=b))
+    return total
+
+
+def in_projection_route(layer, activations) -> tuple[Route, str]:
     if len(activations) == 1:
         return linear_part_route(layer, activations)
-    routes = {sequence_route(a.shape[1], b.shape[0], b.shape[1])[0]
-              for a, b in zip(activations, layer.weights())}
-    return "/".join(sorted(routes)), "the Linear rule per q, k, v block"
+    names = "/".join(sorted({route.name for route in block_routes(layer, activations)}))
+    return Route(names, blocks_scratch), "the Linear rule per q, k, v block"
 
 
 @register_norm_sampler(InProjection, route=in_projection_route)
@@ -85,7 +105,10 @@ def in_projection_norm_sampler(layer, activations, backprops):
     return squares
 
 
-@register_norm_sampler(SequenceBias, route=lambda layer, a: ("row", "the appended row's b"))
+ROW = Route("row", lambda layer, call: call.backprops.shape[-1])  # b_{i,S} squared: d numbers
+
+
+@register_norm_sampler(SequenceBias, route=lambda layer, a: (ROW, "the appended row's b"))
 def sequence_bias_norm_sampler(layer, activations, backprops):
     n = backprops.shape[0]
     if not layer.bias.requires_grad:

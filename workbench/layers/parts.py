@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.per_sample.registry import register_grad_sampler
-from workbench.per_sample.samplers.linear import linear_grad_sampler
+from workbench.rules.linear import linear_grad_sampler
 
 
 class Part(nn.Module):

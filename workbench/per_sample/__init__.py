@@ -6,10 +6,9 @@ like ``model.named_parameters()``, where row i is ∇_θ loss_fn(model(inputs), 
 
 - ``"microbatch"``: a loop over samples; the obviously-correct reference (microbatch.py).
 - ``"vmap"``: torch.func ``vmap(grad(...))`` over the batch (functional.py).
-- ``"einsum"``: hooks + per-layer grad samplers, one backward pass (einsum.py, samplers/).
+- ``"einsum"``: hooks + per-layer grad rules, one backward pass (einsum.py, ``rules/``).
 """
 
-from workbench.per_sample import samplers  # noqa: F401  (registers the built-in samplers)
 from workbench.per_sample.checks import check_batch, check_no_sample_mixing
 from workbench.per_sample.einsum import einsum_per_sample_gradients
 from workbench.per_sample.functional import vmap_or_explain

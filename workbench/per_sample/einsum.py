@@ -8,7 +8,7 @@ sample's gradient at once, e.g. for ``nn.Linear`` (o = W a + c)
     ∂ℓ_i/∂W = b_i a_iᵀ        (n, p, d)   Eq. (5)
     ∂ℓ_i/∂c = b_i             (n, p)
 
-with an extra sum over the positions of a sequence. The rules live in ``samplers/`` and in
+with an extra sum over the positions of a sequence. The rules live in ``workbench/rules/`` and in
 the registry (``registry.py``). A layer with trainable parameters but no rule is handled by
 ``vmap`` on that layer alone (``functional.layer_vmap_grad_sampler``), after a one-time
 warning; ``strict=True`` raises instead.

@@ -1,6 +1,6 @@
 """One recording of a batch, shared by einsum, ghost clipping, book-keeping and the optimizer.
 
-A per-layer rule (``samplers/``, ``clipping/norms/``) is exact for a parameter only when every
+A per-layer rule (``workbench/rules/``) is exact for a parameter only when every
 use of that parameter is a call of a layer that owns it, hooked, with the batch on dim 0 of
 the call's inputs and outputs. ``record`` runs the forward pass with the hooks of
 ``hooks.ActivationRecorder`` and the ``uses.UseTracker`` and decides, per parameter, which of

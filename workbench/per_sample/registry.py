@@ -23,7 +23,7 @@ that changes ``forward`` inherit its parent's rule silently:
    ``__init__``);
 3. else a *behaviour* rule (``register_by_behaviour``): a ``matches(layer)`` test that runs the
    layer's own forward on a probe input and accepts it only where the output is the rule's
-   formula (e.g. every RMSNorm class of Hugging Face, ``per_sample/samplers/affine.py``);
+   formula (e.g. every RMSNorm class of Hugging Face, ``rules/affine.py``);
    its verdict is cached per layer object.
 
 Anything else has no rule: vmap on the layer (``functional.layer_vmap_grad_sampler``).

@@ -1,4 +1,4 @@
-"""Grad sampler for ``nn.Conv1d/2d/3d``: unfold the input, then the Linear rule.
+"""``nn.Conv1d/2d/3d``: unfold the input, then the Linear rule (grad and norm).
 
 A convolution is a matrix product once every receptive field of the input is laid out as a
 column ("unfold" or im2col; Opacus blog "Efficient per-sample gradient computation for more
@@ -21,6 +21,18 @@ along channels and running PyTorch's weight-gradient kernel with n·G groups giv
 at once, without the (n, C k, L) unfolded tensor. ``conv_grad_sampler`` picks the route per
 call (``choose_route``); both are tested against micro-batching.
 
+Norm rule. After unfolding (``unfold`` above) a convolution is a Linear layer over
+the L output positions: per group, A_i = U(a_i)ᵀ is (L, C k / G) and B_i is (L, p / G), so
+(Li et al. 2022, arXiv 2110.05679, §4; the Gram identity of ``rules/linear.py``)
+
+    ||g_i||² = Σ_groups <A_i A_iᵀ, B_i B_iᵀ>    when 2 L² < (p / G)(C k / G)
+
+and otherwise the per-sample weight gradient is materialised by the conv grad sampler,
+normed and dropped. For most image convolutions L² is large, so materialising wins; the
+Gram route pays off for long 1-d signals with many channels.
+
+Notation: n batch, L output positions, C in / p out channels, k kernel size, G groups.
+
 Notation: n batch, C input channels, p output channels, k = k_1...k_D kernel size,
 L output positions, G groups, a activations (n, C, *spatial), b backprops (n, p, *out).
 """
@@ -31,7 +43,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.per_sample.registry import register_grad_sampler
+from workbench.clipping.flat import sample_squares
+from workbench.rules._rule import MATERIALISE, LayerRule, Route, register_rule
+from workbench.rules.linear import BIAS_ONLY, gram_is_cheaper
 
 
 def conv_padding(layer) -> list[tuple[int, int]]:
@@ -125,7 +139,6 @@ ROUTE = "auto"
 """'auto' (choose_route's rule), or force 'unfold' / 'grouped' (tests, teaching, benchmarks)."""
 
 
-@register_grad_sampler(nn.Conv1d, nn.Conv2d, nn.Conv3d)
 def conv_grad_sampler(layer, activations, backprops):
     a = activations[0]
     out = {}
@@ -137,3 +150,53 @@ def conv_grad_sampler(layer, activations, backprops):
     if layer.bias is not None and layer.bias.requires_grad:
         out["bias"] = backprops.flatten(2).sum(dim=2)  # (n, p)
     return out
+
+
+def conv_dims(layer, a) -> tuple[int, int, int]:
+    """(L, p/G, C k/G): output positions and the per-group Linear sizes."""
+    G = layer.groups
+    L = output_positions(layer, a.shape[2:])
+    return L, layer.out_channels // G, layer.in_channels // G * math.prod(layer.kernel_size)
+
+
+def gram_scratch(layer, call) -> int:
+    """2·G·L²: the (n, G, L, L) Grams U Uᵀ and B Bᵀ, per sample."""
+    return 2 * layer.groups * conv_dims(layer, call.args[0])[0] ** 2
+
+
+GRAM = Route("gram", gram_scratch)
+"""Li et al. §4 per group: two (L, L) Grams for each of the G groups."""
+
+
+def conv_route(layer, activations) -> tuple[Route, str]:
+    if not layer.weight.requires_grad:
+        return BIAS_ONLY, "the weight is frozen; ||Σ_l b_l||² for the bias"
+    L, p, d = conv_dims(layer, activations[0])
+    if gram_is_cheaper(L, p, d):
+        return GRAM, f"2L² = {2 * L * L} < pd = {p * d} (L = {L} output positions)"
+    return MATERIALISE, f"2L² = {2 * L * L} >= pd = {p * d} (L = {L} output positions)"
+
+
+def conv_norm_sampler(layer, activations, backprops):
+    a = activations[0]
+    n, G = a.shape[0], layer.groups
+    B = backprops.reshape(n, G, layer.out_channels // G, -1)  # (n, G, p/G, L)
+    squares = torch.zeros(n, dtype=B.dtype, device=B.device)
+    if layer.weight.requires_grad:
+        L, p, d = B.shape[-1], B.shape[2], layer.weight[0].numel()
+        if gram_is_cheaper(L, p, d):
+            U = unfold(layer, a).reshape(n, G, -1, L)  # (n, G, C k / G, L)
+            UU = torch.einsum("ngkl,ngkm->nglm", U, U)  # (n, G, L, L)
+            BB = torch.einsum("ngpl,ngpm->nglm", B, B)  # (n, G, L, L)
+            squares += (UU * BB).sum((1, 2, 3))
+        else:
+            w = conv_grad_sampler(layer, activations, backprops)["weight"]
+            squares += sample_squares(w)
+    if layer.bias is not None and layer.bias.requires_grad:
+        squares += B.sum(3).pow(2).sum((1, 2))  # ||Σ_l b_l||²
+    return squares
+
+
+RULE = register_rule(LayerRule(
+    "convolution", (nn.Conv1d, nn.Conv2d, nn.Conv3d), grad=conv_grad_sampler,
+    norm=conv_norm_sampler, route=conv_route, routes=(GRAM, MATERIALISE, BIAS_ONLY)))

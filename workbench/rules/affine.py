@@ -16,8 +16,8 @@ and B(a) = o(w = 1, β = 0) − o(w = 0, β = 0): two passes of the layer's *own
 parameters swapped, so whatever it does inside (a float32 upcast, a (1 + w) scale, permutes)
 is reproduced exactly, and no name or class is trusted.
 
-``affine_layout(layer)`` is the test behind the rule (``registry.register_by_behaviour``): on
-probe inputs, o(w', β') must equal A + B ⊙ w' + β' for random w', β' with w on the last dims
+``affine_layout(layer)`` is the test behind the rule (``LayerRule(matches=...)``): on probe
+inputs, o(w', β') must equal A + B ⊙ w' + β' for random w', β' with w on the last dims
 ("last": (n, ..., *w.shape)) or on dim 1 ("channel": (n, C, ...), LayerNorm2d); a layer for
 which neither holds keeps per-layer vmap.
 
@@ -27,7 +27,7 @@ Notation: n batch, a activations, b backprops, w weight, β bias, â normalised 
 import torch
 from torch.nn.utils.stateless import _reparametrize_module
 
-from workbench.per_sample.registry import register_by_behaviour
+from workbench.rules._rule import LayerRule, register_rule
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4}  # relative, per probe
 
@@ -100,7 +100,6 @@ def sum_to_parameter(t: torch.Tensor, layout: str, dims: int) -> torch.Tensor:
     return t.sum(dim=keep) if keep else t
 
 
-@register_by_behaviour(lambda layer: affine_layout(layer) is not None)
 def affine_grad_sampler(layer, activations, backprops):
     layout, a = affine_layout(layer), activations[0]
     dims = layer.weight.dim()
@@ -113,3 +112,8 @@ def affine_grad_sampler(layer, activations, backprops):
     if bias is not None and bias.requires_grad:
         out["bias"] = sum_to_parameter(backprops, layout, dims)  # Σ b
     return out
+
+
+RULE = register_rule(LayerRule("elementwise affine (o = A(a) + B(a) ⊙ w + β)",
+                               grad=affine_grad_sampler,
+                               matches=lambda layer: affine_layout(layer) is not None))

@@ -1,4 +1,5 @@
-"""Grad samplers for normalisation layers: backprop times the normalised input.
+"""Normalisation layers: backprop times the normalised input (grad rules only; their norms
+are taken by fast gradient clipping).
 
 Every layer here computes o = γ ⊙ â + β, where â is the input normalised without the affine
 part (over features for LayerNorm / RMSNorm, over channel groups for GroupNorm, over each
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.per_sample.registry import register_grad_sampler
+from workbench.rules._rule import LayerRule, register_rule
 
 
 def _sum_to(t: torch.Tensor, keep_last: int, channel_dim: bool = False) -> torch.Tensor:
@@ -44,29 +45,31 @@ def _affine_grads(layer, a_hat, b, keep_last=0, channel_dim=False):
     return out
 
 
-@register_grad_sampler(nn.LayerNorm)
 def layer_norm_grad_sampler(layer, activations, backprops):
     shape = layer.normalized_shape
     a_hat = F.layer_norm(activations[0], shape, eps=layer.eps)
     return _affine_grads(layer, a_hat, backprops, keep_last=len(shape))
 
 
-@register_grad_sampler(nn.RMSNorm)
 def rms_norm_grad_sampler(layer, activations, backprops):
     shape = layer.normalized_shape
     a_hat = F.rms_norm(activations[0], shape, eps=layer.eps)
     return _affine_grads(layer, a_hat, backprops, keep_last=len(shape))
 
 
-@register_grad_sampler(nn.GroupNorm)
 def group_norm_grad_sampler(layer, activations, backprops):
     a_hat = F.group_norm(activations[0], layer.num_groups, eps=layer.eps)
     return _affine_grads(layer, a_hat, backprops, channel_dim=True)
 
 
-@register_grad_sampler(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 def instance_norm_grad_sampler(layer, activations, backprops):
     a_hat = F.instance_norm(activations[0], eps=layer.eps)  # per sample, per channel
     return _affine_grads(layer, a_hat, backprops, channel_dim=True)
 
 
+RULES = [register_rule(LayerRule(name, types, grad=grad)) for name, types, grad in (
+    ("layer norm", (nn.LayerNorm,), layer_norm_grad_sampler),
+    ("rms norm", (nn.RMSNorm,), rms_norm_grad_sampler),
+    ("group norm", (nn.GroupNorm,), group_norm_grad_sampler),
+    ("instance norm", (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d),
+     instance_norm_grad_sampler))]

@@ -1,0 +1,132 @@
+"""One object per layer family: its grad rule, norm rule, routes with their costs, fast path.
+
+A ``LayerRule`` gathers everything the workbench knows about one layer family, so a family
+is one file (``workbench/rules/<family>.py``) ending in ``register_rule(RULE)``:
+
+- ``grad(layer, activations, backprops) -> {param_name: (n, *shape)}``: the *grad rule*
+  (einsum, and every method that materialises a layer);
+- ``norm(layer, activations, backprops) -> (n,)``: the *norm rule*, Σ over the layer's
+  trainable parameters of ||g_i||², without g_i (ghost clipping, book-keeping);
+- ``route(layer, activations) -> (Route, reason)``: which of the rule's ``routes`` the norm
+  rule takes for these shapes, and why (``ghost_routes``);
+- ``weight_grads(layer, call, weighted, own, ok) -> {id(param): Σ_i c_i g_i}`` (or None: not
+  for this layer's options): an optional fast path for book-keeping's clipped sum without
+  re-running the layer (Bu et al. 2023, arXiv 2210.00038, Eq. 3); for the rule's exact types;
+- ``check(layer)``: raises before any work for options the rules do not support.
+
+A ``Route`` is a named way to take the norm that carries its own cost, so ``auto`` and the
+memory model ask it instead of interpreting its name:
+
+    scratch(layer, call) -> numbers per sample the route creates beyond a and b
+    flops(layer, call)   -> multiply-adds per sample (``None``: not modelled)
+    materialises         -> whether the per-sample gradient itself is made (no saving)
+
+Notation: n batch, g_i per-sample gradient, c_i clip factor, a activations, b backprops.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from workbench.clipping.registry import (
+    find_norm_route,
+    register_norm_by_behaviour,
+    register_norm_sampler,
+)
+from workbench.per_sample.registry import (
+    check_layer_types,
+    find_rule,
+    register_by_behaviour,
+    register_grad_sampler,
+)
+
+
+def own_gradient_size(layer: nn.Module, call=None) -> int:
+    """P: the numbers of the layer's own trainable parameters, its per-sample gradient."""
+    return sum(p.numel() for p in layer.parameters(recurse=False) if p.requires_grad)
+
+
+@dataclass(frozen=True)
+class Route:
+    """A named way to take a layer call's norm, with its scratch per sample (numbers)."""
+
+    name: str
+    scratch: Callable | None  # (layer, call) -> numbers per sample; None: unknown
+    materialises: bool = False
+    flops: Callable | None = None  # (layer, call) -> multiply-adds per sample
+
+    def __str__(self) -> str:
+        return self.name
+
+
+MATERIALISE = Route("materialise", own_gradient_size, materialises=True)
+"""The per-sample gradient itself, normed and dropped: P numbers per sample."""
+
+
+@dataclass(frozen=True)
+class LayerRule:
+    """Everything the workbench knows about one layer family (module docstring)."""
+
+    name: str
+    types: tuple = ()
+    grad: Callable | None = None
+    norm: Callable | None = None
+    route: Callable | None = None  # (layer, activations) -> (Route, reason)
+    routes: tuple = ()  # every Route ``route`` may return
+    weight_grads: Callable | None = None
+    check: Callable | None = None
+    matches: Callable | None = None  # a behaviour rule: matches(layer) runs its forward
+
+
+RULES: dict[type[nn.Module], LayerRule] = {}
+"""layer type -> its LayerRule (the grad and norm tables are filled from it)."""
+
+RULE_BEHAVIOURS: list[tuple[Callable, LayerRule]] = []
+"""(matches(layer), rule): rules found by what a layer computes."""
+
+
+def register_rule(rule: LayerRule) -> LayerRule:
+    """Register ``rule`` for its types (or, with ``matches``, by behaviour) in every table."""
+    if not isinstance(rule, LayerRule):
+        raise TypeError(f"register_rule needs a LayerRule; got {rule!r}")
+    if rule.norm is not None and rule.route is not None and not rule.routes:
+        raise TypeError(f"rule {rule.name!r}: list the Route objects its route() returns in "
+                        f"routes=(...), so auto and the memory model know their costs")
+    if rule.matches is None:
+        check_layer_types("register_rule", rule.types)
+        RULES.update(dict.fromkeys(rule.types, rule))
+        if rule.grad is not None:
+            register_grad_sampler(*rule.types, check=rule.check)(rule.grad)
+        if rule.norm is not None:
+            register_norm_sampler(*rule.types, route=rule.route)(rule.norm)
+        return rule
+    RULE_BEHAVIOURS.append((rule.matches, rule))
+    if rule.grad is not None:
+        register_by_behaviour(rule.matches)(rule.grad)
+    if rule.norm is not None:
+        register_norm_by_behaviour(rule.matches, route=rule.route)(rule.norm)
+    return rule
+
+
+def find_layer_rule(layer: nn.Module) -> LayerRule | None:
+    """The LayerRule of ``layer`` (``per_sample.registry.find_rule``), or None."""
+    return find_rule(RULES, layer, RULE_BEHAVIOURS)
+
+
+def norm_route(layer: nn.Module, activations) -> tuple[Route, str] | None:
+    """(Route, reason) of ``layer``'s norm rule for these inputs, or None without a route.
+
+    A route function registered the old way may return a name: its Route has no known cost
+    (``scratch=None``), so the memory model refuses it instead of guessing."""
+    route = find_norm_route(layer)
+    if route is None:
+        return None
+    chosen, reason = route(layer, activations)
+    return (chosen if isinstance(chosen, Route) else Route(str(chosen), None)), reason
+
+
+def fast_weight_grads(layer: nn.Module):
+    """The rule's book-keeping fast path, for a layer of exactly one of the rule's types."""
+    rule = RULES.get(type(layer))
+    return rule.weight_grads if rule is not None else None
