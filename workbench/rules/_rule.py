@@ -109,6 +109,20 @@ def register_rule(rule: LayerRule) -> LayerRule:
     return rule
 
 
+def unregister_rule(rule: LayerRule) -> None:
+    """Remove ``rule`` from every table (a test's or a notebook's temporary layer)."""
+    from workbench.clipping import registry as norms
+    from workbench.per_sample import registry as grads
+
+    for kind in rule.types:
+        for table in (RULES, grads.GRAD_SAMPLERS, grads.SAMPLER_CHECKS, norms.NORM_SAMPLERS,
+                      norms.NORM_ROUTES):
+            table.pop(kind, None)
+    for entries in (RULE_BEHAVIOURS, grads.GRAD_BEHAVIOURS, norms.NORM_BEHAVIOURS,
+                    norms.ROUTE_BEHAVIOURS):
+        entries[:] = [entry for entry in entries if entry[0] is not rule.matches]
+
+
 def find_layer_rule(layer: nn.Module) -> LayerRule | None:
     """The LayerRule of ``layer`` (``per_sample.registry.find_rule``), or None."""
     return find_rule(RULES, layer, RULE_BEHAVIOURS)
