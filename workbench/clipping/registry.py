@@ -1,12 +1,15 @@
 """The rule table for per-sample gradient *norms* without the per-sample gradients.
 
-A *norm sampler* has the grad sampler's signature but returns only squared norms::
+A *norm rule* (formerly "norm sampler"; the old names stay as aliases; a layer family
+registers it with its grad rule and routes from one file, ``workbench/rules/``) has the grad
+rule's signature but returns only squared norms::
 
     norm_sampler(layer, activations, backprops) -> Tensor(n,)   Σ over the layer's
                                                                   trainable params of ||g_i||²
 
-It may come with ``route(layer, activations) -> (route, reason)``, a pure function of shapes
-saying how it will compute the norm (``ghost_routes`` shows it per layer and call).
+It may come with ``route(layer, activations) -> (Route, reason)``, a pure function of shapes
+saying how it will compute the norm (``ghost_routes`` shows it per layer and call); the
+``rules.Route`` carries its cost for ``auto`` and the memory model.
 Layers without a norm sampler are handled by "fast gradient clipping": their per-sample
 gradients are materialised by the grad sampler (or vmap), normed and dropped at once.
 Lookup is ``per_sample.registry.find_rule``'s, as for grad samplers: the exact type, a parent
@@ -79,10 +82,16 @@ def register_norm_by_behaviour(matches, route=None):
     return decorator
 
 
-def find_norm_sampler(layer: nn.Module) -> NormSamplerFn | None:
+def find_norm_rule(layer: nn.Module) -> NormSamplerFn | None:
+    """The norm rule of ``layer``: the same lookup as the grad rule's (``find_rule``)."""
     return find_rule(NORM_SAMPLERS, layer, NORM_BEHAVIOURS)
 
 
 def find_norm_route(layer: nn.Module):
     """``route(layer, activations)`` of the layer's norm sampler, or None."""
     return find_rule(NORM_ROUTES, layer, ROUTE_BEHAVIOURS)
+
+
+NORM_RULES = NORM_SAMPLERS  # "norm rule" is the name; the sampler names are kept as aliases
+register_norm_rule = register_norm_sampler
+find_norm_sampler = find_norm_rule

@@ -1,7 +1,10 @@
 """The visible rule table: which function computes per-sample gradients for which layer type.
 
-A *grad sampler* has one pure signature (the convention of Opacus' grad samplers,
-Yousefpour et al. 2021, arXiv 2109.12298, §2 and Appendix B)::
+A layer family's rules are registered together from one file (``workbench/rules/``,
+``LayerRule``); this module holds the grad table and the one lookup every table uses.
+A *grad rule* (formerly "grad sampler"; the old names stay as aliases) has one pure
+signature (the convention of Opacus' grad samplers, Yousefpour et al. 2021, arXiv 2109.12298,
+§2 and Appendix B)::
 
     sampler(layer, activations, backprops) -> {param_name: Tensor(n, *param.shape)}
 
@@ -164,11 +167,16 @@ def register_by_behaviour(matches: Callable[[nn.Module], bool]):
     return decorator
 
 
-def find_grad_sampler(layer: nn.Module) -> GradSamplerFn | None:
-    """The grad sampler of ``layer`` (``find_rule``), or None."""
+def find_grad_rule(layer: nn.Module) -> GradSamplerFn | None:
+    """The grad rule of ``layer`` (``find_rule``), or None."""
     return find_rule(GRAD_SAMPLERS, layer, GRAD_BEHAVIOURS)
 
 
 def find_sampler_check(layer: nn.Module):
     """The option check of ``layer``'s sampler, or None."""
     return find_rule(SAMPLER_CHECKS, layer)
+
+
+GRAD_RULES = GRAD_SAMPLERS  # "grad rule" is the name; the sampler names are kept as aliases
+register_grad_rule = register_grad_sampler
+find_grad_sampler = find_grad_rule
