@@ -64,3 +64,20 @@ def assert_clipping_agrees(model, loss_fn, inputs, targets, max_grad_norm=None):
             err = relative_error(g, ref[name])
             assert err <= RTOL[dtype], f"clipped sum by {method}, {name}: rel. error {err:.2e}"
     return ref_norms, ref
+
+
+def import_rule_package(root, package: str, files: dict[str, str]) -> None:
+    """Write a rule package ``root/package`` holding ``files`` {name: source} and an
+    ``__init__`` that imports every file in it (as ``workbench.rules`` does), then import the
+    package alone: it must find its rule files. ``root`` must be on ``sys.path``."""
+    import importlib
+    import textwrap
+
+    folder = root / package
+    folder.mkdir()
+    (folder / "__init__.py").write_text(
+        "from workbench.plugins import import_submodules\n\n"
+        "import_submodules(__name__, __path__)\n")
+    for name, source in files.items():
+        (folder / f"{name}.py").write_text(textwrap.dedent(source))
+    importlib.import_module(package)

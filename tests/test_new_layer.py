@@ -11,9 +11,7 @@ so a memory model that read the route's name "gram" as a Linear's two Grams (2TÂ
 8 where 12 are made at T = 2; the rule's Route declares its own 3TÂ².
 """
 
-import importlib
 import sys
-import textwrap
 import warnings
 
 import pytest
@@ -21,7 +19,13 @@ import torch
 from torch import nn
 
 import workbench as wb
-from tests.helpers import assert_agree, assert_clipping_agrees, mse_per_sample, random_batch
+from tests.helpers import (
+    assert_agree,
+    assert_clipping_agrees,
+    import_rule_package,
+    mse_per_sample,
+    random_batch,
+)
 from workbench.bench.peak_memory import peak_bytes
 from workbench.clipping.auto import choose_mode
 from workbench.clipping.ghost import record
@@ -97,14 +101,8 @@ def bilinear_rule(tmp_path, monkeypatch):
     """The package ``new_rules`` with one file, imported as ``workbench.rules`` is; the
     rule and the modules are removed afterwards (nn.Bilinear has no built-in rule)."""
     assert nn.Bilinear not in RULES
-    package = tmp_path / "new_rules"
-    package.mkdir()
-    (package / "__init__.py").write_text(
-        "from workbench.plugins import import_submodules\n\n"
-        "import_submodules(__name__, __path__)\n")
-    (package / "bilinear.py").write_text(textwrap.dedent(RULE_FILE))
     monkeypatch.syspath_prepend(str(tmp_path))
-    importlib.import_module("new_rules")
+    import_rule_package(tmp_path, "new_rules", {"bilinear": RULE_FILE})
     module = sys.modules["new_rules.bilinear"]
     yield module
     unregister_rule(module.RULE)

@@ -4,14 +4,19 @@ einsum, ghost and book-keeping use its samplers (float64, against micro-batching
 import importlib
 import pathlib
 import sys
-import textwrap
 import warnings
 
 import pytest
 import torch
 
 import workbench as wb
-from tests.helpers import assert_agree, assert_clipping_agrees, mse_per_sample, random_batch
+from tests.helpers import (
+    assert_agree,
+    assert_clipping_agrees,
+    import_rule_package,
+    mse_per_sample,
+    random_batch,
+)
 from workbench.clipping.registry import NORM_SAMPLERS
 from workbench.per_sample import einsum as einsum_module
 from workbench.per_sample.registry import GRAD_SAMPLERS
@@ -54,15 +59,10 @@ def norm_sampler(layer, activations, backprops):
 def plugin_package(tmp_path, monkeypatch):
     """A package ``toy_rules`` holding one rule file, imported as a rule package is; the
     registrations and modules are removed after the test."""
-    package = tmp_path / "toy_rules"
-    package.mkdir()
-    (package / "__init__.py").write_text(
-        "from workbench.plugins import import_submodules\n\n"
-        "import_submodules(__name__, __path__)\n")
-    (package / "scale_shift.py").write_text(textwrap.dedent(LAYER_FILE))
-    (package / "_helper.py").write_text("raise ImportError('a _private module is not a rule')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    importlib.import_module("toy_rules")  # the package only: it must find its rule file
+    import_rule_package(tmp_path, "toy_rules", {
+        "scale_shift": LAYER_FILE,
+        "_helper": "raise ImportError('a _private module is not a rule')\n"})
     module = sys.modules["toy_rules.scale_shift"]
     yield module
     GRAD_SAMPLERS.pop(module.ScaleShift, None)

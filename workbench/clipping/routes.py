@@ -44,7 +44,8 @@ def layer_route(layer, call, shared: set[int], fallback=None) -> tuple[Route, st
                     "layer, normed and dropped (register a rule to take the fast path)")
         return (FAST_GRADIENT_CLIPPING,
                 "no norm sampler: per-sample gradient materialised, normed and dropped")
-    return norm_route(layer, call.args) or (UNDECLARED, "registered norm sampler")
+    return norm_route(layer, call.args) or (
+        UNDECLARED, "a norm rule registered without routes: its cost is not declared")
 
 
 COLUMNS = ["layer", "type", "call", "route", "reason"]
