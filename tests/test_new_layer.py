@@ -31,7 +31,7 @@ from workbench.clipping.auto import choose_mode
 from workbench.clipping.ghost import record
 from workbench.clipping.memory_model import ghost_memory
 from workbench.per_sample import einsum as einsum_module
-from workbench.rules import RULES, unregister_rule
+from workbench.rules import MATERIALISE, RULES, LayerRule, register_rule, unregister_rule
 
 RULE_FILE = '''
 """nn.Bilinear: o_t = x_tᵀ W z_t + c; grad rule, norm rule by three Grams or materialised."""
@@ -191,3 +191,42 @@ def test_memory_model_is_the_routes_declared_scratch_and_matches_the_measured_pe
         measured = peak_bytes(step, torch.device("cpu"), resident=0)
     predicted = n * want * 8
     assert predicted <= measured <= 2 * predicted, (measured, predicted)
+
+
+class Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.s = nn.Parameter(torch.ones(3, dtype=torch.float64))
+
+    def forward(self, x):
+        return x * self.s
+
+
+def scale_norms(layer, activations, backprops):
+    return (activations[0] * backprops).pow(2).sum(1)
+
+
+def test_a_route_of_unknown_cost_is_refused_not_guessed():
+    """A norm rule registered the old way, with a route that returns a name, has no declared
+    scratch: the memory model raises, naming the layer and the fix."""
+    from workbench.clipping.registry import NORM_ROUTES, NORM_SAMPLERS, register_norm_rule
+
+    register_norm_rule(Scale, route=lambda layer, a: ("mine", "a name, not a Route"))(
+        scale_norms)
+    try:
+        x, y = random_batch((4, 3), (4, 3))
+        assert wb.ghost_routes(Scale(), mse_per_sample, x, y)["route"][0] == "mine"
+        with pytest.raises(ValueError, match=r"'mine' of Scale declares no scratch.*Route"):
+            ghost_memory(Scale(), mse_per_sample, x, y)
+    finally:
+        NORM_SAMPLERS.pop(Scale)
+        NORM_ROUTES.pop(Scale)
+
+
+def test_register_rule_needs_the_routes_a_norm_rule_takes():
+    with pytest.raises(TypeError, match=r"rule 'scale': list the Route objects"):
+        register_rule(LayerRule("scale", (Scale,), norm=scale_norms,
+                                route=lambda layer, a: (MATERIALISE, "")))
+    with pytest.raises(TypeError, match="register_rule needs a LayerRule"):
+        register_rule(scale_norms)
+    assert Scale not in RULES
