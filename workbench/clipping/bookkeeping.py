@@ -25,15 +25,15 @@ Each call's backprops are freed once used. The loop itself is the one clipping e
 Notation: n batch, a activations, b backprops, c clip factors (n,).
 """
 
-from workbench.checks import check_max_grad_norm
 from workbench.clipping.engine import clipped_sum
 from workbench.clipping.ghost import record, squared_norms, verify_norms
 from workbench.clipping.nonfinite import refuse_nonfinite
 
 
 def bookkeeping_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm, check=True):
-    """{name: Σ_i c_i g_i} from one forward and one backward pass (plus local weight grads)."""
-    C = check_max_grad_norm(max_grad_norm)
+    """{name: Σ_i c_i g_i} from one forward and one backward pass (plus local weight grads);
+    ``max_grad_norm`` validated by the caller."""
+    C = max_grad_norm
     rec = record(model, loss_fn, inputs, targets, retain_graph=False, check=check)
     if rec.signature is not None:  # the norms are the engine's; verify them first
         verify_norms(model, rec, squared_norms(rec, rec.exact)[0])

@@ -48,7 +48,7 @@ from workbench.per_sample.recording import (
     check_layers,
     check_recorded,
     layers_with_parameters,
-    note_uncovered,
+    new_recording,
     owners_of,
     parameter_names,
     rng_state,
@@ -212,24 +212,18 @@ class ModelRecorder:
         b = roots[0].backprops
         t = b[0] if isinstance(b, tuple) else b
         n = t.shape[0] if t.dim() else 1
-        p0 = next(iter(self.params.values()))
-        rec = Recording(n, self.layers, self.layer_rec, self.params, p0.dtype, p0.device,
-                        random=self.tracker.random, generation=gen)
-        note_uncovered(rec, self.uncovered)
         f = self.watch.factors(gen, n)  # (n,) per-record factors of the loss (loss.py)
         if f is None:  # no loss seen: a mean-reduced loss scaled every b_i by 1/n
             f = torch.full((n,), float(n if loss_reduction == "mean" else 1), device=t.device)
         if scale is not None:  # a GradScaler's scale: out of every b_i
             f = f / scale.to(f.device, f.dtype)
-        rec.factors = f
-        calls = [c for _, _, c in rec.calls()] + list(roots)
-        for call in calls:
+        mine = [(path, layer, c) for path, layer in self.layers.items()
+                for c in self.layer_rec.calls[path]
+                if c.backprops is not None and c.generation == gen]  # as Recording.calls
+        for call in [c for _, _, c in mine] + list(roots):
             call.backprops = _rescaled(call.backprops, f, n)
-        for path, layer, call in rec.calls():
-            problem = batch_problem(layer, call, n)
-            if problem:
-                rec.mark(layer, path, problem)
-        return rec
+        return new_recording(n, self.layers, self.layer_rec, self.params, self.uncovered,
+                             mine, random=self.tracker.random, generation=gen, factors=f)
 
     def path_gradient(self, rec: Recording, exact: dict) -> dict:
         """{id(param): Σ_i g_i} as the user's backward pass computed it (before the factors
