@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 
 from workbench.clipping.engine import reweighted_weight_grads
 from workbench.dpsgd.loss_watch import LossWatch
+from workbench.dpsgd.skip_weights import WeightGradSkipper
 from workbench.errors import UnsupportedLayerError
 from workbench.per_sample import precision, selfcheck
 from workbench.per_sample.checks import ModelCall
@@ -71,6 +72,7 @@ class ModelRecorder:
     def __init__(self, model, param_groups, loss_reduction="mean", criterion=None):
         # DistributedDataParallel / DataParallel: record and probe the wrapped module itself,
         # so the checks' extra passes never start a collective the other ranks do not join
+        self.wrapped = model
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             model = model.module
         self.model = model
@@ -104,6 +106,9 @@ class ModelRecorder:
         self._amp = None  # the autocast dtype of the forward pass running (precision.py)
         self._handles = [model.register_forward_pre_hook(self._enter),
                          model.register_forward_hook(self._exit, always_call=True)]
+        self.skip_weight_grads, self._fast = False, False  # skip_weights.py; off by default
+        self.skipper = WeightGradSkipper(self.layers, {id(p) for p in self.params.values()},
+                                         lambda: self._fast and self.layer_rec.recording)
 
     def _structure(self):
         return [id(m) for m in self.model.modules()], [
@@ -115,12 +120,16 @@ class ModelRecorder:
             self.watch.close()  # a new forward pass: the loss window of the last one ends
             device = next(iter(self.params.values())).device
             self._rng, self._amp = rng_state(device), precision.state(device)
+            self._fast = (self.skip_weight_grads and torch.is_grad_enabled()
+                          and self._amp is None and not distributed_run(self.wrapped))
             self._roots = len(self.root_rec.calls[ROOT])
             self.tracker.__enter__()
             self._tracking = True
 
     def _exit(self, module, args, output):
         self._depth -= 1
+        if self._depth == 0:
+            self._fast = False
         if self._depth == 0 and self._tracking:
             self._tracking = False
             # the loss is not seen here: an output the model returns may be used there
@@ -137,6 +146,7 @@ class ModelRecorder:
 
     def close(self) -> None:
         self.watch.close()
+        self.skipper.close()
         for handle in self._handles:
             handle.remove()
         self.layer_rec.__exit__(None, None, None)
@@ -154,6 +164,7 @@ class ModelRecorder:
         pending = self.watch.pending
         self.layer_rec.clear()
         self.root_rec.clear()
+        self.skipper.clear()
         self.watch.close()
         self.watch.clear()
         if keep_pending:
@@ -232,7 +243,9 @@ class ModelRecorder:
         f = rec.factors
         c = torch.where(f != 0, 1 / torch.where(f != 0, f, 1), 0)  # (n,) undo f_i
         sums: dict = {}
-        for _, layer, call in rec.calls():
+        for path, layer, call in rec.calls():
+            if path in self.skipper.tapped:  # autograd computed no weight gradient there
+                continue
             own = [p for _, p in rec.own(layer)]
             if own:
                 for key, g in reweighted_weight_grads(layer, call, c, own).items():
@@ -242,6 +255,12 @@ class ModelRecorder:
                 s = torch.tensordot(c.to(g.dtype), g, dims=1)
                 sums[key] = s if key not in sums else sums[key] + s
         return sums
+
+    def unchecked(self, rec: Recording) -> set[int]:
+        """ids of fallback parameters of tapped layers: their exact g_i sums every use, the
+        user's ``.grad`` only the uses outside the tapped calls, so they are not compared."""
+        return {id(p) for path in self.skipper.tapped for p in self.skipper.own[path]
+                if id(p) in rec.fallback}
 
     def replay_probe(self, rec: Recording, args, kwargs, b_i) -> dict:
         """Exact g_i of record n - 1 (``selfcheck.record_probe``): the batch again with the
