@@ -42,7 +42,7 @@ def step_fn(model, optimizer, x, y):
     return step
 
 
-def bench(model_name, b, repeats, device, modes=CANDIDATES, opacus=()):
+def bench(model_name, b, repeats, device, modes=CANDIDATES, opacus=(), skip=False):
     if model_name in DIGITS:
         train_set, _ = wb.data.load_digits()
         x, y = (t[:b].to(device) for t in train_set.tensors)
@@ -54,13 +54,16 @@ def bench(model_name, b, repeats, device, modes=CANDIDATES, opacus=()):
     plain = models.make_model(model_name).to(device)
     candidates["plain"] = step_fn(plain, torch.optim.SGD(plain.parameters(), lr=0.01), x, y)
     optimizers = []
-    for mode in modes:
+    runs = [*modes, *[f"{m}+skip" for m in modes if skip]]  # +skip: skip_weight_grads on
+    for mode in runs:
         torch.manual_seed(0)
         model = models.make_model(model_name).to(device)
         loader = DataLoader(TensorDataset(x, y), batch_size=b)
         _, opt, _ = wb.PrivacyEngine().make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
-            data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode=mode)
+            data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+            grad_sample_mode=mode.removesuffix("+skip"))
+        opt.skip_weight_grads = mode.endswith("+skip")
         candidates[mode] = step_fn(model, opt, x, y)
         optimizers.append(opt)
     skipped = []
@@ -81,7 +84,7 @@ def bench(model_name, b, repeats, device, modes=CANDIDATES, opacus=()):
     for opt in optimizers:
         opt.detach()
     row = {"model": model_name, "batch_size": b, "plain_ms": times["plain"] * 1e3}
-    row.update({f"{m}/plain": times[m] / times["plain"] for m in modes})
+    row.update({f"{m}/plain": times[m] / times["plain"] for m in runs})
     row.update({f"opacus_{m}/plain": times[f"opacus_{m}"] / times["plain"] for m in opacus})
     if "auto" in modes:
         row["auto_chose"] = optimizers[list(modes).index("auto")].last.get("mode")
@@ -89,10 +92,10 @@ def bench(model_name, b, repeats, device, modes=CANDIDATES, opacus=()):
 
 
 def run(models=DIGITS, batch_sizes=(64, 256), repeats=5, device="cpu", modes=CANDIDATES,
-        opacus=()) -> pd.DataFrame:
+        opacus=(), skip=False) -> pd.DataFrame:
     """One ``bench`` row per (model, b), with the device."""
     device = torch.device(device)
-    table = pd.DataFrame([bench(m, b, repeats, device, modes, opacus)
+    table = pd.DataFrame([bench(m, b, repeats, device, modes, opacus, skip)
                           for m in models for b in batch_sizes])
     table["device"] = device_name(device)
     return table
@@ -104,9 +107,12 @@ def main(argv=None):
     parser.add_argument("--modes", nargs="+", default=list(CANDIDATES), choices=CANDIDATES)
     parser.add_argument("--opacus", nargs="*", default=[], choices=opacus_twin.OPACUS_MODES,
                         help="also time Opacus' own loop in these grad_sample_modes")
+    parser.add_argument("--skip-weight-grads", action="store_true",
+                        help="also time each mode with DPOptimizer.skip_weight_grads on "
+                             "(columns MODE+skip/plain)")
     args = parse_benchmark_args(parser, argv)
     table = run(args.models, args.batch_sizes, args.repeats, args.device, args.modes,
-                args.opacus)
+                args.opacus, args.skip_weight_grads)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     table.to_csv(args.out, index=False)
     print(f"device: {table['device'][0]}   one training step, plain in ms, DP as multiples")

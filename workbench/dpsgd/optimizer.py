@@ -193,9 +193,12 @@ class DPOptimizer(Optimizer):
 
     @property
     def skip_weight_grads(self) -> bool:
-        """Off by default. On: the user's backward pass skips the unclipped weight gradients
-        of the recorded leaf layers, which every mode recomputes clipped (``skip_weights.py``;
-        Bu et al. 2023 §3); ``.grad`` before ``step()`` then lacks those layers' part."""
+        """Off by default. On: in the forward passes between ``zero_grad()`` and ``step()``,
+        autograd skips the unclipped weight gradients of the recorded leaf layers, which every
+        mode recomputes clipped (``skip_weights.py``; Bu et al. 2023 §3). ``.grad`` before
+        ``step()`` then lacks those layers' part, and any other gradient taken through those
+        passes (``torch.autograd.grad`` w.r.t. the parameters) does too. Not with a
+        GradScaler (refused at the step), DDP or autocast (the ordinary path then runs)."""
         return self.recorder.skip_weight_grads
 
     @skip_weight_grads.setter
@@ -217,6 +220,7 @@ class DPOptimizer(Optimizer):
         self.guard.enter("optimizer.zero_grad()")
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
         self.recorder.clear()
+        self.recorder.armed = True  # skip_weight_grads: this step's forward passes
         self._zeroed = True
         self.guard.release()
 
@@ -409,6 +413,11 @@ class DPOptimizer(Optimizer):
                 "would be taken. Finish the loop over the loader, or start a new pass "
                 "(for x, y in loader: ...), which discards the unfinished batch")
         self._fresh_chunk = False
+        if self._amp_scale() is not None and self.recorder.skipper.tapped:
+            self.recorder.clear()
+            raise ValueError("skip_weight_grads=True with a GradScaler: the scaler's inf "
+                             "check reads .grad, which the skipped weight gradients leave "
+                             "empty; set optimizer.skip_weight_grads = False")
         self.accumulate_clipped_sum(self._amp_scale())
         if self.expect_more:
             self._mark_released()

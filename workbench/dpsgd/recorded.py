@@ -106,7 +106,8 @@ class ModelRecorder:
         self._amp = None  # the autocast dtype of the forward pass running (precision.py)
         self._handles = [model.register_forward_pre_hook(self._enter),
                          model.register_forward_hook(self._exit, always_call=True)]
-        self.skip_weight_grads, self._fast = False, False  # skip_weights.py; off by default
+        # skip_weights.py, off by default; armed by zero_grad() until the step (clear)
+        self.skip_weight_grads, self.armed, self._fast = False, False, False
         self.skipper = WeightGradSkipper(self.layers, {id(p) for p in self.params.values()},
                                          lambda: self._fast and self.layer_rec.recording)
 
@@ -120,7 +121,7 @@ class ModelRecorder:
             self.watch.close()  # a new forward pass: the loss window of the last one ends
             device = next(iter(self.params.values())).device
             self._rng, self._amp = rng_state(device), precision.state(device)
-            self._fast = (self.skip_weight_grads and torch.is_grad_enabled()
+            self._fast = (self.skip_weight_grads and self.armed and torch.is_grad_enabled()
                           and self._amp is None and not distributed_run(self.wrapped))
             self._roots = len(self.root_rec.calls[ROOT])
             self.tracker.__enter__()
@@ -165,6 +166,7 @@ class ModelRecorder:
         self.layer_rec.clear()
         self.root_rec.clear()
         self.skipper.clear()
+        self.armed = False
         self.watch.close()
         self.watch.clear()
         if keep_pending:
