@@ -82,11 +82,16 @@ def test_a_penalty_on_a_skipped_weight_is_still_refused(skip):
         train(skip, "bookkeeping", penalty=0.1)
 
 
-def test_requires_grad_restored_when_the_forward_raises():
+def linear_with_skip():
     model = nn.Sequential(nn.Linear(3, 2)).double()
     opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=0.0,
                       max_grad_norm=1.0, expected_batch_size=4)
     opt.skip_weight_grads = True
+    return model, opt
+
+
+def test_requires_grad_restored_when_the_forward_raises():
+    model, opt = linear_with_skip()
     with pytest.raises(RuntimeError):
         model(torch.randn(4, 5, dtype=torch.float64))  # wrong width: the matmul raises
     assert all(p.requires_grad for p in model.parameters())
@@ -96,10 +101,7 @@ def test_requires_grad_restored_when_the_forward_raises():
 
 
 def test_no_grad_and_eval_passes_are_untouched():
-    model = nn.Sequential(nn.Linear(3, 2)).double()
-    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=0.0,
-                      max_grad_norm=1.0, expected_batch_size=4)
-    opt.skip_weight_grads = True
+    model, opt = linear_with_skip()
     with torch.no_grad():
         out = model(torch.randn(4, 3, dtype=torch.float64))
     assert out.grad_fn is None
@@ -110,10 +112,7 @@ def test_no_grad_and_eval_passes_are_untouched():
 
 
 def test_passes_outside_zero_grad_and_step_keep_their_gradients():
-    model = nn.Sequential(nn.Linear(3, 2)).double()
-    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=0.0,
-                      max_grad_norm=1.0, expected_batch_size=4)
-    opt.skip_weight_grads = True
+    model, opt = linear_with_skip()
     x = torch.randn(4, 3, dtype=torch.float64)
     opt.zero_grad()
     model(x).sum().backward()
@@ -126,10 +125,7 @@ def test_passes_outside_zero_grad_and_step_keep_their_gradients():
 
 
 def test_grad_scaler_is_refused_not_misread():
-    model = nn.Sequential(nn.Linear(3, 2)).double()
-    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=0.0,
-                      max_grad_norm=1.0, expected_batch_size=4)
-    opt.skip_weight_grads = True
+    model, opt = linear_with_skip()
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     opt.zero_grad()
     scaler.scale(model(torch.randn(4, 3, dtype=torch.float64)).sum()).backward()
