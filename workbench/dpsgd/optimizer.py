@@ -48,6 +48,12 @@ even when an inf was found (skipping it would depend on the data). ``torch.autoc
 (bfloat16, float16): norms, clip factors and sums are computed in float32, the self-check
 replays the recorded autocast state (``per_sample/precision.py``).
 
+**Skipping the weight gradients** (``skip_weight_grads = True``, off by default;
+``skip_weights.py``): the user's backward pass then computes no unclipped weight gradient of
+the recorded leaf layers (every mode recomputes their clipped sum from the recording; Bu et
+al. 2023, arXiv 2210.00038, §3), the same updates bit for bit; ``.grad`` before ``step()``
+then lacks those layers' part (``bench training --skip-weight-grads`` measures the gain).
+
 **Non-finite records** (a NaN or inf per-sample gradient) are left out of the sum, counted in
 ``last["nonfinite"]`` (indices in ``last["nonfinite_indices"]``) and warned about; a batch of
 n >= 2 records that are all non-finite raises (``clipping/nonfinite.py`` says why).
