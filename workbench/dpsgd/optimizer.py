@@ -212,6 +212,7 @@ class DPOptimizer(Optimizer):
         if not isinstance(value, bool):
             raise TypeError(f"skip_weight_grads must be True or False; got {value!r}")
         self.recorder.skip_weight_grads = value
+        self.recorder.skipper.attach(value)
 
     def _enter_forward(self, module, args):
         if torch.is_grad_enabled():  # no_grad passes record nothing (evaluation)

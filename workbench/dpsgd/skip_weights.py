@@ -63,16 +63,24 @@ class WeightGradSkipper:
         self.own = {path: [p for p in layer.parameters(recurse=False)
                            if p.requires_grad and id(p) in params]
                     for path, layer in layers.items() if tappable(layer)}
+        self.layers = layers
         self._off: dict[str, list] = {}
         self._dummy: dict = {}  # device -> a scalar that requires grad
         self._handles = []
-        for path, own in self.own.items():
-            if own:
-                layer = layers[path]
-                self._handles += [
-                    layer.register_forward_pre_hook(self._pre(path), prepend=True),
-                    layer.register_forward_hook(self._post(path), prepend=True,
-                                                always_call=True)]
+
+    def attach(self, on: bool) -> None:
+        """Hooks on the layers (``on``), or none: a model whose optimizer never skips keeps
+        the hooks it had."""
+        if on and not self._handles:
+            for path, own in self.own.items():
+                if own:
+                    layer = self.layers[path]
+                    self._handles += [
+                        layer.register_forward_pre_hook(self._pre(path), prepend=True),
+                        layer.register_forward_hook(self._post(path), prepend=True,
+                                                    always_call=True)]
+        elif not on:
+            self.close()
 
     def _pre(self, path):
         def pre_hook(module, args):
