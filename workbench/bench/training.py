@@ -7,6 +7,10 @@ accountant's bookkeeping of the step. ``auto`` is make_private's default (``clip
 einsum or book-keeping by a rule on the recorded layers); ``auto_chose`` says which it ran.
 Zoo models (``--models imdb_embedding ...``) step on ``models.example_batch``. ``--opacus hooks
 ghost`` adds Opacus' own loop in those modes (``bench.opacus_twin``), same model and batch.
+``--models tiny_gpt``: the character GPT at T = 128 (``bench.gpt``'s model and batch).
+``--skip-weight-grads`` adds each mode with ``DPOptimizer.skip_weight_grads`` on (the user's
+backward skips the weight gradients the DP step recomputes, ``dpsgd/skip_weights.py``);
+``--memory`` the peak allocated bytes of one step over plain's (``bench.peak_memory``).
 """
 
 import sys
@@ -19,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import workbench as wb
 from workbench import models
 from workbench.bench import opacus_twin
+from workbench.bench.peak_memory import peak_bytes, tensor_bytes
 from workbench.bench.timing import (
     benchmark_parser,
     device_name,
@@ -31,8 +36,31 @@ CANDIDATES = (*MODES, "auto")
 DIGITS = ("digits_mlp", "digits_cnn")
 
 
-def step_fn(model, optimizer, x, y):
-    criterion = nn.CrossEntropyLoss()
+def sequence_mean(logits, y):
+    """tiny_gpt's loss: the mean over sequences of the per-sequence mean token loss."""
+    return models.sequence_cross_entropy(logits, y).mean()
+
+
+def build(model_name, b, device):
+    """(model, x, y, criterion) on ``device``; tiny_gpt: V = 96, T = 128 (``bench.gpt``)."""
+    torch.manual_seed(0)
+    if model_name == "tiny_gpt":
+        gen = torch.Generator().manual_seed(0)
+        x, y = (torch.randint(0, 96, (b, 128), generator=gen).to(device) for _ in range(2))
+        return models.tiny_gpt(96, block_size=128, generator=torch.Generator().manual_seed(0)
+                               ).to(device), x, y, sequence_mean
+    if model_name in DIGITS:
+        train_set, _ = wb.data.load_digits()
+        x, y = (t[:b].to(device) for t in train_set.tensors)
+    else:
+        x, y = (t.to(device) for t in models.example_batch(
+            model_name, b, generator=torch.Generator().manual_seed(0)))
+    torch.manual_seed(0)
+    return models.make_model(model_name).to(device), x, y, nn.CrossEntropyLoss()
+
+
+def step_fn(model, optimizer, x, y, criterion=None):
+    criterion = criterion or nn.CrossEntropyLoss()
 
     def step():
         optimizer.zero_grad()
@@ -42,27 +70,25 @@ def step_fn(model, optimizer, x, y):
     return step
 
 
-def bench(model_name, b, repeats, device, modes=CANDIDATES, opacus=()):
-    if model_name in DIGITS:
-        train_set, _ = wb.data.load_digits()
-        x, y = (t[:b].to(device) for t in train_set.tensors)
-    else:
-        x, y = (t.to(device) for t in models.example_batch(
-            model_name, b, generator=torch.Generator().manual_seed(0)))
-    candidates = {}
-    torch.manual_seed(0)
-    plain = models.make_model(model_name).to(device)
-    candidates["plain"] = step_fn(plain, torch.optim.SGD(plain.parameters(), lr=0.01), x, y)
-    optimizers = []
-    for mode in modes:
-        torch.manual_seed(0)
-        model = models.make_model(model_name).to(device)
+def bench(model_name, b, repeats, device, modes=CANDIDATES, opacus=(), skip=False,
+          memory=False):
+    candidates, optimizers, models_of = {}, [], {}
+    plain, x, y, criterion = build(model_name, b, device)
+    candidates["plain"] = step_fn(plain, torch.optim.SGD(plain.parameters(), lr=0.01), x, y,
+                                  criterion)
+    models_of["plain"] = plain
+    runs = [*modes, *[f"{m}+skip" for m in modes if skip]]  # +skip: skip_weight_grads on
+    for mode in runs:
+        model = build(model_name, b, device)[0]
         loader = DataLoader(TensorDataset(x, y), batch_size=b)
         _, opt, _ = wb.PrivacyEngine().make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
-            data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode=mode)
-        candidates[mode] = step_fn(model, opt, x, y)
+            data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+            grad_sample_mode=mode.removesuffix("+skip"))
+        opt.skip_weight_grads = mode.endswith("+skip")
+        candidates[mode] = step_fn(model, opt, x, y, criterion)
         optimizers.append(opt)
+        models_of[mode] = model
     skipped = []
     for mode in opacus:  # Opacus' own loop on the same model and batch
         torch.manual_seed(0)
@@ -77,22 +103,25 @@ def bench(model_name, b, repeats, device, modes=CANDIDATES, opacus=()):
             continue
         candidates[f"opacus_{mode}"] = step
     times = time_interleaved(candidates, device, repeats=repeats)
+    peaks = {k: peak_bytes(fn, device, tensor_bytes(models_of[k], x, y))
+             for k, fn in candidates.items() if k in models_of} if memory else {}
     times.update({f"opacus_{mode}": float("nan") for mode in skipped})
     for opt in optimizers:
         opt.detach()
     row = {"model": model_name, "batch_size": b, "plain_ms": times["plain"] * 1e3}
-    row.update({f"{m}/plain": times[m] / times["plain"] for m in modes})
+    row.update({f"{m}/plain": times[m] / times["plain"] for m in runs})
     row.update({f"opacus_{m}/plain": times[f"opacus_{m}"] / times["plain"] for m in opacus})
+    row.update({f"{m}/plain_peak": peaks[m] / peaks["plain"] for m in runs if peaks})
     if "auto" in modes:
         row["auto_chose"] = optimizers[list(modes).index("auto")].last.get("mode")
     return row
 
 
 def run(models=DIGITS, batch_sizes=(64, 256), repeats=5, device="cpu", modes=CANDIDATES,
-        opacus=()) -> pd.DataFrame:
+        opacus=(), skip=False, memory=False) -> pd.DataFrame:
     """One ``bench`` row per (model, b), with the device."""
     device = torch.device(device)
-    table = pd.DataFrame([bench(m, b, repeats, device, modes, opacus)
+    table = pd.DataFrame([bench(m, b, repeats, device, modes, opacus, skip, memory)
                           for m in models for b in batch_sizes])
     table["device"] = device_name(device)
     return table
@@ -100,13 +129,20 @@ def run(models=DIGITS, batch_sizes=(64, 256), repeats=5, device="cpu", modes=CAN
 
 def main(argv=None):
     parser = benchmark_parser("training", __doc__, batch_sizes=(64, 256))
-    parser.add_argument("--models", nargs="+", default=list(DIGITS), choices=list(models.ZOO))
+    parser.add_argument("--models", nargs="+", default=list(DIGITS),
+                        choices=[*models.ZOO, "tiny_gpt"])
     parser.add_argument("--modes", nargs="+", default=list(CANDIDATES), choices=CANDIDATES)
     parser.add_argument("--opacus", nargs="*", default=[], choices=opacus_twin.OPACUS_MODES,
                         help="also time Opacus' own loop in these grad_sample_modes")
+    parser.add_argument("--skip-weight-grads", action="store_true",
+                        help="also time each mode with DPOptimizer.skip_weight_grads on "
+                             "(columns MODE+skip/plain)")
+    parser.add_argument("--memory", action="store_true",
+                        help="also the peak allocated bytes of one step over plain's "
+                             "(columns MODE/plain_peak; bench.peak_memory)")
     args = parse_benchmark_args(parser, argv)
     table = run(args.models, args.batch_sizes, args.repeats, args.device, args.modes,
-                args.opacus)
+                args.opacus, args.skip_weight_grads, args.memory)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     table.to_csv(args.out, index=False)
     print(f"device: {table['device'][0]}   one training step, plain in ms, DP as multiples")

@@ -6,10 +6,13 @@
 
 | method        | how                                                     | file            |
 |---------------|---------------------------------------------------------|-----------------|
-| microbatch    | per-sample gradients by a loop, then norm / clip        | flat.py         |
-| vmap, einsum  | per-sample gradients materialised, then norm / clip     | flat.py         |
-| ghost         | norms from (a, b); clipped sum by a 2nd backward pass   | ghost.py        |
+| microbatch    | per-sample gradients by a loop, then norm / clip        | engine.py       |
+| vmap, einsum  | per-sample gradients materialised, then norm / clip     | engine.py       |
+| ghost         | norms from (a, b); clipped sum by a 2nd backward pass   | ghost, engine   |
 | bookkeeping   | norms from (a, b); clipped sum from the same (a, b)     | bookkeeping.py  |
+
+Every clipped sum is computed in ``engine.py`` (the optimizer's too); C is validated once,
+here.
 
 All methods share ``flat.clip_factors`` (exact, no stabiliser), so they agree to rounding,
 and ``flat.sample_norms`` (float32 gradients above 1e19 are normed without overflow).
@@ -20,10 +23,11 @@ A record whose gradient holds NaN or inf has a NaN or inf norm; ``clipped_grad_s
 import torch
 
 from workbench import rules  # noqa: F401  (registers the built-in layer rules)
+from workbench.checks import check_max_grad_norm
 from workbench.clipping.bookkeeping import bookkeeping_clipped_sum
-from workbench.clipping.flat import clip_factors, grad_norms, norm_dtype, weighted_sum
-from workbench.clipping.ghost import ghost_clipped_sum, ghost_norms
-from workbench.clipping.nonfinite import refuse_nonfinite
+from workbench.clipping.engine import clip_by_backward, clip_materialised
+from workbench.clipping.flat import clip_factors, grad_norms, norm_dtype
+from workbench.clipping.ghost import ghost_norms, record_norms, verify_norms
 from workbench.clipping.registry import NORM_SAMPLERS, register_norm_sampler
 from workbench.clipping.routes import ghost_routes
 from workbench.clipping.snapshot import (
@@ -42,9 +46,14 @@ CLIP_METHODS = (*MATERIALISING, "ghost", "bookkeeping")
 
 
 def _nothing_trainable(model, inputs, targets) -> bool:
-    check_no_sample_mixing(model)
+    """Nothing to compute; the batch checked. The scan for sample mixing (BatchNorm) is the
+    recording's (``per_sample.recording.record``, ``per_sample_gradients``), run here only
+    when nothing else will run it."""
     check_batch(inputs, targets)
-    return not any(p.requires_grad for p in model.parameters())
+    if any(p.requires_grad for p in model.parameters()):
+        return False
+    check_no_sample_mixing(model)
+    return True
 
 
 def per_sample_grad_norms(model, loss_fn, inputs, targets, method="ghost", check=True):
@@ -85,19 +94,20 @@ def clipped_grad_sum(model, loss_fn, inputs, targets, max_grad_norm, method="boo
     """
     if method not in CLIP_METHODS:
         raise ValueError(f"method must be one of {CLIP_METHODS}; got {method!r}")
-    clip_factors(torch.ones(1), max_grad_norm)  # validates C before any work
+    max_grad_norm = check_max_grad_norm(max_grad_norm)  # once, before any work
     if _nothing_trainable(model, inputs, targets):
         return {}
     check_option(check)
     if method == "ghost":
-        return ghost_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm, check=check)
+        rec, squares, _ = record_norms(model, loss_fn, inputs, targets, retain_graph=True,
+                                       check=check)
+        verify_norms(model, rec, squares)
+        return clip_by_backward(rec, squares, max_grad_norm)
     if method == "bookkeeping":
         return bookkeeping_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm,
                                        check=check)
     grads = per_sample_gradients(model, loss_fn, inputs, targets, method=method, check=check)
-    sample_norms = grad_norms(grads)  # (n,) float64
-    refuse_nonfinite(sample_norms)
-    return weighted_sum(grads, clip_factors(sample_norms, max_grad_norm))
+    return clip_materialised(grads, max_grad_norm)
 
 
 __all__ = [

@@ -14,8 +14,13 @@ reweighted per sample; for ``nn.Linear`` that is one matrix product (Bu et al. E
 The backward pass that gives the backprops does not retain the graph: as in a plain step,
 what autograd saved inside the layers (attention maps, GELU inputs) is freed as the pass goes,
 and only each layer's inputs a and backprops b are kept, which is what peak memory is made of
-(bench e2e, tiny_gpt, b = 32, T = 128: about 1.3x a plain step's peak; ghost clipping, which
-retains the graph but holds no layer's b past its norm, about the same).
+(bench e2e, tiny_gpt, b = 32, T = 128: about 1.3x a plain step's peak when every layer kept
+its (a, b); ghost clipping, which retains the graph but holds no layer's b past its norm,
+about the same). So the backward pass is streamed (``per_sample.streaming``): a Linear call
+whose per-sample gradients g_i (n p d) are smaller than its (a, b) (n T (d + p)), as in a
+transformer's projections at T >= 2, is materialised the moment its b is complete, and its a
+and b let go; its clipped sum is then Σ_i c_i g_i (Bu et al. §4 choose per layer between
+the ghost norm and materialising, by time; the choice here is by memory).
 Each layer's clipped sum is then computed from (a, c ⊙ b) alone: for ``nn.Linear`` the one
 matmul above; for any other layer PyTorch's own weight-gradient kernel, by re-running the layer
 alone on its stored inputs and asking autograd for the gradient with grad_outputs = c ⊙ b.
@@ -25,19 +30,70 @@ Each call's backprops are freed once used. The loop itself is the one clipping e
 Notation: n batch, a activations, b backprops, c clip factors (n,).
 """
 
-from workbench.checks import check_max_grad_norm
+import torch
+from torch import nn
+from torch.nn.utils.parametrize import is_parametrized
+
 from workbench.clipping.engine import clipped_sum
-from workbench.clipping.ghost import record, squared_norms, verify_norms
+from workbench.clipping.ghost import record_batch, recorded_shared, squared_norms, verify_norms
 from workbench.clipping.nonfinite import refuse_nonfinite
+from workbench.per_sample.einsum import fallback_gradients, sample_layer
+from workbench.per_sample.precision import in_full_precision
+from workbench.per_sample.recording import own_parameters
+from workbench.per_sample.streaming import stream_backward
 
 
 def bookkeeping_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm, check=True):
-    """{name: Σ_i c_i g_i} from one forward and one backward pass (plus local weight grads)."""
-    C = check_max_grad_norm(max_grad_norm)
-    rec = record(model, loss_fn, inputs, targets, retain_graph=False, check=check)
+    """{name: Σ_i c_i g_i} from one forward and one backward pass (plus local weight grads);
+    ``max_grad_norm`` validated by the caller."""
+    rec, materialised = record_streamed(model, loss_fn, inputs, targets, check)
+    exact = {**rec.exact, **materialised}  # (n, *shape) each: normed and summed as given
     if rec.signature is not None:  # the norms are the engine's; verify them first
-        verify_norms(model, rec, squared_norms(rec, rec.exact)[0])
-    sums, norms, _ = clipped_sum(rec, C, "bookkeeping", exact=rec.exact)
+        verify_norms(model, rec, squared_norms(rec, exact)[0])
+    sums, norms, _ = clipped_sum(rec, max_grad_norm, "bookkeeping", exact=exact)
     refuse_nonfinite(norms)  # the engine masked them; the functional API names them
     return {name: sums[id(p)] if id(p) in sums else p.new_zeros(p.shape)
             for name, p in rec.params.items()}
+
+
+def record_streamed(model, loss_fn, inputs, targets, check):
+    """(rec, {id(param): (n, *shape)}): forward, then one streamed backward pass
+    (``per_sample.streaming``) in which a Linear call whose per-sample gradients are smaller
+    than its (a, b) is materialised on the spot and its a and b let go; every other call
+    keeps its b for the clipped sum."""
+    rec = record_batch(model, loss_fn, inputs, targets, check)
+    shared = recorded_shared(rec)
+    layer_of = {id(call): layer for path, layer in rec.layers.items()
+                for call in rec.recorder.calls[path]}
+    kept, materialised = {}, {}
+
+    @in_full_precision  # as the engine's materialise
+    def on_call(call):
+        layer = layer_of[id(call)]
+        own = dict(rec.own(layer))
+        if own and smaller_materialised(layer, call, own, shared, rec.n):
+            for name, g in sample_layer(layer, call, keep=own).items():
+                materialised[id(own[name])] = g  # (n, *shape)
+            call.args, call.kwargs = (), {}  # a: no longer needed
+        else:
+            kept[id(call)] = call.backprops
+
+    stream_backward(rec.recorder.all_calls(), rec.losses.sum(), on_call)
+    for call in rec.recorder.all_calls():
+        call.backprops = kept.get(id(call))
+    rec.exact = fallback_gradients(rec, model, loss_fn, inputs, targets)
+    return rec, materialised
+
+
+def smaller_materialised(layer, call, own: dict, shared: set, n: int) -> bool:
+    """An ``nn.Linear`` call, all its parameters by rule and used in this call only, whose
+    per-sample gradients (n (p d + p) numbers) take less memory than its stored inputs a and
+    backprops b (n T (d + p): T >= 2 positions for the usual widths)."""
+    b = call.backprops
+    if (type(layer) is not nn.Linear or is_parametrized(layer) or n == 0
+            or not isinstance(b, torch.Tensor) or not call.args
+            or len(own) != len(own_parameters(layer))
+            or any(id(p) in shared for p in own.values())):
+        return False
+    grad_numel = sum(p.numel() for p in own.values())
+    return n * grad_numel < call.args[0].numel() + b.numel()

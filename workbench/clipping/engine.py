@@ -14,6 +14,11 @@ Abadi et al. 2016 (arXiv 1607.00133), Algorithm 1: c_i = min(1, C / ||g_i||), an
   c ⊙ b, Bu et al. Eq. 3; ``nn.Embedding``'s one ``index_add_``) takes it, and any other
   layer alone is re-run on its stored inputs.
 
+The functional API's other two methods end here too: ``clip_materialised`` (microbatch, vmap,
+einsum over the whole model: {name: (n, *shape)} normed, clipped, summed) and
+``clip_by_backward`` (ghost: the retained graph's second backward pass of Σ_i c_i ℓ_i).
+Every C reaching this file was validated once by its caller (``flat.checked_clip_factors``).
+
 Parameters materialised anyway (exact fallback, or used in several calls) enter as
 Σ_i c_i g_i from their (n, *shape) tensors.
 
@@ -31,9 +36,9 @@ Notation: n batch, g_i per-sample gradient, c_i clip factor, C max_grad_norm, b 
 import torch
 from torch.utils._pytree import tree_map
 
-from workbench.clipping.flat import clip_factors, sample_squares
+from workbench.clipping.flat import checked_clip_factors, grad_norms, sample_squares, weighted_sum
 from workbench.clipping.ghost import squared_norms_by
-from workbench.clipping.nonfinite import bad_records, finite_values, masked
+from workbench.clipping.nonfinite import bad_records, finite_values, masked, refuse_nonfinite
 from workbench.per_sample.einsum import sample_layer
 from workbench.per_sample.functional import layer_vmap_grad_sampler
 from workbench.per_sample.microbatch import layer_microbatch_grad_sampler
@@ -123,7 +128,7 @@ def clipped_sum(rec, max_grad_norm, mode: str, group_of=None, exact=None):
     norms = sum(squares.values(), zeros).sqrt()  # (n,) NaN or inf if any group is
     bad = bad_records(norms)
     ok = ~bad if bad.any() else None  # None: the usual case, nothing to mask
-    c = {group: clip_factors(sq.sqrt(), C[group]) for group, sq in squares.items()}
+    c = {group: checked_clip_factors(sq.sqrt(), C[group]) for group, sq in squares.items()}
     if ok is not None:  # a non-finite record: 0 in every group, not only in its bad one
         c = {group: masked(cg, ok) for group, cg in c.items()}
     sums = {}
@@ -143,3 +148,29 @@ def clipped_sum(rec, max_grad_norm, mode: str, group_of=None, exact=None):
             sums[key] = torch.tensordot(c[group_of(params[key])].to(g.dtype), g, dims=1)
     factors = torch.stack(list(c.values())).min(0).values if c else zeros + 1
     return sums, norms, factors
+
+
+def clip_materialised(grads: dict[str, torch.Tensor], C: float) -> dict[str, torch.Tensor]:
+    """{name: Σ_i c_i g_i} from whole-model per-sample gradients {name: (n, *shape)};
+    ``NonFiniteGradientError`` names a record whose gradient holds NaN or inf."""
+    sample_norms = grad_norms(grads)  # (n,) float64
+    refuse_nonfinite(sample_norms)
+    return weighted_sum(grads, checked_clip_factors(sample_norms, C))
+
+
+def clip_by_backward(rec, squares: torch.Tensor, C: float) -> dict[str, torch.Tensor]:
+    """{name: Σ_i c_i g_i} by a second backward pass of Σ_i c_i ℓ_i over ``rec``'s retained
+    graph (ghost clipping); the fallback parameters from their exact g_i (``rec.exact``)."""
+    refuse_nonfinite(squares)  # 0 · NaN in the second backward pass would spread it
+    c = checked_clip_factors(squares.sqrt(), C)  # (n,)
+    for call in rec.recorder.all_calls():
+        call.backprops = None  # not needed by the second pass: free them before it runs
+    names = [k for k, p in rec.params.items() if id(p) not in rec.exact]
+    grads = torch.autograd.grad((c.detach() * rec.losses).sum(),
+                                [rec.params[k] for k in names], allow_unused=True) if names else ()
+    sums = {k: torch.zeros_like(rec.params[k]) if g is None else g for k, g in zip(names, grads)}
+    with torch.no_grad():
+        for key, g in rec.exact.items():  # the fallback's own g_i: the norms' g_i
+            sums[next(k for k, p in rec.params.items() if id(p) == key)] = \
+                torch.tensordot(c.to(g.dtype), g, dims=1)
+    return {name: sums[name] for name in rec.params}

@@ -42,7 +42,12 @@ def clip_factors(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
     >>> clip_factors(torch.tensor([0.0, 0.5, 2.0, 4.0, float("nan")]), 1.0)
     tensor([1.0000, 1.0000, 0.5000, 0.2500, 0.0000])
     """
-    C = check_max_grad_norm(max_grad_norm)
+    return checked_clip_factors(norms, check_max_grad_norm(max_grad_norm))
+
+
+def checked_clip_factors(norms: torch.Tensor, C: float) -> torch.Tensor:
+    """``clip_factors`` for a C its caller has validated (once per call, at the entry point
+    or, in the optimizer, when it is assigned)."""
     c = (C / norms).clamp(max=1.0)  # (n,); C / 0 = inf -> 1
     return torch.where(torch.isfinite(norms), c, torch.zeros_like(c))  # C / NaN is NaN
 

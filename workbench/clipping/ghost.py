@@ -40,8 +40,7 @@ Notation: n batch, a activations, b backprops, c clip factors, C max_grad_norm.
 import torch
 from torch.nn.utils.parametrize import is_parametrized
 
-from workbench.clipping.flat import clip_factors, norm_dtype, sample_squares
-from workbench.clipping.nonfinite import refuse_nonfinite
+from workbench.clipping.flat import norm_dtype, sample_squares
 from workbench.clipping.registry import find_norm_sampler
 from workbench.per_sample import selfcheck
 from workbench.per_sample.einsum import (
@@ -224,23 +223,3 @@ def ghost_norms(model, loss_fn, inputs, targets, check=True) -> torch.Tensor:
                                    check=check)
     verify_norms(model, rec, squares)
     return squares.sqrt().to(norm_dtype(rec.dtype))  # NaN or inf for a non-finite record
-
-
-def ghost_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm, check=True):
-    """{name: Σ_i c_i g_i} by a second backward pass of Σ_i c_i ℓ_i."""
-    rec, squares, _ = record_norms(model, loss_fn, inputs, targets, retain_graph=True,
-                                   check=check)
-    verify_norms(model, rec, squares)
-    refuse_nonfinite(squares)  # 0 · NaN in the second backward pass would spread it
-    c = clip_factors(squares.sqrt(), max_grad_norm)  # (n,)
-    for call in rec.recorder.all_calls():
-        call.backprops = None  # not needed by the second pass: free them before it runs
-    names = [k for k, p in rec.params.items() if id(p) not in rec.exact]
-    grads = torch.autograd.grad((c.detach() * rec.losses).sum(),
-                                [rec.params[k] for k in names], allow_unused=True) if names else ()
-    sums = {k: torch.zeros_like(rec.params[k]) if g is None else g for k, g in zip(names, grads)}
-    with torch.no_grad():
-        for key, g in rec.exact.items():  # the fallback's own g_i: the norms' g_i
-            sums[next(k for k, p in rec.params.items() if id(p) == key)] = \
-                torch.tensordot(c.to(g.dtype), g, dims=1)
-    return {name: sums[name] for name in rec.params}

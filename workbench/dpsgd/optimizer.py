@@ -48,6 +48,12 @@ even when an inf was found (skipping it would depend on the data). ``torch.autoc
 (bfloat16, float16): norms, clip factors and sums are computed in float32, the self-check
 replays the recorded autocast state (``per_sample/precision.py``).
 
+**Skipping the weight gradients** (``skip_weight_grads = True``, off by default;
+``skip_weights.py``): the user's backward pass then computes no unclipped weight gradient of
+the recorded leaf layers (every mode recomputes their clipped sum from the recording; Bu et
+al. 2023, arXiv 2210.00038, §3), the same updates bit for bit; ``.grad`` before ``step()``
+then lacks those layers' part (``bench training --skip-weight-grads`` measures the gain).
+
 **Non-finite records** (a NaN or inf per-sample gradient) are left out of the sum, counted in
 ``last["nonfinite"]`` (indices in ``last["nonfinite_indices"]``) and warned about; a batch of
 n >= 2 records that are all non-finite raises (``clipping/nonfinite.py`` says why).
@@ -191,6 +197,23 @@ class DPOptimizer(Optimizer):
             handle.remove()
         self.__dict__["_detached"] = reason or "optimizer.detach() was called"
 
+    @property
+    def skip_weight_grads(self) -> bool:
+        """Off by default. On: in the forward passes between ``zero_grad()`` and ``step()``,
+        autograd skips the unclipped weight gradients of the recorded leaf layers, which every
+        mode recomputes clipped (``skip_weights.py``; Bu et al. 2023 §3). ``.grad`` before
+        ``step()`` then lacks those layers' part, and any other gradient taken through those
+        passes (``torch.autograd.grad`` w.r.t. the parameters) does too. Not with a
+        GradScaler (refused at the step), DDP or autocast (the ordinary path then runs)."""
+        return self.recorder.skip_weight_grads
+
+    @skip_weight_grads.setter
+    def skip_weight_grads(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"skip_weight_grads must be True or False; got {value!r}")
+        self.recorder.skip_weight_grads = value
+        self.recorder.skipper.attach(value)
+
     def _enter_forward(self, module, args):
         if torch.is_grad_enabled():  # no_grad passes record nothing (evaluation)
             self.guard.enter("a forward pass of the private model")
@@ -204,6 +227,7 @@ class DPOptimizer(Optimizer):
         self.guard.enter("optimizer.zero_grad()")
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
         self.recorder.clear()
+        self.recorder.armed = True  # skip_weight_grads: this step's forward passes
         self._zeroed = True
         self.guard.release()
 
@@ -234,7 +258,7 @@ class DPOptimizer(Optimizer):
         self.recorder.watch.check = check is not False
         self.recorder.watch.close()  # the loop's loss calls are in: the probes' are not
         norms, factors, modes, replays, paths = [], [], [], [], {}
-        skipped, seen, tol = [], 0, 0.0
+        skipped, seen, tol, unchecked, compare = [], 0, 0.0, set(), False
         try:
             with self.recorder.paused():  # the samplers may call the layers themselves
                 for rec, exact in self.recorder.batches(self.loss_reduction, check, scale):
@@ -248,6 +272,8 @@ class DPOptimizer(Optimizer):
                     if rec.signature is not None:  # before clipping frees the backprops
                         for key, g in self.recorder.path_gradient(rec, exact).items():
                             paths[key] = g if key not in paths else paths[key] + g
+                        unchecked |= self.recorder.unchecked(rec)
+                        compare = True
                     sums, norm, c = clipped_sum(rec, C, mode, group_of, exact=exact)
                     if rec.signature is not None:
                         replays.append((rec, norm[rec.n - 1].detach()))
@@ -262,14 +288,14 @@ class DPOptimizer(Optimizer):
             for rec, norm in replays:
                 if torch.isfinite(norm):  # a non-finite record is left out, not compared
                     self._verify(rec, norm)
-            if paths and not skipped:  # Σ_i g_i with a NaN record in it proves nothing
-                self._check_path(paths, tol)
+            if compare and not skipped:  # Σ_i g_i with a NaN record in it proves nothing
+                self._check_path(paths, tol, unchecked)
         except Exception:
             self._sums = {}  # nothing of a refused batch is kept for a later step
             self.recorder.clear()
             raise
         # a check a non-finite record kept from running waits for the next batch
-        self._verify_next = bool(skipped) and bool(replays or paths)
+        self._verify_next = bool(skipped) and bool(replays or compare)
         self.last = {"norms": torch.cat(norms) if norms else torch.zeros(0),
                      "clip_factors": torch.cat(factors) if factors else torch.zeros(0),
                      "mode": modes[-1] if modes else None,  # the mode "auto" chose
@@ -286,9 +312,10 @@ class DPOptimizer(Optimizer):
         selfcheck.compare_norm(rec, norm, ref)
         selfcheck.remember(self.recorder.model, rec.signature, dict(rec.fallback))
 
-    def _check_path(self, paths: dict, tol: float) -> None:
+    def _check_path(self, paths: dict, tol: float, unchecked=frozenset()) -> None:
         """The user's ``.grad`` must be Σ_i g_i: what flowed through the model's output, to
-        ``tol`` (the dtype the batches were computed in: autocast's, ``precision.py``)."""
+        ``tol`` (the dtype the batches were computed in: autocast's, ``precision.py``);
+        ``unchecked``: ids of parameters whose ``.grad`` is partial (``skip_weights.py``)."""
         if distributed_run(self.model) or not (self._zeroed or all(
                 p.grad is not self._released.get(id(p)) for p in self.recorder.params.values())):
             return  # .grad is all-reduced, or holds an earlier step's: not this batch's sum
@@ -298,8 +325,12 @@ class DPOptimizer(Optimizer):
             return  # a GradScaler's overflow: its inf check lowers the scale (module docstring)
         pairs = {}
         for name, p in self.recorder.params.items():
+            if id(p) in unchecked:
+                continue
             user = torch.zeros_like(p) if p.grad is None else p.grad.detach()
             pairs[name] = (user, paths.get(id(p), torch.zeros_like(p)).to(user.dtype))
+        if not pairs:
+            return
         # .grad rescaled as a whole after backward (clip_grad_norm_, an unscale_) is
         # harmless here (DP-SGD never reads it): compare with the best common factor
         dot = sum(float((u.double() * o.double()).sum()) for u, o in pairs.values())
@@ -389,6 +420,11 @@ class DPOptimizer(Optimizer):
                 "would be taken. Finish the loop over the loader, or start a new pass "
                 "(for x, y in loader: ...), which discards the unfinished batch")
         self._fresh_chunk = False
+        if self._amp_scale() is not None and self.recorder.skipper.tapped:
+            self.recorder.clear()
+            raise ValueError("skip_weight_grads=True with a GradScaler: the scaler's inf "
+                             "check reads .grad, which the skipped weight gradients leave "
+                             "empty; set optimizer.skip_weight_grads = False")
         self.accumulate_clipped_sum(self._amp_scale())
         if self.expect_more:
             self._mark_released()

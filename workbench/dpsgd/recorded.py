@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 
 from workbench.clipping.engine import reweighted_weight_grads
 from workbench.dpsgd.loss_watch import LossWatch
+from workbench.dpsgd.skip_weights import WeightGradSkipper
 from workbench.errors import UnsupportedLayerError
 from workbench.per_sample import precision, selfcheck
 from workbench.per_sample.checks import ModelCall
@@ -48,7 +49,7 @@ from workbench.per_sample.recording import (
     check_layers,
     check_recorded,
     layers_with_parameters,
-    note_uncovered,
+    new_recording,
     owners_of,
     parameter_names,
     rng_state,
@@ -71,6 +72,7 @@ class ModelRecorder:
     def __init__(self, model, param_groups, loss_reduction="mean", criterion=None):
         # DistributedDataParallel / DataParallel: record and probe the wrapped module itself,
         # so the checks' extra passes never start a collective the other ranks do not join
+        self.wrapped = model
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             model = model.module
         self.model = model
@@ -104,6 +106,10 @@ class ModelRecorder:
         self._amp = None  # the autocast dtype of the forward pass running (precision.py)
         self._handles = [model.register_forward_pre_hook(self._enter),
                          model.register_forward_hook(self._exit, always_call=True)]
+        # skip_weights.py, off by default; armed by zero_grad() until the step (clear)
+        self.skip_weight_grads, self.armed, self._fast = False, False, False
+        self.skipper = WeightGradSkipper(self.layers, {id(p) for p in self.params.values()},
+                                         lambda: self._fast and self.layer_rec.recording)
 
     def _structure(self):
         return [id(m) for m in self.model.modules()], [
@@ -115,12 +121,16 @@ class ModelRecorder:
             self.watch.close()  # a new forward pass: the loss window of the last one ends
             device = next(iter(self.params.values())).device
             self._rng, self._amp = rng_state(device), precision.state(device)
+            self._fast = (self.skip_weight_grads and self.armed and torch.is_grad_enabled()
+                          and self._amp is None and not distributed_run(self.wrapped))
             self._roots = len(self.root_rec.calls[ROOT])
             self.tracker.__enter__()
             self._tracking = True
 
     def _exit(self, module, args, output):
         self._depth -= 1
+        if self._depth == 0:
+            self._fast = False
         if self._depth == 0 and self._tracking:
             self._tracking = False
             # the loss is not seen here: an output the model returns may be used there
@@ -137,6 +147,7 @@ class ModelRecorder:
 
     def close(self) -> None:
         self.watch.close()
+        self.skipper.close()
         for handle in self._handles:
             handle.remove()
         self.layer_rec.__exit__(None, None, None)
@@ -154,6 +165,8 @@ class ModelRecorder:
         pending = self.watch.pending
         self.layer_rec.clear()
         self.root_rec.clear()
+        self.skipper.clear()
+        self.armed = False
         self.watch.close()
         self.watch.clear()
         if keep_pending:
@@ -212,24 +225,18 @@ class ModelRecorder:
         b = roots[0].backprops
         t = b[0] if isinstance(b, tuple) else b
         n = t.shape[0] if t.dim() else 1
-        p0 = next(iter(self.params.values()))
-        rec = Recording(n, self.layers, self.layer_rec, self.params, p0.dtype, p0.device,
-                        random=self.tracker.random, generation=gen)
-        note_uncovered(rec, self.uncovered)
         f = self.watch.factors(gen, n)  # (n,) per-record factors of the loss (loss.py)
         if f is None:  # no loss seen: a mean-reduced loss scaled every b_i by 1/n
             f = torch.full((n,), float(n if loss_reduction == "mean" else 1), device=t.device)
         if scale is not None:  # a GradScaler's scale: out of every b_i
             f = f / scale.to(f.device, f.dtype)
-        rec.factors = f
-        calls = [c for _, _, c in rec.calls()] + list(roots)
-        for call in calls:
+        mine = [(path, layer, c) for path, layer in self.layers.items()
+                for c in self.layer_rec.calls[path]
+                if c.backprops is not None and c.generation == gen]  # as Recording.calls
+        for call in [c for _, _, c in mine] + list(roots):
             call.backprops = _rescaled(call.backprops, f, n)
-        for path, layer, call in rec.calls():
-            problem = batch_problem(layer, call, n)
-            if problem:
-                rec.mark(layer, path, problem)
-        return rec
+        return new_recording(n, self.layers, self.layer_rec, self.params, self.uncovered,
+                             mine, random=self.tracker.random, generation=gen, factors=f)
 
     def path_gradient(self, rec: Recording, exact: dict) -> dict:
         """{id(param): Σ_i g_i} as the user's backward pass computed it (before the factors
@@ -238,7 +245,9 @@ class ModelRecorder:
         f = rec.factors
         c = torch.where(f != 0, 1 / torch.where(f != 0, f, 1), 0)  # (n,) undo f_i
         sums: dict = {}
-        for _, layer, call in rec.calls():
+        for path, layer, call in rec.calls():
+            if path in self.skipper.tapped:  # autograd computed no weight gradient there
+                continue
             own = [p for _, p in rec.own(layer)]
             if own:
                 for key, g in reweighted_weight_grads(layer, call, c, own).items():
@@ -248,6 +257,12 @@ class ModelRecorder:
                 s = torch.tensordot(c.to(g.dtype), g, dims=1)
                 sums[key] = s if key not in sums else sums[key] + s
         return sums
+
+    def unchecked(self, rec: Recording) -> set[int]:
+        """ids of fallback parameters of tapped layers: their exact g_i sums every use, the
+        user's ``.grad`` only the uses outside the tapped calls, so they are not compared."""
+        return {id(p) for path in self.skipper.tapped for p in self.skipper.own[path]
+                if id(p) in rec.fallback}
 
     def replay_probe(self, rec: Recording, args, kwargs, b_i) -> dict:
         """Exact g_i of record n - 1 (``selfcheck.record_probe``): the batch again with the

@@ -224,14 +224,25 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
             losses = loss_fn(outputs, targets)  # (n,)
         check_losses(losses, n)
     check_recorded(layers, recorder)
-    rec = Recording(n, layers, recorder, params, p0.dtype, p0.device, losses,
-                    random=tracker.random, rng=rng, autocast=precision.state(p0.device))
-    note_uncovered(rec, tracker.uncovered)
-    for path, layer in layers.items():
-        for call in recorder.calls[path]:
-            problem = batch_problem(layer, call, n)
-            if problem:
-                rec.mark(layer, path, problem)
+    every_call = [(path, layer, call) for path, layer in layers.items()
+                  for call in recorder.calls[path]]
+    return new_recording(n, layers, recorder, params, tracker.uncovered, every_call,
+                         losses=losses, random=tracker.random, rng=rng,
+                         autocast=precision.state(p0.device))
+
+
+def new_recording(n: int, layers, recorder, params, uncovered, calls, **fields) -> Recording:
+    """The one constructor of a Recording (``record`` above, the optimizer's
+    ``dpsgd/recorded.py``): the fallback decided for the parameters used outside their layer
+    (``uncovered``) and for the layers of ``calls`` [(path, layer, call)] whose call does not
+    carry the batch on dim 0. ``fields``: the Recording's optional fields."""
+    p0 = next(iter(params.values()))
+    rec = Recording(n, layers, recorder, params, p0.dtype, p0.device, **fields)
+    note_uncovered(rec, uncovered)
+    for path, layer, call in calls:
+        problem = batch_problem(layer, call, n)
+        if problem:
+            rec.mark(layer, path, problem)
     return rec
 
 

@@ -1,0 +1,122 @@
+"""Skipping the weight gradients that the user's backward pass computes and DP-SGD discards.
+
+Bu, Wang, Zha, Karypis, "Differentially private optimization on large model at small cost"
+(ICML 2023, arXiv 2210.00038), §3: book-keeping needs from the backward pass only each
+layer's backprops b; the clipped sum Σ_i c_i g_i is a weight gradient of (a, c ⊙ b) computed
+afterwards (``clipping/engine.py``). The ordinary ``loss.backward()`` also computes the
+*unclipped* weight gradient Σ_i g_i of every layer, e.g. Bᵀ A for ``nn.Linear`` (p x d per
+layer, about a third of a Linear layer's backward FLOPs), only for the optimizer to overwrite
+it with the noised clipped sum. This module keeps autograd from computing it:
+
+- a forward pre-hook on each recorded leaf layer turns ``requires_grad`` off for its
+  parameters in the optimizer, for the duration of that layer's forward only (restored by a
+  forward hook that runs also when the forward raises, before the user sees the output);
+- the same forward hook passes the output through ``Tap``, an identity whose extra input is a
+  scalar that requires grad: the output still requires grad (the first layer's too, whose
+  input does not), so the recorder's tensor hooks catch b, and the backward pass continues to
+  the layer's inputs as before. Nothing else of the graph changes.
+
+Only *leaf* layers (no submodules) that are not parametrised are tapped: every use of their
+parameters inside their forward is their own call, so the use tracker (``per_sample.uses``)
+sees the same uses either way; uses outside the layer's forward keep ``requires_grad``.
+
+What the user's ``.grad`` then holds: for a tapped parameter, only the gradient of terms
+outside the tapped calls (an L2 penalty, a tied head's ``F.linear``); ``recorded.path_gradient``
+leaves the tapped calls out accordingly, so the ``.grad`` check still finds such terms.
+Off where ``.grad`` itself matters: under ``torch.distributed`` / DDP (its all-reduce runs on
+``.grad``), under autocast (a GradScaler's inf check reads ``.grad``), and inside the
+optimizer's own checks (the recorder paused).
+
+Notation: a activations, b backprops, g_i per-sample gradient, c_i clip factor.
+"""
+
+import torch
+from torch import nn
+from torch.nn.utils.parametrize import is_parametrized
+from torch.utils._pytree import tree_map
+
+
+class Tap(torch.autograd.Function):
+    """Identity on ``out`` that requires grad through ``dummy``; backward: b to ``out``."""
+
+    @staticmethod
+    def forward(ctx, dummy, out):
+        return out.detach()  # shares out's storage and version counter: no copy
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad
+
+
+def tappable(layer: nn.Module) -> bool:
+    """A leaf layer, not parametrised: all uses of its parameters in its forward are its own."""
+    return next(layer.children(), None) is None and not is_parametrized(layer)
+
+
+class WeightGradSkipper:
+    """Hooks on ``layers`` ({path: module}) turning off autograd's weight gradient of the
+    parameters in ``params`` (ids) while ``active()`` is true; ``tapped``: the paths tapped
+    since the last ``clear``."""
+
+    def __init__(self, layers: dict, params: set[int], active):
+        self.active, self.tapped = active, set()
+        self.own = {path: [p for p in layer.parameters(recurse=False)
+                           if p.requires_grad and id(p) in params]
+                    for path, layer in layers.items() if tappable(layer)}
+        self.layers = layers
+        self._off: dict[str, list] = {}
+        self._dummy: dict = {}  # device -> a scalar that requires grad
+        self._handles = []
+
+    def attach(self, on: bool) -> None:
+        """Hooks on the layers (``on``), or none: a model whose optimizer never skips keeps
+        the hooks it had."""
+        if on and not self._handles:
+            for path, own in self.own.items():
+                if own:
+                    layer = self.layers[path]
+                    self._handles += [
+                        layer.register_forward_pre_hook(self._pre(path), prepend=True),
+                        layer.register_forward_hook(self._post(path), prepend=True,
+                                                    always_call=True)]
+        elif not on:
+            self.close()
+
+    def _pre(self, path):
+        def pre_hook(module, args):
+            if path in self._off or not self.active():
+                return
+            own = [p for p in self.own[path] if p.requires_grad]
+            for p in own:
+                p.requires_grad_(False)
+            self._off[path] = own
+
+        return pre_hook
+
+    def _post(self, path):
+        def hook(module, args, output):
+            own = self._off.pop(path, None)
+            if own is None:
+                return None
+            for p in own:  # restored first, also when the forward raised
+                p.requires_grad_(True)
+            self.tapped.add(path)
+            return tree_map(self._tap, output)
+
+        return hook
+
+    def _tap(self, t):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            return t
+        dummy = self._dummy.get(t.device)
+        if dummy is None:
+            dummy = self._dummy[t.device] = torch.zeros((), device=t.device, requires_grad=True)
+        return Tap.apply(dummy, t)
+
+    def clear(self) -> None:
+        self.tapped = set()
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
