@@ -40,7 +40,7 @@ from workbench.dpsgd.loss_watch import LossWatch
 from workbench.errors import UnsupportedLayerError
 from workbench.per_sample import precision, selfcheck
 from workbench.per_sample.checks import ModelCall
-from workbench.per_sample.fallback import exact_per_sample_gradients
+from workbench.per_sample.fallback import exact_per_sample_gradients, redraws
 from workbench.per_sample.hooks import ActivationRecorder
 from workbench.per_sample.recording import (
     Recording,
@@ -226,7 +226,7 @@ class ModelRecorder:
         for call in calls:
             call.backprops = _rescaled(call.backprops, f, n)
         for path, layer, call in rec.calls():
-            problem = batch_problem(layer, call, n)
+            problem = batch_problem(layer, call, n) or (rec.random and redraws(layer))
             if problem:
                 rec.mark(layer, path, problem)
         return rec
@@ -275,9 +275,10 @@ class ModelRecorder:
                 f"dim 0 of the inputs and outputs; this backward pass had {len(roots)} model "
                 f"call(s). Restructure the forward pass, or compute per-sample gradients with "
                 f"wb.clipped_grad_sum(model, loss_fn, x, y, C, method=...)")
-        with precision.replayed(rec.autocast, rec.device):  # the model as it was run
+        replay = (rec.rng, rec.device) if rec.random and rec.rng is not None else None
+        with precision.replayed(rec.autocast, rec.device), self.paused():  # as it was run
             grads = exact_per_sample_gradients(self.model, dot_loss, _inputs(root, rec.n),
-                                               root.backprops, names, reasons)
+                                               root.backprops, names, reasons, replay)
         return {id(self.params[k]): g for k, g in grads.items()}
 
     def drop_outside_grads(self) -> None:

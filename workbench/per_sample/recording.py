@@ -37,6 +37,7 @@ from workbench.per_sample.checks import (
     forward,
     trainable_parameters,
 )
+from workbench.per_sample.fallback import redraws
 from workbench.per_sample.hooks import ActivationRecorder
 from workbench.per_sample.registry import find_grad_sampler, find_sampler_check, layer_type
 from workbench.per_sample.uses import UseTracker
@@ -229,7 +230,7 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
     note_uncovered(rec, tracker.uncovered)
     for path, layer in layers.items():
         for call in recorder.calls[path]:
-            problem = batch_problem(layer, call, n)
+            problem = batch_problem(layer, call, n) or (tracker.random and redraws(layer))
             if problem:
                 rec.mark(layer, path, problem)
     return rec
