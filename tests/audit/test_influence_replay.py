@@ -80,3 +80,14 @@ def test_a_coupled_step_with_unreplayed_dropout_never_passes(case):
                                     max_grad_norm=0.3)
     assert not result.passed, result.summary
     assert "BROKEN" in result.summary or "inconclusive" in result.summary
+
+
+def test_an_inconclusive_audit_is_reported_as_neither_passed_nor_failed():
+    from workbench.audit.report import NOT_APPLICABLE, section
+
+    x, y = data()
+    result = audit_record_influence(naive_released_sum(TwoDropouts(), coupling.plain_cross_entropy,
+                                                       x, y, 0.3), coupling.N, max_grad_norm=0.3)
+    assert not result.passed and not result.broken
+    made = section("influence", result)
+    assert made.verdict == NOT_APPLICABLE and "dropout off" in made.reason

@@ -73,6 +73,16 @@ class InfluenceAudit(AuditResult):
     def broken(self) -> bool:
         return bool((self.table["verdict"] == "BROKEN").any())
 
+    @property
+    def not_applicable(self) -> bool:
+        """Inconclusive: neither passed nor broken (the report says so, not counted as
+        passed and not as a failure)."""
+        return not self.passed and not self.broken
+
+    @property
+    def reason(self) -> str:
+        return self.summary
+
     def worst(self, relation: str) -> float:
         rows = self.table[self.table["relation"] == relation]
         return float(rows["change_over_C"].max()) if len(rows) else float("nan")
