@@ -131,3 +131,27 @@ def test_an_accuracy_count_next_to_a_constant_denominator_passes(mode):
     model = mlp()
     assert torch.allclose(released(model, loss, x, y, mode),
                           twin(model, lambda o, t: F.cross_entropy(o, t, reduction="sum"), x, y))
+
+
+FUNCTIONAL = {  # per-record terms (n,) normalised by a statistic of the batch's data
+    "label weights over their sum": lambda o, t: W[t] * ce(o, t) / W[t].sum(),
+    "ignore count": lambda o, t: ce(o, t) * (t != 2) / (t != 2).sum(),
+    "batch max of targets": lambda o, t: (o[:, 0] - t.double() / t.max()) ** 2,
+}
+
+
+@pytest.mark.parametrize("method", ["einsum", "ghost", "clipped"])
+@pytest.mark.parametrize("case", sorted(FUNCTIONAL))
+def test_functional_api_refuses_a_data_statistic_in_loss_fn(case, method):
+    """The functional API calls loss_fn itself: its probe (record alone) sees the statistic."""
+    import workbench as wb
+    from workbench.errors import PerSampleCheckError
+
+    x, y = batch()
+    with pytest.raises(PerSampleCheckError, match="normalisation by one of the data"):
+        if method == "einsum":
+            wb.per_sample_gradients(mlp(), FUNCTIONAL[case], x, y, method=method)
+        elif method == "ghost":
+            wb.per_sample_grad_norms(mlp(), FUNCTIONAL[case], x, y, method=method)
+        else:
+            wb.clipped_grad_sum(mlp(), FUNCTIONAL[case], x, y, C)
