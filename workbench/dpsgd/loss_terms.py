@@ -42,7 +42,8 @@ from torch.utils._pytree import tree_flatten
 REDUCTIONS = {"sum", "mean", "nansum", "nanmean", "amax", "amin", "max", "min", "aminmax",
               "count_nonzero", "std", "var", "std_mean", "var_mean", "norm", "logsumexp",
               "prod", "median", "nanmedian", "quantile", "nanquantile", "linalg_vector_norm",
-              "all", "any", "cumsum", "cumprod", "softmax", "log_softmax"}
+              "all", "any", "cumsum", "cumprod", "softmax", "log_softmax", "bincount", "histc",
+              "histogram", "unique", "unique_consecutive", "mode", "sort", "argsort"}
 DETACH = {"detach", "detach_"}
 TO_NUMBER = {"item", "__float__", "__int__", "tolist"}
 ARITHMETIC = {"div", "div_", "mul", "mul_", "true_divide", "__truediv__", "__rtruediv__",
