@@ -81,3 +81,22 @@ def test_registry_names_every_accountant_and_sampler():
         assert type(acc) is spec.accountant_class and acc.state_dict()["mechanism"] == name
     with pytest.raises(ValueError, match="accountant must be one of"):
         make_accountant("gdp")
+
+
+@pytest.mark.parametrize("sampler", ["shuffle", "deterministic"])
+def test_batches_per_epoch_is_the_loaders_own(sampler):
+    """N = 100, B = 30: the loader runs ceil(100 / 30) = 4 batches, round(1 / q) is 3."""
+    own = epsilon_bounds(sampler, sample_rate=0.3, noise_multiplier=1.0, epochs=2, delta=1e-5,
+                         batches_per_epoch=4)
+    default = epsilon_bounds(sampler, sample_rate=0.3, noise_multiplier=1.0, epochs=2,
+                             delta=1e-5)
+    assert (own.steps, default.steps) == (8, 6)
+    assert own.upper == default.upper  # no amplification: E passes, whatever T
+    if sampler == "shuffle":  # Chua et al.'s lower bound for T = 4 batches, not 3
+        from workbench.accounting.shuffle import shuffle_lower_epsilon
+
+        assert own.lower == min(shuffle_lower_epsilon(4, 1.0, 2, 1e-5), own.upper)
+        assert own.lower != default.lower
+    with pytest.raises(ValueError, match="batches_per_epoch"):
+        epsilon_bounds(sampler, sample_rate=0.3, noise_multiplier=1.0, epochs=2, delta=1e-5,
+                       batches_per_epoch=2.5)

@@ -76,6 +76,18 @@ def test_epsilon_target_is_met_by_the_steps_the_loader_runs(N, B, drop_last, poi
     assert len(engine.accountant) == planned
     eps = engine.accountant.get_epsilon(1e-3)
     assert 1.9 <= eps <= 2.0 + 1e-6, (eps, planned)
+    if not poisson:  # the bracket counts the loader's own epochs, not round(1 / q) batches
+        T = len(dp_loader)
+        bounds = engine.epsilon_bounds(1e-3)
+        begun, done = math.ceil(planned / T), planned // T
+        assert bounds.steps == begun * T, (bounds, T)
+        ref = wb.accounting.epsilon_bounds(
+            "shuffle", sample_rate=engine.sample_rate, noise_multiplier=opt.noise_multiplier,
+            epochs=begun, delta=1e-3, batches_per_epoch=T)
+        assert bounds.upper == ref.upper
+        assert bounds.lower == (ref.lower if done == begun else wb.accounting.epsilon_bounds(
+            "shuffle", sample_rate=engine.sample_rate, noise_multiplier=opt.noise_multiplier,
+            epochs=done, delta=1e-3, batches_per_epoch=T).lower)
 
 
 # --- 3. q in (0, 1], checked before anything changes ------------------------------------------

@@ -17,7 +17,9 @@ most for small σ and many steps per epoch. ``epsilon_bounds`` says what each sa
                      Poisson ε: T = 1000, σ = 0.8, one epoch, δ = 1e-6 gives Poisson 0.47 but
                      shuffle in [6.04, 6.31] (``shuffle.py``, tests/accounting/test_shuffle.py).
 
-Notation: q = B/N sample rate, T = round(1/q) batches per epoch, E epochs, σ, δ.
+Notation: q = B/N sample rate, T batches per epoch (``batches_per_epoch``: a fixed-size
+loader's own len(loader), ceil(N/B) or floor(N/B) with ``drop_last``; by default round(1/q),
+the Poisson loader's length), E epochs, σ, δ.
 
 >>> sorted(SAMPLERS)
 ['deterministic', 'poisson', 'shuffle']
@@ -64,27 +66,34 @@ class EpsilonBounds:
                 f"upper: {self.upper_method})")
 
 
-def batches_per_epoch(q):
-    """T = round(1/q) fixed-size batches per epoch, the workbench's one epoch (steps_per_epoch)."""
-    return steps_per_epoch(q)
+def batches_per_epoch(q, given=None):
+    """T: the loader's own batches per epoch when ``given``, else round(1/q), the workbench's
+    one epoch (steps_per_epoch)."""
+    return _batches(q, given)
 
 
-def poisson_bounds(q, sigma, epochs, delta):
-    steps = steps_from_epochs(epochs, q)
+def _batches(q, given):
+    if given is None:
+        return steps_per_epoch(q)
+    return int(check_count(given, "batches_per_epoch", note="len(loader): the steps of one "
+                           "pass over the data"))
+
+
+def poisson_bounds(q, sigma, epochs, delta, T):
+    steps = steps_from_epochs(epochs, q, T)
     upper = epsilon(q, sigma, steps, delta, "pld")
     lower = min(poisson_lower_epsilon(q, sigma, steps, delta), upper)
     return EpsilonBounds("poisson", lower, upper, "PLD, optimistic grid",
                          "PLD, pessimistic grid", delta, steps)
 
 
-def deterministic_bounds(q, sigma, epochs, delta):
+def deterministic_bounds(q, sigma, epochs, delta, T):
     eps = gaussian_epsilon(sigma, delta, steps=epochs)  # Gaussian mechanism, σ/√E
     return EpsilonBounds("deterministic", eps, eps, "Gaussian mechanism, exact",
-                         "Gaussian mechanism, exact", delta, epochs * batches_per_epoch(q))
+                         "Gaussian mechanism, exact", delta, epochs * T)
 
 
-def shuffle_bounds(q, sigma, epochs, delta):
-    T = batches_per_epoch(q)
+def shuffle_bounds(q, sigma, epochs, delta, T):
     upper = gaussian_epsilon(sigma, delta, steps=epochs)
     lower = min(shuffle_lower_epsilon(T, sigma, epochs, delta), upper)
     return EpsilonBounds("shuffle", lower, upper, "Chua et al. 2024, max of batch sums",
@@ -93,14 +102,17 @@ def shuffle_bounds(q, sigma, epochs, delta):
 
 SAMPLERS = {"poisson": poisson_bounds, "deterministic": deterministic_bounds,
             "shuffle": shuffle_bounds}
-"""sampler name -> (q, σ, E, δ) -> EpsilonBounds; a new sampler is a function and a line here."""
+"""sampler name -> (q, σ, E, δ, T) -> EpsilonBounds; a new sampler is a function and a line here."""
 
 
-def epsilon_bounds(sampler, *, sample_rate, noise_multiplier, epochs, delta):
+def epsilon_bounds(sampler, *, sample_rate, noise_multiplier, epochs, delta,
+                   batches_per_epoch=None):
     """[lower, upper] on ε(δ) of DP-SGD whose batches come from ``sampler``.
 
     ``sampler`` in {"poisson", "shuffle", "deterministic"}; q = B/N, σ, E epochs (an integer
     for "shuffle" and "deterministic": each epoch is one pass), δ >= 1e-10 (the PLD floor).
+    ``batches_per_epoch``: T, the steps one pass of the loader runs (len(loader): ceil(N / B)
+    for a shuffled loader, which round(1/q), the default, undercounts when B does not divide N).
     """
     check_choice(sampler, "sampler", SAMPLERS)
     q = check_sample_rate(sample_rate, positive=True, note="q = B / N: an epoch is 1 / q steps")
@@ -110,8 +122,10 @@ def epsilon_bounds(sampler, *, sample_rate, noise_multiplier, epochs, delta):
         epochs = float(check_count(epochs, "epochs", note=f"with sampler={sampler!r} each "
                                    f"epoch is one pass over the data"))
     delta = check_pld_delta(check_delta(delta))
+    T = _batches(q, batches_per_epoch)
     if sigma == 0:
-        bounds = SAMPLERS[sampler](q, 1.0, int(epochs), delta)  # steps; ε is inf for all
+        bounds = SAMPLERS[sampler](q, 1.0, int(epochs), delta, T)  # steps; ε is inf for all
         return type(bounds)(sampler, math.inf, math.inf, "no noise", "no noise", delta,
                             bounds.steps)
-    return SAMPLERS[sampler](q, sigma, int(epochs) if sampler != "poisson" else epochs, delta)
+    return SAMPLERS[sampler](q, sigma, int(epochs) if sampler != "poisson" else epochs, delta,
+                             T)

@@ -68,14 +68,15 @@ def steps_per_epoch(sample_rate):
     return max(1, round(round(1 / q, 9)))
 
 
-def steps_from_epochs(epochs, sample_rate):
-    """T = ceil(E round(1/q)): E epochs of ``steps_per_epoch`` steps; a fractional last epoch
-    is rounded up (float noise such as 0.3 x 10 = 3.0000000000000004 ignored).
+def steps_from_epochs(epochs, sample_rate, per_epoch=None):
+    """T = ceil(E round(1/q)): E epochs of ``steps_per_epoch`` steps (or of ``per_epoch``, a
+    loader's own len(loader)); a fractional last epoch is rounded up (float noise such as
+    0.3 x 10 = 3.0000000000000004 ignored).
 
     >>> steps_from_epochs(20, 256 / 60_000), steps_from_epochs(0.5, 0.3)
     (4680, 2)
     """
-    T = steps_per_epoch(sample_rate)
+    T = steps_per_epoch(sample_rate) if per_epoch is None else per_epoch
     return math.ceil(round(check_positive(epochs, "epochs") * T, 9))
 
 

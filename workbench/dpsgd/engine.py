@@ -31,6 +31,7 @@ Notation: N data set size, q sample rate, σ noise multiplier, C max_grad_norm.
 """
 
 
+import dataclasses
 import itertools
 import math
 import warnings
@@ -39,7 +40,7 @@ from workbench.accounting import get_noise_multiplier, steps_from_epochs
 from workbench.accounting.bounds import epsilon_bounds
 from workbench.accounting.calibrate import steps_per_epoch
 from workbench.accounting.registry import make_accountant
-from workbench.checks import check_count, check_positive
+from workbench.checks import check_count
 from workbench.dpsgd import distributed
 from workbench.dpsgd.adaptive import AdaptiveClipDPOptimizer, AdaptiveClipping
 from workbench.dpsgd.attached import detach_earlier, remember
@@ -103,6 +104,7 @@ class PrivacyEngine:
         self.accountant_name = accountant
         self.sample_rate = self.dataset_size = None
         self.sampler = None  # "poisson" or "shuffle" (poisson_sampling=False)
+        self.steps_per_epoch = None  # the loader's steps per epoch (epsilon_bounds)
         self.noise_generator = self.sampling_generator = None  # make_private's (checkpoints)
 
     def make_private(self, *, module, optimizer, data_loader, noise_multiplier, max_grad_norm,
@@ -175,6 +177,7 @@ class PrivacyEngine:
         remember(module, dp_optimizer, self)
         self.sample_rate, self.dataset_size = q, N
         self.sampler = "poisson" if poisson_sampling else "shuffle"
+        self.steps_per_epoch = _epoch(poisson_sampling, q, data_loader)
         self.noise_generator, self.sampling_generator = noise_generator, sampling_generator
         if max_physical_batch_size is not None:
             loader = VirtualStepLoader(loader, dp_optimizer, max_physical_batch_size)
@@ -195,9 +198,8 @@ class PrivacyEngine:
         warn_delta(target_delta, N, "make_private_with_epsilon")
         poisson = kwargs.get("poisson_sampling", True)
         q = loader_sample_rate(data_loader, N, 1 if poisson else _world())
-        per_epoch = steps_per_epoch(q) if poisson else len(data_loader)
-        steps = steps_from_epochs(epochs, q) if poisson else \
-            math.ceil(round(check_positive(epochs, "epochs") * per_epoch, 9))
+        per_epoch = _epoch(poisson, q, data_loader)
+        steps = steps_from_epochs(epochs, q, per_epoch)
         sigma = get_noise_multiplier(target_epsilon, target_delta, q, steps=steps,
                                      accountant=self.accountant_name)
         out = self.make_private(data_loader=data_loader, noise_multiplier=sigma, **kwargs)
@@ -224,16 +226,38 @@ class PrivacyEngine:
         """[lower, upper] on ε(δ) for the sampler this run really used
         (``accounting.epsilon_bounds``): the Poisson PLD pair, or, for shuffled fixed-size
         batches, Chua et al.'s lower bound and the no-amplification upper bound, over the
-        whole epochs taken so far (at least one)."""
+        epochs taken so far (at least one), an epoch being the loader's own len(loader)
+        steps (``steps_per_epoch``): for fixed-size batches the upper bound counts the epoch
+        begun, the lower bound only the epochs completed (0 before the first ends)."""
         sigmas = {sigma for sigma, _, _ in self.accountant.history}
         if len(sigmas) > 1:
             raise ValueError("epsilon_bounds needs one noise multiplier for the whole run; "
                              "this run used a schedule: use get_epsilon (Poisson accounting)")
         sigma = sigmas.pop() if sigmas else 0.0
-        q = self.sample_rate
-        epochs = max(1, round(len(self.accountant) * q))
-        return epsilon_bounds(self.sampler or "poisson", sample_rate=q,
-                              noise_multiplier=sigma, epochs=epochs, delta=delta)
+        q, steps = self.sample_rate, len(self.accountant)
+        T = self.steps_per_epoch or steps_per_epoch(q)
+        sampler = self.sampler or "poisson"
+
+        def bounds(epochs):
+            return epsilon_bounds(sampler, sample_rate=q, noise_multiplier=sigma,
+                                  epochs=epochs, delta=delta, batches_per_epoch=T)
+
+        if sampler == "poisson":
+            return bounds(max(steps, 1) / T)
+        begun, done = max(1, math.ceil(steps / T)), steps // T
+        upper = bounds(begun)
+        if done == begun:
+            return upper
+        lower = bounds(done).lower if done else 0.0  # a partial epoch: at least the ones done
+        return dataclasses.replace(upper, lower=min(lower, upper.upper),
+                                   lower_method=f"{upper.lower_method}, over the {done} "
+                                                f"epochs completed")
+
+
+def _epoch(poisson: bool, q: float, data_loader) -> int:
+    """Steps of one epoch of the loop: the Poisson loader's round(1 / q)
+    (``accounting.steps_per_epoch``), or a shuffled loader's own len(data_loader)."""
+    return steps_per_epoch(q) if poisson else len(data_loader)
 
 
 __all__ = ["PrivacyAccountingWarning", "PrivacyEngine", "VirtualStepLoader"]

@@ -44,6 +44,7 @@ from torch.nn.modules import module as module_hooks
 from torch.nn.modules.loss import _Loss
 from torch.overrides import TorchFunctionMode
 
+from workbench.dpsgd.loss_terms import BatchStatistics
 from workbench.errors import LossCouplingError
 from workbench.per_sample.loss import check_separable, record_factors, reduction_of
 from workbench.per_sample.selfcheck import TOLERANCE, symbolic
@@ -65,6 +66,7 @@ class LossWatch:
         self._handles: list = []
         self.outputs: list = []  # the model's output tensors of the open window
         self._mode = None  # LossFunctions, on the TorchFunctionMode stack while the window is open
+        self.stats = BatchStatistics()  # batch statistics of the data in the loss (loss_terms)
         self.paused = contextlib.nullcontext  # the recorder's pause (recorded.py sets it)
 
     def open(self, n: int, generation: int, outputs=()) -> None:
@@ -79,6 +81,7 @@ class LossWatch:
                              module_hooks.register_module_forward_hook(self._exit)]
         self.outputs = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad
                         and o.dim() and o.shape[0] == n]
+        self.stats.reset(n if self.check else 0, self.outputs)
         if self._mode is None:
             self._mode = LossFunctions(self)
             self._mode.__enter__()
@@ -88,6 +91,7 @@ class LossWatch:
             handle.remove()
         self._handles = []
         self.outputs = []
+        self.stats.reset(0)
         self._close_mode()
         if LossWatch._open is self:
             LossWatch._open = None
@@ -117,6 +121,27 @@ class LossWatch:
             self.calls.append((self.generation, f, type(module).__name__))
         finally:
             self._busy = False
+
+    def statistics(self, loss) -> None:
+        """Before ``loss.backward()``: LossCouplingError if the loss divides, multiplies or
+        shifts by a statistic of the batch's data (``loss_terms.py``); then the window stops
+        following calls (what runs after backward is the engine's)."""
+        what = self.stats.statistic(loss)
+        self.stats.on = False
+        if what is None:
+            return
+        raise LossCouplingError(
+            f"the loss depends on {what} (a statistic of the whole batch, computed from its "
+            f"targets, inputs or detached outputs, without gradient): e.g. a normalisation "
+            f"w[y].sum(), (y != -100).sum() or mask.sum(), or targets scaled by y.max(). "
+            f"Record i's gradient then depends on the other records' data through it, so "
+            f"removing one record moves every other record's clipped contribution and the "
+            f"sensitivity is no longer max_grad_norm; the coupling cannot be seen through "
+            f"the model's output. Let the engine own the normalisation: "
+            f"F.cross_entropy(out, y, weight=w, ignore_index=-100) or nn.CrossEntropyLoss("
+            f"weight=w) with the mean (made exact per record), or a per-record sum divided by "
+            f"a constant (the batch size n, or a fixed number of positions per record) with "
+            f"loss_reduction='mean'; scale targets by a constant of the data set")
 
     def coupling(self, loss) -> None:
         """Before ``loss.backward()``: LossCouplingError if record i's ∂L/∂o_i moves with any
@@ -246,16 +271,23 @@ class LossFunctions(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         watch = self.watch
-        if watch is not None and not watch._busy:
-            if func in FUNCTIONAL and watch._depth == 0:
-                cls, names = FUNCTIONAL[func]
-                bound = inspect.signature(func).bind(*args, **kwargs)
-                bound.apply_defaults()
-                options = {k: bound.arguments[k] for k in names if k in bound.arguments}
-                positional = [v for k, v in bound.arguments.items() if k not in names]
-                watch._loss_call(cls(**options), positional[0], tuple(positional[1:2]),
-                                 functional=True)
-            elif func in BACKWARD:
-                loss = args[0] if args else kwargs.get("tensors", kwargs.get("self"))
-                watch.coupling(loss if isinstance(loss, torch.Tensor) else None)
-        return func(*args, **kwargs)
+        if watch is None or watch._busy:
+            return func(*args, **kwargs)
+        if func in BACKWARD:
+            loss = args[0] if args else kwargs.get("tensors", kwargs.get("self"))
+            loss = loss if isinstance(loss, torch.Tensor) else None
+            watch.statistics(loss)
+            watch.coupling(loss)
+            return func(*args, **kwargs)
+        if func in FUNCTIONAL and watch._depth == 0:
+            cls, names = FUNCTIONAL[func]
+            bound = inspect.signature(func).bind(*args, **kwargs)
+            bound.apply_defaults()
+            options = {k: bound.arguments[k] for k in names if k in bound.arguments}
+            positional = [v for k, v in bound.arguments.items() if k not in names]
+            watch._loss_call(cls(**options), positional[0], tuple(positional[1:2]),
+                             functional=True)
+        out = func(*args, **kwargs)
+        if watch.stats.on:  # batch statistics of the data, followed to the loss
+            watch.stats.after(func, args, kwargs, out)
+        return out

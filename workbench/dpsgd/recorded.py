@@ -290,9 +290,10 @@ class ModelRecorder:
                 f"dim 0 of the inputs and outputs; this backward pass had {len(roots)} model "
                 f"call(s). Restructure the forward pass, or compute per-sample gradients with "
                 f"wb.clipped_grad_sum(model, loss_fn, x, y, C, method=...)")
+        replay = (rec.rng, rec.device) if rec.random and rec.rng is not None else None
         with precision.replayed(rec.autocast, rec.device):  # the model as it was run
             grads = exact_per_sample_gradients(self.model, dot_loss, _inputs(root, rec.n),
-                                               root.backprops, names, reasons)
+                                               root.backprops, names, reasons, replay)
         return {id(self.params[k]): g for k, g in grads.items()}
 
     def drop_outside_grads(self) -> None:

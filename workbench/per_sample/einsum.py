@@ -79,11 +79,17 @@ def rule_gradients(rec: Recording) -> dict[int, torch.Tensor]:
     return by_param
 
 
+def replay_of(rec: Recording):
+    """(random state, device) of a forward pass that drew random numbers, else None: the
+    fallback then replays the batch's masks (``fallback.py`` Eq. 1)."""
+    return (rec.rng, rec.device) if rec.random and rec.rng is not None else None
+
+
 def fallback_gradients(rec: Recording, model, loss_fn, inputs, targets):
     """{id(param): (n, *shape)} of the fallback parameters, exact."""
     names = rec.fallback_names()
     grads = exact_per_sample_gradients(model, loss_fn, inputs, targets, names,
-                                       sorted(set(rec.fallback.values())))
+                                       sorted(set(rec.fallback.values())), replay_of(rec))
     return {id(rec.params[name]): g for name, g in grads.items()}
 
 

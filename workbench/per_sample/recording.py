@@ -37,6 +37,7 @@ from workbench.per_sample.checks import (
     forward,
     trainable_parameters,
 )
+from workbench.per_sample.fallback import redraws
 from workbench.per_sample.hooks import ActivationRecorder
 from workbench.per_sample.registry import find_grad_sampler, find_sampler_check, layer_type
 from workbench.per_sample.uses import UseTracker
@@ -240,7 +241,7 @@ def new_recording(n: int, layers, recorder, params, uncovered, calls, **fields) 
     rec = Recording(n, layers, recorder, params, p0.dtype, p0.device, **fields)
     note_uncovered(rec, uncovered)
     for path, layer, call in calls:
-        problem = batch_problem(layer, call, n)
+        problem = batch_problem(layer, call, n) or (rec.random and redraws(layer))
         if problem:
             rec.mark(layer, path, problem)
     return rec

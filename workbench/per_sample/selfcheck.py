@@ -209,7 +209,9 @@ def compare(rec: Recording, got: dict, ref: dict, what: str) -> None:
         f"{precision.compared_dtype(rec)}); "
         f"the largest differences are in {', '.join(worst)}. A grad/norm sampler registered "
         f"for their layer is wrong, or the model mixes samples outside any module (e.g. "
-        f"x - x.mean(0)), or reads a parameter in a way no hook sees. Nothing was returned. "
+        f"x - x.mean(0)), or reads a parameter in a way no hook sees, or the loss couples "
+        f"records (a batch statistic of the outputs, or a normalisation by one of the data: "
+        f"w[y].sum(), mask.sum(), y.max()). Nothing was returned. "
         f"Locate it with wb.audit.audit_gradients(model, loss_fn, inputs, targets); "
         f"method='vmap' or 'microbatch' are exact for models whose samples do not mix")
 
@@ -239,5 +241,6 @@ def compare_norm(rec: Recording, got: torch.Tensor, exact) -> None:
         f"the batch again with the same random state and the other samples replaced). A "
         f"norm or grad sampler registered for one of the layers is wrong, or the model "
         f"mixes samples outside any module (e.g. x - x.mean(0), with or without dropout), "
-        f"or the loss does. Nothing was "
+        f"or the loss does (a batch statistic of the outputs, or a normalisation by one of "
+        f"the data: w[y].sum(), mask.sum(), y.max()). Nothing was "
         f"returned; locate it with wb.audit.audit_gradients(model, loss_fn, inputs, targets)")

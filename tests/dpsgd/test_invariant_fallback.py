@@ -1,0 +1,89 @@
+"""The exact fallbacks under dropout (``per_sample/fallback.py``): a parameter computed from the
+whole model, or a layer without a rule holding a Dropout, gets each record's gradient with
+the masks the batch drew (the batch's forward replayed), in every mode and the functional
+API, against a float64 twin with the same masks; no sampler or sample-mixing error."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import workbench as wb
+from tests.dpsgd.test_invariant import ALL_MODES, TOL, C, D, K, N, batch, released
+
+
+class RootWithDropout(nn.Module):
+    """The root owns a parameter (no rule for it) and a Dropout: the per-layer vmap of the
+    root would draw other masks."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2, self.d = nn.Linear(D, 8), nn.Linear(8, K), nn.Dropout(0.3)
+        self.g = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x):
+        return self.l2(self.d(torch.tanh(self.l1(x)) * self.g))
+
+
+class ReadOutside(nn.Module):
+    """l1's weight is read outside l1 (whole-model fallback) and a Dropout follows."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2, self.d = nn.Linear(D, 8), nn.Linear(8, K), nn.Dropout(0.3)
+
+    def forward(self, x):
+        h = self.l1(x) + 0.5 * torch.tanh(x @ self.l1.weight.T)
+        return self.l2(self.d(torch.tanh(h)))
+
+
+def twin_with_masks(model, x, y, seed):
+    """Σ_i clip_C(∇ℓ_i) with the masks of one batch pass drawn from ``seed``."""
+    torch.manual_seed(seed)
+    losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+    params, ref = list(model.parameters()), 0
+    for i in range(x.shape[0]):
+        g = torch.cat([t.flatten() for t in torch.autograd.grad(losses[i], params,
+                                                                retain_graph=True)])
+        ref = ref + min(1.0, C / float(g.norm())) * g
+    return ref
+
+
+@pytest.mark.parametrize("make", [RootWithDropout, ReadOutside])
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_fallback_parameters_are_exact_with_the_batch_masks(make, mode):
+    x, y = batch()
+    model = make().double()
+    torch.manual_seed(11)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = released(model, nn.CrossEntropyLoss(), x, y, mode)
+    ref = twin_with_masks(model, x, y, 11)
+    assert float((got - ref).norm()) <= TOL * float(ref.norm()), mode
+
+
+@pytest.mark.parametrize("make", [RootWithDropout, ReadOutside])
+@pytest.mark.parametrize("method", ["einsum", "ghost"])
+def test_functional_api_fallback_is_exact_with_the_batch_masks(make, method):
+    x, y = batch()
+    model = make().double()
+
+    def ce(o, t):
+        return nn.functional.cross_entropy(o, t, reduction="none")
+
+    torch.manual_seed(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if method == "einsum":
+            grads = wb.per_sample_gradients(model, ce, x, y, method=method)
+            norms = torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
+        else:
+            norms = wb.per_sample_grad_norms(model, ce, x, y, method=method)
+    torch.manual_seed(5)
+    losses = ce(model(x), y)
+    ref = torch.stack([torch.cat([t.flatten() for t in torch.autograd.grad(
+        losses[i], list(model.parameters()), retain_graph=True)]).norm() for i in range(N)])
+    assert torch.allclose(norms, ref, rtol=TOL, atol=0)

@@ -1,0 +1,135 @@
+"""Batch statistics inside the loss: a normalisation computed from the other records' data.
+
+The loss window's coupling test (``loss_watch.py``) differentiates the loss twice through the
+model's output o: it sees every way record i's ∂L/∂o_i moves with o_j. A hand-written
+normalisation by a *data-derived* batch constant escapes it, because the constant carries no
+gradient:
+
+    L = Σ_i w_{y_i} ℓ_i / Σ_j w_{y_j}     L = Σ_t m_t ℓ_t / Σ_t m_t     L = Σ_i ℓ(o_i, y_i / max y)
+
+(class weights by label, an ``ignore_index`` count, a mask from targets or inputs, a batch
+scale of the targets). Record i's gradient is then scaled (or its target moved) by a number
+that depends on every other record's labels: removing record j moves every other record's
+contribution to the clipped sum, and the sensitivity is no longer C (Abadi et al. 2016,
+arXiv 1607.00133: ∇ℓ_i must be a function of record i alone).
+
+**The invariant:** the loss passed to ``backward`` depends on the batch's data only through
+terms with one record each. ``BatchStatistics`` follows the window's operations (a
+``TorchFunctionMode`` sees each call): a *reduction over the records* (dim 0, or all dims,
+of a tensor with n·m rows, m rows per record) of a tensor without gradient, or the detached
+copy (``.detach()``, ``.data``) of such a reduction with gradient, is a **batch statistic**;
+every tensor computed from one is one too, and so is every Python number read from one
+(``.item()``, ``float()``) when it multiplies or divides (matched by value). Numbers read
+from the model's outputs (an accuracy count, a logged loss) and numbers equal to a row count
+(the ordinary mean's n or n·T) are not matched: a loop dividing by a constant that happens
+to equal them must not be refused.
+``loss.backward()`` on a batch statistic raises ``LossCouplingError`` naming the statistic.
+The loss's own reduction (``loss_none.mean()``, carrying gradient) is not one: its gradient
+is linear in the records' terms.
+
+Not seen: a statistic computed before the model's forward pass (outside the window), e.g.
+a Trainer's ``num_items_in_batch``; pass the loss a constant instead.
+
+Notation: n records, m rows per record (positions), o model output, ℓ a record's term.
+"""
+
+import weakref
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+#: reductions (by function name) that combine the records when applied over dim 0
+REDUCTIONS = {"sum", "mean", "nansum", "nanmean", "amax", "amin", "max", "min", "aminmax",
+              "count_nonzero", "std", "var", "std_mean", "var_mean", "norm", "logsumexp",
+              "prod", "median", "nanmedian", "quantile", "nanquantile", "linalg_vector_norm",
+              "all", "any", "cumsum", "cumprod", "softmax", "log_softmax", "bincount", "histc",
+              "histogram", "unique", "unique_consecutive", "mode", "sort", "argsort"}
+DETACH = {"detach", "detach_"}
+TO_NUMBER = {"item", "__float__", "__int__", "tolist"}
+ARITHMETIC = {"div", "div_", "mul", "mul_", "true_divide", "__truediv__", "__rtruediv__",
+              "__mul__", "__rmul__", "__itruediv__", "__imul__", "__rdiv__", "__div__",
+              "multiply", "divide"}
+DIM_THIRD = {"norm", "linalg_vector_norm", "quantile", "nanquantile"}  # (x, p or q, dim)
+
+
+def _dims(func, args, kwargs, ndim: int):
+    """The reduced dimensions (all of them when none is given)."""
+    at = 2 if getattr(func, "__name__", "") in DIM_THIRD else 1
+    dim = kwargs.get("dim", args[at] if len(args) > at else None)
+    if dim is None or ndim == 0:
+        return set(range(ndim))
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    return {d % ndim for d in dims if isinstance(d, int)}
+
+
+class BatchStatistics:
+    """The batch statistics of one loss window (module docstring)."""
+
+    def __init__(self):
+        self.reset(0)
+
+    def reset(self, n: int, outputs=()) -> None:
+        self.n, self.on = n, n >= 2
+        self.derived: dict[int, tuple] = {}  # id -> (weakref, ""): computed from the outputs
+        self._mark(self.derived, list(outputs), "")
+        self.stats: dict[int, tuple] = {}  # id -> (weakref, what): batch statistics
+        self.reductions: dict[int, tuple] = {}  # id -> (weakref, what): with gradient
+        self.numbers: dict[float, str] = {}  # Python numbers read from a statistic
+        self.rows: set[int] = {n}  # row counts seen: n, n·T (the ordinary mean's constant)
+
+    def _find(self, table, t):
+        entry = table.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
+    def _has(self, table, t) -> bool:
+        entry = table.get(id(t))
+        return entry is not None and entry[0]() is t
+
+    def _mark(self, table, out, what: str) -> None:
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                table[id(t)] = (weakref.ref(t), what)
+
+    def after(self, func, args, kwargs, out) -> None:
+        """Follow one call of the window: ``out = func(*args, **kwargs)``."""
+        if not self.on:
+            return
+        name = getattr(func, "__name__", "")
+        if func is torch.Tensor.data.__get__:
+            name = "detach"
+        leaves = tree_flatten((args, kwargs))[0]
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            if t.dim() and t.shape[0] % self.n == 0:
+                self.rows.add(int(t.shape[0]))
+        if any(self._has(self.derived, t) for t in tensors):
+            self._mark(self.derived, out, "")
+        what = next((w for t in tensors for w in [self._find(self.stats, t)] if w), None)
+        if what is None and name in DETACH and tensors:
+            what = self._find(self.reductions, tensors[0])
+        if what is None and name in ARITHMETIC:
+            what = next((self.numbers[float(v)] for v in leaves
+                         if isinstance(v, (int, float)) and not isinstance(v, bool)
+                         and float(v) in self.numbers), None)
+        if what is not None:
+            if name in TO_NUMBER:  # not an accuracy count or a logged loss: not the outputs'
+                if not self._has(self.derived, tensors[0]):
+                    self._number(out, what)
+            else:
+                self._mark(self.stats, out, what)
+            return
+        x = tensors[0] if tensors and args and args[0] is tensors[0] else None
+        if name in REDUCTIONS and x is not None and x.dim() and x.shape[0] % self.n == 0 \
+                and 0 in _dims(func, args, kwargs, x.dim()):
+            what = f"{name}() over the records of a {tuple(x.shape)} {x.dtype} tensor"
+            self._mark(self.reductions if x.requires_grad else self.stats, out, what)
+
+    def _number(self, out, what: str) -> None:
+        values = out if isinstance(out, list) else [out]
+        for v in tree_flatten(values)[0]:
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v not in self.rows:
+                self.numbers[float(v)] = f"the number {v:g} read from {what}"
+
+    def statistic(self, loss) -> str | None:
+        """What makes ``loss`` a batch statistic, or None."""
+        return self._find(self.stats, loss) if isinstance(loss, torch.Tensor) else None
