@@ -87,7 +87,6 @@ def test_every_mode_equals_the_per_user_twin(mode, kind, reduction):
 def test_removing_one_user_moves_the_sum_by_at_most_C(mode):
     model = SeqModel()
     x, y = data("seq")
-    x, y = x * 0 + x, y  # large gradients: every user clipped
     full = released(model, x, y, USERS, mode)
     moves = []
     for u in USERS.unique().tolist():
