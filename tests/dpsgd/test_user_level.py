@@ -125,6 +125,8 @@ def engine_run(ids, batch_size=3, **kw):
 def test_make_private_user_level_end_to_end():
     engine, model, opt, loader = engine_run(USERS.tolist(), users_per_step=2)
     assert engine.privacy_unit == "user" and engine.sample_rate == 2 / 5
+    assert engine.accountant.unit == "user" and "unit='user'" in repr(engine.accountant)
+    assert engine.dataset_size == 5  # U: δ is compared with 1/U
     assert opt.expected_batch_size == pytest.approx(2.0)  # q U: expected sampled users
     for xb, yb in loader:
         opt.zero_grad()
@@ -184,3 +186,19 @@ def test_a_batch_not_from_the_loader_raises():
     nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
     with pytest.raises(RuntimeError, match="not of a batch the user-level loader"):
         opt.step()
+
+
+def test_make_private_with_epsilon_plans_with_the_users_q():
+    x, y = data("mlp")
+    model = mlp()
+    engine = wb.PrivacyEngine()
+    _, _, loader = engine.make_private_with_epsilon(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=3), target_epsilon=4.0,
+        target_delta=1e-2, epochs=2, max_grad_norm=C, privacy_unit="user", user_ids=USERS,
+        users_per_step=2)
+    assert engine.sample_rate == 2 / 5 and len(loader) == round(5 / 2)
+    sigma = next(iter(engine.accountant.history), None)  # nothing taken yet
+    assert sigma is None
+    with pytest.warns(Warning, match=r"1/N = 0.2 \(N = 5\)"):  # δ against 1/U, U = 5 users
+        engine.get_epsilon(0.3)

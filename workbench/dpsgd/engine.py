@@ -199,7 +199,7 @@ class PrivacyEngine:
         dp_optimizer.all_reduce_timeout_minutes = timeout  # read by privatise's all-reduces
         if ids is not None:
             dp_optimizer.user_level = loader.level = UserLevel(user_reduction)
-        self.privacy_unit = privacy_unit  # the unit ε protects: "record" or "user"
+        self.privacy_unit = self.accountant.unit = privacy_unit  # what ε protects
         detach_earlier(module, self, keep=dp_optimizer)  # a re-run cell: one recorder a model
         remember(module, dp_optimizer, self)
         self.sample_rate, self.dataset_size = q, N
@@ -221,13 +221,13 @@ class PrivacyEngine:
         """
         N = check_dataset(data_loader.dataset, "data_loader.dataset")
         check_own_sampler(data_loader, allowed=distributed.SAMPLERS)  # batch_size, q are real
-        warn_delta(target_delta, N, "make_private_with_epsilon")
         poisson = kwargs.get("poisson_sampling", True)
-        q = loader_sample_rate(data_loader, N, 1 if poisson else _world())
+        q, units = loader_sample_rate(data_loader, N, 1 if poisson else _world()), N
         if kwargs.get("privacy_unit", "record") == "user":  # q over users (user_level.py)
             ids = check_user_ids(kwargs.get("user_ids"), N)
-            q = user_sample_rate(data_loader.batch_size, N, int(torch.unique(ids).numel()),
-                                 kwargs.get("users_per_step"))
+            units = int(torch.unique(ids).numel())  # U
+            q = user_sample_rate(data_loader.batch_size, N, units, kwargs.get("users_per_step"))
+        warn_delta(target_delta, units, "make_private_with_epsilon")
         per_epoch = steps_per_epoch(q) if poisson else len(data_loader)
         steps = steps_from_epochs(epochs, q) if poisson else \
             math.ceil(round(check_positive(epochs, "epochs") * per_epoch, 9))
@@ -242,7 +242,8 @@ class PrivacyEngine:
 
     def get_epsilon(self, delta: float) -> float:
         """ε(δ) spent by every step taken so far (under Poisson sampling; see the warning
-        for ``poisson_sampling=False``)."""
+        for ``poisson_sampling=False``): per record, or per user when ``privacy_unit`` is
+        "user" (δ then compared with 1/U)."""
         warn_delta(delta, self.dataset_size, "get_epsilon")
         if self.sampler == "shuffle":
             bounds = self.epsilon_bounds(delta)
