@@ -107,6 +107,14 @@ def _tests(x, N, q, L):
     return rows
 
 
+def verdict(rows, significance):
+    """(table, passed, failed tests): each two-sided test passes at significance / #tests
+    (Bonferroni)."""
+    table = pd.DataFrame(rows, columns=["test", "statistic (z)", "p-value", "meaning"])
+    table["passed"] = ~(table["p-value"] < significance / len(table))
+    return table, bool(table["passed"].all()), ", ".join(table.loc[~table["passed"], "test"])
+
+
 def audit_sampling(make_loader, dataset_size, sample_rate, *, epochs=4, significance=0.05):
     """Test the Poisson claim of ``make_loader(dataset)`` over ``epochs`` passes, Eq. (1).
 
@@ -134,12 +142,7 @@ def audit_sampling(make_loader, dataset_size, sample_rate, *, epochs=4, signific
     if len(rows) < 4:
         raise ValueError(f"the loader gave {len(rows)} batches in {epochs} epochs; need >= 4")
     x = np.stack(rows)  # (S, N)
-    table = pd.DataFrame(_tests(x, N, q, first_epoch),
-                         columns=["test", "statistic (z)", "p-value", "meaning"])
-    level = significance / len(table)
-    table["passed"] = ~(table["p-value"] < level)
-    passed = bool(table["passed"].all())
-    failed = ", ".join(table.loc[~table["passed"], "test"])
+    table, passed, failed = verdict(_tests(x, N, q, first_epoch), significance)
     summary = (f"Poisson sampling {'consistent' if passed else 'REJECTED'}: {len(rows)} steps, "
                f"N={N}, q={q:g}, significance {significance:g}"
                + ("" if passed else f"; failed: {failed}"))

@@ -17,10 +17,9 @@ Notation: N records, U users, u(j) user of record j, q user sample rate, S steps
 """
 
 import numpy as np
-import pandas as pd
 import torch
 
-from workbench.audit.sampling import IndexDataset, SamplingAudit, _indices, _tests
+from workbench.audit.sampling import IndexDataset, SamplingAudit, _indices, _tests, verdict
 from workbench.checks import check_count, check_probability, check_sample_rate
 
 __all__ = ["audit_user_sampling", "example_user_ids"]
@@ -67,12 +66,7 @@ def audit_user_sampling(make_loader, user_ids, sample_rate, *, epochs=4, signifi
     together = ("users' records together", np.nan, 0.0 if split else 1.0,
                 f"{split} (step, user) pairs held only part of a user's records"
                 if split else "every sampled user brought all of their records")
-    table = pd.DataFrame([together, *_tests(y, U, q, first_epoch)],
-                         columns=["test", "statistic (z)", "p-value", "meaning"])
-    level = significance / len(table)
-    table["passed"] = ~(table["p-value"] < level)
-    passed = bool(table["passed"].all())
-    failed = ", ".join(table.loc[~table["passed"], "test"])
+    table, passed, failed = verdict([together, *_tests(y, U, q, first_epoch)], significance)
     summary = (f"user-level Poisson sampling {'consistent' if passed else 'REJECTED'}: "
                f"{len(rows)} steps, U={U} users, N={N} records, q={q:g}, significance "
                f"{significance:g}" + ("" if passed else f"; failed: {failed}"))

@@ -34,10 +34,9 @@ import numbers
 import torch
 from torch.utils.data import default_collate
 
-from workbench.accounting.calibrate import steps_per_epoch
 from workbench.checks import check_choice, check_count, check_sample_rate
 from workbench.clipping.users import BatchUsers
-from workbench.dpsgd.sampling import empty_like_batch, loader_options
+from workbench.dpsgd.sampling import PoissonBatchSampler, empty_like_batch, loader_options
 
 UNITS = ("record", "user")
 
@@ -84,27 +83,20 @@ def user_sample_rate(batch_size: int, N: int, U: int, users_per_step=None) -> fl
     return check_sample_rate(batch_size / N, "data_loader.batch_size / N", positive=True)
 
 
-class UserPoissonBatchSampler:
+class UserPoissonBatchSampler(PoissonBatchSampler):
     """``steps`` batches of record indices; each user (with all their records) is in each
-    batch with probability q, independently of the other users and steps."""
+    batch with probability q, independently of the other users and steps: the record-level
+    sampler drawn over the U users, each drawn user expanded to their records."""
 
     def __init__(self, user_of: torch.Tensor, sample_rate: float, steps=None, generator=None):
         _, self.user_of = torch.unique(user_of, return_inverse=True)  # (N,) in [0, U)
         self.num_users = int(self.user_of.max()) + 1
-        self.sample_rate = check_sample_rate(sample_rate, positive=True)
-        self.steps = steps_per_epoch(self.sample_rate) if steps is None else \
-            check_count(steps, "steps")
-        self.generator = generator
-
-    def __len__(self) -> int:
-        return self.steps
+        super().__init__(self.num_users, sample_rate, steps, generator)
 
     def __iter__(self):
-        for _ in range(self.steps):
-            generator = self.generator.next() if hasattr(self.generator, "next") else \
-                self.generator  # secure mode: a freshly seeded generator every step
-            draws = torch.rand(self.num_users, generator=generator)  # (U,) ~ U[0, 1)
-            chosen = draws < self.sample_rate  # (U,) each user independently
+        for users in super().__iter__():
+            chosen = torch.zeros(self.num_users, dtype=torch.bool)
+            chosen[users] = True  # (U,)
             yield torch.nonzero(chosen[self.user_of]).flatten().tolist()  # all their records
 
 
