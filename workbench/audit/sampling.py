@@ -50,8 +50,9 @@ class IndexDataset(Dataset):
         return torch.tensor(j)
 
 
-def _indices(batch):
-    """The example indices of one batch (a tensor, or the first element of a tuple/dict)."""
+def _indices(batch, N):
+    """The example indices of one batch (a tensor, or the first element of a tuple/dict),
+    checked to lie in the data set of N items."""
     if isinstance(batch, (tuple, list)):
         batch = batch[0]
     elif isinstance(batch, dict):
@@ -59,7 +60,11 @@ def _indices(batch):
     if not isinstance(batch, torch.Tensor):
         raise TypeError(f"the loader yielded {type(batch).__name__}; audit_sampling needs "
                         f"batches of the dataset's items (tensors of indices)")
-    return batch.reshape(-1).long().numpy()
+    idx = batch.reshape(-1).long().numpy()
+    if idx.size and (idx.min() < 0 or idx.max() >= N):
+        raise ValueError(f"the loader yielded index {idx.max()} outside the dataset of "
+                         f"{N} items; make_loader must use the dataset it is given")
+    return idx
 
 
 def _normal_p(stat, mean, var):
@@ -131,10 +136,7 @@ def audit_sampling(make_loader, dataset_size, sample_rate, *, epochs=4, signific
     rows, first_epoch = [], None
     for _ in range(epochs):
         for batch in loader:
-            idx = _indices(batch)
-            if idx.size and (idx.min() < 0 or idx.max() >= N):
-                raise ValueError(f"the loader yielded index {idx.max()} outside the dataset of "
-                                 f"{N} items; make_loader must use the dataset it is given")
+            idx = _indices(batch, N)
             row = np.zeros(N, dtype=np.float64)
             np.add.at(row, idx, 1.0)  # an index drawn twice counts twice
             rows.append(row)
