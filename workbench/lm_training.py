@@ -72,12 +72,15 @@ class DPRun:
 
 def dp_train_lm(model, data, *, target_epsilon: float, delta: float, steps: int,
                 batch_size: int, max_grad_norm: float, lr: float, method: str = "bookkeeping",
-                generator: torch.Generator, noise_generator: torch.Generator) -> DPRun:
+                generator: torch.Generator, noise_generator: torch.Generator,
+                user_ids=None) -> DPRun:
     """DP-SGD (Adam on the noised mean) at (target_epsilon, delta) over ``steps`` steps.
 
     The ordinary loop under ``wb.PrivacyEngine`` (Poisson batches of expected size
     ``batch_size``, ``grad_sample_mode=method``). ``target_epsilon=math.inf`` runs the same
-    loop with σ = 0 (clipping only), the non-private twin.
+    loop with σ = 0 (clipping only), the non-private twin. ``user_ids`` (one per window):
+    user-level DP (``dpsgd/user_level.py``): users sampled at q = batch_size / N, each user's
+    summed gradient clipped, ε per user.
     """
     x, _ = data.tensors
     N = len(x)
@@ -90,7 +93,8 @@ def dp_train_lm(model, data, *, target_epsilon: float, delta: float, steps: int,
         module=model, optimizer=torch.optim.Adam(params, lr=lr),
         data_loader=DataLoader(data, batch_size=batch_size), noise_multiplier=sigma,
         max_grad_norm=max_grad_norm, grad_sample_mode=method, loss_reduction="sum",
-        noise_generator=noise_generator, sampling_generator=generator)
+        noise_generator=noise_generator, sampling_generator=generator,
+        **({} if user_ids is None else {"privacy_unit": "user", "user_ids": user_ids}))
     run = DPRun(sigma, q, int(steps), math.inf, delta)
     while len(engine.accountant) < steps:
         for xb, yb in loader:

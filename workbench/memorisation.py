@@ -98,11 +98,18 @@ def windows_with_secret(data, tokenizer, secret: str) -> tuple[int, int]:
     """
     x = data.tensors[0]  # (N, T)
     text = tokenizer.decode(x.flatten())
-    T, whole, touched = x.shape[1], 0, set()
-    for row in range(x.shape[0]):
-        whole += secret in text[row * T:(row + 1) * T]
+    T = x.shape[1]
+    whole = sum(secret in text[row * T:(row + 1) * T] for row in range(x.shape[0]))
+    return whole, len(secret_windows(data, tokenizer, secret))
+
+
+def secret_windows(data, tokenizer, secret: str) -> list[int]:
+    """The indices of the windows of ``data`` that hold any part of a copy of ``secret``
+    (user-level DP makes them one user's records: ``dpsgd/user_level.py``)."""
+    x = data.tensors[0]  # (N, T)
+    text, T, touched = tokenizer.decode(x.flatten()), x.shape[1], set()
     start = text.find(secret)
     while start != -1:
         touched.update(range(start // T, (start + len(secret) - 1) // T + 1))
         start = text.find(secret, start + 1)
-    return whole, len(touched)
+    return sorted(touched)

@@ -115,7 +115,6 @@ def test_trained_model_evidence_plugs_in(monkeypatch):
 @pytest.mark.parametrize("change, message", [
     ({"delta": 1e-3}, "delta 0.001 >= 1/N"),
     ({"sampler": "stratified"}, "unknown sampler 'stratified'"),
-    ({"unit": "user"}, "user-level privacy needs user-level sampling"),
     ({"neighbouring": "swap"}, "unknown neighbouring 'swap'"),
     ({"accountant": "moments"}, "unknown accountant 'moments'"),
     ({"epsilon": -1}, "epsilon must be a number > 0"),

@@ -30,6 +30,7 @@ class Accountant:
     """
 
     mechanism = ""
+    unit = "record"  # what ε protects; "user" under user-level DP (dpsgd/user_level.py)
 
     def __init__(self):
         self.history = []  # [(σ, q, T), ...], consecutive equal (σ, q) merged
@@ -50,7 +51,8 @@ class Accountant:
         return sum(t for _, _, t in self.history)
 
     def __repr__(self):
-        return f"{type(self).__name__}(steps={len(self)}, groups={len(self.history)})"
+        unit = "" if self.unit == "record" else f", unit={self.unit!r}"
+        return f"{type(self).__name__}(steps={len(self)}, groups={len(self.history)}{unit})"
 
     def get_epsilon(self, delta):
         return history_epsilon(self.history, delta, self.mechanism, **self._options())

@@ -10,7 +10,9 @@ in real code, which the audit must flag; ``workbench_step`` runs the workbench's
 (ε, δ) bound of Steinke, Nasr, Jagielski 2023 is ``one_run_bound.py``): loose by design.
 ``audit_gaussian_step`` bounds one step's μ and ε tightly from many calls (Nasr et al. 2023,
 ``gaussian_audit.py``).
-``audit_sampling`` tests that a data loader draws Poisson batches (``sampling.py``).
+``audit_sampling`` tests that a data loader draws Poisson batches (``sampling.py``);
+``audit_user_sampling`` that it draws Poisson *users*, all their records together
+(``sampling_users.py``, user-level DP).
 ``audit_record_influence`` removes or replaces one record and compares the noiseless released
 sums against C (``influence.py``; adapters for the engine, a naive step and a step factory in
 ``influence_steps.py``; losses and models that couple records in ``bug_zoo_coupling``).
@@ -46,6 +48,7 @@ from workbench.audit.providers import (
 )
 from workbench.audit.result import AuditResult
 from workbench.audit.sampling import SamplingAudit, audit_sampling
+from workbench.audit.sampling_users import audit_user_sampling
 
 __all__ = ["AuditResult", "CanaryAudit", "GaussianAudit", "GradientAudit", "MechanismAudit",
            "Claim", "ClaimAudit", "ClaimError", "InfluenceAudit", "audit_claim",
@@ -54,5 +57,6 @@ __all__ = ["AuditResult", "CanaryAudit", "GaussianAudit", "GradientAudit", "Mech
            "audit_canaries", "audit_dp_step", "audit_gaussian_step",
            "audit_gradients", "attainable_bound", "epsilon_lower_bound",
            "available_providers", "bug_zoo", "opacus_provider", "torch_func_provider",
-           "workbench_step", "SamplingAudit", "audit_sampling", "MembershipAudit",
+           "workbench_step", "SamplingAudit", "audit_sampling",
+           "audit_user_sampling", "MembershipAudit",
            "membership_inference"]

@@ -8,7 +8,7 @@ noise multiplier σ, the clip norm C, the length (steps T, or epochs E with T = 
 pretraining). ``Claim.from_file`` reads it from YAML or JSON::
 
     subject: MNIST CNN trained with workbench.PrivacyEngine
-    unit: record                 # "user" once user-level accounting exists
+    unit: record                 # or user (dataset_size, q then count users)
     neighbouring: add/remove     # or substitution
     sampler: poisson             # or shuffle, deterministic (workbench.accounting.SAMPLERS)
     dataset_size: 60000
@@ -34,8 +34,10 @@ from pathlib import Path
 from workbench import accounting
 from workbench.audit.cli_inputs import InputError
 
-UNITS = {"record": "one training example (record-level DP)"}
-"""unit -> meaning; "user" joins when the workbench has user-level sampling and accounting."""
+UNITS = {"record": "one training example (record-level DP)",
+         "user": "one user with all of their records (user-level DP: dataset_size is the "
+                 "number of users, q the users' sample rate; dpsgd/user_level.py)"}
+"""unit -> meaning."""
 NEIGHBOURING = {"add/remove": "add or remove one unit", "substitution": "replace one unit"}
 PRETRAINING = ("none", "public data", "included in the accounting", "not covered")
 
@@ -157,9 +159,7 @@ def validate(data: dict, src: str = "the claim") -> Claim:
         missing.append("steps or epochs")
     if missing:
         raise ClaimError(f"{src}: missing field(s) {', '.join(missing)}")
-    note = (" (user-level privacy needs user-level sampling and accounting, which the "
-            "workbench does not have yet)" if data.get("unit") == "user" else "")
-    out = {"unit": _choice(data, "unit", tuple(UNITS), src, "record", note),
+    out = {"unit": _choice(data, "unit", tuple(UNITS), src, "record", ""),
            "neighbouring": _choice(data, "neighbouring", tuple(NEIGHBOURING), src),
            "sampler": _choice(data, "sampler", tuple(accounting.SAMPLERS), src),
            "accountant": _choice(data, "accountant", tuple(accounting.ACCOUNTANTS), src),

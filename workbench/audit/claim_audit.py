@@ -11,7 +11,9 @@ sections). Evidence:
   and the record-influence audit (``influence.py``) for the neighbouring relation;
 - the loader (``--loader``): the sampling audit (``sampling.py``) on min(N, 2000) indices at
   the claimed q; a Poisson claim whose loader is not Poisson is refuted, and the ε is then
-  judged by the shuffle bracket;
+  judged by the shuffle bracket; a ``unit: user`` claim's loader is called as
+  ``make_loader(dataset, user_ids)`` (users of 1-3 records) and audited at the user level
+  (``sampling_users.py``: users Poisson, each user's records together);
 - the ε: recomputed by the claimed accountant (the deciding figure) and every other one at hand
   (``claim_epsilon.py``); for fixed-size batches the bracket of ``accounting.epsilon_bounds``;
 - the trained model: evidence registered with ``register_evidence("trained model", fn)``,
@@ -35,6 +37,7 @@ from workbench.audit.influence_steps import influence_pool, step_released_sum
 from workbench.audit.mechanism import audit_dp_step
 from workbench.audit.result import AuditResult
 from workbench.audit.sampling import audit_sampling
+from workbench.audit.sampling_users import audit_user_sampling, example_user_ids
 
 SUPPORTED, REFUTED, INCONCLUSIVE, NOT_CHECKED, STATED = (
     "supported", "refuted", "inconclusive", "not checked", "stated")
@@ -102,9 +105,11 @@ def _step_rows(claim, factory, name, trials, seed):
                      SUPPORTED if held else REFUTED))
     add_ok = bool(influence.table.loc[influence.table["relation"] == "add/remove",
                                       "passed"].all())
-    rows.append(_row("unit of privacy", claim.unit, f"{name}: record-influence audit",
-                     "each record's own clipped contribution" if add_ok else
-                     "one record moves other records' contributions",
+    unit = claim.unit  # "user": each row given to the step is one user's summed gradient
+    rows.append(_row("unit of privacy", unit, f"{name}: record-influence audit"
+                     + (" (one row = one user's summed gradient)" if unit == "user" else ""),
+                     f"each {unit}'s own clipped contribution" if add_ok else
+                     f"one {unit} moves other {unit}s' contributions",
                      SUPPORTED if add_ok else REFUTED))
     evidence = [(f"Claim · step: mechanism audit of {name}", mech),
                 (f"Claim · step: tight one-step audit of {name}", tight),
@@ -117,7 +122,11 @@ def _loader_row(claim, loader, seed):
         return _row("sampler", claim.sampler, "none", "pass --loader module:make_loader to "
                     "audit the data loader", NOT_CHECKED), None, claim.sampler
     N = min(claim.dataset_size, LOADER_N)
-    result = audit_sampling(loader, N, min(claim.q, 0.5), epochs=4)
+    if claim.unit == "user":  # make_loader(dataset, user_ids): N users of 1-3 records each
+        result = audit_user_sampling(loader, example_user_ids(N, seed), min(claim.q, 0.5),
+                                     epochs=4)
+    else:
+        result = audit_sampling(loader, N, min(claim.q, 0.5), epochs=4)
     if claim.sampler == "poisson":
         verdict, used = (SUPPORTED, "poisson") if result.passed else (REFUTED, "shuffle")
     else:  # a fixed-size claim: a loader that is not Poisson is consistent with it
@@ -168,7 +177,9 @@ def _trained_rows(claim, context):
 def audit_claim(claim, *, step=None, step_name: str = "", loader=None, trials: int = 200,
                 seed: int = 0) -> ClaimAudit:
     """Check ``claim`` against the step (``step(C, σ, B, generator) -> step_fn``, default the
-    workbench's DPOptimizer), the ``loader`` (``make_loader(dataset)``) and the accountants."""
+    workbench's DPOptimizer), the ``loader`` (``make_loader(dataset)``; for ``unit: user``
+    ``make_loader(dataset, user_ids)``, audited by ``audit_user_sampling``) and the
+    accountants."""
     factory = step or workbench_step
     name = step_name or ("your step" if step else "the workbench's DPOptimizer")
     rows, evidence = _step_rows(claim, factory, name, trials, seed)

@@ -54,7 +54,8 @@ auditing your own code:
   --claim claim.yaml [--loader mymod:make_loader]
       A privacy claim (YAML or JSON; see workbench.audit.claim and examples/claims/): each
       element is checked against evidence (the step: --step or the workbench's optimizer; the
-      loader: make_loader(dataset) -> iterable of index batches; the ε: every accountant at
+      loader: make_loader(dataset) -> iterable of index batches (unit: user claims:
+      make_loader(dataset, user_ids), audited at the user level); the ε: every accountant at
       hand) and gets its own verdict on the report's cover.
   Record influence: the step is run without noise (σ = 0) on n + 1 records, one removed or
   replaced; the released sums may differ by at most C (2C). Randomness must come from torch's

@@ -50,8 +50,9 @@ class IndexDataset(Dataset):
         return torch.tensor(j)
 
 
-def _indices(batch):
-    """The example indices of one batch (a tensor, or the first element of a tuple/dict)."""
+def _indices(batch, N):
+    """The example indices of one batch (a tensor, or the first element of a tuple/dict),
+    checked to lie in the data set of N items."""
     if isinstance(batch, (tuple, list)):
         batch = batch[0]
     elif isinstance(batch, dict):
@@ -59,7 +60,11 @@ def _indices(batch):
     if not isinstance(batch, torch.Tensor):
         raise TypeError(f"the loader yielded {type(batch).__name__}; audit_sampling needs "
                         f"batches of the dataset's items (tensors of indices)")
-    return batch.reshape(-1).long().numpy()
+    idx = batch.reshape(-1).long().numpy()
+    if idx.size and (idx.min() < 0 or idx.max() >= N):
+        raise ValueError(f"the loader yielded index {idx.max()} outside the dataset of "
+                         f"{N} items; make_loader must use the dataset it is given")
+    return idx
 
 
 def _normal_p(stat, mean, var):
@@ -107,6 +112,14 @@ def _tests(x, N, q, L):
     return rows
 
 
+def verdict(rows, significance):
+    """(table, passed, failed tests): each two-sided test passes at significance / #tests
+    (Bonferroni)."""
+    table = pd.DataFrame(rows, columns=["test", "statistic (z)", "p-value", "meaning"])
+    table["passed"] = ~(table["p-value"] < significance / len(table))
+    return table, bool(table["passed"].all()), ", ".join(table.loc[~table["passed"], "test"])
+
+
 def audit_sampling(make_loader, dataset_size, sample_rate, *, epochs=4, significance=0.05):
     """Test the Poisson claim of ``make_loader(dataset)`` over ``epochs`` passes, Eq. (1).
 
@@ -123,10 +136,7 @@ def audit_sampling(make_loader, dataset_size, sample_rate, *, epochs=4, signific
     rows, first_epoch = [], None
     for _ in range(epochs):
         for batch in loader:
-            idx = _indices(batch)
-            if idx.size and (idx.min() < 0 or idx.max() >= N):
-                raise ValueError(f"the loader yielded index {idx.max()} outside the dataset of "
-                                 f"{N} items; make_loader must use the dataset it is given")
+            idx = _indices(batch, N)
             row = np.zeros(N, dtype=np.float64)
             np.add.at(row, idx, 1.0)  # an index drawn twice counts twice
             rows.append(row)
@@ -134,12 +144,7 @@ def audit_sampling(make_loader, dataset_size, sample_rate, *, epochs=4, signific
     if len(rows) < 4:
         raise ValueError(f"the loader gave {len(rows)} batches in {epochs} epochs; need >= 4")
     x = np.stack(rows)  # (S, N)
-    table = pd.DataFrame(_tests(x, N, q, first_epoch),
-                         columns=["test", "statistic (z)", "p-value", "meaning"])
-    level = significance / len(table)
-    table["passed"] = ~(table["p-value"] < level)
-    passed = bool(table["passed"].all())
-    failed = ", ".join(table.loc[~table["passed"], "test"])
+    table, passed, failed = verdict(_tests(x, N, q, first_epoch), significance)
     summary = (f"Poisson sampling {'consistent' if passed else 'REJECTED'}: {len(rows)} steps, "
                f"N={N}, q={q:g}, significance {significance:g}"
                + ("" if passed else f"; failed: {failed}"))

@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_map
 from workbench.clipping.flat import checked_clip_factors, grad_norms, sample_squares, weighted_sum
 from workbench.clipping.ghost import squared_norms_by
 from workbench.clipping.nonfinite import bad_records, finite_values, masked, refuse_nonfinite
+from workbench.clipping.users import user_factors, user_squares_from_grads, user_squares_ghost
 from workbench.per_sample.einsum import sample_layer
 from workbench.per_sample.functional import layer_vmap_grad_sampler
 from workbench.per_sample.microbatch import layer_microbatch_grad_sampler
@@ -104,8 +105,12 @@ def reweighted_weight_grads(layer, call, c, own: list, ok=None) -> dict:
     return {id(p): g for p, g in zip(own, grads) if g is not None}
 
 
-def clipped_sum(rec, max_grad_norm, mode: str, group_of=None, exact=None):
+def clipped_sum(rec, max_grad_norm, mode: str, group_of=None, exact=None, users=None):
     """({id(param): Σ_i c_i g_i}, norms (n,), clip factors (n,)) for one recorded batch.
+
+    ``users``: a ``users.BatchUsers`` for user-level clipping (one C, no groups): each record
+    gets its user's factor c_{u(i)}, from ||Σ_{i ∈ R_u} g_i|| (``users.py``); the norms
+    returned are still the records' own (the self-check compares them).
 
     ``max_grad_norm``: one C, or {group: C_g} with ``group_of(param)`` naming each parameter's
     group. ``exact``: {id(param): (n, *shape)} of the fallback parameters. The returned clip
@@ -129,6 +134,11 @@ def clipped_sum(rec, max_grad_norm, mode: str, group_of=None, exact=None):
     bad = bad_records(norms)
     ok = ~bad if bad.any() else None  # None: the usual case, nothing to mask
     c = {group: checked_clip_factors(sq.sqrt(), C[group]) for group, sq in squares.items()}
+    if users is not None:  # user-level: c_i = c_{u(i)}; a non-finite user masked as a whole
+        user_sq = user_squares_from_grads(grads, users, zeros[:users.U]) \
+            if mode in MATERIALISING else user_squares_ghost(rec, users, grads, zeros[:users.U])
+        c[None], ok = user_factors(user_sq, users, C[None])
+        ok = None if bool(ok.all()) else ok
     if ok is not None:  # a non-finite record: 0 in every group, not only in its bad one
         c = {group: masked(cg, ok) for group, cg in c.items()}
     sums = {}

@@ -36,6 +36,8 @@ import itertools
 import math
 import warnings
 
+import torch
+
 from workbench.accounting import get_noise_multiplier, steps_from_epochs
 from workbench.accounting.bounds import epsilon_bounds
 from workbench.accounting.calibrate import steps_per_epoch
@@ -59,6 +61,13 @@ from workbench.dpsgd.sampling import (
     loader_sample_rate,
 )
 from workbench.dpsgd.secure import SecureGenerator
+from workbench.dpsgd.user_level import (
+    UserLevel,
+    UserPoissonLoader,
+    check_user_ids,
+    check_user_options,
+    user_sample_rate,
+)
 from workbench.errors import SampleMixingError
 from workbench.validate import validate_model
 
@@ -105,13 +114,16 @@ class PrivacyEngine:
         self.sample_rate = self.dataset_size = None
         self.sampler = None  # "poisson" or "shuffle" (poisson_sampling=False)
         self.steps_per_epoch = None  # the loader's steps per epoch (epsilon_bounds)
+        self.privacy_unit = "record"  # "user" after make_private(privacy_unit="user")
         self.noise_generator = self.sampling_generator = None  # make_private's (checkpoints)
 
     def make_private(self, *, module, optimizer, data_loader, noise_multiplier, max_grad_norm,
                      grad_sample_mode="auto", poisson_sampling=True, loss_reduction="mean",
                      criterion=None, noise_generator=None, sampling_generator=None,
                      max_physical_batch_size=None, adaptive_clipping=None,
-                     all_reduce_timeout_minutes=distributed.DEFAULT_TIMEOUT_MINUTES):
+                     all_reduce_timeout_minutes=distributed.DEFAULT_TIMEOUT_MINUTES,
+                     privacy_unit="record", user_ids=None, users_per_step=None,
+                     user_reduction="sum"):
         """(model, DPOptimizer, loader): the same shapes in every ``grad_sample_mode``.
 
         ``criterion`` (optional): the loss module the loop will use; its ``reduction`` (if it
@@ -129,6 +141,10 @@ class PrivacyEngine:
         ``adaptive_clipping``: an ``AdaptiveClipping`` (``adaptive.py``; Andrew et al. 2021):
         ``max_grad_norm`` is then the initial C, which follows a quantile of the norms; the
         accountant still charges ``noise_multiplier``, shared between the sum and the count.
+        ``privacy_unit="user"`` with ``user_ids`` (one integer per record; ``user_level.py``):
+        user-level DP: users are Poisson-sampled (q = batch_size / N, or ``users_per_step`` /
+        U), each user's summed (``user_reduction="mean"``: mean) gradient is clipped to C, the
+        noisy sum is divided by qU, and ε (``get_epsilon``) is per user.
         ``all_reduce_timeout_minutes``: under torch.distributed, how long a rank waits for the
         others in the noise all-reduce before ``CollectiveTimeoutError`` (``distributed.py``).
         """
@@ -154,7 +170,17 @@ class PrivacyEngine:
                                     + "\n  ".join(map(str, blocking))
                                     + "\nuse model = wb.fix_model(model) first")
         N = check_dataset(data_loader.dataset, "data_loader.dataset")
-        if poisson_sampling and distributed.is_distributed():
+        ids = check_user_options(
+            privacy_unit, user_ids, N, max_grad_norm=max_grad_norm,
+            adaptive_clipping=adaptive_clipping, max_physical_batch_size=max_physical_batch_size,
+            poisson_sampling=poisson_sampling, distributed_run=distributed.is_distributed(),
+            users_per_step=users_per_step, user_reduction=user_reduction)
+        if ids is not None:  # user level: users are sampled and counted (user_level.py)
+            check_own_sampler(data_loader)
+            N = int(torch.unique(ids).numel())  # U: the unit the accountant counts
+            q = user_sample_rate(data_loader.batch_size, len(ids), N, users_per_step)
+            loader = UserPoissonLoader(data_loader, ids, q, generator=sampling_generator)
+        elif poisson_sampling and distributed.is_distributed():
             loader = distributed.shard_loader(data_loader, generator=sampling_generator)
         elif poisson_sampling:
             loader = DPDataLoader.from_data_loader(data_loader, generator=sampling_generator)
@@ -163,7 +189,7 @@ class PrivacyEngine:
             loader_sample_rate(data_loader, N, _world())  # q <= 1, before the warning
             warn_shuffle()
             loader = data_loader
-        q = loader.sample_rate if poisson_sampling else \
+        q = loader.sample_rate if poisson_sampling or ids is not None else \
             loader_sample_rate(data_loader, N, _world())  # every rank draws batch_size
         extra = {} if adaptive_clipping is None else {"adaptive": adaptive_clipping}
         dp_optimizer = (DPOptimizer if adaptive_clipping is None else AdaptiveClipDPOptimizer)(
@@ -173,6 +199,9 @@ class PrivacyEngine:
             loss_reduction=loss_reduction, generator=noise_generator, criterion=criterion,
             on_step=lambda sigma: self.accountant.step(noise_multiplier=sigma, sample_rate=q))
         dp_optimizer.all_reduce_timeout_minutes = timeout  # read by privatise's all-reduces
+        if ids is not None:
+            dp_optimizer.user_level = loader.level = UserLevel(user_reduction)
+        self.privacy_unit = self.accountant.unit = privacy_unit  # what ε protects
         detach_earlier(module, self, keep=dp_optimizer)  # a re-run cell: one recorder a model
         remember(module, dp_optimizer, self)
         self.sample_rate, self.dataset_size = q, N
@@ -195,9 +224,13 @@ class PrivacyEngine:
         """
         N = check_dataset(data_loader.dataset, "data_loader.dataset")
         check_own_sampler(data_loader, allowed=distributed.SAMPLERS)  # batch_size, q are real
-        warn_delta(target_delta, N, "make_private_with_epsilon")
         poisson = kwargs.get("poisson_sampling", True)
-        q = loader_sample_rate(data_loader, N, 1 if poisson else _world())
+        q, units = loader_sample_rate(data_loader, N, 1 if poisson else _world()), N
+        if kwargs.get("privacy_unit", "record") == "user":  # q over users (user_level.py)
+            ids = check_user_ids(kwargs.get("user_ids"), N)
+            units = int(torch.unique(ids).numel())  # U
+            q = user_sample_rate(data_loader.batch_size, N, units, kwargs.get("users_per_step"))
+        warn_delta(target_delta, units, "make_private_with_epsilon")
         per_epoch = _epoch(poisson, q, data_loader)
         steps = steps_from_epochs(epochs, q, per_epoch)
         sigma = get_noise_multiplier(target_epsilon, target_delta, q, steps=steps,
@@ -211,7 +244,8 @@ class PrivacyEngine:
 
     def get_epsilon(self, delta: float) -> float:
         """ε(δ) spent by every step taken so far (under Poisson sampling; see the warning
-        for ``poisson_sampling=False``)."""
+        for ``poisson_sampling=False``): per record, or per user when ``privacy_unit`` is
+        "user" (δ then compared with 1/U)."""
         warn_delta(delta, self.dataset_size, "get_epsilon")
         if self.sampler == "shuffle":
             bounds = self.epsilon_bounds(delta)

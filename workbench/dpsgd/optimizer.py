@@ -128,6 +128,7 @@ class DPOptimizer(Optimizer):
         self._zeroed, self._released = False, {}  # is .grad this step's own? (_check_path)
         self.all_reduce_timeout_minutes = DEFAULT_TIMEOUT_MINUTES  # make_private may set it
         self._sums: dict[int, torch.Tensor] = {}
+        self.user_level = None  # privacy_unit="user": a user_level.UserLevel (make_private)
         self.last = {}  # norms and clip factors of the last batch, for widgets and training logs
 
     # param_groups, state and defaults are the wrapped optimizer's own objects, looked up on
@@ -274,7 +275,9 @@ class DPOptimizer(Optimizer):
                             paths[key] = g if key not in paths else paths[key] + g
                         unchecked |= self.recorder.unchecked(rec)
                         compare = True
-                    sums, norm, c = clipped_sum(rec, C, mode, group_of, exact=exact)
+                    users = None if self.user_level is None else self.user_level.batch(rec)
+                    sums, norm, c = clipped_sum(rec, C, mode, group_of, exact=exact,
+                                                users=users)  # users: user_level.py
                     if rec.signature is not None:
                         replays.append((rec, norm[rec.n - 1].detach()))
                     skipped += [seen + i for i in skip_nonfinite(norm)]  # masked by the engine
