@@ -7,7 +7,7 @@ expected batch size B = qN in the denominator (see ``dpsgd/optimizer.py`` for wh
     ḡ       = (Σ_{i ∈ batch} min(1, C / ||g_i||) g_i + N(0, σ² C² I)) / (q N)
     θ       ← Adam(θ, ḡ)                                            post-processing of ḡ
 
-The loop is the ordinary one under ``wb.PrivacyEngine``, so every ``grad_sample_mode`` can
+The loop is the ordinary one under ``wb.PrivacyEngine``, so every ``method`` can
 drive it (all are exact on tiny_gpt, tied head and ``arange`` positions included; the
 default is book-keeping). σ is calibrated with ``accounting.get_noise_multiplier`` for
 ``target_epsilon`` over the planned steps (RDP).
@@ -76,7 +76,7 @@ def dp_train_lm(model, data, *, target_epsilon: float, delta: float, steps: int,
     """DP-SGD (Adam on the noised mean) at (target_epsilon, delta) over ``steps`` steps.
 
     The ordinary loop under ``wb.PrivacyEngine`` (Poisson batches of expected size
-    ``batch_size``, ``grad_sample_mode=method``). ``target_epsilon=math.inf`` runs the same
+    ``batch_size``, ``method=method``). ``target_epsilon=math.inf`` runs the same
     loop with σ = 0 (clipping only), the non-private twin.
     """
     x, _ = data.tensors
@@ -89,7 +89,7 @@ def dp_train_lm(model, data, *, target_epsilon: float, delta: float, steps: int,
     model, opt, loader = engine.make_private(
         module=model, optimizer=torch.optim.Adam(params, lr=lr),
         data_loader=DataLoader(data, batch_size=batch_size), noise_multiplier=sigma,
-        max_grad_norm=max_grad_norm, grad_sample_mode=method, loss_reduction="sum",
+        max_grad_norm=max_grad_norm, method=method, loss_reduction="sum",
         noise_generator=noise_generator, sampling_generator=generator)
     run = DPRun(sigma, q, int(steps), math.inf, delta)
     while len(engine.accountant) < steps:

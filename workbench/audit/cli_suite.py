@@ -44,8 +44,9 @@ from workbench.audit.report_suites import (
     check_clipping,
 )
 from workbench.audit.result import AuditResult
+from workbench.methods import CLIP_METHODS
 
-METHODS = ("einsum", "vmap", "ghost", "bookkeeping")
+METHODS = tuple(m for m in CLIP_METHODS if m != "microbatch")  # each against microbatch
 C, SIGMA, B, DIM = 1.5, 1.0, 8, 32  # mechanism audit; C != 1 so that σ vs σC shows
 CANARY = dict(dim=1000, steps=10, sample_rate=0.5, noise_multiplier=4.0)
 SEEDS = {"model_init": 0, "zoo_batch": 0, "mechanism_design": 0, "step_noise": 1, "canary": 0,

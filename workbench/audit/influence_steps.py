@@ -22,6 +22,7 @@ import copy
 
 import torch
 
+from workbench.deprecation import Default, keyword
 from workbench.dpsgd import DPOptimizer
 
 
@@ -39,8 +40,10 @@ def _flat_grads(model) -> torch.Tensor:
 
 
 def engine_released_sum(model, loss_fn, inputs, targets, max_grad_norm,
-                        grad_sample_mode: str = "auto"):
-    """released_sum(idx) of the workbench's DPOptimizer (σ = 0) on ``model`` and ``loss_fn``."""
+                        method: str = Default("auto"), **renamed):
+    """released_sum(idx) of the workbench's DPOptimizer (σ = 0) on ``model`` and ``loss_fn``.
+    ``grad_sample_mode``: the old name of ``method`` (deprecated)."""
+    method = keyword(method, renamed, "method", "grad_sample_mode", "engine_released_sum")
     m, x, y = _float64(model).train(), _cast(inputs), _cast(targets)
     built: dict = {}
 
@@ -51,7 +54,7 @@ def engine_released_sum(model, loss_fn, inputs, targets, max_grad_norm,
             built["opt"] = DPOptimizer(
                 torch.optim.SGD(m.parameters(), lr=0.0), m, noise_multiplier=0.0,
                 max_grad_norm=max_grad_norm, expected_batch_size=1.0,
-                loss_reduction=reduction, grad_sample_mode=grad_sample_mode)
+                loss_reduction=reduction, method=method)
         opt = built["opt"]
         opt.zero_grad()
         loss = loss_fn(m(x[idx]), y[idx])

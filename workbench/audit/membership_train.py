@@ -45,7 +45,7 @@ class Recipe:
     max_grad_norm: float = 1.0
     delta: float = 1e-5
     accountant: str = "rdp"
-    grad_sample_mode: str = "auto"
+    method: str = "auto"  # the DP optimizer's per-sample method
 
     @property
     def private(self) -> bool:
@@ -154,7 +154,7 @@ def train_model(task: Task, members: np.ndarray, recipe: Recipe, seed: int):
     dp = DPOptimizer(opt, model, noise_multiplier=recipe.noise_multiplier,
                      max_grad_norm=check_max_grad_norm(recipe.max_grad_norm),
                      expected_batch_size=recipe.batch_size, loss_reduction="sum",
-                     grad_sample_mode=recipe.grad_sample_mode, generator=g,
+                     method=recipe.method, generator=g,
                      on_step=lambda s: accountant.step(noise_multiplier=s, sample_rate=q))
     for xb, yb in DPDataLoader(data, sample_rate=q, steps=steps, generator=g):
         dp.zero_grad()

@@ -50,8 +50,10 @@ from workbench.clipping.memory_model import (
     layer_sizes,
     model_bytes,
 )
+from workbench.methods import CLIP_METHODS
 
-MODES = ("plain", "einsum", "ghost", "bookkeeping")
+# plain, then the functional API's methods but the loop and vmap (their memory is einsum's)
+MODES = ("plain", *(m for m in CLIP_METHODS if m not in ("microbatch", "vmap")))
 DP_MODES = MODES[1:]
 ALL_MODES = (*MODES, "opacus")  # opacus: only where it is installed
 BATCH_SIZES = (16, 32, 64, 128, 256, 512)

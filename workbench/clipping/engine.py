@@ -35,13 +35,13 @@ from torch.utils._pytree import tree_map
 from workbench.clipping.flat import clip_factors, sample_squares
 from workbench.clipping.ghost import squared_norms_by
 from workbench.clipping.nonfinite import bad_records, finite_values, masked
+from workbench.methods import CLIP_METHODS, MATERIALISING
 from workbench.per_sample.einsum import sample_layer
 from workbench.per_sample.functional import layer_vmap_grad_sampler
 from workbench.per_sample.microbatch import layer_microbatch_grad_sampler
 from workbench.per_sample.precision import in_full_precision
 
-MODES = ("microbatch", "vmap", "einsum", "ghost", "bookkeeping")
-MATERIALISING = ("microbatch", "vmap", "einsum")
+MODES = CLIP_METHODS  # ghost and bookkeeping: one path here (the graph is gone by now)
 
 
 @in_full_precision  # the layers re-run on widened inputs (per_sample/precision.py)
