@@ -110,3 +110,24 @@ def test_every_method_tuple_comes_from_the_one_table():
     assert all(methods.describe(n) for n in names)
     with pytest.raises(KeyError, match="no per-sample method 'fast'"):
         methods.describe("fast")
+
+
+def test_accountant_mechanism_is_its_name_and_get_privacy_spent_its_epsilon_and_order():
+    from workbench.accounting import Accountant, RDPAccountant
+
+    acc = RDPAccountant()
+    acc.step(noise_multiplier=1.0, sample_rate=0.01, steps=20)
+    assert acc.name == "rdp" and acc.state_dict()["name"] == "rdp"
+    with pytest.warns(FutureWarning, match="Accountant.mechanism is renamed Accountant.name"):
+        assert acc.mechanism == "rdp"
+    with pytest.warns(FutureWarning, match="get_privacy_spent is renamed get_epsilon_and_order"):
+        assert acc.get_privacy_spent(1e-5) == acc.get_epsilon_and_order(1e-5)
+    assert acc.get_epsilon_and_order(1e-5)[0] == acc.get_epsilon(1e-5)
+    old = {("mechanism" if k == "name" else k): v for k, v in acc.state_dict().items()}
+    again = RDPAccountant()
+    again.load_state_dict(old)  # a checkpoint of the previous release
+    assert again.history == acc.history
+    with pytest.warns(FutureWarning, match="Old.mechanism is renamed name"):
+        class Old(Accountant):
+            mechanism = "rdp"
+    assert Old.name == "rdp" and Old().get_epsilon(1e-5) == 0.0

@@ -78,6 +78,6 @@ def test_registry_names_every_accountant_and_sampler():
     assert list(ACCOUNTANTS) == ["rdp", "pld", "prv"]  # fast first: the explorer's legend order
     for name, spec in ACCOUNTANTS.items():
         acc = make_accountant(name)
-        assert type(acc) is spec.accountant_class and acc.state_dict()["mechanism"] == name
+        assert type(acc) is spec.accountant_class and acc.state_dict()["name"] == name
     with pytest.raises(ValueError, match="accountant must be one of"):
         make_accountant("gdp")

@@ -4,7 +4,7 @@ The thin wrapper over the pure functions of ``curve.py`` (ARCHITECTURE.md, style
 only records what was run, as groups (σ, q, T) with consecutive steps of equal σ and q merged,
 so a training loop can call ``.step()`` after every optimiser step and a schedule that changes σ
 or q (heterogeneous composition) is kept exactly. ε is recomputed from the history when asked,
-by the accountant registered under ``mechanism`` (``registry.py``). The subclasses with options
+by the accountant registered under ``name`` (``registry.py``). The subclasses with options
 live beside their ε functions: ``accountants/rdp.py`` (RDPAccountant, Rényi DP) and
 ``accountants/pld.py`` (PLDAccountant, privacy-loss distribution); an accountant registered
 without a class gets a plain ``Accountant`` subclass named after it.
@@ -15,21 +15,43 @@ for RDP, tens to hundreds of milliseconds for PLD, so call it once per epoch, no
 ``state_dict()`` holds only lists, floats, ints and strings, so it can be saved inside a training
 checkpoint and read back with ``torch.load(..., weights_only=True)``.
 
+Renamed (kept for one release, with a ``FutureWarning``: ``deprecation.py``): the class
+attribute ``mechanism`` is ``name`` (it names the accountant, not the mechanism accounted);
+``RDPAccountant.get_privacy_spent`` is ``get_epsilon_and_order``. A state saved with the old
+``"mechanism"`` key still loads.
+
 Notation: σ noise multiplier, q sample rate, T steps, δ target delta.
 """
 
 from workbench.accounting.curve import check_history, history_epsilon
 from workbench.checks import check_noise_multiplier, check_sample_rate, check_steps
+from workbench.deprecation import warn_renamed
+
+__all__ = ["Accountant"]
 
 
 class Accountant:
-    """History of (σ, q, T) groups; ε by the registered accountant named ``mechanism``.
+    """History of (σ, q, T) groups; ε by the registered accountant named ``name``.
 
     A subclass with options returns them from ``_options()`` (passed to the ε function and
     saved in the state) and reads them back in ``_load_options``.
     """
 
-    mechanism = ""
+    name = ""  # the registry's name of this accountant ("rdp", "pld", ...)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        old = cls.__dict__.get("mechanism")
+        if isinstance(old, str):  # a subclass written for the previous release
+            warn_renamed(f"{cls.__name__}.mechanism", "name", "Accountant subclass")
+            cls.name = old
+            del cls.mechanism  # the deprecated property below answers from now on
+
+    @property
+    def mechanism(self) -> str:
+        """The old name of ``name`` (deprecated)."""
+        warn_renamed("Accountant.mechanism", "Accountant.name", type(self).__name__)
+        return self.name
 
     def __init__(self):
         self.history = []  # [(σ, q, T), ...], consecutive equal (σ, q) merged
@@ -53,15 +75,16 @@ class Accountant:
         return f"{type(self).__name__}(steps={len(self)}, groups={len(self.history)})"
 
     def get_epsilon(self, delta):
-        return history_epsilon(self.history, delta, self.mechanism, **self._options())
+        """ε(δ) of every step recorded so far."""
+        return history_epsilon(self.history, delta, self.name, **self._options())
 
     def _options(self):
         """The accountant's options as plain Python values (also saved in the state)."""
         return {}
 
     def state_dict(self):
-        """Plain Python state: {"mechanism", "history": [[σ, q, T], ...], options...}."""
-        return {"mechanism": self.mechanism, "history": [list(g) for g in self.history],
+        """Plain Python state: {"name", "history": [[σ, q, T], ...], options...}."""
+        return {"name": self.name, "history": [list(g) for g in self.history],
                 **self._options()}
 
     def load_state_dict(self, state_dict):
@@ -69,13 +92,15 @@ class Accountant:
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict from state_dict(); got "
                             f"{type(state_dict).__name__}")
-        if state_dict.get("mechanism", self.mechanism) != self.mechanism:
-            raise ValueError(f"state_dict is from a {state_dict.get('mechanism')!r} accountant; "
-                             f"this one is {self.mechanism!r}")
+        if "mechanism" in state_dict and "name" not in state_dict:  # saved by the last release
+            state_dict = {("name" if k == "mechanism" else k): v for k, v in state_dict.items()}
+        if state_dict.get("name", self.name) != self.name:
+            raise ValueError(f"state_dict is from a {state_dict.get('name')!r} accountant; "
+                             f"this one is {self.name!r}")
         expected = set(self.state_dict())
         missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
         if missing or unexpected:
-            raise KeyError(f"state_dict for a {self.mechanism!r} accountant: missing keys "
+            raise KeyError(f"state_dict for a {self.name!r} accountant: missing keys "
                            f"{missing}, unexpected keys {unexpected}; pass the dict that "
                            f"{type(self).__name__}.state_dict() returned")
         self.history = check_history(state_dict["history"])

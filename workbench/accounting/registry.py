@@ -97,10 +97,10 @@ def register_accountant(name, *, label, epsilon, curve=None, accountant_class=No
         from workbench.accounting.accountant import Accountant  # it imports curve -> here
 
         accountant_class = type(f"{label}Accountant", (Accountant,),
-                                {"mechanism": name, "__doc__": f"{label} accountant."})
-    if getattr(accountant_class, "mechanism", None) != name:
-        raise ValueError(f"register_accountant({name!r}): accountant_class.mechanism must be "
-                         f"{name!r}; got {getattr(accountant_class, 'mechanism', None)!r}")
+                                {"name": name, "__doc__": f"{label} accountant."})
+    if getattr(accountant_class, "name", None) != name:
+        raise ValueError(f"register_accountant({name!r}): accountant_class.name must be "
+                         f"{name!r}; got {getattr(accountant_class, 'name', None)!r}")
     spec = AccountantSpec(name, str(label), epsilon, curve, accountant_class,
                           tuple(never_above), bool(slow), dict(style or {}), explore_label)
     listed = sorted([*ACCOUNTANTS.values(), spec], key=lambda a: a.slow)  # stable: fast first

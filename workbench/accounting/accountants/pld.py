@@ -69,7 +69,7 @@ class PLDAccountant(Accountant):
     1.828
     """
 
-    mechanism = "pld"
+    name = "pld"
 
     def __init__(self, discretization=PLD_DISCRETIZATION):
         super().__init__()

@@ -223,7 +223,7 @@ class PRVAccountant(Accountant):
     True
     """
 
-    mechanism = "prv"
+    name = "prv"
 
     def __init__(self, eps_error=EPS_ERROR, delta_error=None):
         super().__init__()
