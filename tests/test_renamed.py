@@ -131,3 +131,16 @@ def test_accountant_mechanism_is_its_name_and_get_privacy_spent_its_epsilon_and_
         class Old(Accountant):
             mechanism = "rdp"
     assert Old.name == "rdp" and Old().get_epsilon(1e-5) == 0.0
+
+
+@pytest.mark.parametrize("old, new", [("models_gpt", "gpt"), ("corpus", "corpus"),
+                                      ("lm_training", "training"),
+                                      ("memorisation", "memorisation")])
+def test_the_language_model_files_moved_into_lm_and_the_old_paths_still_import(old, new):
+    import importlib
+    import sys
+
+    sys.modules.pop(f"workbench.{old}", None)  # run the shim again, whatever ran before
+    with pytest.warns(FutureWarning, match=f"workbench.{old} is renamed workbench.lm.{new}"):
+        moved = importlib.import_module(f"workbench.{old}")
+    assert moved is importlib.import_module(f"workbench.lm.{new}")

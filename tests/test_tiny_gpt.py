@@ -13,8 +13,8 @@ from torch import nn
 import workbench as wb
 from workbench.clipping import CLIP_METHODS, NORM_METHODS
 from workbench.dpsgd import MODES, DPOptimizer
+from workbench.lm.gpt import generate
 from workbench.models import count_parameters, sequence_cross_entropy, tiny_gpt
-from workbench.models_gpt import generate
 
 TOL = 1e-9
 

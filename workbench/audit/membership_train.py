@@ -96,8 +96,8 @@ def digits_task(pool_size: int = 500, seed: int = 0) -> Task:
 def gpt_task(pool_size: int = 128, block_size: int = 16, n_layer: int = 1, n_embd: int = 32,
              n_head: int = 2, text: str = "carroll", seed: int = 0) -> Task:
     """``pool_size`` windows of ``block_size`` characters of ``text``; a small ``tiny_gpt``."""
-    from workbench.corpus import CharTokenizer, load_text, windows
-    from workbench.models_gpt import sequence_cross_entropy, tiny_gpt
+    from workbench.lm.corpus import CharTokenizer, load_text, windows
+    from workbench.lm.gpt import sequence_cross_entropy, tiny_gpt
 
     tok = CharTokenizer()
     data = windows(tok.encode(load_text(text)), block_size)

@@ -43,7 +43,7 @@ from workbench.bench.timing import time_interleaved
 from workbench.layers import add_lora
 from workbench.models import count_parameters, sequence_cross_entropy, tiny_gpt
 
-VOCAB = 96  # workbench.corpus.ALPHABET
+VOCAB = 96  # workbench.lm.corpus.ALPHABET
 SIZES = {  # name -> tiny_gpt shape; parameters at V = 96, T = 128
     "tiny_gpt": dict(n_layer=2, n_head=4, n_embd=64),  # 114,432
     "tiny_gpt_10x": dict(n_layer=6, n_head=4, n_embd=128),  # 1,218,560 (10.6x)
