@@ -5,8 +5,9 @@ import math
 import pytest
 
 from workbench.accounting import epsilon, gaussian_delta, gaussian_epsilon
+from workbench.accounting.accountant import make_accountant
 from workbench.accounting.bounds import SAMPLERS, epsilon_bounds
-from workbench.accounting.registry import ACCOUNTANTS, make_accountant
+from workbench.accounting.registry import ACCOUNTANTS
 
 
 def bounds(sampler, q=0.01, sigma=1.0, epochs=2, delta=1e-5):

@@ -24,10 +24,11 @@ Notation: σ noise multiplier, q sample rate, T steps, δ target delta.
 """
 
 from workbench.accounting.curve import check_history, history_epsilon
+from workbench.accounting.registry import get_accountant
 from workbench.checks import check_noise_multiplier, check_sample_rate, check_steps
 from workbench.deprecation import warn_renamed
 
-__all__ = ["Accountant"]
+__all__ = ["Accountant", "accountant_class", "make_accountant"]
 
 
 class Accountant:
@@ -108,3 +109,29 @@ class Accountant:
 
     def _load_options(self, state_dict):
         pass
+
+
+_PLAIN: dict = {}  # id(spec) -> (spec, its plain class), for accountants registered without one
+
+
+def accountant_class(name: str) -> type:
+    """The stateful class of the accountant registered as ``name``: its own, or a plain
+    history-keeping ``Accountant`` named after it (made once per registration)."""
+    spec = get_accountant(name)
+    if spec.accountant_class is not None:
+        return spec.accountant_class
+    if id(spec) not in _PLAIN:
+        made = type(f"{spec.label}Accountant", (Accountant,),
+                    {"name": spec.name, "__doc__": f"{spec.label} accountant."})
+        _PLAIN[id(spec)] = (spec, made)  # the spec kept alive: its id stays its own
+    return _PLAIN[id(spec)][1]
+
+
+def make_accountant(name: str, **options) -> Accountant:
+    """A fresh accountant by name: ``make_accountant("pld", discretization=1e-4)``.
+
+    >>> import workbench.accounting  # registers the built-in accountants
+    >>> make_accountant("pld", discretization=1e-3)
+    PLDAccountant(steps=0, groups=0)
+    """
+    return accountant_class(name)(**options)

@@ -36,9 +36,9 @@ import math
 import warnings
 
 from workbench.accounting import get_noise_multiplier, steps_from_epochs
+from workbench.accounting.accountant import make_accountant
 from workbench.accounting.bounds import epsilon_bounds
 from workbench.accounting.calibrate import steps_per_epoch
-from workbench.accounting.registry import make_accountant
 from workbench.checks import check_count, check_positive
 from workbench.deprecation import keyword
 from workbench.dpsgd import distributed
