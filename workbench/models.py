@@ -264,3 +264,10 @@ def example_batch(
         inputs = torch.rand(shape, generator=generator, dtype=dtype)  # (n, c, h, w)
     targets = torch.randint(0, entry.num_classes, (n,), generator=generator)  # (n,)
     return inputs, targets
+
+
+__all__ = [
+    "IMDB_SEQ_LEN", "IMDB_VOCAB", "ZOO", "MeanOver", "RNNOutput", "SelfAttention", "ZooEntry",
+    "cifar10_cnn", "count_parameters", "digits_cnn", "digits_mlp", "example_batch",
+    "imdb_embedding", "imdb_lstm", "make_model", "mnist_cnn", "zoo_entry",
+]

@@ -115,3 +115,9 @@ def epsilon_bounds(sampler, *, sample_rate, noise_multiplier, epochs, delta):
         return type(bounds)(sampler, math.inf, math.inf, "no noise", "no noise", delta,
                             bounds.steps)
     return SAMPLERS[sampler](q, sigma, int(epochs) if sampler != "poisson" else epochs, delta)
+
+
+__all__ = [
+    "SAMPLERS", "EpsilonBounds", "batches_per_epoch", "deterministic_bounds", "epsilon_bounds",
+    "poisson_bounds", "shuffle_bounds",
+]

@@ -119,3 +119,7 @@ def get_accountant(name):
     return ACCOUNTANTS[check_accountant(name)]
 
 
+__all__ = [
+    "ACCOUNTANTS", "AccountantSpec", "check_accountant", "get_accountant", "register_accountant",
+    "unregister_accountant",
+]

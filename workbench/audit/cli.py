@@ -185,5 +185,8 @@ def main(argv=None) -> int:
     return 0 if doc["passed"] else 1
 
 
+__all__ = ["EPILOG", "LOSSES", "inputs", "main", "parser", "sections_of"]
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -227,3 +227,10 @@ def influence_case(args, cases):
     x, y = models.example_batch("digits_mlp", 9,
                                 generator=torch.Generator().manual_seed(SEEDS["zoo_batch"]))
     return "digits_mlp", models.make_model("digits_mlp"), x, y
+
+
+__all__ = [
+    "CANARY", "METHODS", "SEEDS", "Crashed", "NonFiniteStepError", "accountant_settings",
+    "gradient_sections", "influence_case", "privacy_sections", "settings", "step_sections",
+    "user_step_sections", "zoo_cases",
+]

@@ -34,3 +34,6 @@ def workbench_step(C, sigma, B, generator=None, method: str = Default("einsum"),
         opt.step()
         return layer.bias.grad.detach().clone()  # (d,)
     return step
+
+
+__all__ = ["workbench_step"]

@@ -102,3 +102,6 @@ def audit_record_influence(released_sum, n: int, *, max_grad_norm: float,
             rows.append({"record": i, "relation": rel, "change_over_C": delta, "bound": bound,
                          "passed": delta <= bound * (1 + TOLERANCE)})
     return InfluenceAudit(pd.DataFrame(rows), C, name)
+
+
+__all__ = ["RELATIONS", "TOLERANCE", "InfluenceAudit", "audit_record_influence"]

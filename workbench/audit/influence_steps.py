@@ -115,3 +115,9 @@ def influence_pool(n: int, dim: int, max_grad_norm: float, generator=None) -> to
     G = torch.randn(n + 1, dim, dtype=torch.float64, generator=generator)
     norms = torch.linspace(0.5, 3.0, n + 1, dtype=torch.float64) * max_grad_norm
     return G / G.norm(dim=1, keepdim=True) * norms[:, None]
+
+
+__all__ = [
+    "engine_released_sum", "influence_pool", "median_norm", "naive_released_sum",
+    "step_released_sum",
+]

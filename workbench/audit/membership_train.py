@@ -169,3 +169,6 @@ def score_pool(task: Task, model: nn.Module, batch: int = 512) -> np.ndarray:
     x, y = task.pool.tensors
     return np.concatenate([task.score(model, xb, yb)
                            for xb, yb in zip(x.split(batch), y.split(batch))])
+
+
+__all__ = ["Recipe", "Task", "digits_task", "gpt_task", "sample_rate", "score_pool", "train_model"]

@@ -216,3 +216,9 @@ def write_report(out, sections: list, provenance: dict, title: str = "DP-SGD Wor
     document = report_document(sections, provenance, title, claim)
     (out / "report.html").write_text(render_html(document, sections), encoding="utf-8")
     return out / "report.html", write_json(out / "report.json", document), document
+
+
+__all__ = [
+    "KINDS", "PARTS", "Kind", "Section", "Skipped", "counts", "kind_of", "overall", "register_kind",
+    "render_png", "section", "write_report",
+]

@@ -112,3 +112,5 @@ def _guarded(released, n, C, name):
     except Exception as err:  # noqa: BLE001  (the code under audit raised: a finding)
         return Crashed(err)
 
+
+__all__ = ["CouplingSuite", "influence_sections"]

@@ -46,3 +46,6 @@ class AuditResult:
         color = "green" if self.passed and not self.skipped else "red"
         head = f'<p style="color:{color}"><b>{html.escape(str(self.summary))}</b></p>'
         return head + self.table.to_html(index=False, float_format=self.float_format.format)
+
+
+__all__ = ["AuditResult"]

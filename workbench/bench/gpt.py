@@ -158,3 +158,9 @@ def bench_tiny_gpt(size: str = "tiny_gpt", b: int = 32, T: int = 128,
     if audit:
         row.update(audit_columns(model, methods, T=min(T, AUDIT_LEN)))
     return row
+
+
+__all__ = [
+    "SIZES", "VOCAB", "audit_columns", "bench_tiny_gpt", "check_size", "per_token_sum", "runnable",
+    "step_fns",
+]

@@ -235,3 +235,9 @@ def main(argv=None):
     print(report(table))
     print(f"wrote {args.out}")
     return 0
+
+
+__all__ = [
+    "ALL_MODES", "BATCH_SIZES", "COPIES", "DP_MODES", "MODES", "extra_memory", "format_table",
+    "ghost_S", "main", "measure_layer", "report", "run", "steps", "summary", "with_opacus",
+]

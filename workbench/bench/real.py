@@ -193,3 +193,9 @@ def main(argv=None):
     table.to_csv(args.out, index=False)
     print(f"wrote {args.out} (full verdicts and errors)")
     return 0
+
+
+__all__ = [
+    "attempt", "brief", "cost", "main", "opacus_verdict", "parse", "printable", "row", "short",
+    "summary", "verdicts",
+]

@@ -113,3 +113,6 @@ def main(argv=None):
     print(table.drop(columns="device").to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     print(f"wrote {args.out}")
     return 0
+
+
+__all__ = ["CANDIDATES", "DIGITS", "bench", "main", "run", "step_fn"]

@@ -73,3 +73,6 @@ def choose_mode(rec) -> tuple[str, dict]:
     big = materialised and avoided >= SHARE * materialised and nbytes >= BYTES
     return ("bookkeeping" if big else "einsum"), {
         "avoided": avoided, "materialised": materialised, "avoided_bytes": nbytes}
+
+
+__all__ = ["BYTES", "MATERIALISING_ROUTES", "SHARE", "cheaply_normed", "choose_mode"]

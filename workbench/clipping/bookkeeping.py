@@ -41,3 +41,6 @@ def bookkeeping_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm, chec
     refuse_nonfinite(norms)  # the engine masked them; the functional API names them
     return {name: sums[id(p)] if id(p) in sums else p.new_zeros(p.shape)
             for name, p in rec.params.items()}
+
+
+__all__ = ["bookkeeping_clipped_sum"]

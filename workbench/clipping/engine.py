@@ -177,3 +177,9 @@ def clipped_sum(rec, max_grad_norm, mode: str, group_of=None, exact=None):
             sums[key] = torch.tensordot(c[group_of(params[key])].to(g.dtype), g, dims=1)
     factors = torch.stack(list(c.values())).min(0).values if c else zeros + 1
     return sums, norms, factors
+
+
+__all__ = [
+    "MODES", "clipped_sum", "embedding_weight_grads", "linear_weight_grads", "materialise",
+    "reweighted_weight_grads",
+]

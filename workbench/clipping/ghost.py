@@ -244,3 +244,9 @@ def ghost_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm, check=True
             sums[next(k for k, p in rec.params.items() if id(p) == key)] = \
                 torch.tensordot(c.to(g.dtype), g, dims=1)
     return {name: sums[name] for name in rec.params}
+
+
+__all__ = [
+    "NormSum", "ghost_clipped_sum", "ghost_norms", "record", "record_batch", "record_norms",
+    "recorded_shared", "squared_norms", "squared_norms_by", "verify_norms",
+]

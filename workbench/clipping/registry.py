@@ -86,3 +86,9 @@ def find_norm_sampler(layer: nn.Module) -> NormSamplerFn | None:
 def find_norm_route(layer: nn.Module):
     """``route(layer, activations)`` of the layer's norm sampler, or None."""
     return find_rule(NORM_ROUTES, layer, ROUTE_BEHAVIOURS)
+
+
+__all__ = [
+    "NORM_BEHAVIOURS", "NORM_ROUTES", "NORM_SAMPLERS", "ROUTE_BEHAVIOURS", "NormSamplerFn",
+    "find_norm_route", "find_norm_sampler", "register_norm_by_behaviour", "register_norm_sampler",
+]

@@ -70,3 +70,6 @@ def ghost_routes(model, loss_fn, inputs, targets) -> "pd.DataFrame":
 
     rows = [row for row, _, _ in route_calls(model, loss_fn, inputs, targets)]
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+__all__ = ["COLUMNS", "ghost_routes", "layer_route", "route_calls"]

@@ -259,3 +259,6 @@ class LossFunctions(TorchFunctionMode):
                 loss = args[0] if args else kwargs.get("tensors", kwargs.get("self"))
                 watch.coupling(loss if isinstance(loss, torch.Tensor) else None)
         return func(*args, **kwargs)
+
+
+__all__ = ["BACKWARD", "FUNCTIONAL", "LossFunctions", "LossWatch"]

@@ -448,3 +448,6 @@ class DPOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict) -> None:
         self.original_optimizer.load_state_dict(state_dict)
+
+
+__all__ = ["AUTO", "DPOptimizer", "check_method"]

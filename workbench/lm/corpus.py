@@ -130,3 +130,9 @@ def windows(ids: torch.Tensor, block_size: int) -> TensorDataset:
     x = ids[:N * block_size].view(N, block_size)  # (N, T)
     y = ids[1:N * block_size + 1].view(N, block_size)  # (N, T)
     return TensorDataset(x, y)
+
+
+__all__ = [
+    "ALPHABET", "TEXTS", "TEXT_DIR", "CharTokenizer", "TextSource", "load_text", "normalise",
+    "split_ids", "windows",
+]

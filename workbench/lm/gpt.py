@@ -177,3 +177,9 @@ def generate(model: TinyGPT, idx: torch.Tensor, max_new_tokens: int, temperature
         idx = torch.cat([idx, nxt], dim=1)
     model.train(was_training)
     return idx
+
+
+__all__ = [
+    "MLP", "Block", "CausalSelfAttention", "TinyGPT", "generate", "sequence_cross_entropy",
+    "tiny_gpt",
+]

@@ -106,3 +106,9 @@ def windows_with_secret(data, tokenizer, secret: str) -> tuple[int, int]:
         touched.update(range(start // T, (start + len(secret) - 1) // T + 1))
         start = text.find(secret, start + 1)
     return whole, len(touched)
+
+
+__all__ = [
+    "Exposure", "exposure", "insert_secret", "log_perplexities", "pin_candidates",
+    "windows_with_secret",
+]

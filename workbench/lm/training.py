@@ -112,3 +112,6 @@ def accounting_rate(batch_size: int, N: int) -> float:
     """q = batch_size / N, checked: the expected batch must fit in the data set."""
     return check_count(batch_size, "batch_size", 1, N, note="the expected Poisson batch size",
                        high_name="N") / N
+
+
+__all__ = ["DPRun", "accounting_rate", "dp_train_lm", "perplexity", "train_lm"]

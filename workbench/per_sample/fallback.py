@@ -53,3 +53,6 @@ def warn_once(model, names, why: str) -> None:
                       f"per-layer rule or vmap ({why}); computing them exactly by micro-batching "
                       f"instead: one forward and backward pass per sample, about n times slower "
                       f"for these parameters", stacklevel=5)
+
+
+__all__ = ["exact_per_sample_gradients", "warn_once"]

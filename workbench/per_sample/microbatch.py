@@ -71,3 +71,6 @@ def layer_microbatch_grad_sampler(layer, args, kwargs, backprops):
             if g is not None:
                 grads[name][i] = g
     return grads
+
+
+__all__ = ["layer_microbatch_grad_sampler", "microbatch_per_sample_gradients"]

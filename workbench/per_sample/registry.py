@@ -172,3 +172,11 @@ def find_grad_sampler(layer: nn.Module) -> GradSamplerFn | None:
 def find_sampler_check(layer: nn.Module):
     """The option check of ``layer``'s sampler, or None."""
     return find_rule(SAMPLER_CHECKS, layer)
+
+
+__all__ = [
+    "GRAD_BEHAVIOURS", "GRAD_SAMPLERS", "INHERITABLE", "SAMPLER_CHECKS", "GradSamplerFn",
+    "by_behaviour", "check_callable", "check_layer_types", "computes_like", "find_grad_sampler",
+    "find_rule", "find_sampler_check", "layer_type", "register_by_behaviour",
+    "register_grad_sampler",
+]

@@ -241,3 +241,10 @@ def compare_norm(rec: Recording, got: torch.Tensor, exact) -> None:
         f"mixes samples outside any module (e.g. x - x.mean(0), with or without dropout), "
         f"or the loss does. Nothing was "
         f"returned; locate it with wb.audit.audit_gradients(model, loss_fn, inputs, targets)")
+
+
+__all__ = [
+    "CHECKS", "NORM_CHUNK", "TOLERANCE", "check_option", "compare", "compare_norm", "known",
+    "probe", "probe_norm", "record_probe", "remember", "replayed", "signature", "substituted",
+    "symbolic",
+]

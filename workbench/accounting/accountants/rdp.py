@@ -84,3 +84,6 @@ class RDPAccountant(Accountant):
 
 register_accountant("rdp", label="RDP", epsilon=rdp_epsilon, curve=rdp_curve,
                     accountant_class=RDPAccountant, style={"color": "C0"})
+
+
+__all__ = ["RDPAccountant", "rdp_curve", "rdp_epsilon"]

@@ -16,3 +16,6 @@ clipping, i.e. the layer's per-sample gradient is materialised, normed and dropp
 from workbench.plugins import import_submodules
 
 import_submodules(__name__, __path__)
+
+
+__all__: list[str] = []  # the files here register themselves; nothing to import

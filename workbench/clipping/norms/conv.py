@@ -59,3 +59,6 @@ def conv_norm_sampler(layer, activations, backprops):
     if layer.bias is not None and layer.bias.requires_grad:
         squares += B.sum(3).pow(2).sum((1, 2))  # ||Σ_l b_l||²
     return squares
+
+
+__all__ = ["conv_dims", "conv_norm_sampler", "conv_route"]

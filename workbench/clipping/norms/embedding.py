@@ -63,3 +63,6 @@ def embedding_norm_sampler(layer, activations, backprops):
         rows = b.new_zeros(len(keys), d).index_add_(0, slot, b[i, t])  # Σ b per (i, v)
         squares.index_add_(0, keys // x.shape[1], rows.pow(2).sum(1))  # Σ_v ||row||²
     return squares
+
+
+__all__ = ["embedding_norm_sampler", "embedding_route", "repeated"]

@@ -89,3 +89,9 @@ def transposed_route(layer, activations) -> tuple[str, str]:
 def transposed_linear_norm_sampler(layer, activations, backprops):
     """o = a W + c (GPT-2's Conv1D): ||A_iᵀ B_i|| = ||B_iᵀ A_i||, the same rule."""
     return linear_norm_sampler(layer, activations, backprops)
+
+
+__all__ = [
+    "gram_is_cheaper", "linear_norm_sampler", "linear_route", "sequence_route", "sequence_view",
+    "transposed_linear_norm_sampler", "transposed_route", "weight_squared_norms",
+]

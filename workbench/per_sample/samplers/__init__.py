@@ -18,3 +18,6 @@ new file with ``@register_grad_sampler(MyLayer)``; the table below is a reading 
 from workbench.plugins import import_submodules
 
 import_submodules(__name__, __path__)
+
+
+__all__: list[str] = []  # the files here register themselves; nothing to import

@@ -113,3 +113,9 @@ def affine_grad_sampler(layer, activations, backprops):
     if bias is not None and bias.requires_grad:
         out["bias"] = sum_to_parameter(backprops, layout, dims)  # Σ b
     return out
+
+
+__all__ = [
+    "TOLERANCE", "affine_grad_sampler", "affine_layout", "aligned", "candidate", "parts",
+    "probe_inputs", "run", "sum_to_parameter",
+]

@@ -137,3 +137,9 @@ def conv_grad_sampler(layer, activations, backprops):
     if layer.bias is not None and layer.bias.requires_grad:
         out["bias"] = backprops.flatten(2).sum(dim=2)  # (n, p)
     return out
+
+
+__all__ = [
+    "ROUTE", "choose_route", "conv_grad_sampler", "conv_padding", "grouped_weight_grads",
+    "output_positions", "pad_input", "padded_input", "unfold", "unfold_weight_grads",
+]

@@ -62,3 +62,6 @@ def embedding_grad_sampler(layer, activations, backprops):
     grad = zeros_per_sample((n * V, d), like=b)  # see memory.py
     grad.index_add_(0, keys, b)  # row (i, x_it) += b_it
     return {"weight": grad.view(n, V, d)}
+
+
+__all__ = ["check_embedding", "embedding_grad_sampler", "token_rows"]

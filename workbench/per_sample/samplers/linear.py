@@ -68,3 +68,6 @@ def transposed_linear_grad_sampler(layer, activations, backprops):
     if layer.bias is not None and layer.bias.requires_grad:
         out["bias"] = B.sum(dim=1)  # (n, p)
     return out
+
+
+__all__ = ["is_transposed_linear", "linear_grad_sampler", "transposed_linear_grad_sampler"]

@@ -70,3 +70,7 @@ def instance_norm_grad_sampler(layer, activations, backprops):
     return _affine_grads(layer, a_hat, backprops, channel_dim=True)
 
 
+__all__ = [
+    "group_norm_grad_sampler", "instance_norm_grad_sampler", "layer_norm_grad_sampler",
+    "rms_norm_grad_sampler",
+]
