@@ -21,8 +21,9 @@ from workbench.audit import cli_suite
 from workbench.audit.claim import load_claim
 from workbench.audit.claim_audit import audit_claim
 from workbench.audit.cli_inputs import InputError, check_out, load_callable, user_case, user_step
-from workbench.audit.report import PARTS, SELF_CHECK, SUBJECT, section, write_report
+from workbench.audit.report import PARTS, SELF_CHECK, SUBJECT, section
 from workbench.audit.report_claim_kinds import influence_sections
+from workbench.audit.report_files import write_report
 from workbench.audit.report_provenance import provenance
 from workbench.models import sequence_cross_entropy
 

@@ -48,4 +48,12 @@ class AuditResult:
         return head + self.table.to_html(index=False, float_format=self.float_format.format)
 
 
-__all__ = ["AuditResult"]
+class Crashed(AuditResult):
+    """The code under audit raised: a FAILED section that shows the error."""
+
+    def __init__(self, error: Exception):
+        self.passed, self.summary = False, f"raised {type(error).__name__}: {error}"
+        self.table = pd.DataFrame([{"error": f"{type(error).__name__}: {error}"}])
+
+
+__all__ = ["AuditResult", "Crashed"]
