@@ -114,10 +114,10 @@ def test_fast_mode_rejects_unknown_value(monkeypatch):
         fast_mode()
 
 
-# --- the text corpus (workbench/corpus.py, re-exported by workbench.data) ---------------------
+# --- the text corpus (workbench/lm/corpus.py, re-exported by workbench.data) ---------------------
 
-from workbench.corpus import TEXT_DIR, normalise  # noqa: E402
 from workbench.data import TEXTS, CharTokenizer, load_text, split_ids, windows  # noqa: E402
+from workbench.lm.corpus import TEXT_DIR, normalise  # noqa: E402
 
 
 @pytest.mark.parametrize("name", sorted(TEXTS))

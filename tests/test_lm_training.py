@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import workbench as wb
-from workbench.lm_training import dp_train_lm, perplexity, train_lm
+from workbench.lm.training import dp_train_lm, perplexity, train_lm
 from workbench.models import sequence_cross_entropy, tiny_gpt
 
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from workbench.data import CharTokenizer
-from workbench.memorisation import (
+from workbench.lm.memorisation import (
     exposure,
     insert_secret,
     log_perplexities,
@@ -82,8 +82,8 @@ def test_exposure_is_max_when_the_secret_is_preferred_and_small_otherwise():
 
 
 def test_windows_with_secret_counts_whole_and_straddling_copies():
-    from workbench.corpus import windows
-    from workbench.memorisation import windows_with_secret
+    from workbench.lm.corpus import windows
+    from workbench.lm.memorisation import windows_with_secret
 
     tok = CharTokenizer()
     text = "ab PIN1 cd" + "xxxxxxxxPI" + "N1xxxxxxxx" + "x" * 10  # T = 10: whole, straddling

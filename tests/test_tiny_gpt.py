@@ -13,8 +13,8 @@ from torch import nn
 import workbench as wb
 from workbench.clipping import CLIP_METHODS, NORM_METHODS
 from workbench.dpsgd import MODES, DPOptimizer
+from workbench.lm.gpt import generate
 from workbench.models import count_parameters, sequence_cross_entropy, tiny_gpt
-from workbench.models_gpt import generate
 
 TOL = 1e-9
 
@@ -127,7 +127,7 @@ def test_dp_optimizer_noiseless_step_is_clipped_sum(mode):
     C, B = 0.5, 10.0
     ref = wb.clipped_grad_sum(model, sequence_cross_entropy, x, y, C, method="microbatch")
     opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
-                      max_grad_norm=C, expected_batch_size=B, grad_sample_mode=mode)
+                      max_grad_norm=C, expected_batch_size=B, method=mode)
     opt.zero_grad()
     sequence_cross_entropy(model(x), y).mean().backward()
     opt.step()

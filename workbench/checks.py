@@ -186,3 +186,10 @@ def check_choice(value, name, choices):
     if value not in choices:
         raise ValueError(f"{name} must be one of {sorted(choices)}; got {value!r}")
     return value
+
+
+__all__ = [
+    "MAX_ORDER", "MAX_ORDER_SUM", "check_choice", "check_count", "check_delta", "check_epsilon",
+    "check_max_grad_norm", "check_noise_multiplier", "check_nonnegative", "check_orders",
+    "check_positive", "check_probability", "check_real", "check_sample_rate", "check_steps",
+]

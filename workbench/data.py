@@ -1,7 +1,7 @@
 """Bundled data: the UCI handwritten digits (8x8), with a fixed train/test split, and text.
 
-The text corpus (two public-domain authors, character-level) is in ``corpus.py`` and its
-names are re-exported at the end of this module.
+The text corpus (two public-domain authors, character-level) is in ``lm/corpus.py`` and its
+names are re-exported here.
 
 Source: E. Alpaydin and C. Kaynak (1998), "Optical Recognition of Handwritten Digits",
 UCI Machine Learning Repository, https://doi.org/10.24432/C50P49 (CC BY 4.0), in the copy
@@ -24,36 +24,24 @@ The split is a permutation of the 1797 indices drawn by ``np.random.default_rng(
 the first floor(0.8 n) = 1437 are the training set, the other 360 the test set. Not stratified.
 """
 
-import hashlib
 import math
 import os
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from workbench.errors import WorkbenchError
+from workbench.lm.corpus import TEXTS, CharTokenizer, load_text, split_ids, windows
+from workbench.shipped import DataChecksumError, bundled, sha256_of
 
-
-def bundled(*parts: str) -> Path:
-    """Path of a shipped data file: ``workbench/_data/<parts>`` of an installed wheel, else
-    ``data/<parts>`` of the checkout this package is imported from.
-
-    Found with ``importlib.resources``, so it is the installed copy's file wherever the package
-    lives. pip installs packages as files, so this is an ordinary path; imported from a zip
-    archive it would not be, and this raises instead of handing back something ``open`` cannot
-    read.
-    """
-    package = resources.files("workbench")
-    if not isinstance(package, Path):
-        raise RuntimeError(f"workbench is imported from {package!r}, not from files on disk; its "
-                           f"data files need an unpacked install (pip install dpsgd-workbench)")
-    installed = package / "_data"
-    root = installed if installed.is_dir() else package.parent / "data"  # a wheel, a checkout
-    return root.joinpath(*parts)
-
+# the checksum helpers (shipped.py) and the text corpus (lm/corpus.py: two public-domain
+# authors, by character) are re-exported here, beside the data sets
+__all__ = [
+    "DIGITS_PATH", "DIGITS_SHA256", "CharTokenizer", "DataChecksumError", "TEXTS",
+    "bundled", "check_digits_file", "fast_mode", "load_digits", "load_digits_arrays",
+    "load_text", "sha256_of", "split_indices", "split_ids", "to_dataset", "windows",
+]
 
 DIGITS_PATH = bundled("digits.npz")
 DIGITS_SHA256 = "1dc781c8fe699ce12f056a510e6dd518c795428f089effc1a3e2eec0f3ece269"
@@ -64,10 +52,6 @@ MAX_PIXEL = 16  # pixel values are counts of on-pixels in 4x4 blocks: 0..16
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
-
-
-class DataChecksumError(WorkbenchError, ValueError):
-    """A bundled data file's sha256 differs from the one the workbench was tested with."""
 
 
 def fast_mode() -> bool:
@@ -85,11 +69,6 @@ def fast_mode() -> bool:
         f"WORKBENCH_FAST={value!r} is not understood; use WORKBENCH_FAST=1 for fast runs "
         "or unset it (or 0) for full-size runs"
     )
-
-
-def sha256_of(path: Path) -> str:
-    """Hex sha256 of the file's bytes."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def check_digits_file(path: Path) -> None:
@@ -148,14 +127,3 @@ def load_digits(path: str | Path | None = None) -> tuple[TensorDataset, TensorDa
     train = to_dataset(images[train_idx], labels[train_idx])
     test = to_dataset(images[test_idx], labels[test_idx])
     return train, test
-
-
-# The text corpus for the language-model notebook lives in corpus.py (it needs the checksum
-# helpers above, so it is imported after them): two public-domain authors, by character.
-from workbench.corpus import (  # noqa: E402, F401
-    TEXTS,
-    CharTokenizer,
-    load_text,
-    split_ids,
-    windows,
-)

@@ -38,3 +38,9 @@ class UnattributedGradientError(WorkbenchError, ValueError):
 
 class NonFiniteGradientError(WorkbenchError, ValueError):
     """A record's per-sample gradient holds NaN or inf where no clipped sum can be made of it."""
+
+
+__all__ = [
+    "LossCouplingError", "LossShapeError", "NonFiniteGradientError", "PerSampleCheckError",
+    "SampleMixingError", "UnattributedGradientError", "UnsupportedLayerError", "WorkbenchError",
+]

@@ -122,3 +122,6 @@ def check(name: str, fn) -> Verdict:
         raise ExerciseError(f"exercise {name}: the reference solution fails its check: "
                             f"{result.message}")
     return result
+
+
+__all__ = ["EXERCISES", "SOLUTIONS", "Exercise", "ExerciseError", "Verdict", "check", "verdict"]

@@ -119,3 +119,10 @@ def group_privacy(epsilon, delta, k):
     check_delta(delta, "delta", zero_ok=True)
     check_count(k, "k", low=1)
     return k * epsilon, k * math.exp((k - 1) * epsilon) * delta
+
+
+__all__ = [
+    "advanced_composition", "basic_composition", "group_privacy", "laplace_mechanism",
+    "laplace_scale", "randomized_response", "randomized_response_epsilon",
+    "randomized_response_estimate", "sum_sensitivity",
+]

@@ -24,7 +24,7 @@ Layers are named (``conv1``, ``fc1``, ...) so per-sample gradient keys read like
 ``ZOO`` maps each name to its factory, example input and parameter count; ``example_batch``
 draws a random (inputs, targets) batch for tests and benchmarks.
 
-Language models live in ``models_gpt.py`` and are re-exported here: ``tiny_gpt`` (a
+Language models live in ``lm/gpt.py`` and are re-exported here: ``tiny_gpt`` (a
 nanoGPT-style transformer with a tied head), ``sequence_cross_entropy`` (its per-sequence
 loss) and ``generate``.
 """
@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from workbench.layers import DPLSTM
-from workbench.models_gpt import TinyGPT, generate, sequence_cross_entropy, tiny_gpt  # noqa: F401
+from workbench.lm.gpt import TinyGPT, generate, sequence_cross_entropy, tiny_gpt  # noqa: F401
 
 IMDB_VOCAB = 10_000 + 4  # 10,000 most frequent words + <unk>, <pad>, <eos>, <sos> (Fast-DPSGD)
 IMDB_SEQ_LEN = 256  # Fast-DPSGD's max_len
@@ -264,3 +264,10 @@ def example_batch(
         inputs = torch.rand(shape, generator=generator, dtype=dtype)  # (n, c, h, w)
     targets = torch.randint(0, entry.num_classes, (n,), generator=generator)  # (n,)
     return inputs, targets
+
+
+__all__ = [
+    "IMDB_SEQ_LEN", "IMDB_VOCAB", "ZOO", "MeanOver", "RNNOutput", "SelfAttention", "ZooEntry",
+    "cifar10_cnn", "count_parameters", "digits_cnn", "digits_mlp", "example_batch",
+    "imdb_embedding", "imdb_lstm", "make_model", "mnist_cnn", "zoo_entry",
+]

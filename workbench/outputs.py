@@ -86,3 +86,8 @@ def output_file_arg(option: str = "--out"):
 def output_dir_arg(option: str = "--out-dir"):
     """An argparse ``type=`` for a folder output (``check_output_dir``)."""
     return _argparse_type(check_output_dir, option)
+
+
+__all__ = [
+    "OutputPathError", "check_output_dir", "check_output_file", "output_dir_arg", "output_file_arg",
+]

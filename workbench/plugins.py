@@ -27,3 +27,6 @@ def import_submodules(package_name, package_path):
     for name in names:
         importlib.import_module(f"{package_name}.{name}")
     return names
+
+
+__all__ = ["import_submodules"]

@@ -164,3 +164,6 @@ def fix_model(model: nn.Module, num_groups: int | None = None) -> nn.Module:
             parent_path, _, name = path.rpartition(".")
             setattr(model.get_submodule(parent_path), name, replacement)
     return model
+
+
+__all__ = ["FUSED", "INPLACE", "Problem", "fix_model", "fused_layer_problem", "validate_model"]

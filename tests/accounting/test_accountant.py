@@ -22,7 +22,7 @@ def test_history_merges_consecutive_equal_steps(cls):
     acc.step(noise_multiplier=1.0, sample_rate=0.01, steps=20)
     acc.step(noise_multiplier=0.8, sample_rate=0.01, steps=0)  # no steps: nothing recorded
     assert acc.history == [(1.0, 0.01, 50)] and len(acc) == 50
-    assert acc.get_epsilon(1e-5) == pytest.approx(epsilon(0.01, 1.0, 50, 1e-5, cls.mechanism))
+    assert acc.get_epsilon(1e-5) == pytest.approx(epsilon(0.01, 1.0, 50, 1e-5, cls.name))
 
 
 def test_heterogeneous_schedule_adds_rdp():
@@ -32,8 +32,8 @@ def test_heterogeneous_schedule_adds_rdp():
         acc.step(noise_multiplier=sigma, sample_rate=q, steps=t)
     assert acc.history == schedule and len(acc) == 200
     rdp = sum(compute_rdp(q, s, t) for s, q, t in schedule)
-    assert acc.get_privacy_spent(1e-5) == rdp_to_epsilon(DEFAULT_ORDERS, rdp, 1e-5)
-    assert acc.get_epsilon(1e-5) == acc.get_privacy_spent(1e-5)[0]
+    assert acc.get_epsilon_and_order(1e-5) == rdp_to_epsilon(DEFAULT_ORDERS, rdp, 1e-5)
+    assert acc.get_epsilon(1e-5) == acc.get_epsilon_and_order(1e-5)[0]
 
 
 def test_heterogeneous_pld_lies_between_its_parts_and_below_rdp():
@@ -63,7 +63,7 @@ def test_load_state_dict_checks_the_mechanism_and_values():
     with pytest.raises(ValueError, match="from a 'rdp' accountant; this one is 'pld'"):
         PLDAccountant().load_state_dict(RDPAccountant().state_dict())
     with pytest.raises(ValueError, match="sample_rate must be in"):
-        RDPAccountant().load_state_dict({"mechanism": "rdp", "history": [[1.0, 2.0, 3]],
+        RDPAccountant().load_state_dict({"name": "rdp", "history": [[1.0, 2.0, 3]],
                                          "orders": [2.0]})
 
 
@@ -80,16 +80,16 @@ def test_load_state_dict_names_missing_and_unexpected_keys(cls, drop):
         cls().load_state_dict([("history", [])])
 
 
-def test_get_privacy_spent_agrees_with_get_epsilon_before_and_after_steps():
+def test_get_epsilon_and_order_agrees_with_get_epsilon_before_and_after_steps():
     acc = RDPAccountant()
-    assert acc.get_privacy_spent(1e-5) == (0.0, None) and acc.get_epsilon(1e-5) == 0.0
+    assert acc.get_epsilon_and_order(1e-5) == (0.0, None) and acc.get_epsilon(1e-5) == 0.0
     acc.step(noise_multiplier=1.0, sample_rate=0.0, steps=10)  # nothing sampled yet
-    assert acc.get_privacy_spent(1e-5) == (0.0, None) and acc.get_epsilon(1e-5) == 0.0
+    assert acc.get_epsilon_and_order(1e-5) == (0.0, None) and acc.get_epsilon(1e-5) == 0.0
     acc.step(noise_multiplier=1.0, sample_rate=0.01, steps=100)
-    eps, order = acc.get_privacy_spent(1e-5)
+    eps, order = acc.get_epsilon_and_order(1e-5)
     assert eps == acc.get_epsilon(1e-5) > 0 and order in acc.orders
     with pytest.raises(ValueError, match="delta must be in"):
-        RDPAccountant().get_privacy_spent(0.0)
+        RDPAccountant().get_epsilon_and_order(0.0)
 
 
 @pytest.mark.parametrize("kwargs, match", [

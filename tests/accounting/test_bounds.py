@@ -5,8 +5,9 @@ import math
 import pytest
 
 from workbench.accounting import epsilon, gaussian_delta, gaussian_epsilon
+from workbench.accounting.accountant import make_accountant
 from workbench.accounting.bounds import SAMPLERS, epsilon_bounds
-from workbench.accounting.registry import ACCOUNTANTS, make_accountant
+from workbench.accounting.registry import ACCOUNTANTS
 
 
 def bounds(sampler, q=0.01, sigma=1.0, epochs=2, delta=1e-5):
@@ -78,7 +79,7 @@ def test_registry_names_every_accountant_and_sampler():
     assert list(ACCOUNTANTS) == ["rdp", "pld", "prv"]  # fast first: the explorer's legend order
     for name, spec in ACCOUNTANTS.items():
         acc = make_accountant(name)
-        assert type(acc) is spec.accountant_class and acc.state_dict()["mechanism"] == name
+        assert type(acc) is spec.accountant_class and acc.state_dict()["name"] == name
     with pytest.raises(ValueError, match="accountant must be one of"):
         make_accountant("gdp")
 

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from workbench.accounting import ACCOUNTANTS, epsilon, epsilon_curve, gaussian_epsilon
+from workbench.accounting.accountant import make_accountant
 from workbench.accounting.accountants.prv import (
     PRVAccountant,
     prv_curve,
     prv_epsilon,
     prv_epsilon_bounds,
 )
-from workbench.accounting.registry import make_accountant
 
 GRID = [(1.0, 0.01, 1000, 1e-5), (0.8, 0.004, 2500, 1e-5), (2.0, 0.1, 100, 1e-6),
         (0.6, 0.02, 500, 1e-5), (5.0, 1.0, 10, 1e-5)]

@@ -94,7 +94,7 @@ def test_engine_trains_with_it(gauss):
         opt.step()
     steps = len(engine.accountant)
     assert steps == len(loader) == 4
-    assert engine.accountant.state_dict() == {"mechanism": "gauss",
+    assert engine.accountant.state_dict() == {"name": "gauss",
                                               "history": [[1.5, 0.25, 4]]}
     assert engine.get_epsilon(1e-5) == gaussian_epsilon(1.5 / 2, 1e-5)  # σ / sqrt(T)
     restored = make_accountant("gauss")
@@ -157,7 +157,7 @@ def test_registration_errors(gauss):
         register_accountant("My GDP", label="G", epsilon=no_amplification_epsilon)
     with pytest.raises(TypeError, match="epsilon must be callable"):
         register_accountant("gdp", label="G", epsilon=1.0)
-    with pytest.raises(ValueError, match="mechanism must be 'gdp'"):
+    with pytest.raises(ValueError, match="name must be 'gdp'"):
         register_accountant("gdp", label="G", epsilon=no_amplification_epsilon,
                             accountant_class=accounting.RDPAccountant)
     assert "gdp" not in ACCOUNTANTS

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from tests.audit.report_helpers import small_provenance, small_sections
-from workbench.audit.report import write_report
+from workbench.audit.report_files import write_report
 from workbench.audit.report_json import SCHEMA_PATH, SCHEMA_VERSION, schema, validate
 
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is in the dev extra: "

@@ -9,7 +9,7 @@ def test_training_benchmark_writes_csv(tmp_path):
     main(["training", "--models", "digits_mlp", "--batch-sizes", "4", "--repeats", "1",
           "--out", str(out)])
     table = pd.read_csv(out)
-    assert {"plain_ms", "einsum/plain", "ghost/plain", "bookkeeping/plain"} <= set(table)
+    assert {"plain_ms", "einsum/plain", "bookkeeping/plain"} <= set(table)
 
 
 def test_training_benchmark_zoo_model_auto_and_opacus(tmp_path):

@@ -15,7 +15,7 @@ On a failure the screenshot's path is in the message.
 import pytest
 
 from tests.audit.report_helpers import small_claim, small_provenance, small_sections
-from workbench.audit.report import write_report
+from workbench.audit.report_files import write_report
 
 pytestmark = pytest.mark.browser
 

@@ -1,4 +1,4 @@
-"""grad_sample_mode="auto": make_private's default picks einsum or book-keeping by the rule of
+"""method="auto": make_private's default picks einsum or book-keeping by the rule of
 clipping/auto.py, gives the clipped sums of the explicit modes, and an explicit mode wins."""
 
 import pytest
@@ -74,7 +74,7 @@ def test_the_rule_picks_a_valid_mode_with_its_reason(kind, no_cache):
 
 def step(model, mode, x, y, C=0.5, B=8.0):
     opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
-                      max_grad_norm=C, expected_batch_size=B, grad_sample_mode=mode)
+                      max_grad_norm=C, expected_batch_size=B, method=mode)
     opt.zero_grad()
     CE_MEAN(model(x), y).backward()
     opt.step()
@@ -104,14 +104,14 @@ def test_make_private_defaults_to_auto_and_an_explicit_mode_wins(no_cache):
     torch.manual_seed(0)
     x, y = inputs("embedding", n=16)
     loader = DataLoader(TensorDataset(x, y), batch_size=8)
-    for kwargs, ran in (({}, "bookkeeping"), ({"grad_sample_mode": "einsum"}, "einsum")):
+    for kwargs, ran in (({}, "bookkeeping"), ({"method": "einsum"}, "einsum")):
         model = embedding_model()
         _, opt, dp_loader = wb.PrivacyEngine().make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
             data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
             sampling_generator=torch.Generator().manual_seed(0),
             noise_generator=torch.Generator().manual_seed(1), **kwargs)
-        assert opt.grad_sample_mode == kwargs.get("grad_sample_mode", "auto")
+        assert opt.method == kwargs.get("method", "auto")
         for bx, by in dp_loader:
             if len(bx):
                 opt.zero_grad()

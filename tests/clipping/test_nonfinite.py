@@ -77,7 +77,7 @@ def test_optimizer_skips_and_counts_a_nonfinite_record(mode, kind, dtype):
     C, B = 0.5, 6.0
     expected = good_twin(model, loss, x, y, i, C)
     opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
-                      max_grad_norm=C, expected_batch_size=B, grad_sample_mode=mode,
+                      max_grad_norm=C, expected_batch_size=B, method=mode,
                       loss_reduction="sum")
     opt.zero_grad()
     loss(model(x), y).sum().backward()
@@ -106,7 +106,7 @@ class TwoBranches(nn.Module):
 def per_layer_step(model, mode, x, y):
     groups = [{"params": model.a.parameters()}, {"params": model.b.parameters()}]
     opt = DPOptimizer(torch.optim.SGD(groups, lr=0.0), model, noise_multiplier=0.0,
-                      max_grad_norm=[0.3, 0.4], expected_batch_size=1.0, grad_sample_mode=mode,
+                      max_grad_norm=[0.3, 0.4], expected_batch_size=1.0, method=mode,
                       loss_reduction="sum")
     opt.zero_grad()
     mse(model(x), y).sum().backward()
@@ -136,7 +136,7 @@ def test_a_batch_of_nonfinite_records_is_refused_before_any_change(mode):
         model[0].weight[0, 0] = float("nan")  # NaN parameters: every record is NaN
     before = {k: v.clone() for k, v in model.state_dict().items()}
     opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model, noise_multiplier=0.0,
-                      max_grad_norm=1.0, expected_batch_size=6.0, grad_sample_mode=mode)
+                      max_grad_norm=1.0, expected_batch_size=6.0, method=mode)
     x, y, loss, _ = batch(torch.float64, "none")
     opt.zero_grad()
     loss(model(x), y).mean().backward()
@@ -225,7 +225,7 @@ def test_optimizer_clips_a_huge_gradient_to_C(mode, dtype):
     C = 1.0
     expected = wb.clipped_grad_sum(model, loss, x, w, C, method="microbatch")
     opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
-                      max_grad_norm=C, expected_batch_size=1.0, grad_sample_mode=mode,
+                      max_grad_norm=C, expected_batch_size=1.0, method=mode,
                       loss_reduction="sum")
     opt.zero_grad()
     loss(model(x), w).sum().backward()
@@ -258,7 +258,7 @@ def test_a_nonfinite_record_in_the_exact_fallback_is_masked(mode):
     x, y, loss, i = batch(torch.float64, "nan_input")
     expected = good_twin(model, loss, x, y, i, 0.5)
     opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
-                      max_grad_norm=0.5, expected_batch_size=1.0, grad_sample_mode=mode,
+                      max_grad_norm=0.5, expected_batch_size=1.0, method=mode,
                       loss_reduction="sum")
     opt.zero_grad()
     loss(model(x), y).sum().backward()

@@ -31,7 +31,7 @@ def run(mode="einsum", steps=150, quantile=0.5, C0=5.0, lr=0.0, sigma=1.0, seed=
     engine = wb.PrivacyEngine()
     model, opt, loader = engine.make_private(
         module=model, optimizer=opt, data_loader=loader, noise_multiplier=sigma,
-        max_grad_norm=C0, grad_sample_mode=mode, loss_reduction="sum",
+        max_grad_norm=C0, method=mode, loss_reduction="sum",
         adaptive_clipping=AdaptiveClipping(target_quantile=quantile, learning_rate=0.2),
         noise_generator=torch.Generator().manual_seed(seed),
         sampling_generator=torch.Generator().manual_seed(seed + 1))

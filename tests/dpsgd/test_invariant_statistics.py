@@ -71,7 +71,7 @@ def unchecked(loss, x, y):
     """The released sum with the engine's checks off (``verify = False``, benchmarks only)."""
     model = mlp()
     opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
-                      max_grad_norm=C, expected_batch_size=1.0, grad_sample_mode="einsum")
+                      max_grad_norm=C, expected_batch_size=1.0, method="einsum")
     opt.verify, opt.recorder.watch.check = False, False
     try:
         opt.zero_grad()

@@ -30,7 +30,7 @@ def data(n, seed, dtype=torch.float64):
 def optimizer(model, mode, C=0.3, B=10.0, sigma=0.0, params=None, **kw):
     sgd = torch.optim.SGD(model.parameters() if params is None else params, lr=0.0)
     return DPOptimizer(sgd, model, noise_multiplier=sigma, max_grad_norm=C,
-                       expected_batch_size=B, grad_sample_mode=mode, **kw)
+                       expected_batch_size=B, method=mode, **kw)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -83,7 +83,7 @@ def test_nothing_of_the_batch_survives_a_step(mode):
 
 def test_layer_replaced_after_make_private_is_an_error():
     model = mlp()
-    opt = optimizer(model, "ghost")
+    opt = optimizer(model, "bookkeeping")
     model[2] = nn.Linear(8, 3).double()
     x, y = data(4, 0)
     opt.zero_grad()

@@ -146,7 +146,7 @@ BAD_SETTINGS = [
     ("max_grad_norm", float("inf"), ValueError, "max_grad_norm must be"),
     ("max_grad_norm", [1.0, 2.0, 3.0], ValueError, "3 values for 1 parameter groups"),
     ("expected_batch_size", 0, ValueError, "expected_batch_size must be"),
-    ("grad_sample_mode", "fast", ValueError, "grad_sample_mode must be one of"),
+    ("method", "fast", ValueError, "method must be one of"),
     ("loss_reduction", "none", ValueError, "loss_reduction must be 'mean'"),
     ("generator", 3, TypeError, "generator must be a torch.Generator"),
     ("on_step", "rdp", TypeError, "on_step must be callable"),
@@ -166,7 +166,7 @@ def test_settings_are_checked_when_assigned(name, value, error, message):
     assert getattr(opt, name) == old  # the bad value never lands
     with pytest.raises(error, match=message):  # the constructor uses the same check
         kw = dict(noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4)
-        if name in kw or name in ("grad_sample_mode", "loss_reduction", "generator",
+        if name in kw or name in ("method", "loss_reduction", "generator",
                                   "on_step"):
             kw[name] = value
             DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model, **kw)

@@ -27,7 +27,7 @@ def batch(n=7, seed=0):
 
 def one_step(model, mode, x, y, C, B, sigma=0.0, generator=None):
     opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=sigma,
-                      max_grad_norm=C, expected_batch_size=B, grad_sample_mode=mode,
+                      max_grad_norm=C, expected_batch_size=B, method=mode,
                       generator=generator)
     opt.zero_grad()
     CE_MEAN(model(x), y).backward()
@@ -186,8 +186,8 @@ def test_errors():
     model = mlp()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     kw = dict(noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=8)
-    with pytest.raises(ValueError, match="grad_sample_mode must be one of"):
-        DPOptimizer(sgd, model, grad_sample_mode="fast", **kw)
+    with pytest.raises(ValueError, match="method must be one of"):
+        DPOptimizer(sgd, model, method="fast", **kw)
     with pytest.raises(ValueError, match="loss_reduction must be 'mean'"):
         DPOptimizer(sgd, model, loss_reduction="avg", **kw)
     with pytest.raises(ValueError, match="noise_multiplier must be a finite number >= 0"):
@@ -198,7 +198,7 @@ def test_errors():
 
 def test_detach_leaves_no_hooks():
     model = mlp()
-    _, opt = one_step(model, "ghost", *batch(), 1.0, 7.0)
+    _, opt = one_step(model, "bookkeeping", *batch(), 1.0, 7.0)
     assert sum(len(m._forward_hooks) for m in model.modules()) == 0
 
 
@@ -210,7 +210,7 @@ def test_per_layer_clipping_clips_each_group_to_its_norm(mode):
               {"params": list(model[2].parameters()) + list(model[3].parameters())}]
     C = [0.3, 0.7]
     opt = DPOptimizer(torch.optim.SGD(groups, lr=0.0), model, noise_multiplier=0.0,
-                      max_grad_norm=C, expected_batch_size=4.0, grad_sample_mode=mode)
+                      max_grad_norm=C, expected_batch_size=4.0, method=mode)
     opt.zero_grad()
     CE_MEAN(model(x), y).backward()
     opt.step()

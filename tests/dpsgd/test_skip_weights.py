@@ -41,7 +41,7 @@ def train(skip, mode, steps=3, penalty=0.0, dropout=0.0, accumulate=1):
     torch.manual_seed(0)
     model = Tied(dropout, pos=not dropout).double()
     opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model, noise_multiplier=0.3,
-                      max_grad_norm=0.7, expected_batch_size=6, grad_sample_mode=mode,
+                      max_grad_norm=0.7, expected_batch_size=6, method=mode,
                       generator=torch.Generator().manual_seed(2))
     opt.skip_weight_grads = skip
     batches = data(steps * accumulate)

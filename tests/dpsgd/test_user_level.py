@@ -50,7 +50,7 @@ def data(kind, seed=1):
 def released(model, x, y, ids, mode, reduction="sum"):
     """Σ_u c_u G_u from one DP step with σ = 0, B = 1, lr = 0."""
     opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
-                      max_grad_norm=C, expected_batch_size=1.0, grad_sample_mode=mode,
+                      max_grad_norm=C, expected_batch_size=1.0, method=mode,
                       loss_reduction="sum")
     opt.user_level = UserLevel(reduction)
     try:
@@ -116,7 +116,7 @@ def engine_run(ids, batch_size=3, **kw):
     engine = wb.PrivacyEngine()
     model, opt, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-        data_loader=loader, noise_multiplier=0.0, max_grad_norm=C, grad_sample_mode="ghost",
+        data_loader=loader, noise_multiplier=0.0, max_grad_norm=C, method="bookkeeping",
         loss_reduction="sum", sampling_generator=torch.Generator().manual_seed(3),
         privacy_unit="user", user_ids=ids, **kw)
     return engine, model, opt, loader

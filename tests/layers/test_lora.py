@@ -106,7 +106,7 @@ def test_dp_optimizer_noiseless_step_is_clipped_sum(mode):
     ref = wb.clipped_grad_sum(model, sequence_cross_entropy, x, y, C, method="microbatch")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = DPOptimizer(torch.optim.SGD(params, lr=0.0), model, noise_multiplier=0.0,
-                      max_grad_norm=C, expected_batch_size=B, grad_sample_mode=mode)
+                      max_grad_norm=C, expected_batch_size=B, method=mode)
     opt.zero_grad()
     sequence_cross_entropy(model(x), y).mean().backward()
     opt.step()

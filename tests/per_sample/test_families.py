@@ -259,7 +259,7 @@ def test_dp_optimizer_is_exact(name, mode):
     ref = wb.clipped_grad_sum(model, loss_fn, x, y, C, method="microbatch")
     opt = quiet(DPOptimizer, torch.optim.SGD(model.parameters(), lr=0.0), model,
                 noise_multiplier=0.0, max_grad_norm=C, expected_batch_size=B,
-                grad_sample_mode=mode, loss_reduction="sum")
+                method=mode, loss_reduction="sum")
     opt.zero_grad()
     loss_fn(model(x), y).sum().backward()
     quiet(opt.step)

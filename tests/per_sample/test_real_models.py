@@ -132,7 +132,7 @@ def optimizer_steps(name, mode):
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
     opt = quiet(DPOptimizer, torch.optim.SGD(trainable, lr=0.0), model,
                 noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=4.0,
-                grad_sample_mode=mode, loss_reduction="sum")
+                method=mode, loss_reduction="sum")
     try:
         for step, n in enumerate(STEPS):
             x, y = PROBLEMS[name].batch(n, T=T, seed=10 + step)

@@ -6,11 +6,11 @@ One concept per file:
     convert.py     RDP -> (ε, δ) (Balle et al. 2020, Thm. 21)
     pld.py         its privacy-loss distribution, discretised pessimistically (connect-the-dots)
     compose.py     composition of PLDs by FFT (Koskela, Jälkö, Honkela 2020)
-    registry.py    the table of accountants: register_accountant, make_accountant
+    registry.py    the table of accountants: register_accountant
     accountants/   one file per accountant, each registering itself: rdp.py, pld.py
     curve.py       ε of a run, a curve over steps, or a heterogeneous schedule, by name
     calibrate.py   the noise multiplier σ for a target ε
-    accountant.py  Accountant: a history of steps, ε on demand (RDPAccountant, PLDAccountant)
+    accountant.py  Accountant: a history of steps, ε on demand; make_accountant by name
     gaussian.py    the exact Gaussian mechanism (q = 1), the yardstick (Balle & Wang 2018)
     explore.py     the budget explorer's compute step (ε vs epochs, σ for a target)
     checks.py      argument validation
@@ -24,7 +24,7 @@ One concept per file:
 """
 
 from workbench.accounting import accountants  # noqa: F401  (registers RDP and PLD)
-from workbench.accounting.accountant import Accountant
+from workbench.accounting.accountant import Accountant, make_accountant
 from workbench.accounting.accountants.pld import PLD_DISCRETIZATION, PLDAccountant
 from workbench.accounting.accountants.rdp import RDPAccountant
 from workbench.accounting.bounds import SAMPLERS, EpsilonBounds, epsilon_bounds
@@ -43,7 +43,6 @@ from workbench.accounting.rdp import DEFAULT_ORDERS, compute_rdp
 from workbench.accounting.registry import (
     ACCOUNTANTS,
     AccountantSpec,
-    make_accountant,
     register_accountant,
     unregister_accountant,
 )

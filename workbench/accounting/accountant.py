@@ -4,7 +4,7 @@ The thin wrapper over the pure functions of ``curve.py`` (ARCHITECTURE.md, style
 only records what was run, as groups (σ, q, T) with consecutive steps of equal σ and q merged,
 so a training loop can call ``.step()`` after every optimiser step and a schedule that changes σ
 or q (heterogeneous composition) is kept exactly. ε is recomputed from the history when asked,
-by the accountant registered under ``mechanism`` (``registry.py``). The subclasses with options
+by the accountant registered under ``name`` (``registry.py``). The subclasses with options
 live beside their ε functions: ``accountants/rdp.py`` (RDPAccountant, Rényi DP) and
 ``accountants/pld.py`` (PLDAccountant, privacy-loss distribution); an accountant registered
 without a class gets a plain ``Accountant`` subclass named after it.
@@ -15,22 +15,45 @@ for RDP, tens to hundreds of milliseconds for PLD, so call it once per epoch, no
 ``state_dict()`` holds only lists, floats, ints and strings, so it can be saved inside a training
 checkpoint and read back with ``torch.load(..., weights_only=True)``.
 
+Renamed (kept for one release, with a ``FutureWarning``: ``deprecation.py``): the class
+attribute ``mechanism`` is ``name`` (it names the accountant, not the mechanism accounted);
+``RDPAccountant.get_privacy_spent`` is ``get_epsilon_and_order``. A state saved with the old
+``"mechanism"`` key still loads.
+
 Notation: σ noise multiplier, q sample rate, T steps, δ target delta.
 """
 
 from workbench.accounting.curve import check_history, history_epsilon
+from workbench.accounting.registry import get_accountant
 from workbench.checks import check_noise_multiplier, check_sample_rate, check_steps
+from workbench.deprecation import warn_renamed
+
+__all__ = ["Accountant", "accountant_class", "make_accountant"]
 
 
 class Accountant:
-    """History of (σ, q, T) groups; ε by the registered accountant named ``mechanism``.
+    """History of (σ, q, T) groups; ε by the registered accountant named ``name``.
 
     A subclass with options returns them from ``_options()`` (passed to the ε function and
     saved in the state) and reads them back in ``_load_options``.
     """
 
-    mechanism = ""
     unit = "record"  # what ε protects; "user" under user-level DP (dpsgd/user_level.py)
+    name = ""  # the registry's name of this accountant ("rdp", "pld", ...)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        old = cls.__dict__.get("mechanism")
+        if isinstance(old, str):  # a subclass written for the previous release
+            warn_renamed(f"{cls.__name__}.mechanism", "name", "Accountant subclass")
+            cls.name = old
+            del cls.mechanism  # the deprecated property below answers from now on
+
+    @property
+    def mechanism(self) -> str:
+        """The old name of ``name`` (deprecated)."""
+        warn_renamed("Accountant.mechanism", "Accountant.name", type(self).__name__)
+        return self.name
 
     def __init__(self):
         self.history = []  # [(σ, q, T), ...], consecutive equal (σ, q) merged
@@ -55,15 +78,16 @@ class Accountant:
         return f"{type(self).__name__}(steps={len(self)}, groups={len(self.history)}{unit})"
 
     def get_epsilon(self, delta):
-        return history_epsilon(self.history, delta, self.mechanism, **self._options())
+        """ε(δ) of every step recorded so far."""
+        return history_epsilon(self.history, delta, self.name, **self._options())
 
     def _options(self):
         """The accountant's options as plain Python values (also saved in the state)."""
         return {}
 
     def state_dict(self):
-        """Plain Python state: {"mechanism", "history": [[σ, q, T], ...], options...}."""
-        return {"mechanism": self.mechanism, "history": [list(g) for g in self.history],
+        """Plain Python state: {"name", "history": [[σ, q, T], ...], options...}."""
+        return {"name": self.name, "history": [list(g) for g in self.history],
                 **self._options()}
 
     def load_state_dict(self, state_dict):
@@ -71,13 +95,15 @@ class Accountant:
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict from state_dict(); got "
                             f"{type(state_dict).__name__}")
-        if state_dict.get("mechanism", self.mechanism) != self.mechanism:
-            raise ValueError(f"state_dict is from a {state_dict.get('mechanism')!r} accountant; "
-                             f"this one is {self.mechanism!r}")
+        if "mechanism" in state_dict and "name" not in state_dict:  # saved by the last release
+            state_dict = {("name" if k == "mechanism" else k): v for k, v in state_dict.items()}
+        if state_dict.get("name", self.name) != self.name:
+            raise ValueError(f"state_dict is from a {state_dict.get('name')!r} accountant; "
+                             f"this one is {self.name!r}")
         expected = set(self.state_dict())
         missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
         if missing or unexpected:
-            raise KeyError(f"state_dict for a {self.mechanism!r} accountant: missing keys "
+            raise KeyError(f"state_dict for a {self.name!r} accountant: missing keys "
                            f"{missing}, unexpected keys {unexpected}; pass the dict that "
                            f"{type(self).__name__}.state_dict() returned")
         self.history = check_history(state_dict["history"])
@@ -85,3 +111,29 @@ class Accountant:
 
     def _load_options(self, state_dict):
         pass
+
+
+_PLAIN: dict = {}  # id(spec) -> (spec, its plain class), for accountants registered without one
+
+
+def accountant_class(name: str) -> type:
+    """The stateful class of the accountant registered as ``name``: its own, or a plain
+    history-keeping ``Accountant`` named after it (made once per registration)."""
+    spec = get_accountant(name)
+    if spec.accountant_class is not None:
+        return spec.accountant_class
+    if id(spec) not in _PLAIN:
+        made = type(f"{spec.label}Accountant", (Accountant,),
+                    {"name": spec.name, "__doc__": f"{spec.label} accountant."})
+        _PLAIN[id(spec)] = (spec, made)  # the spec kept alive: its id stays its own
+    return _PLAIN[id(spec)][1]
+
+
+def make_accountant(name: str, **options) -> Accountant:
+    """A fresh accountant by name: ``make_accountant("pld", discretization=1e-4)``.
+
+    >>> import workbench.accounting  # registers the built-in accountants
+    >>> make_accountant("pld", discretization=1e-3)
+    PLDAccountant(steps=0, groups=0)
+    """
+    return accountant_class(name)(**options)

@@ -129,3 +129,9 @@ def epsilon_bounds(sampler, *, sample_rate, noise_multiplier, epochs, delta,
                             bounds.steps)
     return SAMPLERS[sampler](q, sigma, int(epochs) if sampler != "poisson" else epochs, delta,
                              T)
+
+
+__all__ = [
+    "SAMPLERS", "EpsilonBounds", "batches_per_epoch", "deterministic_bounds", "epsilon_bounds",
+    "poisson_bounds", "shuffle_bounds",
+]

@@ -239,3 +239,9 @@ def _solve(eps, target, tau, rtol, sigma0):
                 f_lo /= 2
             side = 1
     raise RuntimeError("noise calibration did not converge; please report this case")
+
+
+__all__ = [
+    "SIGMA_MAX", "Calibration", "calibrate", "get_noise_multiplier", "steps_from_epochs",
+    "steps_per_epoch",
+]

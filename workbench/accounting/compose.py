@@ -129,3 +129,6 @@ def self_compose_many(pld, counts):
         pmf = _read_window(irfft(_power(polar, t), n), lo, hi, t * pld.offset)  # Eq. (1)
         out.append(DiscretePLD(h=pld.h, offset=lo, pmf=pmf, inf_mass=_inf_mass([(pld, t)])))
     return out
+
+
+__all__ = ["MAX_POINTS", "TAIL_MASS", "compose", "log_mgf", "self_compose_many", "window"]

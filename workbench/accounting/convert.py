@@ -44,3 +44,6 @@ def rdp_to_epsilon(orders, rdp, delta):
     if rdp.ndim == 1:
         return float(eps_best), float(orders[best])
     return eps_best, orders[best]
+
+
+__all__ = ["rdp_to_epsilon"]

@@ -107,3 +107,6 @@ def epsilon_curve(sample_rate, noise_multiplier, steps, delta, accountant="rdp",
         opts = _options(spec, spec.epsilon, options, "epsilon_curve")
         out[live] = [spec.epsilon([(sigma, q, t)], delta, **opts) for t in live_counts]
     return out
+
+
+__all__ = ["check_history", "epsilon", "epsilon_curve", "history_epsilon"]

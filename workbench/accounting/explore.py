@@ -221,3 +221,10 @@ def explore_budget(dataset_size, batch_size, noise_multiplier, epochs, delta, *,
         shuffle_epochs=np.array(shuffle_epochs, dtype=int), shuffle_lower=shuffle_lower,
         shuffle_upper=shuffle_upper,
     )
+
+
+__all__ = [
+    "COARSE_NOTE", "EXPLORE_DISCRETIZATION", "EXPLORE_GRID_POINTS", "EXPLORE_MAX_REFINE",
+    "EXPLORE_SHUFFLE_H", "MAX_POINTS", "MODES", "BudgetResult", "EpsilonCurve", "explore_budget",
+    "pld_grid_is_coarse",
+]

@@ -61,3 +61,6 @@ def gaussian_epsilon(noise_multiplier, delta, steps=1):
         hi *= 2
     return brentq(lambda e: gaussian_delta(noise_multiplier, e, steps) - delta, 0.0, hi,
                   xtol=1e-13, rtol=1e-13)
+
+
+__all__ = ["gaussian_delta", "gaussian_epsilon"]

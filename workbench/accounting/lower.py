@@ -116,3 +116,9 @@ def interval_log_masses(log_cdf, log_sf, edges):
         from_sf = ls[:-1] + np.log(-np.expm1(ls[1:] - ls[:-1]))  # log(S(a) - S(b))
     left = lc[1:] < np.log(0.5)  # bin (a, b] lies left of the median when F(b) < 1/2
     return np.where(left, from_cdf, from_sf)
+
+
+__all__ = [
+    "H_LOWER", "SLACK", "binned_pld_down", "interval_log_masses", "lower_epsilon", "lower_epsilons",
+    "poisson_lower_epsilon", "sgm_pld_down",
+]

@@ -193,3 +193,10 @@ def epsilon_for_delta(pld, delta):
         return 0.0
     j = j[-1]  # last segment whose left end still exceeds delta
     return float(max(np.log(pld.inf_mass + s1[j] - delta) - log_s2[j], left[j]))
+
+
+__all__ = [
+    "AUTO_GRID_POINTS", "MAX_GRID_POINTS", "PLD_MIN_DELTA", "TAIL_MASS", "DiscretePLD",
+    "check_pld_delta", "delta_for_epsilon", "epsilon_for_delta", "grid_step", "loss_range",
+    "loss_std", "sgm_pld",
+]

@@ -165,3 +165,6 @@ def _log_a_frac(q, sigma, alphas):
         todo = todo[~done]
         start, width = start + width, 2 * width
     return m + np.log(s)
+
+
+__all__ = ["DEFAULT_ORDERS", "RTOL", "compute_rdp", "rdp_one_step"]

@@ -16,7 +16,9 @@ An *accountant* registers itself, once, in the file that implements it
   ``discretization``, ``max_refine``, ``max_grid_points``). Every caller passes an accountant
   only the options its function names (``options_for``), so one call site can carry both;
 - ``accountant_class`` (optional): the stateful class (``accountant.Accountant`` subclass);
-  without one, a plain history-keeping ``Accountant`` named after it is made;
+  without one, ``accountant.make_accountant`` makes a plain history-keeping ``Accountant``
+  named after it (made there, not here: this table imports no accountant, so the
+  accountants, the ε functions of ``curve.py`` and this table form no import cycle);
 - ``never_above``: names of accountants whose ε this one never exceeds (PLD: RDP). The audit
   report checks it, and the noise calibration starts from their σ (an upper end);
 - for the budget explorer: ``slow`` (drawn at fewer points and capped by the fast curves: the
@@ -29,8 +31,6 @@ report read this table instead of spelling the names out. (The batch samplers' t
 
 >>> sorted(ACCOUNTANTS), ACCOUNTANTS["pld"].label, ACCOUNTANTS["pld"].never_above
 (['pld', 'prv', 'rdp'], 'PLD', ('rdp',))
->>> make_accountant("pld", discretization=1e-3)
-PLDAccountant(steps=0, groups=0)
 """
 
 import inspect
@@ -93,14 +93,9 @@ def register_accountant(name, *, label, epsilon, curve=None, accountant_class=No
         if fn is not None and not callable(fn):
             raise TypeError(f"register_accountant({name!r}): {fn_name} must be callable; "
                             f"got {fn!r}")
-    if accountant_class is None:  # a plain history of (σ, q, T), ε by this accountant
-        from workbench.accounting.accountant import Accountant  # it imports curve -> here
-
-        accountant_class = type(f"{label}Accountant", (Accountant,),
-                                {"mechanism": name, "__doc__": f"{label} accountant."})
-    if getattr(accountant_class, "mechanism", None) != name:
-        raise ValueError(f"register_accountant({name!r}): accountant_class.mechanism must be "
-                         f"{name!r}; got {getattr(accountant_class, 'mechanism', None)!r}")
+    if accountant_class is not None and getattr(accountant_class, "name", None) != name:
+        raise ValueError(f"register_accountant({name!r}): accountant_class.name must be "
+                         f"{name!r}; got {getattr(accountant_class, 'name', None)!r}")
     spec = AccountantSpec(name, str(label), epsilon, curve, accountant_class,
                           tuple(never_above), bool(slow), dict(style or {}), explore_label)
     listed = sorted([*ACCOUNTANTS.values(), spec], key=lambda a: a.slow)  # stable: fast first
@@ -124,6 +119,7 @@ def get_accountant(name):
     return ACCOUNTANTS[check_accountant(name)]
 
 
-def make_accountant(name, **options):
-    """A fresh accountant by name: ``make_accountant("pld", discretization=1e-4)``."""
-    return get_accountant(name).accountant_class(**options)
+__all__ = [
+    "ACCOUNTANTS", "AccountantSpec", "check_accountant", "get_accountant", "register_accountant",
+    "unregister_accountant",
+]

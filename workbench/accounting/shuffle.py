@@ -103,3 +103,9 @@ def shuffle_lower_curve(batches, noise_multiplier, epochs, delta, h=H_LOWER):
     T, sigma = int(batches), float(noise_multiplier)
     log_p, log_q = max_log_masses(T, sigma, _edges(T, sigma))
     return lower_epsilons([(log_p, log_q), (log_q, log_p)], delta, [int(e) for e in epochs], h)
+
+
+__all__ = [
+    "LOSS_PER_BIN", "MAX_BINS", "MEANS", "TAIL", "max_log_cdf", "max_log_masses", "max_log_sf",
+    "shuffle_lower_curve", "shuffle_lower_epsilon",
+]

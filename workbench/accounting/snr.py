@@ -115,3 +115,6 @@ def explore_snr(epsilon, delta, epochs, dataset_size, num_params, max_grad_norm,
         steps=np.array([steps_from_epochs(epochs, qi) for qi in q]), noise_multipliers=sigma,
         noise_norms=noise, snr=signal / noise,  # Eq. (2)
     )
+
+
+__all__ = ["SNRResult", "default_batch_sizes", "explore_snr", "noise_multiplier"]

@@ -25,7 +25,9 @@ Every result is an ``AuditResult`` (``result.py``): ``passed``, ``table``, ``sum
 repr; their plots are in ``workbench.viz``.
 """
 
-from workbench.audit import bug_zoo, bug_zoo_coupling
+# report_kinds, report_claim_kinds: the report's built-in kinds register themselves here,
+# before any of this package's modules draws a report
+from workbench.audit import bug_zoo, bug_zoo_coupling, report_claim_kinds, report_kinds  # noqa: F401
 from workbench.audit.canary import CanaryAudit, audit_canaries
 from workbench.audit.claim import Claim, ClaimError, load_claim
 from workbench.audit.claim_audit import ClaimAudit, audit_claim, register_evidence

@@ -162,3 +162,11 @@ ZOO = {
     "divide_by_realised_batch": divide_by_realised_batch,
     "laplace_noise": laplace_noise,
 }
+
+
+__all__ = [
+    "CORRECT", "ZOO", "clip_batch_gradient", "clip_norm_ten_percent_high", "clip_only_outliers",
+    "correct_step", "divide_by_realised_batch", "inverted_clip_factor", "laplace_noise", "no_noise",
+    "noise_for_mean_applied_to_sum", "noise_for_sum_applied_to_mean", "noise_reused_across_steps",
+    "noise_std_sigma_not_sigma_c", "per_coordinate_clipping",
+]

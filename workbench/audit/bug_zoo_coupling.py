@@ -123,3 +123,9 @@ def plain_case(name: str):
     """The same model, data and C as ``COUPLING[name]`` with ``plain_cross_entropy``."""
     model, _, x, y, C = COUPLING[name]()
     return model, plain_cross_entropy, x, y, C
+
+
+__all__ = [
+    "COUPLING", "DOCS", "IGNORE", "N", "MixingDropout", "centred_logits", "class_weighted_mean",
+    "ignore_index_mean", "info_nce", "plain_case", "plain_cross_entropy",
+]

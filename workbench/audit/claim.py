@@ -202,3 +202,9 @@ def _covers(covers, src) -> dict:
         raise ClaimError(f"{src}: covers.pretraining {pre!r}: choose one of "
                          f"{', '.join(map(repr, PRETRAINING))}")
     return {"tuning_runs": runs, "pretraining": pre}
+
+
+__all__ = [
+    "NEIGHBOURING", "PRETRAINING", "REQUIRED", "UNITS", "Claim", "ClaimError", "load_claim",
+    "validate",
+]

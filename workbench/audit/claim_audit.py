@@ -200,3 +200,6 @@ def audit_claim(claim, *, step=None, step_name: str = "", loader=None, trials: i
     order = ["unit of privacy", "neighbouring relation", "sampler"]
     rows.sort(key=lambda r: order.index(r["element"]) if r["element"] in order else 3)
     return ClaimAudit(claim, pd.DataFrame(rows + trained), evidence + more, figures)
+
+
+__all__ = ["EVIDENCE", "ROUNDING", "VERDICTS", "ClaimAudit", "audit_claim", "register_evidence"]

@@ -106,3 +106,9 @@ def bracket(claim, sampler: str):
     return accounting.epsilon_bounds(sampler, sample_rate=claim.q,
                                      noise_multiplier=claim.noise_multiplier, epochs=epochs,
                                      delta=claim.delta)
+
+
+__all__ = [
+    "AGREEMENT", "LIBRARIES", "SAME_KIND", "bracket", "compare_libraries", "epsilon_figures",
+    "library_rows",
+]

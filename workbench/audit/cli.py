@@ -21,8 +21,9 @@ from workbench.audit import cli_suite
 from workbench.audit.claim import load_claim
 from workbench.audit.claim_audit import audit_claim
 from workbench.audit.cli_inputs import InputError, check_out, load_callable, user_case, user_step
-from workbench.audit.report import PARTS, SELF_CHECK, SUBJECT, section, write_report
+from workbench.audit.report import PARTS, SELF_CHECK, SUBJECT, section
 from workbench.audit.report_claim_kinds import influence_sections
+from workbench.audit.report_files import write_report
 from workbench.audit.report_provenance import provenance
 from workbench.models import sequence_cross_entropy
 
@@ -184,6 +185,9 @@ def main(argv=None) -> int:
         print(f"  informational (another library): {title}")
     print(f"wrote {html_path} and {json_path}")
     return 0 if doc["passed"] else 1
+
+
+__all__ = ["EPILOG", "LOSSES", "inputs", "main", "parser", "sections_of"]
 
 
 if __name__ == "__main__":

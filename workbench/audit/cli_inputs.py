@@ -148,3 +148,8 @@ def check_out(out: Path) -> Path:
         return check_output_dir(out, "--out")
     except OutputPathError as err:
         raise InputError(str(err)) from None
+
+
+__all__ = [
+    "InputError", "Logits", "check_out", "has_logits", "load_callable", "user_case", "user_step",
+]

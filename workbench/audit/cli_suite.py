@@ -43,23 +43,14 @@ from workbench.audit.report_suites import (
     check_accountants,
     check_clipping,
 )
-from workbench.audit.result import AuditResult
+from workbench.audit.result import Crashed
+from workbench.methods import CLIP_METHODS
 
-METHODS = ("einsum", "vmap", "ghost", "bookkeeping")
+METHODS = tuple(m for m in CLIP_METHODS if m != "microbatch")  # each against microbatch
 C, SIGMA, B, DIM = 1.5, 1.0, 8, 32  # mechanism audit; C != 1 so that σ vs σC shows
 CANARY = dict(dim=1000, steps=10, sample_rate=0.5, noise_multiplier=4.0)
 SEEDS = {"model_init": 0, "zoo_batch": 0, "mechanism_design": 0, "step_noise": 1, "canary": 0,
          "clipping_design": 0, "sampling": 0, "membership": 0}
-
-
-class Crashed(AuditResult):
-    """The code under audit raised: a FAILED section that shows the error."""
-
-    def __init__(self, error: Exception):
-        import pandas as pd
-
-        self.passed, self.summary = False, f"raised {type(error).__name__}: {error}"
-        self.table = pd.DataFrame([{"error": f"{type(error).__name__}: {error}"}])
 
 
 def settings(args) -> dict:
@@ -226,3 +217,10 @@ def influence_case(args, cases):
     x, y = models.example_batch("digits_mlp", 9,
                                 generator=torch.Generator().manual_seed(SEEDS["zoo_batch"]))
     return "digits_mlp", models.make_model("digits_mlp"), x, y
+
+
+__all__ = [
+    "CANARY", "METHODS", "SEEDS", "NonFiniteStepError", "accountant_settings",
+    "gradient_sections", "influence_case", "privacy_sections", "settings", "step_sections",
+    "user_step_sections", "zoo_cases",
+]

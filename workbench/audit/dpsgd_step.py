@@ -8,11 +8,14 @@ al. 2016, arXiv 1607.00133, Algorithm 1) then run end to end, and b.grad is the 
 
 import torch
 
+from workbench.deprecation import Default, keyword
 from workbench.dpsgd import DPOptimizer
 
 
-def workbench_step(C, sigma, B, generator=None, grad_sample_mode: str = "einsum"):
-    """step_fn(G (n, d)) -> b.grad (d,) after one DPOptimizer step (loss_reduction="sum")."""
+def workbench_step(C, sigma, B, generator=None, method: str = Default("einsum"), **renamed):
+    """step_fn(G (n, d)) -> b.grad (d,) after one DPOptimizer step (loss_reduction="sum").
+    ``grad_sample_mode``: the old name of ``method`` (deprecated)."""
+    method = keyword(method, renamed, "method", "grad_sample_mode", "workbench_step")
     model: dict = {}
 
     def step(G: torch.Tensor) -> torch.Tensor:
@@ -23,7 +26,7 @@ def workbench_step(C, sigma, B, generator=None, grad_sample_mode: str = "einsum"
             model["layer"] = layer
             model["opt"] = DPOptimizer(sgd, layer, noise_multiplier=sigma, max_grad_norm=C,
                                        expected_batch_size=B, loss_reduction="sum",
-                                       grad_sample_mode=grad_sample_mode, generator=generator)
+                                       method=method, generator=generator)
         layer, opt = model["layer"], model["opt"]
         opt.zero_grad()
         o = layer(torch.zeros(n, 1, dtype=G.dtype))  # (n, d), every row = b
@@ -31,3 +34,6 @@ def workbench_step(C, sigma, B, generator=None, grad_sample_mode: str = "einsum"
         opt.step()
         return layer.bias.grad.detach().clone()  # (d,)
     return step
+
+
+__all__ = ["workbench_step"]

@@ -124,3 +124,6 @@ def audit_gaussian_step(step_fn, dim: int, batch_size: float, max_grad_norm: flo
         "passed": eps_lo <= eps_up,
     }])
     return GaussianAudit(bool(eps_lo <= eps_up), table, scores, b)
+
+
+__all__ = ["GaussianAudit", "audit_gaussian_step", "mu_lower_bound"]

@@ -274,3 +274,9 @@ def _builtin(method):
         return per_sample_gradients(model, loss_fn, inputs, targets, method=method)
 
     return run
+
+
+__all__ = [
+    "FLOOR", "GHOST_METHODS", "TOLERANCES", "GradientAudit", "audit_gradients", "model_floor",
+    "relative_error",
+]

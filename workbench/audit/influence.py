@@ -149,3 +149,6 @@ def audit_record_influence(released_sum, n: int, *, max_grad_norm: float,
                          "floor_over_C": floor, "verdict": verdict,
                          "passed": verdict == "holds"})
     return InfluenceAudit(pd.DataFrame(rows), C, name, stochastic=approximate)
+
+
+__all__ = ["RELATIONS", "TOLERANCE", "InfluenceAudit", "audit_record_influence"]

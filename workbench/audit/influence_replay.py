@@ -61,3 +61,6 @@ def replays(released_sum, idx, seed: int) -> bool:
     if big.opaque or small.opaque or len(big.calls) != len(small.calls):
         return False
     return all(a == b and torch.equal(s, t) for (a, s), (b, t) in zip(big.calls, small.calls))
+
+
+__all__ = ["RANDOM", "UNSEEN", "RandomCalls", "replays"]

@@ -22,6 +22,7 @@ import copy
 
 import torch
 
+from workbench.deprecation import Default, keyword
 from workbench.dpsgd import DPOptimizer
 
 
@@ -39,8 +40,10 @@ def _flat_grads(model) -> torch.Tensor:
 
 
 def engine_released_sum(model, loss_fn, inputs, targets, max_grad_norm,
-                        grad_sample_mode: str = "auto"):
-    """released_sum(idx) of the workbench's DPOptimizer (σ = 0) on ``model`` and ``loss_fn``."""
+                        method: str = Default("auto"), **renamed):
+    """released_sum(idx) of the workbench's DPOptimizer (σ = 0) on ``model`` and ``loss_fn``.
+    ``grad_sample_mode``: the old name of ``method`` (deprecated)."""
+    method = keyword(method, renamed, "method", "grad_sample_mode", "engine_released_sum")
     m, x, y = _float64(model).train(), _cast(inputs), _cast(targets)
     built: dict = {}
 
@@ -51,7 +54,7 @@ def engine_released_sum(model, loss_fn, inputs, targets, max_grad_norm,
             built["opt"] = DPOptimizer(
                 torch.optim.SGD(m.parameters(), lr=0.0), m, noise_multiplier=0.0,
                 max_grad_norm=max_grad_norm, expected_batch_size=1.0,
-                loss_reduction=reduction, grad_sample_mode=grad_sample_mode)
+                loss_reduction=reduction, method=method)
         opt = built["opt"]
         opt.zero_grad()
         loss = loss_fn(m(x[idx]), y[idx])
@@ -112,3 +115,9 @@ def influence_pool(n: int, dim: int, max_grad_norm: float, generator=None) -> to
     G = torch.randn(n + 1, dim, dtype=torch.float64, generator=generator)
     norms = torch.linspace(0.5, 3.0, n + 1, dtype=torch.float64) * max_grad_norm
     return G / G.norm(dim=1, keepdim=True) * norms[:, None]
+
+
+__all__ = [
+    "engine_released_sum", "influence_pool", "median_norm", "naive_released_sum",
+    "step_released_sum",
+]

@@ -197,3 +197,6 @@ def _noise_rows(R: np.ndarray, s: float, tol: float, T: int, a: float) -> list:
     p_fresh = 2 * stats.norm.sf(abs(zr))
     rows.append(_row(names[2], r, p_fresh, a, p_fresh >= a))
     return rows
+
+
+__all__ = ["MechanismAudit", "audit_dp_step", "design_batches", "expected_step", "helmert"]

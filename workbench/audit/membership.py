@@ -212,3 +212,9 @@ def report_section(quick: bool = False, seed: int = 0, progress: bool = True, pa
     extra = {} if part is None else {"part": part}
     return section("Membership inference on a trained model: digits MLP, DP vs non-DP",
                    audit_digits(quick, seed, progress), **extra)
+
+
+__all__ = [
+    "DP_RECIPE", "FPRS", "NON_DP_RECIPE", "SETTINGS", "TASKS", "MembershipAudit", "audit_digits",
+    "calibration_scores", "membership_inference", "report_section", "shadow_masks",
+]

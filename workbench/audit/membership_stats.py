@@ -186,3 +186,10 @@ def choose_fraction(scores, labels, delta: float, confidence: float) -> float:
     bounds = [one_run_bound(scores, labels, f, delta, confidence)["epsilon_lower_one_run"]
               for f in ONE_RUN_FRACTIONS]
     return ONE_RUN_FRACTIONS[int(np.argmax(bounds))]
+
+
+__all__ = [
+    "NO_SHADOW", "ONE_RUN_FRACTIONS", "auc", "choose_fraction", "choose_threshold",
+    "clopper_pearson", "counts_at", "epsilon_bounds_at", "epsilon_from_rates", "fit_gaussians",
+    "lira_scores", "logit_confidence", "one_run_bound", "roc_curve", "tpr_at_fpr",
+]

@@ -45,7 +45,7 @@ class Recipe:
     max_grad_norm: float = 1.0
     delta: float = 1e-5
     accountant: str = "rdp"
-    grad_sample_mode: str = "auto"
+    method: str = "auto"  # the DP optimizer's per-sample method
 
     @property
     def private(self) -> bool:
@@ -96,8 +96,8 @@ def digits_task(pool_size: int = 500, seed: int = 0) -> Task:
 def gpt_task(pool_size: int = 128, block_size: int = 16, n_layer: int = 1, n_embd: int = 32,
              n_head: int = 2, text: str = "carroll", seed: int = 0) -> Task:
     """``pool_size`` windows of ``block_size`` characters of ``text``; a small ``tiny_gpt``."""
-    from workbench.corpus import CharTokenizer, load_text, windows
-    from workbench.models_gpt import sequence_cross_entropy, tiny_gpt
+    from workbench.lm.corpus import CharTokenizer, load_text, windows
+    from workbench.lm.gpt import sequence_cross_entropy, tiny_gpt
 
     tok = CharTokenizer()
     data = windows(tok.encode(load_text(text)), block_size)
@@ -154,7 +154,7 @@ def train_model(task: Task, members: np.ndarray, recipe: Recipe, seed: int):
     dp = DPOptimizer(opt, model, noise_multiplier=recipe.noise_multiplier,
                      max_grad_norm=check_max_grad_norm(recipe.max_grad_norm),
                      expected_batch_size=recipe.batch_size, loss_reduction="sum",
-                     grad_sample_mode=recipe.grad_sample_mode, generator=g,
+                     method=recipe.method, generator=g,
                      on_step=lambda s: accountant.step(noise_multiplier=s, sample_rate=q))
     for xb, yb in DPDataLoader(data, sample_rate=q, steps=steps, generator=g):
         dp.zero_grad()
@@ -169,3 +169,6 @@ def score_pool(task: Task, model: nn.Module, batch: int = 512) -> np.ndarray:
     x, y = task.pool.tensors
     return np.concatenate([task.score(model, xb, yb)
                            for xb, yb in zip(x.split(batch), y.split(batch))])
+
+
+__all__ = ["Recipe", "Task", "digits_task", "gpt_task", "sample_rate", "score_pool", "train_model"]

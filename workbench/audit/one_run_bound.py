@@ -89,3 +89,6 @@ def attainable_bound(guesses: int, confidence: float = 0.95, *, delta: float = 0
                      canaries: int | None = None) -> float:
     """The highest ε_lower this configuration can report: every one of the r guesses right."""
     return epsilon_lower_bound(guesses, guesses, confidence, delta=delta, canaries=canaries)
+
+
+__all__ = ["attainable_bound", "epsilon_lower_bound", "p_value"]

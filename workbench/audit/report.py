@@ -30,7 +30,6 @@ reported but not part of the overall verdict.
 
 import io
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import pandas as pd
@@ -67,9 +66,9 @@ def register_kind(class_name: str, kind: Kind) -> Kind:
 
 
 def kind_of(result) -> Kind | None:
-    import workbench.audit.report_claim_kinds  # noqa: F401  (registers the built-in kinds)
-    import workbench.audit.report_kinds  # noqa: F401
-
+    """The registered kind of ``result``'s class or a base class (the built-in kinds are
+    registered by ``report_kinds.py`` and ``report_claim_kinds.py``, which ``workbench.audit``
+    imports before any of its modules is used)."""
     for cls in type(result).__mro__:
         if cls.__name__ in KINDS:
             return KINDS[cls.__name__]
@@ -200,19 +199,7 @@ def overall(sections: list) -> dict:
             "failed": failed, "informational_failures": findings, "skipped": skipped}
 
 
-def write_report(out, sections: list, provenance: dict, title: str = "DP-SGD Workbench audit",
-                 claim=None):
-    """Write ``report.html`` and ``report.json`` into the folder ``out``; ``claim``: a
-    ``ClaimAudit`` for the cover (the claim under test, one verdict per element).
-
-    Returns (html path, json path, the JSON document)."""
-    from workbench.audit.report_html import render_html
-    from workbench.audit.report_json import report_document, write_json
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    order = list(PARTS)
-    sections = sorted(sections, key=lambda s: order.index(s.part))  # the subject first
-    document = report_document(sections, provenance, title, claim)
-    (out / "report.html").write_text(render_html(document, sections), encoding="utf-8")
-    return out / "report.html", write_json(out / "report.json", document), document
+__all__ = [
+    "KINDS", "PARTS", "Kind", "Section", "Skipped", "counts", "kind_of", "overall", "register_kind",
+    "render_png", "section",
+]

@@ -21,7 +21,7 @@ from workbench.audit.influence_steps import (
     step_released_sum,
 )
 from workbench.audit.report import SELF_CHECK, Kind, register_kind, section
-from workbench.audit.result import AuditResult
+from workbench.audit.result import AuditResult, Crashed
 from workbench.viz.audit import plot_record_influence
 
 
@@ -105,10 +105,10 @@ def influence_sections(case, loss_fn, user_steps: dict, C: float, B: int,
 
 
 def _guarded(released, n, C, name):
-    from workbench.audit.cli_suite import Crashed
-
     try:
         return audit_record_influence(released, n, max_grad_norm=C, name=name)
     except Exception as err:  # noqa: BLE001  (the code under audit raised: a finding)
         return Crashed(err)
 
+
+__all__ = ["CouplingSuite", "influence_sections"]

@@ -181,3 +181,9 @@ def render_html(document: dict, sections: list) -> str:
             f'content="width=device-width, initial-scale=1"><title>{esc(document["title"])}: '
             f'{document["verdict"]}</title><style>{CSS}</style></head><body>{head}'
             f"{summary_html(sections)}{body}{provenance_html(p)}</body></html>")
+
+
+__all__ = [
+    "CSS", "INFO", "badge", "cell", "claim_html", "esc", "provenance_html", "render_html",
+    "section_html", "summary_html", "table_html",
+]

@@ -84,3 +84,9 @@ def write_json(path: Path, document: dict) -> Path:
     path.write_text(json.dumps(document, indent=1, ensure_ascii=False, allow_nan=False),
                     encoding="utf-8")
     return path
+
+
+__all__ = [
+    "SCHEMA_PATH", "SCHEMA_VERSION", "claim_json", "report_document", "schema", "section_json",
+    "subject", "validate", "write_json",
+]

@@ -196,3 +196,9 @@ register_kind("CanaryAudit", Kind(
     summary=lambda r: (f"ε_lower {r.epsilon_lower:.3g} {'≤' if r.passed else '>'} ε_upper "
                        f"{r.epsilon_upper:.3g}", f"ε_lower {r.epsilon_lower:.3g}"),
     table=canary_table, figures=(plot_canary_scores, plot_canary_bounds)))
+
+
+__all__ = [
+    "LIBRARY_WHAT", "accountant_epsilons", "canary_table", "clipping_table", "gradient_summary",
+    "gradient_table", "mechanism_summary", "mechanism_table",
+]

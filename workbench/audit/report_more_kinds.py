@@ -101,3 +101,6 @@ register_kind("MembershipAudit", Kind(
     summary=lambda r: (r.summary.split(": ", 1)[-1],
                        f"TPR {r.tpr_at[1e-3]:.2g} at FPR 1e-3, ε_lower {r.epsilon_lower:.2g}"),
     table=membership_table, figures=(plot_membership_roc,), figsize=(6.4, 4.2)))
+
+
+__all__ = ["GAUSSIAN", "SAMPLING", "membership_table", "privacy_extras"]

@@ -93,3 +93,8 @@ def provenance(argv, settings: dict, seeds: dict) -> dict:
         "command": command_line(argv),
         "python_executable": sys.executable,
     }
+
+
+__all__ = [
+    "LIBRARIES", "OPTIONAL", "command_line", "cpu_model", "device", "git_commit", "provenance",
+]

@@ -214,3 +214,9 @@ def check_accountants(settings, delta=1e-5, curve_points=8) -> AccountantCheck:
                           for i, t in enumerate(grid)])
     labels = {name: spec.label for name, spec in registered.items()}
     return AccountantCheck(table, curve, delta, labels, pairs)
+
+
+__all__ = [
+    "CLIPPING_TOLERANCE", "AccountantCheck", "BugZooSuite", "ClippingCheck", "GradientSuite",
+    "check_accountants", "check_clipping",
+]

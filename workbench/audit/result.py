@@ -46,3 +46,14 @@ class AuditResult:
         color = "green" if self.passed and not self.skipped else "red"
         head = f'<p style="color:{color}"><b>{html.escape(str(self.summary))}</b></p>'
         return head + self.table.to_html(index=False, float_format=self.float_format.format)
+
+
+class Crashed(AuditResult):
+    """The code under audit raised: a FAILED section that shows the error."""
+
+    def __init__(self, error: Exception):
+        self.passed, self.summary = False, f"raised {type(error).__name__}: {error}"
+        self.table = pd.DataFrame([{"error": f"{type(error).__name__}: {error}"}])
+
+
+__all__ = ["AuditResult", "Crashed"]

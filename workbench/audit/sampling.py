@@ -149,3 +149,6 @@ def audit_sampling(make_loader, dataset_size, sample_rate, *, epochs=4, signific
                f"N={N}, q={q:g}, significance {significance:g}"
                + ("" if passed else f"; failed: {failed}"))
     return SamplingAudit(passed, table, significance, len(rows), summary)
+
+
+__all__ = ["IndexDataset", "SamplingAudit", "audit_sampling"]

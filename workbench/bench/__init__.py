@@ -5,3 +5,6 @@ it compares side by side in one run (interleaved repeats, medians) and reports r
 the machines are shared and noisy. Absolute times are only meaningful with the device named,
 so every CSV row carries the device.
 """
+
+
+__all__: list[str] = []

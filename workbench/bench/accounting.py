@@ -169,3 +169,8 @@ def main(argv=None):
     print(report(table))
     print(f"wrote {args.out}")
     return 0
+
+
+__all__ = [
+    "TARGET_MS", "bench_task", "dp_accounting", "have", "main", "opacus", "ours", "report", "run",
+]

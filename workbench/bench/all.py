@@ -157,3 +157,9 @@ def main(argv=None):
     out = args.out_dir
     print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} to {out}")
     return 0
+
+
+__all__ = [
+    "NOISY_BELOW", "figure_2", "figure_3", "main", "mark_noisy_baselines", "run",
+    "runtime_overheads", "save",
+]

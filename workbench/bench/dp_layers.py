@@ -140,3 +140,6 @@ def main(argv=None):
     print(report(table))
     print(f"wrote {args.out}")
     return 0
+
+
+__all__ = ["D", "LAYERS", "bench_layer", "format_table", "main", "report", "run"]

@@ -116,3 +116,6 @@ def main(argv=None):
     print(report(table))
     print(f"wrote {args.out}")
     return 0
+
+
+__all__ = ["DEFAULT_MODELS", "LOSS", "bench_model", "main", "report", "run"]

@@ -62,3 +62,6 @@ def main(argv=None):
     print(shown.drop(columns="device").to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     print(f"wrote {args.out}")
     return 0
+
+
+__all__ = ["bench", "main", "run"]

@@ -43,7 +43,7 @@ from workbench.bench.timing import time_interleaved
 from workbench.layers import add_lora
 from workbench.models import count_parameters, sequence_cross_entropy, tiny_gpt
 
-VOCAB = 96  # workbench.corpus.ALPHABET
+VOCAB = 96  # workbench.lm.corpus.ALPHABET
 SIZES = {  # name -> tiny_gpt shape; parameters at V = 96, T = 128
     "tiny_gpt": dict(n_layer=2, n_head=4, n_embd=64),  # 114,432
     "tiny_gpt_10x": dict(n_layer=6, n_head=4, n_embd=128),  # 1,218,560 (10.6x)
@@ -158,3 +158,9 @@ def bench_tiny_gpt(size: str = "tiny_gpt", b: int = 32, T: int = 128,
     if audit:
         row.update(audit_columns(model, methods, T=min(T, AUDIT_LEN)))
     return row
+
+
+__all__ = [
+    "SIZES", "VOCAB", "audit_columns", "bench_tiny_gpt", "check_size", "per_token_sum", "runnable",
+    "step_fns",
+]

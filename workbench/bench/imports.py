@@ -84,5 +84,8 @@ def main(argv=None):
     return 0
 
 
+__all__ = ["HEAVY", "main", "measure_once", "run"]
+
+
 if __name__ == "__main__":
     sys.exit(main())

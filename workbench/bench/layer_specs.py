@@ -103,3 +103,6 @@ def make_case(name: str, b: int, width: int | None = None, device="cpu", seed: i
     with torch.no_grad():
         t = torch.randn(layer(x).shape, generator=g).to(device)
     return layer, x, t
+
+
+__all__ = ["LAYERS", "T", "TORCH_LAYERS", "LayerSpec", "check_layer", "make_case"]

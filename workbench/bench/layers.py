@@ -130,3 +130,6 @@ def main(argv=None):
         print(dp_layers.report(dp))
         print(f"wrote {dp_out}")
     return 0
+
+
+__all__ = ["bench_layer", "format_table", "main", "report", "run"]

@@ -50,8 +50,10 @@ from workbench.clipping.memory_model import (
     layer_sizes,
     model_bytes,
 )
+from workbench.methods import CLIP_METHODS
 
-MODES = ("plain", "einsum", "ghost", "bookkeeping")
+# plain, then the functional API's methods but the loop and vmap (their memory is einsum's)
+MODES = ("plain", *(m for m in CLIP_METHODS if m not in ("microbatch", "vmap")))
 DP_MODES = MODES[1:]
 ALL_MODES = (*MODES, "opacus")  # opacus: only where it is installed
 BATCH_SIZES = (16, 32, 64, 128, 256, 512)
@@ -233,3 +235,9 @@ def main(argv=None):
     print(report(table))
     print(f"wrote {args.out}")
     return 0
+
+
+__all__ = [
+    "ALL_MODES", "BATCH_SIZES", "COPIES", "DP_MODES", "MODES", "extra_memory", "format_table",
+    "ghost_S", "main", "measure_layer", "report", "run", "steps", "summary", "with_opacus",
+]

@@ -127,3 +127,9 @@ def explore_memory(layer: str, width: int, batch_size: int, measurements: pd.Dat
                         k["S_bytes"], bs, [m["einsum"] / m["plain"] for m in model],
                         [m["ghost"] / m["plain"] for m in model],
                         rows.sort_values("batch_size").reset_index(drop=True), source)
+
+
+__all__ = [
+    "SHIPPED_DIR", "MemoryResult", "explore_memory", "layer_constants", "load", "shipped_results",
+    "source_label",
+]

@@ -100,3 +100,6 @@ def opacus_training_step(make_model, x, y, mode: str, lr: float = 0.01):
         optimizer.step()
 
     return step
+
+
+__all__ = ["OPACUS_MODES", "available", "gsm_step", "opacus_layer", "opacus_training_step"]

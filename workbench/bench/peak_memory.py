@@ -122,3 +122,6 @@ def _peak_bytes(fn, device, resident):
         torch.cuda.synchronize(device)
         return resident + torch.cuda.max_memory_allocated(device) - before
     return resident + _cpu_extra_peak(fn)
+
+
+__all__ = ["CANARY_BYTES", "peak_bytes", "tensor_bytes"]

@@ -11,7 +11,7 @@ side by side:
 - **Opacus 1.6's verdict** on the same batch: ``GradSampleModule`` (hooks) per-sample
   gradients against the same loop: exact / wrong / "raised: <error>";
 - **cost** (float32, n = 16, T = 8): one DP-optimizer step in the default mode
-  (``grad_sample_mode="auto"``: zero_grad, forward, backward, step) over one plain SGD step
+  (``method="auto"``: zero_grad, forward, backward, step) over one plain SGD step
   (zero_grad, forward, backward, step): interleaved medians (``bench.timing``) and peak
   allocated bytes (``bench.peak_memory``).
 
@@ -193,3 +193,9 @@ def main(argv=None):
     table.to_csv(args.out, index=False)
     print(f"wrote {args.out} (full verdicts and errors)")
     return 0
+
+
+__all__ = [
+    "attempt", "brief", "cost", "main", "opacus_verdict", "parse", "printable", "row", "short",
+    "summary", "verdicts",
+]

@@ -117,5 +117,8 @@ def main(argv=None):
     return 0
 
 
+__all__ = ["MODES", "bench_layer", "bench_model", "bench_optimizer", "main", "run"]
+
+
 if __name__ == "__main__":
     sys.exit(main())

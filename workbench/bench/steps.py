@@ -24,3 +24,6 @@ def plain_step(model, x, t, loss_fn=sum_of_products, reduce=torch.sum):
     """
     params = [p for p in model.parameters() if p.requires_grad]
     return torch.autograd.grad(reduce(loss_fn(model(x), t)), params)
+
+
+__all__ = ["plain_step", "sum_of_products"]

@@ -105,3 +105,9 @@ def parse_benchmark_args(parser: argparse.ArgumentParser, argv):
         parser.error(f"--repeats and every --batch-sizes value must be >= 1; got "
                      f"--repeats {args.repeats} --batch-sizes {args.batch_sizes}")
     return args
+
+
+__all__ = [
+    "benchmark_parser", "copy_bandwidth", "device_name", "parse_benchmark_args", "time_call",
+    "time_interleaved",
+]

@@ -1,7 +1,7 @@
 """Training-step benchmark: ``python -m workbench.bench training``.
 
 One optimizer step of the ordinary loop (zero_grad, forward, backward, step) on a digits
-batch, plain SGD against the PrivacyEngine's DPOptimizer in every grad_sample_mode
+batch, plain SGD against the PrivacyEngine's DPOptimizer in every method
 (interleaved medians). The DP step includes per-sample clipping, the noise draw and the
 accountant's bookkeeping of the step. ``auto`` is make_private's default (``clipping/auto.py``:
 einsum or book-keeping by a rule on the recorded layers); ``auto_chose`` says which it ran.
@@ -84,7 +84,7 @@ def bench(model_name, b, repeats, device, modes=CANDIDATES, opacus=(), skip=Fals
         _, opt, _ = wb.PrivacyEngine().make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
             data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
-            grad_sample_mode=mode.removesuffix("+skip"))
+            method=mode.removesuffix("+skip"))
         opt.skip_weight_grads = mode.endswith("+skip")
         candidates[mode] = step_fn(model, opt, x, y, criterion)
         optimizers.append(opt)
@@ -149,3 +149,6 @@ def main(argv=None):
     print(table.drop(columns="device").to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     print(f"wrote {args.out}")
     return 0
+
+
+__all__ = ["CANDIDATES", "DIGITS", "bench", "main", "run", "step_fn"]

@@ -36,13 +36,10 @@ from workbench.clipping.snapshot import (
     clipping_snapshot,
     per_sample_snapshot,
 )
-from workbench.per_sample import METHODS as MATERIALISING
+from workbench.methods import CLIP_METHODS, NORM_METHODS
 from workbench.per_sample import per_sample_gradients
 from workbench.per_sample.checks import check_batch, check_no_sample_mixing
 from workbench.per_sample.selfcheck import check_option
-
-NORM_METHODS = (*MATERIALISING, "ghost")
-CLIP_METHODS = (*MATERIALISING, "ghost", "bookkeeping")
 
 
 def _nothing_trainable(model, inputs, targets) -> bool:

@@ -1,4 +1,4 @@
-"""``grad_sample_mode="auto"``: einsum or book-keeping, chosen per batch from the recording.
+"""``method="auto"``: einsum or book-keeping, chosen per batch from the recording.
 
 Both modes give the same clipped sum Σ_i c_i g_i (exact, see ``engine.py``); they differ in
 what they pay beyond the ordinary backward pass, per layer call of n samples:
@@ -74,3 +74,6 @@ def choose_mode(rec) -> tuple[str, dict]:
     big = materialised and avoided >= SHARE * materialised and nbytes >= BYTES
     return ("bookkeeping" if big else "einsum"), {
         "avoided": avoided, "materialised": materialised, "avoided_bytes": nbytes}
+
+
+__all__ = ["BYTES", "SHARE", "cheaply_normed", "choose_mode"]

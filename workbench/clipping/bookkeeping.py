@@ -97,3 +97,6 @@ def smaller_materialised(layer, call, own: dict, shared: set, n: int) -> bool:
         return False
     grad_numel = sum(p.numel() for p in own.values())
     return n * grad_numel < call.args[0].numel() + b.numel()
+
+
+__all__ = ["bookkeeping_clipped_sum", "record_streamed", "smaller_materialised"]

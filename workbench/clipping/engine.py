@@ -40,14 +40,14 @@ from workbench.clipping.flat import checked_clip_factors, grad_norms, sample_squ
 from workbench.clipping.ghost import squared_norms_by
 from workbench.clipping.nonfinite import bad_records, finite_values, masked, refuse_nonfinite
 from workbench.clipping.users import user_factors, user_squares_from_grads, user_squares_ghost
+from workbench.methods import CLIP_METHODS, MATERIALISING
 from workbench.per_sample.einsum import sample_layer
 from workbench.per_sample.functional import layer_vmap_grad_sampler
 from workbench.per_sample.microbatch import layer_microbatch_grad_sampler
 from workbench.per_sample.precision import in_full_precision
 from workbench.rules import fast_weight_grads
 
-MODES = ("microbatch", "vmap", "einsum", "ghost", "bookkeeping")
-MATERIALISING = ("microbatch", "vmap", "einsum")
+MODES = CLIP_METHODS  # ghost and bookkeeping: one path here (the graph is gone by now)
 
 
 @in_full_precision  # the layers re-run on widened inputs (per_sample/precision.py)
@@ -184,3 +184,9 @@ def clip_by_backward(rec, squares: torch.Tensor, C: float) -> dict[str, torch.Te
             sums[next(k for k, p in rec.params.items() if id(p) == key)] = \
                 torch.tensordot(c.to(g.dtype), g, dims=1)
     return {name: sums[name] for name in rec.params}
+
+
+__all__ = [
+    "MODES", "clip_by_backward", "clip_materialised", "clipped_sum", "materialise",
+    "reweighted_weight_grads",
+]

@@ -96,3 +96,9 @@ def sample_squares(g: torch.Tensor) -> torch.Tensor:
 def weighted_sum(grads: dict[str, torch.Tensor], c: torch.Tensor) -> dict[str, torch.Tensor]:
     """{name: Σ_i c_i g_i} from materialised per-sample gradients."""
     return {name: torch.tensordot(c.to(g.dtype), g, dims=1) for name, g in grads.items()}
+
+
+__all__ = [
+    "LOW_PRECISION", "clip_factors", "grad_norms", "norm_dtype", "sample_norms", "sample_squares",
+    "weighted_sum",
+]

@@ -223,3 +223,9 @@ def ghost_norms(model, loss_fn, inputs, targets, check=True) -> torch.Tensor:
                                    check=check)
     verify_norms(model, rec, squares)
     return squares.sqrt().to(norm_dtype(rec.dtype))  # NaN or inf for a non-finite record
+
+
+__all__ = [
+    "NormSum", "ghost_norms", "record", "record_batch", "record_norms", "recorded_shared",
+    "squared_norms", "squared_norms_by", "verify_norms",
+]

@@ -117,3 +117,9 @@ def ghost_scratch_bytes(model, loss_fn, inputs, targets) -> int:
     """S of the ghost model: per-sample bytes held for the norms, summed over layer calls."""
     table = ghost_memory(model, loss_fn, inputs, targets)
     return int(((table["backprops"] + table["scratch"]) * table["bytes"]).sum())
+
+
+__all__ = [
+    "eq3_regime", "ghost_memory", "ghost_scratch_bytes", "layer_sizes", "model_bytes",
+    "route_scratch",
+]

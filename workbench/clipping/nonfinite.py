@@ -109,3 +109,9 @@ def warn_skipped(idx: list[int], n: int) -> None:
                       f"(indices {_listed(idx)}): they were left out of the clipped sum (clip "
                       f"factor 0), counted in optimizer.last['nonfinite']; {FIX}",
                       NonFiniteRecordWarning, stacklevel=4)
+
+
+__all__ = [
+    "FIX", "NonFiniteRecordWarning", "bad_records", "finite_values", "indices", "masked",
+    "refuse_nonfinite", "skip_nonfinite", "warn_skipped",
+]

@@ -95,3 +95,10 @@ def find_norm_route(layer: nn.Module):
 NORM_RULES = NORM_SAMPLERS  # "norm rule" is the name; the sampler names are kept as aliases
 register_norm_rule = register_norm_sampler
 find_norm_sampler = find_norm_rule
+
+
+__all__ = [
+    "NORM_BEHAVIOURS", "NORM_ROUTES", "NORM_RULES", "NORM_SAMPLERS", "ROUTE_BEHAVIOURS",
+    "NormSamplerFn", "find_norm_route", "find_norm_rule", "find_norm_sampler",
+    "register_norm_by_behaviour", "register_norm_rule", "register_norm_sampler",
+]

@@ -78,3 +78,6 @@ def ghost_routes(model, loss_fn, inputs, targets) -> "pd.DataFrame":
 
     rows = [row for row, *_ in route_calls(model, loss_fn, inputs, targets)]
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+__all__ = ["COLUMNS", "ghost_routes", "layer_route", "route_calls"]

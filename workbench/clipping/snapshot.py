@@ -186,3 +186,9 @@ def clipping_snapshot(model, loss_fn, inputs, targets, max_grad_norm) -> Clippin
     """
     check_max_grad_norm(max_grad_norm)  # fail before the backward pass
     return clip_at(per_sample_snapshot(model, loss_fn, inputs, targets), max_grad_norm)
+
+
+__all__ = [
+    "BLOCK", "ROOT", "ClippingResult", "PerSampleSnapshot", "clip_at", "clipping_snapshot",
+    "direct_clip_at", "layer_of", "per_sample_snapshot",
+]

@@ -22,7 +22,7 @@ exceed 1 / (2σ), or no noise would be left for the gradient. C used for clippin
 noise σ_Δ C is the same C within a step; it changes only between logical steps.
 
 Clipping every record in one group (flat clipping) is required: per-layer clip norms would
-need one count per group (refused with the reason). Works in every ``grad_sample_mode``: the
+need one count per group (refused with the reason). Works in every ``method``: the
 norms are computed by every mode anyway (``optimizer.last["norms"]``).
 
 Notation: C clip norm, γ target quantile, η learning rate of C, σ total noise multiplier,

@@ -72,3 +72,6 @@ def remember(model: nn.Module, optimizer, engine) -> None:
     """Note on each of ``model``'s layers that ``optimizer`` (of ``engine``) records it."""
     for layer in owning_layers(model):
         layer.__dict__[ATTRIBUTE] = (optimizer, engine, model)
+
+
+__all__ = ["ATTRIBUTE", "detach_earlier", "owning_layers", "remember"]

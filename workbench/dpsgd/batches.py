@@ -82,3 +82,6 @@ def _rebuild(mapping, items: dict, where: str):
         raise TypeError(f"{where} is a {type(mapping).__name__}, which cannot be rebuilt from "
                         f"a dict of its cut tensors ({type(e).__name__}: {e}); convert it "
                         f"with dict(batch) in the collate_fn") from None
+
+
+__all__ = ["batch_size", "leaves", "take"]

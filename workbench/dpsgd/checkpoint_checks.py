@@ -91,3 +91,9 @@ def check_scheduler(scheduler, saved) -> None:
         raise ValueError(f"the scheduler state is for another scheduler: keys "
                          f"{_listed(map(str, saved)) if isinstance(saved, dict) else saved!r}, "
                          f"{type(scheduler).__name__} has {_listed(mine)}")
+
+
+__all__ = [
+    "CheckpointError", "check_accountant", "check_model", "check_optimizer", "check_scheduler",
+    "not_mid_batch",
+]

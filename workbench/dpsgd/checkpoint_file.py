@@ -69,3 +69,8 @@ def read_checkpoint(path, allow_old: bool = False) -> dict:
         raise CheckpointError(f"{path} is format {state.get('format')!r}; this workbench "
                               f"reads format {FORMAT}: load it with the version that wrote it")
     return state
+
+
+__all__ = [
+    "FORMAT", "MAGIC", "OLD_MAGIC", "read_checkpoint", "write_atomically", "write_checkpoint_file",
+]

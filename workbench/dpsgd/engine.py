@@ -39,10 +39,11 @@ import warnings
 import torch
 
 from workbench.accounting import get_noise_multiplier, steps_from_epochs
+from workbench.accounting.accountant import make_accountant
 from workbench.accounting.bounds import epsilon_bounds
 from workbench.accounting.calibrate import steps_per_epoch
-from workbench.accounting.registry import make_accountant
 from workbench.checks import check_count
+from workbench.deprecation import keyword
 from workbench.dpsgd import distributed
 from workbench.dpsgd.adaptive import AdaptiveClipDPOptimizer, AdaptiveClipping
 from workbench.dpsgd.attached import detach_earlier, remember
@@ -53,7 +54,7 @@ from workbench.dpsgd.misuse import (
     warn_delta,
     warn_shuffle,
 )
-from workbench.dpsgd.optimizer import DPOptimizer
+from workbench.dpsgd.optimizer import AUTO, DPOptimizer
 from workbench.dpsgd.sampling import (
     DPDataLoader,
     check_dataset,
@@ -118,13 +119,13 @@ class PrivacyEngine:
         self.noise_generator = self.sampling_generator = None  # make_private's (checkpoints)
 
     def make_private(self, *, module, optimizer, data_loader, noise_multiplier, max_grad_norm,
-                     grad_sample_mode="auto", poisson_sampling=True, loss_reduction="mean",
+                     method=AUTO, poisson_sampling=True, loss_reduction="mean",
                      criterion=None, noise_generator=None, sampling_generator=None,
                      max_physical_batch_size=None, adaptive_clipping=None,
                      all_reduce_timeout_minutes=distributed.DEFAULT_TIMEOUT_MINUTES,
                      privacy_unit="record", user_ids=None, users_per_step=None,
-                     user_reduction="sum"):
-        """(model, DPOptimizer, loader): the same shapes in every ``grad_sample_mode``.
+                     user_reduction="sum", **renamed):
+        """(model, DPOptimizer, loader): the same shapes in every ``method``.
 
         ``criterion`` (optional): the loss module the loop will use; its ``reduction`` (if it
         has one) must equal ``loss_reduction``. Every ``torch.nn`` loss module the loop calls
@@ -134,7 +135,7 @@ class PrivacyEngine:
         loss to what is seen. A loss written as a plain function (``F.cross_entropy``) is
         not seen: then a sum when ``loss_reduction="mean"`` (or the reverse) scales every
         per-sample gradient by n (or 1/n) before clipping.
-        ``grad_sample_mode``: one of ``wb.dpsgd.MODES``, or ``"auto"`` (the default): einsum or
+        ``method``: one of ``wb.dpsgd.MODES``, or ``"auto"`` (the default): einsum or
         book-keeping, whichever the rule of ``clipping/auto.py`` expects to be faster for the
         recorded layers of each batch (``optimizer.last["mode"]`` says which ran); every mode
         gives the same clipped sums.
@@ -147,7 +148,9 @@ class PrivacyEngine:
         noisy sum is divided by qU, and ε (``get_epsilon``) is per user.
         ``all_reduce_timeout_minutes``: under torch.distributed, how long a rank waits for the
         others in the noise all-reduce before ``CollectiveTimeoutError`` (``distributed.py``).
+        ``grad_sample_mode``: the old name of ``method`` (deprecated: a ``FutureWarning``).
         """
+        method = keyword(method, renamed, "method", "grad_sample_mode", "make_private")
         if adaptive_clipping is not None and not isinstance(adaptive_clipping, AdaptiveClipping):
             raise TypeError(f"adaptive_clipping must be a wb.dpsgd.AdaptiveClipping(...) or "
                             f"None; got {type(adaptive_clipping).__name__}")
@@ -195,7 +198,7 @@ class PrivacyEngine:
         dp_optimizer = (DPOptimizer if adaptive_clipping is None else AdaptiveClipDPOptimizer)(
             optimizer, module, **extra, noise_multiplier=noise_multiplier,
             max_grad_norm=max_grad_norm,
-            expected_batch_size=q * N, grad_sample_mode=grad_sample_mode,
+            expected_batch_size=q * N, method=method,
             loss_reduction=loss_reduction, generator=noise_generator, criterion=criterion,
             on_step=lambda sigma: self.accountant.step(noise_multiplier=sigma, sample_rate=q))
         dp_optimizer.all_reduce_timeout_minutes = timeout  # read by privatise's all-reduces

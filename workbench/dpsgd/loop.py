@@ -150,3 +150,10 @@ def check_inputs_private(calls) -> None:
                 "of every record. Put those layers inside the module given to make_private "
                 "(one nn.Module holding both), or freeze them (requires_grad_(False)) or "
                 "detach the input (model(x.detach()))")
+
+
+__all__ = [
+    "Checked", "ConcurrentUseError", "ThreadGuard", "check_alive", "check_callback",
+    "check_generator", "check_inputs_private", "check_loss_reduction", "check_verify",
+    "drop_gradients",
+]

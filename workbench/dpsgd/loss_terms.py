@@ -133,3 +133,6 @@ class BatchStatistics:
     def statistic(self, loss) -> str | None:
         """What makes ``loss`` a batch statistic, or None."""
         return self._find(self.stats, loss) if isinstance(loss, torch.Tensor) else None
+
+
+__all__ = ["ARITHMETIC", "DETACH", "DIM_THIRD", "REDUCTIONS", "TO_NUMBER", "BatchStatistics"]

@@ -291,3 +291,6 @@ class LossFunctions(TorchFunctionMode):
         if watch.stats.on:  # batch statistics of the data, followed to the loss
             watch.stats.after(func, args, kwargs, out)
         return out
+
+
+__all__ = ["BACKWARD", "FUNCTIONAL", "LossFunctions", "LossWatch"]

@@ -62,3 +62,6 @@ def warn_shuffle() -> None:
                   "does not have, so get_epsilon understates the privacy spent (sometimes "
                   "several-fold); keep poisson_sampling=True for a sound epsilon",
                   PrivacyAccountingWarning, stacklevel=3)
+
+
+__all__ = ["PrivacyAccountingWarning", "check_criterion", "warn_delta", "warn_shuffle"]

@@ -79,19 +79,33 @@ from workbench.checks import (
     check_positive,
 )
 from workbench.clipping.auto import choose_mode
-from workbench.clipping.engine import MODES, clipped_sum
+from workbench.clipping.engine import clipped_sum
 from workbench.clipping.nonfinite import skip_nonfinite, warn_skipped
+from workbench.deprecation import Default, keyword, warn_renamed
 from workbench.dpsgd import loop
 from workbench.dpsgd.distributed import (
     DEFAULT_TIMEOUT_MINUTES,
     all_reduce,
     check_timeout_minutes,
 )
-from workbench.dpsgd.privatise import gaussian_noise
+from workbench.dpsgd.privatise import MODES, gaussian_noise
 from workbench.dpsgd.recorded import ModelRecorder, distributed_run
 from workbench.errors import UnattributedGradientError
+from workbench.methods import OPTIMIZER_ALIASES
 from workbench.per_sample import precision, selfcheck
 from workbench.per_sample.checks import check_no_sample_mixing
+
+AUTO = Default("auto")  # the method= default, told apart from an explicit "auto"
+
+
+def check_method(value) -> str:
+    """One of ``MODES`` (``workbench/methods.py``) or "auto"; "ghost", one code path with
+    "bookkeeping" once the user's backward has run, is its deprecated alias."""
+    if value in OPTIMIZER_ALIASES:
+        warn_renamed(f"method={value!r}", f"method={OPTIMIZER_ALIASES[value]!r} (in the "
+                     f"optimizer they are one code path)", "DPOptimizer", stacklevel=5)
+        return OPTIMIZER_ALIASES[value]
+    return check_choice(value, "method", (*MODES, "auto"))
 
 
 class DPOptimizer(Optimizer):
@@ -101,13 +115,14 @@ class DPOptimizer(Optimizer):
 
     def __init__(self, optimizer: Optimizer, model: torch.nn.Module, *, noise_multiplier: float,
                  max_grad_norm: float, expected_batch_size: float,
-                 grad_sample_mode: str = "auto", loss_reduction: str = "mean",
-                 generator: torch.Generator | None = None, on_step=None, criterion=None):
+                 method: str = AUTO, loss_reduction: str = "mean",
+                 generator: torch.Generator | None = None, on_step=None, criterion=None,
+                 **renamed):
         super().__init__(optimizer.param_groups, optimizer.defaults)  # creates the hook tables
         self.__dict__["original_optimizer"] = optimizer  # from now on the properties delegate
         # every setting is checked (the same checks as on a later assignment) before the
         # model gets a single hook
-        self.grad_sample_mode = grad_sample_mode
+        self.method = keyword(method, renamed, "method", "grad_sample_mode", "DPOptimizer")
         self.loss_reduction = loss_reduction
         self.expected_batch_size = expected_batch_size
         self.noise_multiplier = noise_multiplier
@@ -158,14 +173,24 @@ class DPOptimizer(Optimizer):
     max_grad_norm = loop.Checked(lambda self, v: self._check_clip_norms(v), "C, or one per group")
     expected_batch_size = loop.Checked(
         lambda self, v: check_positive(v, "expected_batch_size", note="B = q N"), "B = q N")
-    grad_sample_mode = loop.Checked(
-        lambda self, v: check_choice(v, "grad_sample_mode", (*MODES, "auto")), "mode")
+    method = loop.Checked(lambda self, v: check_method(v), "per-sample method, or auto")
     loss_reduction = loop.Checked(lambda self, v: loop.check_loss_reduction(v), "mean or sum")
     generator = loop.Checked(lambda self, v: loop.check_generator(v), "the noise generator")
     on_step = loop.Checked(lambda self, v: loop.check_callback(v), "the accountant's callback")
     verify = loop.Checked(lambda self, v: loop.check_verify(v), "self-check schedule")
     all_reduce_timeout_minutes = loop.Checked(
         lambda self, v: check_timeout_minutes(v), "collective timeout")
+
+    @property
+    def grad_sample_mode(self) -> str:
+        """The old name of ``method`` (deprecated)."""
+        warn_renamed("DPOptimizer.grad_sample_mode", "method", "DPOptimizer")
+        return self.method
+
+    @grad_sample_mode.setter
+    def grad_sample_mode(self, value) -> None:
+        warn_renamed("DPOptimizer.grad_sample_mode", "method", "DPOptimizer")
+        self.method = value
 
     def _check_clip_norms(self, max_grad_norm):
         """One C (flat clipping), or one C per parameter group (per-layer clipping)."""
@@ -265,7 +290,7 @@ class DPOptimizer(Optimizer):
                 for rec, exact in self.recorder.batches(self.loss_reduction, check, scale):
                     if rec.n == 0:
                         continue
-                    mode = self.grad_sample_mode
+                    mode = self.method
                     if mode == "auto":  # einsum or book-keeping, by clipping/auto.py's rule
                         mode = choose_mode(rec)[0]
                     modes.append(mode)
@@ -462,3 +487,6 @@ class DPOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict) -> None:
         self.original_optimizer.load_state_dict(state_dict)
+
+
+__all__ = ["AUTO", "DPOptimizer", "check_method"]

@@ -13,7 +13,7 @@ Notation: σ noise multiplier, C max_grad_norm, q sample rate, N data set size.
 
 import torch
 
-from workbench.clipping.engine import MODES
+from workbench.methods import OPTIMIZER_METHODS as MODES
 
 __all__ = ["MODES", "gaussian_noise"]
 

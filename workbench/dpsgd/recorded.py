@@ -329,3 +329,5 @@ def _rescaled(b, f: torch.Tensor, n: int):
         return b
     return b * f.to(b.dtype).view(-1, *[1] * (b.dim() - 1))
 
+
+__all__ = ["ROOT", "ModelRecorder", "distributed_run", "dot_loss"]

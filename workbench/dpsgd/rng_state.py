@@ -100,3 +100,9 @@ def restore_global_rng(state) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
     random.setstate(state["python"])
     np.random.set_state(_numpy_state(state["numpy"]))
+
+
+__all__ = [
+    "SECURE", "check_generator_state", "check_global_rng_state", "cuda_in_use", "generator_state",
+    "global_rng_state", "restore_generator", "restore_global_rng",
+]

@@ -174,3 +174,9 @@ def loader_sample_rate(loader: DataLoader, N: int, world: int = 1) -> float:
 def loader_options(loader: DataLoader) -> dict:
     """The original loader's ``KEPT_OPTIONS`` that this torch version has."""
     return {k: getattr(loader, k) for k in KEPT_OPTIONS if hasattr(loader, k)}
+
+
+__all__ = [
+    "KEPT_OPTIONS", "DPDataLoader", "PoissonBatchSampler", "PoissonCollate", "check_dataset",
+    "check_own_sampler", "empty_like_batch", "loader_options", "loader_sample_rate",
+]

@@ -87,3 +87,6 @@ class LambdaSchedule(_Schedule):
 
     def factor(self, t: int) -> float:
         return float(self.schedule(t))
+
+
+__all__ = ["CHECKS", "ExponentialSchedule", "LambdaSchedule", "StepSchedule"]

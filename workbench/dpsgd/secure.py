@@ -38,3 +38,6 @@ class SecureGenerator:
 
     def next(self) -> torch.Generator:
         return fresh_generator()
+
+
+__all__ = ["SecureGenerator", "fresh_generator"]

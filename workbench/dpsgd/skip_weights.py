@@ -120,3 +120,6 @@ class WeightGradSkipper:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+__all__ = ["Tap", "WeightGradSkipper", "tappable"]

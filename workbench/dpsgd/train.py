@@ -78,3 +78,6 @@ def train(model, optimizer, loader, *, epochs: int, criterion=None, engine=None,
         bar.set_postfix({k: round(v, 3) for k, v in row.items() if k != "epoch"})
     bar.close()
     return pd.DataFrame(rows).set_index("epoch")
+
+
+__all__ = ["accuracy", "train"]

@@ -202,3 +202,5 @@ def _batch_first(query, key, value, batched, batch_first):
     v = k if value is key else move(value)
     return q, k, v
 
+
+__all__ = ["DPMultiheadAttention", "attend"]

@@ -233,3 +233,6 @@ def run_bptt(mode, X, hh, state, valid=None, one_call=False):
     c0 = state[1] if mode == "LSTM" else None
     out, *final = BPTT.apply(mode, valid, saved, X, U, W, b, state[0], c0)
     return out, tuple(final)
+
+
+__all__ = ["BPTT", "fusable", "gru_backward", "lstm_backward", "rnn_backward", "run_bptt"]

@@ -120,3 +120,8 @@ FORWARDS = {
     "LSTM": lstm_forward,
     "GRU": gru_forward,
 }
+
+
+__all__ = [
+    "FAST_TANH_MIN", "FORWARDS", "gru_forward", "lstm_forward", "rnn_forward", "steps", "tanh",
+]

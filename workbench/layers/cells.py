@@ -60,3 +60,6 @@ STEPS = {
     "GRU": (gru_step, 3),
 }
 """mode (as torch.nn's ``RNNBase.mode``) -> (step function, number of gate blocks G)."""
+
+
+__all__ = ["STEPS", "gru_step", "lstm_step", "rnn_relu_step", "rnn_tanh_step"]

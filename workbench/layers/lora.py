@@ -95,3 +95,6 @@ def merge_lora(model: nn.Module) -> nn.Module:
                     merged.weight += child.delta_weight()
                 setattr(parent, name, merged)
     return model
+
+
+__all__ = ["DEFAULT_TARGETS", "LoRALinear", "add_lora", "merge_lora"]

@@ -114,3 +114,10 @@ def sequence_bias_norm_sampler(layer, activations, backprops):
     if not layer.bias.requires_grad:
         return torch.zeros(n, dtype=backprops.dtype, device=backprops.device)
     return backprops[:, -1].pow(2).sum(1)  # ||b_{i,S}||²
+
+
+__all__ = [
+    "in_projection_norm_sampler", "in_projection_route", "input_projection_norm_sampler",
+    "linear_part_route", "linear_part_squared_norms", "recurrent_projection_norm_sampler",
+    "sequence_bias_norm_sampler",
+]

@@ -234,3 +234,10 @@ def owner_grad_sampler(layer, activations, backprops):
     are tuples, which the engine does not record, so this is not even called.
     """
     return {}
+
+
+__all__ = [
+    "InProjection", "InputProjection", "Part", "PartsOwner", "RecurrentProjection", "SequenceBias",
+    "copy_into", "in_projection_grad_sampler", "input_projection_grad_sampler",
+    "owner_grad_sampler", "sequence_bias_grad_sampler",
+]

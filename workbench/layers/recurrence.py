@@ -81,3 +81,6 @@ def replayed(U_t: torch.Tensor, W: torch.Tensor):
         return torch.addmm(base, h - h.detach(), W.t())  # base + 0, ∂/∂h = W
 
     return project
+
+
+__all__ = ["advance", "replayed", "run_one_call", "run_per_step"]

@@ -294,3 +294,5 @@ def _no_proj_size(proj_size):
         f"DPLSTM does not support proj_size={proj_size} (LSTM with projections): use "
         f"proj_size=0 and, if you need the smaller output, a Linear layer after the LSTM")
 
+
+__all__ = ["DPGRU", "DPLSTM", "DPRNN", "DPRNNBase"]

@@ -52,3 +52,6 @@ def reverse_padded(x: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tenso
     last = lengths.to(x.device).unsqueeze(1) - 1  # (n, 1)
     index = torch.where(t <= last, last - t, t)  # (n, T)
     return x[torch.arange(n, device=x.device).unsqueeze(1), index]
+
+
+__all__ = ["repack", "reverse_padded", "unpack", "valid_steps"]

@@ -9,14 +9,13 @@ like ``model.named_parameters()``, where row i is ∇_θ loss_fn(model(inputs), 
 - ``"einsum"``: hooks + per-layer grad rules, one backward pass (einsum.py, ``rules/``).
 """
 
+from workbench.methods import PER_SAMPLE_METHODS as METHODS
 from workbench.per_sample.checks import check_batch, check_no_sample_mixing
 from workbench.per_sample.einsum import einsum_per_sample_gradients
 from workbench.per_sample.functional import vmap_or_explain
 from workbench.per_sample.microbatch import microbatch_per_sample_gradients
 from workbench.per_sample.registry import GRAD_SAMPLERS, register_grad_sampler
 from workbench.per_sample.selfcheck import check_option
-
-METHODS = ("microbatch", "vmap", "einsum")
 
 
 def per_sample_gradients(model, loss_fn, inputs, targets, method="einsum", strict=False,

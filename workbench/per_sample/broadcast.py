@@ -147,3 +147,6 @@ def convert(recorder, call, edge: GradientEdge, h_shape: tuple) -> None:
     call.meet = Meeting(edge, target, (n, *rest))
     call.outputs = [(torch.Size((n, *rest)), dtype, device)]
     recorder.redirect(call, edge)
+
+
+__all__ = ["ADDS", "BROADCASTABLE", "BatchFree", "Meeting", "convert", "expanded", "meets_batch"]

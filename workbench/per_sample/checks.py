@@ -121,3 +121,9 @@ def take(batch, index: slice):
     if isinstance(batch, (tuple, list)):
         return type(batch)(x[index] for x in batch)
     return batch[index]
+
+
+__all__ = [
+    "ModelCall", "batch_size", "check_batch", "check_losses", "check_no_sample_mixing", "forward",
+    "sample_mixing_problem", "take", "trainable_parameters",
+]

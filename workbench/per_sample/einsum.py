@@ -124,3 +124,9 @@ def einsum_per_sample_gradients(model, loss_fn, inputs, targets, strict=False, c
                           f"the per-sample gradient of sample {n - 1}")
         selfcheck.remember(model, sig, dict(rec.fallback))
     return grads
+
+
+__all__ = [
+    "einsum_per_sample_gradients", "fallback_gradients", "replay_probe", "rule_gradients",
+    "sample_layer", "warn_fallbacks",
+]

@@ -31,6 +31,7 @@ Notation: n batch size, θ trainable parameters, p one parameter, ℓ per-sample
 """
 
 import warnings
+from contextlib import contextmanager
 
 import torch
 from torch.nn.modules.dropout import _DropoutNd
@@ -69,10 +70,19 @@ def exact_per_sample_gradients(model, loss_fn, inputs, targets, names, reasons=(
                                                names=set(names))
 
 
+@contextmanager
+def replayed(state: tuple, device: torch.device):
+    """Inside: the random state ``state``; outside: the caller's, untouched."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
+
+
 def replayed_per_sample_gradients(model, loss_fn, inputs, targets, names, rng, device):
     """Eq. (1): the batch's forward pass replayed from ``rng``, then one row of g per record."""
-    from workbench.per_sample.selfcheck import replayed  # selfcheck imports this module's users
-
     params = dict(model.named_parameters())
     ps = [params[k] for k in names]
     with replayed(rng, device), torch.enable_grad():
@@ -118,3 +128,6 @@ def warn_once(model, names, why: str) -> None:
                       f"per-layer rule or vmap ({why}); computing them exactly by micro-batching "
                       f"instead: one forward and backward pass per sample, about n times slower "
                       f"for these parameters", stacklevel=5)
+
+
+__all__ = ["exact_per_sample_gradients", "warn_once"]

@@ -116,3 +116,8 @@ def layer_vmap_grad_sampler(layer, args, kwargs, backprops):
 
     in_dims = (tree_map(batched, args), tree_map(batched, kwargs), 0)
     return vmap(grads_of_one, in_dims=in_dims, randomness="different")(args, kwargs, backprops)
+
+
+__all__ = [
+    "check_vmappable", "layer_vmap_grad_sampler", "vmap_or_explain", "vmap_per_sample_gradients",
+]

@@ -246,3 +246,6 @@ class ActivationRecorder:
             call.set_backprops(grads[k:k + m])
             k += m
         return list(grads[k:])
+
+
+__all__ = ["ActivationRecorder", "LayerCall", "tensor_outputs"]

@@ -148,3 +148,6 @@ def check_separable(criterion, z, args, n: int, reduction: str, tol: float) -> t
             f"and targets alone), e.g. nn.CrossEntropyLoss(); a contrastive objective needs "
             f"each pair (or group) as one record of the data set")
     return f
+
+
+__all__ = ["DENOMINATOR", "check_separable", "record_factors", "reduction_of", "substitute"]

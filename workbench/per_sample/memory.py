@@ -183,3 +183,9 @@ def empty_per_sample(shape, like: torch.Tensor) -> torch.Tensor:
 def zeros_per_sample(shape, like: torch.Tensor) -> torch.Tensor:
     """``torch.zeros(shape)`` allocated like ``empty_per_sample``."""
     return empty_per_sample(shape, like).zero_()
+
+
+__all__ = [
+    "HUGE_PAGE", "HUGE_PAGES", "MIN_BYTES", "POOL_BYTES", "advise_huge_pages", "empty_per_sample",
+    "pool_bytes", "pooling", "release_pool", "zeros_per_sample",
+]

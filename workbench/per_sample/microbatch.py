@@ -49,7 +49,7 @@ def microbatch_per_sample_gradients(model, loss_fn, inputs, targets, names=None)
 def layer_microbatch_grad_sampler(layer, args, kwargs, backprops):
     """One layer's per-sample gradients from its recorded inputs and output gradient, by a
     loop over samples: o_i = layer(a_i), g_i = (∂o_i/∂w)ᵀ b_i. The layer-level reference,
-    used where the loss is not at hand (the DP optimizer's ``grad_sample_mode="microbatch"``);
+    used where the loss is not at hand (the DP optimizer's ``method="microbatch"``);
     every Tensor argument must carry the batch on dim 0."""
     own = {name: p for name, p in layer.named_parameters(recurse=False) if p.requires_grad}
     many = isinstance(backprops, (tuple, list))  # a layer returning a tuple of Tensors
@@ -71,3 +71,6 @@ def layer_microbatch_grad_sampler(layer, args, kwargs, backprops):
             if g is not None:
                 grads[name][i] = g
     return grads
+
+
+__all__ = ["layer_microbatch_grad_sampler", "microbatch_per_sample_gradients"]

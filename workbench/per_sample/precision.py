@@ -118,3 +118,9 @@ def compared_dtype(rec) -> torch.dtype:
     """The dtype whose tolerance a check of ``rec`` uses: the autocast dtype of its forward
     pass if it ran under autocast, else the parameters'."""
     return getattr(rec, "autocast", None) or rec.dtype
+
+
+__all__ = [
+    "compared_dtype", "full_precision", "in_full_precision", "layer_dtype", "replayed", "state",
+    "widen",
+]

@@ -253,3 +253,10 @@ def note_uncovered(rec: Recording, uncovered: dict[int, set[str]]) -> None:
         places = ", ".join(sorted(w or "<model>" for w in where))
         rec.fallback.setdefault(key, f"{names.get(key, 'a parameter')} is used outside the "
                                      f"forward of the layer that owns it (in {places})")
+
+
+__all__ = [
+    "FUSED", "Recording", "batch_problem", "check_layers", "check_recorded", "checked_shapes",
+    "layers_with_parameters", "note_uncovered", "own_parameters", "owners_of", "parameter_names",
+    "record", "rng_state",
+]

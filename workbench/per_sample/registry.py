@@ -180,3 +180,11 @@ def find_sampler_check(layer: nn.Module):
 GRAD_RULES = GRAD_SAMPLERS  # "grad rule" is the name; the sampler names are kept as aliases
 register_grad_rule = register_grad_sampler
 find_grad_sampler = find_grad_rule
+
+
+__all__ = [
+    "GRAD_BEHAVIOURS", "GRAD_RULES", "GRAD_SAMPLERS", "INHERITABLE", "SAMPLER_CHECKS",
+    "GradSamplerFn", "by_behaviour", "check_callable", "check_layer_types", "computes_like",
+    "find_grad_rule", "find_grad_sampler", "find_rule", "find_sampler_check", "layer_type",
+    "register_by_behaviour", "register_grad_rule", "register_grad_sampler",
+]

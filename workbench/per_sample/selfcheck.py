@@ -37,7 +37,6 @@ Notation: n batch size, i the probed sample, g_i exact per-sample gradient, ĝ_i
 
 import math
 import weakref
-from contextlib import contextmanager
 
 import torch
 from torch.utils._pytree import tree_map
@@ -45,6 +44,7 @@ from torch.utils._pytree import tree_map
 from workbench.errors import PerSampleCheckError
 from workbench.per_sample import precision
 from workbench.per_sample.checks import check_losses, forward, take
+from workbench.per_sample.fallback import replayed
 from workbench.per_sample.hooks import ActivationRecorder
 from workbench.per_sample.loss import substitute
 from workbench.per_sample.recording import (
@@ -136,17 +136,6 @@ def probe(rec: Recording, model, loss_fn, inputs, targets) -> dict[str, torch.Te
     grads = torch.autograd.grad(loss.sum(), params, allow_unused=True)
     return {name: torch.zeros_like(p) if g is None else g
             for (name, p), g in zip(rec.params.items(), grads)}
-
-
-@contextmanager
-def replayed(state: tuple, device: torch.device):
-    """Inside: the random state ``state``; outside: the caller's, untouched."""
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.set_rng_state(state[0])
-        if state[1] is not None:
-            torch.cuda.set_rng_state(state[1], device)
-        yield
 
 
 def substituted(batch, i: int, n: int):
@@ -244,3 +233,10 @@ def compare_norm(rec: Recording, got: torch.Tensor, exact) -> None:
         f"or the loss does (a batch statistic of the outputs, or a normalisation by one of "
         f"the data: w[y].sum(), mask.sum(), y.max()). Nothing was "
         f"returned; locate it with wb.audit.audit_gradients(model, loss_fn, inputs, targets)")
+
+
+__all__ = [
+    "CHECKS", "NORM_CHUNK", "TOLERANCE", "check_option", "compare", "compare_norm", "known",
+    "probe", "probe_norm", "record_probe", "remember", "replayed", "signature", "substituted",
+    "symbolic",
+]

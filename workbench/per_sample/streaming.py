@@ -110,3 +110,6 @@ def stream_backward(calls, total_loss: torch.Tensor, on_call, retain_graph: bool
     for call in passed:  # not handed over: an output the loss never reached (node never ran)
         if any(g is _ARRIVED for g in call.grads):
             hand_over(call, [None if g is _ARRIVED else g for g in call.grads])
+
+
+__all__ = ["frontier", "reaches", "stream_backward"]

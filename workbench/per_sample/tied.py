@@ -72,3 +72,6 @@ def record_linear(tracker, args, kwargs, result, where: str) -> bool:
         return False  # two parameters with one name (should not happen): stay uncovered
     recorder.add_call(path, layer, (x,), {}, result)
     return True
+
+
+__all__ = ["LINEAR", "functional_linear", "linear_arguments", "record_linear"]

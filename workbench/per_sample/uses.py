@@ -116,3 +116,6 @@ class UseTracker(TorchFunctionMode):
             elif type(a) in (list, tuple):
                 used.extend(b for b in a if id(b) in owners)
         return used
+
+
+__all__ = ["LOSS", "RANDOM_FUNCTIONS", "UseTracker"]

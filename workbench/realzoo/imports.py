@@ -60,3 +60,6 @@ def import_timm():
     """``timm`` (after ``import_torchvision``, which timm imports)."""
     import_torchvision()
     return importlib.import_module("timm")
+
+
+__all__ = ["import_timm", "import_torchvision", "import_transformers"]

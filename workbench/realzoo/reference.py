@@ -55,3 +55,8 @@ def verdict(got: dict, want: dict, size: float, rtol: float = RTOL) -> str:
         return "exact"
     rel = float((got[worst] - want[worst]).norm() / want[worst].norm().clamp_min(1e-300))
     return f"wrong: {worst} rel. error {rel:.1e}"
+
+
+__all__ = [
+    "RTOL_FLOAT32_INSIDE", "clipped_sum", "error", "norms_of", "one_at_a_time", "scale", "verdict",
+]

@@ -131,3 +131,9 @@ CLASSIFIERS = {
     "distilbert": distilbert,
 }
 """name -> builder of an ids -> (n, K) logits model (cross-entropy on a label)."""
+
+
+__all__ = [
+    "CAUSAL", "CLASSIFIERS", "SMALL", "Logits", "bart", "bloom", "build", "distilbert", "encoder",
+    "gemma", "gpt2", "gpt_neox", "llama_like", "lora_llama", "mamba", "opt", "phi", "qwen3", "t5",
+]

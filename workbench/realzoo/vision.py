@@ -75,3 +75,9 @@ IMAGES = {
     "tv_resnet18_gn": torchvision_resnet18_gn, "tv_mobilenet_v3_gn": torchvision_mobilenet_v3_gn,
 }
 """name -> builder of an images (n, 3, 16, 16) -> (n, K) logits model."""
+
+
+__all__ = [
+    "IMAGES", "Logits", "group_norm", "hf_vit", "timm_convnext", "timm_resnet", "timm_vit",
+    "torchvision_mobilenet_v3_gn", "torchvision_resnet18_gn",
+]

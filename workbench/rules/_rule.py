@@ -144,3 +144,9 @@ def fast_weight_grads(layer: nn.Module):
     """The rule's book-keeping fast path, for a layer of exactly one of the rule's types."""
     rule = RULES.get(type(layer))
     return rule.weight_grads if rule is not None else None
+
+
+__all__ = [
+    "MATERIALISE", "RULES", "RULE_BEHAVIOURS", "LayerRule", "Route", "fast_weight_grads",
+    "find_layer_rule", "norm_route", "own_gradient_size", "register_rule", "unregister_rule",
+]

@@ -117,3 +117,9 @@ def affine_grad_sampler(layer, activations, backprops):
 RULE = register_rule(LayerRule("elementwise affine (o = A(a) + B(a) ⊙ w + β)",
                                grad=affine_grad_sampler,
                                matches=lambda layer: affine_layout(layer) is not None))
+
+
+__all__ = [
+    "RULE", "TOLERANCE", "affine_grad_sampler", "affine_layout", "aligned", "candidate",
+    "parts", "probe_inputs", "run", "sum_to_parameter",
+]

@@ -200,3 +200,10 @@ def conv_norm_sampler(layer, activations, backprops):
 RULE = register_rule(LayerRule(
     "convolution", (nn.Conv1d, nn.Conv2d, nn.Conv3d), grad=conv_grad_sampler,
     norm=conv_norm_sampler, route=conv_route, routes=(GRAM, MATERIALISE, BIAS_ONLY)))
+
+
+__all__ = [
+    "GRAM", "ROUTE", "RULE", "choose_route", "conv_dims", "conv_grad_sampler",
+    "conv_norm_sampler", "conv_padding", "conv_route", "gram_scratch", "grouped_weight_grads",
+    "output_positions", "pad_input", "padded_input", "unfold", "unfold_weight_grads",
+]

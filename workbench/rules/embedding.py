@@ -145,3 +145,10 @@ RULE = register_rule(LayerRule(
     "embedding", (nn.Embedding,), grad=embedding_grad_sampler, norm=embedding_norm_sampler,
     route=embedding_route, routes=(SEGMENT_SUM,), weight_grads=embedding_weight_grads,
     check=check_embedding))
+
+
+__all__ = [
+    "RULE", "SEGMENT_SUM", "check_embedding", "embedding_grad_sampler",
+    "embedding_norm_sampler", "embedding_route", "embedding_weight_grads", "repeated",
+    "token_rows",
+]

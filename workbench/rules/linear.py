@@ -173,3 +173,11 @@ TRANSPOSED_RULE = register_rule(LayerRule(
     "transposed linear (o = a W + c)", grad=transposed_linear_grad_sampler,
     norm=linear_norm_sampler, route=transposed_route, routes=ROUTES,
     matches=is_transposed_linear))  # ||A_iᵀ B_i|| = ||B_iᵀ A_i||: the same norm rule
+
+
+__all__ = [
+    "BIAS_ONLY", "GRAM", "NORM_PRODUCT", "ROUTES", "RULE", "TRANSPOSED_RULE",
+    "gram_is_cheaper", "is_transposed_linear", "linear_grad_sampler", "linear_norm_sampler",
+    "linear_route", "linear_weight_grads", "positions", "sequence_route", "sequence_view",
+    "transposed_linear_grad_sampler", "transposed_route", "weight_squared_norms",
+]

@@ -73,3 +73,9 @@ RULES = [register_rule(LayerRule(name, types, grad=grad)) for name, types, grad 
     ("group norm", (nn.GroupNorm,), group_norm_grad_sampler),
     ("instance norm", (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d),
      instance_norm_grad_sampler))]
+
+
+__all__ = [
+    "RULES", "group_norm_grad_sampler", "instance_norm_grad_sampler",
+    "layer_norm_grad_sampler", "rms_norm_grad_sampler",
+]

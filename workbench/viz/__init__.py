@@ -3,3 +3,6 @@
 Matplotlib only, no widgets. Each draws on the axes it is handed and returns its artists; none
 creates a figure or calls ``plt.show()`` (ARCHITECTURE.md, style item 7).
 """
+
+
+__all__: list[str] = []

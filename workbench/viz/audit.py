@@ -194,3 +194,10 @@ def plot_record_influence(ax, result):
     ax.set_ylim(0, 1.3 * max(2.0, float(t["change_over_C"].max())))  # room for the legend
     ax.legend(loc="upper left", fontsize="x-small", ncol=2)
     return artists
+
+
+__all__ = [
+    "FLOOR", "noise_variance", "plot_bug_zoo", "plot_clipping", "plot_gradient_audit",
+    "plot_gradient_errors", "plot_noise_histogram", "plot_noise_qq", "plot_noise_variance",
+    "plot_record_influence",
+]

@@ -38,3 +38,6 @@ def plot_membership_roc(ax, result, *others):
     ax.set_title("membership inference (LiRA): ROC")
     ax.legend(fontsize="small", loc="lower right")
     return artists
+
+
+__all__ = ["plot_membership_roc"]

@@ -94,3 +94,9 @@ def plot_epsilon_curves(ax, check):
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper left")
     return lines
+
+
+__all__ = [
+    "ATTAINABLE_FIELDS", "attainable_bound", "canary_thresholds", "plot_canary_bounds",
+    "plot_canary_scores", "plot_epsilon_curves", "plot_gaussian_scores",
+]

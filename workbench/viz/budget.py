@@ -81,3 +81,6 @@ def plot_budget(ax, result):
     artists["legend"] = ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2,
                                   fontsize="small", frameon=False)  # below: never on a curve
     return artists
+
+
+__all__ = ["plot_budget"]

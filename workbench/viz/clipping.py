@@ -118,3 +118,6 @@ def plot_layer_norms(ax, result):
     ax.set_ylabel("||g_i|| per layer")
     ax.tick_params(axis="x", labelrotation=45, labelsize="small")
     return artists
+
+
+__all__ = ["ALL", "Log125Locator", "plain_log_ticks", "plot_layer_norms", "plot_norms"]

@@ -98,3 +98,6 @@ def plot_sweep(ax, table, layer: str = "embedding", mode: str = "einsum"):
     ax.legend(title=f"{layer} width (dashed: model)", fontsize="x-small",
               title_fontsize="x-small")
     return lines
+
+
+__all__ = ["MODE_STYLE", "plot_memory", "plot_overheads", "plot_sweep"]

@@ -58,3 +58,6 @@ class Explorer:
 
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)
+
+
+__all__ = ["CONTROL_LAYOUT", "Explorer"]

@@ -76,3 +76,6 @@ class BudgetExplorer(Explorer):
         self.ax.clear()
         self.artists = plot_budget(self.ax, r)
         self._show_png()
+
+
+__all__ = ["BudgetExplorer"]

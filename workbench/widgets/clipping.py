@@ -81,3 +81,6 @@ class ClippingExplorer(Explorer):
         self.layer_artists["clip"].set_ydata([C, C])
         self.layer_ax.set_ylim(min(lo, C) / 1.5, max(hi, C) * 1.5)
         self._show_png()
+
+
+__all__ = ["ClippingExplorer"]

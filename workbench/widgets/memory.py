@@ -161,3 +161,6 @@ class MemoryExplorer(Explorer):
         self.ax.clear()
         self.artists = plot_memory(self.ax, r)
         self._show_png()
+
+
+__all__ = ["MemoryExplorer"]

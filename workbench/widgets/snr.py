@@ -102,3 +102,6 @@ class SNRExplorer(Explorer):
         self.ax.clear()
         self.artists = plot_snr(self.ax, r)
         self._show_png()
+
+
+__all__ = ["SNRExplorer"]

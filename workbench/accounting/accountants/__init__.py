@@ -14,3 +14,6 @@ The table above is a reading aid; ``accounting.ACCOUNTANTS`` is the live one.
 from workbench.plugins import import_submodules
 
 import_submodules(__name__, __path__)
+
+
+__all__: list[str] = []  # the files here register themselves; nothing to import

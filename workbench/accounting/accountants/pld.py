@@ -69,7 +69,7 @@ class PLDAccountant(Accountant):
     1.828
     """
 
-    mechanism = "pld"
+    name = "pld"
 
     def __init__(self, discretization=PLD_DISCRETIZATION):
         super().__init__()
@@ -91,3 +91,8 @@ register_accountant("pld", label="PLD", epsilon=pld_epsilon, curve=pld_curve,
                     accountant_class=PLDAccountant, never_above=("rdp",), slow=True,
                     style={"color": "C1", "marker": "o", "markersize": 3},
                     explore_label=_explore_label)
+
+
+__all__ = [
+    "DIRECTIONS", "MAX_REFINE", "PLD_DISCRETIZATION", "PLDAccountant", "pld_curve", "pld_epsilon",
+]

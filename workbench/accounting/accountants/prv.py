@@ -223,7 +223,7 @@ class PRVAccountant(Accountant):
     True
     """
 
-    mechanism = "prv"
+    name = "prv"
 
     def __init__(self, eps_error=EPS_ERROR, delta_error=None):
         super().__init__()
@@ -256,3 +256,9 @@ register_accountant("prv", label="PRV", epsilon=prv_epsilon, curve=prv_curve,
                     accountant_class=PRVAccountant,
                     slow=True, style={"color": "C4", "marker": "s", "markersize": 3},
                     explore_label=_explore_label)
+
+
+__all__ = [
+    "DELTA_ERROR_RATIO", "DIRECTIONS", "EPS_ERROR", "MAX_GRID_POINTS", "TRIM_MASS", "PRVAccountant",
+    "PRVEpsilon", "prv_curve", "prv_epsilon", "prv_epsilon_bounds",
+]

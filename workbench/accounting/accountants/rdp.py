@@ -19,6 +19,7 @@ from workbench.accounting.convert import rdp_to_epsilon
 from workbench.accounting.rdp import DEFAULT_ORDERS, rdp_one_step
 from workbench.accounting.registry import register_accountant
 from workbench.checks import check_delta, check_orders
+from workbench.deprecation import warn_renamed
 
 
 def rdp_epsilon(history, delta, orders=DEFAULT_ORDERS):
@@ -48,13 +49,18 @@ class RDPAccountant(Accountant):
     2.897
     """
 
-    mechanism = "rdp"
+    name = "rdp"
 
     def __init__(self, orders=DEFAULT_ORDERS):
         super().__init__()
         self.orders = check_orders(orders)
 
     def get_privacy_spent(self, delta):
+        """The old name of ``get_epsilon_and_order`` (deprecated)."""
+        warn_renamed("RDPAccountant.get_privacy_spent", "get_epsilon_and_order", "RDPAccountant")
+        return self.get_epsilon_and_order(delta)
+
+    def get_epsilon_and_order(self, delta):
         """(ε, best order α) for ``delta``; (0.0, None) while no record has been sampled.
 
         The same ε as ``get_epsilon``. Before the first step (or with only q = 0 or T = 0
@@ -78,3 +84,6 @@ class RDPAccountant(Accountant):
 
 register_accountant("rdp", label="RDP", epsilon=rdp_epsilon, curve=rdp_curve,
                     accountant_class=RDPAccountant, style={"color": "C0"})
+
+
+__all__ = ["RDPAccountant", "rdp_curve", "rdp_epsilon"]
