@@ -94,7 +94,7 @@ def test_the_refused_statistics_do_move_the_sum_by_more_than_c(case):
     assert max(moved) > C, moved
 
 
-@pytest.mark.parametrize("mode", ["einsum", "ghost", "bookkeeping"])
+@pytest.mark.parametrize("mode", ["einsum", "vmap", "bookkeeping"])
 def test_per_record_and_constant_normalisations_are_accepted_and_exact(mode):
     x, y = batch()
     T = 3
