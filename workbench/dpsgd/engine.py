@@ -48,6 +48,7 @@ from workbench.dpsgd import distributed
 from workbench.dpsgd.adaptive import AdaptiveClipDPOptimizer, AdaptiveClipping
 from workbench.dpsgd.attached import detach_earlier, remember
 from workbench.dpsgd.batches import batch_size, take
+from workbench.dpsgd.loss_watch import watched
 from workbench.dpsgd.misuse import (
     PrivacyAccountingWarning,
     check_criterion,
@@ -85,11 +86,15 @@ class VirtualStepLoader:
         self.sample_rate = getattr(loader, "sample_rate", None)
         self.dataset = loader.dataset
         self._passes = itertools.count()
+        self.watch = None  # the optimizer's LossWatch, set by make_private (loss_watch.watched)
 
     def __len__(self):
         return len(self.loader)
 
     def __iter__(self):
+        return watched(self._chunks(), self.watch)
+
+    def _chunks(self):
         this_pass = next(self._passes)  # a new pass: an unfinished batch of an old one is
         for b, batch in enumerate(self.loader):  # discarded (with a warning) by begin_chunk
             n = batch_size(batch, "the loader's batch")
@@ -213,6 +218,8 @@ class PrivacyEngine:
         self.noise_generator, self.sampling_generator = noise_generator, sampling_generator
         if max_physical_batch_size is not None:
             loader = VirtualStepLoader(loader, dp_optimizer, max_physical_batch_size)
+        if hasattr(loader, "watch"):  # the engine's own loaders: batch statistics before forward
+            loader.watch = dp_optimizer.recorder.watch
         return module, dp_optimizer, loader
 
     def make_private_with_epsilon(self, *, target_epsilon, target_delta, epochs, data_loader,

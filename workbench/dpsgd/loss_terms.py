@@ -27,8 +27,10 @@ to equal them must not be refused.
 The loss's own reduction (``loss_none.mean()``, carrying gradient) is not one: its gradient
 is linear in the records' terms.
 
-Not seen: a statistic computed before the model's forward pass (outside the window), e.g.
-a Trainer's ``num_items_in_batch``; pass the loss a constant instead.
+A statistic computed before the model's forward pass (a Trainer's ``num_items_in_batch``) is
+followed from the moment the engine's loader hands out the batch (``loss_watch.watched``)
+and carried into the window; with a loader the engine does not own (shuffled batches,
+``poisson_sampling=False``) it is not seen.
 
 Notation: n records, m rows per record (positions), o model output, ℓ a record's term.
 """
@@ -129,6 +131,12 @@ class BatchStatistics:
         for v in tree_flatten(values)[0]:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v not in self.rows:
                 self.numbers[float(v)] = f"the number {v:g} read from {what}"
+
+    def inherit(self, other: "BatchStatistics") -> None:
+        """Carry ``other``'s statistics and numbers (followed before the forward pass) in."""
+        if self.on:
+            self.stats.update(other.stats)
+            self.numbers.update({v: w for v, w in other.numbers.items() if v not in self.rows})
 
     def statistic(self, loss) -> str | None:
         """What makes ``loss`` a batch statistic, or None."""

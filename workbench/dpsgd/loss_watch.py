@@ -30,6 +30,15 @@ window (``LossFunctions``):
   the graph (from L down to o) is differentiated twice; the model is not re-run. Once per
   output signature (shapes with n symbolic), when the optimizer verifies.
 
+Before the window: from the moment the engine's loader hands out a batch to the model's
+forward pass, a second ``TorchFunctionMode`` (``BeforeForward``) follows the same batch
+statistics (``loss_terms.py``) in the user's code, so a normalisation computed from the
+batch's labels *before* the forward pass (a Trainer's ``num_items_in_batch``, an inverse
+class frequency, a mask count) is carried into the window and refused at ``backward`` like
+one computed after it; a model input computed from such a statistic (inputs centred or
+scaled by the batch's mean or std) is refused when the forward pass begins. A loader the
+engine does not own (``poisson_sampling=False`` keeps the user's) has no such window.
+
 Notation: n batch size, f (n,) per-record factors.
 """
 
@@ -43,7 +52,9 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 from torch.nn.modules.loss import _Loss
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
+from workbench.dpsgd.batches import batch_size
 from workbench.dpsgd.loss_terms import BatchStatistics
 from workbench.errors import LossCouplingError
 from workbench.per_sample.loss import check_separable, record_factors, reduction_of
@@ -67,6 +78,8 @@ class LossWatch:
         self.outputs: list = []  # the model's output tensors of the open window
         self._mode = None  # LossFunctions, on the TorchFunctionMode stack while the window is open
         self.stats = BatchStatistics()  # batch statistics of the data in the loss (loss_terms)
+        self.before = BatchStatistics()  # the same, from the loader's batch to the forward pass
+        self._before_mode = None  # BeforeForward, on the stack while ``before`` follows calls
         self.paused = contextlib.nullcontext  # the recorder's pause (recorded.py sets it)
 
     def open(self, n: int, generation: int, outputs=()) -> None:
@@ -82,9 +95,47 @@ class LossWatch:
         self.outputs = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad
                         and o.dim() and o.shape[0] == n]
         self.stats.reset(n if self.check else 0, self.outputs)
+        self.stats.inherit(self.before)  # statistics computed before the forward pass
+        self.before.reset(0)
         if self._mode is None:
             self._mode = LossFunctions(self)
             self._mode.__enter__()
+
+    def batch_begins(self, n: int) -> None:
+        """The engine's loader hands out a batch of n records: follow batch statistics of its
+        data until the model's forward pass (``forward_begins``)."""
+        self.batch_ends()
+        self.before.reset(n if self.check else 0)
+        if self.before.on:
+            self._before_mode = BeforeForward(self.before)
+            self._before_mode.__enter__()
+
+    def forward_begins(self, inputs) -> None:
+        """The model's forward pass begins: stop following; a model input computed from a
+        batch statistic couples the records inside the model (LossCouplingError)."""
+        self._stop_before()
+        what = next((w for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)
+                     for w in [self.before.statistic(t)] if w), None)
+        if what is not None:
+            self.before.reset(0)
+            raise LossCouplingError(
+                f"the model's input depends on {what} (a statistic of the whole batch, "
+                f"computed before the forward pass): e.g. inputs centred or scaled by the "
+                f"batch's own mean, std or max. Every record's input then depends on the "
+                f"other records, so removing one record moves every other record's gradient "
+                f"and the sensitivity is no longer max_grad_norm. Normalise with constants of "
+                f"the data set (computed once, before training, or privately) or per record "
+                f"(over its own features: dim >= 1)")
+
+    def batch_ends(self) -> None:
+        """The loader's pass ended (or was abandoned): nothing more to follow."""
+        self._stop_before()
+        self.before.reset(0)
+
+    def _stop_before(self) -> None:
+        mode, self._before_mode = self._before_mode, None
+        if mode is not None:
+            _leave(mode)
 
     def close(self) -> None:
         for handle in self._handles:
@@ -101,9 +152,7 @@ class LossWatch:
         if mode is None:
             return
         mode.watch = None  # from now on a pass-through, wherever it sits on the stack
-        top = torch._C._len_torch_function_stack()
-        if top and torch._C._get_function_stack_at(top - 1) is mode:
-            mode.__exit__(None, None, None)  # the usual case: ours is on top
+        _leave(mode)
 
     def _loss_call(self, module, z, rest, functional: bool = False) -> None:
         """One loss call of the loop (a module, or a functional loss seen as one)."""
@@ -293,4 +342,44 @@ class LossFunctions(TorchFunctionMode):
         return out
 
 
-__all__ = ["BACKWARD", "FUNCTIONAL", "LossFunctions", "LossWatch"]
+class BeforeForward(TorchFunctionMode):
+    """From the loader's batch to the model's forward pass: follows batch statistics of the
+    data (``loss_terms.BatchStatistics``) in the user's code (module docstring)."""
+
+    def __init__(self, stats: BatchStatistics):
+        super().__init__()
+        self.stats = stats
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.stats is not None and self.stats.on:
+            self.stats.after(func, args, kwargs, out)
+        return out
+
+
+def _leave(mode) -> None:
+    """Take ``mode`` off the TorchFunctionMode stack if it is on top; otherwise (the user
+    entered a mode of their own after it) it stays there, a pass-through."""
+    if isinstance(mode, BeforeForward):
+        mode.stats = None
+    top = torch._C._len_torch_function_stack()
+    if top and torch._C._get_function_stack_at(top - 1) is mode:
+        mode.__exit__(None, None, None)  # the usual case: ours is on top
+
+
+def watched(batches, watch: "LossWatch | None"):
+    """The engine loader's batches, each announced to the optimizer's ``watch``
+    (``batch_begins``) before the user's code sees it. Following stops at the model's forward
+    pass, at the next batch, when the pass ends, or when the optimizer is detached; a pass
+    abandoned after handing out a batch (``next(iter(loader))``, a ``break``) leaves that
+    batch followed until its forward pass."""
+    for batch in batches:
+        if watch is not None:
+            watch.batch_begins(batch_size(batch, "the loader's batch"))
+        yield batch
+    if watch is not None:
+        watch.batch_ends()
+
+
+__all__ = ["BACKWARD", "FUNCTIONAL", "BeforeForward", "LossFunctions", "LossWatch", "watched"]

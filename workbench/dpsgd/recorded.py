@@ -116,6 +116,8 @@ class ModelRecorder:
             id(p) for p in self.model.parameters() if p.requires_grad]
 
     def _enter(self, module, args):
+        if self._depth == 0 and self.layer_rec.recording:  # before anything changes: may raise
+            self.watch.forward_begins((args,))  # statistics of the batch before it: loss_watch
         self._depth += 1
         if self._depth == 1 and self.layer_rec.recording:
             self.watch.close()  # a new forward pass: the loss window of the last one ends
@@ -147,6 +149,7 @@ class ModelRecorder:
 
     def close(self) -> None:
         self.watch.close()
+        self.watch.batch_ends()
         self.skipper.close()
         for handle in self._handles:
             handle.remove()

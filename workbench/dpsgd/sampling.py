@@ -40,6 +40,7 @@ from torch.utils.data import (
 from workbench.accounting.calibrate import steps_per_epoch
 from workbench.checks import check_count, check_sample_rate
 from workbench.dpsgd.batches import take
+from workbench.dpsgd.loss_watch import watched
 
 # What from_data_loader copies from the original loader: everything but the choice of batches.
 KEPT_OPTIONS = ("collate_fn", "worker_init_fn", "num_workers", "pin_memory", "persistent_workers",
@@ -146,6 +147,10 @@ class DPDataLoader(DataLoader):
         super().__init__(dataset, batch_sampler=sampler, collate_fn=collate, **kwargs)
         self.sample_rate = sampler.sample_rate
         self.expected_batch_size = sampler.sample_rate * N
+        self.watch = None  # the optimizer's LossWatch, set by make_private (loss_watch.watched)
+
+    def __iter__(self):
+        return watched(super().__iter__(), self.watch)
 
     @classmethod
     def from_data_loader(cls, loader: DataLoader, generator=None, steps=None):

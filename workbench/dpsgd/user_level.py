@@ -36,6 +36,7 @@ from torch.utils.data import default_collate
 
 from workbench.checks import check_choice, check_count, check_sample_rate
 from workbench.clipping.users import BatchUsers
+from workbench.dpsgd.loss_watch import watched
 from workbench.dpsgd.sampling import PoissonBatchSampler, empty_like_batch, loader_options
 
 UNITS = ("record", "user")
@@ -114,11 +115,15 @@ class UserPoissonLoader:
         self.collate_fn = loader_options(loader).get("collate_fn") or default_collate
         self.empty = empty_like_batch(self.dataset[0], self.collate_fn)
         self.level = None  # the optimizer's UserLevel, set by make_private
+        self.watch = None  # the optimizer's LossWatch, set by make_private (loss_watch.watched)
 
     def __len__(self) -> int:
         return len(self.batch_sampler)
 
     def __iter__(self):
+        return watched(self._batches(), self.watch)
+
+    def _batches(self):
         for indices in self.batch_sampler:
             batch = self.collate_fn([self.dataset[j] for j in indices]) if indices \
                 else self.empty
