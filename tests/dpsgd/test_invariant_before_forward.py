@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import workbench as wb
+from workbench.dpsgd.loss_watch import BeforeForward
 from workbench.errors import LossCouplingError
 
 N, D, K = 48, 5, 3
@@ -110,13 +111,19 @@ def test_per_record_and_constant_terms_are_accepted(case, loader):
     assert opt is not None
 
 
-def test_the_following_stops_at_the_forward_pass_the_end_of_a_pass_and_detach():
-    depth = torch._C._len_torch_function_stack()
-    opt = loop(lambda m, x, y: ce(m(x), y).sum(), steps=10 ** 6)  # the whole pass
-    assert torch._C._len_torch_function_stack() == depth
+def followers() -> int:
+    """BeforeForward modes on the TorchFunctionMode stack."""
+    return sum(isinstance(torch._C._get_function_stack_at(i), BeforeForward)
+               for i in range(torch._C._len_torch_function_stack()))
+
+
+def test_the_following_stops_at_the_end_of_a_pass_and_at_detach():
+    loop(lambda m, x, y: ce(m(x), y).sum(), steps=10 ** 6)  # the whole pass
+    assert followers() == 0 and BeforeForward.following is None
     opt = loop(lambda m, x, y: ce(m(x), y).sum(), steps=2)  # abandoned after a batch
+    assert followers() == 1
     opt.detach()
-    assert torch._C._len_torch_function_stack() == depth
+    assert followers() == 0 and BeforeForward.following is None
 
 
 def test_a_refused_input_loses_nothing():
@@ -138,3 +145,25 @@ def test_a_refused_input_loses_nothing():
         opt.step()
         break
     assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_abandoned_passes_leave_at_most_one_follower_and_the_users_modes_in_place():
+    from torch.overrides import TorchFunctionMode
+
+    class Mine(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    for _ in range(3):  # three engines, each abandoned after a batch, none detached
+        loop(lambda m, x, y: ce(m(x), y).sum(), steps=1)
+        assert followers() == 1
+    with Mine() as mine:  # the user's own mode, above the follower, stays where it is
+        opt = loop(lambda m, x, y: ce(m(x), y).sum(), steps=1)
+        assert followers() == 1
+        stack = [torch._C._get_function_stack_at(i)
+                 for i in range(torch._C._len_torch_function_stack())]
+        assert mine in stack
+        opt.detach()
+        assert followers() == 0
+    assert mine not in [torch._C._get_function_stack_at(i)
+                        for i in range(torch._C._len_torch_function_stack())]

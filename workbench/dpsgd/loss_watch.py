@@ -105,9 +105,11 @@ class LossWatch:
         """The engine's loader hands out a batch of n records: follow batch statistics of its
         data until the model's forward pass (``forward_begins``)."""
         self.batch_ends()
+        if BeforeForward.following is not None:  # another engine's abandoned batch
+            _leave(BeforeForward.following)
         self.before.reset(n if self.check else 0)
         if self.before.on:
-            self._before_mode = BeforeForward(self.before)
+            self._before_mode = BeforeForward.following = BeforeForward(self.before)
             self._before_mode.__enter__()
 
     def forward_begins(self, inputs) -> None:
@@ -344,7 +346,11 @@ class LossFunctions(TorchFunctionMode):
 
 class BeforeForward(TorchFunctionMode):
     """From the loader's batch to the model's forward pass: follows batch statistics of the
-    data (``loss_terms.BatchStatistics``) in the user's code (module docstring)."""
+    data (``loss_terms.BatchStatistics``) in the user's code (module docstring). One at a
+    time, process-wide (``following``): a new batch of any engine stops the last one, so an
+    abandoned pass never leaves more than one behind."""
+
+    following: "BeforeForward | None" = None
 
     def __init__(self, stats: BatchStatistics):
         super().__init__()
@@ -359,13 +365,20 @@ class BeforeForward(TorchFunctionMode):
 
 
 def _leave(mode) -> None:
-    """Take ``mode`` off the TorchFunctionMode stack if it is on top; otherwise (the user
-    entered a mode of their own after it) it stays there, a pass-through."""
+    """Take ``mode`` off the TorchFunctionMode stack, wherever it sits: modes the user entered
+    after it stay, in their order (their ``__exit__`` pops the top, which is theirs again)."""
     if isinstance(mode, BeforeForward):
-        mode.stats = None
-    top = torch._C._len_torch_function_stack()
-    if top and torch._C._get_function_stack_at(top - 1) is mode:
-        mode.__exit__(None, None, None)  # the usual case: ours is on top
+        mode.stats = None  # a pass-through from now on
+        if BeforeForward.following is mode:
+            BeforeForward.following = None
+    depth = torch._C._len_torch_function_stack()
+    if not any(torch._C._get_function_stack_at(i) is mode for i in range(depth)):
+        return
+    above = []
+    while (top := torch._C._pop_torch_function_stack()) is not mode:
+        above.append(top)
+    for other in reversed(above):
+        torch._C._push_on_torch_function_stack(other)
 
 
 def watched(batches, watch: "LossWatch | None"):
