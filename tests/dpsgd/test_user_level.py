@@ -139,14 +139,19 @@ def test_make_private_user_level_end_to_end():
     assert all(q == 2 / 5 for _, q, _ in engine.accountant.history)
 
 
-def test_record_level_default_is_unchanged():
+def private(make, lr=0.1, model=None, **kw):
+    """``make(...)`` (an engine's make_private or make_private_with_epsilon) on the MLP (or
+    ``model``) with batches of 3 and C; returns (model, what make returns)."""
     x, y = data("mlp")
-    model = mlp()
+    model = mlp() if model is None else model
+    return model, make(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+                       data_loader=DataLoader(TensorDataset(x, y), batch_size=3),
+                       max_grad_norm=C, **kw)
+
+
+def test_record_level_default_is_unchanged():
     engine = wb.PrivacyEngine()
-    _, opt, loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=3), noise_multiplier=1.0,
-        max_grad_norm=C)
+    _, (_, opt, loader) = private(engine.make_private, lr=0.0, noise_multiplier=1.0)
     assert engine.privacy_unit == "record" and opt.user_level is None
     assert isinstance(loader, wb.dpsgd.DPDataLoader) and engine.sample_rate == 3 / len(USERS)
 
@@ -167,14 +172,10 @@ def test_record_level_default_is_unchanged():
     ({"user_ids": USERS, "privacy_unit": "record"}, "given with privacy_unit='record'"),
 ])
 def test_errors_name_the_argument_before_any_hook(kw, match):
-    x, y = data("mlp")
-    model = mlp()
     kw = {"privacy_unit": "user", **kw}
+    model = mlp()
     with pytest.raises((ValueError, TypeError), match=match):
-        wb.PrivacyEngine().make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            data_loader=DataLoader(TensorDataset(x, y), batch_size=3), noise_multiplier=1.0,
-            max_grad_norm=C, **kw)
+        private(wb.PrivacyEngine().make_private, model=model, noise_multiplier=1.0, **kw)
     assert not any(m._forward_hooks or m._backward_hooks or m._forward_pre_hooks
                    for m in model.modules())
 
@@ -189,14 +190,10 @@ def test_a_batch_not_from_the_loader_raises():
 
 
 def test_make_private_with_epsilon_plans_with_the_users_q():
-    x, y = data("mlp")
-    model = mlp()
     engine = wb.PrivacyEngine()
-    _, _, loader = engine.make_private_with_epsilon(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=3), target_epsilon=4.0,
-        target_delta=1e-2, epochs=2, max_grad_norm=C, privacy_unit="user", user_ids=USERS,
-        users_per_step=2)
+    _, (_, _, loader) = private(engine.make_private_with_epsilon, target_epsilon=4.0,
+                                target_delta=1e-2, epochs=2, privacy_unit="user",
+                                user_ids=USERS, users_per_step=2)
     assert engine.sample_rate == 2 / 5 and len(loader) == round(5 / 2)
     sigma = next(iter(engine.accountant.history), None)  # nothing taken yet
     assert sigma is None
