@@ -59,6 +59,7 @@ from workbench.dpsgd.loss_terms import BatchStatistics
 from workbench.errors import LossCouplingError
 from workbench.per_sample.loss import check_separable, record_factors, reduction_of
 from workbench.per_sample.selfcheck import TOLERANCE, symbolic
+from workbench.per_sample.uses import quiet
 
 
 class LossWatch:
@@ -90,8 +91,9 @@ class LossWatch:
             LossWatch._open.close()
         LossWatch._open = self
         if not self._handles:
-            self._handles = [module_hooks.register_module_forward_pre_hook(self._enter),
-                             module_hooks.register_module_forward_hook(self._exit)]
+            self._handles = [  # quiet: their own tensor calls are not the loop's (uses.py)
+                module_hooks.register_module_forward_pre_hook(quiet(self._enter)),
+                module_hooks.register_module_forward_hook(quiet(self._exit))]
         self.outputs = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad
                         and o.dim() and o.shape[0] == n]
         self.stats.reset(n if self.check else 0, self.outputs)

@@ -54,7 +54,7 @@ from workbench.per_sample.recording import (
     parameter_names,
     rng_state,
 )
-from workbench.per_sample.uses import UseTracker
+from workbench.per_sample.uses import UseTracker, quiet
 
 ROOT = "<model>"
 
@@ -104,8 +104,8 @@ class ModelRecorder:
         self.watch.paused = self.paused  # its coupling test must not reach the recording hooks
         self._depth, self._tracking, self._rng, self._roots = 0, False, None, 0
         self._amp = None  # the autocast dtype of the forward pass running (precision.py)
-        self._handles = [model.register_forward_pre_hook(self._enter),
-                         model.register_forward_hook(self._exit, always_call=True)]
+        self._handles = [model.register_forward_pre_hook(quiet(self._enter)),  # uses.quiet
+                         model.register_forward_hook(quiet(self._exit), always_call=True)]
         # skip_weights.py, off by default; armed by zero_grad() until the step (clear)
         self.skip_weight_grads, self.armed, self._fast = False, False, False
         self.skipper = WeightGradSkipper(self.layers, {id(p) for p in self.params.values()},

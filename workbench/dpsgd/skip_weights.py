@@ -35,6 +35,8 @@ from torch import nn
 from torch.nn.utils.parametrize import is_parametrized
 from torch.utils._pytree import tree_map
 
+from workbench.per_sample.uses import quiet
+
 
 class Tap(torch.autograd.Function):
     """Identity on ``out`` that requires grad through ``dummy``; backward: b to ``out``."""
@@ -76,7 +78,7 @@ class WeightGradSkipper:
                 if own:
                     layer = self.layers[path]
                     self._handles += [
-                        layer.register_forward_pre_hook(self._pre(path), prepend=True),
+                        layer.register_forward_pre_hook(quiet(self._pre(path)), prepend=True),
                         layer.register_forward_hook(self._post(path), prepend=True,
                                                     always_call=True)]
         elif not on:
@@ -94,19 +96,29 @@ class WeightGradSkipper:
         return pre_hook
 
     def _post(self, path):
+        @quiet  # requires_grad_ and the taps are not uses of the parameters (uses.py)
+        def restore(own):
+            for p in own:
+                p.requires_grad_(True)
+
         def hook(module, args, output):
             own = self._off.pop(path, None)
             if own is None:
                 return None
-            for p in own:  # restored first, also when the forward raised
-                p.requires_grad_(True)
+            restore(own)  # first, also when the forward raised
             self.tapped.add(path)
             return tree_map(self._tap, output)
 
         return hook
 
     def _tap(self, t):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        if not isinstance(t, torch.Tensor):
+            return t
+        # quiet for a plain Tensor (uses.quiet); a subclass keeps its dispatch
+        return quiet(self._tap_tensor)(t) if type(t) is torch.Tensor else self._tap_tensor(t)
+
+    def _tap_tensor(self, t):
+        if not t.is_floating_point():
             return t
         dummy = self._dummy.get(t.device)
         if dummy is None:

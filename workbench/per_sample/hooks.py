@@ -44,6 +44,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from workbench.per_sample import precision
 from workbench.per_sample.broadcast import BROADCASTABLE
+from workbench.per_sample.uses import quiet
 
 
 @dataclass
@@ -114,9 +115,9 @@ class ActivationRecorder:
     def __enter__(self):
         for path, layer in self.layers.items():
             self.calls[path] = []
-            self._handles.append(layer.register_forward_pre_hook(self._push(path)))
-            self._handles.append(layer.register_forward_hook(
-                self._forward_hook(path), with_kwargs=True, always_call=True))
+            self._handles.append(layer.register_forward_pre_hook(quiet(self._push(path))))
+            self._handles.append(layer.register_forward_hook(  # quiet: not uses (uses.py)
+                quiet(self._forward_hook(path)), with_kwargs=True, always_call=True))
         return self
 
     def __exit__(self, *exc):

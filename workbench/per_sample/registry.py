@@ -111,7 +111,7 @@ def layer_type(layer: nn.Module) -> type:
     """``type(layer)``, or the original class of a ``torch.nn.utils.parametrize``d layer
     (parametrize swaps in a generated subclass whose forward is the original's)."""
     kind = type(layer)
-    if is_parametrized(layer) and kind.__name__.startswith("Parametrized"):
+    if kind.__name__.startswith("Parametrized") and is_parametrized(layer):  # name: cheap first
         return kind.__bases__[0]
     return kind
 

@@ -18,7 +18,16 @@ Given the recorder, it also turns two uses into rule calls instead of uncovered 
 ``F.linear(x, W)`` of a parameter outside its layer (a tied head: ``tied.py``), and a
 position-wise layer called without the batch whose output is added to a batched tensor (a
 positional embedding on ``arange(T)``: ``broadcast.py``).
+
+**Cost.** The mode sees every torch call of the forward pass, the workbench's own too: its
+hooks read shapes, register tensor hooks and tap outputs, several times more calls than the
+model itself makes, none of them a use of a parameter. ``quiet`` runs those hooks with
+torch-function dispatch off, so the tracker sees the model's calls only; its body is a scan
+of the arguments by id, the rest only for calls that take a tracked parameter or a watched
+batch-free output.
 """
+
+import functools
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -51,8 +60,24 @@ def _is_random(name: str, args, kwargs) -> bool:
 
 
 def _differentiable(result) -> bool:
+    if isinstance(result, torch.Tensor):
+        return result.requires_grad
     leaves, _ = tree_flatten(result)
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+
+
+def quiet(hook):
+    """``hook`` run with torch-function dispatch off (``torch._C.DisableTorchFunction``): for
+    the workbench's own hooks, whose tensor calls (shapes, ``register_hook``, ``requires_grad_``
+    of a layer's parameters) are book-keeping, not uses of the model; no mode on the stack (the
+    use tracker, the loss watch) sees them. Not for code whose result the model receives if it
+    may be a tensor subclass (dispatch off, an op returns a plain Tensor)."""
+    @functools.wraps(hook)
+    def run(*args, **kwargs):
+        with torch._C.DisableTorchFunction():
+            return hook(*args, **kwargs)
+
+    return run
 
 
 class UseTracker(TorchFunctionMode):
@@ -92,7 +117,8 @@ class UseTracker(TorchFunctionMode):
         if not self.random and getattr(func, "__name__", "") in RANDOM_FUNCTIONS:
             self.random = _is_random(func.__name__, args, kwargs)
         if torch.is_grad_enabled():
-            if self.batch_free.watched:
+            watched = self.batch_free.watched
+            if watched and self._any_in(watched, args, kwargs):
                 self.batch_free.saw(func, args, kwargs, result, _differentiable)
             used = self._parameters_in(args, kwargs)
             if used and _differentiable(result):
@@ -104,6 +130,14 @@ class UseTracker(TorchFunctionMode):
                     if where not in self.owners[id(p)]:
                         self.uncovered.setdefault(id(p), set()).add(where)
         return result
+
+    @staticmethod
+    def _any_in(ids: dict, args, kwargs) -> bool:
+        """Is any argument (one level into lists and tuples) a key of ``ids`` by id?"""
+        for a in (*args, *kwargs.values()):
+            if id(a) in ids or (type(a) in (list, tuple) and any(id(b) in ids for b in a)):
+                return True
+        return False
 
     def _parameters_in(self, args, kwargs) -> list:
         """The tracked parameters among the arguments (one level into lists and tuples:
@@ -118,4 +152,4 @@ class UseTracker(TorchFunctionMode):
         return used
 
 
-__all__ = ["LOSS", "RANDOM_FUNCTIONS", "UseTracker"]
+__all__ = ["LOSS", "RANDOM_FUNCTIONS", "UseTracker", "quiet"]
