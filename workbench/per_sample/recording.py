@@ -53,10 +53,17 @@ def rng_state(device: torch.device) -> tuple:
 def own_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The trainable parameters a module owns itself: registered on it and not also on one of
     its submodules (a DP layer re-exposes its parts' weights under torch.nn's names; the
-    part, the innermost owner, is where they are used and sampled)."""
-    deeper = {id(p) for child in module.children() for p in child.parameters()}
-    return [(name, p) for name, p in module.named_parameters(recurse=False)
-            if p.requires_grad and id(p) not in deeper]
+    part, the innermost owner, is where they are used and sampled). A leaf layer, the common
+    case, is read from its own table, without a walk (a fixed cost of every record)."""
+    deeper = {id(p) for child in module.children() for p in child.parameters()} \
+        if module._modules else ()
+    seen, own = set(), []
+    for name, p in module._parameters.items():  # as named_parameters(recurse=False)
+        if p is not None and id(p) not in seen:
+            seen.add(id(p))
+            if p.requires_grad and id(p) not in deeper:
+                own.append((name, p))
+    return own
 
 
 def layers_with_parameters(model: nn.Module) -> dict[str, nn.Module]:
@@ -69,19 +76,23 @@ def layers_with_parameters(model: nn.Module) -> dict[str, nn.Module]:
             if not isinstance(module, ParametrizationList) and own_parameters(module)}
 
 
-def owners_of(layers: dict[str, nn.Module], model: nn.Module) -> dict[int, set[str]]:
+def owners_of(layers: dict[str, nn.Module], model: nn.Module, params=None) -> dict[int, set[str]]:
     """{id(param): paths of the recorded layers owning it} for every trainable parameter of
-    ``model`` (an empty set: no recorded layer owns it, so every use is uncovered)."""
-    owners: dict[int, set[str]] = {id(p): set() for p in model.parameters() if p.requires_grad}
+    ``model`` (an empty set: no recorded layer owns it, so every use is uncovered);
+    ``params``: ``trainable_parameters(model)`` if the caller has it (no second walk)."""
+    params = trainable_parameters(model) if params is None else params
+    owners: dict[int, set[str]] = {id(p): set() for p in params.values()}
     for path, layer in layers.items():
         for _, p in own_parameters(layer):
             owners.setdefault(id(p), set()).add(path)
     return owners
 
 
-def parameter_names(model: nn.Module) -> dict[int, str]:
-    """{id(param): name} of the trainable parameters (paths of functional layers)."""
-    return {id(p): name for name, p in model.named_parameters() if p.requires_grad}
+def parameter_names(model: nn.Module, params=None) -> dict[int, str]:
+    """{id(param): name} of the trainable parameters (paths of functional layers);
+    ``params``: ``trainable_parameters(model)`` if the caller has it."""
+    params = trainable_parameters(model) if params is None else params
+    return {id(p): name for name, p in params.items()}
 
 
 def check_layers(layers: dict[str, nn.Module], strict: bool, covered=None) -> None:
@@ -218,7 +229,8 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
     p0 = next(iter(params.values()))
     rng = rng_state(p0.device)
     with ActivationRecorder(layers) as recorder:
-        tracker = UseTracker(owners_of(layers, model), recorder, parameter_names(model))
+        tracker = UseTracker(owners_of(layers, model, params), recorder,
+                             parameter_names(model, params))
         with tracker:
             outputs = forward(model, inputs)
             tracker.in_loss = True

@@ -27,8 +27,6 @@ of the arguments by id, the rest only for calls that take a tracked parameter or
 batch-free output.
 """
 
-import functools
-
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
@@ -72,8 +70,7 @@ def quiet(hook):
     of a layer's parameters) are book-keeping, not uses of the model; no mode on the stack (the
     use tracker, the loss watch) sees them. Not for code whose result the model receives if it
     may be a tensor subclass (dispatch off, an op returns a plain Tensor)."""
-    @functools.wraps(hook)
-    def run(*args, **kwargs):
+    def run(*args, **kwargs):  # no functools.wraps: a hook is wrapped on every record()
         with torch._C.DisableTorchFunction():
             return hook(*args, **kwargs)
 
