@@ -43,7 +43,8 @@ def train(skip, mode, steps=3, penalty=0.0, dropout=0.0, accumulate=1):
     opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model, noise_multiplier=0.3,
                       max_grad_norm=0.7, expected_batch_size=6, method=mode,
                       generator=torch.Generator().manual_seed(2))
-    opt.skip_weight_grads = skip
+    if skip is not None:  # None: the default
+        opt.skip_weight_grads = skip
     batches = data(steps * accumulate)
     torch.manual_seed(3)  # the dropout masks
     for k in range(steps):
@@ -53,7 +54,8 @@ def train(skip, mode, steps=3, penalty=0.0, dropout=0.0, accumulate=1):
             if penalty:
                 loss = loss + penalty * model.fc.weight.pow(2).sum()
             loss.backward()
-            if skip:  # its own weight gradient was skipped, its uses outside are not
+            if skip or (skip is None and k):  # its own weight gradient was skipped, its
+                # uses outside are not (the default: from the second step)
                 assert model.fc.weight.grad is None or penalty
                 assert model.emb.weight.grad is not None  # the tied head's use
         assert all(p.requires_grad for p in model.parameters())
@@ -132,3 +134,47 @@ def test_grad_scaler_is_refused_not_misread():
     with pytest.raises(ValueError, match="skip_weight_grads"):
         scaler.step(opt)
     opt.detach()
+
+
+def default_loop(steps, scaler=None):
+    """The default optimizer (skip_weight_grads not set) on the Linear model: whether
+    fc's .grad was kept before each step, and whether every .grad is set after it."""
+    model = nn.Sequential(nn.Linear(3, 2)).double()
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=0.5,
+                      max_grad_norm=1.0, expected_batch_size=4,
+                      generator=torch.Generator().manual_seed(0))
+    kept, after = [], []
+    for k in range(steps):
+        opt.zero_grad()
+        loss = model(torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator()
+                                 .manual_seed(k))).sum()
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        kept.append(model[0].weight.grad is not None)
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+        after.append(all(p.grad is not None for p in model.parameters()))
+    opt.detach()
+    return kept, after, [p.detach().clone() for p in model.parameters()]
+
+
+def test_default_skips_from_the_second_step_and_step_sets_every_grad():
+    # the .grad contract: before step() no non-private gradient of a recorded layer is kept
+    # (from the second step: the first one shows whether a GradScaler reads .grad); after
+    # step() every parameter holds the private one
+    kept, after, _ = default_loop(3)
+    assert kept == [True, False, False] and all(after)
+
+
+def test_default_never_skips_under_a_grad_scaler_from_the_first_step():
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    kept, after, _ = default_loop(3, scaler)
+    assert kept == [True, True, True] and all(after)  # its inf check sees every .grad
+
+
+def test_default_updates_equal_skipping_off_bitwise():
+    default = train(None, "bookkeeping", steps=4)
+    for a, b in zip(train(False, "bookkeeping", steps=4), default):
+        assert torch.equal(a, b)

@@ -8,8 +8,9 @@ einsum or book-keeping by a rule on the recorded layers); ``auto_chose`` says wh
 Zoo models (``--models imdb_embedding ...``) step on ``models.example_batch``. ``--opacus hooks
 ghost`` adds Opacus' own loop in those modes (``bench.opacus_twin``), same model and batch.
 ``--models tiny_gpt``: the character GPT at T = 128 (``bench.gpt``'s model and batch).
-``--skip-weight-grads`` adds each mode with ``DPOptimizer.skip_weight_grads`` on (the user's
-backward skips the weight gradients the DP step recomputes, ``dpsgd/skip_weights.py``);
+Each MODE column runs with ``DPOptimizer.skip_weight_grads`` off; ``--skip-weight-grads``
+adds MODE+skip with it on (the default: the user's backward skips the weight gradients the
+DP step recomputes, ``dpsgd/skip_weights.py``);
 ``--memory`` the peak allocated bytes of one step over plain's (``bench.peak_memory``).
 """
 

@@ -48,11 +48,17 @@ even when an inf was found (skipping it would depend on the data). ``torch.autoc
 (bfloat16, float16): norms, clip factors and sums are computed in float32, the self-check
 replays the recorded autocast state (``per_sample/precision.py``).
 
-**Skipping the weight gradients** (``skip_weight_grads = True``, off by default;
-``skip_weights.py``): the user's backward pass then computes no unclipped weight gradient of
+**Skipping the weight gradients** (``skip_weight_grads``, on by default from the second
+step; ``skip_weights.py``): the user's backward pass computes no unclipped weight gradient of
 the recorded leaf layers (every mode recomputes their clipped sum from the recording; Bu et
-al. 2023, arXiv 2210.00038, §3), the same updates bit for bit; ``.grad`` before ``step()``
-then lacks those layers' part (``bench training --skip-weight-grads`` measures the gain).
+al. 2023, arXiv 2210.00038, §3), the same updates bit for bit. The ``.grad`` contract: before
+``step()`` no non-private gradient is kept for those layers; after ``step()`` every parameter
+holds the private one. What reads ``.grad`` before the step: a GradScaler (the first step
+runs unskipped; a scaler seen there turns skipping off for the run, one seen later is
+refused), ``clip_grad_norm_`` (harmless: DP-SGD never reads ``.grad``, it clips per record),
+DDP and autocast (skipping is off under both), the path check below (it leaves the skipped
+calls out of Σ_i g_i too). ``skip_weight_grads = False`` restores the ordinary ``.grad``
+(``bench training --skip-weight-grads`` measures the gain).
 
 **Non-finite records** (a NaN or inf per-sample gradient) are left out of the sum, counted in
 ``last["nonfinite"]`` (indices in ``last["nonfinite_indices"]``) and warned about; a batch of
@@ -225,13 +231,18 @@ class DPOptimizer(Optimizer):
 
     @property
     def skip_weight_grads(self) -> bool:
-        """Off by default. On: in the forward passes between ``zero_grad()`` and ``step()``,
+        """On by default. On: in the forward passes between ``zero_grad()`` and ``step()``,
         autograd skips the unclipped weight gradients of the recorded leaf layers, which every
-        mode recomputes clipped (``skip_weights.py``; Bu et al. 2023 §3). ``.grad`` before
-        ``step()`` then lacks those layers' part, and any other gradient taken through those
-        passes (``torch.autograd.grad`` w.r.t. the parameters) does too. Not with a
-        GradScaler (refused at the step), DDP or autocast (the ordinary path then runs)."""
-        return self.recorder.skip_weight_grads
+        mode recomputes clipped (``skip_weights.py``; Bu et al. 2023 §3). The ``.grad``
+        contract: before ``step()``, no non-private gradient is kept for those layers (only
+        terms outside their calls, e.g. a tied head's use); after ``step()``, every parameter
+        holds the private one. Any other gradient taken through those passes
+        (``torch.autograd.grad`` w.r.t. the parameters) lacks their part too. The default
+        starts at the second step and stays off once a ``GradScaler`` steps the optimizer
+        (its inf check reads ``.grad``); ``True`` starts at once and refuses a GradScaler at
+        the step; ``False``: ``.grad`` before ``step()`` is the ordinary gradient. Off under
+        DDP and autocast (the ordinary path runs)."""
+        return self.recorder.skip_weight_grads is not False
 
     @skip_weight_grads.setter
     def skip_weight_grads(self, value: bool) -> None:
@@ -448,12 +459,17 @@ class DPOptimizer(Optimizer):
                 "would be taken. Finish the loop over the loader, or start a new pass "
                 "(for x, y in loader: ...), which discards the unfinished batch")
         self._fresh_chunk = False
-        if self._amp_scale() is not None and self.recorder.skipper.tapped:
-            self.recorder.clear()
-            raise ValueError("skip_weight_grads=True with a GradScaler: the scaler's inf "
-                             "check reads .grad, which the skipped weight gradients leave "
-                             "empty; set optimizer.skip_weight_grads = False")
+        if self._amp_scale() is not None:
+            if self.recorder.skipper.tapped:
+                self.recorder.clear()
+                raise ValueError("skip_weight_grads with a GradScaler: the scaler's inf check "
+                                 "reads .grad, which the skipped weight gradients leave empty "
+                                 "(the default skips from the second step on unless the first "
+                                 "step had the scaler); set optimizer.skip_weight_grads = "
+                                 "False, or step through the scaler from the first step")
+            self.recorder.scaler_seen = True  # the default skips nothing from now on
         self.accumulate_clipped_sum(self._amp_scale())
+        self.recorder.warm = True  # a step taken: the default skips from the next one
         if self.expect_more:
             self._mark_released()
             return loss  # a virtual step: noise comes with the logical batch's last chunk

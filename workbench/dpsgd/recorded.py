@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_flatten
 
 from workbench.clipping.engine import reweighted_weight_grads
 from workbench.dpsgd.loss_watch import LossWatch
-from workbench.dpsgd.skip_weights import WeightGradSkipper
+from workbench.dpsgd.skip_weights import AUTO, WeightGradSkipper
 from workbench.errors import UnsupportedLayerError
 from workbench.per_sample import precision, selfcheck
 from workbench.per_sample.checks import ModelCall
@@ -106,10 +106,13 @@ class ModelRecorder:
         self._amp = None  # the autocast dtype of the forward pass running (precision.py)
         self._handles = [model.register_forward_pre_hook(quiet(self._enter)),  # uses.quiet
                          model.register_forward_hook(quiet(self._exit), always_call=True)]
-        # skip_weights.py, off by default; armed by zero_grad() until the step (clear)
-        self.skip_weight_grads, self.armed, self._fast = False, False, False
+        # skip_weights.py: True, False or AUTO (the default: from the second step on, while
+        # no GradScaler was seen: ``warm``); armed by zero_grad() until the step (clear)
+        self.skip_weight_grads, self.armed, self._fast = AUTO, False, False
+        self.warm, self.scaler_seen = False, False
         self.skipper = WeightGradSkipper(self.layers, {id(p) for p in self.params.values()},
                                          lambda: self._fast and self.layer_rec.recording)
+        self.skipper.attach(True)
 
     def _structure(self):
         return [id(m) for m in self.model.modules()], [
@@ -123,7 +126,9 @@ class ModelRecorder:
             self.watch.close()  # a new forward pass: the loss window of the last one ends
             device = next(iter(self.params.values())).device
             self._rng, self._amp = rng_state(device), precision.state(device)
-            self._fast = (self.skip_weight_grads and self.armed and torch.is_grad_enabled()
+            skip = self.skip_weight_grads is True or (self.skip_weight_grads is AUTO
+                                                      and self.warm and not self.scaler_seen)
+            self._fast = (skip and self.armed and torch.is_grad_enabled()
                           and self._amp is None and not distributed_run(self.wrapped))
             self._roots = len(self.root_rec.calls[ROOT])
             self.tracker.__enter__()

@@ -20,12 +20,16 @@ Only *leaf* layers (no submodules) that are not parametrised are tapped: every u
 parameters inside their forward is their own call, so the use tracker (``per_sample.uses``)
 sees the same uses either way; uses outside the layer's forward keep ``requires_grad``.
 
-What the user's ``.grad`` then holds: for a tapped parameter, only the gradient of terms
-outside the tapped calls (an L2 penalty, a tied head's ``F.linear``); ``recorded.path_gradient``
-leaves the tapped calls out accordingly, so the ``.grad`` check still finds such terms.
-Off where ``.grad`` itself matters: under ``torch.distributed`` / DDP (its all-reduce runs on
-``.grad``), under autocast (a GradScaler's inf check reads ``.grad``), and inside the
-optimizer's own checks (the recorder paused).
+What the user's ``.grad`` then holds (the contract, on by default): before ``step()``, for a
+tapped parameter only the gradient of terms outside the tapped calls (an L2 penalty, a tied
+head's ``F.linear``), no non-private gradient of the layer's own calls; after ``step()``,
+the private one. ``recorded.path_gradient`` leaves the tapped calls out accordingly, so the
+``.grad`` check still finds such terms. Off where ``.grad`` itself matters: under
+``torch.distributed`` / DDP (its all-reduce runs on ``.grad``), under autocast, with a
+GradScaler (its inf check reads ``.grad``: the default skips from the second step only, and
+never once a scaler stepped; ``skip_weight_grads = True`` refuses one at the step), and
+inside the optimizer's own checks (the recorder paused). The bit-identical updates are the
+reason it can be the default: nothing DP-SGD computes reads the skipped gradients.
 
 Notation: a activations, b backprops, g_i per-sample gradient, c_i clip factor.
 """
@@ -36,6 +40,8 @@ from torch.nn.utils.parametrize import is_parametrized
 from torch.utils._pytree import tree_map
 
 from workbench.per_sample.uses import quiet
+
+AUTO = "auto"  # DPOptimizer.skip_weight_grads's default (module docstring)
 
 
 class Tap(torch.autograd.Function):
@@ -134,4 +140,4 @@ class WeightGradSkipper:
         self._handles.clear()
 
 
-__all__ = ["Tap", "WeightGradSkipper", "tappable"]
+__all__ = ["AUTO", "Tap", "WeightGradSkipper", "tappable"]
