@@ -38,6 +38,7 @@ from workbench.clipping.engine import clipped_sum
 from workbench.clipping.ghost import record_batch, recorded_shared, squared_norms, verify_norms
 from workbench.clipping.nonfinite import refuse_nonfinite
 from workbench.per_sample.einsum import fallback_gradients, sample_layer
+from workbench.per_sample.hooks import drop_inputs
 from workbench.per_sample.precision import in_full_precision
 from workbench.per_sample.recording import own_parameters
 from workbench.per_sample.streaming import stream_backward
@@ -67,22 +68,33 @@ def record_streamed(model, loss_fn, inputs, targets, check):
                 for call in rec.recorder.calls[path]}
     kept, materialised = {}, {}
 
-    @in_full_precision  # as the engine's materialise
     def on_call(call):
         layer = layer_of[id(call)]
-        own = dict(rec.own(layer))
-        if own and smaller_materialised(layer, call, own, shared, rec.n):
-            for name, g in sample_layer(layer, call, keep=own).items():
-                materialised[id(own[name])] = g  # (n, *shape)
-            call.args, call.kwargs = (), {}  # a: no longer needed
-        else:
+        grads = materialise_call(layer, call, dict(rec.own(layer)), shared, rec.n)
+        if grads is None:
             kept[id(call)] = call.backprops
+        else:
+            materialised.update(grads)
 
     stream_backward(rec.recorder.all_calls(), rec.losses.sum(), on_call)
     for call in rec.recorder.all_calls():
         call.backprops = kept.get(id(call))
     rec.exact = fallback_gradients(rec, model, loss_fn, inputs, targets)
     return rec, materialised
+
+
+@in_full_precision  # as the engine's materialise
+def materialise_call(layer, call, own: dict, shared: set, n: int) -> dict | None:
+    """{id(param): g_i (n, *shape)} of one call whose b has just arrived, when its per-sample
+    gradients take less memory than its a and b (``smaller_materialised``); its a is then
+    dropped (``hooks.drop_inputs``: shapes kept for the checks). None, the call untouched,
+    otherwise. The one streaming decision of book-keeping: the functional API's streamed
+    backward (``record_streamed``) and the optimizer's tensor hooks (``dpsgd/recorded.py``)."""
+    if not own or not smaller_materialised(layer, call, own, shared, n):
+        return None
+    grads = {id(own[name]): g for name, g in sample_layer(layer, call, keep=own).items()}
+    drop_inputs(call)
+    return grads
 
 
 def smaller_materialised(layer, call, own: dict, shared: set, n: int) -> bool:
@@ -99,4 +111,5 @@ def smaller_materialised(layer, call, own: dict, shared: set, n: int) -> bool:
     return n * grad_numel < call.args[0].numel() + b.numel()
 
 
-__all__ = ["bookkeeping_clipped_sum", "record_streamed", "smaller_materialised"]
+__all__ = ["bookkeeping_clipped_sum", "materialise_call", "record_streamed",
+           "smaller_materialised"]
