@@ -25,9 +25,8 @@ Notation: n batch, a activations, b backprops, g_i per-sample gradient, f_i loss
 """
 
 import torch
-from torch import nn
 
-from workbench.clipping.bookkeeping import materialise_call
+from workbench.clipping.bookkeeping import STREAMED, materialise_call
 from workbench.per_sample.einsum import sample_layer
 from workbench.per_sample.precision import in_full_precision
 from workbench.per_sample.recording import batch_problem, own_parameters
@@ -43,8 +42,8 @@ def stream_call(recorder, call) -> None:
         return
     layer = recorder.layers.get(call.path)
     n = recorder._n
-    if type(layer) is not nn.Linear or call.meet is not None or n is None:
-        return  # only Linear calls are ever materialised (bookkeeping.smaller_materialised)
+    if type(layer) not in STREAMED or call.meet is not None or n is None:
+        return  # only these are ever materialised (bookkeeping.smaller_materialised)
     if batch_problem(layer, call, n):
         return
     if call.path not in recorder._own:
