@@ -33,9 +33,10 @@ Notation: n batch, a activations, b backprops, c clip factors (n,).
 """
 
 import torch
+from torch import nn
 from torch.nn.utils.parametrize import is_parametrized
 
-from workbench.clipping.engine import ROW_LAYERS, clipped_sum
+from workbench.clipping.engine import clipped_sum
 from workbench.clipping.ghost import record_batch, recorded_shared, squared_norms, verify_norms
 from workbench.clipping.nonfinite import refuse_nonfinite
 from workbench.per_sample.einsum import fallback_gradients, sample_layer
@@ -98,7 +99,9 @@ def materialise_call(layer, call, own: dict, shared: set, n: int) -> dict | None
     return grads
 
 
-STREAMED = ROW_LAYERS  # engine.py: one input, rule temporaries no larger than a and b
+# layers whose rule needs no more temporary memory than the call's a and b (a matmul; the
+# normalised input times b): exact types, a subclass may change forward
+STREAMED = (nn.Linear, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
 
 
 def smaller_materialised(layer, call, own: dict, shared: set, n: int) -> bool:

@@ -33,10 +33,7 @@ not multiplied, out of each product (``nonfinite.py``), so it cannot turn the su
 Notation: n batch, g_i per-sample gradient, c_i clip factor, C max_grad_norm, b backprops.
 """
 
-from dataclasses import replace
-
 import torch
-from torch import nn
 from torch.utils._pytree import tree_map
 
 from workbench.clipping.flat import checked_clip_factors, grad_norms, sample_squares, weighted_sum
@@ -51,12 +48,6 @@ from workbench.per_sample.precision import in_full_precision
 from workbench.rules import fast_weight_grads
 
 MODES = CLIP_METHODS  # ghost and bookkeeping: one path here (the graph is gone by now)
-# layers with one input, the batch on dim 0 of it and of b, whose rule needs no more temporary
-# memory than the call's a and b: their c ⊙ b is formed a chunk of records at a time
-# (``reweighted_weight_grads``), and book-keeping may materialise them on arrival
-# (``bookkeeping.smaller_materialised``). Exact types: a subclass may change forward.
-ROW_LAYERS = (nn.Linear, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
-CHUNK_BYTES = 2**23  # 8 MiB of c ⊙ b at a time, whatever the layer's width
 
 
 @in_full_precision  # the layers re-run on widened inputs (per_sample/precision.py)
@@ -93,28 +84,7 @@ def reweighted_weight_grads(layer, call, c, own: list, ok=None) -> dict:
     """{id(param): Σ_i c_i g_i} for ``own`` parameters of one call, by one weight gradient
     from the call's stored inputs (the backward pass has freed the graph). ``ok`` (n,), when
     some records are non-finite: the others' backprops are masked to 0 and the stored inputs'
-    NaN and inf entries replaced by 0, so no 0 · NaN enters the weight gradient.
-
-    A ``ROW_LAYERS`` call whose b is larger than ``CHUNK_BYTES`` is summed over chunks of
-    records, Σ_chunks Σ_{i ∈ chunk} c_i g_i: c ⊙ b, a copy of b, never exists whole
-    (Linear(4096, 4096), n = 256, T = 16: 64 MiB more than a plain step's peak)."""
-    b, n = call.backprops, c.shape[0]
-    a = call.args[0] if call.args else None
-    if (type(layer) not in ROW_LAYERS or not isinstance(b, torch.Tensor) or b.dim() == 0
-            or b.shape[0] != n or not isinstance(a, torch.Tensor) or a.dim() == 0
-            or a.shape[0] != n or b.numel() * b.element_size() <= CHUNK_BYTES):
-        return _reweighted(layer, call, c, own, ok)
-    rows = max(1, CHUNK_BYTES * n // (b.numel() * b.element_size()))
-    sums: dict = {}
-    for s in range(0, n, rows):
-        part = replace(call, args=(a[s:s + rows], *call.args[1:]), backprops=b[s:s + rows])
-        for key, g in _reweighted(layer, part, c[s:s + rows], own,
-                                  None if ok is None else ok[s:s + rows]).items():
-            sums[key] = g if key not in sums else sums[key] + g
-    return sums
-
-
-def _reweighted(layer, call, c, own: list, ok=None) -> dict:
+    NaN and inf entries replaced by 0, so no 0 · NaN enters the weight gradient."""
     b = call.backprops
     weighted = [_weighted(t, c, ok) for t in (b if isinstance(b, tuple) else (b,))]
     fast = fast_weight_grads(layer)  # the layer rule's own clipped sum (rules/), if any
@@ -218,6 +188,6 @@ def clip_by_backward(rec, squares: torch.Tensor, C: float) -> dict[str, torch.Te
 
 
 __all__ = [
-    "CHUNK_BYTES", "MODES", "ROW_LAYERS", "clip_by_backward", "clip_materialised", "clipped_sum",
-    "materialise", "reweighted_weight_grads",
+    "MODES", "clip_by_backward", "clip_materialised", "clipped_sum", "materialise",
+    "reweighted_weight_grads",
 ]
