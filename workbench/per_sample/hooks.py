@@ -30,6 +30,11 @@ tied head's ``F.linear`` as a Linear call (``tied.py``), and ``redirect`` reads 
 call's backprops where its output meets the batch (``broadcast.py``; in ``capture="hooks"`` by a
 pre-hook on that add's autograd node).
 
+In ``capture="hooks"``, ``on_complete(call)`` (when set) runs the moment every output's
+gradient of a call has arrived, still inside the backward pass: the optimizer's book-keeping
+materialises a call there and frees its a (``drop_inputs``: "meta" tensors keep the shapes)
+and b (``dpsgd/streamed.py``), as the functional API's streamed pass does.
+
 Nothing is left behind: ``ActivationRecorder`` is a context manager that removes every hook
 on exit, also when the forward or backward pass raises.
 """
