@@ -29,7 +29,8 @@ def test_materialised_calls_give_the_exact_clipped_sum():
     x, y = torch.randn(5, 8, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0, 1])
     rec, materialised = record_streamed(model, loss_fn, x, y, check=False)
     assert {id(p) for p in model.parameters()} == set(materialised)  # both layers
-    assert all(call.backprops is None and call.args == () for call in rec.recorder.all_calls())
+    assert all(call.backprops is None and all(a.device.type == "meta" for a in call.args)
+               for call in rec.recorder.all_calls())  # a freed, its shape kept
     got = wb.clipped_grad_sum(model, loss_fn, x, y, 0.3, method="bookkeeping")
     want = wb.clipped_grad_sum(model, loss_fn, x, y, 0.3, method="microbatch")
     for name in want:

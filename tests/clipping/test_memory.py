@@ -50,11 +50,13 @@ def test_ghost_and_bookkeeping_peak_memory_close_to_plain():
         assert peak <= 1.2 * plain, f"{mode}: peak RSS {peak:.0f} MB vs plain {plain:.0f} MB"
 
 
-def test_ghost_norm_pass_holds_no_layer_backprops_tiny_gpt():
+def test_ghost_and_bookkeeping_stream_tiny_gpt():
     """tiny_gpt (bench size, b = 4, T = 32), allocated bytes by the CPU profiler, which is
     deterministic: ghost clipping's peak was 1.53x a plain step's while its first backward
-    pass kept every layer's b to the end (26.5 MB of them at b = 32, T = 128); streamed
-    (per_sample/streaming.py) it is 1.16x, the retained graph's cost. 1.3x separates the two."""
+    pass kept every layer's b to the end, 1.16x streamed over a retained graph, 1.06x now
+    that the norm pass frees the graph and the second pass runs the forward again;
+    book-keeping 1.19x when only Linear calls were materialised on arrival, 1.07x with the
+    LayerNorms too (clipping/bookkeeping.py). 1.1x separates them."""
     from workbench.bench.gpt import SIZES, VOCAB
     from workbench.bench.peak_memory import peak_bytes, tensor_bytes
     from workbench.bench.steps import plain_step
@@ -65,11 +67,12 @@ def test_ghost_norm_pass_holds_no_layer_backprops_tiny_gpt():
     x, y = (torch.randint(0, VOCAB, (4, 32), generator=gen) for _ in range(2))
     resident, cpu = tensor_bytes(model, x, y), torch.device("cpu")
     plain = lambda: plain_step(model, x, y, sequence_cross_entropy, torch.mean)  # noqa: E731
-    ghost = lambda: wb.clipped_grad_sum(model, sequence_cross_entropy, x, y,  # noqa: E731
-                                        max_grad_norm=1.0, method="ghost")
-    ghost()  # the self-check's probe runs once, outside the measurement
-    ratio = peak_bytes(ghost, cpu, resident) / peak_bytes(plain, cpu, resident)
-    assert ratio <= 1.3, f"ghost peak {ratio:.2f}x plain"
+    for method in ("ghost", "bookkeeping"):
+        step = lambda m=method: wb.clipped_grad_sum(  # noqa: E731
+            model, sequence_cross_entropy, x, y, max_grad_norm=1.0, method=m)
+        step()  # the self-check's probe runs once, outside the measurement
+        ratio = peak_bytes(step, cpu, resident) / peak_bytes(plain, cpu, resident)
+        assert ratio <= 1.1, f"{method} peak {ratio:.2f}x plain"
 
 
 def test_first_checked_call_holds_no_model_sized_copies():

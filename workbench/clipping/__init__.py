@@ -25,9 +25,9 @@ import torch
 from workbench import rules  # noqa: F401  (registers the built-in layer rules)
 from workbench.checks import check_max_grad_norm
 from workbench.clipping.bookkeeping import bookkeeping_clipped_sum
-from workbench.clipping.engine import clip_by_backward, clip_materialised
+from workbench.clipping.engine import clip_materialised
 from workbench.clipping.flat import clip_factors, grad_norms, norm_dtype
-from workbench.clipping.ghost import ghost_norms, record_norms, verify_norms
+from workbench.clipping.ghost import ghost_clipped_sum, ghost_norms
 from workbench.clipping.registry import NORM_SAMPLERS, register_norm_sampler
 from workbench.clipping.routes import ghost_routes
 from workbench.clipping.snapshot import (
@@ -96,10 +96,7 @@ def clipped_grad_sum(model, loss_fn, inputs, targets, max_grad_norm, method="boo
         return {}
     check_option(check)
     if method == "ghost":
-        rec, squares, _ = record_norms(model, loss_fn, inputs, targets, retain_graph=True,
-                                       check=check)
-        verify_norms(model, rec, squares)
-        return clip_by_backward(rec, squares, max_grad_norm)
+        return ghost_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm, check=check)
     if method == "bookkeeping":
         return bookkeeping_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm,
                                        check=check)

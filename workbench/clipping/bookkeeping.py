@@ -15,12 +15,14 @@ The backward pass that gives the backprops does not retain the graph: as in a pl
 what autograd saved inside the layers (attention maps, GELU inputs) is freed as the pass goes,
 and only each layer's inputs a and backprops b are kept, which is what peak memory is made of
 (bench e2e, tiny_gpt, b = 32, T = 128: about 1.3x a plain step's peak when every layer kept
-its (a, b); ghost clipping, which retains the graph but holds no layer's b past its norm,
-about the same). So the backward pass is streamed (``per_sample.streaming``): a Linear call
-whose per-sample gradients g_i (n p d) are smaller than its (a, b) (n T (d + p)), as in a
-transformer's projections at T >= 2, is materialised the moment its b is complete, and its a
-and b let go; its clipped sum is then Σ_i c_i g_i (Bu et al. §4 choose per layer between
-the ghost norm and materialising, by time; the choice here is by memory).
+its (a, b)). So the backward pass is streamed (``per_sample.streaming``): a Linear or
+normalisation call whose per-sample gradients g_i (n p d for a Linear, n 2d for a LayerNorm)
+are smaller than its (a, b) (n T (d + p), n 2 T d), as in a transformer's projections and
+LayerNorms at T >= 2, is materialised the moment its b is complete, and its a and b let go;
+its clipped sum is then Σ_i c_i g_i (Bu et al. §4 choose per layer between the ghost norm
+and materialising, by time; the choice here is by memory: 1.12x a plain step's peak on
+tiny_gpt). ``materialise_call`` is that decision, for the optimizer's hooks too
+(``dpsgd/streamed.py``).
 Each layer's clipped sum is then computed from (a, c ⊙ b) alone: for ``nn.Linear`` the one
 matmul above; for any other layer PyTorch's own weight-gradient kernel, by re-running the layer
 alone on its stored inputs and asking autograd for the gradient with grad_outputs = c ⊙ b.
@@ -38,6 +40,7 @@ from workbench.clipping.engine import clipped_sum
 from workbench.clipping.ghost import record_batch, recorded_shared, squared_norms, verify_norms
 from workbench.clipping.nonfinite import refuse_nonfinite
 from workbench.per_sample.einsum import fallback_gradients, sample_layer
+from workbench.per_sample.hooks import drop_inputs
 from workbench.per_sample.precision import in_full_precision
 from workbench.per_sample.recording import own_parameters
 from workbench.per_sample.streaming import stream_backward
@@ -67,16 +70,13 @@ def record_streamed(model, loss_fn, inputs, targets, check):
                 for call in rec.recorder.calls[path]}
     kept, materialised = {}, {}
 
-    @in_full_precision  # as the engine's materialise
     def on_call(call):
         layer = layer_of[id(call)]
-        own = dict(rec.own(layer))
-        if own and smaller_materialised(layer, call, own, shared, rec.n):
-            for name, g in sample_layer(layer, call, keep=own).items():
-                materialised[id(own[name])] = g  # (n, *shape)
-            call.args, call.kwargs = (), {}  # a: no longer needed
-        else:
+        grads = materialise_call(layer, call, dict(rec.own(layer)), shared, rec.n)
+        if grads is None:
             kept[id(call)] = call.backprops
+        else:
+            materialised.update(grads)
 
     stream_backward(rec.recorder.all_calls(), rec.losses.sum(), on_call)
     for call in rec.recorder.all_calls():
@@ -85,12 +85,32 @@ def record_streamed(model, loss_fn, inputs, targets, check):
     return rec, materialised
 
 
+@in_full_precision  # as the engine's materialise
+def materialise_call(layer, call, own: dict, shared: set, n: int) -> dict | None:
+    """{id(param): g_i (n, *shape)} of one call whose b has just arrived, when its per-sample
+    gradients take less memory than its a and b (``smaller_materialised``); its a is then
+    dropped (``hooks.drop_inputs``: shapes kept for the checks). None, the call untouched,
+    otherwise. The one streaming decision of book-keeping: the functional API's streamed
+    backward (``record_streamed``) and the optimizer's tensor hooks (``dpsgd/recorded.py``)."""
+    if not own or not smaller_materialised(layer, call, own, shared, n):
+        return None
+    grads = {id(own[name]): g for name, g in sample_layer(layer, call, keep=own).items()}
+    drop_inputs(call)
+    return grads
+
+
+# layers whose rule needs no more temporary memory than the call's a and b (a matmul; the
+# normalised input times b): exact types, a subclass may change forward
+STREAMED = (nn.Linear, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
+
+
 def smaller_materialised(layer, call, own: dict, shared: set, n: int) -> bool:
-    """An ``nn.Linear`` call, all its parameters by rule and used in this call only, whose
-    per-sample gradients (n (p d + p) numbers) take less memory than its stored inputs a and
-    backprops b (n T (d + p): T >= 2 positions for the usual widths)."""
+    """A call of a ``STREAMED`` layer (``nn.Linear``, a normalisation layer), all its
+    parameters by rule and used in this call only, whose per-sample gradients (n (p d + p)
+    numbers for a Linear, n 2d for a LayerNorm) take less memory than its stored inputs a and
+    backprops b (n T (d + p), n 2 T d: T >= 2 positions for the usual widths)."""
     b = call.backprops
-    if (type(layer) is not nn.Linear or is_parametrized(layer) or n == 0
+    if (type(layer) not in STREAMED or is_parametrized(layer) or n == 0
             or not isinstance(b, torch.Tensor) or not call.args
             or len(own) != len(own_parameters(layer))
             or any(id(p) in shared for p in own.values())):
@@ -99,4 +119,5 @@ def smaller_materialised(layer, call, own: dict, shared: set, n: int) -> bool:
     return n * grad_numel < call.args[0].numel() + b.numel()
 
 
-__all__ = ["bookkeeping_clipped_sum", "record_streamed", "smaller_materialised"]
+__all__ = ["STREAMED", "bookkeeping_clipped_sum", "materialise_call", "record_streamed",
+           "smaller_materialised"]

@@ -16,7 +16,7 @@ Abadi et al. 2016 (arXiv 1607.00133), Algorithm 1: c_i = min(1, C / ||g_i||), an
 
 The functional API's other two methods end here too: ``clip_materialised`` (microbatch, vmap,
 einsum over the whole model: {name: (n, *shape)} normed, clipped, summed) and
-``clip_by_backward`` (ghost: the retained graph's second backward pass of Σ_i c_i ℓ_i).
+``clip_by_backward`` (ghost: the second backward pass of Σ_i c_i ℓ_i, over ``rec.losses``).
 Every C reaching this file was validated once by its caller (``flat.checked_clip_factors``).
 
 Parameters materialised anyway (exact fallback, or used in several calls) enter as
@@ -169,8 +169,9 @@ def clip_materialised(grads: dict[str, torch.Tensor], C: float) -> dict[str, tor
 
 
 def clip_by_backward(rec, squares: torch.Tensor, C: float) -> dict[str, torch.Tensor]:
-    """{name: Σ_i c_i g_i} by a second backward pass of Σ_i c_i ℓ_i over ``rec``'s retained
-    graph (ghost clipping); the fallback parameters from their exact g_i (``rec.exact``)."""
+    """{name: Σ_i c_i g_i} by a second backward pass of Σ_i c_i ℓ_i over ``rec.losses``' graph
+    (ghost clipping: the forward pass run again, ``ghost.rerun_losses``); the fallback
+    parameters from their exact g_i (``rec.exact``)."""
     refuse_nonfinite(squares)  # 0 · NaN in the second backward pass would spread it
     c = checked_clip_factors(squares.sqrt(), C)  # (n,)
     for call in rec.recorder.all_calls():

@@ -2,19 +2,23 @@
 
 DP-SGD needs only ||g_i|| and Σ_i c_i g_i, never the n per-sample gradients themselves.
 Ghost clipping (Goodfellow 2015, arXiv 1510.01799; Li, Tramèr, Liang, Hashimoto 2022,
-arXiv 2110.05679, §4) gets both with two backward passes over one forward pass:
+arXiv 2110.05679, §4) gets both with two backward passes:
 
 1. a backward pass of Σ_i ℓ_i in which each layer's *norm sampler* turns (a, b) into
-   ||g_i^{layer}||² the moment the layer's backprop b is complete, and b is dropped
+   ||g_i^{layer}||² the moment the layer's backprop b is complete, and b and a are dropped
    (``per_sample.streaming``); ||g_i||² = Σ_layers ||g_i^{layer}||²;
 2. c_i = min(1, C / ||g_i||) (``flat.clip_factors``), then an ordinary backward pass of
-   Σ_i c_i ℓ_i over the retained graph, whose parameter gradient is Σ_i c_i g_i: the
-   clipped sum.
+   Σ_i c_i ℓ_i, whose parameter gradient is Σ_i c_i g_i: the clipped sum.
 
-Memory: the first pass retains the graph (what a plain step's backward frees as it goes),
-but never holds two layers' b at once; its peak is a plain backward's plus n numbers per
-layer (bench e2e, tiny_gpt, b = 32, T = 128: ghost 1.62x a plain step's peak when every b
-was kept to the end of the pass).
+Memory: Li et al. run pass 2 over pass 1's retained graph. Pass 1 then frees nothing that
+autograd saved while its gradients flow through the graph (tiny_gpt, b = 32, T = 128: the
+attention scores' gradients on top of every saved activation, 1.29x a plain step's peak,
+``bench e2e``). Here pass 1 frees the graph as it goes, like a plain backward pass, and pass 2
+runs the forward pass again (``rerun_losses``: the same random state, so the same dropout
+masks, and the same autocast state) before its backward pass: no layer's a or b is kept
+between the passes, and the peak is a plain step's (1.01x), for one more forward pass of
+time, the trade of gradient checkpointing (Chen et al. 2016, arXiv 1604.06174). Book-keeping
+(``bookkeeping.py``) keeps a and b instead and needs no second pass at all.
 
 Layers without a norm sampler (normalisation layers, custom layers) get "fast gradient
 clipping" (Opacus blog on fast gradient clipping and ghost clipping, seed 004): their
@@ -41,14 +45,18 @@ import torch
 from torch.nn.utils.parametrize import is_parametrized
 
 from workbench.clipping.flat import norm_dtype, sample_squares
+from workbench.clipping.nonfinite import refuse_nonfinite
 from workbench.clipping.registry import find_norm_sampler
-from workbench.per_sample import selfcheck
+from workbench.per_sample import precision, selfcheck
+from workbench.per_sample.checks import check_losses, forward
 from workbench.per_sample.einsum import (
     fallback_gradients,
     replay_probe,
     sample_layer,
     warn_fallbacks,
 )
+from workbench.per_sample.fallback import replayed
+from workbench.per_sample.hooks import drop_inputs
 from workbench.per_sample.precision import in_full_precision, widen
 from workbench.per_sample.recording import Recording, own_parameters
 from workbench.per_sample.recording import record as record_forward
@@ -83,16 +91,21 @@ def record(model, loss_fn, inputs, targets, retain_graph: bool, check=False) -> 
     return rec
 
 
-def record_norms(model, loss_fn, inputs, targets, retain_graph: bool, check=False):
+def record_norms(model, loss_fn, inputs, targets, check=False):
     """(rec, ||g_i||² (n,), materialised): forward, then one backward pass in which each
-    call's backprops become its norm contribution as they arrive and are dropped
-    (``per_sample.streaming``), so no two layers' b are held at once."""
+    call's backprops become its norm contribution as they arrive and are dropped, with its
+    inputs (``per_sample.streaming``, ``hooks.drop_inputs``): the graph is freed as it goes,
+    and no two layers' b are held at once."""
     rec = record_batch(model, loss_fn, inputs, targets, check)
     norms = NormSum(rec, lambda p: None, shared=recorded_shared(rec))
     layer_of = {id(call): layer for path, layer in rec.layers.items()
                 for call in rec.recorder.calls[path]}
-    stream_backward(rec.recorder.all_calls(), rec.losses.sum(),
-                    lambda call: norms.add_call(layer_of[id(call)], call), retain_graph)
+
+    def on_call(call):
+        norms.add_call(layer_of[id(call)], call)
+        drop_inputs(call)  # a: normed; the second pass runs the forward again
+
+    stream_backward(rec.recorder.all_calls(), rec.losses.sum(), on_call)
     rec.exact = fallback_gradients(rec, model, loss_fn, inputs, targets)
     squares, materialised = norms.result(rec.exact)
     zeros = torch.zeros(rec.n, dtype=torch.float64, device=rec.device)
@@ -217,15 +230,39 @@ class NormSum:
         return self.squares, materialised
 
 
+def ghost_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm, check=True) -> dict:
+    """{name: Σ_i c_i g_i}: the streamed norm pass (graph freed as it goes), then the second
+    backward pass of Σ_i c_i ℓ_i over the forward pass run again (module docstring, Memory);
+    ``max_grad_norm`` validated by the caller."""
+    from workbench.clipping.engine import clip_by_backward  # the engine imports this module
+
+    rec, squares, _ = record_norms(model, loss_fn, inputs, targets, check=check)
+    verify_norms(model, rec, squares)
+    refuse_nonfinite(squares)  # before the forward pass runs again for nothing
+    rec.recorder.clear()  # the first forward's activations: freed before the second one
+    rec.losses = rerun_losses(rec, model, loss_fn, inputs, targets)
+    return clip_by_backward(rec, squares, max_grad_norm)
+
+
+def rerun_losses(rec: Recording, model, loss_fn, inputs, targets) -> torch.Tensor:
+    """ℓ (n,) of the batch's forward pass run again as it was: the same random state (the
+    same dropout masks; the caller's own random state is left as the first pass left it)
+    and the same autocast state, so ∇ Σ_i c_i ℓ_i is the clipped sum of the norms' g_i."""
+    with replayed(rec.rng, rec.device), precision.replayed(rec.autocast, rec.device), \
+            torch.enable_grad():
+        losses = loss_fn(forward(model, inputs), targets)
+    check_losses(losses, rec.n)
+    return losses
+
+
 def ghost_norms(model, loss_fn, inputs, targets, check=True) -> torch.Tensor:
     """||g_i|| (n,) from one forward and one backward pass."""
-    rec, squares, _ = record_norms(model, loss_fn, inputs, targets, retain_graph=False,
-                                   check=check)
+    rec, squares, _ = record_norms(model, loss_fn, inputs, targets, check=check)
     verify_norms(model, rec, squares)
     return squares.sqrt().to(norm_dtype(rec.dtype))  # NaN or inf for a non-finite record
 
 
 __all__ = [
-    "NormSum", "ghost_norms", "record", "record_batch", "record_norms", "recorded_shared",
-    "squared_norms", "squared_norms_by", "verify_norms",
+    "NormSum", "ghost_clipped_sum", "ghost_norms", "record", "record_batch", "record_norms",
+    "recorded_shared", "rerun_losses", "squared_norms", "squared_norms_by", "verify_norms",
 ]

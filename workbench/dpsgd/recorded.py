@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_flatten
 from workbench.clipping.engine import reweighted_weight_grads
 from workbench.dpsgd.loss_watch import LossWatch
 from workbench.dpsgd.skip_weights import AUTO, WeightGradSkipper
+from workbench.dpsgd.streamed import stream_call, streamed_gradients
 from workbench.errors import UnsupportedLayerError
 from workbench.per_sample import precision, selfcheck
 from workbench.per_sample.checks import ModelCall
@@ -113,6 +114,11 @@ class ModelRecorder:
         self.skipper = WeightGradSkipper(self.layers, {id(p) for p in self.params.values()},
                                          lambda: self._fast and self.layer_rec.recording)
         self.skipper.attach(True)
+        # book-keeping's streaming in the user's backward pass (streamed.py): the last
+        # forward pass's n, {path: own parameters}, {id(param): paths of its streamed g_i}
+        self._n, self._own, self._ids = None, {}, {id(p) for p in self.params.values()}
+        self._stream_paths: dict[int, set[str]] = {}
+        self.layer_rec.on_complete = lambda call: stream_call(self, call)
 
     def _structure(self):
         return [id(m) for m in self.model.modules()], [
@@ -149,6 +155,7 @@ class ModelRecorder:
             if len(roots) > self._roots:  # this forward pass's call: its random state
                 roots[-1].rng, roots[-1].amp = self._rng, self._amp  # replayed by the checks
                 shape = roots[-1].outputs[0][0]
+                self._n = shape[0] if len(shape) else None  # streaming: dim 0 must be n
                 self.watch.open(shape[0] if len(shape) else 1, self.root_rec.generation,
                                 tree_flatten(output)[0])
 
@@ -174,6 +181,7 @@ class ModelRecorder:
         self.layer_rec.clear()
         self.root_rec.clear()
         self.skipper.clear()
+        self._stream_paths = {}
         self.armed = False
         self.watch.close()
         self.watch.clear()
@@ -227,7 +235,9 @@ class ModelRecorder:
                     row = tuple(t[-1:].clone() for t in b) if isinstance(b, tuple) \
                         else b[-1:].clone()
                     rec.replay = (root.args, root.kwargs, row)
-            yield rec, self._exact(rec, mine)
+            streamed, self._stream_paths = streamed_gradients(
+                rec, gen, lambda g, f=rec.factors, n=rec.n: _rescaled(g, f, n))
+            yield rec, {**self._exact(rec, mine), **streamed}
 
     def _recording(self, gen: int, roots, loss_reduction: str, scale=None) -> Recording:
         b = roots[0].backprops
@@ -239,9 +249,9 @@ class ModelRecorder:
         if scale is not None:  # a GradScaler's scale: out of every b_i
             f = f / scale.to(f.device, f.dtype)
         mine = [(path, layer, c) for path, layer in self.layers.items()
-                for c in self.layer_rec.calls[path]
-                if c.backprops is not None and c.generation == gen]  # as Recording.calls
-        for call in [c for _, _, c in mine] + list(roots):
+                for c in self.layer_rec.calls[path]  # as Recording.calls, and the streamed
+                if (c.backprops is not None or c.sampled is not None) and c.generation == gen]
+        for call in [c for _, _, c in mine if c.sampled is None] + list(roots):
             call.backprops = _rescaled(call.backprops, f, n)
         return new_recording(n, self.layers, self.layer_rec, self.params, self.uncovered,
                              mine, random=self.tracker.random, generation=gen, factors=f)
@@ -262,6 +272,8 @@ class ModelRecorder:
                     sums[key] = g if key not in sums else sums[key] + g
         with torch.no_grad():
             for key, g in exact.items():
+                if self._stream_paths.get(key, set()) & self.skipper.tapped:
+                    continue  # streamed from a tapped call: autograd computed no .grad there
                 s = torch.tensordot(c.to(g.dtype), g, dims=1)
                 sums[key] = s if key not in sums else sums[key] + s
         return sums
@@ -269,8 +281,10 @@ class ModelRecorder:
     def unchecked(self, rec: Recording) -> set[int]:
         """ids of fallback parameters of tapped layers: their exact g_i sums every use, the
         user's ``.grad`` only the uses outside the tapped calls, so they are not compared."""
-        return {id(p) for path in self.skipper.tapped for p in self.skipper.own[path]
-                if id(p) in rec.fallback}
+        tapped = self.skipper.tapped
+        return {id(p) for path in tapped for p in self.skipper.own[path]
+                if id(p) in rec.fallback} | {key for key, paths in self._stream_paths.items()
+                                             if paths & tapped and not paths <= tapped}
 
     def replay_probe(self, rec: Recording, args, kwargs, b_i) -> dict:
         """Exact g_i of record n - 1 (``selfcheck.record_probe``): the batch again with the

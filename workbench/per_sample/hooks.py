@@ -30,6 +30,11 @@ tied head's ``F.linear`` as a Linear call (``tied.py``), and ``redirect`` reads 
 call's backprops where its output meets the batch (``broadcast.py``; in ``capture="hooks"`` by a
 pre-hook on that add's autograd node).
 
+In ``capture="hooks"``, ``on_complete(call)`` (when set) runs the moment every output's
+gradient of a call has arrived, still inside the backward pass: the optimizer's book-keeping
+materialises a call there and frees its a (``drop_inputs``: "meta" tensors keep the shapes)
+and b (``dpsgd/streamed.py``), as the functional API's streamed pass does.
+
 Nothing is left behind: ``ActivationRecorder`` is a context manager that removes every hook
 on exit, also when the forward or backward pass raises.
 """
@@ -62,6 +67,8 @@ class LayerCall:
     handles: list = field(default_factory=list)  # capture="hooks": the gradient hooks' handles
     meet: object = None  # broadcast.Meeting: b comes from where a batch-free output meets n
     widen_to: object = None  # under autocast: the layer's parameter dtype (``precision.py``)
+    path: str = ""  # the recorded layer's path
+    sampled: object = None  # {id(param): (n, *shape)}: g_i materialised as b arrived, a dropped
 
     @property
     def edge(self) -> GradientEdge:
@@ -88,6 +95,18 @@ class LayerCall:
                 self.kwargs, up)
 
 
+def drop_inputs(call: LayerCall) -> None:
+    """Free a call's activations a once its per-sample gradients are materialised (streaming):
+    each Tensor argument becomes a "meta" tensor of the same shape and dtype (no storage), so
+    the shape checks and call signatures (``recording.checked_shapes``) still read them."""
+    def stand_in(t):
+        return torch.empty(t.shape, dtype=t.dtype, device="meta") \
+            if isinstance(t, torch.Tensor) else t
+
+    call.args = tuple(stand_in(a) for a in call.args)
+    call.kwargs = {k: stand_in(v) for k, v in call.kwargs.items()}
+
+
 def tensor_outputs(output):
     """(the Tensors requiring grad in ``output``, is_tuple), or (None, False) if unsupported."""
     if isinstance(output, torch.Tensor):
@@ -109,6 +128,7 @@ class ActivationRecorder:
     stack: list = field(default_factory=list)  # paths of the layers whose forward is running
     generation: int = 0  # capture="hooks": backward passes finished so far
     batch_free: object = None  # broadcast.BatchFree while a use tracker runs the forward pass
+    on_complete: object = None  # capture="hooks": (call) -> None once all its b have arrived
     _handles: list = field(default_factory=list)
     _pending: bool = False
 
@@ -152,7 +172,7 @@ class ActivationRecorder:
             return
         if not tensors:
             return  # not differentiable here: nothing to sample
-        call = LayerCall(args=args, kwargs=kwargs,
+        call = LayerCall(args=args, kwargs=kwargs, path=path,
                          edges=[get_gradient_edge(t) for t in tensors],
                          outputs=[(t.shape, t.dtype, t.device) for t in tensors],
                          is_tuple=is_tuple, grads=[None] * len(tensors))
@@ -196,6 +216,8 @@ class ActivationRecorder:
             if not self._pending:  # count this backward pass once it has finished
                 self._pending = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finished)
+            if self.on_complete is not None and all(g is not None for g in call.grads):
+                self.on_complete(call)  # every output's b is in: the call may be streamed
 
         return store
 
@@ -217,7 +239,7 @@ class ActivationRecorder:
         for calls in self.calls.values():
             for call in calls:  # drop the activations, the graph edges and the gradients now
                 call.args, call.kwargs, call.edges, call.grads = (), {}, [], []
-                call.backprops, call.meet, call.handles = None, None, []
+                call.backprops, call.meet, call.handles, call.sampled = None, None, [], None
             calls.clear()
         self.untracked.clear()
 
@@ -249,4 +271,4 @@ class ActivationRecorder:
         return list(grads[k:])
 
 
-__all__ = ["ActivationRecorder", "LayerCall", "tensor_outputs"]
+__all__ = ["ActivationRecorder", "LayerCall", "drop_inputs", "tensor_outputs"]

@@ -24,7 +24,7 @@ other capture is not run, and its gradient is returned instead. So
 The pass computes exactly what the single ``autograd.grad`` over all edges computes (the same
 nodes run, parameter gradients are not computed), and ``on_call`` sees every call that the
 loss reached, with the same b. The hooks are removed before returning, also on error, so a
-second pass over a retained graph (ghost clipping's reweighted pass) runs without them.
+later pass over a retained graph (``retain_graph``) runs without them.
 
 Notation: n batch size, a activations, b backprops, o a layer's output, ℓ_i per-sample loss.
 """
