@@ -145,6 +145,7 @@ class DPOptimizer(Optimizer):
         self._sums: dict[int, torch.Tensor] = {}
         self.user_level = None  # privacy_unit="user": a user_level.UserLevel (make_private)
         self.last = {}  # norms and clip factors of the last batch, for widgets and training logs
+        self.recorder.watch.follow()  # batch statistics before the first forward pass
 
     # param_groups, state and defaults are the wrapped optimizer's own objects, looked up on
     # every access: its load_state_dict replaces them, and LR schedulers must edit the live ones.
@@ -255,6 +256,7 @@ class DPOptimizer(Optimizer):
         self.recorder.clear()
         self.recorder.armed = True  # skip_weight_grads: this step's forward passes
         self._zeroed = True
+        self.recorder.watch.follow()  # batch statistics from here to the forward pass
         self.guard.release()
 
     def begin_chunk(self, token, last: bool) -> None:
@@ -431,6 +433,10 @@ class DPOptimizer(Optimizer):
         try:
             return self._step(closure)
         finally:
+            watch = self.recorder.watch  # the pass's loss window ends with its step, always
+            watch.close()
+            watch.batch_ends()
+            watch.follow()  # the next batch's statistics, from here to its forward pass
             self.guard.release()
 
     def _step(self, closure):
