@@ -141,3 +141,27 @@ def test_an_evaluation_pass_without_gradient_is_not_refused_and_pauses_the_follo
     opt.zero_grad()
     ce(model(X[:B]), Y[:B]).backward()
     opt.step()
+
+
+def mixup(x, y):  # a shuffled batch partner (Zhang et al. 2018)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    return 0.7 * x + 0.3 * x[perm], y
+
+
+PARTNERS = {"mixup": mixup, "a rolled neighbour": lambda x, y: (x - x.roll(1, 0), y),
+            "a flipped partner": lambda x, y: (torch.cat([x, x.flip(0)], 1)[:, :D], y)}
+
+
+@pytest.mark.parametrize("where", sorted(LOOPS))
+@pytest.mark.parametrize("case", sorted(PARTNERS))
+def test_rows_of_two_records_combined_are_refused(case, where):
+    with pytest.raises(LossCouplingError, match="two different records"):
+        LOOPS[where](PARTNERS[case])
+
+
+def test_a_consistent_reordering_of_the_batch_is_accepted():
+    def shuffled(x, y):
+        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+        return x[perm] * 2.0, y[perm]
+
+    assert by_hand(shuffled) is not None and user_loader(shuffled) is not None

@@ -41,6 +41,8 @@ import weakref
 import torch
 from torch.utils._pytree import tree_flatten
 
+from workbench.dpsgd.row_mixing import RowOrder
+
 #: reductions (by function name) that combine the records when applied over dim 0
 REDUCTIONS = {"sum", "mean", "nansum", "nanmean", "amax", "amin", "max", "min", "aminmax",
               "count_nonzero", "std", "var", "std_mean", "var_mean", "norm", "logsumexp",
@@ -84,6 +86,7 @@ class BatchStatistics:
         self.numbers: dict[float, str] = {}  # Python numbers read from a statistic
         self.rows: set[int] = {n}  # row counts seen: n, n·T (the ordinary mean's constant)
         self.source: dict[str, int] = {}  # what -> rows of the reduced tensor (n unknown)
+        self.order = RowOrder()  # rows of two records combined (row_mixing.py)
 
     def _batch(self, rows: int) -> bool:
         """A tensor of ``rows`` rows may hold the records (n·m rows; any, n not known yet)."""
@@ -146,6 +149,11 @@ class BatchStatistics:
                     self._number(out, what)
             else:
                 self._mark(self.stats, out, what)
+            return
+        what = self.order.after(name, args, kwargs, tensors, out)
+        if what is not None and self._batch(tensors[0].shape[0]):
+            self.source[what] = int(tensors[0].shape[0])
+            self._mark(self.stats, out, what)
             return
         x = tensors[0] if tensors and args and args[0] is tensors[0] else None
         if name in REDUCTIONS and x is not None and x.dim() and self._batch(x.shape[0]) \
