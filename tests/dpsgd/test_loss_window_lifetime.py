@@ -128,3 +128,20 @@ def test_a_garbage_collected_engine_leaves_no_hook_and_no_live_mode():
     nn.CrossEntropyLoss()(model(x), y).backward()
     opt.step()
     assert not any(stale(m) for m in modes())
+
+
+def test_a_user_mode_ending_while_the_follower_is_on_pops_its_own():
+    from torch.overrides import TorchFunctionMode
+
+    class Mine(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    model, opt, x, y = private()
+    with Mine() as mine:  # the step starts a follower inside the user's block
+        nn.CrossEntropyLoss()(model(x), y).backward()
+        opt.step()
+        model(x)  # and a loss window
+    assert mine not in modes() and len(modes()) >= 1
+    opt.detach()
+    assert not modes()

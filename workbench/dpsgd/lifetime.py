@@ -11,6 +11,9 @@ window can be left behind:
 - *an abandoned loop* (an error in the user's code between the forward and the step): a
   loss belongs to the window only if it is computed from the model's outputs (``reaches``:
   the loss's autograd graph meets theirs), so another computation's loss passes untouched;
+- *the user's own modes*: ours are pushed at the bottom of torch's stack (``push_bottom``),
+  so a ``with TorchFunctionMode():`` block of the user's that ends while ours is on pops
+  its own mode, not ours;
 - *its model*: the global hooks and the modes hold the watch weakly (``Weak``,
   ``weak_attribute``); when the engine is garbage-collected its hooks are removed
   (``remove``, a ``weakref.finalize``) and its modes pass calls through until the next
@@ -79,6 +82,17 @@ def sweep() -> None:
             torch._C._push_on_torch_function_stack(mode)
 
 
+def push_bottom(mode) -> None:
+    """Put ``mode`` at the bottom of torch's mode stack, under the user's own modes: a
+    ``with mode:`` block of theirs that ends while ours is on pops its own mode (the top),
+    never ours, and ours still sees every call their modes make."""
+    depth = torch._C._len_torch_function_stack()
+    above = [torch._C._pop_torch_function_stack() for _ in range(depth)]
+    torch._C._push_on_torch_function_stack(mode)
+    for other in reversed(above):
+        torch._C._push_on_torch_function_stack(other)
+
+
 def reaches(t: torch.Tensor, roots: list) -> bool:
     """Is ``t`` computed from one of ``roots`` (the model's outputs)? A walk of t's autograd
     graph down to the roots' nodes (a loss is a few nodes above the outputs); past ``LIMIT``
@@ -100,4 +114,4 @@ def reaches(t: torch.Tensor, roots: list) -> bool:
     return False
 
 
-__all__ = ["LIMIT", "Weak", "reaches", "remove", "stale", "sweep", "weak_attribute"]
+__all__ = ["LIMIT", "Weak", "push_bottom", "reaches", "remove", "stale", "sweep", "weak_attribute"]

@@ -59,7 +59,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from workbench.dpsgd.batches import batch_size
-from workbench.dpsgd.lifetime import Weak, reaches, sweep, weak_attribute
+from workbench.dpsgd.lifetime import Weak, push_bottom, reaches, sweep, weak_attribute
 from workbench.dpsgd.lifetime import remove as _remove
 from workbench.dpsgd.loss_terms import BatchStatistics
 from workbench.errors import LossCouplingError
@@ -112,7 +112,7 @@ class LossWatch:
         self.before.reset(0)
         if self._mode is None:
             self._mode = LossFunctions(self)
-            self._mode.__enter__()
+            push_bottom(self._mode)
 
     @property
     def _handles(self) -> list:
@@ -145,7 +145,7 @@ class LossWatch:
         self.before.reset(n if self.check else 0)
         if self.before.on:
             self._before_mode = BeforeForward.following = BeforeForward(self.before)
-            self._before_mode.__enter__()
+            push_bottom(self._before_mode)
 
     def forward_begins(self, inputs) -> None:
         """The model's forward pass begins: stop following; a model input computed from a
@@ -177,7 +177,7 @@ class LossWatch:
         """A forward pass without gradient ended: the following it paused goes on."""
         if self._resume and self._before_mode is None and self.before.on:
             self._before_mode = BeforeForward.following = BeforeForward(self.before)
-            self._before_mode.__enter__()
+            push_bottom(self._before_mode)
         self._resume = False
 
     def batch_ends(self) -> None:

@@ -62,18 +62,19 @@ class RowOrder:
     def after(self, name: str, args, kwargs, tensors, out) -> str | None:
         """Follow ``out = name(*args, **kwargs)``; ``what`` when it mixes two records."""
         first = tensors[0] if tensors else None  # torch.cat([a, b], 1): the list's first
-        data = [t for t in tensors if not t.requires_grad and t.dim() and first is not None
+        if first is None or not first.dim():
+            return None
+        data = [t for t in tensors if not t.requires_grad and t.dim()
                 and t.shape[0] == first.shape[0] and t.shape[0] >= 2]
         orders = {self.key(t) for t in data}
         if len(data) >= 2 and len(orders) > 1 and name not in REORDER:
             return (f"{name}() of rows of two different records (a batch partner, "
                     f"x[perm] or x.roll(k, 0), as in mixup) of a {tuple(first.shape)} tensor")
-        new = _order(name, args, kwargs) if first is not None else None
-        key = new if new is not None else (self.key(first) if first is not None else None)
+        new = _order(name, args, kwargs)
+        key = new if new is not None else self.key(first)
         if key is not None:
             for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor) and t.dim() and first.dim() \
-                        and t.shape[0] == first.shape[0]:
+                if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == first.shape[0]:
                     self.keys[id(t)] = (weakref.ref(t), key)
         return None
 
