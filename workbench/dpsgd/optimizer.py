@@ -82,7 +82,7 @@ from workbench.clipping.auto import choose_mode
 from workbench.clipping.engine import clipped_sum
 from workbench.clipping.nonfinite import skip_nonfinite, warn_skipped
 from workbench.deprecation import Default, keyword, warn_renamed
-from workbench.dpsgd import loop
+from workbench.dpsgd import loop, other_optimizers
 from workbench.dpsgd.distributed import (
     DEFAULT_TIMEOUT_MINUTES,
     all_reduce,
@@ -138,6 +138,7 @@ class DPOptimizer(Optimizer):
         self._guard_handle = self.recorder.model.register_forward_pre_hook(
             self._enter_forward, prepend=True)  # before the recorder's hooks record anything
         self._drop_handles = loop.drop_gradients(self.recorder.outside)  # no non-private .grad
+        self._drop_handles.append(other_optimizers.guard(self))  # nor a second optimizer's step
         self.verify = True  # each new call signature; "always"; False: see verify_next_step()
         self._verify_next = False
         self._zeroed, self._released = False, {}  # is .grad this step's own? (_check_path)
