@@ -165,3 +165,24 @@ def test_a_consistent_reordering_of_the_batch_is_accepted():
         return x[perm] * 2.0, y[perm]
 
     assert by_hand(shuffled) is not None and user_loader(shuffled) is not None
+
+
+PAIRED_LOSSES = {  # piecewise linear: no second derivative across records
+    "margin ranking against the flipped batch": lambda o, y: F.margin_ranking_loss(
+        o[:, 0], o[:, 0].flip(0), torch.ones(len(y), dtype=torch.float64), reduction="sum"),
+    "L1 to the rolled neighbour": lambda o, y: (o - o.roll(1, 0)).abs().sum(),
+    "mixed soft labels": lambda o, y: F.cross_entropy(
+        o, 0.7 * F.one_hot(y, K).double() + 0.3 * F.one_hot(y, K).double().roll(1, 0),
+        reduction="sum"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PAIRED_LOSSES))
+def test_a_loss_pairing_records_is_refused(case):
+    model = mlp()
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=0.0,
+                      max_grad_norm=1.0, expected_batch_size=B, loss_reduction="sum")
+    X, Y = data()
+    opt.zero_grad()
+    with pytest.raises(LossCouplingError, match="two different records"):
+        PAIRED_LOSSES[case](model(X[:B]), Y[:B]).backward()

@@ -150,7 +150,8 @@ class BatchStatistics:
             else:
                 self._mark(self.stats, out, what)
             return
-        what = self.order.after(name, args, kwargs, tensors, out)
+        what = self.order.after(name, args, kwargs, tensors, out,
+                                lambda t: self._has(self.derived, t))
         if what is not None and self._batch(tensors[0].shape[0]):
             self.source[what] = int(tensors[0].shape[0])
             self._mark(self.stats, out, what)
