@@ -44,3 +44,14 @@ def test_the_privacy_unit_must_match(saved, loaded, tmp_path):
     with pytest.raises(CheckpointError, match="privacy_unit"):
         load_checkpoint(tmp_path / "c.pt", model=model, optimizer=opt, engine=engine)
     assert torch.all(model.weight == 3.0)  # nothing changed
+
+
+def test_a_path_that_cannot_be_written_is_refused_first(tmp_path):
+    from workbench.outputs import OutputPathError
+
+    engine, model, opt = run("record")
+    (tmp_path / "file").write_text("x")
+    for bad in (tmp_path, tmp_path / "file" / "c.pt"):
+        with pytest.raises(OutputPathError, match="save_checkpoint"):
+            save_checkpoint(bad, model=model, optimizer=opt, engine=engine)
+    save_checkpoint(tmp_path / "new" / "c.pt", model=model, optimizer=opt, engine=engine)

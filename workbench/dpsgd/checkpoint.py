@@ -63,6 +63,7 @@ from workbench.dpsgd.checkpoint_checks import (
 from workbench.dpsgd.checkpoint_file import FORMAT, read_checkpoint, write_checkpoint_file
 from workbench.dpsgd.rng_state import SECURE, generator_state
 from workbench.dpsgd.secure import SecureGenerator
+from workbench.outputs import check_output_file
 
 GENERATORS = ("noise_generator", "sampling_generator")
 __all__ = ["SECURE", "CheckpointError", "load_checkpoint", "read_checkpoint", "save_checkpoint"]
@@ -90,6 +91,7 @@ def run_generators(engine, optimizer, noise_generator, sampling_generator) -> di
 def save_checkpoint(path, *, model, optimizer, engine=None, scheduler=None,
                     noise_generator=None, sampling_generator=None) -> None:
     """Write the run's state to ``path`` (module docstring: what, and what is refused)."""
+    check_output_file(path, "save_checkpoint(path)")  # a folder, a file as parent: first
     not_mid_batch(optimizer, "save_checkpoint")
     generators = run_generators(engine, optimizer, noise_generator, sampling_generator)
     buffer = io.BytesIO()
