@@ -78,8 +78,36 @@ def test_a_coupled_step_with_unreplayed_dropout_never_passes(case):
         model, loss = TwoDropouts(), coupling.class_weighted_mean
     result = audit_record_influence(naive_released_sum(model, loss, x, y, 0.3), coupling.N,
                                     max_grad_norm=0.3)
-    assert not result.passed, result.summary
-    assert "BROKEN" in result.summary or "inconclusive" in result.summary
+    assert not result.passed and result.broken, result.summary  # the dropout-free twin
+    assert "BROKEN" in result.summary
+
+
+class MixingAttention(AttentionDropout):  # attention dropout, and logits centred over the batch
+    def forward(self, x):
+        out = super().forward(x)
+        return out - out.mean(0)
+
+
+@pytest.mark.parametrize("case", ["attention, centred", "two dropouts, weighted mean"])
+def test_the_dropout_free_twin_finds_the_coupling_in_every_mode(case):
+    x, y = data()
+    model = MixingAttention() if case.startswith("attention") else TwoDropouts()
+    loss = coupling.plain_cross_entropy if case.startswith("attention") \
+        else coupling.class_weighted_mean
+    result = audit_record_influence(naive_released_sum(model, loss, x, y, 0.3), coupling.N,
+                                    max_grad_norm=0.3)
+    assert result.broken, result.summary
+
+
+def test_the_twin_makes_every_dropout_the_identity():
+    from workbench.audit.influence_twin import NoDropout
+
+    x = torch.randn(4, 1, 2, 4, dtype=torch.float64)
+    with NoDropout():
+        assert torch.equal(F.dropout(x, 0.5, True), x)
+        assert torch.equal(nn.Dropout2d(0.5)(x), x)
+        a = F.scaled_dot_product_attention(x, x, x, dropout_p=0.9)
+    assert torch.equal(a, F.scaled_dot_product_attention(x, x, x))
 
 
 def test_an_inconclusive_audit_is_reported_as_neither_passed_nor_failed():

@@ -35,9 +35,11 @@ the random calls start from the same generator states at both sizes (``influence
 one Dropout does, two Dropout layers or attention dropout do not). An add/remove row of a
 stochastic step that does not replay, above its bound, is compared with the **redraw floor**
 F_i = ||S_s(A') − S_{s+1}(A')|| / C (the same batch, other draws): above bound + F_i it is
-BROKEN (more than any redraw explains), within it *inconclusive* (neither verdict: rerun
-with dropout off, ``model.eval()`` or p = 0, for an exact one). ``passed`` needs every row
-to hold; ``broken`` is a verdict of coupling.
+BROKEN (more than any redraw explains); within it, the step is rerun with every dropout
+call the identity (``influence_twin``: dropout never couples records, the data path does):
+a deterministic twin above the bound is BROKEN, anything else *inconclusive* (neither
+verdict: rerun with dropout off, ``model.eval()`` or p = 0, for an exact one). ``passed``
+needs every row to hold; ``broken`` is a verdict of coupling.
 
 Notation: n batch size, C max_grad_norm, S(A) the noiseless released sum over batch A.
 """
@@ -48,6 +50,7 @@ import pandas as pd
 import torch
 
 from workbench.audit.influence_replay import replays
+from workbench.audit.influence_twin import twin
 from workbench.audit.result import AuditResult
 from workbench.checks import check_count, check_max_grad_norm
 
@@ -111,6 +114,18 @@ def _replayed(released_sum, idx, seed):
     return out.detach().to("cpu", torch.float64).reshape(-1)
 
 
+def _twin_verdict(released_sum, first, others, i, seed, C, bound, state) -> str:
+    """BROKEN when the dropout-free twin (``influence_twin``) moves by more than the bound
+    on removing record i; else inconclusive."""
+    if "call" not in state:
+        state["call"] = twin(_replayed, released_sum, first)
+    call = state["call"]
+    if call is None:
+        return "inconclusive"
+    delta = float((call(others + [i], seed) - call(others, seed)).norm()) / C
+    return "BROKEN" if delta > bound * (1 + TOLERANCE) else "inconclusive"
+
+
 def audit_record_influence(released_sum, n: int, *, max_grad_norm: float,
                            relations=("add/remove", "substitution"), seed: int = 0,
                            name: str = "") -> InfluenceAudit:
@@ -130,7 +145,7 @@ def audit_record_influence(released_sum, n: int, *, max_grad_norm: float,
                          "every call, so that the audit can replay it")
     stochastic = not torch.equal(base, _replayed(released_sum, first, seed + 1))
     approximate = stochastic and not replays(released_sum, first, seed)
-    rows = []
+    rows, state = [], {}
     for i in range(n):
         others = [j for j in range(n) if j != i]
         full = _replayed(released_sum, others + [i], seed)
@@ -145,6 +160,9 @@ def audit_record_influence(released_sum, n: int, *, max_grad_norm: float,
                               .norm()) / C
                 verdict = "inconclusive" if delta <= (bound + floor) * (1 + TOLERANCE) \
                     else "BROKEN"
+                if verdict == "inconclusive":  # the dropout-free twin may still prove it
+                    verdict = _twin_verdict(released_sum, first, others, i, seed, C, bound,
+                                            state)
             rows.append({"record": i, "relation": rel, "change_over_C": delta, "bound": bound,
                          "floor_over_C": floor, "verdict": verdict,
                          "passed": verdict == "holds"})

@@ -20,7 +20,9 @@ What is refused, because the resumed run would silently differ or leak:
 - **a save in the middle of a logical batch** (virtual steps: chunks accumulated, noise not yet
   added) or between a backward pass and its step: the partial sums are not saved;
 - **a load into an optimizer in the middle of a logical batch**: its partial sums would enter
-  the resumed run's first step.
+  the resumed run's first step;
+- **another privacy unit**: the checkpoint records ``privacy_unit`` (and, per user, the
+  ``user_reduction``); a user-level run resumed record-level, or the reverse, is refused.
 
 The accountant's history is part of the checkpoint because ε is a property of the *whole*
 run: loading a checkpoint that holds privacy history without ``engine=`` is an error, unless
@@ -53,12 +55,15 @@ from workbench.dpsgd.checkpoint_checks import (
     check_accountant,
     check_model,
     check_optimizer,
+    check_privacy_unit,
     check_scheduler,
     not_mid_batch,
+    privacy_unit,
 )
 from workbench.dpsgd.checkpoint_file import FORMAT, read_checkpoint, write_checkpoint_file
 from workbench.dpsgd.rng_state import SECURE, generator_state
 from workbench.dpsgd.secure import SecureGenerator
+from workbench.outputs import check_output_file
 
 GENERATORS = ("noise_generator", "sampling_generator")
 __all__ = ["SECURE", "CheckpointError", "load_checkpoint", "read_checkpoint", "save_checkpoint"]
@@ -86,6 +91,7 @@ def run_generators(engine, optimizer, noise_generator, sampling_generator) -> di
 def save_checkpoint(path, *, model, optimizer, engine=None, scheduler=None,
                     noise_generator=None, sampling_generator=None) -> None:
     """Write the run's state to ``path`` (module docstring: what, and what is refused)."""
+    check_output_file(path, "save_checkpoint(path)")  # a folder, a file as parent: first
     not_mid_batch(optimizer, "save_checkpoint")
     generators = run_generators(engine, optimizer, noise_generator, sampling_generator)
     buffer = io.BytesIO()
@@ -97,6 +103,7 @@ def save_checkpoint(path, *, model, optimizer, engine=None, scheduler=None,
         "scheduler": None if scheduler is None else scheduler.state_dict(),
         **{name: generator_state(name, g) for name, g in generators.items()},
         "global_rng": rng_state.global_rng_state(),
+        "privacy_unit": privacy_unit(optimizer),
     }, buffer)
     write_checkpoint_file(path, buffer.getvalue())
 
@@ -159,6 +166,7 @@ def load_checkpoint(path, *, model, optimizer, engine=None, scheduler=None,
         if name in GENERATORS and target is not None:
             _check_generator(path, name, target, state[name])
     try:
+        check_privacy_unit(optimizer, state.get("privacy_unit"))
         check_model(model, state["model"])
         check_optimizer(optimizer, state["optimizer"])
         if targets["accountant"] is not None:

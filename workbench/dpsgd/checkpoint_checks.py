@@ -97,3 +97,31 @@ __all__ = [
     "CheckpointError", "check_accountant", "check_model", "check_optimizer", "check_scheduler",
     "not_mid_batch",
 ]
+
+
+def privacy_unit(optimizer) -> dict | None:
+    """What one protected unit is: {"unit": "record"} or {"unit": "user", "reduction": ...}
+    (``user_level.py``); None for an optimizer that is not private."""
+    if not hasattr(optimizer, "user_level"):
+        return None
+    level = optimizer.user_level
+    return {"unit": "record"} if level is None else {"unit": "user",
+                                                    "reduction": level.reduction}
+
+
+def check_privacy_unit(optimizer, saved) -> None:
+    """The run resumed protects the same unit: a user-level history continued with record-
+    level steps (or the reverse) would compose two guarantees about different neighbours
+    into one ε that holds for neither."""
+    mine = privacy_unit(optimizer)
+    if saved is None or mine is None or saved == mine:
+        return
+    raise ValueError(f"the checkpoint was saved by a run with {_unit(saved)} and this run "
+                     f"has {_unit(mine)}: its ε and its clipping are about another "
+                     f"neighbouring relation. Resume with make_private(..., "
+                     f"privacy_unit={saved['unit']!r}) as the run did")
+
+
+def _unit(unit: dict) -> str:
+    extra = f", user_reduction={unit['reduction']!r}" if "reduction" in unit else ""
+    return f"privacy_unit={unit['unit']!r}{extra}"

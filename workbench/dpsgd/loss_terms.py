@@ -28,9 +28,10 @@ The loss's own reduction (``loss_none.mean()``, carrying gradient) is not one: i
 is linear in the records' terms.
 
 A statistic computed before the model's forward pass (a Trainer's ``num_items_in_batch``) is
-followed from the moment the engine's loader hands out the batch (``loss_watch.watched``)
-and carried into the window; with a loader the engine does not own (shuffled batches,
-``poisson_sampling=False``) it is not seen.
+followed from the moment the engine's loader hands out the batch (``loss_watch.watched``),
+or from the optimizer's boundary (created, ``zero_grad``, ``step``) with a loader the engine
+does not own, n then unknown until the forward pass (``settle``), and carried into the window.
+A number read from a statistic is followed into a multiplication, division or shift.
 
 Notation: n records, m rows per record (positions), o model output, ℓ a record's term.
 """
@@ -39,6 +40,8 @@ import weakref
 
 import torch
 from torch.utils._pytree import tree_flatten
+
+from workbench.dpsgd.row_mixing import RowOrder
 
 #: reductions (by function name) that combine the records when applied over dim 0
 REDUCTIONS = {"sum", "mean", "nansum", "nanmean", "amax", "amin", "max", "min", "aminmax",
@@ -50,7 +53,10 @@ DETACH = {"detach", "detach_"}
 TO_NUMBER = {"item", "__float__", "__int__", "tolist"}
 ARITHMETIC = {"div", "div_", "mul", "mul_", "true_divide", "__truediv__", "__rtruediv__",
               "__mul__", "__rmul__", "__itruediv__", "__imul__", "__rdiv__", "__div__",
-              "multiply", "divide"}
+              "multiply", "divide",
+              # a shift by a number read from a statistic (x - x.median().item())
+              "sub", "sub_", "__sub__", "__rsub__", "__isub__", "subtract", "add", "add_",
+              "__add__", "__radd__", "__iadd__"}
 DIM_THIRD = {"norm", "linalg_vector_norm", "quantile", "nanquantile"}  # (x, p or q, dim)
 
 
@@ -70,14 +76,38 @@ class BatchStatistics:
     def __init__(self):
         self.reset(0)
 
-    def reset(self, n: int, outputs=()) -> None:
-        self.n, self.on = n, n >= 2
+    def reset(self, n: int | None, outputs=()) -> None:
+        """n records (None: not known yet, ``settle`` names it at the forward pass)."""
+        self.n, self.on = n, n is None or n >= 2
         self.derived: dict[int, tuple] = {}  # id -> (weakref, ""): computed from the outputs
         self._mark(self.derived, list(outputs), "")
         self.stats: dict[int, tuple] = {}  # id -> (weakref, what): batch statistics
         self.reductions: dict[int, tuple] = {}  # id -> (weakref, what): with gradient
         self.numbers: dict[float, str] = {}  # Python numbers read from a statistic
         self.rows: set[int] = {n}  # row counts seen: n, n·T (the ordinary mean's constant)
+        self.source: dict[str, int] = {}  # what -> rows of the reduced tensor (n unknown)
+        self.order = RowOrder()  # rows of two records combined (row_mixing.py)
+
+    def _batch(self, rows: int) -> bool:
+        """A tensor of ``rows`` rows may hold the records (n·m rows; any, n not known yet)."""
+        return rows % self.n == 0 if self.n is not None else rows >= 2
+
+    def settle(self, n: int, shape) -> None:
+        """The forward pass names n (its input's ``shape``): of the statistics followed with n
+        unknown, keep those over n·m rows, m a product of the input's leading feature dims
+        (n, n·T): a per-record normalisation in the data set (an audio clip's own mean over
+        its 16000 samples) is not one of the batch."""
+        if self.n is not None or not self.on:
+            return
+        valid, m = set(), 1
+        for size in (1, *shape[1:]):
+            m *= int(size)
+            valid.add(n * m)
+        kept = tuple(w for w, r in self.source.items() if r in valid)
+        self.stats = {k: v for k, v in self.stats.items() if v[1].endswith(kept)}
+        self.reductions = {k: v for k, v in self.reductions.items() if v[1].endswith(kept)}
+        self.numbers = {v: w for v, w in self.numbers.items() if w.endswith(kept)}
+        self.n, self.on, self.rows = n, n >= 2, {r for r in self.rows if r and r % n == 0} | {n}
 
     def _find(self, table, t):
         entry = table.get(id(t))
@@ -102,7 +132,7 @@ class BatchStatistics:
         leaves = tree_flatten((args, kwargs))[0]
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         for t in tensors:
-            if t.dim() and t.shape[0] % self.n == 0:
+            if t.dim() and self._batch(t.shape[0]):
                 self.rows.add(int(t.shape[0]))
         if any(self._has(self.derived, t) for t in tensors):
             self._mark(self.derived, out, "")
@@ -120,10 +150,17 @@ class BatchStatistics:
             else:
                 self._mark(self.stats, out, what)
             return
+        what = self.order.after(name, args, kwargs, tensors, out,
+                                lambda t: self._has(self.derived, t))
+        if what is not None and self._batch(tensors[0].shape[0]):
+            self.source[what] = int(tensors[0].shape[0])
+            self._mark(self.stats, out, what)
+            return
         x = tensors[0] if tensors and args and args[0] is tensors[0] else None
-        if name in REDUCTIONS and x is not None and x.dim() and x.shape[0] % self.n == 0 \
+        if name in REDUCTIONS and x is not None and x.dim() and self._batch(x.shape[0]) \
                 and 0 in _dims(func, args, kwargs, x.dim()):
             what = f"{name}() over the records of a {tuple(x.shape)} {x.dtype} tensor"
+            self.source[what] = int(x.shape[0])
             self._mark(self.reductions if x.requires_grad else self.stats, out, what)
 
     def _number(self, out, what: str) -> None:

@@ -37,7 +37,10 @@ batch's labels *before* the forward pass (a Trainer's ``num_items_in_batch``, an
 class frequency, a mask count) is carried into the window and refused at ``backward`` like
 one computed after it; a model input computed from such a statistic (inputs centred or
 scaled by the batch's mean or std) is refused when the forward pass begins. A loader the
-engine does not own (``poisson_sampling=False`` keeps the user's) has no such window.
+engine does not own (``poisson_sampling=False`` keeps the user's, or a loop over tensors) is
+followed from the optimizer's boundary instead (created, ``zero_grad``, ``step``: ``follow``),
+n named by the forward pass; a forward pass without gradient (evaluation) pauses it. The
+window's lifetime (its step, a refusal, its model) is ``lifetime.py``'s.
 
 Notation: n batch size, f (n,) per-record factors.
 """
@@ -45,6 +48,7 @@ Notation: n batch size, f (n,) per-record factors.
 import contextlib
 import inspect
 import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +59,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from workbench.dpsgd.batches import batch_size
+from workbench.dpsgd.lifetime import Weak, push_bottom, reaches, sweep, weak_attribute
+from workbench.dpsgd.lifetime import remove as _remove
 from workbench.dpsgd.loss_terms import BatchStatistics
 from workbench.errors import LossCouplingError
 from workbench.per_sample.loss import check_separable, record_factors, reduction_of
@@ -64,9 +70,10 @@ from workbench.per_sample.uses import quiet
 
 class LossWatch:
     """The loss calls of each backward pass (``generation``): (generation, f, name). One
-    window is open at a time, process-wide: the last model's forward pass owns the loss."""
+    window is open at a time, process-wide: the last model's forward pass owns the loss.
+    The window never outlives its step or its model (``lifetime``)."""
 
-    _open: "LossWatch | None" = None
+    _open = staticmethod(lambda: None)  # weak: a garbage-collected engine's window closes
 
     def __init__(self, loss_reduction: str, criterion=None):
         self.loss_reduction, self.criterion = loss_reduction, criterion
@@ -82,42 +89,78 @@ class LossWatch:
         self.before = BatchStatistics()  # the same, from the loader's batch to the forward pass
         self._before_mode = None  # BeforeForward, on the stack while ``before`` follows calls
         self.paused = contextlib.nullcontext  # the recorder's pause (recorded.py sets it)
+        self.roots: list = []  # the model's outputs with gradient: a loss must read them
+        self._resume = False  # following paused by a forward pass without gradient
+        weakref.finalize(self, _remove, self._handles_box)
 
     def open(self, n: int, generation: int, outputs=()) -> None:
         """At the end of the model's forward pass (n records, before backward ``generation``);
         ``outputs``: the model's output tensors, for the coupling test at ``backward``."""
         self.n, self.generation, self._depth = n, generation, 0
-        if LossWatch._open is not None and LossWatch._open is not self:
-            LossWatch._open.close()
-        LossWatch._open = self
-        if not self._handles:
-            self._handles = [  # quiet: their own tensor calls are not the loop's (uses.py)
-                module_hooks.register_module_forward_pre_hook(quiet(self._enter)),
-                module_hooks.register_module_forward_hook(quiet(self._exit))]
-        self.outputs = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad
-                        and o.dim() and o.shape[0] == n]
+        last = LossWatch._open()
+        if last is not None and last is not self:
+            last.close()
+        sweep()
+        LossWatch._open = weakref.ref(self)
+        if not self._handles:  # the global hooks hold the watch weakly (lifetime.Weak);
+            self._handles.extend([  # quiet: their own tensor calls are not the loop's (uses.py)
+                module_hooks.register_module_forward_pre_hook(quiet(Weak(self, "_enter"))),
+                module_hooks.register_module_forward_hook(quiet(Weak(self, "_exit")))])
+        self.roots = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+        self.outputs = [o for o in self.roots if o.dim() and o.shape[0] == n]
         self.stats.reset(n if self.check else 0, self.outputs)
         self.stats.inherit(self.before)  # statistics computed before the forward pass
         self.before.reset(0)
         if self._mode is None:
             self._mode = LossFunctions(self)
-            self._mode.__enter__()
+            push_bottom(self._mode)
+
+    @property
+    def _handles(self) -> list:
+        return self._handles_box
+
+    @_handles.setter
+    def _handles(self, value) -> None:
+        if "_handles_box" not in self.__dict__:
+            self._handles_box = []
+        self._handles_box[:] = value
 
     def batch_begins(self, n: int) -> None:
         """The engine's loader hands out a batch of n records: follow batch statistics of its
         data until the model's forward pass (``forward_begins``)."""
         self.batch_ends()
+        self._follow(n)
+
+    def follow(self) -> None:
+        """The optimizer's boundary (created, ``zero_grad``, ``step``): follow batch
+        statistics until the model's forward pass, n not known yet (any loader, or none);
+        a batch the engine's loader announced is followed already."""
+        if self._before_mode is None:
+            self._follow(None)
+
+    def _follow(self, n: int | None) -> None:
         if BeforeForward.following is not None:  # another engine's abandoned batch
             _leave(BeforeForward.following)
+        sweep()
+        self._resume = False
         self.before.reset(n if self.check else 0)
         if self.before.on:
             self._before_mode = BeforeForward.following = BeforeForward(self.before)
-            self._before_mode.__enter__()
+            push_bottom(self._before_mode)
 
     def forward_begins(self, inputs) -> None:
         """The model's forward pass begins: stop following; a model input computed from a
-        batch statistic couples the records inside the model (LossCouplingError)."""
+        batch statistic couples the records inside the model (LossCouplingError). A pass
+        without gradient (evaluation) only pauses the following (``forward_ends``)."""
+        following = self._before_mode is not None
         self._stop_before()
+        if not torch.is_grad_enabled():
+            self._resume = following
+            return
+        first = next((t for t in tree_flatten(inputs)[0]
+                      if isinstance(t, torch.Tensor) and t.dim()), None)
+        if first is not None:
+            self.before.settle(int(first.shape[0]), first.shape)
         what = next((w for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)
                      for w in [self.before.statistic(t)] if w), None)
         if what is not None:
@@ -130,6 +173,13 @@ class LossWatch:
                 f"and the sensitivity is no longer max_grad_norm. Normalise with constants of "
                 f"the data set (computed once, before training, or privately) or per record "
                 f"(over its own features: dim >= 1)")
+
+    def forward_ends(self) -> None:
+        """A forward pass without gradient ended: the following it paused goes on."""
+        if self._resume and self._before_mode is None and self.before.on:
+            self._before_mode = BeforeForward.following = BeforeForward(self.before)
+            push_bottom(self._before_mode)
+        self._resume = False
 
     def batch_ends(self) -> None:
         """The loader's pass ended (or was abandoned): nothing more to follow."""
@@ -145,11 +195,11 @@ class LossWatch:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self.outputs = []
+        self.outputs, self.roots = [], []
         self.stats.reset(0)
         self._close_mode()
-        if LossWatch._open is self:
-            LossWatch._open = None
+        if LossWatch._open() is self:
+            LossWatch._open = staticmethod(lambda: None)
 
     def _close_mode(self) -> None:
         mode, self._mode = self._mode, None
@@ -160,7 +210,8 @@ class LossWatch:
 
     def _loss_call(self, module, z, rest, functional: bool = False) -> None:
         """One loss call of the loop (a module, or a functional loss seen as one)."""
-        if not isinstance(z, torch.Tensor) or not z.requires_grad or not z.dim():
+        if not isinstance(z, torch.Tensor) or not z.requires_grad or not z.dim() \
+                or not reaches(z, self.roots):  # not this model's loss: not its window's
             return
         self._busy = True  # the probe calls the criterion again: not a loss call of the loop
         try:
@@ -172,6 +223,9 @@ class LossWatch:
             else:
                 f = self._factors(module, z, rest)
             self.calls.append((self.generation, f, type(module).__name__))
+        except Exception:
+            self.close()  # the refused pass's window ends with it
+            raise
         finally:
             self._busy = False
 
@@ -321,6 +375,8 @@ class LossFunctions(TorchFunctionMode):
         super().__init__()
         self.watch = watch
 
+    watch = weak_attribute("watch")  # a garbage-collected engine's mode passes calls through
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         watch = self.watch
@@ -329,8 +385,13 @@ class LossFunctions(TorchFunctionMode):
         if func in BACKWARD:
             loss = args[0] if args else kwargs.get("tensors", kwargs.get("self"))
             loss = loss if isinstance(loss, torch.Tensor) else None
-            watch.statistics(loss)
-            watch.coupling(loss)
+            if loss is not None and reaches(loss, watch.roots):  # this model's loss only
+                try:
+                    watch.statistics(loss)
+                    watch.coupling(loss)
+                except Exception:
+                    watch.close()  # the refused pass's window ends with it
+                    raise
             return func(*args, **kwargs)
         if func in FUNCTIONAL and watch._depth == 0:
             cls, names = FUNCTIONAL[func]
@@ -357,6 +418,8 @@ class BeforeForward(TorchFunctionMode):
     def __init__(self, stats: BatchStatistics):
         super().__init__()
         self.stats = stats
+
+    stats = weak_attribute("stats")
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

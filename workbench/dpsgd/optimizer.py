@@ -88,7 +88,7 @@ from workbench.clipping.auto import choose_mode
 from workbench.clipping.engine import clipped_sum
 from workbench.clipping.nonfinite import skip_nonfinite, warn_skipped
 from workbench.deprecation import Default, keyword, warn_renamed
-from workbench.dpsgd import loop
+from workbench.dpsgd import loop, other_optimizers
 from workbench.dpsgd.distributed import (
     DEFAULT_TIMEOUT_MINUTES,
     all_reduce,
@@ -144,6 +144,7 @@ class DPOptimizer(Optimizer):
         self._guard_handle = self.recorder.model.register_forward_pre_hook(
             self._enter_forward, prepend=True)  # before the recorder's hooks record anything
         self._drop_handles = loop.drop_gradients(self.recorder.outside)  # no non-private .grad
+        self._drop_handles.append(other_optimizers.guard(self))  # nor a second optimizer's step
         self.verify = True  # each new call signature; "always"; False: see verify_next_step()
         self._verify_next = False
         self._zeroed, self._released = False, {}  # is .grad this step's own? (_check_path)
@@ -151,6 +152,7 @@ class DPOptimizer(Optimizer):
         self._sums: dict[int, torch.Tensor] = {}
         self.user_level = None  # privacy_unit="user": a user_level.UserLevel (make_private)
         self.last = {}  # norms and clip factors of the last batch, for widgets and training logs
+        self.recorder.watch.follow()  # batch statistics before the first forward pass
 
     # param_groups, state and defaults are the wrapped optimizer's own objects, looked up on
     # every access: its load_state_dict replaces them, and LR schedulers must edit the live ones.
@@ -266,6 +268,7 @@ class DPOptimizer(Optimizer):
         self.recorder.clear()
         self.recorder.armed = True  # skip_weight_grads: this step's forward passes
         self._zeroed = True
+        self.recorder.watch.follow()  # batch statistics from here to the forward pass
         self.guard.release()
 
     def begin_chunk(self, token, last: bool) -> None:
@@ -442,6 +445,10 @@ class DPOptimizer(Optimizer):
         try:
             return self._step(closure)
         finally:
+            watch = self.recorder.watch  # the pass's loss window ends with its step, always
+            watch.close()
+            watch.batch_ends()
+            watch.follow()  # the next batch's statistics, from here to its forward pass
             self.guard.release()
 
     def _step(self, closure):

@@ -144,6 +144,7 @@ class ModelRecorder:
         self._depth -= 1
         if self._depth == 0:
             self._fast = False
+            self.watch.forward_ends()  # an evaluation pass paused the batch follower
         if self._depth == 0 and self._tracking:
             self._tracking = False
             # the loss is not seen here: an output the model returns may be used there
