@@ -29,14 +29,18 @@ LIMIT = 4096
 
 
 class Weak:
-    """A global hook calling ``watch.<name>`` while the watch lives, nothing after."""
+    """A global hook calling ``watch.<name>`` while the watch lives, nothing after; run with
+    torch-function dispatch off (``uses.quiet``): its own tensor calls are not the loop's."""
 
     def __init__(self, watch, name: str):
         self.ref, self.name = weakref.ref(watch), name
 
     def __call__(self, *args):
         watch = self.ref()
-        return None if watch is None else getattr(watch, self.name)(*args)
+        if watch is None:
+            return None
+        with torch._C.DisableTorchFunction():
+            return getattr(watch, self.name)(*args)
 
 
 def weak_attribute(name: str) -> property:

@@ -65,7 +65,6 @@ from workbench.dpsgd.loss_terms import BatchStatistics
 from workbench.errors import LossCouplingError
 from workbench.per_sample.loss import check_separable, record_factors, reduction_of
 from workbench.per_sample.selfcheck import TOLERANCE, symbolic
-from workbench.per_sample.uses import quiet
 
 
 class LossWatch:
@@ -102,10 +101,10 @@ class LossWatch:
             last.close()
         sweep()
         LossWatch._open = weakref.ref(self)
-        if not self._handles:  # the global hooks hold the watch weakly (lifetime.Weak);
-            self._handles.extend([  # quiet: their own tensor calls are not the loop's (uses.py)
-                module_hooks.register_module_forward_pre_hook(quiet(Weak(self, "_enter"))),
-                module_hooks.register_module_forward_hook(quiet(Weak(self, "_exit")))])
+        if not self._handles:  # the global hooks hold the watch weakly and run quietly
+            self._handles.extend([  # (lifetime.Weak): their tensor calls are not the loop's
+                module_hooks.register_module_forward_pre_hook(Weak(self, "_enter")),
+                module_hooks.register_module_forward_hook(Weak(self, "_exit"))])
         self.roots = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
         self.outputs = [o for o in self.roots if o.dim() and o.shape[0] == n]
         self.stats.reset(n if self.check else 0, self.outputs)
