@@ -25,9 +25,9 @@ import torch
 from workbench import rules  # noqa: F401  (registers the built-in layer rules)
 from workbench.checks import check_max_grad_norm
 from workbench.clipping.bookkeeping import bookkeeping_clipped_sum
-from workbench.clipping.engine import clip_materialised
+from workbench.clipping.engine import clip_materialised, ghost_clipped_sum
 from workbench.clipping.flat import clip_factors, grad_norms, norm_dtype
-from workbench.clipping.ghost import ghost_clipped_sum, ghost_norms
+from workbench.clipping.ghost import ghost_norms
 from workbench.clipping.registry import NORM_SAMPLERS, register_norm_sampler
 from workbench.clipping.routes import ghost_routes
 from workbench.clipping.snapshot import (

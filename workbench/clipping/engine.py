@@ -37,7 +37,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from workbench.clipping.flat import checked_clip_factors, grad_norms, sample_squares, weighted_sum
-from workbench.clipping.ghost import squared_norms_by
+from workbench.clipping.ghost import record_norms, rerun_losses, squared_norms_by, verify_norms
 from workbench.clipping.nonfinite import bad_records, finite_values, masked, refuse_nonfinite
 from workbench.clipping.users import user_factors, user_squares_from_grads, user_squares_ghost
 from workbench.methods import CLIP_METHODS, MATERIALISING
@@ -187,7 +187,19 @@ def clip_by_backward(rec, squares: torch.Tensor, C: float) -> dict[str, torch.Te
     return {name: sums[name] for name in rec.params}
 
 
+def ghost_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm, check=True) -> dict:
+    """{name: Σ_i c_i g_i}: the streamed norm pass (graph freed as it goes), then the second
+    backward pass of Σ_i c_i ℓ_i over the forward pass run again (module docstring, Memory);
+    ``max_grad_norm`` validated by the caller."""
+    rec, squares, _ = record_norms(model, loss_fn, inputs, targets, check=check)
+    verify_norms(model, rec, squares)
+    refuse_nonfinite(squares)  # before the forward pass runs again for nothing
+    rec.recorder.clear()  # the first forward's activations: freed before the second one
+    rec.losses = rerun_losses(rec, model, loss_fn, inputs, targets)
+    return clip_by_backward(rec, squares, max_grad_norm)
+
+
 __all__ = [
-    "MODES", "clip_by_backward", "clip_materialised", "clipped_sum", "materialise",
-    "reweighted_weight_grads",
+    "MODES", "clip_by_backward", "clip_materialised", "clipped_sum", "ghost_clipped_sum",
+    "materialise", "reweighted_weight_grads",
 ]

@@ -45,7 +45,6 @@ import torch
 from torch.nn.utils.parametrize import is_parametrized
 
 from workbench.clipping.flat import norm_dtype, sample_squares
-from workbench.clipping.nonfinite import refuse_nonfinite
 from workbench.clipping.registry import find_norm_sampler
 from workbench.per_sample import precision, selfcheck
 from workbench.per_sample.checks import check_losses, forward
@@ -230,20 +229,6 @@ class NormSum:
         return self.squares, materialised
 
 
-def ghost_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm, check=True) -> dict:
-    """{name: Σ_i c_i g_i}: the streamed norm pass (graph freed as it goes), then the second
-    backward pass of Σ_i c_i ℓ_i over the forward pass run again (module docstring, Memory);
-    ``max_grad_norm`` validated by the caller."""
-    from workbench.clipping.engine import clip_by_backward  # the engine imports this module
-
-    rec, squares, _ = record_norms(model, loss_fn, inputs, targets, check=check)
-    verify_norms(model, rec, squares)
-    refuse_nonfinite(squares)  # before the forward pass runs again for nothing
-    rec.recorder.clear()  # the first forward's activations: freed before the second one
-    rec.losses = rerun_losses(rec, model, loss_fn, inputs, targets)
-    return clip_by_backward(rec, squares, max_grad_norm)
-
-
 def rerun_losses(rec: Recording, model, loss_fn, inputs, targets) -> torch.Tensor:
     """ℓ (n,) of the batch's forward pass run again as it was: the same random state (the
     same dropout masks; the caller's own random state is left as the first pass left it)
@@ -263,6 +248,6 @@ def ghost_norms(model, loss_fn, inputs, targets, check=True) -> torch.Tensor:
 
 
 __all__ = [
-    "NormSum", "ghost_clipped_sum", "ghost_norms", "record", "record_batch", "record_norms",
+    "NormSum", "ghost_norms", "record", "record_batch", "record_norms",
     "recorded_shared", "rerun_losses", "squared_norms", "squared_norms_by", "verify_norms",
 ]

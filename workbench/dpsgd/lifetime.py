@@ -66,11 +66,10 @@ def remove(handles: list) -> None:
 
 
 def stale(mode) -> bool:
-    """A loss window's mode whose watch (or follower's statistics) is gone."""
-    from workbench.dpsgd.loss_watch import BeforeForward, LossFunctions
-
-    return (isinstance(mode, LossFunctions) and mode.watch is None) or (
-        isinstance(mode, BeforeForward) and mode.stats is None)
+    """A loss window's mode whose watch (or follower's statistics) is gone: the mode says so
+    (``is_stale``, defined by ``loss_watch.LossFunctions`` and ``BeforeForward``)."""
+    check = getattr(mode, "is_stale", None)
+    return bool(check is not None and check())
 
 
 def sweep() -> None:

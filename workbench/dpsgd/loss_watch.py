@@ -376,6 +376,9 @@ class LossFunctions(TorchFunctionMode):
 
     watch = weak_attribute("watch")  # a garbage-collected engine's mode passes calls through
 
+    def is_stale(self) -> bool:  # lifetime.stale
+        return self.watch is None
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         watch = self.watch
@@ -419,6 +422,9 @@ class BeforeForward(TorchFunctionMode):
         self.stats = stats
 
     stats = weak_attribute("stats")
+
+    def is_stale(self) -> bool:  # lifetime.stale
+        return self.stats is None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
