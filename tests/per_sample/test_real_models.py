@@ -32,8 +32,6 @@ NAMES = list(PROBLEMS) if ALL else SUBSET
 IMAGE = {name for name, p in PROBLEMS.items() if p.kind == "image"}
 # the layers still on per-layer vmap (ghost_routes) and why; any other is a regression
 VMAP_ROUTES = {
-    "opt": {"OPTLearnedPositionalEmbedding"},  # an Embedding subclass whose forward builds
-    "bart": {"BartLearnedPositionalEmbedding"},  # its indices (cumsum / arange + 2): no rule
     "mamba": {"MambaMixer"},  # the selective scan: a loop over time of several parameters
     # computes in float32 inside a float64 model ((1 + w) * x.float()): the affine rule's
     # behaviour probe does not accept it at float64 tolerance, so it stays exact on vmap

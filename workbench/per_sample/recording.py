@@ -40,6 +40,7 @@ from workbench.per_sample.checks import (
 from workbench.per_sample.fallback import redraws
 from workbench.per_sample.hooks import ActivationRecorder
 from workbench.per_sample.registry import find_grad_sampler, find_sampler_check, layer_type
+from workbench.per_sample.tied import delegates
 from workbench.per_sample.uses import UseTracker
 
 
@@ -63,10 +64,13 @@ def layers_with_parameters(model: nn.Module) -> dict[str, nn.Module]:
     """``{path: module}`` of modules owning trainable parameters themselves.
 
     A ``ParametrizationList`` (``torch.nn.utils.parametrize``) is left out: its output is a
-    weight, not a batch, so its parameters are uses outside any layer (exact fallback).
+    weight, not a batch, so its parameters are uses outside any layer (exact fallback). So is
+    an Embedding subclass without a rule (``tied.delegates``): its ``F.embedding`` lookups are
+    recorded as Embedding calls, any other use of its weight is uncovered (exact fallback).
     """
     return {path: module for path, module in model.named_modules()
-            if not isinstance(module, ParametrizationList) and own_parameters(module)}
+            if not isinstance(module, ParametrizationList) and own_parameters(module)
+            and not delegates(module)}
 
 
 def owners_of(layers: dict[str, nn.Module], model: nn.Module) -> dict[int, set[str]]:

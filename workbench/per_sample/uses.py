@@ -14,8 +14,9 @@ accounts for it) or anywhere else (an *uncovered* use: its per-sample gradient m
 an exact method). It also notes random functions (dropout), which decide how the result can be
 checked (``selfcheck.py``).
 
-Given the recorder, it also turns two uses into rule calls instead of uncovered ones:
-``F.linear(x, W)`` of a parameter outside its layer (a tied head: ``tied.py``), and a
+Given the recorder, it also turns these uses into rule calls instead of uncovered ones:
+``F.linear(x, W)`` of a parameter outside its layer (a tied head: ``tied.py``),
+``F.embedding(x, W)`` likewise (the lookup of an Embedding subclass: ``tied.py``), and a
 position-wise layer called without the batch whose output is added to a batched tensor (a
 positional embedding on ``arange(T)``: ``broadcast.py``).
 """
@@ -25,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from workbench.per_sample.broadcast import BatchFree
-from workbench.per_sample.tied import LINEAR, record_linear
+from workbench.per_sample.tied import FUNCTIONAL
 
 RANDOM_FUNCTIONS = {
     "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
@@ -97,9 +98,10 @@ class UseTracker(TorchFunctionMode):
             used = self._parameters_in(args, kwargs)
             if used and _differentiable(result):
                 where = LOSS if self.in_loss else self.stack[-1] if self.stack else _OUTSIDE
-                if (func is LINEAR and not self.in_loss and self.recorder.recording
-                        and record_linear(self, args, kwargs, result, where)):
-                    return result  # a tied head: a Linear rule call (tied.py)
+                functional = FUNCTIONAL.get(func)
+                if (functional is not None and not self.in_loss and self.recorder.recording
+                        and functional(self, args, kwargs, result, where)):
+                    return result  # a tied head, an Embedding's lookup: a rule call (tied.py)
                 for p in used:
                     if where not in self.owners[id(p)]:
                         self.uncovered.setdefault(id(p), set()).add(where)
