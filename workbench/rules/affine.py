@@ -27,7 +27,7 @@ Notation: n batch, a activations, b backprops, w weight, β bias, â normalised 
 import torch
 from torch.nn.utils.stateless import _reparametrize_module
 
-from workbench.rules._rule import LayerRule, register_rule
+from workbench.rules._rule import PROBE_ERRORS, LayerRule, register_rule
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4}  # relative, per probe
 
@@ -85,7 +85,7 @@ def affine_layout(layer) -> str | None:
                 want = A + B * aligned(w2, out, layout)
                 if b2 is not None:
                     want = want + aligned(b2, out, layout)
-        except (RuntimeError, TypeError, ValueError, IndexError):
+        except PROBE_ERRORS:
             continue
         if out.shape == want.shape and (out - want).norm() <= tol * want.norm():
             return layout
