@@ -33,9 +33,6 @@ IMAGE = {name for name, p in PROBLEMS.items() if p.kind == "image"}
 # the layers still on per-layer vmap (ghost_routes) and why; any other is a regression
 VMAP_ROUTES = {
     "mamba": {"MambaMixer"},  # the selective scan: a loop over time of several parameters
-    # computes in float32 inside a float64 model ((1 + w) * x.float()): the affine rule's
-    # behaviour probe does not accept it at float64 tolerance, so it stays exact on vmap
-    "gemma": {"GemmaRMSNorm"},
 }
 
 @pytest.fixture(autouse=True)
