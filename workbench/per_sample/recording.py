@@ -167,6 +167,8 @@ class Recording:
     replay: object = None  # () -> exact g_i of the record probe (random models, when checked)
     factors: torch.Tensor | None = None  # (n,) f_i applied to record i's backprops (loss.py)
     autocast: torch.dtype | None = None  # the forward pass's autocast dtype (precision.py)
+    taken: dict = field(default_factory=dict)  # id(param) -> the BroadcastParameter layer
+    # that takes it over from its rule-less owner (tied.py, rules/broadcast.py)
 
     def calls(self):
         """(path, layer, call) for every call whose output reached the loss."""
@@ -178,9 +180,16 @@ class Recording:
 
     def own(self, layer) -> list[tuple[str, nn.Parameter]]:
         """The layer's trainable parameters computed by its rule (not by the fallback)."""
-        ids = self._ids()
+        ids, taken = self._ids(), self.taken
         return [(name, p) for name, p in self._owned(layer)
-                if id(p) in ids and id(p) not in self.fallback]
+                if id(p) in ids and id(p) not in self.fallback
+                and taken.get(id(p), layer) is layer]
+
+    def hands_over(self, layer) -> bool:
+        """Every parameter of ``layer`` is taken over by a BroadcastParameter call (timm's
+        ViT: the model owns cls_token and pos_embed): the layer has nothing to sample."""
+        owned = self._owned(layer)
+        return bool(owned) and all(self.taken.get(id(p), layer) is not layer for _, p in owned)
 
     def _owned(self, layer):
         cache = self.__dict__.setdefault("_own_cache", {})
@@ -245,6 +254,8 @@ def new_recording(n: int, layers, recorder, params, uncovered, calls, **fields) 
     rec = Recording(n, layers, recorder, params, p0.dtype, p0.device, **fields)
     note_uncovered(rec, uncovered)
     for path, layer, call in calls:
+        if getattr(layer, "takes_over", False):
+            rec.taken[id(layer.weight)] = layer
         problem = batch_problem(layer, call, n) or (rec.random and redraws(layer))
         if problem:
             rec.mark(layer, path, problem)

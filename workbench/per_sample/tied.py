@@ -48,6 +48,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from workbench.per_sample.broadcast import meets_batch
 from workbench.per_sample.registry import find_grad_sampler
 
 LINEAR = F.linear  # the builtins the use tracker receives as ``func``
@@ -71,6 +72,20 @@ def functional_linear(weight: nn.Parameter, bias: nn.Parameter | None) -> nn.Lin
     return layer
 
 
+class BroadcastParameter(nn.Module):
+    """The functional layer of one parameter used broadcast into the batch (``weight`` *is*
+    that Parameter). Its forward is the op's identity on the expanded parameter: for reading."""
+
+    def __init__(self, weight: nn.Parameter, takes_over: bool = False):
+        super().__init__()
+        self.weight = weight
+        self.takes_over = takes_over  # used inside its rule-less owner, which hands p over
+
+    def forward(self, n: int):
+        return self.weight.expand(n, *self.weight.shape[1:]) if self.weight.shape[0] == 1 \
+            else self.weight.expand(n, *self.weight.shape)
+
+
 def outside(tracker, where: str, *params) -> bool:
     """Are ``params`` (None skipped) tracked parameters used outside their owners here?"""
     owners = tracker.owners
@@ -88,7 +103,7 @@ def record_call(tracker, path: str, make, params: dict, args: tuple, result) -> 
     return True
 
 
-def record_linear(tracker, args, kwargs, result, where: str) -> bool:
+def record_linear(tracker, args, kwargs, result, where: str, func=None) -> bool:
     """Record a functional ``F.linear`` call of tracked parameters as a Linear call.
 
     Returns False (nothing recorded: the uses stay uncovered) unless W is a tracked parameter
@@ -121,7 +136,7 @@ def functional_embedding(weight: nn.Parameter, padding_idx=None) -> nn.Embedding
     return layer
 
 
-def record_embedding(tracker, args, kwargs, result, where: str) -> bool:
+def record_embedding(tracker, args, kwargs, result, where: str, func=None) -> bool:
     """Record a functional ``F.embedding(x, W)`` of a tracked parameter W used outside its
     owners (an Embedding subclass's lookup: module docstring) as an Embedding call."""
     values = embedding_arguments(args, kwargs)
@@ -136,7 +151,56 @@ def record_embedding(tracker, args, kwargs, result, where: str) -> bool:
                        (x,), result)
 
 
-FUNCTIONAL = {LINEAR: record_linear, EMBEDDING: record_embedding}
+def broadcast_into_batch(func, args, kwargs, p, result) -> bool:
+    """Is ``result = func(*args)`` p broadcast into the batch (``rules/broadcast.py``)?
+    ``p.expand(n, ...)`` / ``broadcast_to`` of p (1, ...) or lower-dim, or an add of p and a
+    tensor carrying the result's dim 0 (``broadcast.meets_batch``)."""
+    if not isinstance(result, torch.Tensor) or result.dim() == 0 or not result.requires_grad:
+        return False
+    if func in EXPANDS:
+        return args[0] is p and p.dim() <= result.dim() and (
+            p.dim() < result.dim() or p.shape[0] == 1)
+    return meets_batch(func, args, kwargs, p, result)
+
+
+def record_broadcast(tracker, args, kwargs, result, where: str, func=None) -> bool:
+    """Record p broadcast into the batch as a ``BroadcastParameter`` call, where p is used
+    outside its owners or inside an owner without a rule (which would run vmap for it)."""
+    used = [a for a in args if id(a) in tracker.owners]
+    if len(used) != 1 or not broadcast_into_batch(func, args, kwargs, used[0], result):
+        return False
+    p, inside = used[0], not outside(tracker, where, used[0])
+    if inside:
+        owner = tracker.recorder.layers.get(where)
+        if owner is None or find_grad_sampler(owner) is not None:
+            return False  # the owner's rule covers the use
+    name = tracker.names.get(id(p), "a parameter")
+    path = f"broadcast({name}{' in its owner' if inside else ''})"
+    if not record_call(tracker, path, lambda: BroadcastParameter(p, takes_over=inside),
+                       {"weight": p}, (), result):
+        return False
+    if inside:
+        tracker.broadcast.append((id(p), path, tracker.recorder.calls[path][-1]))
+    return True
+
+
+def settle_broadcast(tracker) -> None:
+    """After the forward pass: a parameter broadcast inside its rule-less owner and also used
+    there otherwise stays the owner's (vmap on the owner covers every use in it); its
+    broadcast calls are dropped. Otherwise the owner hands it over (``Recording.own``)."""
+    for key, path, call in tracker.broadcast:
+        if key in tracker.covered:
+            for handle in call.handles:
+                handle.remove()
+            calls = tracker.recorder.calls[path]
+            calls[:] = [c for c in calls if c is not call]
+    tracker.broadcast = []
+
+
+EXPANDS = {torch.Tensor.expand, torch.Tensor.expand_as, torch.broadcast_to}
+ADD_FUNCTIONS = {torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__}
+FUNCTIONAL = {LINEAR: record_linear, EMBEDDING: record_embedding,
+              **dict.fromkeys(EXPANDS | ADD_FUNCTIONS, record_broadcast)}
 """torch function -> how its call on parameters outside their owners becomes a layer call."""
 
 
@@ -147,7 +211,8 @@ def delegates(module: nn.Module) -> bool:
 
 
 __all__ = [
-    "EMBEDDING", "EMBEDDING_OPTIONS", "FUNCTIONAL", "LINEAR", "delegates",
-    "embedding_arguments", "functional_embedding", "functional_linear", "linear_arguments",
-    "outside", "record_call", "record_embedding", "record_linear",
+    "ADD_FUNCTIONS", "EMBEDDING", "EMBEDDING_OPTIONS", "EXPANDS", "FUNCTIONAL", "LINEAR",
+    "BroadcastParameter", "broadcast_into_batch", "delegates", "embedding_arguments",
+    "functional_embedding", "functional_linear", "linear_arguments", "outside",
+    "record_broadcast", "record_call", "record_embedding", "record_linear", "settle_broadcast",
 ]

@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from workbench.per_sample.broadcast import BatchFree
-from workbench.per_sample.tied import FUNCTIONAL
+from workbench.per_sample.tied import FUNCTIONAL, settle_broadcast
 
 RANDOM_FUNCTIONS = {
     "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
@@ -75,9 +75,12 @@ class UseTracker(TorchFunctionMode):
         self.random = False
         self.in_loss = False  # set while loss_fn runs: a use there is the loss's own
         self.batch_free = BatchFree()
+        self.covered: set[int] = set()  # ids of parameters used inside an owner (tied.py)
+        self.broadcast: list = []  # parameters broadcast into the batch (tied.py)
 
     def __enter__(self):
         self.recorder.batch_free = self.batch_free
+        self.covered, self.broadcast = set(), []
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -85,6 +88,7 @@ class UseTracker(TorchFunctionMode):
         self.recorder.batch_free = None
         if exc[0] is None:
             self.batch_free.finish(self.recorder)  # outside the mode: its ops are not uses
+            settle_broadcast(self)
         return False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -100,11 +104,13 @@ class UseTracker(TorchFunctionMode):
                 where = LOSS if self.in_loss else self.stack[-1] if self.stack else _OUTSIDE
                 functional = FUNCTIONAL.get(func)
                 if (functional is not None and not self.in_loss and self.recorder.recording
-                        and functional(self, args, kwargs, result, where)):
+                        and functional(self, args, kwargs, result, where, func)):
                     return result  # a tied head, an Embedding's lookup: a rule call (tied.py)
                 for p in used:
                     if where not in self.owners[id(p)]:
                         self.uncovered.setdefault(id(p), set()).add(where)
+                    else:
+                        self.covered.add(id(p))
         return result
 
     def _parameters_in(self, args, kwargs) -> list:
