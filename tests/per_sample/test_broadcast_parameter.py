@@ -8,7 +8,7 @@ from torch import nn
 
 import workbench as wb
 from tests.helpers import assert_agree, assert_clipping_agrees, mse_per_sample
-from workbench.dpsgd import DPOptimizer
+from workbench.dpsgd import MODES, DPOptimizer
 
 T, D = 3, 4
 
@@ -91,7 +91,7 @@ def test_broadcast_parameters_are_exact_and_leave_vmap(name):
 
 
 @pytest.mark.parametrize("name", ["vit", "mixed", "hf_embeddings"])
-@pytest.mark.parametrize("mode", ["einsum", "bookkeeping"])
+@pytest.mark.parametrize("mode", [*MODES, "auto"])
 def test_optimizer_with_broadcast_parameters_matches_microbatching(name, mode):
     model, _, _ = problem(name)
     C = 0.5

@@ -10,9 +10,11 @@ the two it is:
 - **exact fallback**: anything else (a tied head written ``h @ E.T``, a positional embedding
   used twice, a sequence-first layer, ``self.fc.forward(x)``, a parametrised weight).
 
-Two common uses outside a layer's own call become rule calls during the forward pass
-(``uses.py``): ``F.linear(h, E)`` of a tied head (``tied.py``) and a position-wise layer called
-without the batch and added to it, ``tok + wpe(arange(T))`` (``broadcast.py``). Its per-sample
+Common uses outside a layer's own call become rule calls during the forward pass
+(``uses.py``): ``F.linear(h, E)`` of a tied head and ``F.embedding(ids, W)`` of an Embedding
+subclass (``tied.py``), a parameter broadcast into the batch, ``x + pos_embed`` (``tied.py``,
+``rules/broadcast.py``), and a position-wise layer called without the batch and added to it,
+``tok + wpe(arange(T))`` (``broadcast.py``). Its per-sample
   gradient comes from ``torch.func`` over the whole model (``vmap(grad(...))``), or, where
   vmap cannot run the model, from micro-batching; ``fallback`` says why, per parameter.
 

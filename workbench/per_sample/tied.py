@@ -40,6 +40,14 @@ computes around the lookup (its indices, a scale after it) is then the model's b
 the rule is exact without knowing how the indices were built. Options whose rule differs
 (``max_norm``, ``sparse``, ``scale_grad_by_freq``) are not recorded: exact fallback.
 
+**A parameter broadcast into the batch** (``cls_token.expand(n, -1, -1)``, ``x + pos_embed``:
+timm's ViT, Hugging Face's ``ViTEmbeddings``) is recorded as a call of a ``BroadcastParameter``
+layer (``rules/broadcast.py``: ∂ℓ_i/∂p = the op's backprop summed over the broadcast dims),
+where p is used outside its owners or inside an owner without a rule (which would otherwise
+run vmap on the whole owner, for timm's ViT the whole model). The owner then hands p over
+(``Recording.taken``), unless p is also used otherwise inside it (``settle_broadcast``: the
+owner's vmap keeps it, the broadcast calls are dropped).
+
 Notation: n batch, x activations (n, ..., d) or indices (n, T), b backprops (n, ..., p),
 W (p, d), c bias (p,), V vocabulary, d width.
 """
@@ -74,16 +82,18 @@ def functional_linear(weight: nn.Parameter, bias: nn.Parameter | None) -> nn.Lin
 
 class BroadcastParameter(nn.Module):
     """The functional layer of one parameter used broadcast into the batch (``weight`` *is*
-    that Parameter). Its forward is the op's identity on the expanded parameter: for reading."""
+    that Parameter; its rule: ``rules/broadcast.py``)."""
 
     def __init__(self, weight: nn.Parameter, takes_over: bool = False):
         super().__init__()
         self.weight = weight
         self.takes_over = takes_over  # used inside its rule-less owner, which hands p over
 
-    def forward(self, n: int):
-        return self.weight.expand(n, *self.weight.shape[1:]) if self.weight.shape[0] == 1 \
-            else self.weight.expand(n, *self.weight.shape)
+    def forward(self, anchor: torch.Tensor) -> torch.Tensor:
+        """p expanded to the op's output shape (``anchor``: a stride-0 tensor of that shape,
+        batch on dim 0): its Jacobian in p is the op's (e = p.expand, h = x + p), so the
+        methods that re-run a layer (micro-batching, vmap on the layer) run this."""
+        return self.weight.expand(anchor.shape)
 
 
 def outside(tracker, where: str, *params) -> bool:
@@ -172,12 +182,13 @@ def record_broadcast(tracker, args, kwargs, result, where: str, func=None) -> bo
     p, inside = used[0], not outside(tracker, where, used[0])
     if inside:
         owner = tracker.recorder.layers.get(where)
-        if owner is None or find_grad_sampler(owner) is not None:
+        if owner is None or has_rule(owner):
             return False  # the owner's rule covers the use
     name = tracker.names.get(id(p), "a parameter")
     path = f"broadcast({name}{' in its owner' if inside else ''})"
+    anchor = result.new_zeros(()).expand(result.shape)  # (n, ...) of stride 0: no memory
     if not record_call(tracker, path, lambda: BroadcastParameter(p, takes_over=inside),
-                       {"weight": p}, (), result):
+                       {"weight": p}, (anchor,), result):
         return False
     if inside:
         tracker.broadcast.append((id(p), path, tracker.recorder.calls[path][-1]))
@@ -204,15 +215,22 @@ FUNCTIONAL = {LINEAR: record_linear, EMBEDDING: record_embedding,
 """torch function -> how its call on parameters outside their owners becomes a layer call."""
 
 
+def has_rule(layer: nn.Module) -> bool:
+    """A grad or a norm rule covers ``layer``'s calls (else: vmap on the layer)."""
+    from workbench.clipping.registry import find_norm_sampler  # clipping imports per_sample
+
+    return find_grad_sampler(layer) is not None or find_norm_sampler(layer) is not None
+
+
 def delegates(module: nn.Module) -> bool:
     """An ``nn.Embedding`` subclass without a rule of its own (its forward builds indices):
     not hooked as a layer, its lookups are recorded as functional Embedding calls instead."""
-    return isinstance(module, nn.Embedding) and find_grad_sampler(module) is None
+    return isinstance(module, nn.Embedding) and not has_rule(module)
 
 
 __all__ = [
     "ADD_FUNCTIONS", "EMBEDDING", "EMBEDDING_OPTIONS", "EXPANDS", "FUNCTIONAL", "LINEAR",
-    "BroadcastParameter", "broadcast_into_batch", "delegates", "embedding_arguments",
+    "BroadcastParameter", "broadcast_into_batch", "delegates", "has_rule", "embedding_arguments",
     "functional_embedding", "functional_linear", "linear_arguments", "outside",
     "record_broadcast", "record_call", "record_embedding", "record_linear", "settle_broadcast",
 ]
