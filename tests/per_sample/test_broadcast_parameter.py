@@ -7,8 +7,13 @@ import torch
 from torch import nn
 
 import workbench as wb
-from tests.helpers import assert_agree, assert_clipping_agrees, mse_per_sample
-from workbench.dpsgd import MODES, DPOptimizer
+from tests.helpers import (
+    assert_agree,
+    assert_clipping_agrees,
+    assert_optimizer_matches_microbatch,
+    mse_per_sample,
+)
+from workbench.dpsgd import MODES
 
 T, D = 3, 4
 
@@ -94,18 +99,6 @@ def test_broadcast_parameters_are_exact_and_leave_vmap(name):
 @pytest.mark.parametrize("mode", [*MODES, "auto"])
 def test_optimizer_with_broadcast_parameters_matches_microbatching(name, mode):
     model, _, _ = problem(name)
-    C = 0.5
-    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
-                      max_grad_norm=C, expected_batch_size=1.0, loss_reduction="sum",
-                      method=mode)
-    try:
-        for seed, n in ((0, 4), (1, T + 1)):  # n = T + 1: the layout shapes cannot tell
-            _, x, y = problem(name, n=n, seed=seed)
-            want = wb.clipped_grad_sum(model, mse_per_sample, x, y, C, method="microbatch")
-            opt.zero_grad()
-            mse_per_sample(model(x), y).sum().backward()
-            opt.step()
-            for k, p in model.named_parameters():
-                torch.testing.assert_close(p.grad, want[k], rtol=1e-9, atol=1e-12)
-    finally:
-        opt.detach()
+    sizes = ((0, 4), (1, T + 1))  # n = T + 1: a layout the shapes cannot tell apart
+    batches = [problem(name, n=n, seed=seed)[1:] for seed, n in sizes]
+    assert_optimizer_matches_microbatch(model, mse_per_sample, batches, method=mode)

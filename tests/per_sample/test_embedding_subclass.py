@@ -10,8 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import workbench as wb
-from tests.helpers import assert_agree, assert_clipping_agrees
-from workbench.dpsgd import DPOptimizer
+from tests.helpers import assert_agree, assert_clipping_agrees, assert_optimizer_matches_microbatch
 from workbench.per_sample.registry import find_grad_sampler
 
 
@@ -96,22 +95,9 @@ def test_embedding_subclass_is_exact_through_its_lookup(name):
 
 @pytest.mark.parametrize("name", ["opt_cumsum", "arange_without_batch"])
 def test_optimizer_with_embedding_subclass_matches_microbatching(name):
-    model, ids, y = problem(name, n=4)
-    C = 0.5
-    want = wb.clipped_grad_sum(model, loss_fn, ids, y, C, method="microbatch")
-    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
-                      max_grad_norm=C, expected_batch_size=1.0, loss_reduction="sum")
-    try:
-        for seed in (0, 1):  # the second step reuses the recording's layers
-            model2, ids, y = problem(name, n=4, seed=seed)
-            want = wb.clipped_grad_sum(model, loss_fn, ids, y, C, method="microbatch")
-            opt.zero_grad()
-            loss_fn(model(ids), y).sum().backward()
-            opt.step()
-            for k, p in model.named_parameters():
-                torch.testing.assert_close(p.grad, want[k], rtol=1e-9, atol=1e-12)
-    finally:
-        opt.detach()
+    model = problem(name)[0]
+    batches = [problem(name, n=4, seed=seed)[1:] for seed in (0, 1)]  # a second step too
+    assert_optimizer_matches_microbatch(model, loss_fn, batches)
 
 
 def test_lookup_options_whose_gradient_differs_are_not_recorded():
