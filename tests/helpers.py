@@ -81,3 +81,25 @@ def import_rule_package(root, package: str, files: dict[str, str]) -> None:
     for name, source in files.items():
         (folder / f"{name}.py").write_text(textwrap.dedent(source))
     importlib.import_module(package)
+
+
+def assert_optimizer_matches_microbatch(model, loss_fn, batches, max_grad_norm=0.5,
+                                        method=None):
+    """DPOptimizer (no noise, lr 0) steps on ``batches`` [(x, y)]: each step's p.grad equals
+    micro-batching's clipped sum, float64 to 1e-9."""
+    from workbench.dpsgd import DPOptimizer
+
+    kwargs = {} if method is None else {"method": method}
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
+                      max_grad_norm=max_grad_norm, expected_batch_size=1.0,
+                      loss_reduction="sum", **kwargs)
+    try:
+        for x, y in batches:
+            want = wb.clipped_grad_sum(model, loss_fn, x, y, max_grad_norm, method="microbatch")
+            opt.zero_grad()
+            loss_fn(model(x), y).sum().backward()
+            opt.step()
+            for k, p in model.named_parameters():
+                torch.testing.assert_close(p.grad, want[k], rtol=1e-9, atol=1e-12)
+    finally:
+        opt.detach()

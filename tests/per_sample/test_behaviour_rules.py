@@ -120,3 +120,43 @@ def test_behaviour_probe_reads_the_layout_not_the_name():
     assert affine_layout(LlamaRMSNorm(D)) == "last"
     assert affine_layout(SquaredLayerNorm(D)) is None
     assert affine_layout(nn.Linear(D, D)) is None  # weight (p, d) times a, not elementwise
+
+
+class GemmaRMSNormFloat32(GemmaRMSNorm):  # transformers' own: (1 + w) multiplied in float32
+    def forward(self, x):
+        out = self._norm(x.float()) * (1.0 + self.weight.float())
+        return out.type_as(x)
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+class NearlyAffine(GemmaRMSNorm):  # float64 throughout, 1e-6 w² away from affine: no rule
+    def forward(self, x):
+        return super().forward(x) + 1e-6 * self.weight ** 2
+
+
+class SquaredInFloat32(GemmaRMSNormFloat32):  # float32 inside, not affine in w: no rule
+    def forward(self, x):
+        return (super().forward(x).float() ** 2).type_as(x)
+
+
+def test_rule_probe_takes_the_tolerance_of_the_dtype_a_layer_computes_in():
+    """Gemma's RMSNorm in a float64 model is affine in w up to float32 rounding only, as is its
+    own autograd gradient: the rule is as exact as the layer (float32 rounding, 1e-5)."""
+    assert affine_layout(GemmaRMSNormFloat32(D).double()) == "last"
+    assert affine_layout(NearlyAffine(D).double()) is None
+    assert affine_layout(SquaredInFloat32(D).double()) is None
+    model, x, y = regression(GemmaRMSNormFloat32(D), (6, 3, D))
+    assert find_grad_sampler(model[0]) is affine_grad_sampler
+    ref = wb.per_sample_gradients(model, mse_per_sample, x, y, method="microbatch")
+    for method in ("einsum", "vmap"):
+        got = wb.per_sample_gradients(model, mse_per_sample, x, y, method=method)
+        for k in ref:
+            torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-7)
+    C = 1.0
+    want = wb.clipped_grad_sum(model, mse_per_sample, x, y, C, method="microbatch")
+    for method in ("ghost", "bookkeeping", "einsum"):
+        got = wb.clipped_grad_sum(model, mse_per_sample, x, y, C, method=method)
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7)

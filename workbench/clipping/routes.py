@@ -61,6 +61,8 @@ def route_calls(model, loss_fn, inputs, targets, check=True):
     shared = rec.shared_ids()
     seen = {}
     for path, layer, call in rec.calls():
+        if rec.hands_over(layer):  # its parameters are sampled by their broadcast calls
+            continue
         seen[path] = seen.get(path, -1) + 1
         route, reason = layer_route(layer, call, shared, rec.fallback)
         yield ({"layer": path or "<model>", "type": type(layer).__name__, "call": seen[path],

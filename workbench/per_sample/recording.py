@@ -10,9 +10,11 @@ the two it is:
 - **exact fallback**: anything else (a tied head written ``h @ E.T``, a positional embedding
   used twice, a sequence-first layer, ``self.fc.forward(x)``, a parametrised weight).
 
-Two common uses outside a layer's own call become rule calls during the forward pass
-(``uses.py``): ``F.linear(h, E)`` of a tied head (``tied.py``) and a position-wise layer called
-without the batch and added to it, ``tok + wpe(arange(T))`` (``broadcast.py``). Its per-sample
+Common uses outside a layer's own call become rule calls during the forward pass
+(``uses.py``): ``F.linear(h, E)`` of a tied head and ``F.embedding(ids, W)`` of an Embedding
+subclass (``tied.py``), a parameter broadcast into the batch, ``x + pos_embed`` (``tied.py``,
+``rules/broadcast.py``), and a position-wise layer called without the batch and added to it,
+``tok + wpe(arange(T))`` (``broadcast.py``). Its per-sample
   gradient comes from ``torch.func`` over the whole model (``vmap(grad(...))``), or, where
   vmap cannot run the model, from micro-batching; ``fallback`` says why, per parameter.
 
@@ -40,6 +42,7 @@ from workbench.per_sample.checks import (
 from workbench.per_sample.fallback import redraws
 from workbench.per_sample.hooks import ActivationRecorder
 from workbench.per_sample.registry import find_grad_sampler, find_sampler_check, layer_type
+from workbench.per_sample.tied import delegates
 from workbench.per_sample.uses import UseTracker
 
 
@@ -70,10 +73,13 @@ def layers_with_parameters(model: nn.Module) -> dict[str, nn.Module]:
     """``{path: module}`` of modules owning trainable parameters themselves.
 
     A ``ParametrizationList`` (``torch.nn.utils.parametrize``) is left out: its output is a
-    weight, not a batch, so its parameters are uses outside any layer (exact fallback).
+    weight, not a batch, so its parameters are uses outside any layer (exact fallback). So is
+    an Embedding subclass without a rule (``tied.delegates``): its ``F.embedding`` lookups are
+    recorded as Embedding calls, any other use of its weight is uncovered (exact fallback).
     """
     return {path: module for path, module in model.named_modules()
-            if not isinstance(module, ParametrizationList) and own_parameters(module)}
+            if not isinstance(module, ParametrizationList) and own_parameters(module)
+            and not delegates(module)}
 
 
 def owners_of(layers: dict[str, nn.Module], model: nn.Module, params=None) -> dict[int, set[str]]:
@@ -174,6 +180,8 @@ class Recording:
     replay: object = None  # () -> exact g_i of the record probe (random models, when checked)
     factors: torch.Tensor | None = None  # (n,) f_i applied to record i's backprops (loss.py)
     autocast: torch.dtype | None = None  # the forward pass's autocast dtype (precision.py)
+    taken: dict = field(default_factory=dict)  # id(param) -> the BroadcastParameter layer
+    # that takes it over from its rule-less owner (tied.py, rules/broadcast.py)
 
     def calls(self):
         """(path, layer, call) for every call whose output reached the loss."""
@@ -185,9 +193,16 @@ class Recording:
 
     def own(self, layer) -> list[tuple[str, nn.Parameter]]:
         """The layer's trainable parameters computed by its rule (not by the fallback)."""
-        ids = self._ids()
+        ids, taken = self._ids(), self.taken
         return [(name, p) for name, p in self._owned(layer)
-                if id(p) in ids and id(p) not in self.fallback]
+                if id(p) in ids and id(p) not in self.fallback
+                and taken.get(id(p), layer) is layer]
+
+    def hands_over(self, layer) -> bool:
+        """Every parameter of ``layer`` is taken over by a BroadcastParameter call (timm's
+        ViT: the model owns cls_token and pos_embed): the layer has nothing to sample."""
+        owned = self._owned(layer)
+        return bool(owned) and all(self.taken.get(id(p), layer) is not layer for _, p in owned)
 
     def _owned(self, layer):
         cache = self.__dict__.setdefault("_own_cache", {})
@@ -253,6 +268,8 @@ def new_recording(n: int, layers, recorder, params, uncovered, calls, **fields) 
     rec = Recording(n, layers, recorder, params, p0.dtype, p0.device, **fields)
     note_uncovered(rec, uncovered)
     for path, layer, call in calls:
+        if getattr(layer, "takes_over", False):
+            rec.taken[id(layer.weight)] = layer
         problem = batch_problem(layer, call, n) or (rec.random and redraws(layer))
         if problem:
             rec.mark(layer, path, problem)

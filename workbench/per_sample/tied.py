@@ -1,4 +1,4 @@
-"""A parameter used as the weight of ``F.linear`` outside its layer: a tied head.
+"""A parameter used by ``F.linear`` or ``F.embedding`` outside a layer that owns it.
 
 GPT-2 and nanoGPT tie the output head to the token embedding (Press & Wolf 2017, arXiv
 1608.05859) and write it as ``F.linear(h, self.wte.weight)``, outside any module call: no
@@ -24,14 +24,43 @@ outside the layers that own them, and x not a parameter, are recorded this way. 
 (``h @ W.T``, ``torch.matmul(h, W.t())``, a weight computed from W) stays an uncovered use:
 its parameter gets the exact whole-model fallback (``fallback.py``).
 
-Notation: n batch, x activations (n, ..., d), b backprops (n, ..., p), W (p, d), c bias (p,).
+**The lookup op of an Embedding subclass.** OPT's and BART's learned positional embeddings
+are ``nn.Embedding`` subclasses whose ``forward(attention_mask)`` builds its own indices
+(``cumsum(mask) - 1``, or ``arange(T)``, then ``+ 2``) and ends in ``F.embedding(ids, W)``;
+the module's input is not the indices, so the Embedding rule cannot be applied to its call
+(and must not be inherited: ``registry.find_rule``). The op itself *is* an Embedding's:
+
+    o = F.embedding(x, W)        ∂ℓ_i/∂W = Σ_t e_{x_{i,t}} b_{i,t}ᵀ     (n, V, d)  embedding.py
+
+with x the indices actually passed. So an ``nn.Embedding`` subclass without a rule of its own
+is *not* hooked as a layer (``delegates``): every use of its parameter is a use outside a
+layer, each ``F.embedding(x, W)`` is recorded as a call of a functional ``nn.Embedding`` with
+the same options, and any other use of W is uncovered (exact fallback). Whatever the forward
+computes around the lookup (its indices, a scale after it) is then the model's business, and
+the rule is exact without knowing how the indices were built. Options whose rule differs
+(``max_norm``, ``sparse``, ``scale_grad_by_freq``) are not recorded: exact fallback.
+
+**A parameter broadcast into the batch** (``cls_token.expand(n, -1, -1)``, ``x + pos_embed``:
+timm's ViT, Hugging Face's ``ViTEmbeddings``) is recorded as a call of a ``BroadcastParameter``
+layer (``rules/broadcast.py``: ∂ℓ_i/∂p = the op's backprop summed over the broadcast dims),
+where p is used outside its owners or inside an owner without a rule (which would otherwise
+run vmap on the whole owner, for timm's ViT the whole model). The owner then hands p over
+(``Recording.taken``), unless p is also used otherwise inside it (``settle_broadcast``: the
+owner's vmap keeps it, the broadcast calls are dropped).
+
+Notation: n batch, x activations (n, ..., d) or indices (n, T), b backprops (n, ..., p),
+W (p, d), c bias (p,), V vocabulary, d width.
 """
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-LINEAR = F.linear  # the builtin the use tracker receives as ``func``
+from workbench.per_sample.broadcast import meets_batch
+from workbench.per_sample.registry import find_grad_sampler
+
+LINEAR = F.linear  # the builtins the use tracker receives as ``func``
+EMBEDDING = F.embedding
 
 
 def linear_arguments(args, kwargs):
@@ -51,27 +80,157 @@ def functional_linear(weight: nn.Parameter, bias: nn.Parameter | None) -> nn.Lin
     return layer
 
 
-def record_linear(tracker, args, kwargs, result, where: str) -> bool:
+class BroadcastParameter(nn.Module):
+    """The functional layer of one parameter used broadcast into the batch (``weight`` *is*
+    that Parameter; its rule: ``rules/broadcast.py``)."""
+
+    def __init__(self, weight: nn.Parameter, takes_over: bool = False):
+        super().__init__()
+        self.weight = weight
+        self.takes_over = takes_over  # used inside its rule-less owner, which hands p over
+
+    def forward(self, anchor: torch.Tensor) -> torch.Tensor:
+        """p expanded to the op's output shape (``anchor``: a stride-0 tensor of that shape,
+        batch on dim 0): its Jacobian in p is the op's (e = p.expand, h = x + p), so the
+        methods that re-run a layer (micro-batching, vmap on the layer) run this."""
+        return self.weight.expand(anchor.shape)
+
+
+def outside(tracker, where: str, *params) -> bool:
+    """Are ``params`` (None skipped) tracked parameters used outside their owners here?"""
+    owners = tracker.owners
+    return all(id(p) in owners and where not in owners[id(p)] for p in params if p is not None)
+
+
+def record_call(tracker, path: str, make, params: dict, args: tuple, result) -> bool:
+    """Record ``result = layer(*args)`` of the functional layer at ``path`` (``make()`` builds
+    it the first time); False when that layer holds other Parameter objects than ``params``."""
+    recorder = tracker.recorder
+    layer = recorder.layers[path] if path in recorder.layers else recorder.add_layer(path, make())
+    if any(getattr(layer, name) is not p for name, p in params.items()):
+        return False  # two parameters with one name (should not happen): stay uncovered
+    recorder.add_call(path, layer, args, {}, result)
+    return True
+
+
+def record_linear(tracker, args, kwargs, result, where: str, func=None) -> bool:
     """Record a functional ``F.linear`` call of tracked parameters as a Linear call.
 
     Returns False (nothing recorded: the uses stay uncovered) unless W is a tracked parameter
     used outside its owners, c is None or such a parameter too, and x is a plain tensor.
     """
     x, W, c = linear_arguments(args, kwargs)
-    owners = tracker.owners
-    if (id(W) not in owners or where in owners[id(W)] or W.dim() != 2
-            or not isinstance(x, torch.Tensor) or id(x) in owners
-            or (c is not None and (id(c) not in owners or where in owners[id(c)]))):
+    if (not outside(tracker, where, W, c) or W.dim() != 2 or not isinstance(x, torch.Tensor)
+            or id(x) in tracker.owners):
         return False
     names = [tracker.names.get(id(p), "a parameter") for p in (W, c) if p is not None]
-    path = f"F.linear({', '.join(names)})"
-    recorder = tracker.recorder
-    layer = recorder.layers[path] if path in recorder.layers else recorder.add_layer(
-        path, functional_linear(W, c))
-    if layer.weight is not W or layer.bias is not c:
-        return False  # two parameters with one name (should not happen): stay uncovered
-    recorder.add_call(path, layer, (x,), {}, result)
+    return record_call(tracker, f"F.linear({', '.join(names)})",
+                       lambda: functional_linear(W, c), {"weight": W, "bias": c}, (x,), result)
+
+
+EMBEDDING_OPTIONS = ("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+
+
+def embedding_arguments(args, kwargs) -> dict:
+    """{input, weight, padding_idx, ...} of an ``F.embedding`` call."""
+    return dict(zip(("input", "weight", *EMBEDDING_OPTIONS), args), **kwargs)
+
+
+def functional_embedding(weight: nn.Parameter, padding_idx=None) -> nn.Embedding:
+    """An ``nn.Embedding`` whose weight *is* the given Parameter object."""
+    layer = nn.Embedding(1, 1, device="meta")  # allocates nothing
+    del layer.weight
+    layer.weight = weight
+    layer.num_embeddings, layer.embedding_dim = weight.shape
+    layer.padding_idx = padding_idx  # F.embedding's, already made non-negative
+    return layer
+
+
+def record_embedding(tracker, args, kwargs, result, where: str, func=None) -> bool:
+    """Record a functional ``F.embedding(x, W)`` of a tracked parameter W used outside its
+    owners (an Embedding subclass's lookup: module docstring) as an Embedding call."""
+    values = embedding_arguments(args, kwargs)
+    x, W = values.get("input"), values.get("weight")
+    if (not outside(tracker, where, W) or W.dim() != 2 or not isinstance(x, torch.Tensor)
+            or x.is_floating_point() or values.get("max_norm") is not None
+            or values.get("sparse") or values.get("scale_grad_by_freq")):
+        return False  # an option whose gradient differs: uncovered, the exact fallback
+    pad = values.get("padding_idx")
+    path = f"F.embedding({tracker.names.get(id(W), 'a parameter')}, padding_idx={pad})"
+    return record_call(tracker, path, lambda: functional_embedding(W, pad), {"weight": W},
+                       (x,), result)
+
+
+def broadcast_into_batch(func, args, kwargs, p, result) -> bool:
+    """Is ``result = func(*args)`` p broadcast into the batch (``rules/broadcast.py``)?
+    ``p.expand(n, ...)`` / ``broadcast_to`` of p (1, ...) or lower-dim, or an add of p and a
+    tensor carrying the result's dim 0 (``broadcast.meets_batch``)."""
+    if not isinstance(result, torch.Tensor) or result.dim() == 0 or not result.requires_grad:
+        return False
+    if func in EXPANDS:
+        return args[0] is p and p.dim() <= result.dim() and (
+            p.dim() < result.dim() or p.shape[0] == 1)
+    return meets_batch(func, args, kwargs, p, result)
+
+
+def record_broadcast(tracker, args, kwargs, result, where: str, func=None) -> bool:
+    """Record p broadcast into the batch as a ``BroadcastParameter`` call, where p is used
+    outside its owners or inside an owner without a rule (which would run vmap for it)."""
+    used = [a for a in args if id(a) in tracker.owners]
+    if len(used) != 1 or not broadcast_into_batch(func, args, kwargs, used[0], result):
+        return False
+    p, inside = used[0], not outside(tracker, where, used[0])
+    if inside:
+        owner = tracker.recorder.layers.get(where)
+        if owner is None or has_rule(owner):
+            return False  # the owner's rule covers the use
+    name = tracker.names.get(id(p), "a parameter")
+    path = f"broadcast({name}{' in its owner' if inside else ''})"
+    anchor = result.new_zeros(()).expand(result.shape)  # (n, ...) of stride 0: no memory
+    if not record_call(tracker, path, lambda: BroadcastParameter(p, takes_over=inside),
+                       {"weight": p}, (anchor,), result):
+        return False
+    if inside:
+        tracker.broadcast.append((id(p), path, tracker.recorder.calls[path][-1]))
     return True
 
 
-__all__ = ["LINEAR", "functional_linear", "linear_arguments", "record_linear"]
+def settle_broadcast(tracker) -> None:
+    """After the forward pass: a parameter broadcast inside its rule-less owner and also used
+    there otherwise stays the owner's (vmap on the owner covers every use in it); its
+    broadcast calls are dropped. Otherwise the owner hands it over (``Recording.own``)."""
+    for key, path, call in tracker.broadcast:
+        if key in tracker.covered:
+            for handle in call.handles:
+                handle.remove()
+            calls = tracker.recorder.calls[path]
+            calls[:] = [c for c in calls if c is not call]
+    tracker.broadcast = []
+
+
+EXPANDS = {torch.Tensor.expand, torch.Tensor.expand_as, torch.broadcast_to}
+ADD_FUNCTIONS = {torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__}
+FUNCTIONAL = {LINEAR: record_linear, EMBEDDING: record_embedding,
+              **dict.fromkeys(EXPANDS | ADD_FUNCTIONS, record_broadcast)}
+"""torch function -> how its call on parameters outside their owners becomes a layer call."""
+
+
+def has_rule(layer: nn.Module) -> bool:
+    """A grad or a norm rule covers ``layer``'s calls (else: vmap on the layer)."""
+    from workbench.clipping.registry import find_norm_sampler  # clipping imports per_sample
+
+    return find_grad_sampler(layer) is not None or find_norm_sampler(layer) is not None
+
+
+def delegates(module: nn.Module) -> bool:
+    """An ``nn.Embedding`` subclass without a rule of its own (its forward builds indices):
+    not hooked as a layer, its lookups are recorded as functional Embedding calls instead."""
+    return isinstance(module, nn.Embedding) and not has_rule(module)
+
+
+__all__ = [
+    "ADD_FUNCTIONS", "EMBEDDING", "EMBEDDING_OPTIONS", "EXPANDS", "FUNCTIONAL", "LINEAR",
+    "BroadcastParameter", "broadcast_into_batch", "delegates", "has_rule", "embedding_arguments",
+    "functional_embedding", "functional_linear", "linear_arguments", "outside",
+    "record_broadcast", "record_call", "record_embedding", "record_linear", "settle_broadcast",
+]

@@ -14,8 +14,9 @@ accounts for it) or anywhere else (an *uncovered* use: its per-sample gradient m
 an exact method). It also notes random functions (dropout), which decide how the result can be
 checked (``selfcheck.py``).
 
-Given the recorder, it also turns two uses into rule calls instead of uncovered ones:
-``F.linear(x, W)`` of a parameter outside its layer (a tied head: ``tied.py``), and a
+Given the recorder, it also turns these uses into rule calls instead of uncovered ones:
+``F.linear(x, W)`` of a parameter outside its layer (a tied head: ``tied.py``),
+``F.embedding(x, W)`` likewise (the lookup of an Embedding subclass: ``tied.py``), and a
 position-wise layer called without the batch whose output is added to a batched tensor (a
 positional embedding on ``arange(T)``: ``broadcast.py``).
 
@@ -32,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from workbench.per_sample.broadcast import BatchFree
-from workbench.per_sample.tied import LINEAR, record_linear
+from workbench.per_sample.tied import FUNCTIONAL, settle_broadcast
 
 RANDOM_FUNCTIONS = {
     "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
@@ -96,9 +97,12 @@ class UseTracker(TorchFunctionMode):
         self.random = False
         self.in_loss = False  # set while loss_fn runs: a use there is the loss's own
         self.batch_free = BatchFree()
+        self.covered: set[int] = set()  # ids of parameters used inside an owner (tied.py)
+        self.broadcast: list = []  # parameters broadcast into the batch (tied.py)
 
     def __enter__(self):
         self.recorder.batch_free = self.batch_free
+        self.covered, self.broadcast = set(), []
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -106,6 +110,7 @@ class UseTracker(TorchFunctionMode):
         self.recorder.batch_free = None
         if exc[0] is None:
             self.batch_free.finish(self.recorder)  # outside the mode: its ops are not uses
+            settle_broadcast(self)
         return False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -120,12 +125,15 @@ class UseTracker(TorchFunctionMode):
             used = self._parameters_in(args, kwargs)
             if used and _differentiable(result):
                 where = LOSS if self.in_loss else self.stack[-1] if self.stack else _OUTSIDE
-                if (func is LINEAR and not self.in_loss and self.recorder.recording
-                        and record_linear(self, args, kwargs, result, where)):
-                    return result  # a tied head: a Linear rule call (tied.py)
+                functional = FUNCTIONAL.get(func)
+                if (functional is not None and not self.in_loss and self.recorder.recording
+                        and functional(self, args, kwargs, result, where, func)):
+                    return result  # a tied head, an Embedding's lookup: a rule call (tied.py)
                 for p in used:
                     if where not in self.owners[id(p)]:
                         self.uncovered.setdefault(id(p), set()).add(where)
+                    else:
+                        self.covered.add(id(p))
         return result
 
     @staticmethod

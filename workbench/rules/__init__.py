@@ -9,10 +9,13 @@ the table below is a reading aid.
 | Linear (any leading dims); fast sum    | linear.py    | b_iᵀ a_i summed  | norm product, gram, |
 | by behaviour: o = a W + c (GPT-2)      | linear.py    | A_iᵀ B_i         |   materialise       |
 | Conv1d / Conv2d / Conv3d               | conv.py      | unfold, grouped  | gram, materialise   |
-| Embedding; fast sum                    | embedding.py | scatter-add b_i  | segment sum         |
+| Embedding; fast sum (a subclass: its   | embedding.py | scatter-add b_i  | segment sum         |
+|   F.embedding lookup, per_sample/tied) |              |                  |                     |
 | LayerNorm, GroupNorm, RMSNorm,         | norms.py     | b_i ⊙ â_i summed | none: fast gradient |
 |   InstanceNorm1d/2d/3d                 |              |                  |   clipping          |
 | by behaviour: o = A(a) + B(a) ⊙ w + β  | affine.py    | b_i ⊙ B(a_i)     | none                |
+| a parameter broadcast into the batch   | broadcast.py | b_i summed to p  | broadcast sum       |
+|   (ViT's cls_token.expand, x + pos)    |              |                  |                     |
 """
 
 from workbench.plugins import import_submodules

@@ -60,6 +60,10 @@ class Route:
         return self.name
 
 
+PROBE_ERRORS = (RuntimeError, TypeError, ValueError, IndexError, AssertionError)
+"""What a behaviour rule's probe forward may raise on a layer it does not fit (an Embedding
+subclass given floats, a shape assertion): the layer simply does not match."""
+
 MATERIALISE = Route("materialise", own_gradient_size, materialises=True)
 """The per-sample gradient itself, normed and dropped: P numbers per sample."""
 
@@ -147,6 +151,7 @@ def fast_weight_grads(layer: nn.Module):
 
 
 __all__ = [
-    "MATERIALISE", "RULES", "RULE_BEHAVIOURS", "LayerRule", "Route", "fast_weight_grads",
-    "find_layer_rule", "norm_route", "own_gradient_size", "register_rule", "unregister_rule",
+    "MATERIALISE", "PROBE_ERRORS", "RULES", "RULE_BEHAVIOURS", "LayerRule", "Route",
+    "fast_weight_grads", "find_layer_rule", "norm_route", "own_gradient_size", "register_rule",
+    "unregister_rule",
 ]

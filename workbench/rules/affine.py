@@ -21,15 +21,30 @@ inputs, o(w', β') must equal A + B ⊙ w' + β' for random w', β' with w on th
 ("last": (n, ..., *w.shape)) or on dim 1 ("channel": (n, C, ...), LayerNorm2d); a layer for
 which neither holds keeps per-layer vmap.
 
+The probe's tolerance is that of the dtype the layer *computes* in (``compute_dtype``): Gemma's
+RMSNorm multiplies by (1 + w) in float32 even in a float64 model, so its output is affine in w
+only up to float32 rounding. Its autograd gradient carries the same rounding (Σ_t b ⊙ â summed
+in float32), so b ⊙ B(a) in float64 differs from it by float32 rounding, never more: the
+layer itself is no more exact than that. A float64 output holding only float32 values is how
+the probe knows (a float64 computation fills the low bits).
+
 Notation: n batch, a activations, b backprops, w weight, β bias, â normalised input.
 """
 
 import torch
 from torch.nn.utils.stateless import _reparametrize_module
 
-from workbench.rules._rule import LayerRule, register_rule
+from workbench.rules._rule import PROBE_ERRORS, LayerRule, register_rule
 
-TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4}  # relative, per probe
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4}  # relative, per probe, by compute dtype
+
+
+def compute_dtype(out: torch.Tensor) -> torch.dtype:
+    """The dtype a layer computed its output in: float32 where a float64 output holds only
+    float32 values (Gemma's ``(x.float() * (1 + w.float())).type_as(x)``), else its own."""
+    if out.dtype == torch.float64 and torch.equal(out.float().double(), out):
+        return torch.float32
+    return out.dtype
 
 
 def run(layer, a, weight, bias=None):
@@ -74,7 +89,6 @@ def affine_layout(layer) -> str | None:
     if not candidate(layer) or layer.weight.dtype not in TOLERANCE:
         return None
     w, bias = layer.weight.detach(), getattr(layer, "bias", None)
-    tol = TOLERANCE[w.dtype]
     for layout, a in probe_inputs(w):
         try:
             with torch.no_grad():
@@ -85,8 +99,9 @@ def affine_layout(layer) -> str | None:
                 want = A + B * aligned(w2, out, layout)
                 if b2 is not None:
                     want = want + aligned(b2, out, layout)
-        except (RuntimeError, TypeError, ValueError, IndexError):
+        except PROBE_ERRORS:
             continue
+        tol = TOLERANCE.get(compute_dtype(out), TOLERANCE[w.dtype])
         if out.shape == want.shape and (out - want).norm() <= tol * want.norm():
             return layout
     return None

@@ -27,7 +27,14 @@ from torch import nn
 
 from workbench.clipping.nonfinite import masked
 from workbench.per_sample.memory import empty_per_sample
-from workbench.rules._rule import MATERIALISE, LayerRule, Route, own_gradient_size, register_rule
+from workbench.rules._rule import (
+    MATERIALISE,
+    PROBE_ERRORS,
+    LayerRule,
+    Route,
+    own_gradient_size,
+    register_rule,
+)
 
 
 def positions(a: torch.Tensor) -> int:
@@ -146,7 +153,7 @@ def is_transposed_linear(layer) -> bool:
     try:
         with torch.no_grad():
             out, want = layer.forward(a), a @ W + (0 if c is None else c)
-    except (RuntimeError, TypeError, ValueError):
+    except PROBE_ERRORS:
         return False
     return out.shape == want.shape and bool((out - want).norm() <= 1e-5 * want.norm())
 
