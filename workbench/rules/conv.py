@@ -31,7 +31,11 @@ and otherwise the per-sample weight gradient is materialised by the conv grad sa
 normed and dropped. For most image convolutions L² is large, so materialising wins; the
 Gram route pays off for long 1-d signals with many channels.
 
-Notation: n batch, L output positions, C in / p out channels, k kernel size, G groups.
+Book-keeping's clipped sum (Bu et al. 2023, arXiv 2210.00038, Eq. 3) needs no re-run of the
+layer: Σ_i c_i ∂ℓ_i/∂W is the ordinary weight gradient with the backprops c_i b_i, so
+``conv_weight_grads`` calls PyTorch's weight-gradient kernel (``convolution_backward``, the
+one the user's backward ran) on the stored input and the reweighted backprops, without the
+forward re-run and autograd graph of the generic path (``clipping/engine.py``).
 
 Notation: n batch, C input channels, p output channels, k = k_1...k_D kernel size,
 L output positions, G groups, a activations (n, C, *spatial), b backprops (n, p, *out).
@@ -44,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.clipping.flat import sample_squares
+from workbench.clipping.nonfinite import masked
 from workbench.rules._rule import MATERIALISE, LayerRule, Route, register_rule
 from workbench.rules.linear import BIAS_ONLY, gram_is_cheaper
 
@@ -197,13 +202,39 @@ def conv_norm_sampler(layer, activations, backprops):
     return squares
 
 
+def conv_weight_grads(layer, call, weighted: torch.Tensor, own: list, ok=None) -> dict | None:
+    """{id(param): Σ_i c_i g_i} for a convolution without its graph: one weight-gradient
+    kernel on the stored input a (n, C, *spatial) and ``weighted`` = c ⊙ b (n, p, *out), the
+    gradient PyTorch's backward computes with those backprops (Bu et al. 2023, Eq. 3).
+    ``ok`` (n,): records to keep when some are non-finite (the others' inputs zeroed). None
+    (the generic re-run) for an input without a batch dim."""
+    a = call.args[0] if call.args else call.kwargs["input"]
+    if a.dim() != len(layer.kernel_size) + 2:
+        return None
+    if ok is not None:
+        a = masked(a, ok)
+    want = [any(p is q for p in own) for q in (layer.weight, layer.bias)]
+    if not any(want):
+        return {}
+    a, padding = padded_input(layer, a.to(weighted.dtype))
+    W = layer.weight.detach().to(weighted.dtype)
+    bias_sizes = [layer.out_channels] if want[1] else None
+    _, w, c = torch.ops.aten.convolution_backward(
+        weighted, a, W, bias_sizes, list(layer.stride), padding, list(layer.dilation), False,
+        [0] * len(padding), layer.groups, [False, want[0], want[1]])
+    params = (layer.weight, layer.bias)
+    return {id(p): g for p, g, keep in zip(params, (w, c), want) if keep}
+
+
 RULE = register_rule(LayerRule(
     "convolution", (nn.Conv1d, nn.Conv2d, nn.Conv3d), grad=conv_grad_sampler,
-    norm=conv_norm_sampler, route=conv_route, routes=(GRAM, MATERIALISE, BIAS_ONLY)))
+    norm=conv_norm_sampler, route=conv_route, routes=(GRAM, MATERIALISE, BIAS_ONLY),
+    weight_grads=conv_weight_grads))
 
 
 __all__ = [
     "GRAM", "ROUTE", "RULE", "choose_route", "conv_dims", "conv_grad_sampler",
-    "conv_norm_sampler", "conv_padding", "conv_route", "gram_scratch", "grouped_weight_grads",
-    "output_positions", "pad_input", "padded_input", "unfold", "unfold_weight_grads",
+    "conv_norm_sampler", "conv_padding", "conv_route", "conv_weight_grads", "gram_scratch",
+    "grouped_weight_grads", "output_positions", "pad_input", "padded_input", "unfold",
+    "unfold_weight_grads",
 ]
