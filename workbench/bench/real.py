@@ -193,15 +193,19 @@ def summary(table: pd.DataFrame) -> str:
 def main(argv=None):
     args = parse(argv)  # --out is checked while parsing (workbench/outputs.py)
     device = torch.device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    rows = []
-    for name in args.models:
-        rows.append(row(name, args.repeats, device))
-        print(f"{name}: done", flush=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads or threads)
+    try:
+        rows = []
+        for name in args.models:
+            rows.append(row(name, args.repeats, device))
+            print(f"{name}: done", flush=True)
+        where = device_name(device)  # with the threads the table ran on
+    finally:
+        torch.set_num_threads(threads)  # main() called from a notebook leaves it as it was
     table = pd.DataFrame(rows)
     with pd.option_context("display.width", 250):
-        print(f"\n{device_name(device)}, DP step: n = {TIME_N}, T = {T_TIME}, float32; "
+        print(f"\n{where}, DP step: n = {TIME_N}, T = {T_TIME}, float32; "
               f"verdicts: n = T = {VERDICT_N}, float64\n"
               f"{printable(table).to_string(index=False)}\n\n{summary(table)}")
     table.to_csv(args.out, index=False)
