@@ -297,12 +297,36 @@ def test_a_hugging_face_model_through_the_cli(tmp_path, capsys, monkeypatch):
         pytest.skip("transformers is not installed: pip install '.[realmodels]'")
     (tmp_path / "wb_hf_code.py").write_text(HF_USER_CODE)
     monkeypatch.syspath_prepend(str(tmp_path))
+    assert_gradients_pass(tmp_path, capsys, monkeypatch, "wb_hf_code:model",
+                          "wb_hf_code:batch", "sequence_cross_entropy")
+
+
+def assert_gradients_pass(tmp_path, capsys, monkeypatch, model, data, loss):
+    """The CLI on --model/--data/--loss, gradients section only: it runs and passes."""
     monkeypatch.setattr(cli_suite, "privacy_sections", lambda *a: [])  # gradients only: quick
-    code = audit("--model", "wb_hf_code:model", "--data", "wb_hf_code:batch", "--loss",
-                 "sequence_cross_entropy", "--out", tmp_path / "report")
+    code = audit("--model", model, "--data", data, "--loss", loss, "--out", tmp_path / "report")
     out = capsys.readouterr().out
     assert code == 0, out
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     grads = next(s for s in report["sections"]
                  if s["title"] == "Per-sample gradients: workbench methods vs micro-batching")
     assert grads["verdict"] == "passed", grads
+
+
+@pytest.mark.realmodels
+@pytest.mark.slow
+def test_a_real_architecture_through_the_cli(tmp_path, capsys, monkeypatch, name="bert"):
+    """--model/--data/--loss accept the real-architecture table (``workbench.realzoo.cli``)."""
+    for package in ("transformers", "timm"):
+        if importlib.util.find_spec(package) is None:
+            pytest.skip(f"{package} is not installed: pip install '.[realmodels]'")
+    spec = f"workbench.realzoo.cli:{name}"
+    assert_gradients_pass(tmp_path, capsys, monkeypatch, spec, spec + "_batch", spec + "_loss")
+
+
+def test_the_real_architecture_module_names_what_it_has():
+    import workbench.realzoo.cli as cli
+
+    with pytest.raises(AttributeError, match="models: gpt2"):
+        cli.no_such_model  # noqa: B018
+    assert {"gpt2", "gpt2_batch", "gpt2_loss"} <= set(dir(cli))

@@ -38,7 +38,7 @@ def check_conv(dims, n=5, c_in=4, c_out=8, **config):
     assert_agree(conv, conv_loss, x, y)
 
 
-@pytest.fixture(params=["unfold", "grouped"])
+@pytest.fixture(params=["unfold", "grouped", "depthwise"])
 def route(request, monkeypatch):
     """Run a test once per weight-gradient route of the conv sampler."""
     monkeypatch.setattr(conv_sampler, "ROUTE", request.param)
@@ -52,10 +52,31 @@ def test_conv_matches_microbatch(dims, name, route):
     check_conv(dims, **CONFIGS[name])
 
 
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_depthwise_conv_matches_microbatch(dims, name, route):
+    """One channel per group (groups = C_in = C_out): every route, the depthwise one too."""
+    torch.manual_seed(dims)
+    check_conv(dims, c_out=4, **dict(CONFIGS[name], groups=4))
+
+
 def test_auto_route_rule():
     assert conv_sampler.choose_route(nn.Conv2d(3, 8, 3), None) == "unfold"
     assert conv_sampler.choose_route(nn.Conv2d(16, 8, 3), None) == "grouped"
     assert conv_sampler.choose_route(nn.Conv2d(128, 8, 3), None) == "unfold"
+    depthwise = nn.Conv2d(8, 8, 7, padding=3, groups=8)  # ConvNeXt's
+    assert conv_sampler.choose_route(depthwise, torch.zeros(2, 8, 16, 16)) == "depthwise"
+    assert conv_sampler.choose_route(depthwise, torch.zeros(2, 8, 1, 1)) == "unfold"
+    small = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+    assert conv_sampler.choose_route(small, torch.zeros(2, 8, 16, 16)) == "grouped"
+    strided = nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=8)  # MobileNet's
+    assert conv_sampler.choose_route(strided, torch.zeros(2, 8, 16, 16)) == "depthwise"
+
+
+def test_a_forced_depthwise_route_leaves_other_layers_to_the_rule(monkeypatch):
+    monkeypatch.setattr(conv_sampler, "ROUTE", "depthwise")
+    assert conv_sampler.choose_route(nn.Conv2d(16, 8, 3), None) == "grouped"
+    assert conv_sampler.choose_route(nn.Conv2d(4, 4, 5, groups=4), None) == "depthwise"
 
 
 def test_conv_tuple_arguments(route):
@@ -71,9 +92,9 @@ def test_conv_tuple_arguments(route):
     stride=st.integers(1, 2),
     dilation=st.integers(1, 2),
     padding=st.sampled_from([0, 1, "same"]),
-    groups=st.sampled_from([1, 2]),
+    groups=st.sampled_from([1, 2, 4]),
     bias=st.booleans(),
-    route=st.sampled_from(["unfold", "grouped"]),
+    route=st.sampled_from(["unfold", "grouped", "depthwise"]),
 )
 def test_conv_sweep(dims, k, stride, dilation, padding, groups, bias, route):
     if padding == "same":

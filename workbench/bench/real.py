@@ -15,7 +15,15 @@ side by side:
   (zero_grad, forward, backward, step): interleaved medians (``bench.timing``) and peak
   allocated bytes (``bench.peak_memory``).
 
-Run: ``python -m workbench.bench real [--models gpt2 llama ...] [--repeats 3] [--out PATH]``.
+**Threads.** On CPU the table runs with one intra-op thread (``--threads 1``, the default):
+the models are tiny (width 16-32, 16x16 images), so there is nothing for a second thread to
+split, and on a shared machine OpenMP's worker threads wait for a core that another process
+holds: with 2 threads on a 2-core machine under load ~6, one plain step of the tiny Qwen2
+took 15-1060 ms (BERT 8-780 ms), which made single ratios of 0.2x-21x; with 1 thread, 8-34
+ms. ``--threads 0`` keeps PyTorch's default.
+
+Run: ``python -m workbench.bench real [--models gpt2 llama ...] [--repeats 5] [--threads 1]
+[--out PATH]``.
 """
 
 import argparse
@@ -141,13 +149,17 @@ def parse(argv):
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(PROBLEMS), choices=list(PROBLEMS),
                         metavar="NAME", help=f"from: {', '.join(PROBLEMS)}")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median)")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds (median)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op CPU threads (0: PyTorch's default; see the docstring)")
     parser.add_argument("--out", type=output_file_arg("--out"),
                         default=Path("bench-results/real.csv"), help="CSV of the table")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1; got {args.repeats}")
+    if args.threads < 0:
+        parser.error(f"--threads must be >= 0 (0: PyTorch's default); got {args.threads}")
     return args
 
 
@@ -181,13 +193,19 @@ def summary(table: pd.DataFrame) -> str:
 def main(argv=None):
     args = parse(argv)  # --out is checked while parsing (workbench/outputs.py)
     device = torch.device(args.device)
-    rows = []
-    for name in args.models:
-        rows.append(row(name, args.repeats, device))
-        print(f"{name}: done", flush=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads or threads)
+    try:
+        rows = []
+        for name in args.models:
+            rows.append(row(name, args.repeats, device))
+            print(f"{name}: done", flush=True)
+        where = device_name(device)  # with the threads the table ran on
+    finally:
+        torch.set_num_threads(threads)  # main() called from a notebook leaves it as it was
     table = pd.DataFrame(rows)
     with pd.option_context("display.width", 250):
-        print(f"\n{device_name(device)}, DP step: n = {TIME_N}, T = {T_TIME}, float32; "
+        print(f"\n{where}, DP step: n = {TIME_N}, T = {T_TIME}, float32; "
               f"verdicts: n = T = {VERDICT_N}, float64\n"
               f"{printable(table).to_string(index=False)}\n\n{summary(table)}")
     table.to_csv(args.out, index=False)

@@ -1,0 +1,27 @@
+"""``python -m workbench.bench real``'s options: threads and repeats checked, threads restored."""
+
+import pytest
+import torch
+
+from workbench.bench import real
+
+
+def test_threads_default_to_one_and_bad_values_are_refused(tmp_path, capsys):
+    out = ["--out", str(tmp_path / "real.csv")]
+    assert real.parse(out).threads == 1  # tiny models: one thread, no OpenMP stalls
+    assert real.parse(["--threads", "0", *out]).threads == 0  # PyTorch's default
+    for bad in (["--threads", "-1"], ["--repeats", "0"]):
+        with pytest.raises(SystemExit):
+            real.parse([*bad, *out])
+        assert bad[0] in capsys.readouterr().err
+
+
+def test_main_leaves_the_thread_count_as_it_was(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(real, "row", lambda name, repeats, device: seen.append(
+        torch.get_num_threads()) or {"model": name, **dict.fromkeys(
+            ("microbatch", "vmap", "einsum", "ghost", "bookkeeping"), "exact"),
+            "opacus": "exact", "plain_ms": 1.0, "time_x": 1.0, "memory_x": 1.0})
+    before = torch.get_num_threads()
+    real.main(["--models", "gpt2", "--threads", "1", "--out", str(tmp_path / "real.csv")])
+    assert seen == [1] and torch.get_num_threads() == before
