@@ -186,3 +186,17 @@ def test_a_loss_pairing_records_is_refused(case):
     opt.zero_grad()
     with pytest.raises(LossCouplingError, match="two different records"):
         PAIRED_LOSSES[case](model(X[:B]), Y[:B]).backward()
+
+
+def test_the_follower_left_after_a_loop_reads_other_libraries_tensors_without_dispatch():
+    """After the last step() the follower waits for a forward pass that may never come; code
+    run meanwhile with another library's tensor subclass (torch's ExpandedWeight, which Opacus'
+    "ew" mode uses and which refuses any function it does not know, ``dim`` included) must
+    run as without the workbench."""
+    from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
+
+    user_loader(lambda x, y: (x, y))
+    other = nn.Sequential(nn.Linear(D, 3), nn.LayerNorm(3)).double()
+    x = data()[0][:B]
+    call_for_per_sample_grads(other)(x).sum().backward()
+    assert other[0].weight.grad_sample.shape == (B, 3, D)

@@ -405,7 +405,8 @@ class LossFunctions(TorchFunctionMode):
                              functional=True)
         out = func(*args, **kwargs)
         if watch.stats.on:  # batch statistics of the data, followed to the loss
-            watch.stats.after(func, args, kwargs, out)
+            with torch._C.DisableTorchFunction():  # a subclass (Opacus' ExpandedWeight) is
+                watch.stats.after(func, args, kwargs, out)  # read, never dispatched to
         return out
 
 
@@ -429,8 +430,9 @@ class BeforeForward(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.stats is not None and self.stats.on:
-            self.stats.after(func, args, kwargs, out)
+        if self.stats is not None and self.stats.on:  # reading the tensors dispatches to no
+            with torch._C.DisableTorchFunction():  # subclass: another library's tensors
+                self.stats.after(func, args, kwargs, out)  # (ExpandedWeight) pass unharmed
         return out
 
 
