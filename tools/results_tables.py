@@ -1,10 +1,12 @@
 """Print the README's results tables (markdown) from benchmark CSVs.
 
     python tools/results_tables.py [--e2e bench-results/e2e.csv]
-        [--gpt bench-results/e2e_gpt.csv] [--accounting bench-results/accounting.csv]
+        [--gpt bench-results/e2e_gpt.csv] [--training bench-results/training.csv]
+        [--accounting bench-results/accounting.csv]
 
-Memory and per-layer runtime come from the CSVs shipped in data/bench/; the end-to-end
-and accounting tables from fresh runs of ``python -m workbench.bench e2e`` / ``accounting``
+Memory and per-layer runtime come from the CSVs shipped in data/bench/; the end-to-end,
+training-step and accounting tables from fresh runs of ``python -m workbench.bench e2e`` /
+``training`` / ``accounting``
 (skipped when their CSVs are absent). Nothing is typed in by hand.
 """
 
@@ -104,6 +106,20 @@ def gpt_table(path):
             + markdown(rows, header))
 
 
+def training_table(path):
+    """``bench training``: one whole DP-optimizer step (zero_grad, forward, backward, step) per
+    mode over one plain SGD step, Opacus' own loop beside it, and peak memory over plain's."""
+    t = pd.read_csv(path)
+    modes = [c[:-len("/plain")] for c in t.columns if c.endswith("/plain")]
+    peaks = [c for c in t.columns if c.endswith("/plain_peak")]
+    rows = [[r.model, r.batch_size, fmt(r.plain_ms), *[f"{fmt(r[f'{m}/plain'])}x" for m in modes],
+             *[f"{fmt(r[c])}x" for c in peaks]] for _, r in t.iterrows()]
+    header = ["model", "b", "plain SGD ms", *[f"{m} / plain" for m in modes],
+              *[f"{c[:-len('/plain_peak')]} memory / plain" for c in peaks]]
+    return (f"One whole training step, DP over plain SGD ({t['device'].iloc[0]}):\n\n"
+            + markdown(rows, header))
+
+
 def accounting_table(path):
     t = pd.read_csv(path)
     cols = [c for c in t.columns if c.endswith("_ms") and c != "target_ms"]
@@ -115,6 +131,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--e2e", type=Path, default=ROOT / "bench-results" / "e2e.csv")
     parser.add_argument("--gpt", type=Path, default=ROOT / "bench-results" / "e2e_gpt.csv")
+    parser.add_argument("--training", type=Path,
+                        default=ROOT / "bench-results" / "training.csv")
     parser.add_argument("--accounting", type=Path,
                         default=ROOT / "bench-results" / "accounting.csv")
     args = parser.parse_args(argv)
@@ -123,6 +141,8 @@ def main(argv=None):
         parts.append(e2e_table(args.e2e))
     if args.gpt.is_file():
         parts.append(gpt_table(args.gpt))
+    if args.training.is_file():
+        parts.append(training_table(args.training))
     if args.accounting.is_file():
         parts.append(accounting_table(args.accounting))
     print("\n\n".join(parts))
