@@ -414,6 +414,7 @@ class DPOptimizer(Optimizer):
         adds_noise = not distributed or dist.get_rank() == 0  # noise exactly once
         signal_sq, d = 0.0, 0
         names = {id(p): k for k, p in self.model.named_parameters()} if distributed else {}
+        norms = []  # ||Σ_i c_i g_i|| per parameter (0-d): one host sync for all, at the end
         for group in self.param_groups:
             for p in group["params"]:
                 if not p.requires_grad:
@@ -421,9 +422,8 @@ class DPOptimizer(Optimizer):
                 d += p.numel()
                 if not distributed:  # the common case: no copies, the noise buffer is p.grad
                     s = self._sums.get(id(p))
-                    if s is not None:  # ||s||², one reduction, no (shape of p) temporary
-                        signal_sq += float(torch.linalg.vector_norm(
-                            s.detach().to(p.dtype))) ** 2
+                    if s is not None:  # ||s||, one reduction, no (shape of p) temporary
+                        norms.append(torch.linalg.vector_norm(s.detach().to(p.dtype)))
                     p.grad = noised_mean(s, p, std, self.expected_batch_size, self.generator)
                     continue
                 total = self._sums.get(id(p), torch.zeros_like(p)).detach().to(p.dtype).clone()
@@ -437,6 +437,9 @@ class DPOptimizer(Optimizer):
                 all_reduce(total, timeout_minutes=self.all_reduce_timeout_minutes,
                            name=f"noised sum of {names.get(id(p), 'a parameter')}")
                 p.grad = total / self.expected_batch_size
+        if norms:
+            device = norms[0].device
+            signal_sq += float(torch.stack([v.to(device) for v in norms]).double().square().sum())
         self._sums = {}
         self.recorder.drop_outside_grads()  # no parameter keeps a non-private gradient
         B = self.expected_batch_size
