@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from workbench.dpsgd.recorded import structure
-from workbench.models import make_model
 from workbench.lm.gpt import TinyGPT
+from workbench.models import make_model
 
 
 def walk(model):
