@@ -14,7 +14,7 @@ from torch import nn
 import workbench as wb
 from tests.helpers import relative_error
 from workbench.clipping import CLIP_METHODS, NORM_METHODS
-from workbench.clipping.flat import sample_norms
+from workbench.clipping.flat import many_sample_squares, sample_norms, sample_squares
 from workbench.clipping.nonfinite import NonFiniteRecordWarning
 from workbench.dpsgd import MODES, DPOptimizer
 from workbench.errors import NonFiniteGradientError
@@ -267,3 +267,19 @@ def test_a_nonfinite_record_in_the_exact_fallback_is_masked(mode):
     for name, p in model.named_parameters():
         assert relative_error(p.grad, expected[name]) <= 1e-9, (mode, name)
     opt.detach()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("overflow", [False, True])
+def test_many_sample_squares_are_sample_squares_bit_for_bit(dtype, overflow):
+    """One overflow test for all tensors: the same values as one sample_squares each, also
+    when one tensor overflows (it alone is rescaled) and beside a 1-d (bias-like) tensor."""
+    g = torch.Generator().manual_seed(4)
+    gs = [torch.randn(3, 5, generator=g).to(dtype), torch.randn(3, generator=g).to(dtype),
+          torch.randn(3, 2, 4, generator=g).to(dtype)]
+    if overflow:
+        gs[2][1] = 1e18 if dtype != torch.float16 else 6e4
+    got = many_sample_squares(gs)
+    for a, b in zip(got, [sample_squares(t) for t in gs]):
+        assert a.dtype == torch.float64 and torch.equal(a, b)
+    assert torch.isfinite(torch.stack(got)).all()

@@ -47,15 +47,50 @@ def time_call(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def _take_modes() -> list:
+    """Every TorchFunctionMode on the stack, popped off it (bottom first)."""
+    modes = []
+    while torch._C._len_torch_function_stack():
+        modes.append(torch._C._pop_torch_function_stack())
+    return modes[::-1]
+
+
+def _put_modes(modes: list) -> None:
+    for mode in modes:
+        torch._C._push_on_torch_function_stack(mode)
+
+
 def time_interleaved(candidates: dict, device: torch.device, repeats: int = 5, warmup: int = 1):
-    """``{name: median seconds}`` over ``repeats`` rounds, each round calling every candidate."""
-    for _ in range(warmup):
-        for fn in candidates.values():
-            fn()
-    samples = {name: [] for name in candidates}
-    for _ in range(repeats):
-        for name, fn in candidates.items():
-            samples[name].append(time_call(fn, device))
+    """``{name: median seconds}`` over ``repeats`` rounds, each round calling every candidate.
+
+    Each candidate runs on its own TorchFunctionMode stack: empty at first, then the one it
+    left after its last call. A DP optimizer leaves its batch follower on the stack from
+    ``step()`` to the next forward pass (``dpsgd/loss_watch.py``); interleaved on one stack,
+    the follower would also watch the plain twin's step and charge it part of the DP step's
+    cost (DP/plain then understates the DP step, and cheaper following even raises the
+    ratio). The stack found on entry is back on exit (a follower left on a candidate's own
+    stack is a pass-through once its optimizer moves on: ``loss_watch._leave``).
+    """
+    outer = _take_modes()
+    stacks: dict = {name: [] for name in candidates}
+
+    def call(name, fn):
+        _put_modes(stacks[name])
+        try:
+            return time_call(fn, device)
+        finally:
+            stacks[name] = _take_modes()
+
+    try:
+        for _ in range(warmup):
+            for name, fn in candidates.items():
+                call(name, fn)
+        samples = {name: [] for name in candidates}
+        for _ in range(repeats):
+            for name, fn in candidates.items():
+                samples[name].append(call(name, fn))
+    finally:
+        _put_modes(outer)
     return {name: statistics.median(ts) for name, ts in samples.items()}
 
 

@@ -36,7 +36,12 @@ Notation: n batch, g_i per-sample gradient, c_i clip factor, C max_grad_norm, b 
 import torch
 from torch.utils._pytree import tree_map
 
-from workbench.clipping.flat import checked_clip_factors, grad_norms, sample_squares, weighted_sum
+from workbench.clipping.flat import (
+    checked_clip_factors,
+    grad_norms,
+    many_sample_squares,
+    weighted_sum,
+)
 from workbench.clipping.ghost import record_norms, rerun_losses, squared_norms_by, verify_norms
 from workbench.clipping.nonfinite import bad_records, finite_values, masked, refuse_nonfinite
 from workbench.clipping.users import user_factors, user_squares_from_grads, user_squares_ghost
@@ -124,10 +129,10 @@ def clipped_sum(rec, max_grad_norm, mode: str, group_of=None, exact=None, users=
     exact = exact or {}
     if mode in MATERIALISING:
         grads = {**materialise(rec, mode), **exact}
-        squares: dict = {}
-        for key, g in grads.items():
+        squares: dict = {}  # one overflow test for all parameters (flat.many_sample_squares)
+        for key, sq in zip(grads, many_sample_squares(list(grads.values()))):
             group = group_of(params[key])
-            squares[group] = squares.get(group, zeros) + sample_squares(g)
+            squares[group] = squares.get(group, zeros) + sq
     else:
         squares, grads = squared_norms_by(rec, group_of, exact)
     norms = sum(squares.values(), zeros).sqrt()  # (n,) NaN or inf if any group is

@@ -55,7 +55,7 @@ def checked_clip_factors(norms: torch.Tensor, C: float) -> torch.Tensor:
 @in_full_precision  # also inside an autocast block (per_sample/precision.py)
 def grad_norms(grads: dict[str, torch.Tensor]) -> torch.Tensor:
     """||g_i|| (n,) float64 over all parameters from per-sample gradients {name: (n, ...)}."""
-    squares = [sample_squares(g) for g in grads.values()]  # each (n,) float64
+    squares = many_sample_squares(list(grads.values()))  # each (n,) float64
     return torch.stack(squares).sum(0).sqrt()
 
 
@@ -73,11 +73,10 @@ def sample_norms(g: torch.Tensor) -> torch.Tensor:
     workbench.bench memory``). Rows that overflow (inf) are recomputed alone, scaled by their
     largest entry (module docstring); a row holding NaN or inf stays NaN or inf.
     """
-    wide = torch.float32 if g.dtype in LOW_PRECISION else None  # 256² overflows float16
+    norms = _plain_norms(g)  # (n,)
     if g.dim() == 1:
-        return g.to(wide or g.dtype).abs().double()
-    dims = tuple(range(1, g.dim()))
-    norms = torch.linalg.vector_norm(g, dim=dims, dtype=wide).double()  # (n,)
+        return norms
+    dims, wide = tuple(range(1, g.dim())), _wide(g)
     over = torch.isinf(norms)
     if over.any():  # rare: ||g_i||² passed the dtype's range, or g_i holds an inf
         rows = g[over]
@@ -87,9 +86,30 @@ def sample_norms(g: torch.Tensor) -> torch.Tensor:
     return norms
 
 
+def _wide(g: torch.Tensor):
+    return torch.float32 if g.dtype in LOW_PRECISION else None  # 256² overflows float16
+
+
+def _plain_norms(g: torch.Tensor) -> torch.Tensor:
+    """||g_i|| (n,) float64 by one reduction; inf where ||g_i||² overflowed (``sample_norms``)."""
+    if g.dim() == 1:
+        return g.to(_wide(g) or g.dtype).abs().double()
+    return torch.linalg.vector_norm(g, dim=tuple(range(1, g.dim())), dtype=_wide(g)).double()
+
+
 def sample_squares(g: torch.Tensor) -> torch.Tensor:
     """||g_i||² (n,) in float64, from ``sample_norms`` (no overflow for float32 gradients)."""
     return sample_norms(g).square()
+
+
+def many_sample_squares(gs: list) -> list:
+    """``[sample_squares(g) for g in gs]`` (the same values, bit for bit) with one overflow
+    test for all of them: one host synchronisation per step, not one per parameter. In the
+    rare case some row overflowed, each tensor takes ``sample_squares`` on its own."""
+    norms = [_plain_norms(g) for g in gs]  # each (n,) float64
+    if norms and bool(torch.isinf(torch.stack([r.to(norms[0].device) for r in norms])).any()):
+        return [sample_squares(g) for g in gs]
+    return [r.square() for r in norms]
 
 
 @in_full_precision  # Σ_i c_i g_i in g's dtype, not autocast's
@@ -99,6 +119,6 @@ def weighted_sum(grads: dict[str, torch.Tensor], c: torch.Tensor) -> dict[str, t
 
 
 __all__ = [
-    "LOW_PRECISION", "clip_factors", "grad_norms", "norm_dtype", "sample_norms", "sample_squares",
-    "weighted_sum",
+    "LOW_PRECISION", "clip_factors", "grad_norms", "many_sample_squares", "norm_dtype",
+    "sample_norms", "sample_squares", "weighted_sum",
 ]

@@ -42,6 +42,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from workbench.dpsgd.row_mixing import RowOrder
+from workbench.per_sample.leaves import call_leaves, leaves
 
 #: reductions (by function name) that combine the records when applied over dim 0
 REDUCTIONS = {"sum", "mean", "nansum", "nanmean", "amax", "amin", "max", "min", "aminmax",
@@ -118,7 +119,7 @@ class BatchStatistics:
         return entry is not None and entry[0]() is t
 
     def _mark(self, table, out, what: str) -> None:
-        for t in tree_flatten(out)[0]:
+        for t in leaves(out):
             if isinstance(t, torch.Tensor):
                 table[id(t)] = (weakref.ref(t), what)
 
@@ -129,8 +130,8 @@ class BatchStatistics:
         name = getattr(func, "__name__", "")
         if func is torch.Tensor.data.__get__:
             name = "detach"
-        leaves = tree_flatten((args, kwargs))[0]
-        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        flat = call_leaves(args, kwargs)  # == tree_flatten((args, kwargs))[0]
+        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
         for t in tensors:
             if t.dim() and self._batch(t.shape[0]):
                 self.rows.add(int(t.shape[0]))
@@ -140,7 +141,7 @@ class BatchStatistics:
         if what is None and name in DETACH and tensors:
             what = self._find(self.reductions, tensors[0])
         if what is None and name in ARITHMETIC:
-            what = next((self.numbers[float(v)] for v in leaves
+            what = next((self.numbers[float(v)] for v in flat
                          if isinstance(v, (int, float)) and not isinstance(v, bool)
                          and float(v) in self.numbers), None)
         if what is not None:

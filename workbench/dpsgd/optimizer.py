@@ -94,7 +94,7 @@ from workbench.dpsgd.distributed import (
     all_reduce,
     check_timeout_minutes,
 )
-from workbench.dpsgd.privatise import MODES, gaussian_noise
+from workbench.dpsgd.privatise import MODES, gaussian_noise, noised_mean
 from workbench.dpsgd.recorded import ModelRecorder, distributed_run
 from workbench.errors import UnattributedGradientError
 from workbench.methods import OPTIMIZER_ALIASES
@@ -413,26 +413,33 @@ class DPOptimizer(Optimizer):
         distributed = dist.is_available() and dist.is_initialized()
         adds_noise = not distributed or dist.get_rank() == 0  # noise exactly once
         signal_sq, d = 0.0, 0
-        names = {id(p): k for k, p in self.model.named_parameters()}
+        names = {id(p): k for k, p in self.model.named_parameters()} if distributed else {}
+        norms = []  # ||Σ_i c_i g_i|| per parameter (0-d): one host sync for all, at the end
         for group in self.param_groups:
             for p in group["params"]:
                 if not p.requires_grad:
                     continue
+                d += p.numel()
+                if not distributed:  # the common case: no copies, the noise buffer is p.grad
+                    s = self._sums.get(id(p))
+                    if s is not None:  # ||s||, one reduction, no (shape of p) temporary
+                        norms.append(torch.linalg.vector_norm(s.detach().to(p.dtype)))
+                    p.grad = noised_mean(s, p, std, self.expected_batch_size, self.generator)
+                    continue
                 total = self._sums.get(id(p), torch.zeros_like(p)).detach().to(p.dtype).clone()
-                if distributed:  # Σ over all ranks' samples, each clipped on its own rank
-                    signal = total.clone()
-                    all_reduce(signal, timeout_minutes=self.all_reduce_timeout_minutes,
-                               name=f"clipped sum of {names.get(id(p), 'a parameter')}")
-                    signal_sq += float(signal.pow(2).sum())
-                else:
-                    signal_sq += float(total.pow(2).sum())
+                # Σ over all ranks' samples, each clipped on its own rank
+                signal = total.clone()
+                all_reduce(signal, timeout_minutes=self.all_reduce_timeout_minutes,
+                           name=f"clipped sum of {names.get(id(p), 'a parameter')}")
+                signal_sq += float(signal.pow(2).sum())
                 if adds_noise:
                     total += gaussian_noise(p, std, self.generator)
-                if distributed:
-                    all_reduce(total, timeout_minutes=self.all_reduce_timeout_minutes,
-                               name=f"noised sum of {names.get(id(p), 'a parameter')}")
-                d += p.numel()
+                all_reduce(total, timeout_minutes=self.all_reduce_timeout_minutes,
+                           name=f"noised sum of {names.get(id(p), 'a parameter')}")
                 p.grad = total / self.expected_batch_size
+        if norms:
+            device = norms[0].device
+            signal_sq += float(torch.stack([v.to(device) for v in norms]).double().square().sum())
         self._sums = {}
         self.recorder.drop_outside_grads()  # no parameter keeps a non-private gradient
         B = self.expected_batch_size

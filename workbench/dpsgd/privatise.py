@@ -15,7 +15,7 @@ import torch
 
 from workbench.methods import OPTIMIZER_METHODS as MODES
 
-__all__ = ["MODES", "gaussian_noise"]
+__all__ = ["MODES", "gaussian_noise", "noised_mean"]
 
 
 def gaussian_noise(param: torch.Tensor, std: float, generator=None) -> torch.Tensor:
@@ -28,3 +28,18 @@ def gaussian_noise(param: torch.Tensor, std: float, generator=None) -> torch.Ten
         return noise.to(param.device)
     return torch.normal(0.0, std, param.shape, generator=generator, dtype=param.dtype,
                         device=param.device)
+
+
+def noised_mean(clipped_sum, param: torch.Tensor, std: float, batch_size: float,
+                generator=None) -> torch.Tensor:
+    """(Σ_i c_i g_i + N(0, std² I)) / B in one fresh tensor of ``param``'s dtype (Algorithm 1).
+
+    Bit-identical to ``(clipped_sum.to(dtype).clone() + gaussian_noise(...)) / B`` (IEEE
+    addition commutes; ``torch.normal(0, std, shape)`` is ``empty(shape).normal_(0, std)``),
+    but the noise buffer is the result: no copy of the sum, no temporary for the quotient.
+    ``clipped_sum`` is only read; None stands for a zero sum (a parameter no sample reached).
+    """
+    out = gaussian_noise(param, std, generator)  # (shape of param), fresh: ours to write
+    if clipped_sum is not None:
+        out.add_(clipped_sum.detach().to(param.dtype))
+    return out.div_(batch_size)

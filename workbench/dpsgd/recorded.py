@@ -121,8 +121,8 @@ class ModelRecorder:
         self.layer_rec.on_complete = lambda call: stream_call(self, call)
 
     def _structure(self):
-        return [id(m) for m in self.model.modules()], [
-            id(p) for p in self.model.parameters() if p.requires_grad]
+        """(ids of the modules, ids of the trainable parameters), in ``modules()`` order."""
+        return structure(self.model)
 
     def _enter(self, module, args):
         if self._depth == 0 and self.layer_rec.recording:  # before anything changes: may raise
@@ -322,6 +322,36 @@ class ModelRecorder:
     def drop_outside_grads(self) -> None:
         for p in self.outside:
             p.grad = None
+
+
+_ROOT_WALK = ("modules", "named_modules", "parameters", "named_parameters", "_named_members")
+
+
+def structure(model: nn.Module) -> tuple[list[int], list[int]]:
+    """``([id(m) for m in model.modules()], [id(p) for p in model.parameters() if
+    p.requires_grad])``, read from each module's ``_modules`` and ``_parameters`` directly:
+    checked every step (``check_step``), and ``named_modules`` builds every module's dotted
+    name on the way. The same order and de-duplication (a shared module or parameter once, at
+    its first place); where a class overrides the walk, the walk itself is asked."""
+    mods, seen, params, seen_p = [], set(), [], set()
+    todo = [model]  # depth first, children in order, marked when taken: modules()'s order
+    while todo:
+        m = todo.pop()
+        if id(m) in seen:
+            continue
+        if type(m).named_modules is not nn.Module.named_modules or (m is model and any(
+                getattr(type(m), k) is not getattr(nn.Module, k) for k in _ROOT_WALK)):
+            return [id(m) for m in model.modules()], [
+                id(p) for p in model.parameters() if p.requires_grad]
+        seen.add(id(m))
+        mods.append(id(m))
+        for p in m._parameters.values():
+            if p is not None and id(p) not in seen_p:
+                seen_p.add(id(p))
+                if p.requires_grad:
+                    params.append(id(p))
+        todo.extend(c for c in reversed(m._modules.values()) if c is not None)
+    return mods, params
 
 
 def distributed_run(model) -> bool:

@@ -30,9 +30,9 @@ batch-free output.
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 from workbench.per_sample.broadcast import BatchFree
+from workbench.per_sample.leaves import leaves
 from workbench.per_sample.tied import FUNCTIONAL, settle_broadcast
 
 RANDOM_FUNCTIONS = {
@@ -61,8 +61,7 @@ def _is_random(name: str, args, kwargs) -> bool:
 def _differentiable(result) -> bool:
     if isinstance(result, torch.Tensor):
         return result.requires_grad
-    leaves, _ = tree_flatten(result)
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves(result))
 
 
 def quiet(hook):
