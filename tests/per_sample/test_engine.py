@@ -39,7 +39,9 @@ class Tied(nn.Module):
 
 
 class ScaleShift(nn.Module):
-    """A custom layer with its own parameters and no built-in sampler."""
+    """A custom layer with its own parameters and no built-in sampler. One ``addcmul``: a plain
+    ``x * scale + shift`` would take the broadcast rule's scale and shift calls
+    (``rules/broadcast.py``), leaving nothing to vmap."""
 
     def __init__(self, d):
         super().__init__()
@@ -47,7 +49,7 @@ class ScaleShift(nn.Module):
         self.shift = nn.Parameter(torch.zeros(d))
 
     def forward(self, x, power=1):
-        return x ** power * self.scale + self.shift
+        return torch.addcmul(self.shift, x ** power, self.scale)
 
 
 def test_module_called_twice_sums_contributions():

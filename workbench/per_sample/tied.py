@@ -48,9 +48,19 @@ run vmap on the whole owner, for timm's ViT the whole model). The owner then han
 (``Recording.taken``), unless p is also used otherwise inside it (``settle_broadcast``: the
 owner's vmap keeps it, the broadcast calls are dropped).
 
+**A parameter multiplied into the batch** (a layer scale: timm's ConvNeXt block
+``x.mul(gamma.reshape(1, -1, 1, 1))``, Hugging Face's ``hidden * lambda1``): h_i = x_i ⊙ p,
+∂ℓ_i/∂p = Σ_{broadcast dims} ∂ℓ_i/∂h_i ⊙ x_i, recorded as a call of a ``BroadcastProduct``
+layer on x (``rules/broadcast.py``), under the same conditions. A reshape or view of p
+(``VIEWS``) is not itself a use: it is remembered (``record_view``) and its first real use
+decides (``use_views``): a product with the batch is recorded as above, anything else counts
+as a use of p where the view was made, exactly as before.
+
 Notation: n batch, x activations (n, ..., d) or indices (n, T), b backprops (n, ..., p),
 W (p, d), c bias (p,), V vocabulary, d width.
 """
+
+import weakref
 
 import torch
 from torch import nn
@@ -94,6 +104,20 @@ class BroadcastParameter(nn.Module):
         batch on dim 0): its Jacobian in p is the op's (e = p.expand, h = x + p), so the
         methods that re-run a layer (micro-batching, vmap on the layer) run this."""
         return self.weight.expand(anchor.shape)
+
+
+class BroadcastProduct(nn.Module):
+    """The functional layer of one parameter multiplied into the batch,
+    ``x * p.reshape(shape)`` (``weight`` *is* that Parameter, ``shape`` the operand's shape;
+    rule: ``rules/broadcast.py``)."""
+
+    def __init__(self, weight: nn.Parameter, shape: tuple, takes_over: bool = False):
+        super().__init__()
+        self.weight, self.shape = weight, tuple(shape)
+        self.takes_over = takes_over  # as BroadcastParameter's
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (n, ...) -> (n, ...)
+        return x * self.weight.reshape(self.shape)
 
 
 def outside(tracker, where: str, *params) -> bool:
@@ -195,10 +219,92 @@ def record_broadcast(tracker, args, kwargs, result, where: str, func=None) -> bo
     return True
 
 
+def multiplies_batch(func, args, kwargs, v, result) -> torch.Tensor | None:
+    """The other operand x if ``result = func(*args)`` is ``x * v`` (not in place) with x
+    carrying the result's batch dim 0 and v broadcast along it; else None."""
+    if (getattr(func, "__name__", "") not in MULS or len(args) != 2 or kwargs
+            or not isinstance(result, torch.Tensor) or result.dim() == 0
+            or not result.requires_grad):
+        return None
+    x = args[1] if args[0] is v else args[0]
+    if (not isinstance(x, torch.Tensor) or x is v or x.dim() != result.dim()
+            or x.shape[0] != result.shape[0]):
+        return None
+    broadcast = v.dim() < result.dim() or (v.dim() == result.dim() and v.shape[0] == 1)
+    return x if broadcast else None
+
+
+def record_product(tracker, p, v, x, result, where: str) -> bool:
+    """Record ``result = x * v`` (v: p or a view of p) as a ``BroadcastProduct`` call."""
+    inside = not outside(tracker, where, p)
+    if inside:
+        owner = tracker.recorder.layers.get(where)
+        if owner is None or has_rule(owner):
+            return False  # the owner's rule covers the use
+    shape = tuple(v.shape)
+    name = tracker.names.get(id(p), "a parameter")
+    view = "" if shape == tuple(p.shape) else f".reshape{shape}"
+    path = f"scale({name}{view}{' in its owner' if inside else ''})"
+    if not record_call(tracker, path, lambda: BroadcastProduct(p, shape, takes_over=inside),
+                       {"weight": p}, (x,), result):
+        return False
+    if inside:
+        tracker.broadcast.append((id(p), path, tracker.recorder.calls[path][-1]))
+    return True
+
+
+def record_scale(tracker, args, kwargs, result, where: str, func=None) -> bool:
+    """``x * p`` with p a tracked parameter broadcast into the batch: a product call."""
+    used = [a for a in args if id(a) in tracker.owners]
+    if len(used) != 1:
+        return False
+    x = multiplies_batch(func, args, kwargs, used[0], result)
+    return x is not None and record_product(tracker, used[0], used[0], x, result, where)
+
+
+def record_view(tracker, args, kwargs, result, where: str, func=None) -> bool:
+    """``v = p.reshape(...)`` (``VIEWS``): not a use yet; remembered until v's first use."""
+    p = args[0] if args else None
+    if (id(p) not in tracker.owners or not isinstance(result, torch.Tensor)
+            or result.numel() != p.numel() or any(id(a) in tracker.owners for a in args[1:])):
+        return False
+    tracker.views[id(result)] = [weakref.ref(result), p, where, False]  # used yet?
+    return True
+
+
+def use_views(tracker, func, args, kwargs, result, counted) -> bool:
+    """An op on remembered views of parameters: a product with the batch is recorded
+    (``record_product``; True), anything else a use of p where the view was made (``counted``:
+    the tracker's accounting, ``counted(p, where)``). Every use of a view decides on its own
+    (``h * g * g``: two product calls of one layer, their gradients summed)."""
+    views = tracker.views
+    entries = [views[id(a)] for a in args if id(a) in views]
+    found = []
+    for entry in entries:
+        ref, p, where, _ = entry
+        if ref() is not None and any(a is ref() for a in args):
+            entry[3] = True  # used: settled here, not at the end
+            found.append((ref(), p, where))
+    if len(found) == 1 and tracker.recorder.recording and not tracker.in_loss:
+        v, p, where = found[0]
+        x = multiplies_batch(func, args, kwargs, v, result)
+        if x is not None and record_product(tracker, p, v, x, result, where):
+            return True
+    for _, p, where in found:
+        counted(p, where)
+    return False
+
+
 def settle_broadcast(tracker) -> None:
     """After the forward pass: a parameter broadcast inside its rule-less owner and also used
     there otherwise stays the owner's (vmap on the owner covers every use in it); its
-    broadcast calls are dropped. Otherwise the owner hands it over (``Recording.own``)."""
+    broadcast calls are dropped. Otherwise the owner hands it over (``Recording.own``).
+    A view of p still alive and not used during the forward pass (returned by the model, its
+    use unseen) counts as a use of p where it was made."""
+    for ref, p, where, used in tracker.views.values():
+        if ref() is not None and not used:
+            tracker._count(p, where)
+    tracker.views = {}
     for key, path, call in tracker.broadcast:
         if key in tracker.covered:
             for handle in call.handles:
@@ -210,8 +316,14 @@ def settle_broadcast(tracker) -> None:
 
 EXPANDS = {torch.Tensor.expand, torch.Tensor.expand_as, torch.broadcast_to}
 ADD_FUNCTIONS = {torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__}
+MULS = {"mul", "__mul__", "__rmul__"}  # not mul_: x is overwritten, its value lost
+MUL_FUNCTIONS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__}
+VIEWS = {torch.Tensor.reshape, torch.Tensor.view, torch.reshape, torch.Tensor.unsqueeze,
+         torch.unsqueeze}
 FUNCTIONAL = {LINEAR: record_linear, EMBEDDING: record_embedding,
-              **dict.fromkeys(EXPANDS | ADD_FUNCTIONS, record_broadcast)}
+              **dict.fromkeys(EXPANDS | ADD_FUNCTIONS, record_broadcast),
+              **dict.fromkeys(MUL_FUNCTIONS, record_scale),
+              **dict.fromkeys(VIEWS, record_view)}
 """torch function -> how its call on parameters outside their owners becomes a layer call."""
 
 
@@ -230,7 +342,9 @@ def delegates(module: nn.Module) -> bool:
 
 __all__ = [
     "ADD_FUNCTIONS", "EMBEDDING", "EMBEDDING_OPTIONS", "EXPANDS", "FUNCTIONAL", "LINEAR",
-    "BroadcastParameter", "broadcast_into_batch", "delegates", "has_rule", "embedding_arguments",
+    "MULS", "MUL_FUNCTIONS", "VIEWS", "BroadcastParameter", "BroadcastProduct",
+    "multiplies_batch", "record_product", "record_scale", "record_view", "use_views",
+    "broadcast_into_batch", "delegates", "has_rule", "embedding_arguments",
     "functional_embedding", "functional_linear", "linear_arguments", "outside",
     "record_broadcast", "record_call", "record_embedding", "record_linear", "settle_broadcast",
 ]

@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 from workbench.per_sample.broadcast import BatchFree
 from workbench.per_sample.leaves import leaves
-from workbench.per_sample.tied import FUNCTIONAL, settle_broadcast
+from workbench.per_sample.tied import FUNCTIONAL, settle_broadcast, use_views
 
 RANDOM_FUNCTIONS = {
     "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
@@ -98,10 +98,11 @@ class UseTracker(TorchFunctionMode):
         self.batch_free = BatchFree()
         self.covered: set[int] = set()  # ids of parameters used inside an owner (tied.py)
         self.broadcast: list = []  # parameters broadcast into the batch (tied.py)
+        self.views: dict = {}  # id(v) -> (ref, p, where): views of p not used yet (tied.py)
 
     def __enter__(self):
         self.recorder.batch_free = self.batch_free
-        self.covered, self.broadcast = set(), []
+        self.covered, self.broadcast, self.views = set(), [], {}
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -121,6 +122,9 @@ class UseTracker(TorchFunctionMode):
             watched = self.batch_free.watched
             if watched and self._any_in(watched, args, kwargs):
                 self.batch_free.saw(func, args, kwargs, result, _differentiable)
+            if (self.views and _differentiable(result) and self._any_in(self.views, args, kwargs)
+                    and use_views(self, func, args, kwargs, result, self._count)):
+                return result  # a layer scale x * p.reshape(...): a rule call (tied.py)
             used = self._parameters_in(args, kwargs)
             if used and _differentiable(result):
                 where = LOSS if self.in_loss else self.stack[-1] if self.stack else _OUTSIDE
@@ -129,11 +133,15 @@ class UseTracker(TorchFunctionMode):
                         and functional(self, args, kwargs, result, where, func)):
                     return result  # a tied head, an Embedding's lookup: a rule call (tied.py)
                 for p in used:
-                    if where not in self.owners[id(p)]:
-                        self.uncovered.setdefault(id(p), set()).add(where)
-                    else:
-                        self.covered.add(id(p))
+                    self._count(p, where)
         return result
+
+    def _count(self, p, where: str) -> None:
+        """One use of p at ``where``: covered inside an owner, else uncovered."""
+        if where not in self.owners[id(p)]:
+            self.uncovered.setdefault(id(p), set()).add(where)
+        else:
+            self.covered.add(id(p))
 
     @staticmethod
     def _any_in(ids: dict, args, kwargs) -> bool:
