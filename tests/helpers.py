@@ -66,6 +66,14 @@ def assert_clipping_agrees(model, loss_fn, inputs, targets, max_grad_norm=None):
     return ref_norms, ref
 
 
+def exact_routes(model, inputs, targets, loss_fn=mse_per_sample):
+    """A rule's model: every method and the clipped sums against micro-batching (float64),
+    then ``ghost_routes``' table for the caller's route assertions."""
+    assert_agree(model, loss_fn, inputs, targets, check="always")
+    assert_clipping_agrees(model, loss_fn, inputs, targets)
+    return wb.ghost_routes(model, loss_fn, inputs, targets)
+
+
 def import_rule_package(root, package: str, files: dict[str, str]) -> None:
     """Write a rule package ``root/package`` holding ``files`` {name: source} and an
     ``__init__`` that imports every file in it (as ``workbench.rules`` does), then import the

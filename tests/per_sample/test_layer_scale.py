@@ -8,12 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-import workbench as wb
 from tests.helpers import (
-    assert_agree,
-    assert_clipping_agrees,
     assert_optimizer_matches_microbatch,
+    exact_routes,
     mse_per_sample,
+    random_batch,
 )
 from workbench.dpsgd import MODES
 
@@ -80,18 +79,12 @@ MODELS = {  # name: (model, scale layers taking the rule; vmap remains?)
 
 def problem(name, n=5, seed=0):
     torch.manual_seed(seed)
-    model = MODELS[name][0]().double()
-    g = torch.Generator().manual_seed(seed)
-    return (model, torch.randn(n, C, S, S, generator=g, dtype=torch.float64),
-            torch.randn(n, 2, generator=g, dtype=torch.float64))
+    return (MODELS[name][0]().double(), *random_batch((n, C, S, S), (n, 2), seed))
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_layer_scales_are_exact_and_leave_vmap(name):
-    model, x, y = problem(name)
-    assert_agree(model, mse_per_sample, x, y, check="always")
-    assert_clipping_agrees(model, mse_per_sample, x, y)
-    routes = wb.ghost_routes(model, mse_per_sample, x, y)
+    routes = exact_routes(*problem(name))
     scales = routes[routes["type"] == "BroadcastProduct"]
     assert scales["layer"].nunique() == MODELS[name][1], routes  # one row per call
     vmap = routes[routes["route"].str.contains("vmap")]
