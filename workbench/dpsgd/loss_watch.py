@@ -430,9 +430,10 @@ class BeforeForward(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.stats is not None and self.stats.on:  # reading the tensors dispatches to no
+        stats = self.stats  # read once: a weak reference, gone at any collection
+        if stats is not None and stats.on:  # reading the tensors dispatches to no
             with torch._C.DisableTorchFunction():  # subclass: another library's tensors
-                self.stats.after(func, args, kwargs, out)  # (ExpandedWeight) pass unharmed
+                stats.after(func, args, kwargs, out)  # (ExpandedWeight) pass unharmed
         return out
 
 
