@@ -68,12 +68,13 @@ def gsm_step(module: nn.Module, loss_fn, x, t):
 OPACUS_MODES = ("hooks", "ghost")  # Opacus' per-sample and fast-gradient-clipping modes
 
 
-def opacus_training_step(make_model, x, y, mode: str, lr: float = 0.01):
+def opacus_training_step(make_model, x, y, mode: str, lr: float = 0.01, criterion=None):
     """A callable: one step of Opacus' own private training loop (its PrivacyEngine in
     ``grad_sample_mode=mode``, noise_multiplier 1, C = 1) on the fixed batch (x, y).
 
     ``mode="ghost"`` is Opacus' fast gradient clipping: its loss wrapper runs the two backward
-    passes (seed 004, the Opacus blog on ghost clipping). The model is a fresh copy.
+    passes (seed 004, the Opacus blog on ghost clipping). The model is a fresh copy;
+    ``criterion`` defaults to cross-entropy.
     """
     import torch
     from opacus import PrivacyEngine
@@ -82,7 +83,7 @@ def opacus_training_step(make_model, x, y, mode: str, lr: float = 0.01):
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     loader = DataLoader(TensorDataset(x, y), batch_size=len(x))
-    criterion = nn.CrossEntropyLoss()
+    criterion = nn.CrossEntropyLoss() if criterion is None else criterion
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         made = PrivacyEngine().make_private(

@@ -93,9 +93,9 @@ def bench(model_name, b, repeats, device, modes=CANDIDATES, opacus=(), skip=Fals
     skipped = []
     for mode in opacus:  # Opacus' own loop on the same model and batch
         torch.manual_seed(0)
-        step = opacus_twin.opacus_training_step(
-            lambda: models.make_model(model_name).to(device), x, y, mode)
-        try:
+        try:  # the same model and loss as ours (build), tiny_gpt's included
+            step = opacus_twin.opacus_training_step(
+                lambda: build(model_name, len(x), device)[0], x, y, mode, criterion=criterion)
             step()
         except Exception as err:  # e.g. wb.layers.DPLSTM, which Opacus has no sampler for
             print(f"Opacus {mode} cannot run {model_name}: {type(err).__name__}: {err}",
