@@ -27,6 +27,11 @@ def fmt(v, digits=3):
     return f"{v:.{digits}g}"
 
 
+def times(v):
+    """A ratio as ``1.5x``; a missing one (the candidate could not run) as ``–``."""
+    return "–" if pd.isna(v) else f"{fmt(v)}x"
+
+
 def markdown(rows, header):
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -112,8 +117,8 @@ def training_table(path):
     t = pd.read_csv(path)
     modes = [c[:-len("/plain")] for c in t.columns if c.endswith("/plain")]
     peaks = [c for c in t.columns if c.endswith("/plain_peak")]
-    rows = [[r.model, r.batch_size, fmt(r.plain_ms), *[f"{fmt(r[f'{m}/plain'])}x" for m in modes],
-             *[f"{fmt(r[c])}x" for c in peaks]] for _, r in t.iterrows()]
+    rows = [[r.model, r.batch_size, fmt(r.plain_ms), *[times(r[f"{m}/plain"]) for m in modes],
+             *[times(r[c]) for c in peaks]] for _, r in t.iterrows()]
     header = ["model", "b", "plain SGD ms", *[f"{m} / plain" for m in modes],
               *[f"{c[:-len('/plain_peak')]} memory / plain" for c in peaks]]
     return (f"One whole training step, DP over plain SGD ({t['device'].iloc[0]}):\n\n"
