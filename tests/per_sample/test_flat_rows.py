@@ -53,8 +53,11 @@ class FlatMLP(nn.Module):
             h = x.reshape(-1, D)
         if self.layout == "flip":  # rows reordered before the layers, restored after
             h = h.flip(0)
+        elif self.layout == "copy":  # the same, written in place into tagged rows
+            h = h.clone()
+            h.copy_(h.flip(0))
         o = self.fc2(torch.relu(self.fc1(self.rms(self.norm(h))))) + h  # (rows, d)
-        if self.layout == "flip":
+        if self.layout in ("flip", "copy"):
             o = o.flip(0)
         if self.layout == "time":
             o = o.reshape(-1, n, D).transpose(0, 1)
@@ -85,7 +88,7 @@ def test_sample_major_rows_take_their_rules_exactly(n):
     assert not flat["route"].str.contains("fallback|vmap").any(), flat
 
 
-@pytest.mark.parametrize("layout", ["time", "flip", "cat"])
+@pytest.mark.parametrize("layout", ["time", "flip", "copy", "cat"])
 @pytest.mark.parametrize("n", [2, T])
 def test_rows_of_unproven_layout_keep_the_exact_fallback(layout, n):
     routes = exact_routes(model(layout), *batch(n))
@@ -135,6 +138,12 @@ def test_tags_follow_reshapes_and_elementwise_ops_only():
     heads = h.reshape(6, 2, 2)  # dim 0 kept whole: still rows
     rows.after("reshape", (h, 6, 2, 2), {}, heads)
     assert rows.of(heads) == (2, 3)
+    r.relu_()  # an elementwise op in place keeps the proof
+    rows.after("relu_", (r,), {}, r)
+    assert rows.of(r) == (2, 3)
+    h.copy_(f)  # rows written in place from rows of unknown order: every tag on h's storage
+    rows.after("copy_", (h, f), {}, h)
+    assert rows.of(h) is None and rows.of(heads) is None and rows.of(r) == (2, 3)
 
 
 class WholeNorm(nn.Module):

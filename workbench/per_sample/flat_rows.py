@@ -21,8 +21,10 @@ tags its result (m, T); a tag is kept through a position-wise layer's recorded o
 elementwise op (``ELEMENTWISE``: activations, dropout, arithmetic) whose other operands are
 tagged alike or carry no rows, and a further reshape that keeps dim 0 whole. Nothing else
 keeps a tag: rows reordered (``x[perm]``, ``flip``, ``roll``), concatenated, or mixed with a
-tensor of another layout give an untagged tensor, and a layer called on it keeps the
-batch-on-dim-0 check and its exact fallback (``recording.batch_problem``).
+tensor of another layout give an untagged tensor, and an in-place write into a tagged tensor's
+storage that is not such an elementwise op (``copy_``, ``x[i] = y``) drops every tag there;
+a layer called on an untagged tensor keeps the batch-on-dim-0 check and its exact fallback
+(``recording.batch_problem``).
 
 Whether dim 0 of the tensor that was flattened is the batch is checked like any call's: the
 converted call's shapes are (m, T, ...), and m must be n (``batch_problem``), and 1 when one
@@ -49,6 +51,12 @@ ELEMENTWISE = frozenset({
     "__truediv__", "__rtruediv__", "__itruediv__", "__neg__", "__pow__", "__rpow__",
 })
 FOLLOWED = RESHAPES | ELEMENTWISE
+
+
+def in_place(name: str) -> bool:
+    """``x.add_(y)``, ``x += y``, ``x[i] = y``: an op writing into its first argument."""
+    return (name[-1:] == "_" and name[-2:] != "__") or name.startswith("__i") \
+        or name == "__setitem__"
 
 
 def merged(src: torch.Size, out: torch.Size) -> int | None:
@@ -79,13 +87,29 @@ class FlatRows:
 
     def after(self, name: str, args, kwargs, result) -> None:
         """Follow ``result = name(*args, **kwargs)`` (module docstring)."""
-        if not isinstance(result, torch.Tensor) or result.dim() == 0 or not args:
+        src = args[0] if args else None
+        if in_place(name) and isinstance(src, torch.Tensor) and self.tags:
+            before = self.of(src)
+            if name in ELEMENTWISE:
+                self._elementwise(args, kwargs, src)
+            if name not in ELEMENTWISE or before is None or self.of(src) != before:
+                self._written(src)  # rows may have moved: no tag on this storage stays
             return
-        src = args[0]
+        if not isinstance(result, torch.Tensor) or result.dim() == 0 or src is None:
+            return
         if name in RESHAPES and isinstance(src, torch.Tensor) and src.dim() >= 1:
             self._reshaped(src, result)
-        elif name in ELEMENTWISE:
+        elif name in ELEMENTWISE and self.tags and any(
+                id(t) in self.tags for t in (*args, *kwargs.values())):
             self._elementwise(args, kwargs, result)
+
+    def _written(self, t: torch.Tensor) -> None:
+        """An in-place write into t's storage that keeps no proof: drop every tag there."""
+        ptr = t.untyped_storage().data_ptr()
+        for key, (ref, *_) in list(self.tags.items()):
+            u = ref()
+            if u is None or u.untyped_storage().data_ptr() == ptr:
+                del self.tags[key]
 
     def _reshaped(self, src: torch.Tensor, out: torch.Tensor) -> None:
         k, tag = merged(src.shape, out.shape), self.of(src)
@@ -102,13 +126,17 @@ class FlatRows:
             mine = self.of(t)
             if mine is None:
                 if t.dim() >= result.dim() and t.shape[0] != 1:
-                    return  # rows of unknown order meet these: no proof
+                    tag = None  # rows of unknown order meet these: no proof
+                    break
                 continue
             if t.shape != result.shape or (tag is not None and mine != tag):
-                return
+                tag = None
+                break
             tag = mine
         if tag is not None:
             self.tag(result, *tag)
+        else:
+            self.tags.pop(id(result), None)  # an in-place op on a tagged tensor: no proof
 
 
 def unflattened(rows: FlatRows | None, layer, x, output) -> tuple[int, int] | None:
@@ -140,5 +168,5 @@ def as_batch(t: torch.Tensor, tag: tuple[int, int]) -> torch.Tensor:
     return t.reshape(*tag, *t.shape[1:])
 
 
-__all__ = ["ELEMENTWISE", "FOLLOWED", "FlatRows", "RESHAPES", "as_batch", "merged",
+__all__ = ["ELEMENTWISE", "FOLLOWED", "FlatRows", "RESHAPES", "as_batch", "in_place", "merged",
            "row_wise", "unflattened"]

@@ -34,7 +34,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from workbench.per_sample.broadcast import BatchFree
-from workbench.per_sample.flat_rows import FOLLOWED, FlatRows
+from workbench.per_sample.flat_rows import FOLLOWED, FlatRows, in_place
 from workbench.per_sample.leaves import leaves
 from workbench.per_sample.tied import FUNCTIONAL, settle_broadcast, use_views
 
@@ -125,7 +125,7 @@ class UseTracker(TorchFunctionMode):
         if not self.random and name in RANDOM_FUNCTIONS:
             self.random = _is_random(name, args, kwargs)
         if torch.is_grad_enabled():
-            if name in FOLLOWED:
+            if name in FOLLOWED or (self.flat_rows.tags and in_place(name)):
                 self.flat_rows.after(name, args, kwargs, result)
             watched = self.batch_free.watched
             if watched and self._any_in(watched, args, kwargs):
