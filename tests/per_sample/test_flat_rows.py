@@ -160,3 +160,20 @@ class WholeNorm(nn.Module):
 def test_affine_rows_only_where_each_row_stands_alone():
     assert row_wise(ScaledRMSNorm(4).double())
     assert not row_wise(WholeNorm(4).double())
+
+
+class DoubledLinear(nn.Linear):
+    """A Linear subclass whose forward differs: it inherits no rule, flattened rows or not."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_a_subclass_changing_forward_inherits_no_row_rule():
+    m = model()
+    m.fc1 = DoubledLinear(D, 6).double()
+    routes = exact_routes(m, *batch(2))
+    after = routes[routes["layer"].isin({"fc1", "fc2"})]  # fc2: the proof stops at fc1
+    assert (after["route"] == "exact fallback").all(), after
+    before = routes[routes["layer"].isin({"norm", "rms"})]
+    assert not before["route"].str.contains("fallback|vmap").any(), before
