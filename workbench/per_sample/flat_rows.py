@@ -88,7 +88,7 @@ class FlatRows:
     def after(self, name: str, args, kwargs, result) -> None:
         """Follow ``result = name(*args, **kwargs)`` (module docstring)."""
         src = args[0] if args else None
-        if in_place(name) and isinstance(src, torch.Tensor) and self.tags:
+        if self.tags and in_place(name) and isinstance(src, torch.Tensor):
             before = self.of(src)
             if name in ELEMENTWISE:
                 self._elementwise(args, kwargs, src)
