@@ -159,3 +159,15 @@ def test_ghost_routes_take_no_vmap_route_on_transformers(name):
     routes = quiet(wb.ghost_routes, model, loss_fn, x, y)
     slow = set(routes[routes["route"].str.contains("vmap")]["type"])
     assert slow == VMAP_ROUTES.get(name, set()), routes[routes["route"].str.contains("vmap")]
+
+
+def test_opt_flattened_mlp_takes_its_rules_not_the_whole_model_fallback():
+    """OPT's decoder runs final_layer_norm, fc1 and fc2 on ``h.reshape(-1, d)``: the rows are
+    proved sample-major (``per_sample/flat_rows.py``), so no layer takes the exact fallback."""
+    model, loss_fn = model_of("opt"), PROBLEMS["opt"].loss_fn
+    for n in (3, T):
+        x, y = PROBLEMS["opt"].batch(n, T=T)
+        routes = quiet(wb.ghost_routes, model, loss_fn, x, y)
+        mlp = routes[routes["layer"].str.contains(r"layers\.\d+\.(fc1|fc2|final_layer_norm)$")]
+        assert len(mlp) == 3, routes
+        assert not routes["route"].str.contains("fallback|vmap").any(), routes

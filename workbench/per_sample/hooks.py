@@ -35,6 +35,10 @@ gradient of a call has arrived, still inside the backward pass: the optimizer's 
 materialises a call there and frees its a (``drop_inputs``: "meta" tensors keep the shapes)
 and b (``dpsgd/streamed.py``), as the functional API's streamed pass does.
 
+A position-wise layer called on batch-flattened rows (n·T, d) that the use tracker proved
+sample-major (OPT's MLP on ``h.reshape(-1, d)``, ``flat_rows.py``) is recorded as the call on
+(n, T, d): its input viewed so, its output's shape and backprops likewise (``rows``).
+
 Nothing is left behind: ``ActivationRecorder`` is a context manager that removes every hook
 on exit, also when the forward or backward pass raises.
 """
@@ -49,6 +53,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from workbench.per_sample import precision
 from workbench.per_sample.broadcast import BROADCASTABLE
+from workbench.per_sample.flat_rows import as_batch, unflattened
 from workbench.per_sample.uses import quiet
 
 
@@ -69,6 +74,7 @@ class LayerCall:
     widen_to: object = None  # under autocast: the layer's parameter dtype (``precision.py``)
     path: str = ""  # the recorded layer's path
     sampled: object = None  # {id(param): (n, *shape)}: g_i materialised as b arrived, a dropped
+    rows: tuple | None = None  # (n, T): called on flattened (n·T, ...) rows (flat_rows.py)
 
     @property
     def edge(self) -> GradientEdge:
@@ -85,6 +91,8 @@ class LayerCall:
             return
         if self.meet is not None:
             grads = [self.meet.reduce(grads[0])]  # (n, *o.shape)
+        if self.rows is not None:  # (n·T, ...) -> (n, T, ...)
+            grads = [None if g is None else as_batch(g, self.rows) for g in grads]
         full = [torch.zeros(s, dtype=d, device=v) if g is None else g
                 for g, (s, d, v) in zip(grads, self.outputs)]
         self.backprops = tuple(full) if self.is_tuple else full[0]
@@ -128,6 +136,7 @@ class ActivationRecorder:
     stack: list = field(default_factory=list)  # paths of the layers whose forward is running
     generation: int = 0  # capture="hooks": backward passes finished so far
     batch_free: object = None  # broadcast.BatchFree while a use tracker runs the forward pass
+    flat_rows: object = None  # flat_rows.FlatRows while a use tracker runs the forward pass
     on_complete: object = None  # capture="hooks": (call) -> None once all its b have arrived
     _handles: list = field(default_factory=list)
     _pending: bool = False
@@ -172,9 +181,15 @@ class ActivationRecorder:
             return
         if not tensors:
             return  # not differentiable here: nothing to sample
-        call = LayerCall(args=args, kwargs=kwargs, path=path,
+        rows = None if is_tuple or not args else unflattened(self.flat_rows, layer, args[0],
+                                                              tensors[0])
+        if rows is not None:  # flat_rows.py: the call on (n, T, ...) rows, Eq. (2)
+            self.flat_rows.tag(tensors[0], *rows)
+            args = (as_batch(args[0], rows), *args[1:])
+        call = LayerCall(args=args, kwargs=kwargs, path=path, rows=rows,
                          edges=[get_gradient_edge(t) for t in tensors],
-                         outputs=[(t.shape, t.dtype, t.device) for t in tensors],
+                         outputs=[(t.shape if rows is None else (*rows, *t.shape[1:]),
+                                   t.dtype, t.device) for t in tensors],
                          is_tuple=is_tuple, grads=[None] * len(tensors))
         if precision.state(tensors[0].device) is not None:
             call.widen_to = precision.layer_dtype(layer)
@@ -240,6 +255,7 @@ class ActivationRecorder:
             for call in calls:  # drop the activations, the graph edges and the gradients now
                 call.args, call.kwargs, call.edges, call.grads = (), {}, [], []
                 call.backprops, call.meet, call.handles, call.sampled = None, None, [], None
+                call.rows = None
             calls.clear()
         self.untracked.clear()
 

@@ -18,7 +18,9 @@ Given the recorder, it also turns these uses into rule calls instead of uncovere
 ``F.linear(x, W)`` of a parameter outside its layer (a tied head: ``tied.py``),
 ``F.embedding(x, W)`` likewise (the lookup of an Embedding subclass: ``tied.py``), and a
 position-wise layer called without the batch whose output is added to a batched tensor (a
-positional embedding on ``arange(T)``: ``broadcast.py``).
+positional embedding on ``arange(T)``: ``broadcast.py``). It follows which tensors are a batch
+flattened sample-major to (n·T, ...) rows (``flat_rows.py``), so a position-wise layer called on
+them (OPT's MLP) is recorded as the call on (n, T, ...).
 
 **Cost.** The mode sees every torch call of the forward pass, the workbench's own too: its
 hooks read shapes, register tensor hooks and tap outputs, several times more calls than the
@@ -32,6 +34,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from workbench.per_sample.broadcast import BatchFree
+from workbench.per_sample.flat_rows import FOLLOWED, FlatRows, in_place
 from workbench.per_sample.leaves import leaves
 from workbench.per_sample.tied import FUNCTIONAL, settle_broadcast, use_views
 
@@ -99,15 +102,17 @@ class UseTracker(TorchFunctionMode):
         self.covered: set[int] = set()  # ids of parameters used inside an owner (tied.py)
         self.broadcast: list = []  # parameters broadcast into the batch (tied.py)
         self.views: dict = {}  # id(v) -> (ref, p, where): views of p not used yet (tied.py)
+        self.flat_rows = FlatRows()  # rows of a batch flattened to (n·T, ...) (flat_rows.py)
 
     def __enter__(self):
         self.recorder.batch_free = self.batch_free
         self.covered, self.broadcast, self.views = set(), [], {}
+        self.flat_rows = self.recorder.flat_rows = FlatRows()
         return super().__enter__()
 
     def __exit__(self, *exc):
         super().__exit__(*exc)
-        self.recorder.batch_free = None
+        self.recorder.batch_free = self.recorder.flat_rows = None
         if exc[0] is None:
             self.batch_free.finish(self.recorder)  # outside the mode: its ops are not uses
             settle_broadcast(self)
@@ -116,9 +121,12 @@ class UseTracker(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
-        if not self.random and getattr(func, "__name__", "") in RANDOM_FUNCTIONS:
-            self.random = _is_random(func.__name__, args, kwargs)
+        name = getattr(func, "__name__", "")
+        if not self.random and name in RANDOM_FUNCTIONS:
+            self.random = _is_random(name, args, kwargs)
         if torch.is_grad_enabled():
+            if name in FOLLOWED or (self.flat_rows.tags and in_place(name)):
+                self.flat_rows.after(name, args, kwargs, result)
             watched = self.batch_free.watched
             if watched and self._any_in(watched, args, kwargs):
                 self.batch_free.saw(func, args, kwargs, result, _differentiable)

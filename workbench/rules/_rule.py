@@ -12,7 +12,9 @@ is one file (``workbench/rules/<family>.py``) ending in ``register_rule(RULE)``:
 - ``weight_grads(layer, call, weighted, own, ok) -> {id(param): Σ_i c_i g_i}`` (or None: not
   for this layer's options): an optional fast path for book-keeping's clipped sum without
   re-running the layer (Bu et al. 2023, arXiv 2210.00038, Eq. 3); for the rule's exact types;
-- ``check(layer)``: raises before any work for options the rules do not support.
+- ``check(layer)``: raises before any work for options the rules do not support;
+- ``rows``: True (or ``rows(layer) -> bool``) where grad and norm rule work row by row, so a
+  call on batch-flattened (n·T, d) rows is the call on (n, T, d) (``per_sample/flat_rows.py``).
 
 A ``Route`` is a named way to take the norm that carries its own cost, so ``auto`` and the
 memory model ask it instead of interpreting its name:
@@ -81,6 +83,7 @@ class LayerRule:
     weight_grads: Callable | None = None
     check: Callable | None = None
     matches: Callable | None = None  # a behaviour rule: matches(layer) runs its forward
+    rows: bool | Callable = False  # row by row: flattened (n·T, ...) rows allowed (flat_rows)
 
 
 RULES: dict[type[nn.Module], LayerRule] = {}

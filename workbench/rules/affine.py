@@ -31,6 +31,8 @@ the probe knows (a float64 computation fills the low bits).
 Notation: n batch, a activations, b backprops, w weight, β bias, â normalised input.
 """
 
+import weakref
+
 import torch
 from torch.nn.utils.stateless import _reparametrize_module
 
@@ -129,12 +131,39 @@ def affine_grad_sampler(layer, activations, backprops):
     return out
 
 
+_ROW_WISE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def row_wise(layer) -> bool:
+    """Does the layer work row by row ("last" layout, and on a probe each row of its output
+    depends on that row alone and the leading dims do not matter)? Then it may be called on
+    batch-flattened rows (``per_sample/flat_rows.py``); cached per layer."""
+    if layer not in _ROW_WISE:
+        _ROW_WISE[layer] = affine_layout(layer) == "last" and rows_independent(layer)
+    return _ROW_WISE[layer]
+
+
+def rows_independent(layer) -> bool:
+    w = layer.weight.detach()
+    a = torch.randn(4, *w.shape, generator=torch.Generator().manual_seed(1),
+                    dtype=w.dtype).to(w.device)
+    try:
+        with torch.no_grad():
+            rows, one = layer.forward(a), layer.forward(a[1:2])
+            grid = layer.forward(a.reshape(2, 2, *w.shape)).reshape(rows.shape)
+    except PROBE_ERRORS:
+        return False
+    tol = TOLERANCE.get(compute_dtype(rows), TOLERANCE.get(w.dtype, 1e-4))
+    return all(x.shape == y.shape and (x - y).norm() <= tol * y.norm()
+               for x, y in ((rows[1:2], one), (grid, rows)))
+
+
 RULE = register_rule(LayerRule("elementwise affine (o = A(a) + B(a) ⊙ w + β)",
-                               grad=affine_grad_sampler,
+                               grad=affine_grad_sampler, rows=row_wise,
                                matches=lambda layer: affine_layout(layer) is not None))
 
 
 __all__ = [
     "RULE", "TOLERANCE", "affine_grad_sampler", "affine_layout", "aligned", "candidate",
-    "parts", "probe_inputs", "run", "sum_to_parameter",
+    "parts", "probe_inputs", "row_wise", "rows_independent", "run", "sum_to_parameter",
 ]

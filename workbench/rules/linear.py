@@ -137,7 +137,7 @@ def linear_weight_grads(layer, call, weighted: torch.Tensor, own: list, ok=None)
 
 RULE = register_rule(LayerRule(
     "linear", (nn.Linear,), grad=linear_grad_sampler, norm=linear_norm_sampler,
-    route=linear_route, routes=ROUTES, weight_grads=linear_weight_grads))
+    route=linear_route, routes=ROUTES, weight_grads=linear_weight_grads, rows=True))
 
 
 def is_transposed_linear(layer) -> bool:
@@ -179,7 +179,7 @@ def transposed_route(layer, activations) -> tuple[Route, str]:
 TRANSPOSED_RULE = register_rule(LayerRule(
     "transposed linear (o = a W + c)", grad=transposed_linear_grad_sampler,
     norm=linear_norm_sampler, route=transposed_route, routes=ROUTES,
-    matches=is_transposed_linear))  # ||A_iᵀ B_i|| = ||B_iᵀ A_i||: the same norm rule
+    matches=is_transposed_linear, rows=True))  # ||A_iᵀ B_i|| = ||B_iᵀ A_i||: one norm rule
 
 
 __all__ = [

@@ -67,12 +67,13 @@ def instance_norm_grad_sampler(layer, activations, backprops):
     return _affine_grads(layer, a_hat, backprops, channel_dim=True)
 
 
-RULES = [register_rule(LayerRule(name, types, grad=grad)) for name, types, grad in (
-    ("layer norm", (nn.LayerNorm,), layer_norm_grad_sampler),
-    ("rms norm", (nn.RMSNorm,), rms_norm_grad_sampler),
-    ("group norm", (nn.GroupNorm,), group_norm_grad_sampler),
+RULES = [register_rule(LayerRule(name, types, grad=grad, rows=rows))
+         for name, types, grad, rows in (
+    ("layer norm", (nn.LayerNorm,), layer_norm_grad_sampler, True),  # over the last dims: a
+    ("rms norm", (nn.RMSNorm,), rms_norm_grad_sampler, True),  # row is one sample's position
+    ("group norm", (nn.GroupNorm,), group_norm_grad_sampler, False),
     ("instance norm", (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d),
-     instance_norm_grad_sampler))]
+     instance_norm_grad_sampler, False))]
 
 
 __all__ = [

@@ -1,0 +1,179 @@
+"""Position-wise layers on batch-flattened rows (``per_sample/flat_rows.py``): OPT's MLP on
+``h.reshape(-1, d)``. Sample-major rows take the layer's rule, exact against micro-batching
+(float64) in every method and optimizer mode; rows of unproven layout (time-major, reordered,
+two batches concatenated) keep the exact fallback, also at n = T."""
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import (
+    assert_agree,
+    assert_clipping_agrees,
+    assert_optimizer_matches_microbatch,
+    exact_routes,
+    mse_per_sample,
+)
+from workbench.dpsgd import MODES
+from workbench.per_sample.flat_rows import FlatRows, merged
+from workbench.rules.affine import row_wise
+
+T, D = 3, 4
+
+
+class ScaledRMSNorm(nn.Module):
+    """A hand-written RMSNorm (no rule by type: the affine behaviour rule)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(d))
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class FlatMLP(nn.Module):
+    """OPT's decoder MLP: (n, T, d) -> (n·T, d) rows -> norm, fc1, ReLU, fc2, residual -> back.
+    ``layout``: how the rows are made (only "sample" is provably sample-major)."""
+
+    def __init__(self, layout="sample"):
+        super().__init__()
+        self.layout = layout
+        self.norm, self.rms = nn.LayerNorm(D), ScaledRMSNorm(D)
+        self.fc1, self.fc2 = nn.Linear(D, 6), nn.Linear(6, D)
+        self.head = nn.Linear(D, 2)
+
+    def forward(self, x):  # (n, T, d)
+        n = x.shape[0]
+        if self.layout == "time":  # time-major rows: row r is sample r mod n
+            h = x.transpose(0, 1).reshape(-1, D)
+        elif self.layout == "cat":  # two batches stacked: 2n·T rows
+            h = torch.cat([x, 2 * x]).reshape(-1, D)
+        else:
+            h = x.reshape(-1, D)
+        if self.layout == "flip":  # rows reordered before the layers, restored after
+            h = h.flip(0)
+        elif self.layout == "copy":  # the same, written in place into tagged rows
+            h = h.clone()
+            h.copy_(h.flip(0))
+        o = self.fc2(torch.relu(self.fc1(self.rms(self.norm(h))))) + h  # (rows, d)
+        if self.layout in ("flip", "copy"):
+            o = o.flip(0)
+        if self.layout == "time":
+            o = o.reshape(-1, n, D).transpose(0, 1)
+        elif self.layout == "cat":
+            o = o.reshape(2, n, -1, D).sum(0)
+        return self.head(o.reshape(n, -1, D))  # (n, T, 2)
+
+
+def batch(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, T, D, generator=g, dtype=torch.float64),
+            torch.randn(n, T, 2, generator=g, dtype=torch.float64))
+
+
+def model(layout="sample"):
+    torch.manual_seed(0)
+    return FlatMLP(layout).double()
+
+
+FLAT = {"norm", "rms", "fc1", "fc2"}  # the layers called on (rows, d)
+
+
+@pytest.mark.parametrize("n", [2, T])  # n = T: a layout shapes cannot tell apart
+def test_sample_major_rows_take_their_rules_exactly(n):
+    routes = exact_routes(model(), *batch(n))
+    flat = routes[routes["layer"].isin(FLAT)]
+    assert len(flat) == len(FLAT), routes
+    assert not flat["route"].str.contains("fallback|vmap").any(), flat
+
+
+@pytest.mark.parametrize("layout", ["time", "flip", "copy", "cat"])
+@pytest.mark.parametrize("n", [2, T])
+def test_rows_of_unproven_layout_keep_the_exact_fallback(layout, n):
+    routes = exact_routes(model(layout), *batch(n))
+    flat = routes[routes["layer"].isin(FLAT)]
+    assert (flat["route"] == "exact fallback").all(), flat
+
+
+@pytest.mark.parametrize("mode", [*MODES, "auto"])
+@pytest.mark.parametrize("layout", ["sample", "time"])
+def test_optimizer_on_flattened_rows_matches_microbatching(mode, layout):
+    sizes = ((0, 2), (1, T), (2, 5))  # n = T in the middle: a new signature, probed again
+    batches = [batch(n, seed) for seed, n in sizes]
+    assert_optimizer_matches_microbatch(model(layout), mse_per_sample, batches, method=mode)
+
+
+def test_unchecked_calls_are_exact_too():
+    m, (x, y) = model(), batch(T)
+    assert_agree(m, mse_per_sample, x, y, check=False)
+    assert_clipping_agrees(m, mse_per_sample, x, y)
+
+
+def test_merged_reads_only_a_merge_of_leading_dims():
+    assert merged(torch.Size([2, 3, 4]), torch.Size([6, 4])) == 2
+    assert merged(torch.Size([2, 3, 4]), torch.Size([2, 12])) == 1
+    assert merged(torch.Size([2, 3, 4]), torch.Size([4, 6])) is None  # not a merge
+
+
+def test_tags_follow_reshapes_and_elementwise_ops_only():
+    rows, x = FlatRows(), torch.randn(2, 3, 4)
+    h = x.reshape(-1, 4)
+    rows.after("reshape", (x, -1, 4), {}, h)
+    assert rows.of(h) == (2, 3)
+    r = torch.relu(h)
+    rows.after("relu", (h,), {}, r)
+    assert rows.of(r) == (2, 3)
+    f = h.flip(0)  # not followed: reordered rows carry no tag
+    assert rows.of(f) is None
+    s = h + f  # tagged rows meet rows of unknown order: no proof
+    rows.after("__add__", (h, f), {}, s)
+    assert rows.of(s) is None
+    b = h + torch.ones(4)  # a broadcast bias carries no rows
+    rows.after("__add__", (h, torch.ones(4)), {}, b)
+    assert rows.of(b) == (2, 3)
+    split = h.reshape(2, 3, 4)  # back to the batch: dim 0 split, no tag
+    rows.after("reshape", (h, 2, 3, 4), {}, split)
+    assert rows.of(split) is None
+    heads = h.reshape(6, 2, 2)  # dim 0 kept whole: still rows
+    rows.after("reshape", (h, 6, 2, 2), {}, heads)
+    assert rows.of(heads) == (2, 3)
+    r.relu_()  # an elementwise op in place keeps the proof
+    rows.after("relu_", (r,), {}, r)
+    assert rows.of(r) == (2, 3)
+    h.copy_(f)  # rows written in place from rows of unknown order: every tag on h's storage
+    rows.after("copy_", (h, f), {}, h)
+    assert rows.of(h) is None and rows.of(heads) is None and rows.of(r) == (2, 3)
+
+
+class WholeNorm(nn.Module):
+    """o = w ⊙ a / ||a||: affine in w, but every row depends on every other."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return self.weight * x / x.norm()
+
+
+def test_affine_rows_only_where_each_row_stands_alone():
+    assert row_wise(ScaledRMSNorm(4).double())
+    assert not row_wise(WholeNorm(4).double())
+
+
+class DoubledLinear(nn.Linear):
+    """A Linear subclass whose forward differs: it inherits no rule, flattened rows or not."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_a_subclass_changing_forward_inherits_no_row_rule():
+    m = model()
+    m.fc1 = DoubledLinear(D, 6).double()
+    routes = exact_routes(m, *batch(2))
+    after = routes[routes["layer"].isin({"fc1", "fc2"})]  # fc2: the proof stops at fc1
+    assert (after["route"] == "exact fallback").all(), after
+    before = routes[routes["layer"].isin({"norm", "rms"})]
+    assert not before["route"].str.contains("fallback|vmap").any(), before
