@@ -252,8 +252,9 @@ class ModelRecorder:
         mine = [(path, layer, c) for path, layer in self.layers.items()
                 for c in self.layer_rec.calls[path]  # as Recording.calls, and the streamed
                 if (c.backprops is not None or c.sampled is not None) and c.generation == gen]
+        memo: dict = {}  # one rescaled copy per tensor: calls often share one b (o = u + v)
         for call in [c for _, _, c in mine if c.sampled is None] + list(roots):
-            call.backprops = _rescaled(call.backprops, f, n)
+            call.backprops = _rescaled(call.backprops, f, n, memo)
         return new_recording(n, self.layers, self.layer_rec, self.params, self.uncovered,
                              mine, random=self.tracker.random, generation=gen, factors=f)
 
@@ -367,14 +368,20 @@ def _inputs(call, n: int):
     return call.args if len(call.args) != 1 else call.args[0]
 
 
-def _rescaled(b, f: torch.Tensor, n: int):
+def _rescaled(b, f: torch.Tensor, n: int, memo: dict | None = None):
     """b (or a tuple of them) with record i's rows times f_i; one scalar when f is uniform.
     A tensor whose dim 0 is not n (not the batch: sent to the exact fallback) is unchanged
-    unless f is uniform."""
+    unless f is uniform. ``memo`` ({id(b): (b, result)}): a tensor several calls share (the
+    gradient of a sum reaches both addends as one tensor, e.g. an LSTM's input and recurrent
+    projections) is rescaled once, not copied once per call."""
     if b is None or f.numel() == 0:
         return b
     if isinstance(b, tuple):
-        return tuple(_rescaled(t, f, n) for t in b)
+        return tuple(_rescaled(t, f, n, memo) for t in b)
+    if memo is not None:
+        if id(b) not in memo:
+            memo[id(b)] = (b, _rescaled(b, f, n))  # b kept: its id stays unique meanwhile
+        return memo[id(b)][1]
     if bool((f == f[0]).all()):
         f0 = float(f[0])
         return b if f0 == 1 else b * f0

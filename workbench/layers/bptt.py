@@ -172,9 +172,11 @@ class BPTT(torch.autograd.Function):
         ctx.mode, ctx.names = mode, sorted(saved)
         ctx.save_for_backward(W, keep, *(saved[name] for name in ctx.names))
         T = X.shape[1]
-        Hs = saved["Hs"]  # outputs are copies: an in-place change of them leaves Hs intact
-        if mode == "LSTM":
-            return Hs[:, 1:].clone(), Hs[:, T].clone(), saved["Cs"][:, T].clone()
+        if mode == "LSTM":  # outputs are copies: an in-place change leaves the saved intact
+            Hp, hT = saved["Hp"], saved["hT"]  # h_0..h_{T-1}, h_T (bptt_forward.lstm_forward)
+            return (torch.cat([Hp[:, 1:], hT.unsqueeze(1)], dim=1), hT.clone(),
+                    saved["Cs"][:, T].clone())
+        Hs = saved["Hs"]
         return Hs[:, 1:].clone(), Hs[:, T].clone()
 
     @staticmethod
@@ -199,12 +201,17 @@ class BPTT(torch.autograd.Function):
         need = ctx.needs_input_grad  # mode, keep, saved, X, U, W, b, h0, c0
         dW = db = None
         if need[5]:  # W port: Σ_t ū_tᵀ h_{t-1}, all n T rows in one product
-            T = dU.shape[1]
-            dW = dU.flatten(0, 1).t() @ saved["Hs"][:, :T].flatten(0, 1)
+            dW = dU.flatten(0, 1).t() @ previous_states(saved).flatten(0, 1)
         if need[6]:
             db = dU.sum(dim=(0, 1))
         return (None, None, None, dX if need[3] else None, dU if need[4] else None, dW, db,
                 dh0 if need[7] else None, dc0 if need[8] else None)
+
+
+def previous_states(saved) -> torch.Tensor:
+    """H_prev (n, T, H) = [h_0, ..., h_{T-1}]: the LSTM loop keeps it as one contiguous block
+    (``Hp``, no copy where it is folded to (n T, H)); the others as a view of Hs."""
+    return saved["Hp"] if "Hp" in saved else saved["Hs"][:, :-1]
 
 
 def fusable(*tensors) -> bool:
@@ -226,7 +233,7 @@ def run_bptt(mode, X, hh, state, valid=None, one_call=False):
     with torch.no_grad():
         saved = FORWARDS[mode](X, W, b, state, valid)
     if one_call:
-        U = hh(saved["Hs"][:, :-1])  # (n, T, G H) = H_prev W_hhᵀ (+ b_hh), one hooked call
+        U = hh(previous_states(saved))  # (n, T, G H) = H_prev W_hhᵀ (+ b_hh), one hooked call
         W, b = W.detach(), None  # a constant of the backward: W_hh's gradient comes via U
     else:
         U = None
@@ -235,4 +242,5 @@ def run_bptt(mode, X, hh, state, valid=None, one_call=False):
     return out, tuple(final)
 
 
-__all__ = ["BPTT", "fusable", "gru_backward", "lstm_backward", "rnn_backward", "run_bptt"]
+__all__ = ["BPTT", "fusable", "gru_backward", "lstm_backward", "previous_states", "rnn_backward",
+           "run_bptt"]

@@ -61,15 +61,23 @@ def rnn_forward(X, W, b, state, keep, relu):
 
 
 def lstm_forward(X, W, b, state, keep):
-    """Hs, Cs (n, T+1, H) with the initial states; S (n, T, 4H): σ(i), σ(f), tanh(g), σ(o);
-    TC (n, T, H): tanh(c'_t) of the cell's new state (before a mask keeps the old one)."""
+    """Hp (n, T, H) = [h_0, ..., h_{T-1}] and hT (n, H) = h_T; Cs (n, T+1, H) with c_0;
+    S (n, T, 4H): σ(i), σ(f), tanh(g), σ(o); TC (n, T, H): tanh(c'_t) of the cell's new state
+    (before a mask keeps the old one).
+
+    The previous states are one contiguous block, not a view Hs[:, :-1] of (n, T+1, H): the
+    DP layer's hooked call U = Hp W_hhᵀ (``bptt.run_bptt``) and the W port's Ūᵀ Hp then fold
+    it to (n T, H) with no copy (a view would be copied, and the copy kept by autograd for
+    W_hh's gradient: 25 MiB at n = 256, T = 256, H = 100)."""
     h0, c0 = state
     n, T, G = X.shape
     H = G // 4
-    Hs, Cs = X.new_empty(n, T + 1, H), X.new_empty(n, T + 1, H)
+    Hp, hT, Cs = X.new_empty(n, T, H), X.new_empty(n, H), X.new_empty(n, T + 1, H)
     S, TC = X.new_empty(n, T, G), X.new_empty(n, T, H)
-    Hs[:, 0], Cs[:, 0] = h0, c0
-    hs, cs, Ss, tcs, Wt = steps(Hs), steps(Cs), steps(S), steps(TC), W.t()
+    hs = [*steps(Hp), hT]  # h_t for t = 0..T
+    hs[0].copy_(h0)
+    Cs[:, 0] = c0
+    cs, Ss, tcs, Wt = steps(Cs), steps(S), steps(TC), W.t()
     i_s, f_s, g_s, o_s = steps(S, H, H, H, H)
     pre = X.new_empty(n, G)  # one step's gate pre-activations, reused
     pre_g = pre[:, 2 * H:3 * H]
@@ -86,7 +94,7 @@ def lstm_forward(X, W, b, state, keep):
             k = keep[:, t:t + 1]
             torch.where(k, c, cs[t], out=cs[t + 1])
             torch.where(k, h, hs[t], out=hs[t + 1])
-    return {"Hs": Hs, "Cs": Cs, "S": S, "TC": TC}
+    return {"Hp": Hp, "hT": hT, "Cs": Cs, "S": S, "TC": TC}
 
 
 def gru_forward(X, W, b, state, keep):

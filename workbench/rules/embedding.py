@@ -110,12 +110,14 @@ def embedding_norm_sampler(layer, activations, backprops):
     x = activations[0]
     n, d = x.shape[0], layer.weight.shape[1]
     x = x.reshape(n, -1)  # (n, T)
-    b = backprops.reshape(n, -1, d)  # (n, T, d)
-    if layer.padding_idx is not None:
-        b = b.masked_fill((x == layer.padding_idx).unsqueeze(-1), 0.0)
+    b = backprops.reshape(n, -1, d)  # (n, T, d), read only: no (n, T, d) scratch below
     rep, run = repeated(x)  # (n, T), (n, T)
-    squares = b.pow(2).sum(-1).masked_fill_(rep, 0.0).sum(1)  # (n,) tokens of unique indices
-    i, t = rep.nonzero(as_tuple=True)  # the K tokens of repeated indices
+    skip = rep if layer.padding_idx is None else rep | (x == layer.padding_idx)  # pad: no term
+    tokens = torch.linalg.vector_norm(b, dim=-1).square_()  # (n, T) ||b_it||², one reduction
+    squares = tokens.masked_fill_(skip, 0.0).sum(1)  # (n,) tokens of unique indices
+    if layer.padding_idx is not None:
+        rep = rep & (x != layer.padding_idx)
+    i, t = rep.nonzero(as_tuple=True)  # the K tokens of repeated (non-padding) indices
     if len(i):
         keys, slot = torch.unique(i * x.shape[1] + run[i, t], return_inverse=True)
         rows = b.new_zeros(len(keys), d).index_add_(0, slot, b[i, t])  # Σ b per (i, v)
