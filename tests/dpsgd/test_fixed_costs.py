@@ -65,3 +65,24 @@ def test_the_optimizer_chooses_again_when_the_layout_changes(monkeypatch, sizes)
         CE(model(x), y).mean().backward()
         opt.step()
         assert opt.last["mode"] == expected == ("bookkeeping" if n >= 50 else "einsum")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_privatise_is_noised_mean_bit_for_bit(dtype):
+    from workbench.dpsgd.privatise import noised_mean
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Linear(4, 3)).to(dtype)
+    model[1].bias.requires_grad_(False)  # frozen: no noise, no draw
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = DPOptimizer(torch.optim.SGD(params, lr=0.1), model, noise_multiplier=1.3,
+                      max_grad_norm=0.7, expected_batch_size=6.0,
+                      generator=torch.Generator().manual_seed(3))
+    sums = {id(p): torch.randn(p.shape, dtype=torch.float64) for p in params[:2]}  # one left
+    opt._sums = dict(sums)
+    opt.privatise()
+    g = torch.Generator().manual_seed(3)
+    for p in params:
+        expected = noised_mean(sums.get(id(p)), p, opt.noise_std(), 6.0, g)
+        assert p.grad.dtype == dtype and torch.equal(p.grad, expected)
+    signal = sum(float(s.to(dtype).double().norm()) ** 2 for s in sums.values()) ** 0.5 / 6.0
+    assert opt.last["signal"] == pytest.approx(signal, rel=1e-6)

@@ -94,7 +94,7 @@ from workbench.dpsgd.distributed import (
     all_reduce,
     check_timeout_minutes,
 )
-from workbench.dpsgd.privatise import MODES, gaussian_noise, noised_mean
+from workbench.dpsgd.privatise import MODES, gaussian_noise
 from workbench.dpsgd.recorded import ModelRecorder, distributed_run
 from workbench.errors import UnattributedGradientError
 from workbench.methods import OPTIMIZER_ALIASES
@@ -452,17 +452,13 @@ class DPOptimizer(Optimizer):
         signal_sq, d = 0.0, 0
         names = {id(p): k for k, p in self.model.named_parameters()} if distributed else {}
         norms = []  # ||Σ_i c_i g_i|| per parameter (0-d): one host sync for all, at the end
-        for group in self.param_groups:
+        if not distributed:  # the common case: no copies, the noise buffer is p.grad
+            d, norms = self._noised_means(std)
+        for group in self.param_groups if distributed else ():
             for p in group["params"]:
                 if not p.requires_grad:
                     continue
                 d += p.numel()
-                if not distributed:  # the common case: no copies, the noise buffer is p.grad
-                    s = self._sums.get(id(p))
-                    if s is not None:  # ||s||, one reduction, no (shape of p) temporary
-                        norms.append(torch.linalg.vector_norm(s.detach().to(p.dtype)))
-                    p.grad = noised_mean(s, p, std, self.expected_batch_size, self.generator)
-                    continue
                 total = self._sums.get(id(p), torch.zeros_like(p)).detach().to(p.dtype).clone()
                 # Σ over all ranks' samples, each clipped on its own rank
                 signal = total.clone()
@@ -482,6 +478,33 @@ class DPOptimizer(Optimizer):
         B = self.expected_batch_size
         self.last["signal"] = signal_sq ** 0.5 / B
         self.last["noise"] = std * d ** 0.5 / B
+
+    def _noised_means(self, std: float) -> tuple[int, list]:
+        """p.grad = (Σ_i c_i g_i + N(0, σ²C² I)) / B for every trainable parameter, on one
+        process: ``privatise.noised_mean`` bit for bit (the noise drawn parameter by
+        parameter in the same order; the sum added and B divided by ``torch._foreach_*``,
+        one call for all parameters, elementwise the same operations). (d, [||Σ_i c_i g_i||
+        per parameter reached]) for the signal."""
+        B, noised, sums, d = self.expected_batch_size, [], [], 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not p.requires_grad:
+                    continue
+                d += p.numel()
+                noise = gaussian_noise(p, std, self.generator)  # fresh: ours to write
+                s = self._sums.get(id(p))
+                if s is not None:
+                    noised.append(noise)
+                    sums.append(s.detach().to(p.dtype))
+                p.grad = noise
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.requires_grad]
+        with torch.no_grad():
+            norms = list(torch._foreach_norm(sums)) if sums else []  # ||s|| each
+            if sums:
+                torch._foreach_add_(noised, sums)
+            if grads:
+                torch._foreach_div_(grads, B)
+        return d, norms
 
     def step(self, closure=None):
         loop.check_alive(self, "step")
