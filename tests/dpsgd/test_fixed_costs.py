@@ -86,3 +86,47 @@ def test_privatise_is_noised_mean_bit_for_bit(dtype):
         assert p.grad.dtype == dtype and torch.equal(p.grad, expected)
     signal = sum(float(s.to(dtype).double().norm()) ** 2 for s in sums.values()) ** 0.5 / 6.0
     assert opt.last["signal"] == pytest.approx(signal, rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [0, 1, 7])
+def test_concatenated_norms_and_sums_match_the_per_parameter_twin(dtype, n, monkeypatch):
+    from workbench.clipping import batched
+    from workbench.clipping.flat import many_sample_squares
+    from workbench.clipping.nonfinite import masked
+    monkeypatch.setattr(batched, "SMALL", 40 * max(n, 1))  # some concatenated, some alone
+    g = torch.Generator().manual_seed(n)
+    shapes = {1: (4, 5), 2: (5,), 3: (40, 4), 4: (3, 2, 2), 5: (7,), 6: (2,)}
+    grads = {k: torch.randn(n, *s, generator=g, dtype=dtype) for k, s in shapes.items()}
+    grads[6] = grads[6].half()  # another dtype: per parameter
+    group = {1: 0, 2: 1, 3: 0, 4: 0, 5: 1, 6: 0}.get
+    together = batched.Concatenated(grads, group)
+    assert any(flat is not None for _, _, flat in together.chunks) or n == 0
+    zeros = torch.zeros(n, dtype=torch.float64)
+    squares = together.squares(zeros)
+    for grp in (0, 1):
+        keys = [k for k in grads if group(k) == grp]
+        expected = sum(many_sample_squares([grads[k] for k in keys]), zeros)
+        torch.testing.assert_close(squares[grp], expected, rtol=1e-12 if dtype ==
+                                   torch.float64 else 1e-5, atol=0)
+    c = {0: torch.rand(n, generator=g, dtype=torch.float64),
+         1: torch.rand(n, generator=g, dtype=torch.float64)}
+    ok = torch.arange(n) != 0 if n else None  # record 0 masked out when there is one
+    for k in grads:
+        grads[k][:1] = float("nan")
+    sums = batched.Concatenated(grads, group).weighted_sums(c, ok)
+    for k, x in grads.items():
+        x = x if ok is None else masked(x, ok)
+        expected = torch.tensordot(c[group(k)].to(x.dtype), x, dims=1)
+        assert sums[k].shape == expected.shape and sums[k].dtype == x.dtype
+        torch.testing.assert_close(sums[k], expected, rtol=0, atol=0)  # bit for bit (CPU)
+
+
+def test_an_overflowing_row_takes_the_overflow_safe_twin():
+    from workbench.clipping import batched
+    from workbench.clipping.flat import many_sample_squares
+    grads = {1: torch.full((2, 3), 3e38), 2: torch.ones(2, 4)}  # ||row||² overflows float32
+    squares = batched.Concatenated(grads, lambda k: None).squares(torch.zeros(2,
+                                                                         dtype=torch.float64))
+    expected = sum(many_sample_squares(list(grads.values())))
+    assert torch.isfinite(squares[None]).all() and torch.equal(squares[None], expected)
