@@ -493,9 +493,10 @@ class DPOptimizer(Optimizer):
                 d += p.numel()
                 noise = gaussian_noise(p, std, self.generator)  # fresh: ours to write
                 s = self._sums.get(id(p))
-                if s is not None:
+                if s is not None:  # detach and cast only when needed: each is an op
+                    s = s.detach() if s.requires_grad else s
                     noised.append(noise)
-                    sums.append(s.detach().to(p.dtype))
+                    sums.append(s if s.dtype == p.dtype else s.to(p.dtype))
                 p.grad = noise
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.requires_grad]
         with torch.no_grad():
