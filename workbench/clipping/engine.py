@@ -36,10 +36,10 @@ Notation: n batch, g_i per-sample gradient, c_i clip factor, C max_grad_norm, b 
 import torch
 from torch.utils._pytree import tree_map
 
-from workbench.clipping.batched import Concatenated
 from workbench.clipping.flat import (
     checked_clip_factors,
     grad_norms,
+    many_sample_squares,
     weighted_sum,
 )
 from workbench.clipping.ghost import record_norms, rerun_losses, squared_norms_by, verify_norms
@@ -129,11 +129,12 @@ def clipped_sum(rec, max_grad_norm, mode: str, group_of=None, exact=None, users=
     exact = exact or {}
     if mode in MATERIALISING:
         grads = {**materialise(rec, mode), **exact}
-        together = Concatenated(grads, lambda key: group_of(params[key]))  # batched.py
-        squares = together.squares(zeros)  # one overflow test for all parameters
+        squares: dict = {}  # one overflow test for all parameters (flat.many_sample_squares)
+        for key, sq in zip(grads, many_sample_squares(list(grads.values()))):
+            group = group_of(params[key])
+            squares[group] = squares.get(group, zeros) + sq
     else:
         squares, grads = squared_norms_by(rec, group_of, exact)
-        together = Concatenated(grads, lambda key: group_of(params[key]))
     norms = sum(squares.values(), zeros).sqrt()  # (n,) NaN or inf if any group is
     bad = bad_records(norms)
     ok = ~bad if bad.any() else None  # None: the usual case, nothing to mask
@@ -156,7 +157,10 @@ def clipped_sum(rec, max_grad_norm, mode: str, group_of=None, exact=None, users=
                                                           ok).items():
                         sums[key] = g if key not in sums else sums[key] + g
             call.backprops = None  # used: free it before the next layer's weight gradient
-    sums.update(together.weighted_sums(c, ok))  # materialised: Σ_i c_i g_i directly
+    with torch.no_grad():
+        for key, g in grads.items():  # materialised: Σ_i c_i g_i directly
+            g = g if ok is None else masked(g, ok)
+            sums[key] = torch.tensordot(c[group_of(params[key])].to(g.dtype), g, dims=1)
     factors = torch.stack(list(c.values())).min(0).values if c else zeros + 1
     return sums, norms, factors
 
