@@ -70,8 +70,8 @@ def test_one_rescaled_tensor_per_shared_backprop(f):
     b, other = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
     before = b.clone()
     memo: dict = {}
-    first, again, pair = (_rescaled(b, f, 4, memo), _rescaled(b, f, 4, memo),
-                          _rescaled((other, b), f, 4, memo))
+    first, again, pair = (_rescaled(b, f, 4, memo=memo), _rescaled(b, f, 4, memo=memo),
+                          _rescaled((other, b), f, 4, memo=memo))
     assert again is first and pair[1] is first and pair[0] is not first
     expected = b * f.to(b.dtype).view(-1, 1)
     torch.testing.assert_close(first, expected, rtol=0, atol=0)

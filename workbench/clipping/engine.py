@@ -157,10 +157,15 @@ def clipped_sum(rec, max_grad_norm, mode: str, group_of=None, exact=None, users=
                                                           ok).items():
                         sums[key] = g if key not in sums else sums[key] + g
             call.backprops = None  # used: free it before the next layer's weight gradient
+    cast: dict = {}  # (group, dtype) -> c_g in that dtype: one conversion, not one per param
     with torch.no_grad():
         for key, g in grads.items():  # materialised: Σ_i c_i g_i directly
             g = g if ok is None else masked(g, ok)
-            sums[key] = torch.tensordot(c[group_of(params[key])].to(g.dtype), g, dims=1)
+            group = group_of(params[key])
+            cg = cast.get((group, g.dtype))
+            if cg is None:
+                cg = cast[group, g.dtype] = c[group].to(g.dtype)
+            sums[key] = torch.tensordot(cg, g, dims=1)
     factors = torch.stack(list(c.values())).min(0).values if c else zeros + 1
     return sums, norms, factors
 

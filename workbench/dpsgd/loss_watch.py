@@ -137,6 +137,17 @@ class LossWatch:
         if self._before_mode is None:
             self._follow(None)
 
+    @contextlib.contextmanager
+    def unfollowed(self):
+        """The workbench's own tensor calls between steps (the wrapped optimizer's
+        ``zero_grad`` on ``.grad``): not the batch's data, so the follower skips their
+        book-keeping (``BatchStatistics.after``, the cost of every op it follows)."""
+        on, self.before.on = self.before.on, False
+        try:
+            yield
+        finally:
+            self.before.on = on
+
     def _follow(self, n: int | None) -> None:
         if BeforeForward.following is not None:  # another engine's abandoned batch
             _leave(BeforeForward.following)

@@ -94,7 +94,7 @@ from workbench.dpsgd.distributed import (
     all_reduce,
     check_timeout_minutes,
 )
-from workbench.dpsgd.privatise import MODES, gaussian_noise, noised_mean
+from workbench.dpsgd.privatise import MODES, gaussian_noise
 from workbench.dpsgd.recorded import ModelRecorder, distributed_run
 from workbench.errors import UnattributedGradientError
 from workbench.methods import OPTIMIZER_ALIASES
@@ -112,6 +112,28 @@ def check_method(value) -> str:
                      f"optimizer they are one code path)", "DPOptimizer", stacklevel=5)
         return OPTIMIZER_ALIASES[value]
     return check_choice(value, "method", (*MODES, "auto"))
+
+
+def _layout(value):
+    """Shapes and dtypes of a call's Tensor arguments (one level into lists and tuples)."""
+    if isinstance(value, torch.Tensor):
+        return value.shape, value.dtype, value.device
+    if type(value) in (list, tuple):
+        return tuple(_layout(v) for v in value)
+    return type(value)
+
+
+def mode_key(rec) -> tuple:
+    """Everything ``choose_mode`` reads of a recording: n, dtype, the recorded calls (layer,
+    type, input shapes), the trainable parameters (id, shape, requires_grad), the fallback
+    and the parameters taken over (``Recording.taken``). A layer added or replaced, a new
+    shape, a parameter frozen or unfrozen changes it."""
+    with torch._C.DisableTorchFunction():  # attribute reads, not ops of the loop
+        return (rec.n, rec.dtype,
+                tuple((path, id(layer), type(layer), _layout(call.args))
+                      for path, layer, call in rec.calls()),
+                tuple((id(p), p.shape, p.requires_grad) for p in rec.params.values()),
+                tuple(sorted(rec.fallback)), tuple(sorted(rec.taken)))
 
 
 class DPOptimizer(Optimizer):
@@ -150,6 +172,7 @@ class DPOptimizer(Optimizer):
         self._zeroed, self._released = False, {}  # is .grad this step's own? (_check_path)
         self.all_reduce_timeout_minutes = DEFAULT_TIMEOUT_MINUTES  # make_private may set it
         self._sums: dict[int, torch.Tensor] = {}
+        self._modes: dict = {}  # mode_key -> the mode "auto" chose for that layout
         self.user_level = None  # privacy_unit="user": a user_level.UserLevel (make_private)
         self.last = {}  # norms and clip factors of the last batch, for widgets and training logs
         self.recorder.watch.follow()  # batch statistics before the first forward pass
@@ -264,7 +287,8 @@ class DPOptimizer(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         loop.check_alive(self, "zero_grad")
         self.guard.enter("optimizer.zero_grad()")
-        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+        with self.recorder.watch.unfollowed():  # .grad of the parameters: not the batch's data
+            self.original_optimizer.zero_grad(set_to_none=set_to_none)
         self.recorder.clear()
         self.recorder.armed = True  # skip_weight_grads: this step's forward passes
         self._zeroed = True
@@ -306,7 +330,7 @@ class DPOptimizer(Optimizer):
                         continue
                     mode = self.method
                     if mode == "auto":  # einsum or book-keeping, by clipping/auto.py's rule
-                        mode = choose_mode(rec)[0]
+                        mode = self._auto_mode(rec)
                     modes.append(mode)
                     tol = max(tol, selfcheck.TOLERANCE.get(precision.compared_dtype(rec), 1e-3))
                     if rec.signature is not None:  # before clipping frees the backprops
@@ -343,6 +367,19 @@ class DPOptimizer(Optimizer):
                      "mode": modes[-1] if modes else None,  # the mode "auto" chose
                      "nonfinite": len(skipped), "nonfinite_indices": skipped}
         warn_skipped(skipped, seen)
+
+    def _auto_mode(self, rec) -> str:
+        """``choose_mode(rec)[0]``, remembered for the batch's layout (``mode_key``): the
+        rule reads only the calls' layers and input shapes, the parameters' shapes and the
+        fallback, never values, so a batch of the same layout gets the same mode (and either
+        mode is exact: a stale choice could only cost time)."""
+        key = mode_key(rec)
+        mode = self._modes.get(key)
+        if mode is None:
+            if len(self._modes) >= 16:  # Poisson sizes: n is part of the key (BYTES)
+                self._modes.clear()
+            mode = self._modes[key] = choose_mode(rec)[0]
+        return mode
 
     def _verify(self, rec, norm) -> None:
         """Record n - 1's ||g_i|| against its exact twin; then the verdict is remembered."""
@@ -415,17 +452,13 @@ class DPOptimizer(Optimizer):
         signal_sq, d = 0.0, 0
         names = {id(p): k for k, p in self.model.named_parameters()} if distributed else {}
         norms = []  # ||Σ_i c_i g_i|| per parameter (0-d): one host sync for all, at the end
-        for group in self.param_groups:
+        if not distributed:  # the common case: no copies, the noise buffer is p.grad
+            d, norms = self._noised_means(std)
+        for group in self.param_groups if distributed else ():
             for p in group["params"]:
                 if not p.requires_grad:
                     continue
                 d += p.numel()
-                if not distributed:  # the common case: no copies, the noise buffer is p.grad
-                    s = self._sums.get(id(p))
-                    if s is not None:  # ||s||, one reduction, no (shape of p) temporary
-                        norms.append(torch.linalg.vector_norm(s.detach().to(p.dtype)))
-                    p.grad = noised_mean(s, p, std, self.expected_batch_size, self.generator)
-                    continue
                 total = self._sums.get(id(p), torch.zeros_like(p)).detach().to(p.dtype).clone()
                 # Σ over all ranks' samples, each clipped on its own rank
                 signal = total.clone()
@@ -445,6 +478,34 @@ class DPOptimizer(Optimizer):
         B = self.expected_batch_size
         self.last["signal"] = signal_sq ** 0.5 / B
         self.last["noise"] = std * d ** 0.5 / B
+
+    def _noised_means(self, std: float) -> tuple[int, list]:
+        """p.grad = (Σ_i c_i g_i + N(0, σ²C² I)) / B for every trainable parameter, on one
+        process: ``privatise.noised_mean`` bit for bit (the noise drawn parameter by
+        parameter in the same order; the sum added and B divided by ``torch._foreach_*``,
+        one call for all parameters, elementwise the same operations). (d, [||Σ_i c_i g_i||
+        per parameter reached]) for the signal."""
+        B, noised, sums, d = self.expected_batch_size, [], [], 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not p.requires_grad:
+                    continue
+                d += p.numel()
+                noise = gaussian_noise(p, std, self.generator)  # fresh: ours to write
+                s = self._sums.get(id(p))
+                if s is not None:  # detach and cast only when needed: each is an op
+                    s = s.detach() if s.requires_grad else s
+                    noised.append(noise)
+                    sums.append(s if s.dtype == p.dtype else s.to(p.dtype))
+                p.grad = noise
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.requires_grad]
+        with torch.no_grad():
+            norms = list(torch._foreach_norm(sums)) if sums else []  # ||s|| each
+            if sums:
+                torch._foreach_add_(noised, sums)
+            if grads:
+                torch._foreach_div_(grads, B)
+        return d, norms
 
     def step(self, closure=None):
         loop.check_alive(self, "step")

@@ -121,8 +121,11 @@ class ModelRecorder:
         self.layer_rec.on_complete = lambda call: stream_call(self, call)
 
     def _structure(self):
-        """(ids of the modules, ids of the trainable parameters), in ``modules()`` order."""
-        return structure(self.model)
+        """(ids of the modules, ids of the trainable parameters), in ``modules()`` order;
+        read with torch-function dispatch off (``uses.quiet``): each ``p.requires_grad``
+        would otherwise reach every mode on the stack (the loss window's, at ``step()``)."""
+        with torch._C.DisableTorchFunction():
+            return structure(self.model)
 
     def _enter(self, module, args):
         if self._depth == 0 and self.layer_rec.recording:  # before anything changes: may raise
@@ -236,8 +239,9 @@ class ModelRecorder:
                     row = tuple(t[-1:].clone() for t in b) if isinstance(b, tuple) \
                         else b[-1:].clone()
                     rec.replay = (root.args, root.kwargs, row)
+            f0 = _uniform(rec.factors)
             streamed, self._stream_paths = streamed_gradients(
-                rec, gen, lambda g, f=rec.factors, n=rec.n: _rescaled(g, f, n))
+                rec, gen, lambda g, f=rec.factors, n=rec.n, f0=f0: _rescaled(g, f, n, f0))
             yield rec, {**self._exact(rec, mine), **streamed}
 
     def _recording(self, gen: int, roots, loss_reduction: str, scale=None) -> Recording:
@@ -253,8 +257,9 @@ class ModelRecorder:
                 for c in self.layer_rec.calls[path]  # as Recording.calls, and the streamed
                 if (c.backprops is not None or c.sampled is not None) and c.generation == gen]
         memo: dict = {}  # one rescaled copy per tensor: calls often share one b (o = u + v)
+        f0 = _uniform(f)  # one test (and host sync) per batch, not one per call
         for call in [c for _, _, c in mine if c.sampled is None] + list(roots):
-            call.backprops = _rescaled(call.backprops, f, n, memo)
+            call.backprops = _rescaled(call.backprops, f, n, f0, memo)
         return new_recording(n, self.layers, self.layer_rec, self.params, self.uncovered,
                              mine, random=self.tracker.random, generation=gen, factors=f)
 
@@ -368,22 +373,34 @@ def _inputs(call, n: int):
     return call.args if len(call.args) != 1 else call.args[0]
 
 
-def _rescaled(b, f: torch.Tensor, n: int, memo: dict | None = None):
+def _uniform(f: torch.Tensor) -> float | None:
+    """f_0 when every f_i equals it (the usual mean or sum), else None."""
+    if f.numel() and bool((f == f[0]).all()):
+        return float(f[0])
+    return None
+
+
+_UNSET = object()
+
+
+def _rescaled(b, f: torch.Tensor, n: int, f0=_UNSET, memo: dict | None = None):
     """b (or a tuple of them) with record i's rows times f_i; one scalar when f is uniform.
     A tensor whose dim 0 is not n (not the batch: sent to the exact fallback) is unchanged
-    unless f is uniform. ``memo`` ({id(b): (b, result)}): a tensor several calls share (the
-    gradient of a sum reaches both addends as one tensor, e.g. an LSTM's input and recurrent
-    projections) is rescaled once, not copied once per call."""
+    unless f is uniform. ``f0``: ``_uniform(f)``, when the caller has it already. ``memo``
+    ({id(b): (b, result)}): a tensor several calls share (the gradient of a sum reaches both
+    addends as one tensor, e.g. an LSTM's input and recurrent projections) is rescaled once,
+    not copied once per call."""
     if b is None or f.numel() == 0:
         return b
+    if f0 is _UNSET:
+        f0 = _uniform(f)
     if isinstance(b, tuple):
-        return tuple(_rescaled(t, f, n, memo) for t in b)
+        return tuple(_rescaled(t, f, n, f0, memo) for t in b)
     if memo is not None:
         if id(b) not in memo:
-            memo[id(b)] = (b, _rescaled(b, f, n))  # b kept: its id stays unique meanwhile
+            memo[id(b)] = (b, _rescaled(b, f, n, f0))  # b kept: its id stays unique meanwhile
         return memo[id(b)][1]
-    if bool((f == f[0]).all()):
-        f0 = float(f[0])
+    if f0 is not None:
         return b if f0 == 1 else b * f0
     if b.dim() == 0 or b.shape[0] != n:
         return b

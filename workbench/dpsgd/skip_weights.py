@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_map
 from workbench.per_sample.uses import quiet
 
 AUTO = "auto"  # DPOptimizer.skip_weight_grads's default (module docstring)
+_requires_grad = quiet(lambda t: t.requires_grad)  # read without a mode seeing it
 
 
 class Tap(torch.autograd.Function):
@@ -75,6 +76,7 @@ class WeightGradSkipper:
         self._off: dict[str, list] = {}
         self._dummy: dict = {}  # device -> a scalar that requires grad
         self._handles = []
+        self._quiet_tap = quiet(self._tap_tensor)
 
     def attach(self, on: bool) -> None:
         """Hooks on the layers (``on``), or none: a model whose optimizer never skips keeps
@@ -113,6 +115,11 @@ class WeightGradSkipper:
                 return None
             restore(own)  # first, also when the forward raised
             self.tapped.add(path)
+            if type(output) is torch.Tensor:  # the common case: no pytree walk
+                if _requires_grad(output) and not any(output is a for a in args):
+                    return None  # through the layer's input: the graph reaches this new
+                    # output without a Tap (one autograd node and a tree_map less per call)
+                return self._tap(output)
             return tree_map(self._tap, output)
 
         return hook
@@ -121,7 +128,7 @@ class WeightGradSkipper:
         if not isinstance(t, torch.Tensor):
             return t
         # quiet for a plain Tensor (uses.quiet); a subclass keeps its dispatch
-        return quiet(self._tap_tensor)(t) if type(t) is torch.Tensor else self._tap_tensor(t)
+        return self._quiet_tap(t) if type(t) is torch.Tensor else self._tap_tensor(t)
 
     def _tap_tensor(self, t):
         if not t.is_floating_point():

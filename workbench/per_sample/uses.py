@@ -61,6 +61,17 @@ def _is_random(name: str, args, kwargs) -> bool:
     return True
 
 
+def _argument_ids(args, kwargs) -> list[int]:
+    """ids of the arguments, one level into lists and tuples (as ``UseTracker._any_in``)."""
+    ids = []
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if type(a) in (list, tuple):
+            ids.extend(map(id, a))
+        else:
+            ids.append(id(a))
+    return ids
+
+
 def _differentiable(result) -> bool:
     if isinstance(result, torch.Tensor):
         return result.requires_grad
@@ -127,12 +138,15 @@ class UseTracker(TorchFunctionMode):
         if torch.is_grad_enabled():
             if name in FOLLOWED or (self.flat_rows.tags and in_place(name)):
                 self.flat_rows.after(name, args, kwargs, result)
+            ids = _argument_ids(args, kwargs)  # one scan, then C-level set tests
             watched = self.batch_free.watched
-            if watched and self._any_in(watched, args, kwargs):
+            if watched and not watched.keys().isdisjoint(ids):
                 self.batch_free.saw(func, args, kwargs, result, _differentiable)
-            if (self.views and _differentiable(result) and self._any_in(self.views, args, kwargs)
+            if (self.views and _differentiable(result) and not self.views.keys().isdisjoint(ids)
                     and use_views(self, func, args, kwargs, result, self._count)):
                 return result  # a layer scale x * p.reshape(...): a rule call (tied.py)
+            if self.owners.keys().isdisjoint(ids):
+                return result  # no tracked parameter among the arguments: the usual op
             used = self._parameters_in(args, kwargs)
             if used and _differentiable(result):
                 where = LOSS if self.in_loss else self.stack[-1] if self.stack else _OUTSIDE
