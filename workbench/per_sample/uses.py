@@ -31,7 +31,7 @@ batch-free output.
 import torch
 from torch.overrides import TorchFunctionMode
 
-from workbench.per_sample.broadcast import BatchFree
+from workbench.per_sample.broadcast import REWRITES, BatchFree
 from workbench.per_sample.leaves import leaves
 from workbench.per_sample.tied import FUNCTIONAL, settle_broadcast, use_views
 
@@ -115,6 +115,8 @@ class UseTracker(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in REWRITES and self.batch_free.watched and torch.is_grad_enabled():
+            args, kwargs = self.batch_free.rewrite(func, args, kwargs)  # T5's bias in SDPA
         result = func(*args, **kwargs)
         if not self.random and getattr(func, "__name__", "") in RANDOM_FUNCTIONS:
             self.random = _is_random(func.__name__, args, kwargs)
