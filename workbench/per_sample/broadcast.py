@@ -28,10 +28,10 @@ must be one of
   that carries dim 0 of the result, the followed tensor broadcast along that dim 0 (fewer dims
   than h, or size 1 in dim 0). T5 adds its bias to every layer's scores: one meeting a layer.
 
-With no other use (``poison``: a second op on the same tensor that is neither, a product, an
-in-place op, two followed tensors in one op, a tensor the model returns) and at least one
-meeting, the call is converted, and the per-sample gradient at o is the sum over meetings m of
-h_m's gradient summed over the broadcast dims and scattered back through π_m (``Meeting``):
+With no other use (``poison``: an op that is neither, a product, an in-place op, two tensors
+followed from one o in one op, a tensor the model returns) and at least one meeting, the call
+is converted, and the per-sample gradient at o is the sum over meetings m of h_m's gradient
+summed over the broadcast dims and scattered back through π_m (``Meeting``):
 
     ∂ℓ_i/∂o = Σ_m scatter_{π_m}( Σ_{broadcast dims} ∂ℓ_i/∂h_{m,i} )           (n, *o.shape)
 
@@ -90,7 +90,7 @@ class Meeting:
         return total.reshape(self.shape)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity
 class _Watched:
     """One batch-free call's output o, followed through its shape-only ops to its meetings."""
 
@@ -156,11 +156,15 @@ class BatchFree:
                 node = self.watched.get(id(b))
                 if node is not None and node.ref() is b:
                     nodes.append((node, b))
-        if len(nodes) != 1:  # two followed tensors in one op (D + D, o1 + o2): never a meeting
-            for node, _ in nodes:
-                node.entry.poisoned = True
-            return
-        (node, t), entry = nodes[0], nodes[0][0].entry
+        entries = [node.entry for node, _ in nodes]
+        for node, t in nodes:
+            if entries.count(node.entry) > 1:  # two of its tensors in one op (D + D): no
+                node.entry.poisoned = True  # single meeting says how they combine
+            else:
+                self._use(node, t, func, args, kwargs, result)
+
+    def _use(self, node: _Node, t: torch.Tensor, func, args, kwargs, result) -> None:
+        entry = node.entry
         if in_place(func, args, t):  # t changed under its π (o.mul_(2), D.unsqueeze_(0))
             entry.poisoned = True
         elif result is t:  # a no-op returning t itself (Hugging Face's ``o.to(device)``)
