@@ -159,3 +159,16 @@ def test_ghost_routes_take_no_vmap_route_on_transformers(name):
     routes = quiet(wb.ghost_routes, model, loss_fn, x, y)
     slow = set(routes[routes["route"].str.contains("vmap")]["type"])
     assert slow == VMAP_ROUTES.get(name, set()), routes[routes["route"].str.contains("vmap")]
+
+
+@pytest.mark.parametrize("n", [3, T])  # n = T: the bucket matrix (T, T) looks batch-first
+def test_t5_relative_bias_takes_the_embedding_rule_not_the_fallback(n):
+    """T5's relative position bias (an Embedding on a (T, T) bucket matrix, permuted, added to
+    the scores: SDPA's attn_mask, a causal where in the decoder) is followed to its meetings
+    (per_sample/broadcast.py): no call of the model takes the whole-model fallback."""
+    model, loss_fn = model_of("t5"), PROBLEMS["t5"].loss_fn
+    x, y = PROBLEMS["t5"].batch(n, T=T)
+    routes = quiet(wb.ghost_routes, model, loss_fn, x, y)
+    bias = routes[routes["layer"].str.endswith("relative_attention_bias")]
+    assert len(bias) == 2 and set(bias["route"]) == {"segment sum"}, bias
+    assert not routes["route"].str.contains("fallback").any(), routes
