@@ -46,6 +46,7 @@ Notation: n batch size, T sequence length, C width, o the batch-free output, D a
 derived from o by shape-only ops (o itself included), h = a + D, π D's positions in o.
 """
 
+import math
 import weakref
 from dataclasses import dataclass, field
 
@@ -53,7 +54,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from workbench.per_sample.shape_ops import follow, in_place
+from workbench.per_sample.shape_ops import in_place, op_of, replay
 
 # position-wise layers: layer(x.expand(n, *x.shape)) == layer(x).expand(n, *o.shape), exact type
 BROADCASTABLE = (nn.Embedding, nn.Linear, nn.LayerNorm)
@@ -95,16 +96,36 @@ class _Watched:
     """One batch-free call's output o, followed through its shape-only ops to its meetings."""
 
     call: object  # hooks.LayerCall
-    size: int  # o.numel()
+    shape: tuple  # o's shape
+    device: torch.device
     poisoned: bool = False  # a use that is neither a shape-only op nor a meeting
-    meetings: list = field(default_factory=list)  # [(edge, target, π flat or None, n, new_dim)]
+    meetings: list = field(default_factory=list)  # [(edge, target, node, n, new_dim)]
+
+    def positions(self, node) -> torch.Tensor | None:
+        """π of a node's tensor flattened, -1 (masked) -> o.numel(), a spare column; None
+        for o itself; False when a replay fails (``shape_ops.replay``)."""
+        chain = []
+        while node.parent is not None:
+            chain.append(node)
+            node = node.parent
+        if not chain:
+            return None
+        index = torch.arange(math.prod(self.shape), device=self.device).view(self.shape)
+        for node in reversed(chain):
+            index = replay(node.op, index, node.shape)
+            if index is None:
+                return False
+        index = index.flatten()
+        return torch.where(index < 0, math.prod(self.shape), index)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Node:
     ref: weakref.ref  # o or a tensor derived from it (weakly: an id may be reused once freed)
     entry: _Watched
-    index: torch.Tensor | None = None  # π: D's positions in o (D's shape); None for o itself
+    parent: object = None  # the node of the op's input; None for o itself
+    op: tuple = None  # shape_ops.op_of: how this tensor was made from its parent's
+    shape: tuple = ()
 
 
 def meets_batch(func, args, kwargs, o: torch.Tensor, h) -> bool:
@@ -122,16 +143,12 @@ def meets_batch(func, args, kwargs, o: torch.Tensor, h) -> bool:
 
 
 def meeting(node: _Node, d: torch.Tensor, h: torch.Tensor) -> tuple:
-    """(edge, target, π flat, n, new_dim) of the meeting h = a + d, d followed by ``node``."""
+    """(edge, target, node, n, new_dim) of the meeting h = a + d, d followed by ``node``."""
     d_shape, h_shape = tuple(d.shape), tuple(h.shape)
     n, new_dim = h_shape[0], len(d_shape) < len(h_shape)
     target = (n, *[1] * (len(h_shape) - 1 - len(d_shape)), *d_shape) if new_dim else (
         n, *d_shape[1:])
-    index = None
-    if node.index is not None:  # π flat, a masked element's -1 -> o.numel() (a spare column)
-        index = node.index.flatten()
-        index = torch.where(index < 0, node.entry.size, index)
-    return get_gradient_edge(h), target, index, n, new_dim
+    return get_gradient_edge(h), target, node, n, new_dim
 
 
 class BatchFree:
@@ -142,7 +159,7 @@ class BatchFree:
         self.entries: list[_Watched] = []  # all, also of outputs freed (their ids reused)
 
     def watch(self, call, output: torch.Tensor) -> None:
-        entry = _Watched(call, output.numel())
+        entry = _Watched(call, tuple(output.shape), output.device)
         self.watched[id(output)] = _Node(weakref.ref(output), entry)
         self.entries.append(entry)
 
@@ -154,8 +171,8 @@ class BatchFree:
         for a in (*args, *kwargs.values()):
             for b in (a if type(a) in (list, tuple) else (a,)):
                 node = self.watched.get(id(b))
-                if node is not None and node.ref() is b:
-                    nodes.append((node, b))
+                if node is not None and node.ref() is b and not node.entry.poisoned:
+                    nodes.append((node, b))  # a poisoned output is not followed further
         entries = [node.entry for node, _ in nodes]
         for node, t in nodes:
             if entries.count(node.entry) > 1:  # two of its tensors in one op (D + D): no
@@ -172,11 +189,12 @@ class BatchFree:
         elif meets_batch(func, args, kwargs, t, result):
             entry.meetings.append(meeting(node, t, result))
         else:
-            index = follow(func, args, kwargs, t, node.index, result)
-            if index is None:
+            op = op_of(func, args, kwargs, t, result)
+            if op is None:
                 entry.poisoned = True  # any other use: o stays batch-free (exact fallback)
             else:
-                self.watched[id(result)] = _Node(weakref.ref(result), entry, index)
+                self.watched[id(result)] = _Node(weakref.ref(result), entry, node, op,
+                                                 tuple(result.shape))
 
     def rewrite(self, func, args, kwargs) -> tuple:
         """(args, kwargs) of ``scaled_dot_product_attention(q, k, v, attn_mask=D)`` with a
@@ -211,7 +229,7 @@ class BatchFree:
         and was used in no other way."""
         for entry in self.entries:  # o itself may be freed by now
             if not entry.poisoned and entry.meetings:
-                convert(recorder, entry.call, entry.meetings)
+                convert(recorder, entry, entry.meetings)
         self.watched.clear()
         self.entries.clear()
 
@@ -222,15 +240,21 @@ def expanded(t: torch.Tensor, n: int, new_dim: bool) -> torch.Tensor | None:
     return t.expand(n, *t.shape[1:]) if t.dim() >= 1 and t.shape[0] == 1 else None
 
 
-def convert(recorder, call, meetings: list) -> None:
-    """Record ``call`` as the call on the inputs expanded to the batch (module docstring)."""
+def convert(recorder, entry: _Watched, meetings: list) -> None:
+    """Record the entry's call as the call on the inputs expanded to the batch (module
+    docstring)."""
+    call = entry.call
     if call.is_tuple or len(call.outputs) != 1 or any(isinstance(v, torch.Tensor)
                                                       for v in call.kwargs.values()):
         return
-    edges, targets, indices, sizes, new_dims = zip(*meetings)
+    edges, targets, nodes, sizes, new_dims = zip(*meetings)
     n = sizes[0]
     if any(s != n for s in sizes):
         return  # h's dim 0 differs between meetings: not one batch
+    known = {id(node): entry.positions(node) for node in nodes}  # π (shape_ops.py), once
+    indices = [known[id(node)] for node in nodes]  # per meeting: T5 meets once a layer
+    if any(i is False for i in indices):
+        return  # an op that did not replay on π: stays batch-free (exact fallback)
     o_shape, dtype, device = call.outputs[0]
     # o (1, ...) added directly with as many dims as h: o's dim 0 was the broadcast one
     new_dim = any(new_dims) or any(i is not None for i in indices)

@@ -15,7 +15,9 @@ and the per-sample gradient at o is the scatter of the one at D,
 π is found by running the same op on π of its input, an integer tensor (o's own π: arange
 over o's elements in o's shape), so no op needs an inverse written for it: whatever the op
 does to positions it does to π. Only ops that select elements are listed (``SHAPE_OPS``),
-and ``where(cond, t, c)`` with a constant cond and c (π = -1 where c is chosen: ``masked``);
+and ``where(cond, t, c)`` with a constant cond and c (π = -1 where c is chosen: ``masked``).
+The ops are only noted during the forward pass (``op_of``); π is computed (``replay``) after
+it, for the outputs that met the batch and were used in no other way;
 in-place ops on the watched tensor (``unsqueeze_``, ``mul_``) change it under its π and are
 never followed (``in_place``).
 
@@ -41,51 +43,55 @@ def in_place(func, args, t: torch.Tensor) -> bool:
         (name.endswith("_") and not name.endswith("__")) or name.startswith("__i"))
 
 
-def positions(t: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
-    """π of t: ``index``, or for o itself (None) arange over its elements in its shape."""
-    if index is not None:
-        return index
-    return torch.arange(t.numel(), device=t.device).view(t.shape)
-
-
-def follow(func, args, kwargs, t: torch.Tensor, index, result) -> torch.Tensor | None:
-    """π of ``result = func(t, *args[1:])`` when func is a shape-only op of t (its first
-    argument) and the same op on π gives π of the result's shape; else None."""
-    if getattr(func, "__name__", "") == "where":
-        return masked(args, kwargs, t, index, result)
-    if (getattr(func, "__name__", "") not in SHAPE_OPS or not args or args[0] is not t
-            or not isinstance(result, torch.Tensor)
+def op_of(func, args, kwargs, t: torch.Tensor, result) -> tuple | None:
+    """``result = func(..., t, ...)`` as an op to replay on π later (``replay``): (func, args
+    with t replaced by None, kwargs, where t was, masked), when func is a shape-only op of t
+    (its first argument) or ``where(cond, t, c)`` with a constant cond and c (``masked``);
+    else None. A cheap check: π itself is only computed for a call that is converted."""
+    if not isinstance(result, torch.Tensor):
+        return None
+    name = getattr(func, "__name__", "")
+    if name == "where":
+        k = masked(args, kwargs, t, result)
+        return None if k is None else (func, (*args[:k], None, *args[k + 1:]), {}, k, True)
+    if (name not in SHAPE_OPS or not args or args[0] is not t
             or any(a is t for a in (*args[1:], *kwargs.values()))):
         return None
-    with torch._C.DisableTorchFunction():  # book-keeping, not a use of the model
-        try:
-            moved = func(positions(t, index), *args[1:], **kwargs)
-        except (RuntimeError, TypeError, IndexError, ValueError):
-            return None
-    if (not isinstance(moved, torch.Tensor) or moved.dtype != torch.long
-            or moved.shape != result.shape):
-        return None
-    return moved
+    return func, (None, *args[1:]), kwargs, 0, False
 
 
-def masked(args, kwargs, t: torch.Tensor, index, result) -> torch.Tensor | None:
-    """π of ``where(cond, t, c)`` / ``where(cond, c, t)`` (a causal mask on T5's bias, as
-    Hugging Face's SDPA path writes it): t's positions where t is chosen, -1 (no position in
-    o: no gradient) elsewhere. Only when cond and c are constants (no gradient) and the
-    result has t's shape: a cond carrying the batch would make π differ per sample."""
-    if kwargs or len(args) != 3 or args[0] is t or not isinstance(result, torch.Tensor):
+def masked(args, kwargs, t: torch.Tensor, result: torch.Tensor) -> int | None:
+    """Where t is in ``where(cond, t, c)`` / ``where(cond, c, t)`` (a causal mask on T5's
+    bias, as Hugging Face's SDPA path writes it; replayed with c = -1, no position in o, no
+    gradient), when cond and c are constants (no gradient) and the result has t's shape: a
+    cond carrying the batch would make π differ per sample. Else None."""
+    if kwargs or len(args) != 3 or args[0] is t or result.shape != t.shape:
         return None
     cond, k = args[0], (1 if args[1] is t else 2)
     other = args[3 - k]
     if (not isinstance(cond, torch.Tensor) or cond.dtype != torch.bool or other is t
-            or (isinstance(other, torch.Tensor) and other.requires_grad)
-            or result.shape != t.shape):
+            or (isinstance(other, torch.Tensor) and other.requires_grad)):
         return None
-    with torch._C.DisableTorchFunction():
-        none = torch.full((), -1, dtype=torch.long, device=t.device)
-        pair = (positions(t, index), none) if k == 1 else (none, positions(t, index))
-        moved = torch.where(cond, *pair)
-    return moved if moved.shape == result.shape else None
+    return k
 
 
-__all__ = ["SHAPE_OPS", "follow", "in_place", "masked", "positions"]
+def replay(op: tuple, index: torch.Tensor, shape: tuple) -> torch.Tensor | None:
+    """π of an op's result from π of its input t (``index``; ``op_of``); None when the op on
+    π fails or does not give an int64 tensor of the result's ``shape``."""
+    func, args, kwargs, k, is_masked = op
+    args = list(args)
+    args[k] = index
+    if is_masked:
+        args[3 - k] = torch.full((), -1, dtype=torch.long, device=index.device)
+    with torch._C.DisableTorchFunction():  # book-keeping, not a use of the model
+        try:
+            moved = func(*args, **kwargs)
+        except (RuntimeError, TypeError, IndexError, ValueError):
+            return None
+    if (not isinstance(moved, torch.Tensor) or moved.dtype != torch.long
+            or tuple(moved.shape) != tuple(shape)):
+        return None
+    return moved
+
+
+__all__ = ["SHAPE_OPS", "in_place", "masked", "op_of", "replay"]

@@ -115,7 +115,8 @@ class UseTracker(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in REWRITES and self.batch_free.watched and torch.is_grad_enabled():
+        if (func in REWRITES and self.batch_free.watched and torch.is_grad_enabled()
+                and self.recorder.recording):
             args, kwargs = self.batch_free.rewrite(func, args, kwargs)  # T5's bias in SDPA
         result = func(*args, **kwargs)
         if not self.random and getattr(func, "__name__", "") in RANDOM_FUNCTIONS:
