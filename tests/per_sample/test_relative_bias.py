@@ -40,6 +40,8 @@ class RelativeBias(nn.Module):
         bias = values.permute([2, 0, 1]).unsqueeze(0)  # (1, H, t, t)
         if self.use == "slice":
             bias = bias[:, :, -t:, -t:]
+        if self.use == "merged_mask":  # an older T5: the causal mask added to the bias once
+            bias = bias + torch.full((t, t), -1.0, dtype=bias.dtype).triu(1)[None, None]
         if self.use == "nonshape":
             bias = bias * 2.0  # not a shape-only op: fallback
         if self.use == "in_place":
@@ -81,8 +83,8 @@ class RelativeBias(nn.Module):
 
 RULE = {  # converted: the Embedding rule, per-sample backprops summed over the meetings
     "one_layer": dict(layers=1), "layers": dict(layers=3), "expand": dict(use="expand"),
-    "slice": dict(use="slice"), "sdpa": dict(sdpa=True), "sdpa_causal": dict(sdpa=True,
-                                                                             use="causal"),
+    "slice": dict(use="slice"), "merged_mask": dict(use="merged_mask"),
+    "sdpa": dict(sdpa=True), "sdpa_causal": dict(sdpa=True, use="causal"),
 }
 FALLBACK = {  # a use the per-sample rule cannot prove: the exact whole-model fallback
     "times": dict(use="times"), "nonshape": dict(use="nonshape"),

@@ -22,8 +22,9 @@ output o of such a call during the forward pass and the loss, and of every tenso
 o by shape-only ops (``shape_ops.py``: T5's ``o.permute(2, 0, 1).unsqueeze(0)``). Each use
 must be one of
 
-- a shape-only op of the tensor: its result D is followed too, with π, the position in o of
-  each of D's elements;
+- a shape-only op of the tensor, or an add of a constant keeping its shape (an older T5's
+  causal mask merged into the bias): its result D is followed too, with π, the position in o
+  of each of D's elements;
 - a *meeting*: an ``add`` (``+``, ``torch.add``, ``+=`` into the other operand) with a tensor
   that carries dim 0 of the result, the followed tensor broadcast along that dim 0 (fewer dims
   than h, or size 1 in dim 0). T5 adds its bias to every layer's scores: one meeting a layer.
@@ -54,7 +55,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from workbench.per_sample.shape_ops import in_place, op_of, replay
+from workbench.per_sample.shape_ops import constant_add, in_place, op_of, replay
 
 # position-wise layers: layer(x.expand(n, *x.shape)) == layer(x).expand(n, *o.shape), exact type
 BROADCASTABLE = (nn.Embedding, nn.Linear, nn.LayerNorm)
@@ -186,6 +187,9 @@ class BatchFree:
             entry.poisoned = True
         elif result is t:  # a no-op returning t itself (Hugging Face's ``o.to(device)``)
             return
+        elif (op := constant_add(func, args, kwargs, t, result)) is not None:
+            self.watched[id(result)] = _Node(weakref.ref(result), entry, node, op,
+                                             tuple(result.shape))
         elif meets_batch(func, args, kwargs, t, result):
             entry.meetings.append(meeting(node, t, result))
         else:

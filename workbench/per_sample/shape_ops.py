@@ -16,6 +16,7 @@ and the per-sample gradient at o is the scatter of the one at D,
 over o's elements in o's shape), so no op needs an inverse written for it: whatever the op
 does to positions it does to π. Only ops that select elements are listed (``SHAPE_OPS``),
 and ``where(cond, t, c)`` with a constant cond and c (π = -1 where c is chosen: ``masked``).
+An add of a constant of t's shape or smaller (``constant_add``) leaves π as it is.
 The ops are only noted during the forward pass (``op_of``); π is computed (``replay``) after
 it, for the outputs that met the batch and were used in no other way;
 in-place ops on the watched tensor (``unsqueeze_``, ``mul_``) change it under its π and are
@@ -60,6 +61,19 @@ def op_of(func, args, kwargs, t: torch.Tensor, result) -> tuple | None:
     return func, (None, *args[1:]), kwargs, 0, False
 
 
+def constant_add(func, args, kwargs, t: torch.Tensor, result) -> tuple | None:
+    """``t + c`` with c a constant (no gradient) that leaves t's shape (an older T5's causal
+    mask merged into the bias, (1, 1, T, T)): ∂result/∂t = I, so π is unchanged. Checked
+    before a meeting: with a result of t's shape, dim 0 of size 1 is not a batch of many."""
+    if (getattr(func, "__name__", "") not in ("add", "__add__", "__radd__") or len(args) != 2
+            or kwargs or not isinstance(result, torch.Tensor) or result.shape != t.shape):
+        return None
+    c = args[1] if args[0] is t else args[0]
+    if c is t or (isinstance(c, torch.Tensor) and c.requires_grad):
+        return None
+    return None, (None,), {}, 0, False  # replay: π itself
+
+
 def masked(args, kwargs, t: torch.Tensor, result: torch.Tensor) -> int | None:
     """Where t is in ``where(cond, t, c)`` / ``where(cond, c, t)`` (a causal mask on T5's
     bias, as Hugging Face's SDPA path writes it; replayed with c = -1, no position in o, no
@@ -79,6 +93,8 @@ def replay(op: tuple, index: torch.Tensor, shape: tuple) -> torch.Tensor | None:
     """π of an op's result from π of its input t (``index``; ``op_of``); None when the op on
     π fails or does not give an int64 tensor of the result's ``shape``."""
     func, args, kwargs, k, is_masked = op
+    if func is None:  # constant_add: π unchanged
+        return index if tuple(index.shape) == tuple(shape) else None
     args = list(args)
     args[k] = index
     if is_masked:
@@ -94,4 +110,4 @@ def replay(op: tuple, index: torch.Tensor, shape: tuple) -> torch.Tensor | None:
     return moved
 
 
-__all__ = ["SHAPE_OPS", "in_place", "masked", "op_of", "replay"]
+__all__ = ["SHAPE_OPS", "constant_add", "in_place", "masked", "op_of", "replay"]
