@@ -72,6 +72,10 @@ class RelativeBias(nn.Module):
                 if self.use == "causal":  # Hugging Face: where(causal, bias, min).contiguous()
                     causal = torch.ones(t, t, dtype=torch.bool).tril().view(1, 1, t, t)
                     mask = torch.where(causal, bias, torch.finfo(x.dtype).min)
+                if self.use == "padding":  # a bool padding mask from each sample's data
+                    keep = torch.cat([torch.ones(n, 1, dtype=torch.bool), x[:, 1:, 0] > -0.3], 1)
+                    mask = torch.where(keep[:, None, None], bias, -2.0)  # finite: h's
+                    # gradient where -2 is chosen is not 0 and must not reach the bias
                 a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.contiguous(),
                                                    dropout_p=self.p if self.training else 0.0)
             else:
@@ -85,6 +89,7 @@ RULE = {  # converted: the Embedding rule, per-sample backprops summed over the 
     "one_layer": dict(layers=1), "layers": dict(layers=3), "expand": dict(use="expand"),
     "slice": dict(use="slice"), "merged_mask": dict(use="merged_mask"),
     "sdpa": dict(sdpa=True), "sdpa_causal": dict(sdpa=True, use="causal"),
+    "sdpa_padding": dict(sdpa=True, use="padding"),
 }
 FALLBACK = {  # a use the per-sample rule cannot prove: the exact whole-model fallback
     "times": dict(use="times"), "nonshape": dict(use="nonshape"),

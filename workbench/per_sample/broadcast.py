@@ -28,6 +28,10 @@ must be one of
 - a *meeting*: an ``add`` (``+``, ``torch.add``, ``+=`` into the other operand) with a tensor
   that carries dim 0 of the result, the followed tensor broadcast along that dim 0 (fewer dims
   than h, or size 1 in dim 0). T5 adds its bias to every layer's scores: one meeting a layer.
+  Also ``where(cond, D, c)`` with cond carrying the batch (a padding mask on the bias: h_i
+  takes D where cond_i chooses it, the gradient elsewhere is dropped), and SDPA's
+  ``attn_mask`` (Hugging Face's SDPA path): the use tracker passes D expanded to q's batch
+  dim instead (``BatchFree.rewrite``: the same values), and that expand is the meeting.
 
 With no other use (``poison``: an op that is neither, a product, an in-place op, two tensors
 followed from one o in one op, a tensor the model returns) and at least one meeting, the call
@@ -55,7 +59,13 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from workbench.per_sample.shape_ops import constant_add, in_place, op_of, replay
+from workbench.per_sample.shape_ops import (
+    chosen_by_batch,
+    constant_add,
+    in_place,
+    op_of,
+    replay,
+)
 
 # position-wise layers: layer(x.expand(n, *x.shape)) == layer(x).expand(n, *o.shape), exact type
 BROADCASTABLE = (nn.Embedding, nn.Linear, nn.LayerNorm)
@@ -71,6 +81,7 @@ class Meeting:
     targets: list  # per meeting: (n, 1, ..., *D_rest), h_m's gradient summed to this size
     indices: list  # per meeting: π_m flattened (D_m.numel(),) (-1 -> o.numel()), or None: o
     shape: tuple  # (n, *o_rest): the per-sample backprop of the expanded call
+    keeps: list = field(default_factory=list)  # per meeting: where D_m was chosen, or None
 
     @property
     def edge(self) -> GradientEdge:
@@ -81,9 +92,11 @@ class Meeting:
         n, size, total = self.shape[0], 1, None
         for s in self.shape[1:]:
             size *= s
-        for g, target, index in zip(grads, self.targets, self.indices):
+        for g, target, index, keep in zip(grads, self.targets, self.indices, self.keeps):
             if g is None:
                 continue
+            if keep is not None:  # h_m = where(cond_i, D_m, c): no gradient where c chosen
+                g = torch.where(keep, g, g.new_zeros(()))
             g = g.sum_to_size(target).reshape(n, -1)  # (n, D_m.numel())
             if index is not None:  # scatter back through π_m (shape_ops.py); π = -1 (no
                 # position in o, a masked element) goes to a spare column, dropped
@@ -100,7 +113,7 @@ class _Watched:
     shape: tuple  # o's shape
     device: torch.device
     poisoned: bool = False  # a use that is neither a shape-only op nor a meeting
-    meetings: list = field(default_factory=list)  # [(edge, target, node, n, new_dim)]
+    meetings: list = field(default_factory=list)  # [(edge, target, node, n, new_dim, keep)]
 
     def positions(self, node) -> torch.Tensor | None:
         """π of a node's tensor flattened, -1 (masked) -> o.numel(), a spare column; None
@@ -143,13 +156,14 @@ def meets_batch(func, args, kwargs, o: torch.Tensor, h) -> bool:
     return carries and broadcast and h.requires_grad
 
 
-def meeting(node: _Node, d: torch.Tensor, h: torch.Tensor) -> tuple:
-    """(edge, target, node, n, new_dim) of the meeting h = a + d, d followed by ``node``."""
+def meeting(node: _Node, d: torch.Tensor, h: torch.Tensor, keep=None) -> tuple:
+    """(edge, target, node, n, new_dim, keep) of the meeting h = a + d (or h = where(cond,
+    d, c): ``keep``, where d was chosen), d followed by ``node``."""
     d_shape, h_shape = tuple(d.shape), tuple(h.shape)
     n, new_dim = h_shape[0], len(d_shape) < len(h_shape)
     target = (n, *[1] * (len(h_shape) - 1 - len(d_shape)), *d_shape) if new_dim else (
         n, *d_shape[1:])
-    return get_gradient_edge(h), target, node, n, new_dim
+    return get_gradient_edge(h), target, node, n, new_dim, keep
 
 
 class BatchFree:
@@ -192,6 +206,8 @@ class BatchFree:
                                              tuple(result.shape))
         elif meets_batch(func, args, kwargs, t, result):
             entry.meetings.append(meeting(node, t, result))
+        elif (keep := chosen_by_batch(func, args, kwargs, t, result)) is not None:
+            entry.meetings.append(meeting(node, t, result, keep))
         else:
             op = op_of(func, args, kwargs, t, result)
             if op is None:
@@ -251,7 +267,7 @@ def convert(recorder, entry: _Watched, meetings: list) -> None:
     if call.is_tuple or len(call.outputs) != 1 or any(isinstance(v, torch.Tensor)
                                                       for v in call.kwargs.values()):
         return
-    edges, targets, nodes, sizes, new_dims = zip(*meetings)
+    edges, targets, nodes, sizes, new_dims, keeps = zip(*meetings)
     n = sizes[0]
     if any(s != n for s in sizes):
         return  # h's dim 0 differs between meetings: not one batch
@@ -267,7 +283,7 @@ def convert(recorder, entry: _Watched, meetings: list) -> None:
         return
     rest = tuple(o_shape) if new_dim else tuple(o_shape[1:])
     call.args = tuple(args)
-    call.meet = Meeting(list(edges), list(targets), list(indices), (n, *rest))
+    call.meet = Meeting(list(edges), list(targets), list(indices), (n, *rest), list(keeps))
     call.outputs = [(torch.Size((n, *rest)), dtype, device)]
     recorder.redirect(call, call.meet.edges)
 

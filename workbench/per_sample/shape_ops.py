@@ -89,6 +89,27 @@ def masked(args, kwargs, t: torch.Tensor, result: torch.Tensor) -> int | None:
     return k
 
 
+def chosen_by_batch(func, args, kwargs, t: torch.Tensor, result) -> torch.Tensor | None:
+    """``h = where(cond, t, c)`` with cond carrying the batch (a padding mask (n, 1, T, T) on
+    T5's bias, Hugging Face's SDPA path) and c a constant: a meeting of t with the batch in
+    which h_i takes t where cond_i chooses it, so ∂ℓ_i/∂t = Σ_{broadcast dims} (∂ℓ_i/∂h_i where
+    chosen, else 0). Returns where t is chosen (cond, or ~cond for ``where(cond, c, t)``)."""
+    if (getattr(func, "__name__", "") != "where" or kwargs or len(args) != 3 or args[0] is t
+            or not isinstance(result, torch.Tensor) or result.dim() < 1
+            or not result.requires_grad):
+        return None
+    cond, k = args[0], (1 if args[1] is t else 2)
+    other = args[3 - k]
+    if (not isinstance(cond, torch.Tensor) or cond.dtype != torch.bool or other is t
+            or (isinstance(other, torch.Tensor) and other.requires_grad)):
+        return None
+    carries = cond.dim() == result.dim() and cond.shape[0] == result.shape[0]
+    broadcast = 1 <= t.dim() < result.dim() or (t.dim() == result.dim() and t.shape[0] == 1)
+    if not (carries and broadcast):
+        return None
+    return cond if k == 1 else ~cond
+
+
 def replay(op: tuple, index: torch.Tensor, shape: tuple) -> torch.Tensor | None:
     """π of an op's result from π of its input t (``index``; ``op_of``); None when the op on
     π fails or does not give an int64 tensor of the result's ``shape``."""
@@ -110,4 +131,4 @@ def replay(op: tuple, index: torch.Tensor, shape: tuple) -> torch.Tensor | None:
     return moved
 
 
-__all__ = ["SHAPE_OPS", "constant_add", "in_place", "masked", "op_of", "replay"]
+__all__ = ["SHAPE_OPS", "chosen_by_batch", "constant_add", "in_place", "masked", "op_of", "replay"]
