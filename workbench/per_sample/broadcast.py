@@ -92,7 +92,8 @@ class Meeting:
         n, size, total = self.shape[0], 1, None
         for s in self.shape[1:]:
             size *= s
-        for g, target, index, keep in zip(grads, self.targets, self.indices, self.keeps):
+        keeps = self.keeps or [None] * len(self.edges)
+        for g, target, index, keep in zip(grads, self.targets, self.indices, keeps):
             if g is None:
                 continue
             if keep is not None:  # h_m = where(cond_i, D_m, c): no gradient where c chosen
