@@ -96,8 +96,8 @@ def chosen_by_batch(func, args, kwargs, t: torch.Tensor, result) -> torch.Tensor
     chosen, else 0). Returns where t is chosen (cond, or ~cond for ``where(cond, c, t)``)."""
     if (getattr(func, "__name__", "") != "where" or kwargs or len(args) != 3 or args[0] is t
             or not isinstance(result, torch.Tensor) or result.dim() < 1
-            or not result.requires_grad):
-        return None
+            or not result.requires_grad or result.shape == t.shape):
+        return None  # t's shape: a constant cond (1, ...), followed (``masked``), no meeting
     cond, k = args[0], (1 if args[1] is t else 2)
     other = args[3 - k]
     if (not isinstance(cond, torch.Tensor) or cond.dtype != torch.bool or other is t
