@@ -33,7 +33,8 @@ class TiedLM(nn.Module):
     h @ E.T and "torch_matmul": torch.matmul(h, E.t()), exact by the fallback). ``pos``: how
     the positions enter ("arange", "radd": pos + tok, "unsqueeze": wpe(arange(T)[None]),
     "linear": a Linear on batch-free features, all rule calls; "expand": wpe on arange
-    expanded to the batch, an ordinary call; "twice": the positions added twice, fallback).
+    expanded to the batch, an ordinary call; "twice": the positions added twice, two meetings,
+    a rule call; "times": added, then multiplied into the batch, fallback).
     """
 
     def __init__(self, head="linear", pos="arange"):
@@ -60,6 +61,8 @@ class TiedLM(nn.Module):
         u = torch.tanh(self.fc(self.ln(h)))
         if self.pos == "twice":
             u = u + pos
+        if self.pos == "times":
+            u = u * pos
         if self.head == "matmul":
             return u @ self.wte.weight.T
         if self.head == "torch_matmul":
@@ -216,7 +219,8 @@ def family(name, n):
 TIED = {"tied_lm": {}, "tied_lm_matmul": dict(head="matmul"),
          "tied_lm_torch_matmul": dict(head="torch_matmul"), "tied_lm_pos_radd": dict(pos="radd"),
          "tied_lm_pos_unsqueeze": dict(pos="unsqueeze"), "tied_lm_pos_expand": dict(pos="expand"),
-         "tied_lm_pos_linear": dict(pos="linear"), "tied_lm_pos_twice": dict(pos="twice")}
+         "tied_lm_pos_linear": dict(pos="linear"), "tied_lm_pos_twice": dict(pos="twice"),
+         "tied_lm_pos_times": dict(pos="times")}
 FAMILIES = [*TIED, "parent_reads_child", "forward_bypass", "seq_first",
             "tuple_with_sampler", "param_weight_norm", "param_orthogonal", "param_spectral",
             "param_old_weight_norm", "transformer_sf", "transformer_bf", "dp_lstm_seq_first"]
@@ -273,7 +277,7 @@ def test_dp_optimizer_is_exact(name, mode):
 FALLBACK = {"tied_lm": set(), "tied_lm_pos_radd": set(), "tied_lm_pos_unsqueeze": set(),
             "tied_lm_pos_expand": set(), "tied_lm_pos_linear": set(),
             "tied_lm_matmul": {"wte.weight"}, "tied_lm_torch_matmul": {"wte.weight"},
-            "tied_lm_pos_twice": {"wpe.weight"}}
+            "tied_lm_pos_twice": set(), "tied_lm_pos_times": {"wpe.weight"}}
 
 
 @pytest.mark.parametrize("n", SIZES)

@@ -171,3 +171,16 @@ def test_opt_flattened_mlp_takes_its_rules_not_the_whole_model_fallback():
         mlp = routes[routes["layer"].str.contains(r"layers\.\d+\.(fc1|fc2|final_layer_norm)$")]
         assert len(mlp) == 3, routes
         assert not routes["route"].str.contains("fallback|vmap").any(), routes
+
+
+@pytest.mark.parametrize("n", [3, T])  # n = T: the bucket matrix (T, T) looks batch-first
+def test_t5_relative_bias_takes_the_embedding_rule_not_the_fallback(n):
+    """T5's relative position bias (an Embedding on a (T, T) bucket matrix, permuted, added to
+    the scores: SDPA's attn_mask, a causal where in the decoder) is followed to its meetings
+    (per_sample/broadcast.py): no call of the model takes the whole-model fallback."""
+    model, loss_fn = model_of("t5"), PROBLEMS["t5"].loss_fn
+    x, y = PROBLEMS["t5"].batch(n, T=T)
+    routes = quiet(wb.ghost_routes, model, loss_fn, x, y)
+    bias = routes[routes["layer"].str.endswith("relative_attention_bias")]
+    assert len(bias) == 2 and set(bias["route"]) == {"segment sum"}, bias
+    assert not routes["route"].str.contains("fallback").any(), routes

@@ -17,25 +17,55 @@ returns o expanded to n copies, so the call is recorded as if it had been that o
 and the layer's ordinary rule (grad sampler, norm sampler, book-keeping's weight gradient
 from c ⊙ b) applies to it unchanged.
 
-When is this done? The use tracker (``uses.py``) counts every differentiable use of the
-output o of such a call during the forward pass and the loss. Exactly one use, an ``add``
-(``+``, ``torch.add``, ``+=``) with a tensor that carries dim 0 of the result, where o is
-broadcast along that dim 0 (o has fewer dims than h, or size 1 in dim 0): converted. A no-op that
-returns o itself (``o.to(o.device)``, as Hugging Face's GPT-2 writes it) is not a use. Anything
-else (o used twice, a view of o, ``a - o``) keeps the call as it was; its dim 0 is then not the
-batch and ``recording.py`` sends its parameters to the exact fallback. The self-check
-(``selfcheck.py``) runs the same conversion at n = 1 and compares the result with
+When is this done? The use tracker (``uses.py``) follows every differentiable use of the
+output o of such a call during the forward pass and the loss, and of every tensor derived from
+o by shape-only ops (``shape_ops.py``: T5's ``o.permute(2, 0, 1).unsqueeze(0)``). Each use
+must be one of
+
+- a shape-only op of the tensor, or an add of a constant keeping its shape (an older T5's
+  causal mask merged into the bias): its result D is followed too, with π, the position in o
+  of each of D's elements;
+- a *meeting*: an ``add`` (``+``, ``torch.add``, ``+=`` into the other operand) with a tensor
+  that carries dim 0 of the result, the followed tensor broadcast along that dim 0 (fewer dims
+  than h, or size 1 in dim 0). T5 adds its bias to every layer's scores: one meeting a layer.
+  Also ``where(cond, D, c)`` with cond carrying the batch (a padding mask on the bias: h_i
+  takes D where cond_i chooses it, the gradient elsewhere is dropped), and SDPA's
+  ``attn_mask`` (Hugging Face's SDPA path): the use tracker passes D expanded to q's batch
+  dim instead (``BatchFree.rewrite``: the same values), and that expand is the meeting.
+
+With no other use (``poison``: an op that is neither, a product, an in-place op, two tensors
+followed from one o in one op, a tensor the model returns) and at least one meeting, the call
+is converted, and the per-sample gradient at o is the sum over meetings m of h_m's gradient
+summed over the broadcast dims and scattered back through π_m (``Meeting``):
+
+    ∂ℓ_i/∂o = Σ_m scatter_{π_m}( Σ_{broadcast dims} ∂ℓ_i/∂h_{m,i} )           (n, *o.shape)
+
+Correct because o reaches the loss only through the h_m (every other use was refused) and
+row i of each h_m's gradient is sample i's. A no-op that returns o itself (``o.to(o.device)``,
+as Hugging Face's GPT-2 writes it) is not a use. Otherwise the call stays as it was; its dim 0
+is then not the batch and ``recording.py`` sends its parameters to the exact fallback. The
+self-check (``selfcheck.py``) runs the same conversion at n = 1 and compares the result with
 micro-batching, which verifies the assumption numerically.
 
-Notation: n batch size, T sequence length, C width, o the batch-free output, h = a + o.
+Notation: n batch size, T sequence length, C width, o the batch-free output, D a tensor
+derived from o by shape-only ops (o itself included), h = a + D, π D's positions in o.
 """
 
+import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from workbench.per_sample.shape_ops import (
+    chosen_by_batch,
+    constant_add,
+    in_place,
+    op_of,
+    replay,
+)
 
 # position-wise layers: layer(x.expand(n, *x.shape)) == layer(x).expand(n, *o.shape), exact type
 BROADCASTABLE = (nn.Embedding, nn.Linear, nn.LayerNorm)
@@ -44,24 +74,73 @@ ADDS = {"add", "add_", "__add__", "__radd__", "__iadd__"}
 
 @dataclass
 class Meeting:
-    """Where a batch-free call's output o meets the batch: h's gradient edge, and the sizes."""
+    """Where a batch-free call's output o (or D, derived from it) meets the batch: one h_m
+    per meeting, with the size its gradient is summed to and D's positions π_m in o."""
 
-    edge: GradientEdge  # h = a + o
-    target: tuple  # (n, 1, ..., *o_rest): h's gradient summed to this size
+    edges: list  # [GradientEdge of h_m = a_m + D_m]
+    targets: list  # per meeting: (n, 1, ..., *D_rest), h_m's gradient summed to this size
+    indices: list  # per meeting: π_m flattened (D_m.numel(),) (-1 -> o.numel()), or None: o
     shape: tuple  # (n, *o_rest): the per-sample backprop of the expanded call
+    keeps: list = field(default_factory=list)  # per meeting: where D_m was chosen, or None
 
-    def reduce(self, grad_h: torch.Tensor) -> torch.Tensor:
-        """∂ℓ_i/∂o (n, *o_rest) from ∂(Σ ℓ)/∂h (n, *h.shape[1:])."""
-        return grad_h.sum_to_size(self.target).reshape(self.shape)
+    @property
+    def edge(self) -> GradientEdge:
+        return self.edges[0]
+
+    def reduce(self, grads) -> torch.Tensor:
+        """∂ℓ_i/∂o (n, *o_rest) from each ∂(Σ ℓ)/∂h_m (n, *h_m.shape[1:]); None: h_m unused."""
+        n, size, total = self.shape[0], 1, None
+        for s in self.shape[1:]:
+            size *= s
+        keeps = self.keeps or [None] * len(self.edges)
+        for g, target, index, keep in zip(grads, self.targets, self.indices, keeps):
+            if g is None:
+                continue
+            if keep is not None:  # h_m = where(cond_i, D_m, c): no gradient where c chosen
+                g = torch.where(keep, g, g.new_zeros(()))
+            g = g.sum_to_size(target).reshape(n, -1)  # (n, D_m.numel())
+            if index is not None:  # scatter back through π_m (shape_ops.py); π = -1 (no
+                # position in o, a masked element) goes to a spare column, dropped
+                g = g.new_zeros(n, size + 1).index_add_(1, index, g)[:, :size]
+            total = g if total is None else total + g
+        return total.reshape(self.shape)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity
 class _Watched:
-    ref: weakref.ref  # the output o (weakly: an id alone may be reused after o is freed)
+    """One batch-free call's output o, followed through its shape-only ops to its meetings."""
+
     call: object  # hooks.LayerCall
-    uses: int = 0
-    edge: GradientEdge | None = None  # h's edge, if the first use was a meeting add
-    h_shape: tuple = ()
+    shape: tuple  # o's shape
+    device: torch.device
+    poisoned: bool = False  # a use that is neither a shape-only op nor a meeting
+    meetings: list = field(default_factory=list)  # [(edge, target, node, n, new_dim, keep)]
+
+    def positions(self, node) -> torch.Tensor | None:
+        """π of a node's tensor flattened, -1 (masked) -> o.numel(), a spare column; None
+        for o itself; False when a replay fails (``shape_ops.replay``)."""
+        chain = []
+        while node.parent is not None:
+            chain.append(node)
+            node = node.parent
+        if not chain:
+            return None
+        index = torch.arange(math.prod(self.shape), device=self.device).view(self.shape)
+        for node in reversed(chain):
+            index = replay(node.op, index, node.shape)
+            if index is None:
+                return False
+        index = index.flatten()
+        return torch.where(index < 0, math.prod(self.shape), index)
+
+
+@dataclass(eq=False)
+class _Node:
+    ref: weakref.ref  # o or a tensor derived from it (weakly: an id may be reused once freed)
+    entry: _Watched
+    parent: object = None  # the node of the op's input; None for o itself
+    op: tuple = None  # shape_ops.op_of: how this tensor was made from its parent's
+    shape: tuple = ()
 
 
 def meets_batch(func, args, kwargs, o: torch.Tensor, h) -> bool:
@@ -78,49 +157,100 @@ def meets_batch(func, args, kwargs, o: torch.Tensor, h) -> bool:
     return carries and broadcast and h.requires_grad
 
 
+def meeting(node: _Node, d: torch.Tensor, h: torch.Tensor, keep=None) -> tuple:
+    """(edge, target, node, n, new_dim, keep) of the meeting h = a + d (or h = where(cond,
+    d, c): ``keep``, where d was chosen), d followed by ``node``."""
+    d_shape, h_shape = tuple(d.shape), tuple(h.shape)
+    n, new_dim = h_shape[0], len(d_shape) < len(h_shape)
+    target = (n, *[1] * (len(h_shape) - 1 - len(d_shape)), *d_shape) if new_dim else (
+        n, *d_shape[1:])
+    return get_gradient_edge(h), target, node, n, new_dim, keep
+
+
 class BatchFree:
     """The outputs of position-wise layer calls during one forward pass, and their uses."""
 
     def __init__(self):
-        self.watched: dict[int, _Watched] = {}  # id(o) -> the entry of the live o
+        self.watched: dict[int, _Node] = {}  # id(t) -> the node of the live o or D
         self.entries: list[_Watched] = []  # all, also of outputs freed (their ids reused)
 
     def watch(self, call, output: torch.Tensor) -> None:
-        entry = _Watched(weakref.ref(output), call)
-        self.watched[id(output)] = entry
+        entry = _Watched(call, tuple(output.shape), output.device)
+        self.watched[id(output)] = _Node(weakref.ref(output), entry)
         self.entries.append(entry)
 
     def saw(self, func, args, kwargs, result, differentiable) -> None:
-        """Count the uses of watched outputs among the arguments of one torch function."""
+        """Follow one torch function's uses of watched tensors (module docstring)."""
+        if not differentiable(result):
+            return
+        nodes = []
         for a in (*args, *kwargs.values()):
-            if type(a) in (list, tuple):
-                for b in a:
-                    self._use(b, func, args, kwargs, result, differentiable)
+            for b in (a if type(a) in (list, tuple) else (a,)):
+                node = self.watched.get(id(b))
+                if node is not None and node.ref() is b and not node.entry.poisoned:
+                    nodes.append((node, b))  # a poisoned output is not followed further
+        entries = [node.entry for node, _ in nodes]
+        for node, t in nodes:
+            if entries.count(node.entry) > 1:  # two of its tensors in one op (D + D): no
+                node.entry.poisoned = True  # single meeting says how they combine
             else:
-                self._use(a, func, args, kwargs, result, differentiable)
+                self._use(node, t, func, args, kwargs, result)
 
-    def _use(self, a, func, args, kwargs, result, differentiable) -> None:
-        entry = self.watched.get(id(a))
-        if entry is None or entry.ref() is not a or not differentiable(result):
+    def _use(self, node: _Node, t: torch.Tensor, func, args, kwargs, result) -> None:
+        entry = node.entry
+        if in_place(func, args, t):  # t changed under its π (o.mul_(2), D.unsqueeze_(0))
+            entry.poisoned = True
+        elif result is t:  # a no-op returning t itself (Hugging Face's ``o.to(device)``)
             return
-        if result is a:  # a no-op returning o itself (Hugging Face's ``o.to(device)``)
-            return
-        entry.uses += 1
-        if entry.uses == 1 and meets_batch(func, args, kwargs, a, result):
-            entry.edge, entry.h_shape = get_gradient_edge(result), tuple(result.shape)
+        elif (op := constant_add(func, args, kwargs, t, result)) is not None:
+            self.watched[id(result)] = _Node(weakref.ref(result), entry, node, op,
+                                             tuple(result.shape))
+        elif meets_batch(func, args, kwargs, t, result):
+            entry.meetings.append(meeting(node, t, result))
+        elif (keep := chosen_by_batch(func, args, kwargs, t, result)) is not None:
+            entry.meetings.append(meeting(node, t, result, keep))
+        else:
+            op = op_of(func, args, kwargs, t, result)
+            if op is None:
+                entry.poisoned = True  # any other use: o stays batch-free (exact fallback)
+            else:
+                self.watched[id(result)] = _Node(weakref.ref(result), entry, node, op,
+                                                 tuple(result.shape))
+
+    def rewrite(self, func, args, kwargs) -> tuple:
+        """(args, kwargs) of ``scaled_dot_product_attention(q, k, v, attn_mask=D)`` with a
+        followed D broadcast along q's batch dim 0 (T5's bias on Hugging Face's SDPA path):
+        D expanded to that dim, e = D.expand(n, ...), a meeting whose gradient (n, ...) is
+        per sample (SDPA adds its mask to the scores); the same values, the same op."""
+        position = 3 if len(args) > 3 else None
+        d = args[3] if position else kwargs.get("attn_mask")
+        node = self.watched.get(id(d))
+        q = args[0] if args else kwargs.get("query")
+        if (node is None or node.ref() is not d or node.entry.poisoned or not d.requires_grad
+                or not isinstance(q, torch.Tensor) or d.dim() > q.dim() or d.dim() < 1
+                or (d.dim() == q.dim() and d.shape[0] != 1)):
+            return args, kwargs
+        with torch._C.DisableTorchFunction():  # the workbench's op, not the model's use
+            m = d.reshape(*[1] * (q.dim() - d.dim()), *d.shape)  # q's dims, dim 0 of size 1
+            e = m.expand(q.shape[0], *m.shape[1:])  # (n, ...): a view, no memory
+        node.entry.meetings.append(meeting(node, d, e))
+        if position:
+            return (*args[:3], e, *args[4:]), kwargs
+        return args, {**kwargs, "attn_mask": e}
 
     def exclude(self, tensors) -> None:
         """Outputs the model returns: their uses in the loss are not seen (optimizer)."""
         for t in tensors:
-            entry = self.watched.get(id(t))
-            if entry is not None and entry.ref() is t:
-                entry.uses += 2  # never converted
+            node = self.watched.get(id(t))
+            if node is not None and node.ref() is t:
+                node.entry.poisoned = True  # never converted
 
     def finish(self, recorder) -> None:
-        """After the forward pass (and loss): convert each call used once, in a meeting."""
+        """After the forward pass (and loss): convert each call whose output met the batch
+        and was used in no other way."""
         for entry in self.entries:  # o itself may be freed by now
-            if entry.uses == 1 and entry.edge is not None:
-                convert(recorder, entry.call, entry.edge, entry.h_shape)
+            if not entry.poisoned and entry.meetings:
+                convert(recorder, entry, entry.meetings)
         self.watched.clear()
         self.entries.clear()
 
@@ -131,22 +261,36 @@ def expanded(t: torch.Tensor, n: int, new_dim: bool) -> torch.Tensor | None:
     return t.expand(n, *t.shape[1:]) if t.dim() >= 1 and t.shape[0] == 1 else None
 
 
-def convert(recorder, call, edge: GradientEdge, h_shape: tuple) -> None:
-    """Record ``call`` as the call on the inputs expanded to the batch (module docstring)."""
+def convert(recorder, entry: _Watched, meetings: list) -> None:
+    """Record the entry's call as the call on the inputs expanded to the batch (module
+    docstring)."""
+    call = entry.call
     if call.is_tuple or len(call.outputs) != 1 or any(isinstance(v, torch.Tensor)
                                                       for v in call.kwargs.values()):
         return
+    edges, targets, nodes, sizes, new_dims, keeps = zip(*meetings)
+    n = sizes[0]
+    if any(s != n for s in sizes):
+        return  # h's dim 0 differs between meetings: not one batch
+    known = {id(node): entry.positions(node) for node in nodes}  # π (shape_ops.py), once
+    indices = [known[id(node)] for node in nodes]  # per meeting: T5 meets once a layer
+    if any(i is False for i in indices):
+        return  # an op that did not replay on π: stays batch-free (exact fallback)
     o_shape, dtype, device = call.outputs[0]
-    n, new_dim = h_shape[0], len(o_shape) < len(h_shape)
+    # o (1, ...) added directly with as many dims as h: o's dim 0 was the broadcast one
+    new_dim = any(new_dims) or any(i is not None for i in indices)
     args = [expanded(a, n, new_dim) if isinstance(a, torch.Tensor) else a for a in call.args]
     if any(e is None for e in args):
         return
     rest = tuple(o_shape) if new_dim else tuple(o_shape[1:])
-    target = (n, *[1] * (len(h_shape) - 1 - len(rest)), *rest)
     call.args = tuple(args)
-    call.meet = Meeting(edge, target, (n, *rest))
+    call.meet = Meeting(list(edges), list(targets), list(indices), (n, *rest), list(keeps))
     call.outputs = [(torch.Size((n, *rest)), dtype, device)]
-    recorder.redirect(call, edge)
+    recorder.redirect(call, call.meet.edges)
 
 
-__all__ = ["ADDS", "BROADCASTABLE", "BatchFree", "Meeting", "convert", "expanded", "meets_batch"]
+REWRITES = {torch.nn.functional.scaled_dot_product_attention}
+"""torch functions whose followed arguments ``BatchFree.rewrite`` expands to the batch."""
+
+__all__ = ["ADDS", "BROADCASTABLE", "REWRITES", "BatchFree", "Meeting", "convert", "expanded",
+           "meets_batch"]

@@ -81,8 +81,8 @@ class LayerCall:
         return self.edges[0]
 
     def capture_edges(self) -> list[GradientEdge]:
-        """Where b is read: the outputs, or the add where a batch-free output meets n."""
-        return [self.meet.edge] if self.meet is not None else self.edges
+        """Where b is read: the outputs, or the adds where a batch-free output meets n."""
+        return list(self.meet.edges) if self.meet is not None else self.edges
 
     def set_backprops(self, grads) -> None:
         """b from the gradients of each output (None -> zeros); None when none arrived."""
@@ -90,7 +90,7 @@ class LayerCall:
             self.backprops = None
             return
         if self.meet is not None:
-            grads = [self.meet.reduce(grads[0])]  # (n, *o.shape)
+            grads = [self.meet.reduce(grads)]  # (n, *o.shape), summed over the meetings
         if self.rows is not None:  # (n·T, ...) -> (n, T, ...)
             grads = [None if g is None else as_batch(g, self.rows) for g in grads]
         full = [torch.zeros(s, dtype=d, device=v) if g is None else g
@@ -207,15 +207,21 @@ class ActivationRecorder:
         self.calls.setdefault(path, [])
         return self.layers[path]
 
-    def redirect(self, call: LayerCall, edge: GradientEdge) -> None:
-        """capture="hooks": read the call's b at ``edge`` (``broadcast.convert``)."""
+    def redirect(self, call: LayerCall, edges: list[GradientEdge]) -> None:
+        """capture="hooks": read the call's b at ``edges``, one per meeting
+        (``broadcast.convert``; ``Meeting.reduce`` sums them)."""
         if self.capture != "hooks":
             return
         for handle in call.handles:
             handle.remove()
-        store, nr = self._grad_hook(call, 0), edge.output_nr  # no edge in the closure: a
-        # reference from the node's hook back to the node would be a cycle the GC cannot see
-        call.handles = [edge.node.register_prehook(lambda grad_outputs: store(grad_outputs[nr]))]
+        call.grads = [None] * len(edges)
+        call.handles = [edge.node.register_prehook(self._pre_hook(call, k, edge.output_nr))
+                        for k, edge in enumerate(edges)]
+
+    def _pre_hook(self, call: LayerCall, k: int, nr: int):
+        store = self._grad_hook(call, k)  # no edge in the closure: a reference from the
+        # node's hook back to the node would be a cycle the GC cannot see
+        return lambda grad_outputs: store(grad_outputs[nr])
 
     def _grad_hook(self, call: LayerCall, k: int):
         ref = weakref.ref(call)  # a strong reference would make a cycle through the graph:

@@ -33,7 +33,7 @@ batch-free output.
 import torch
 from torch.overrides import TorchFunctionMode
 
-from workbench.per_sample.broadcast import BatchFree
+from workbench.per_sample.broadcast import REWRITES, BatchFree
 from workbench.per_sample.flat_rows import FOLLOWED, FlatRows, in_place
 from workbench.per_sample.leaves import leaves
 from workbench.per_sample.tied import FUNCTIONAL, settle_broadcast, use_views
@@ -131,6 +131,9 @@ class UseTracker(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if (func in REWRITES and self.batch_free.watched and torch.is_grad_enabled()
+                and self.recorder.recording):
+            args, kwargs = self.batch_free.rewrite(func, args, kwargs)  # T5's bias in SDPA
         result = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         if not self.random and name in RANDOM_FUNCTIONS:
