@@ -136,3 +136,26 @@ def test_streamed_convolutions_free_their_inputs_in_backward(skip):
                 torch.testing.assert_close(p.grad, want[k], rtol=1e-9, atol=1e-12)
     finally:
         opt.detach()
+
+
+class PerSampleLoop(nn.Module):
+    """A convolution called on each unbatched (C, H, W) sample, C = n = 4: dim 0 looks like
+    the batch; the call is not streamed (``smaller_materialised`` refuses an input without a
+    batch dim) and the whole-model fallback gives the exact clipped sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(4, 2, 3, padding=1), nn.Linear(2, 3)
+
+    def forward(self, x):  # (n, 4, 6, 6)
+        h = torch.stack([self.conv(x[i]) for i in range(x.shape[0])])  # (n, 2, 6, 6)
+        return self.head(h.mean((2, 3)))
+
+
+def test_an_unbatched_convolution_is_not_streamed():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 4, 6, 6, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (4,), generator=g)
+    assert_optimizer_matches_microbatch(PerSampleLoop().double(), CE, [(x, y)],
+                                        method="bookkeeping")

@@ -122,6 +122,9 @@ def smaller_materialised(layer, call, own: dict, shared: set, n: int) -> bool:
             or len(own) != len(own_parameters(layer))
             or any(id(p) in shared for p in own.values())):
         return False
+    if isinstance(layer, nn.modules.conv._ConvNd) and \
+            call.args[0].dim() != len(layer.kernel_size) + 2:
+        return False  # an unbatched (C, *spatial) input, even when C = n: the fallback's
     grad_numel = sum(p.numel() for p in own.values())
     return n * grad_numel < call.args[0].numel() + b.numel()
 
