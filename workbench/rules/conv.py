@@ -34,6 +34,15 @@ and otherwise the per-sample weight gradient is materialised by the conv grad sa
 normed and dropped. For most image convolutions L² is large, so materialising wins; the
 Gram route pays off for long 1-d signals with many channels.
 
+Memory. Every per-sample route has scratch several times the call's size (the unfolded
+input is k_1...k_D times the input), so the per-sample gradients and the norms run over the
+batch in chunks whose scratch is at most a quarter of the call's own a and b
+(``scratch_budget``, ``chunks``); the norm of a materialised call is taken chunk by chunk, so
+its n per-sample gradients are never alive at once. Book-keeping streams a convolution whose
+per-sample gradients are smaller than its a and b (``clipping/bookkeeping.py``,
+``smaller_materialised``): a CNN's first, wide-image layers are materialised in the backward
+pass and their a and b let go.
+
 Book-keeping's clipped sum (Bu et al. 2023, arXiv 2210.00038, Eq. 3) needs no re-run of the
 layer: Σ_i c_i ∂ℓ_i/∂W is the ordinary weight gradient with the backprops c_i b_i, so
 ``conv_weight_grads`` calls PyTorch's weight-gradient kernel (``convolution_backward``, the
