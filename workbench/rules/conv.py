@@ -277,7 +277,8 @@ def conv_dims(layer, a) -> tuple[int, int, int]:
 
 
 def gram_scratch(layer, call) -> int:
-    """2·G·L²: the (n, G, L, L) Grams U Uᵀ and B Bᵀ, per sample."""
+    """2·G·L²: the (n, G, L, L) Grams U Uᵀ and B Bᵀ, per sample (an upper bound: the norm
+    runs in chunks whose scratch is at most a quarter of the call's a and b, ``chunks``)."""
     return 2 * layer.groups * conv_dims(layer, call.args[0])[0] ** 2
 
 
