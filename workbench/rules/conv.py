@@ -233,11 +233,14 @@ def scratch_per_sample(layer, a: torch.Tensor, route: str) -> int:
 def scratch_budget(a: torch.Tensor, b: torch.Tensor) -> int:
     """Scratch numbers one chunk may use: a quarter of the call's own a and b, all of which
     may still be alive when the norms are taken (book-keeping keeps every call's a and b until
-    ``step()``), so the scratch adds at most a quarter to them."""
-    return (a.numel() + b.numel()) // SCRATCH_SHARE
+    ``step()``), so the scratch adds at most a quarter to them; at least ``MIN_SCRATCH``, so
+    that a small late layer is not cut into one-sample chunks (the CIFAR-10 CNN's last conv at
+    n = 256: 256 chunks of one sample took 4x the time of its weight gradient)."""
+    return max((a.numel() + b.numel()) // SCRATCH_SHARE, MIN_SCRATCH)
 
 
 SCRATCH_SHARE = 4
+MIN_SCRATCH = 2**21  # numbers: 8 MiB in float32
 """The call's a and b over the chunk scratch: CIFAR-10 CNN, one book-keeping step's peak
 over plain SGD's (``bench training --memory``), b = 64 / 256: 1.35x / 1.43x with the whole
 a and b as the budget, 1.31x / 1.38x with a quarter."""
@@ -409,7 +412,8 @@ RULE = register_rule(LayerRule(
 
 
 __all__ = [
-    "GRAM", "GRAM_ROUTE", "ROUTE", "RULE", "SCRATCH", "SCRATCH_SHARE", "WEIGHT_GRADS",
+    "GRAM", "GRAM_ROUTE", "ROUTE", "RULE", "MIN_SCRATCH", "SCRATCH", "SCRATCH_SHARE",
+    "WEIGHT_GRADS",
     "choose_route", "chunks", "conv_dims", "conv_grad_sampler", "conv_norm_sampler",
     "conv_padding", "conv_route", "conv_weight_grads", "depthwise_weight_grads",
     "gram_scratch", "gram_squares", "grouped_weight_grads", "input_gram", "is_depthwise",
