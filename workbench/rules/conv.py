@@ -230,17 +230,18 @@ def scratch_per_sample(layer, a: torch.Tensor, route: str) -> int:
     return 3 * per_input
 
 
-def scratch_budget(a: torch.Tensor, b: torch.Tensor) -> int:
+def scratch_budget(a: torch.Tensor, b: torch.Tensor, per_sample: int) -> int:
     """Scratch numbers one chunk may use: a quarter of the call's own a and b, all of which
     may still be alive when the norms are taken (book-keeping keeps every call's a and b until
-    ``step()``), so the scratch adds at most a quarter to them; at least ``MIN_SCRATCH``, so
-    that a small late layer is not cut into one-sample chunks (the CIFAR-10 CNN's last conv at
-    n = 256: 256 chunks of one sample took 4x the time of its weight gradient)."""
-    return max((a.numel() + b.numel()) // SCRATCH_SHARE, MIN_SCRATCH)
+    ``step()``), so the scratch adds at most a quarter to them; at least ``MIN_CHUNK``
+    samples' worth, so that a small late layer is not cut into one-sample chunks (the
+    CIFAR-10 CNN's last conv at n = 256: 256 chunks of one sample took 4x the time of its
+    weight gradient)."""
+    return max((a.numel() + b.numel()) // SCRATCH_SHARE, MIN_CHUNK * per_sample)
 
 
 SCRATCH_SHARE = 4
-MIN_SCRATCH = 2**21  # numbers: 8 MiB in float32
+MIN_CHUNK = 16  # samples
 """The call's a and b over the chunk scratch: CIFAR-10 CNN, one book-keeping step's peak
 over plain SGD's (``bench training --memory``), b = 64 / 256: 1.35x / 1.43x with the whole
 a and b as the budget, 1.31x / 1.38x with a quarter."""
@@ -263,8 +264,8 @@ def conv_grad_sampler(layer, activations, backprops):
     if layer.weight.requires_grad:
         n, route = a.shape[0], choose_route(layer, a)
         w = a.new_empty(n, *layer.weight.shape)  # (n, *W.shape), filled chunk by chunk
-        budget = scratch_budget(a, backprops)
-        for part in chunks(n, scratch_per_sample(layer, a, route), budget):
+        per_sample = scratch_per_sample(layer, a, route)
+        for part in chunks(n, per_sample, scratch_budget(a, backprops, per_sample)):
             w[part] = WEIGHT_GRADS[route](layer, a[part], backprops[part])
         out["weight"] = w
     if layer.bias is not None and layer.bias.requires_grad:
@@ -353,18 +354,17 @@ def weight_squares(layer, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     B = b.reshape(n, G, layer.out_channels // G, -1)  # (n, G, p/G, L)
     L, p, d = B.shape[-1], B.shape[2], layer.weight[0].numel()
     squares = a.new_zeros(n, dtype=torch.float64)
-    budget = scratch_budget(a, b)
     if gram_is_cheaper(L, p, d):
         S = math.prod(size + lo + hi for size, (lo, hi) in zip(a.shape[2:],
                                                                conv_padding(layer)))
         # U or P, U Uᵀ, B Bᵀ and their product; the padded input
         per_sample = G * (max(d * L, S * S) + 3 * L * L) + a[0].numel() * S // a[0, 0].numel()
-        for part in chunks(n, per_sample, budget):
+        for part in chunks(n, per_sample, scratch_budget(a, b, per_sample)):
             squares[part] = gram_squares(layer, a[part], B[part]).double()
         return squares
     route = choose_route(layer, a)
     per_sample = scratch_per_sample(layer, a, route) + layer.weight.numel()  # + its g_i
-    for part in chunks(n, per_sample, budget):
+    for part in chunks(n, per_sample, scratch_budget(a, b, per_sample)):
         squares[part] = sample_squares(WEIGHT_GRADS[route](layer, a[part], b[part]))
     return squares
 
@@ -412,7 +412,7 @@ RULE = register_rule(LayerRule(
 
 
 __all__ = [
-    "GRAM", "GRAM_ROUTE", "ROUTE", "RULE", "MIN_SCRATCH", "SCRATCH", "SCRATCH_SHARE",
+    "GRAM", "GRAM_ROUTE", "ROUTE", "RULE", "MIN_CHUNK", "SCRATCH", "SCRATCH_SHARE",
     "WEIGHT_GRADS",
     "choose_route", "chunks", "conv_dims", "conv_grad_sampler", "conv_norm_sampler",
     "conv_padding", "conv_route", "conv_weight_grads", "depthwise_weight_grads",
