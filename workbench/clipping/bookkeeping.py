@@ -22,7 +22,8 @@ n 2 T d, n (C H W + p H' W')), as in a transformer's projections and LayerNorms 
 and a CNN's first, wide-image convolutions, is materialised the moment its b is complete,
 and its a and b let go; its clipped sum is then Σ_i c_i g_i (Bu et al. §4 choose per layer
 between the ghost norm and materialising, by time; the choice here is by memory: 1.12x a
-plain step's peak on tiny_gpt; the CIFAR-10 CNN's bench training step 2.2x -> 1.4x).
+plain step's peak on tiny_gpt; the CIFAR-10 CNN's ``bench training --memory``
+step, b = 64 / 256, 2.16x / 2.25x -> 1.54x / 1.58x).
 ``materialise_call`` is that decision, for the optimizer's hooks too (``dpsgd/streamed.py``).
 Each layer's clipped sum is then computed from (a, c ⊙ b) alone: for ``nn.Linear`` the one
 matmul above; for any other layer PyTorch's own weight-gradient kernel, by re-running the layer

@@ -243,8 +243,10 @@ def scratch_budget(a: torch.Tensor, b: torch.Tensor, per_sample: int) -> int:
 SCRATCH_SHARE = 4
 MIN_CHUNK = 16  # samples
 """The call's a and b over the chunk scratch: CIFAR-10 CNN, one book-keeping step's peak
-over plain SGD's (``bench training --memory``), b = 64 / 256: 1.35x / 1.43x with the whole
-a and b as the budget, 1.31x / 1.38x with a quarter."""
+over plain SGD's (``bench.peak_memory`` after a few steps in one loop), b = 64 / 256:
+1.35x / 1.43x with the whole a and b as the budget, 1.31x / 1.38x with a quarter (``bench
+training --memory`` reads 1.54x / 1.58x for the same code: its peak step runs after the
+interleaved timing, outside the candidates' own function-mode stacks)."""
 
 
 def chunks(n: int, per_sample: int, budget: int) -> list[slice]:
