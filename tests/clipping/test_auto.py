@@ -24,8 +24,9 @@ def embedding_model():  # an Embedding(V, d): n V d numbers to materialise, n T 
 
 
 def conv_model():  # image convolutions take the "materialise" norm route in both modes
-    return nn.Sequential(nn.Conv2d(1, 16, 3), nn.Tanh(), models.MeanOver((2, 3)),
-                         nn.Linear(16, 3)).double()
+    # (2 L² = 162 >= p d = 100) and are not streamed (n 104 g_i numbers > n (49 + 36) in a, b)
+    return nn.Sequential(nn.Conv2d(1, 4, 5), nn.Tanh(), models.MeanOver((2, 3)),
+                         nn.Linear(4, 3)).double()
 
 
 class LSTMModel(nn.Module):  # at T = 12, 2T² >= pd: its parts take the "materialise" route
@@ -40,7 +41,7 @@ class LSTMModel(nn.Module):  # at T = 12, 2T² >= pd: its parts take the "materi
 def inputs(kind, n=6, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = {"embedding": lambda: torch.randint(0, 50, (n, 5), generator=g),
-         "conv": lambda: torch.randn(n, 1, 8, 8, generator=g, dtype=torch.float64),
+         "conv": lambda: torch.randn(n, 1, 7, 7, generator=g, dtype=torch.float64),
          "lstm": lambda: torch.randn(n, 12, 3, generator=g, dtype=torch.float64)}[kind]()
     return x, torch.randint(0, 3, (n,), generator=g)
 

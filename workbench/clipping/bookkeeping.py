@@ -15,14 +15,16 @@ The backward pass that gives the backprops does not retain the graph: as in a pl
 what autograd saved inside the layers (attention maps, GELU inputs) is freed as the pass goes,
 and only each layer's inputs a and backprops b are kept, which is what peak memory is made of
 (bench e2e, tiny_gpt, b = 32, T = 128: about 1.3x a plain step's peak when every layer kept
-its (a, b)). So the backward pass is streamed (``per_sample.streaming``): a Linear or
-normalisation call whose per-sample gradients g_i (n p d for a Linear, n 2d for a LayerNorm)
-are smaller than its (a, b) (n T (d + p), n 2 T d), as in a transformer's projections and
-LayerNorms at T >= 2, is materialised the moment its b is complete, and its a and b let go;
-its clipped sum is then Σ_i c_i g_i (Bu et al. §4 choose per layer between the ghost norm
-and materialising, by time; the choice here is by memory: 1.12x a plain step's peak on
-tiny_gpt). ``materialise_call`` is that decision, for the optimizer's hooks too
-(``dpsgd/streamed.py``).
+its (a, b)). So the backward pass is streamed (``per_sample.streaming``): a Linear,
+normalisation or convolution call whose per-sample gradients g_i (n p d for a Linear, n 2d
+for a LayerNorm, n p C k / G for a convolution) are smaller than its (a, b) (n T (d + p),
+n 2 T d, n (C H W + p H' W')), as in a transformer's projections and LayerNorms at T >= 2
+and a CNN's first, wide-image convolutions, is materialised the moment its b is complete,
+and its a and b let go; its clipped sum is then Σ_i c_i g_i (Bu et al. §4 choose per layer
+between the ghost norm and materialising, by time; the choice here is by memory: 1.12x a
+plain step's peak on tiny_gpt; the CIFAR-10 CNN's ``bench training --memory``
+step, b = 64 / 256, 2.16x / 2.25x -> 1.54x / 1.58x).
+``materialise_call`` is that decision, for the optimizer's hooks too (``dpsgd/streamed.py``).
 Each layer's clipped sum is then computed from (a, c ⊙ b) alone: for ``nn.Linear`` the one
 matmul above; for any other layer PyTorch's own weight-gradient kernel, by re-running the layer
 alone on its stored inputs and asking autograd for the gradient with grad_outputs = c ⊙ b.
@@ -100,21 +102,30 @@ def materialise_call(layer, call, own: dict, shared: set, n: int) -> dict | None
 
 
 # layers whose rule needs no more temporary memory than the call's a and b (a matmul; the
-# normalised input times b): exact types, a subclass may change forward
-STREAMED = (nn.Linear, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
+# normalised input times b; a convolution's per-sample weight gradients, chunked so that
+# their scratch is at most a and b: ``rules/conv.chunks``): exact types, a subclass may
+# change forward
+STREAMED = (nn.Linear, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.Conv1d, nn.Conv2d,
+            nn.Conv3d)
 
 
 def smaller_materialised(layer, call, own: dict, shared: set, n: int) -> bool:
-    """A call of a ``STREAMED`` layer (``nn.Linear``, a normalisation layer), all its
-    parameters by rule and used in this call only, whose per-sample gradients (n (p d + p)
-    numbers for a Linear, n 2d for a LayerNorm) take less memory than its stored inputs a and
-    backprops b (n T (d + p), n 2 T d: T >= 2 positions for the usual widths)."""
+    """A call of a ``STREAMED`` layer (``nn.Linear``, a normalisation layer, a convolution),
+    all its parameters by rule and used in this call only, whose per-sample gradients
+    (n (p d + p) numbers for a Linear, n 2d for a LayerNorm, n (p C k / G + p) for a
+    convolution) take less memory than its stored inputs a and backprops b (n T (d + p),
+    n 2 T d: T >= 2 positions for the usual widths; n (C H W + p H' W') for a convolution:
+    the early, wide-image layers of a CNN, whose clipped sum then needs no second
+    weight-gradient kernel either)."""
     b = call.backprops
     if (type(layer) not in STREAMED or is_parametrized(layer) or n == 0
             or not isinstance(b, torch.Tensor) or not call.args
             or len(own) != len(own_parameters(layer))
             or any(id(p) in shared for p in own.values())):
         return False
+    if isinstance(layer, nn.modules.conv._ConvNd) and \
+            call.args[0].dim() != len(layer.kernel_size) + 2:
+        return False  # an unbatched (C, *spatial) input, even when C = n: the fallback's
     grad_numel = sum(p.numel() for p in own.values())
     return n * grad_numel < call.args[0].numel() + b.numel()
 

@@ -34,6 +34,15 @@ and otherwise the per-sample weight gradient is materialised by the conv grad sa
 normed and dropped. For most image convolutions L² is large, so materialising wins; the
 Gram route pays off for long 1-d signals with many channels.
 
+Memory. Every per-sample route has scratch several times the call's size (the unfolded
+input is k_1...k_D times the input), so the per-sample gradients and the norms run over the
+batch in chunks whose scratch is at most a quarter of the call's own a and b
+(``scratch_budget``, ``chunks``); the norm of a materialised call is taken chunk by chunk, so
+its n per-sample gradients are never alive at once. Book-keeping streams a convolution whose
+per-sample gradients are smaller than its a and b (``clipping/bookkeeping.py``,
+``smaller_materialised``): a CNN's first, wide-image layers are materialised in the backward
+pass and their a and b let go.
+
 Book-keeping's clipped sum (Bu et al. 2023, arXiv 2210.00038, Eq. 3) needs no re-run of the
 layer: Σ_i c_i ∂ℓ_i/∂W is the ordinary weight gradient with the backprops c_i b_i, so
 ``conv_weight_grads`` calls PyTorch's weight-gradient kernel (``convolution_backward``, the
@@ -44,6 +53,7 @@ Notation: n batch, C input channels, p output channels, k = k_1...k_D kernel siz
 L output positions, G groups, a activations (n, C, *spatial), b backprops (n, p, *out).
 """
 
+import itertools
 import math
 
 import torch
@@ -191,16 +201,75 @@ ROUTE = "auto"
 """'auto' (choose_route's rule), or force 'unfold' / 'grouped' / 'depthwise' (tests,
 teaching, benchmarks)."""
 
+GRAM_ROUTE = "unfolded"
+"""How the Gram route forms U Uᵀ: 'unfolded' (the default) or 'shifted' (``shifted_gram``:
+no unfolded copy, k times fewer multiplications at stride 1, but k^D strided additions of
+(L, L) blocks). Measured on the CIFAR-10 CNN's Gram-route layers (2-core CPU, n = 64, ms
+shifted / unfolded, a loaded machine): C = 128 on 8x8: 95 / 54; C = 64 on 16x16: 129 / 133;
+C = 256 on 4x4: 26 / 35. No clear winner, so the simpler route stays the default."""
+
+SCRATCH = None
+"""None: each call's per-sample work runs in chunks whose scratch is at most a quarter of the
+call's own a and b (``scratch_budget``, ``chunks``); an int forces that many numbers per
+chunk (tests: one-sample and uneven chunks)."""
+
 WEIGHT_GRADS = {"unfold": unfold_weight_grads, "grouped": grouped_weight_grads,
                 "depthwise": depthwise_weight_grads}
 """route name -> (layer, a, b) -> (n, *W.shape)."""
+
+
+def scratch_per_sample(layer, a: torch.Tensor, route: str) -> int:
+    """Temporary numbers per sample of one route besides its (C k, p/G) output: the unfolded
+    input (C k L) for 'unfold', the weight copy (P) and a padded input for 'grouped', the
+    padded input and an over-long output for 'depthwise'."""
+    per_input = a[0].numel() if a.shape[0] else 0
+    if route == "unfold":
+        return layer.weight[0].numel() * layer.groups * output_positions(layer, a.shape[2:])
+    if route == "grouped":
+        return layer.weight.numel() + 2 * per_input
+    return 3 * per_input
+
+
+def scratch_budget(a: torch.Tensor, b: torch.Tensor, per_sample: int) -> int:
+    """Scratch numbers one chunk may use: a quarter of the call's own a and b, all of which
+    may still be alive when the norms are taken (book-keeping keeps every call's a and b until
+    ``step()``), so the scratch adds at most a quarter to them; at least ``MIN_CHUNK``
+    samples' worth, so that a small late layer is not cut into one-sample chunks (the
+    CIFAR-10 CNN's last conv at n = 256: 256 chunks of one sample took 4x the time of its
+    weight gradient)."""
+    return max((a.numel() + b.numel()) // SCRATCH_SHARE, MIN_CHUNK * per_sample)
+
+
+SCRATCH_SHARE = 4
+MIN_CHUNK = 16  # samples
+"""The call's a and b over the chunk scratch: CIFAR-10 CNN, one book-keeping step's peak
+over plain SGD's (``bench.peak_memory`` after a few steps in one loop), b = 64 / 256:
+1.35x / 1.43x with the whole a and b as the budget, 1.31x / 1.38x with a quarter (``bench
+training --memory`` reads 1.54x / 1.58x for the same code: its peak step runs after the
+interleaved timing, outside the candidates' own function-mode stacks)."""
+
+
+def chunks(n: int, per_sample: int, budget: int) -> list[slice]:
+    """Slices of the batch with at most ``budget`` scratch numbers each (one sample at
+    least): the per-sample work runs chunk by chunk, so its scratch is bounded by a share of
+    the call's own size (``scratch_budget``), not n times a route's blow-up (the 9x unfolded
+    input of a 3x3 kernel)."""
+    if SCRATCH is not None:
+        budget = SCRATCH
+    m = max(1, budget // max(per_sample, 1))
+    return [slice(i, min(i + m, n)) for i in range(0, n, m)]
 
 
 def conv_grad_sampler(layer, activations, backprops):
     a = activations[0]
     out = {}
     if layer.weight.requires_grad:
-        out["weight"] = WEIGHT_GRADS[choose_route(layer, a)](layer, a, backprops)
+        n, route = a.shape[0], choose_route(layer, a)
+        w = a.new_empty(n, *layer.weight.shape)  # (n, *W.shape), filled chunk by chunk
+        per_sample = scratch_per_sample(layer, a, route)
+        for part in chunks(n, per_sample, scratch_budget(a, backprops, per_sample)):
+            w[part] = WEIGHT_GRADS[route](layer, a[part], backprops[part])
+        out["weight"] = w
     if layer.bias is not None and layer.bias.requires_grad:
         out["bias"] = backprops.flatten(2).sum(dim=2)  # (n, p)
     return out
@@ -214,7 +283,8 @@ def conv_dims(layer, a) -> tuple[int, int, int]:
 
 
 def gram_scratch(layer, call) -> int:
-    """2·G·L²: the (n, G, L, L) Grams U Uᵀ and B Bᵀ, per sample."""
+    """2·G·L²: the (n, G, L, L) Grams U Uᵀ and B Bᵀ, per sample (an upper bound: the norm
+    runs in chunks whose scratch is at most a quarter of the call's a and b, ``chunks``)."""
     return 2 * layer.groups * conv_dims(layer, call.args[0])[0] ** 2
 
 
@@ -231,23 +301,85 @@ def conv_route(layer, activations) -> tuple[Route, str]:
     return MATERIALISE, f"2L² = {2 * L * L} >= pd = {p * d} (L = {L} output positions)"
 
 
+def unfolded_gram(layer, a: torch.Tensor) -> torch.Tensor:
+    """U Uᵀ (n, G, L, L) per group, from the unfolded input (n, G, C k / G, L): the slow twin
+    of ``shifted_gram``."""
+    n, G = a.shape[0], layer.groups
+    U = unfold(layer, a).reshape(n, G, -1, output_positions(layer, a.shape[2:]))
+    return torch.einsum("ngkl,ngkm->nglm", U, U)
+
+
+def shifted_gram(layer, a: torch.Tensor) -> torch.Tensor:
+    """U Uᵀ (n, G, L, L) per group without unfolding: the Gram of the padded input's pixels,
+    P[x, y] = Σ_c a_c[x] a_c[y] (n, G, S, S), summed over the kernel offsets u, shifted:
+
+        (U Uᵀ)[l, m] = Σ_u Σ_c a_c[s l + d u] a_c[s m + d u] = Σ_u P[s l + d u, s m + d u]
+
+    (s stride, d dilation, per spatial dim; S padded positions). One (S, C/G) x (C/G, S)
+    product per sample and group instead of the (C k / G, L) unfolded copy and its
+    (L, C k / G) x (C k / G, L) product: S² C/G against L² C k / G numbers multiplied,
+    about k times fewer at stride 1."""
+    n, C, G = a.shape[0], a.shape[1], layer.groups
+    a = pad_input(layer, a)  # (n, C, *S_j)
+    spatial = a.shape[2:]
+    a = a.reshape(n, G, C // G, -1)  # (n, G, C/G, S)
+    P = (a.transpose(2, 3) @ a).reshape(n, G, *spatial, *spatial)  # (n, G, *S_j, *S_j)
+    sizes = [(size - d * (k - 1) - 1) // st + 1 for size, k, st, d in  # L_j per dim
+             zip(spatial, layer.kernel_size, layer.stride, layer.dilation)]
+    UU = None
+    for u in itertools.product(*(range(k) for k in layer.kernel_size)):
+        at = tuple(slice(d * o, d * o + st * (m - 1) + 1, st) for o, d, st, m in
+                   zip(u, layer.dilation, layer.stride, sizes))  # s l + d u, l < L_j
+        part = P[(slice(None), slice(None), *at, *at)]  # (n, G, *L_j, *L_j)
+        UU = part.clone() if UU is None else UU.add_(part)
+    L = math.prod(sizes)
+    return UU.reshape(n, G, L, L)
+
+
+def input_gram(layer, a: torch.Tensor) -> torch.Tensor:
+    """U Uᵀ (n, G, L, L) by the route ``GRAM_ROUTE`` names."""
+    return (shifted_gram if GRAM_ROUTE == "shifted" else unfolded_gram)(layer, a)
+
+
+def gram_squares(layer, a: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """Σ_groups <U Uᵀ, B Bᵀ> (n,) for a (n, C, *spatial), B (n, G, p/G, L) (Li et al. §4)."""
+    UU = input_gram(layer, a)  # (n, G, L, L)
+    BB = B.transpose(2, 3) @ B  # (n, G, L, L)
+    return (UU * BB).sum((1, 2, 3))
+
+
+def weight_squares(layer, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """||∂ℓ_i/∂W||² (n,): the weight-gradient norm, by the Gram route or by materialising,
+    chunk by chunk (``chunks``): neither the unfolded input nor all n per-sample gradients
+    are ever alive at once."""
+    n, G = a.shape[0], layer.groups
+    B = b.reshape(n, G, layer.out_channels // G, -1)  # (n, G, p/G, L)
+    L, p, d = B.shape[-1], B.shape[2], layer.weight[0].numel()
+    squares = a.new_zeros(n, dtype=torch.float64)
+    if gram_is_cheaper(L, p, d):
+        S = math.prod(size + lo + hi for size, (lo, hi) in zip(a.shape[2:],
+                                                               conv_padding(layer)))
+        # U or P, U Uᵀ, B Bᵀ and their product; the padded input
+        per_sample = G * (max(d * L, S * S) + 3 * L * L) + a[0].numel() * S // a[0, 0].numel()
+        for part in chunks(n, per_sample, scratch_budget(a, b, per_sample)):
+            squares[part] = gram_squares(layer, a[part], B[part]).double()
+        return squares
+    route = choose_route(layer, a)
+    per_sample = scratch_per_sample(layer, a, route) + layer.weight.numel()  # + its g_i
+    for part in chunks(n, per_sample, scratch_budget(a, b, per_sample)):
+        squares[part] = sample_squares(WEIGHT_GRADS[route](layer, a[part], b[part]))
+    return squares
+
+
 def conv_norm_sampler(layer, activations, backprops):
     a = activations[0]
-    n, G = a.shape[0], layer.groups
-    B = backprops.reshape(n, G, layer.out_channels // G, -1)  # (n, G, p/G, L)
-    squares = torch.zeros(n, dtype=B.dtype, device=B.device)
+    n = a.shape[0]
+    squares = torch.zeros(n, dtype=backprops.dtype, device=backprops.device)
     if layer.weight.requires_grad:
-        L, p, d = B.shape[-1], B.shape[2], layer.weight[0].numel()
-        if gram_is_cheaper(L, p, d):
-            U = unfold(layer, a).reshape(n, G, -1, L)  # (n, G, C k / G, L)
-            UU = torch.einsum("ngkl,ngkm->nglm", U, U)  # (n, G, L, L)
-            BB = torch.einsum("ngpl,ngpm->nglm", B, B)  # (n, G, L, L)
-            squares += (UU * BB).sum((1, 2, 3))
-        else:
-            w = conv_grad_sampler(layer, activations, backprops)["weight"]
-            squares += sample_squares(w)
+        squares += weight_squares(layer, a, backprops).to(squares.dtype)
     if layer.bias is not None and layer.bias.requires_grad:
-        squares += B.sum(3).pow(2).sum((1, 2))  # ||Σ_l b_l||²
+        B = backprops.reshape(n, layer.out_channels, -1)  # (n, p, L)
+        squares += B.sum(2).pow(2).sum(1)  # ||Σ_l b_l||²
     return squares
 
 
@@ -282,8 +414,11 @@ RULE = register_rule(LayerRule(
 
 
 __all__ = [
-    "GRAM", "ROUTE", "RULE", "choose_route", "conv_dims", "conv_grad_sampler",
-    "WEIGHT_GRADS", "conv_norm_sampler", "conv_padding", "conv_route", "conv_weight_grads",
-    "depthwise_weight_grads", "gram_scratch", "grouped_weight_grads", "is_depthwise",
-    "output_positions", "pad_input", "padded_input", "unfold", "unfold_weight_grads",
+    "GRAM", "GRAM_ROUTE", "ROUTE", "RULE", "MIN_CHUNK", "SCRATCH", "SCRATCH_SHARE",
+    "WEIGHT_GRADS",
+    "choose_route", "chunks", "conv_dims", "conv_grad_sampler", "conv_norm_sampler",
+    "conv_padding", "conv_route", "conv_weight_grads", "depthwise_weight_grads",
+    "gram_scratch", "gram_squares", "grouped_weight_grads", "input_gram", "is_depthwise",
+    "output_positions", "pad_input", "padded_input", "scratch_budget", "scratch_per_sample",
+    "shifted_gram", "unfold", "unfold_weight_grads", "unfolded_gram", "weight_squares",
 ]
