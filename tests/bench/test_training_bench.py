@@ -1,5 +1,6 @@
 import pandas as pd
 import pytest
+import torch
 
 from workbench.bench.__main__ import main
 
@@ -32,3 +33,22 @@ def test_training_benchmark_tiny_gpt_beside_opacus(tmp_path):
           "--modes", "bookkeeping", "--opacus", "hooks", "--out", str(out)])
     table = pd.read_csv(out)
     assert table["bookkeeping/plain"][0] > 0
+
+
+def test_training_benchmark_modes_run_as_make_private_returns_them(monkeypatch):
+    """A MODE column is the optimizer a user gets (skip_weight_grads at its default, on from
+    the second step); only MODE+grads turns the skip off. Before, every MODE column ran with
+    it off, which is not the default mode the README's table claims to measure."""
+    from workbench.bench import training
+    seen = {}
+    real = training.step_fn
+
+    def spy(model, optimizer, x, y, criterion=None):
+        if hasattr(optimizer, "skip_weight_grads"):
+            seen[len(seen)] = optimizer.recorder.skip_weight_grads
+        return real(model, optimizer, x, y, criterion)
+
+    monkeypatch.setattr(training, "step_fn", spy)
+    row = training.bench("digits_mlp", 4, 1, torch.device("cpu"), modes=("bookkeeping",), keep=True)
+    assert seen == {0: "auto", 1: False}
+    assert {"bookkeeping/plain", "bookkeeping+grads/plain"} <= set(row)

@@ -8,9 +8,10 @@ einsum or book-keeping by a rule on the recorded layers); ``auto_chose`` says wh
 Zoo models (``--models imdb_embedding ...``) step on ``models.example_batch``. ``--opacus hooks
 ghost`` adds Opacus' own loop in those modes (``bench.opacus_twin``), same model and batch.
 ``--models tiny_gpt``: the character GPT at T = 128 (``bench.gpt``'s model and batch).
-Each MODE column runs with ``DPOptimizer.skip_weight_grads`` off; ``--skip-weight-grads``
-adds MODE+skip with it on (the default: the user's backward skips the weight gradients the
-DP step recomputes, ``dpsgd/skip_weights.py``);
+Each MODE column runs the optimizer as ``make_private`` returns it, so with
+``DPOptimizer.skip_weight_grads`` at its default (from the second step the user's backward
+skips the weight gradients the DP step recomputes, ``dpsgd/skip_weights.py``);
+``--keep-weight-grads`` adds MODE+grads with it off (autograd's weight gradients computed too);
 ``--memory`` the peak allocated bytes of one step over plain's (``bench.peak_memory``).
 """
 
@@ -71,22 +72,23 @@ def step_fn(model, optimizer, x, y, criterion=None):
     return step
 
 
-def bench(model_name, b, repeats, device, modes=CANDIDATES, opacus=(), skip=False,
+def bench(model_name, b, repeats, device, modes=CANDIDATES, opacus=(), keep=False,
           memory=False):
     candidates, optimizers, models_of = {}, [], {}
     plain, x, y, criterion = build(model_name, b, device)
     candidates["plain"] = step_fn(plain, torch.optim.SGD(plain.parameters(), lr=0.01), x, y,
                                   criterion)
     models_of["plain"] = plain
-    runs = [*modes, *[f"{m}+skip" for m in modes if skip]]  # +skip: skip_weight_grads on
+    runs = [*modes, *[f"{m}+grads" for m in modes if keep]]  # +grads: skip_weight_grads off
     for mode in runs:
         model = build(model_name, b, device)[0]
         loader = DataLoader(TensorDataset(x, y), batch_size=b)
         _, opt, _ = wb.PrivacyEngine().make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
             data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
-            method=mode.removesuffix("+skip"))
-        opt.skip_weight_grads = mode.endswith("+skip")
+            method=mode.removesuffix("+grads"))
+        if mode.endswith("+grads"):
+            opt.skip_weight_grads = False  # else the default, as a user gets it
         candidates[mode] = step_fn(model, opt, x, y, criterion)
         optimizers.append(opt)
         models_of[mode] = model
@@ -119,10 +121,10 @@ def bench(model_name, b, repeats, device, modes=CANDIDATES, opacus=(), skip=Fals
 
 
 def run(models=DIGITS, batch_sizes=(64, 256), repeats=5, device="cpu", modes=CANDIDATES,
-        opacus=(), skip=False, memory=False) -> pd.DataFrame:
+        opacus=(), keep=False, memory=False) -> pd.DataFrame:
     """One ``bench`` row per (model, b), with the device."""
     device = torch.device(device)
-    table = pd.DataFrame([bench(m, b, repeats, device, modes, opacus, skip, memory)
+    table = pd.DataFrame([bench(m, b, repeats, device, modes, opacus, keep, memory)
                           for m in models for b in batch_sizes])
     table["device"] = device_name(device)
     return table
@@ -135,15 +137,15 @@ def main(argv=None):
     parser.add_argument("--modes", nargs="+", default=list(CANDIDATES), choices=CANDIDATES)
     parser.add_argument("--opacus", nargs="*", default=[], choices=opacus_twin.OPACUS_MODES,
                         help="also time Opacus' own loop in these grad_sample_modes")
-    parser.add_argument("--skip-weight-grads", action="store_true",
-                        help="also time each mode with DPOptimizer.skip_weight_grads on "
-                             "(columns MODE+skip/plain)")
+    parser.add_argument("--keep-weight-grads", action="store_true",
+                        help="also time each mode with DPOptimizer.skip_weight_grads off "
+                             "(columns MODE+grads/plain; the MODE columns use its default)")
     parser.add_argument("--memory", action="store_true",
                         help="also the peak allocated bytes of one step over plain's "
                              "(columns MODE/plain_peak; bench.peak_memory)")
     args = parse_benchmark_args(parser, argv)
     table = run(args.models, args.batch_sizes, args.repeats, args.device, args.modes,
-                args.opacus, args.skip_weight_grads, args.memory)
+                args.opacus, args.keep_weight_grads, args.memory)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     table.to_csv(args.out, index=False)
     print(f"device: {table['device'][0]}   one training step, plain in ms, DP as multiples")
