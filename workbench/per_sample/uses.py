@@ -62,7 +62,7 @@ def _is_random(name: str, args, kwargs) -> bool:
 
 
 def _argument_ids(args, kwargs) -> list[int]:
-    """ids of the arguments, one level into lists and tuples (as ``UseTracker._any_in``)."""
+    """ids of the arguments, one level into lists and tuples (as ``UseTracker._parameters_in``)."""
     ids = []
     for a in (*args, *kwargs.values()) if kwargs else args:
         if type(a) in (list, tuple):
@@ -167,14 +167,6 @@ class UseTracker(TorchFunctionMode):
             self.uncovered.setdefault(id(p), set()).add(where)
         else:
             self.covered.add(id(p))
-
-    @staticmethod
-    def _any_in(ids: dict, args, kwargs) -> bool:
-        """Is any argument (one level into lists and tuples) a key of ``ids`` by id?"""
-        for a in (*args, *kwargs.values()):
-            if id(a) in ids or (type(a) in (list, tuple) and any(id(b) in ids for b in a)):
-                return True
-        return False
 
     def _parameters_in(self, args, kwargs) -> list:
         """The tracked parameters among the arguments (one level into lists and tuples:
