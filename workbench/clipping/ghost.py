@@ -44,7 +44,7 @@ Notation: n batch, a activations, b backprops, c clip factors, C max_grad_norm.
 import torch
 from torch.nn.utils.parametrize import is_parametrized
 
-from workbench.clipping.flat import norm_dtype, sample_squares
+from workbench.clipping.flat import many_sample_squares, norm_dtype, sample_squares
 from workbench.clipping.registry import find_norm_sampler
 from workbench.per_sample import precision, selfcheck
 from workbench.per_sample.checks import check_losses, forward
@@ -223,9 +223,9 @@ class NormSum:
         self._check_deferred()
         params = {id(p): p for p in self.rec.params.values()}
         materialised = {**(exact or {}), **self.materialised}
-        with torch.no_grad():
-            for key, g in materialised.items():
-                self.add(self.group_of(params[key]), sample_squares(g))
+        with torch.no_grad():  # one overflow test (host sync) for all, not one per parameter
+            for key, sq in zip(materialised, many_sample_squares(list(materialised.values()))):
+                self.add(self.group_of(params[key]), sq)
         return self.squares, materialised
 
 
