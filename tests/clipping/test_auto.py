@@ -48,14 +48,14 @@ def inputs(kind, n=6, seed=0):
     return x, torch.randint(0, 3, (n,), generator=g)
 
 
-# a 4000-row table: n V d = 96,000 per-sample numbers against n T d = 120 backprop numbers
-CASES = {"embedding": (lambda: embedding_model(4000), "bookkeeping"),
+# a 40,000-row table: n V d = 960,000 per-sample numbers against n T d = 120 backprops
+CASES = {"embedding": (lambda: embedding_model(40_000), "bookkeeping"),
          "conv": (conv_model, "einsum"), "lstm": (lambda: LSTMModel().double(), "einsum")}
 
 
 def test_the_mode_is_the_smaller_modelled_cost_and_small_tables_stay_with_einsum():
     torch.manual_seed(0)
-    for V, expected in ((50, "einsum"), (4000, "bookkeeping")):
+    for V, expected in ((50, "einsum"), (40_000, "bookkeeping")):
         rec = record(embedding_model(V), CE, *inputs("embedding"), retain_graph=False)
         mode, why = choose_mode(rec)
         assert mode == expected, (V, why)
@@ -103,7 +103,7 @@ def test_calls_materialised_in_both_modes_do_not_count():
 
 def test_a_route_without_declared_flops_assumes_no_saving(monkeypatch):
     torch.manual_seed(0)
-    rec = record(embedding_model(4000), CE, *inputs("embedding"), retain_graph=False)
+    rec = record(embedding_model(40_000), CE, *inputs("embedding"), retain_graph=False)
     bare = Route("segment sum", lambda layer, call: 1)  # flops not declared
     real = auto.norm_route
     monkeypatch.setattr(auto, "norm_route", lambda layer, a: (bare, "") if isinstance(
@@ -155,7 +155,7 @@ def test_make_private_defaults_to_auto_and_an_explicit_mode_wins():
     x, y = inputs("embedding", n=16)
     loader = DataLoader(TensorDataset(x, y), batch_size=8)
     for kwargs, ran in (({}, "bookkeeping"), ({"method": "einsum"}, "einsum")):
-        model = embedding_model(4000)
+        model = embedding_model(40_000)
         _, opt, dp_loader = wb.PrivacyEngine().make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
             data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,

@@ -25,20 +25,28 @@ route's multiply-adds per sample (``Route.flops``: ``rules/``):
 n·P per-sample gradients written once and read twice (the norm, then Σ_i c_i g_i).
 (2): the ghost norm and one large weight gradient over n·T rows (fast per multiply-add:
 PyTorch's GEMM or convolution kernel), a and b read, c ⊙ b written and read, and a fixed
-cost per call (one more kernel launch and Python call). A route that declares no ``flops``
-is costed as materialising (no saving assumed). The batch takes "bookkeeping" when the sum
-of (2) over the differing calls is below the sum of (1), else "einsum" (also on a tie: no
-differing call). No timing at run time: the choice is a function of shapes and routes.
+cost per call: about ten more small tensor ops than einsum's three (the Grams or sums of the
+route, the widening and finiteness test of its norm, c ⊙ b, the weight gradient). A route
+that declares no ``flops`` is costed as materialising (no saving assumed). The batch takes
+"bookkeeping" when the sum of (2) over the differing calls is below the sum of (1), else
+"einsum" (also when no call differs). No timing at run time: the choice is a function of
+shapes and routes.
 
-Constants, from per-call CPU times (one thread, process time, median of 7, on the zoo's
-differing calls: ``sample_layer`` + norm + weighted sum against the norm sampler +
-``reweighted_weight_grads``; 2-core AMD EPYC, a shared machine, 2026-11-25):
-SAMPLE = 2e9 and GEMM = 10e9 multiply-adds/s, BANDWIDTH = 4e9 bytes/s, FIXED = 20 µs. On
-those calls book-keeping took 0.6-10 ms against einsum's 3.8-325 ms (MNIST CNN fc1, the
-embedding models' Embedding, CIFAR-10 conv5-7); the near-ties (MNIST conv2: 20-46 ms
-against 27 ms; CIFAR-10 conv8: 19 against 24 ms; tiny_gpt's position embedding, 1.5 against
-1.9 ms) are where (1) and (2) are within a factor of 3. On tiny_gpt every other call is
-materialised in both modes (above), so the modes differ by less than the timing noise.
+Constants (2-core AMD EPYC shared by five processes, 2026-11-25, one thread, CPU time;
+the rates are those of a busy machine, consistently, so only their ratios matter):
+SAMPLE = 2e9 and GEMM = 10e9 multiply-adds/s and BANDWIDTH = 4e9 bytes/s, from per-call
+times of the zoo's differing calls (``sample_layer`` + norm + weighted sum against the norm
+sampler + ``reweighted_weight_grads``, median of 7): book-keeping took 0.6-10 ms against
+einsum's 3.8-325 ms on the MNIST CNN's fc1, the embedding models' Embedding and the CIFAR-10
+CNN's conv5-7; near-ties (within a factor 2 either way) on MNIST conv2, CIFAR-10 conv8 and
+tiny_gpt's position embedding. FIXED = 1 ms, the median of (measured book-keeping - einsum
+step + modelled einsum - modelled book-keeping) / differing calls over six models of the
+real-architecture table at n = 16, T = 8 (GPT-2, ViT, BERT, timm ResNet-GN, Llama, OPT: 0.3
+to 1.8 ms; einsum's step was 2-18 ms faster on each, 21 interleaved steps). With these the
+choice is book-keeping on every zoo model at b = 64 and 256 (the embedding models, the CNNs:
+(1) is 2-35x (2)), einsum on tiny_gpt (only its position embedding differs: every
+projection and LayerNorm is materialised in both modes, and the modes' steps differed by
+less than the timing noise) and on the real table's small transformers and CNNs.
 ``choose_mode`` returns the choice and the numbers behind it, and ``DPOptimizer.last["mode"]``
 keeps it for every step.
 
@@ -58,7 +66,7 @@ from workbench.rules._rule import norm_route
 SAMPLE = 2e9  # multiply-adds/s of n per-sample products (inner dimension T)
 GEMM = 10e9  # multiply-adds/s of one weight gradient over n·T rows
 BANDWIDTH = 4e9  # bytes/s, through memory
-FIXED = 20e-6  # s per book-keeping call: the norm sampler and one more weight gradient
+FIXED = 1e-3  # s per book-keeping call: ~10 more small tensor ops than einsum (docstring)
 
 
 def cheaply_normed(rec, layer, call, shared: set[int]) -> bool:
