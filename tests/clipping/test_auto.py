@@ -1,5 +1,6 @@
-"""method="auto": make_private's default picks einsum or book-keeping by the rule of
-clipping/auto.py, gives the clipped sums of the explicit modes, and an explicit mode wins."""
+"""method="auto": make_private's default picks einsum or book-keeping by the cost model of
+clipping/auto.py (Eq. 1 and 2, from shapes and routes), gives the clipped sums of the explicit
+modes, and an explicit mode wins."""
 
 import pytest
 import torch
@@ -14,13 +15,14 @@ from workbench.clipping.auto import choose_mode
 from workbench.clipping.ghost import record
 from workbench.dpsgd import MODES, DPOptimizer
 from workbench.layers import DPLSTM
+from workbench.rules import Route
 
 CE_MEAN = nn.CrossEntropyLoss()
 CE = nn.CrossEntropyLoss(reduction="none")
 
 
-def embedding_model():  # an Embedding(V, d): n V d numbers to materialise, n T d to read
-    return nn.Sequential(nn.Embedding(50, 4), models.MeanOver(1), nn.Linear(4, 3)).double()
+def embedding_model(V=50):  # an Embedding(V, d): n V d numbers to materialise, n T d to read
+    return nn.Sequential(nn.Embedding(V, 4), models.MeanOver(1), nn.Linear(4, 3)).double()
 
 
 def conv_model():  # image convolutions take the "materialise" norm route in both modes
@@ -46,25 +48,72 @@ def inputs(kind, n=6, seed=0):
     return x, torch.randint(0, 3, (n,), generator=g)
 
 
-CASES = {"embedding": (embedding_model, "bookkeeping"), "conv": (conv_model, "einsum"),
-         "lstm": (lambda: LSTMModel().double(), "einsum")}
+# a 40,000-row table: n V d = 960,000 per-sample numbers against n T d = 120 backprops
+CASES = {"embedding": (lambda: embedding_model(40_000), "bookkeeping"),
+         "conv": (conv_model, "einsum"), "lstm": (lambda: LSTMModel().double(), "einsum")}
 
 
-@pytest.fixture
-def no_cache(monkeypatch):  # the test models are tiny: let any avoided size count
-    monkeypatch.setattr(auto, "BYTES", 0)
-
-
-def test_small_per_sample_gradients_stay_with_einsum():
+def test_the_mode_is_the_smaller_modelled_cost_and_small_tables_stay_with_einsum():
     torch.manual_seed(0)
-    rec = record(embedding_model(), CE, *inputs("embedding"), retain_graph=False)
+    for V, expected in ((50, "einsum"), (40_000, "bookkeeping")):
+        rec = record(embedding_model(V), CE, *inputs("embedding"), retain_graph=False)
+        mode, why = choose_mode(rec)
+        assert mode == expected, (V, why)
+        assert mode == min(("einsum", "bookkeeping"), key=lambda m: why[f"{m}_s"])
+        assert why["avoided"] == 6 * (V * 4 + 4 * 3 + 3)  # both layers differ
+
+
+def test_linear_costs_follow_equations_1_and_2():
+    """One Linear(d, p) call at T = 1 (norm product route), costed by hand from its shapes."""
+    n, d, p = 5, 7, 3
+    model = nn.Linear(d, p).double()
+    x, y = torch.randn(n, d, dtype=torch.float64), torch.randint(0, p, (n,))
+    rec = record(model, CE, x, y, retain_graph=False)
+    _, why = choose_mode(rec)
+    P, s = p * d + p, 8
+    m = P  # one position: P multiply-adds per sample
+    einsum = n * m / auto.SAMPLE + 3 * n * P * s / auto.BANDWIDTH
+    r = d + p  # the norm product reads a_i and b_i (rules/linear.py's declared flops)
+    bookkeeping = n * (r + m) / auto.GEMM + n * (d + 2 * p) * s / auto.BANDWIDTH + auto.FIXED
+    assert why["einsum_s"] == pytest.approx(einsum, rel=1e-12)
+    assert why["bookkeeping_s"] == pytest.approx(bookkeeping, rel=1e-12)
+
+
+def test_the_choice_follows_the_constants(monkeypatch):
+    """The same recording flips mode with the model's constants, never with a timing."""
+    torch.manual_seed(0)
+    rec = record(embedding_model(50), CE, *inputs("embedding"), retain_graph=False)
+    monkeypatch.setattr(auto, "FIXED", 0.0)  # no fixed cost: reading T d beats writing V d
+    assert choose_mode(rec)[0] == "bookkeeping"
+    monkeypatch.setattr(auto, "BANDWIDTH", 1e30)  # free memory traffic: only products count
+    monkeypatch.setattr(auto, "GEMM", 1.0)  # and the large products are the slow ones
+    assert choose_mode(rec)[0] == "einsum"
+
+
+def test_calls_materialised_in_both_modes_do_not_count():
+    """A Linear at T = 16 positions whose g_i (n p d) are smaller than its a and b
+    (n T (d + p)) is materialised during the backward pass in either mode: no difference."""
+    model = nn.Sequential(nn.Linear(4, 4), models.MeanOver(1)).double()
+    x, y = torch.randn(6, 16, 4, dtype=torch.float64), torch.randint(0, 4, (6,))
+    rec = record(model, CE, x, y, retain_graph=False)
     mode, why = choose_mode(rec)
-    assert mode == "einsum" and why["avoided_bytes"] < auto.BYTES
-    assert why["avoided_bytes"] == why["avoided"] * 8  # float64
+    assert (mode, why["avoided"], why["einsum_s"], why["bookkeeping_s"]) == ("einsum", 0, 0, 0)
+    assert why["materialised"] == 6 * 20
+
+
+def test_a_route_without_declared_flops_assumes_no_saving(monkeypatch):
+    torch.manual_seed(0)
+    rec = record(embedding_model(40_000), CE, *inputs("embedding"), retain_graph=False)
+    bare = Route("segment sum", lambda layer, call: 1)  # flops not declared
+    real = auto.norm_route
+    monkeypatch.setattr(auto, "norm_route", lambda layer, a: (bare, "") if isinstance(
+        layer, nn.Embedding) else real(layer, a))
+    mode, why = choose_mode(rec)
+    assert mode == "einsum", why  # the Embedding costs the same both ways; the head decides
 
 
 @pytest.mark.parametrize("kind", CASES)
-def test_the_rule_picks_a_valid_mode_with_its_reason(kind, no_cache):
+def test_the_rule_picks_a_valid_mode_with_its_reason(kind):
     torch.manual_seed(0)
     make, expected = CASES[kind]
     rec = record(make(), CE, *inputs(kind), retain_graph=False)
@@ -84,7 +133,7 @@ def step(model, mode, x, y, C=0.5, B=8.0):
 
 
 @pytest.mark.parametrize("kind", CASES)
-def test_auto_gives_the_clipped_sums_of_the_explicit_modes(kind, no_cache):
+def test_auto_gives_the_clipped_sums_of_the_explicit_modes(kind):
     make, expected = CASES[kind]
     x, y = inputs(kind)
     torch.manual_seed(0)
@@ -101,12 +150,12 @@ def test_auto_gives_the_clipped_sums_of_the_explicit_modes(kind, no_cache):
         assert relative_error(g, reference[k] / 8.0) <= 1e-9, (kind, k)
 
 
-def test_make_private_defaults_to_auto_and_an_explicit_mode_wins(no_cache):
+def test_make_private_defaults_to_auto_and_an_explicit_mode_wins():
     torch.manual_seed(0)
     x, y = inputs("embedding", n=16)
     loader = DataLoader(TensorDataset(x, y), batch_size=8)
     for kwargs, ran in (({}, "bookkeeping"), ({"method": "einsum"}, "einsum")):
-        model = embedding_model()
+        model = embedding_model(40_000)
         _, opt, dp_loader = wb.PrivacyEngine().make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
             data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,

@@ -37,7 +37,7 @@ def test_the_key_is_the_layout_not_the_values():
 def test_the_key_changes_with_n_shapes_layers_and_requires_grad():
     model = embedding_model()
     first = key(model)
-    assert key(model, n=7) != first  # n: the rule's byte threshold reads it
+    assert key(model, n=7) != first  # n: the cost model reads it
     model[2] = nn.Linear(28, 3).double()
     assert key(model, T=7) != first  # a new input shape, and a new layer
     model = embedding_model()
@@ -51,10 +51,11 @@ def test_the_key_changes_with_n_shapes_layers_and_requires_grad():
     assert key(model) != frozen
 
 
-@pytest.mark.parametrize("sizes", [(6, 60, 6, 60), (60, 6, 61, 5)])
-def test_the_optimizer_chooses_again_when_the_layout_changes(monkeypatch, sizes):
-    # 8 bytes x n x 200 embedding parameters avoided: n = 6 stays below, n = 60 above
-    monkeypatch.setattr(auto, "BYTES", 50_000)
+@pytest.mark.parametrize("sizes", [(6, 2000, 6, 2000), (2000, 6, 2001, 5)])
+def test_the_optimizer_chooses_again_when_the_layout_changes(sizes):
+    # auto's Eq. (1) grows as 3 x 8 bytes x n x 263 per-sample numbers (200 + 63), Eq. (2) starts at
+    # 2 FIXED = 2 ms and grows slower: einsum at n = 6, book-keeping at n = 2000
+    assert 3 * 8 * 6 * 263 / auto.BANDWIDTH < 2 * auto.FIXED < 3 * 8 * 2000 * 263 / auto.BANDWIDTH
     model = embedding_model()
     opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=0.0,
                       max_grad_norm=1.0, expected_batch_size=8.0)
@@ -64,7 +65,7 @@ def test_the_optimizer_chooses_again_when_the_layout_changes(monkeypatch, sizes)
         opt.zero_grad()
         CE(model(x), y).mean().backward()
         opt.step()
-        assert opt.last["mode"] == expected == ("bookkeeping" if n >= 50 else "einsum")
+        assert opt.last["mode"] == expected == ("bookkeeping" if n >= 1000 else "einsum")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

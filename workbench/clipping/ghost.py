@@ -44,7 +44,7 @@ Notation: n batch, a activations, b backprops, c clip factors, C max_grad_norm.
 import torch
 from torch.nn.utils.parametrize import is_parametrized
 
-from workbench.clipping.flat import norm_dtype, sample_squares
+from workbench.clipping.flat import many_sample_squares, norm_dtype
 from workbench.clipping.registry import find_norm_sampler
 from workbench.per_sample import precision, selfcheck
 from workbench.per_sample.checks import check_losses, forward
@@ -198,12 +198,15 @@ class NormSum:
 
     def fast_gradient_clipping(self, layer, call, own) -> None:
         """The layer's per-sample gradients materialised, normed (overflow-safe) and dropped."""
+        normed = []  # (param, g): normed together, one overflow test (host sync) per call
         for name, g in sample_layer(layer, call, keep=own).items():
             p = own[name]
             if id(p) in self.shared:  # summed over its uses before the norm
                 self.materialised[id(p)] = self.materialised.get(id(p), 0) + g
             else:
-                self.add(self.group_of(p), sample_squares(g))  # normed, then dropped
+                normed.append((p, g))
+        for (p, _), sq in zip(normed, many_sample_squares([g for _, g in normed])):
+            self.add(self.group_of(p), sq)  # normed, then dropped
 
     def _check_deferred(self) -> None:
         if not self.ghost:
@@ -223,9 +226,9 @@ class NormSum:
         self._check_deferred()
         params = {id(p): p for p in self.rec.params.values()}
         materialised = {**(exact or {}), **self.materialised}
-        with torch.no_grad():
-            for key, g in materialised.items():
-                self.add(self.group_of(params[key]), sample_squares(g))
+        with torch.no_grad():  # one overflow test (host sync) for all, not one per parameter
+            for key, sq in zip(materialised, many_sample_squares(list(materialised.values()))):
+                self.add(self.group_of(params[key]), sq)
         return self.squares, materialised
 
 

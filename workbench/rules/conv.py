@@ -288,7 +288,13 @@ def gram_scratch(layer, call) -> int:
     return 2 * layer.groups * conv_dims(layer, call.args[0])[0] ** 2
 
 
-GRAM = Route("gram", gram_scratch)
+def gram_flops(layer, call) -> int:
+    """L²·(C k + p): multiply-adds per sample of the G pairs of (L, L) Grams."""
+    L, p, ck = conv_dims(layer, call.args[0])
+    return layer.groups * L ** 2 * (ck + p)
+
+
+GRAM = Route("gram", gram_scratch, flops=gram_flops)
 """Li et al. §4 per group: two (L, L) Grams for each of the G groups."""
 
 

@@ -83,7 +83,8 @@ def embedding_grad_sampler(layer, activations, backprops):
     return {"weight": grad.view(n, V, d)}
 
 
-SEGMENT_SUM = Route("segment sum", lambda layer, call: call.backprops[0].numel())  # T·d sums
+SEGMENT_SUM = Route("segment sum", lambda layer, call: call.backprops[0].numel(),  # T·d sums
+                    flops=lambda layer, call: call.backprops[0].numel())  # T·d adds
 
 
 def embedding_route(layer, activations) -> tuple[Route, str]:
