@@ -86,6 +86,20 @@ def test_gram_way_picks_the_smaller_product(monkeypatch):
     assert conv_gram.GRAM_ROUTE == "unfolded"
 
 
+def test_conv_settings_write_through_to_their_homes_and_are_restored():
+    """``conv.ROUTE`` / ``SCRATCH`` / ``GRAM_ROUTE`` (the single-file spelling) set the module
+    that reads them, and monkeypatch's undo restores them (not a stale copy in ``conv``)."""
+    from workbench.rules import conv_chunks, conv_grads
+    homes = {"ROUTE": conv_grads, "SCRATCH": conv_chunks, "GRAM_ROUTE": conv_gram}
+    before = {name: getattr(home, name) for name, home in homes.items()}
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in [("ROUTE", "grouped"), ("SCRATCH", 7), ("GRAM_ROUTE", "shifted")]:
+            mp.setattr(conv_rule, name, value)
+            assert getattr(homes[name], name) == value == getattr(conv_rule, name)
+    assert {name: getattr(home, name) for name, home in homes.items()} == before
+    assert all(getattr(conv_rule, name) == value for name, value in before.items())
+
+
 def test_chunks_cover_the_batch_once():
     for n, per, budget in [(5, 3, 7), (5, 100, 7), (64, 10, 640), (0, 1, 1)]:
         parts = conv_rule.chunks(n, per, budget)

@@ -17,8 +17,8 @@ group) has a third route: the same cross-correlation as one depthwise *forward* 
 of the inputs with the backprops as kernels (``depthwise_weight_grads``).
 ``choose_route`` picks the route per call; all three are tested against micro-batching.
 
-Notation: n batch, C input channels, p output channels, k = k_1...k_D kernel size,
-L output positions, G groups, a activations (n, C, *spatial), b backprops (n, p, *out).
+Notation as in ``rules/conv.py``: n batch, C / p input / output channels, k kernel size
+(k_1...k_D), L output positions, G groups, a (n, C, *spatial), b (n, p, *out).
 """
 
 import math
