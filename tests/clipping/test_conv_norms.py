@@ -11,6 +11,7 @@ from tests.helpers import assert_optimizer_matches_microbatch
 from tests.per_sample.test_conv import CONFIGS, CONV, SIZE
 from workbench.dpsgd import MODES, DPOptimizer
 from workbench.rules import conv as conv_rule
+from workbench.rules import conv_gram
 
 VARIANTS = [(dims, name) for dims in (1, 2, 3) for name in CONFIGS]
 
@@ -50,7 +51,7 @@ def test_the_shifted_gram_is_the_unfolded_gram(dims, name):
 
 
 @pytest.mark.parametrize("scratch,gram_route", [  # whole call, one sample, uneven chunks
-    (None, "shifted"), (1, "unfolded"), (700, "shifted")])
+    (None, "shifted"), (1, "unfolded"), (700, "shifted"), (None, "auto"), (700, "auto")])
 @pytest.mark.parametrize("dims,name", VARIANTS)
 def test_conv_norms_match_micro_batching(dims, name, scratch, gram_route, monkeypatch):
     monkeypatch.setattr(conv_rule, "SCRATCH", scratch)
@@ -59,7 +60,7 @@ def test_conv_norms_match_micro_batching(dims, name, scratch, gram_route, monkey
     want = micro_squares(layer, a, b)
     L, p, d = conv_rule.conv_dims(layer, a)
     for force_gram in (False, True):  # both sides of the rule, whatever L is
-        monkeypatch.setattr(conv_rule, "gram_is_cheaper", lambda *_, g=force_gram: g)
+        monkeypatch.setattr(conv_gram, "gram_is_cheaper", lambda *_, g=force_gram: g)
         got = conv_rule.conv_norm_sampler(layer, (a,), b)
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
@@ -72,6 +73,31 @@ def test_chunked_per_sample_gradients_match_micro_batching(dims, name, route, mo
     layer, a, b = layer_and_batch(dims, name)
     got = conv_rule.conv_grad_sampler(layer, (a,), b)["weight"]
     torch.testing.assert_close(got, micro_grads(layer, a, b), rtol=1e-10, atol=1e-12)
+
+
+def test_gram_way_picks_the_smaller_product(monkeypatch):
+    """S² < k L²: shifted at stride 1 (S ≈ L), unfolded at stride 2 (L ≈ S / 4)."""
+    a = torch.zeros(1, 8, 8, 8)
+    assert conv_rule.gram_way(nn.Conv2d(8, 8, 3, padding=1), a) == "shifted"
+    assert conv_rule.gram_way(nn.Conv2d(8, 8, 3, stride=2, padding=1), a) == "unfolded"
+    assert conv_rule.gram_way(nn.Conv1d(8, 8, 3), torch.zeros(1, 8, 64)) == "shifted"
+    monkeypatch.setattr(conv_rule, "GRAM_ROUTE", "unfolded")  # the setting, through conv
+    assert conv_rule.gram_way(nn.Conv2d(8, 8, 3, padding=1), a) == "unfolded"
+    assert conv_gram.GRAM_ROUTE == "unfolded"
+
+
+def test_conv_settings_write_through_to_their_homes_and_are_restored():
+    """``conv.ROUTE`` / ``SCRATCH`` / ``GRAM_ROUTE`` (the single-file spelling) set the module
+    that reads them, and monkeypatch's undo restores them (not a stale copy in ``conv``)."""
+    from workbench.rules import conv_chunks, conv_grads
+    homes = {"ROUTE": conv_grads, "SCRATCH": conv_chunks, "GRAM_ROUTE": conv_gram}
+    before = {name: getattr(home, name) for name, home in homes.items()}
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in [("ROUTE", "grouped"), ("SCRATCH", 7), ("GRAM_ROUTE", "shifted")]:
+            mp.setattr(conv_rule, name, value)
+            assert getattr(homes[name], name) == value == getattr(conv_rule, name)
+    assert {name: getattr(home, name) for name, home in homes.items()} == before
+    assert all(getattr(conv_rule, name) == value for name, value in before.items())
 
 
 def test_chunks_cover_the_batch_once():

@@ -103,7 +103,7 @@ def materialise_call(layer, call, own: dict, shared: set, n: int) -> dict | None
 
 # layers whose rule needs no more temporary memory than the call's a and b (a matmul; the
 # normalised input times b; a convolution's per-sample weight gradients, chunked so that
-# their scratch is at most a and b: ``rules/conv.chunks``): exact types, a subclass may
+# their scratch is at most a and b: ``rules/conv_chunks.chunks``): exact types, a subclass may
 # change forward
 STREAMED = (nn.Linear, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.Conv1d, nn.Conv2d,
             nn.Conv3d)

@@ -20,7 +20,7 @@ itself (``rules.Route.scratch``, in its layer family's file; ``route_scratch`` a
 - "gram" (Li et al. 2022, arXiv 2110.05679, §4): two (T, T) Grams A_i A_iᵀ and B_i B_iᵀ per
   group, 2·G·T² numbers. A Linear (or a DP layer's linear part) has G = 1 and T positions;
   a convolution with G groups unfolds to a Linear per group over its T = L output positions,
-  and ``rules/conv.py`` builds the Grams of every group at once, (n, G, L, L) each;
+  and ``rules/conv_gram.py`` builds the Grams of every group at once, (n, G, L, L) each;
 - "segment sum" (the embedding): the T·d backprop rows summed by index;
 - materialise, fast gradient clipping, materialise (shared), exact fallback, bias only: the
   layer's own per-sample gradient (P numbers);

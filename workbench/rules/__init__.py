@@ -8,7 +8,9 @@ the table below is a reading aid.
 |----------------------------------------|--------------|------------------|---------------------|
 | Linear (any leading dims); fast sum    | linear.py    | b_iᵀ a_i summed  | norm product, gram, |
 | by behaviour: o = a W + c (GPT-2)      | linear.py    | A_iᵀ B_i         |   materialise       |
-| Conv1d / Conv2d / Conv3d               | conv.py      | unfold, grouped  | gram, materialise   |
+| Conv1d / Conv2d / Conv3d               | conv.py      | unfold, grouped, | gram (unfolded or   |
+|   (conv_geometry, conv_grads,          |              |   depthwise      |   shifted),         |
+|   conv_gram, conv_chunks: its parts)   |              |                  |   materialise       |
 | Embedding; fast sum (a subclass: its   | embedding.py | scatter-add b_i  | segment sum         |
 |   F.embedding lookup, per_sample/tied) |              |                  |                     |
 | LayerNorm, GroupNorm, RMSNorm,         | norms.py     | b_i ⊙ â_i summed | none: fast gradient |
