@@ -27,6 +27,7 @@ EXTRA = {  # another reader of b: each must keep the copy
     "a detached alias": lambda b: b.detach(),
     "a numpy array": lambda b: np.asarray(b),
     "a slice": lambda b: b[1:],
+    "its storage": lambda b: b.untyped_storage(),
 }
 
 
