@@ -40,3 +40,15 @@ def test_no_work_of_size_V():
     b = torch.randn(4, 16, 8)
     norms = embedding_norm_sampler(layer, (x,), b)
     assert norms.shape == (4,) and torch.isfinite(norms).all()
+
+
+def test_chunks_of_samples_change_nothing():
+    """The norm runs NORM_CHUNKS chunks of samples: every n, uneven chunks too."""
+    g = torch.Generator().manual_seed(1)
+    layer = nn.Embedding(5, 3, padding_idx=0).double()
+    for n in (1, 3, 5, 9):
+        x = torch.randint(0, 5, (n, 7), generator=g)
+        b = torch.randn(n, 7, 3, generator=g, dtype=torch.float64)
+        got = embedding_norm_sampler(layer, (x,), b)
+        assert got.shape == (n,)
+        torch.testing.assert_close(got, dense_norms(x, b, 5, 0), rtol=1e-12, atol=0)

@@ -191,3 +191,29 @@ def graph_nodes(fn) -> set:
         seen.add(node)
         stack.extend(next_fn for next_fn, _ in node.next_functions)
     return seen
+
+
+@pytest.mark.parametrize("keep_output", [False, True])
+def test_u_port_frees_its_unread_output_only_when_nobody_else_holds_it(keep_output,
+                                                                       monkeypatch):
+    """The U port's hooked call U = hh(H_prev) is an input of the BPTT node for its gradient
+    edge only: its (n, T, G H) memory is freed before the node runs, unless someone else
+    (here a forward hook of the user's) holds U; gradients stay exact either way."""
+    dp = make("lstm", batch_first=True)
+    kept, sizes = [], []
+    apply = bptt.BPTT.apply
+    monkeypatch.setattr(bptt.BPTT, "apply", lambda *a: sizes.append(a[4].untyped_storage()
+                                                                    .nbytes()) or apply(*a))
+    dp.parts["hh_l0"].register_forward_hook(  # something records hh: the U port
+        lambda module, args, out: kept.append(out) if keep_output else None)
+    x = torch.randn(3, 5, d, dtype=torch.float64)
+    out, _ = dp(x)
+    assert sizes == [3 * 5 * 4 * H * 8 if keep_output else 0]
+    if keep_output:
+        Hp = torch.cat([torch.zeros(3, 1, H, dtype=torch.float64), out[:, :-1]], dim=1)
+        torch.testing.assert_close(kept[0], Hp @ dp.weight_hh_l0.t(), rtol=1e-12, atol=1e-14)
+    fast = torch.autograd.grad(out.square().sum(), list(dp.parameters()))
+    dp.backward_through_time = "autograd"
+    slow = torch.autograd.grad(dp(x)[0].square().sum(), list(dp.parameters()))
+    for a, b in zip(fast, slow):
+        assert relative_error(a, b) <= 1e-12

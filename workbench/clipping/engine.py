@@ -50,7 +50,7 @@ from workbench.per_sample.einsum import sample_layer
 from workbench.per_sample.functional import layer_vmap_grad_sampler
 from workbench.per_sample.microbatch import layer_microbatch_grad_sampler
 from workbench.per_sample.precision import in_full_precision
-from workbench.rules import fast_weight_grads
+from workbench.rules import fast_reweighted, fast_weight_grads
 
 MODES = CLIP_METHODS  # ghost and bookkeeping: one path here (the graph is gone by now)
 
@@ -91,6 +91,12 @@ def reweighted_weight_grads(layer, call, c, own: list, ok=None) -> dict:
     some records are non-finite: the others' backprops are masked to 0 and the stored inputs'
     NaN and inf entries replaced by 0, so no 0 · NaN enters the weight gradient."""
     b = call.backprops
+    chunked = fast_reweighted(layer)  # the rule weights b itself: no c ⊙ b copy (rules/)
+    if chunked is not None and isinstance(b, torch.Tensor):
+        with torch.no_grad():
+            grads = chunked(layer, call, c, own, ok)  # None: not for these options
+        if grads is not None:
+            return grads
     weighted = [_weighted(t, c, ok) for t in (b if isinstance(b, tuple) else (b,))]
     fast = fast_weight_grads(layer)  # the layer rule's own clipped sum (rules/), if any
     if fast is not None:

@@ -44,6 +44,7 @@ from workbench.per_sample import precision, selfcheck
 from workbench.per_sample.checks import ModelCall
 from workbench.per_sample.fallback import exact_per_sample_gradients
 from workbench.per_sample.hooks import ActivationRecorder
+from workbench.per_sample.owned import sole_holders
 from workbench.per_sample.recording import (
     Recording,
     batch_problem,
@@ -258,8 +259,10 @@ class ModelRecorder:
                 if (c.backprops is not None or c.sampled is not None) and c.generation == gen]
         memo: dict = {}  # one rescaled copy per tensor: calls often share one b (o = u + v)
         f0 = _uniform(f)  # one test (and host sync) per batch, not one per call
-        for call in [c for _, _, c in mine if c.sampled is None] + list(roots):
-            call.backprops = _rescaled(call.backprops, f, n, f0, memo)
+        calls = [c for _, _, c in mine if c.sampled is None] + list(roots)
+        owned = sole_holders(calls)  # read by these calls only: rescaled in place (owned.py)
+        for call in calls:
+            call.backprops = _rescaled(call.backprops, f, n, f0, memo, owned)
         return new_recording(n, self.layers, self.layer_rec, self.params, self.uncovered,
                              mine, random=self.tracker.random, generation=gen, factors=f)
 
@@ -383,13 +386,15 @@ def _uniform(f: torch.Tensor) -> float | None:
 _UNSET = object()
 
 
-def _rescaled(b, f: torch.Tensor, n: int, f0=_UNSET, memo: dict | None = None):
+def _rescaled(b, f: torch.Tensor, n: int, f0=_UNSET, memo: dict | None = None,
+              owned: set = frozenset()):
     """b (or a tuple of them) with record i's rows times f_i; one scalar when f is uniform.
     A tensor whose dim 0 is not n (not the batch: sent to the exact fallback) is unchanged
     unless f is uniform. ``f0``: ``_uniform(f)``, when the caller has it already. ``memo``
     ({id(b): (b, result)}): a tensor several calls share (the gradient of a sum reaches both
     addends as one tensor, e.g. an LSTM's input and recurrent projections) is rescaled once,
-    not copied once per call."""
+    not copied once per call. ``owned``: ids of tensors only the rescaled calls read
+    (``owned.sole_holders``), multiplied in place: no second copy of b at the peak."""
     if b is None or f.numel() == 0:
         return b
     if f0 is _UNSET:
@@ -398,13 +403,14 @@ def _rescaled(b, f: torch.Tensor, n: int, f0=_UNSET, memo: dict | None = None):
         return tuple(_rescaled(t, f, n, f0, memo) for t in b)
     if memo is not None:
         if id(b) not in memo:
-            memo[id(b)] = (b, _rescaled(b, f, n, f0))  # b kept: its id stays unique meanwhile
+            memo[id(b)] = (b, _rescaled(b, f, n, f0, owned=owned))  # b kept: id stays unique
         return memo[id(b)][1]
+    mul = torch.Tensor.mul_ if id(b) in owned else torch.mul  # same products either way
     if f0 is not None:
-        return b if f0 == 1 else b * f0
+        return b if f0 == 1 else mul(b, f0)
     if b.dim() == 0 or b.shape[0] != n:
         return b
-    return b * f.to(b.dtype).view(-1, *[1] * (b.dim() - 1))
+    return mul(b, f.to(b.dtype).view(-1, *[1] * (b.dim() - 1)))
 
 
 __all__ = ["ROOT", "ModelRecorder", "distributed_run", "dot_loss"]

@@ -45,6 +45,7 @@ Notation: n batch, T steps, H hidden size, G gate blocks, x̄ the gradient of Σ
 import torch
 
 from workbench.layers.bptt_forward import FORWARDS
+from workbench.per_sample.owned import only_reference
 
 # --- backward loops: the sequential part of the chain rule -------------------------------
 
@@ -235,6 +236,8 @@ def run_bptt(mode, X, hh, state, valid=None, one_call=False):
     if one_call:
         U = hh(previous_states(saved))  # (n, T, G H) = H_prev W_hhᵀ (+ b_hh), one hooked call
         W, b = W.detach(), None  # a constant of the backward: W_hh's gradient comes via U
+        if only_reference(U):  # BPTT takes U for its gradient edge only, never its values:
+            U.untyped_storage().resize_(0)  # (n, T, G H) freed before the step's peak
     else:
         U = None
     c0 = state[1] if mode == "LSTM" else None

@@ -26,13 +26,14 @@ from workbench.rules._rule import (
     RULES,
     LayerRule,
     Route,
+    fast_reweighted,
     fast_weight_grads,
     find_layer_rule,
     register_rule,
     unregister_rule,
 )
 
-__all__ = ["MATERIALISE", "RULES", "LayerRule", "Route", "fast_weight_grads", "find_layer_rule",
-           "register_rule", "unregister_rule"]
+__all__ = ["MATERIALISE", "RULES", "LayerRule", "Route", "fast_reweighted", "fast_weight_grads",
+           "find_layer_rule", "register_rule", "unregister_rule"]
 
 import_submodules(__name__, __path__)

@@ -12,6 +12,9 @@ is one file (``workbench/rules/<family>.py``) ending in ``register_rule(RULE)``:
 - ``weight_grads(layer, call, weighted, own, ok) -> {id(param): Σ_i c_i g_i}`` (or None: not
   for this layer's options): an optional fast path for book-keeping's clipped sum without
   re-running the layer (Bu et al. 2023, arXiv 2210.00038, Eq. 3); for the rule's exact types;
+- ``reweighted(layer, call, c, own, ok) -> {id(param): Σ_i c_i g_i}`` (or None): as
+  ``weight_grads``, but weighting the call's backprops by c itself (in chunks), so that no
+  (n, ...) copy c ⊙ b exists; tried first (``clipping.engine.reweighted_weight_grads``);
 - ``check(layer)``: raises before any work for options the rules do not support;
 - ``rows``: True (or ``rows(layer) -> bool``) where grad and norm rule work row by row, so a
   call on batch-flattened (n·T, d) rows is the call on (n, T, d) (``per_sample/flat_rows.py``).
@@ -81,6 +84,7 @@ class LayerRule:
     route: Callable | None = None  # (layer, activations) -> (Route, reason)
     routes: tuple = ()  # every Route ``route`` may return
     weight_grads: Callable | None = None
+    reweighted: Callable | None = None  # weight_grads from (b, c): no c ⊙ b copy
     check: Callable | None = None
     matches: Callable | None = None  # a behaviour rule: matches(layer) runs its forward
     rows: bool | Callable = False  # row by row: flattened (n·T, ...) rows allowed (flat_rows)
@@ -153,8 +157,14 @@ def fast_weight_grads(layer: nn.Module):
     return rule.weight_grads if rule is not None else None
 
 
+def fast_reweighted(layer: nn.Module):
+    """The rule's clipped sum that weights b by c itself, for exactly one of its types."""
+    rule = RULES.get(type(layer))
+    return rule.reweighted if rule is not None else None
+
+
 __all__ = [
     "MATERIALISE", "PROBE_ERRORS", "RULES", "RULE_BEHAVIOURS", "LayerRule", "Route",
-    "fast_weight_grads", "find_layer_rule", "norm_route", "own_gradient_size", "register_rule",
-    "unregister_rule",
+    "fast_reweighted", "fast_weight_grads", "find_layer_rule", "norm_route", "own_gradient_size",
+    "register_rule", "unregister_rule",
 ]

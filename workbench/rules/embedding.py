@@ -29,7 +29,9 @@ backprops plus the sorts, O(n T d), and no term of size V: PyTorch's own embeddi
 must zero a (V, d) gradient first. Tokens equal to ``padding_idx`` contribute nothing.
 
 Book-keeping's clipped sum needs no forward re-run: Σ_i c_i g_i = Σ_{i,t} e_{x_it} (c_i b_it)ᵀ,
-one ``index_add_`` (``embedding_weight_grads``).
+one ``index_add_`` (``embedding_weight_grads``). The optimizer's rule weights b itself, a chunk
+of samples at a time (``embedding_reweighted``): the reweighted (n, T, d) copy, the size of b,
+was the step's peak (``bench training --memory``, b = 256: 1.70x a plain step).
 
 Notation: n batch, T tokens per sample, V vocabulary size, d embedding dim, x indices (n, T),
 b backprops (n, T, d).
@@ -38,6 +40,7 @@ b backprops (n, T, d).
 import torch
 from torch import nn
 
+from workbench.clipping.nonfinite import masked
 from workbench.errors import UnsupportedLayerError
 from workbench.per_sample.memory import zeros_per_sample
 from workbench.rules._rule import LayerRule, Route, register_rule
@@ -108,14 +111,28 @@ def repeated(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def embedding_norm_sampler(layer, activations, backprops):
+    """(n,) ||g_i||², ``NORM_CHUNKS`` chunks of samples at a time: the sorts' int64 (k, T)
+    scratch is half the size of b at d = 16 (bench training, imdb_embedding) if made for all n
+    at once."""
     x = activations[0]
     n, d = x.shape[0], layer.weight.shape[1]
     x = x.reshape(n, -1)  # (n, T)
     b = backprops.reshape(n, -1, d)  # (n, T, d), read only: no (n, T, d) scratch below
-    rep, run = repeated(x)  # (n, T), (n, T)
+    step = max(1, -(-n // NORM_CHUNKS))
+    parts = [_chunk_squares(layer, x[s:s + step], b[s:s + step]) for s in range(0, n, step)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+NORM_CHUNKS = 4
+
+
+def _chunk_squares(layer, x, b):
+    """(k,) ||g_i||² of k samples: indices x (k, T), backprops b (k, T, d)."""
+    d = b.shape[-1]
+    rep, run = repeated(x)  # (k, T), (k, T)
     skip = rep if layer.padding_idx is None else rep | (x == layer.padding_idx)  # pad: no term
-    tokens = torch.linalg.vector_norm(b, dim=-1).square_()  # (n, T) ||b_it||², one reduction
-    squares = tokens.masked_fill_(skip, 0.0).sum(1)  # (n,) tokens of unique indices
+    tokens = torch.linalg.vector_norm(b, dim=-1).square_()  # (k, T) ||b_it||², one reduction
+    squares = tokens.masked_fill_(skip, 0.0).sum(1)  # (k,) tokens of unique indices
     if layer.padding_idx is not None:
         rep = rep & (x != layer.padding_idx)
     i, t = rep.nonzero(as_tuple=True)  # the K tokens of repeated (non-padding) indices
@@ -131,27 +148,53 @@ def embedding_weight_grads(layer, call, weighted: torch.Tensor, own: list, ok=No
     ``index_add_`` of the (n T, d) reweighted backprops into a zero (V, d), padding row zeroed
     (what PyTorch's dense embedding backward computes; no forward re-run). None for the
     options whose gradient differs (refused before any work anyway, ``check_embedding``)."""
+    return _into_table(layer, call, own, weighted, lambda ids: [(ids, weighted)])
+
+
+def embedding_reweighted(layer, call, c: torch.Tensor, own: list, ok=None) -> dict:
+    """``embedding_weight_grads`` of c ⊙ b without the (n, T, d) copy: Σ_i c_i g_i is a sum
+    over samples, so each chunk of ``CHUNK_SAMPLES`` samples (scratch at most 1/16 of b) is
+    reweighted (masked where ``ok`` is False) and added into the one (V, d) gradient."""
+    b = call.backprops  # (n, ..., d)
+    c = c.to(b.dtype).view(-1, *[1] * (b.dim() - 1))  # (n, 1, ..., 1)
+    step = max(1, -(-len(b) // CHUNK_SAMPLES))
+
+    def chunks(ids):  # ids (n, ...)
+        for s in range(0, len(b), step):
+            cb = c[s:s + step] * b[s:s + step]  # (k, ..., d) c_i b_it
+            yield ids[s:s + step], cb if ok is None else masked(cb, ok[s:s + step])  # not 0·NaN
+
+    return _into_table(layer, call, own, b, chunks)
+
+
+def _into_table(layer, call, own: list, like: torch.Tensor, rows) -> dict | None:
+    """{id(weight): (V, d)}: every (indices, rows (..., d)) of ``rows(ids)`` added into one
+    zero table (``like``'s dtype and device), padding row zeroed; None for the options whose
+    gradient differs, {} when the weight is not among ``own``."""
     if layer.sparse or layer.scale_grad_by_freq or layer.max_norm is not None:
         return None
     if not any(p is layer.weight for p in own):
         return {}
     ids = call.args[0] if call.args else call.kwargs["input"]  # (n, ...)
-    B = weighted.reshape(-1, weighted.shape[-1])  # (n T, d)  c_i b_{i,t}
-    grad = torch.zeros(layer.weight.shape, dtype=B.dtype, device=B.device)
-    grad.index_add_(0, ids.reshape(-1), B)  # (V, d)
+    grad = torch.zeros(layer.weight.shape, dtype=like.dtype, device=like.device)  # (V, d)
+    for x, B in rows(ids):
+        grad.index_add_(0, x.reshape(-1), B.reshape(-1, B.shape[-1]))
     if layer.padding_idx is not None:
         grad[layer.padding_idx] = 0
     return {id(layer.weight): grad}
 
 
+CHUNK_SAMPLES = 16  # chunks per clipped sum: scratch b / 16, 16 index_adds
+
+
 RULE = register_rule(LayerRule(
     "embedding", (nn.Embedding,), grad=embedding_grad_sampler, norm=embedding_norm_sampler,
     route=embedding_route, routes=(SEGMENT_SUM,), weight_grads=embedding_weight_grads,
-    check=check_embedding))
+    reweighted=embedding_reweighted, check=check_embedding))
 
 
 __all__ = [
-    "RULE", "SEGMENT_SUM", "check_embedding", "embedding_grad_sampler",
-    "embedding_norm_sampler", "embedding_route", "embedding_weight_grads", "repeated",
-    "token_rows",
+    "CHUNK_SAMPLES", "NORM_CHUNKS", "RULE", "SEGMENT_SUM", "check_embedding",
+    "embedding_grad_sampler", "embedding_norm_sampler", "embedding_reweighted",
+    "embedding_route", "embedding_weight_grads", "repeated", "token_rows",
 ]
