@@ -76,8 +76,8 @@ EXPECTED = {
         "PROBLEMS", "Problem", "REFUSED", "label_loss", "next_token_loss",
     ],
     "workbench.rules": [
-        "LayerRule", "MATERIALISE", "RULES", "Route", "fast_weight_grads", "find_layer_rule",
-        "register_rule", "unregister_rule",
+        "LayerRule", "MATERIALISE", "RULES", "Route", "fast_reweighted", "fast_weight_grads",
+        "find_layer_rule", "register_rule", "unregister_rule",
     ],
     "workbench.viz": [],
     "workbench.widgets": [],
