@@ -268,7 +268,8 @@ def new_recording(n: int, layers, recorder, params, uncovered, calls, **fields) 
     rec = Recording(n, layers, recorder, params, p0.dtype, p0.device, **fields)
     note_uncovered(rec, uncovered)
     for path, layer, call in calls:
-        if getattr(layer, "takes_over", False):
+        if layer.__dict__.get("takes_over", False):  # tied.py's layers set it in __init__;
+            # getattr would ask nn.Module.__getattr__, which builds an error for each layer
             rec.taken[id(layer.weight)] = layer
         problem = batch_problem(layer, call, n) or (rec.random and redraws(layer))
         if problem:
@@ -277,6 +278,8 @@ def new_recording(n: int, layers, recorder, params, uncovered, calls, **fields) 
 
 
 def note_uncovered(rec: Recording, uncovered: dict[int, set[str]]) -> None:
+    if not uncovered:
+        return
     names = {id(p): name for name, p in rec.params.items()}
     for key, where in uncovered.items():
         places = ", ".join(sorted(w or "<model>" for w in where))
