@@ -54,16 +54,17 @@ def per_sample_gradients(model, loss_fn, inputs, targets, method="einsum", stric
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}; got {method!r}")
     check_option(check)
+    trainable = any(p.requires_grad for p in model.parameters())
+    if method == "einsum" and trainable:  # its record() checks for sample mixing first
+        return einsum_per_sample_gradients(model, loss_fn, inputs, targets, strict=strict,
+                                           check=check)
     check_no_sample_mixing(model)
-    if not any(p.requires_grad for p in model.parameters()):
+    if not trainable:
         check_batch(inputs, targets)
         return {}  # nothing trainable: no per-sample gradients to compute
     if method == "microbatch":
         return microbatch_per_sample_gradients(model, loss_fn, inputs, targets)
-    if method == "vmap":
-        return vmap_or_explain(model, loss_fn, inputs, targets)
-    return einsum_per_sample_gradients(model, loss_fn, inputs, targets, strict=strict,
-                                       check=check)
+    return vmap_or_explain(model, loss_fn, inputs, targets)  # "vmap" (einsum returned above)
 
 
 __all__ = ["GRAD_SAMPLERS", "METHODS", "per_sample_gradients", "register_grad_sampler"]

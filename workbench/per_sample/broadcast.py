@@ -60,6 +60,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from workbench.per_sample.shape_ops import (
+    SHAPE_OPS,
     chosen_by_batch,
     constant_add,
     in_place,
@@ -70,6 +71,9 @@ from workbench.per_sample.shape_ops import (
 # position-wise layers: layer(x.expand(n, *x.shape)) == layer(x).expand(n, *o.shape), exact type
 BROADCASTABLE = (nn.Embedding, nn.Linear, nn.LayerNorm)
 ADDS = {"add", "add_", "__add__", "__radd__", "__iadd__"}
+#: names some test of ``BatchFree._use`` can accept (an add, ``where``, a shape-only op); any
+#: other op on a followed tensor poisons it (the model's usual op: one set test, not five)
+FOLLOWED_NAMES = frozenset(ADDS | SHAPE_OPS | {"where"})
 
 
 @dataclass
@@ -202,6 +206,8 @@ class BatchFree:
             entry.poisoned = True
         elif result is t:  # a no-op returning t itself (Hugging Face's ``o.to(device)``)
             return
+        elif getattr(func, "__name__", "") not in FOLLOWED_NAMES:
+            entry.poisoned = True  # what the tests below end in for any other op, by name
         elif (op := constant_add(func, args, kwargs, t, result)) is not None:
             self.watched[id(result)] = _Node(weakref.ref(result), entry, node, op,
                                              tuple(result.shape))

@@ -55,8 +55,8 @@ from torch.utils._pytree import tree_map
 
 def state(device: torch.device) -> torch.dtype | None:
     """The autocast dtype active for ``device`` now (bfloat16, float16), or None when off."""
-    kind = torch.device(device).type
-    if not torch.is_autocast_enabled(kind):
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    if not torch.is_autocast_enabled(kind):  # no new device object: a cost of every call
         return None
     return torch.get_autocast_dtype(kind)
 

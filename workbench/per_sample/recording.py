@@ -42,6 +42,7 @@ from workbench.per_sample.checks import (
 from workbench.per_sample.fallback import redraws
 from workbench.per_sample.hooks import ActivationRecorder
 from workbench.per_sample.registry import find_grad_sampler, find_sampler_check, layer_type
+from workbench.per_sample.structure import model_tables
 from workbench.per_sample.tied import delegates
 from workbench.per_sample.uses import UseTracker
 
@@ -234,18 +235,23 @@ class Recording:
                                              f"{reason}")
 
 
+def tables(model: nn.Module) -> tuple[dict, dict, dict, dict]:
+    """(layers, params, owners, names): what ``record`` reads of the model's structure,
+    computed afresh (``structure.model_tables`` keeps it per layout)."""
+    layers, params = layers_with_parameters(model), trainable_parameters(model)
+    return layers, params, owners_of(layers, model, params), parameter_names(model, params)
+
+
 def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recording:
     """The forward pass with hooks and the use tracker; losses (n,); the fallback decided."""
     check_no_sample_mixing(model)
     n = check_batch(inputs, targets)
-    layers = layers_with_parameters(model)
+    layers, params, owners, names = model_tables(model, tables)  # once per layout
     check_layers(layers, strict, covered)
-    params = trainable_parameters(model)
     p0 = next(iter(params.values()))
     rng = rng_state(p0.device)
     with ActivationRecorder(layers) as recorder:
-        tracker = UseTracker(owners_of(layers, model, params), recorder,
-                             parameter_names(model, params))
+        tracker = UseTracker(owners, recorder, names)
         with tracker:
             outputs = forward(model, inputs)
             tracker.in_loss = True
@@ -268,7 +274,8 @@ def new_recording(n: int, layers, recorder, params, uncovered, calls, **fields) 
     rec = Recording(n, layers, recorder, params, p0.dtype, p0.device, **fields)
     note_uncovered(rec, uncovered)
     for path, layer, call in calls:
-        if getattr(layer, "takes_over", False):
+        if layer.__dict__.get("takes_over", False):  # tied.py's layers set it in __init__;
+            # getattr would ask nn.Module.__getattr__, which builds an error for each layer
             rec.taken[id(layer.weight)] = layer
         problem = batch_problem(layer, call, n) or (rec.random and redraws(layer))
         if problem:
@@ -277,6 +284,8 @@ def new_recording(n: int, layers, recorder, params, uncovered, calls, **fields) 
 
 
 def note_uncovered(rec: Recording, uncovered: dict[int, set[str]]) -> None:
+    if not uncovered:
+        return
     names = {id(p): name for name, p in rec.params.items()}
     for key, where in uncovered.items():
         places = ", ".join(sorted(w or "<model>" for w in where))
@@ -287,5 +296,5 @@ def note_uncovered(rec: Recording, uncovered: dict[int, set[str]]) -> None:
 __all__ = [
     "FUSED", "Recording", "batch_problem", "check_layers", "check_recorded", "checked_shapes",
     "layers_with_parameters", "note_uncovered", "own_parameters", "owners_of", "parameter_names",
-    "record", "rng_state",
+    "record", "rng_state", "tables",
 ]
