@@ -42,7 +42,7 @@ from workbench.clipping.grouped import Grouped
 from workbench.clipping.nonfinite import bad_records, finite_values, masked, refuse_nonfinite
 from workbench.clipping.users import user_factors, user_squares_from_grads, user_squares_ghost
 from workbench.methods import CLIP_METHODS, MATERIALISING
-from workbench.per_sample.einsum import sample_layer
+from workbench.per_sample.einsum import sample_call
 from workbench.per_sample.functional import layer_vmap_grad_sampler
 from workbench.per_sample.microbatch import layer_microbatch_grad_sampler
 from workbench.per_sample.precision import in_full_precision
@@ -65,7 +65,7 @@ def materialise(rec, mode: str, grads: Grouped | None = None) -> Grouped:
             if not own:
                 continue
             if mode == "einsum":
-                local = sample_layer(layer, call, keep=own)
+                local = sample_call(layer, call, keep=own)  # under this function's wrappers
             elif mode == "vmap":
                 local = layer_vmap_grad_sampler(layer, call.args, call.kwargs, call.backprops)
             else:

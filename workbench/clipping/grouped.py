@@ -71,7 +71,8 @@ class Grouped:
     def put(self, key, g: torch.Tensor) -> None:
         """Add g (n, *shape) to key's per-sample gradient (its first part: written)."""
         slot = self.slot.get(key)
-        if slot is not None and key not in self.loose and tuple(g.shape) == (self.n, *slot[3]):
+        if (slot is not None and key not in self.loose and g.shape[1:] == slot[3]
+                and g.shape[0] == self.n):
             cols = self._columns(key, slot, g)  # (n, P)
             if cols is not None:
                 g = g if g.dim() == 2 else g.reshape(cols.shape)  # a view: one op, not two
@@ -93,7 +94,7 @@ class Grouped:
             buf = self.buffers[where] = torch.zeros(self.n, self.widths[where], dtype=g.dtype,
                                                     device=g.device)
             mine = self.members[where]
-            for (k, _), cols in zip(mine, buf.split([s[2] for _, s in mine], 1)):
+            for (k, _), cols in zip(mine, buf.split_with_sizes([s[2] for _, s in mine], 1)):
                 self.views[k] = cols
         if buf.dtype != g.dtype or buf.device != g.device:
             return None
@@ -147,7 +148,7 @@ class Grouped:
                 buf.masked_fill_(~ok.to(buf.device).view(-1, 1), 0)
             mine = self.members[where]
             out = factors(where[0], buf).mm(buf)[0]  # (ΣP,)
-            for (key, s), part in zip(mine, out.split([s[2] for _, s in mine])):
+            for (key, s), part in zip(mine, out.split_with_sizes([s[2] for _, s in mine])):
                 if key in self.filled:
                     sums[key] = part if len(s[3]) == 1 else part.view(s[3])
         for key, g in self.loose.items():
