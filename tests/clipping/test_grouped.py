@@ -72,7 +72,9 @@ def test_squares_and_sums_match_the_per_parameter_twin(monkeypatch, several, n):
         torch.testing.assert_close(got_sums[key], s, rtol=1e-12, atol=1e-15)
 
 
-def test_mixed_dtypes_take_a_buffer_each_and_a_late_part_of_another_dtype_goes_loose():
+def test_mixed_dtypes_take_a_buffer_each_and_a_late_part_of_another_dtype_goes_loose(
+        monkeypatch):
+    monkeypatch.setattr(grouped, "SMALL", 2**15)
     params = {1: torch.zeros(3, 2), 2: torch.zeros(4, dtype=torch.float64),
               3: torch.zeros(5), 4: torch.zeros(2, dtype=torch.float64)}
     dtypes = {1: torch.float32, 2: torch.float64, 3: torch.float32, 4: torch.float64}
@@ -92,7 +94,9 @@ def test_mixed_dtypes_take_a_buffer_each_and_a_late_part_of_another_dtype_goes_l
         torch.testing.assert_close(s, sums[key], rtol=1e-6, atol=1e-7)
 
 
-def test_a_nonfinite_row_is_masked_not_multiplied():
+@pytest.mark.parametrize("small", [0, 2**15])
+def test_a_nonfinite_row_is_masked_not_multiplied(monkeypatch, small):
+    monkeypatch.setattr(grouped, "SMALL", small)
     params = {1: torch.zeros(3, 2, dtype=torch.float64), 2: torch.zeros(4, dtype=torch.float64)}
     together, loose = filled(4, params, lambda key: None, [(1, (3, 2)), (2, (4,))])
     nan = torch.full((3, 2), float("nan"), dtype=torch.float64)
@@ -108,7 +112,9 @@ def test_a_nonfinite_row_is_masked_not_multiplied():
         torch.testing.assert_close(got[key], s, rtol=1e-12, atol=0)
 
 
-def test_an_overflowing_row_takes_the_overflow_safe_twin():
+@pytest.mark.parametrize("small", [0, 2**15])
+def test_an_overflowing_row_takes_the_overflow_safe_twin(monkeypatch, small):
+    monkeypatch.setattr(grouped, "SMALL", small)
     params = {1: torch.zeros(3), 2: torch.zeros(4)}
     together = Grouped(2, params, lambda key: None)
     together.put(1, torch.full((2, 3), 3e38))  # ||row||² overflows float32
@@ -150,9 +156,11 @@ def shared_model(mixed=False):
 
 
 @pytest.mark.parametrize("mode", ["einsum", "vmap", "microbatch"])
-@pytest.mark.parametrize("chunk", [2**14, 64])
+@pytest.mark.parametrize("chunk", [None, 2**14, 64])  # None: the default, every tensor loose
 def test_the_optimizer_step_is_micro_batchings_clipped_sum(monkeypatch, mode, chunk):
-    monkeypatch.setattr(grouped, "CHUNK", chunk)
+    if chunk is not None:
+        monkeypatch.setattr(grouped, "SMALL", 2**15)
+        monkeypatch.setattr(grouped, "CHUNK", chunk)
     made = []
     monkeypatch.setattr(engine, "Grouped", lambda *a: made.append(Grouped(*a)) or made[-1])
     model = shared_model()
@@ -173,13 +181,18 @@ def test_the_optimizer_step_is_micro_batchings_clipped_sum(monkeypatch, mode, ch
     opt.detach()
     keys = {id(p): k for k, p in model.named_parameters()}
     last = made[-1]
-    assert {keys[k] for k in last.filled} >= {"scale", "twice.weight", "norm.weight"}
     assert "inp.weight" in {keys[k] for k in last.loose}  # the fallback's: as they came
     assert not any(keys[k].startswith("frozen") for k in last.slot)
+    if chunk is None:
+        assert not last.buffers and not last.filled
+        return
+    assert {keys[k] for k in last.filled} >= {"scale", "twice.weight", "norm.weight"}
     assert (len(last.buffers) > 1) == (chunk == 64)
 
 
-def test_mixed_dtypes_and_per_layer_groups_in_the_optimizer():
+@pytest.mark.parametrize("small", [0, 2**15])
+def test_mixed_dtypes_and_per_layer_groups_in_the_optimizer(monkeypatch, small):
+    monkeypatch.setattr(grouped, "SMALL", small)
     model = shared_model(mixed=True)
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(6, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (6,),
