@@ -36,17 +36,13 @@ Notation: n batch, g_i per-sample gradient, c_i clip factor, C max_grad_norm, b 
 import torch
 from torch.utils._pytree import tree_map
 
-from workbench.clipping.flat import (
-    checked_clip_factors,
-    grad_norms,
-    many_sample_squares,
-    weighted_sum,
-)
+from workbench.clipping.flat import checked_clip_factors, grad_norms, weighted_sum
 from workbench.clipping.ghost import record_norms, rerun_losses, squared_norms_by, verify_norms
+from workbench.clipping.grouped import Grouped
 from workbench.clipping.nonfinite import bad_records, finite_values, masked, refuse_nonfinite
 from workbench.clipping.users import user_factors, user_squares_from_grads, user_squares_ghost
 from workbench.methods import CLIP_METHODS, MATERIALISING
-from workbench.per_sample.einsum import sample_layer
+from workbench.per_sample.einsum import sample_call
 from workbench.per_sample.functional import layer_vmap_grad_sampler
 from workbench.per_sample.microbatch import layer_microbatch_grad_sampler
 from workbench.per_sample.precision import in_full_precision
@@ -56,17 +52,20 @@ MODES = CLIP_METHODS  # ghost and bookkeeping: one path here (the graph is gone 
 
 
 @in_full_precision  # the layers re-run on widened inputs (per_sample/precision.py)
-def materialise(rec, mode: str) -> dict[int, torch.Tensor]:
-    """{id(param): (n, *shape)} per-sample gradients of the rule parameters, summed over each
-    parameter's calls."""
-    grads: dict[int, torch.Tensor] = {}
+def materialise(rec, mode: str, grads: Grouped | None = None) -> Grouped:
+    """The per-sample gradients (n, *shape) of the rule parameters, summed over each
+    parameter's calls, written into ``grads`` (``grouped.Grouped``: the small ones as columns
+    of one buffer per group; default: one group). Each call's backprops are freed once its
+    gradients are written (nothing reads them after the clipped sum's materialisation)."""
+    if grads is None:
+        grads = Grouped(rec.n, {id(p): p for p in rec.params.values()}, lambda key: None)
     with torch.no_grad():
         for _, layer, call in list(rec.calls()):
             own = dict(rec.own(layer))
             if not own:
                 continue
             if mode == "einsum":
-                local = sample_layer(layer, call, keep=own)
+                local = sample_call(layer, call, keep=own)  # under this function's wrappers
             elif mode == "vmap":
                 local = layer_vmap_grad_sampler(layer, call.args, call.kwargs, call.backprops)
             else:
@@ -74,8 +73,8 @@ def materialise(rec, mode: str) -> dict[int, torch.Tensor]:
                                                       call.backprops)
             for name, g in local.items():
                 if name in own:
-                    key = id(own[name])
-                    grads[key] = g if key not in grads else grads[key] + g
+                    grads.put(id(own[name]), g)
+            call.backprops = local = None  # used: free it before the next layer's gradients
     return grads
 
 
@@ -133,21 +132,23 @@ def clipped_sum(rec, max_grad_norm, mode: str, group_of=None, exact=None, users=
     params = {id(p): p for p in rec.params.values()}
     zeros = torch.zeros(rec.n, dtype=torch.float64, device=rec.device)  # squares: flat.py
     exact = exact or {}
-    if mode in MATERIALISING:
-        grads = {**materialise(rec, mode), **exact}
-        squares: dict = {}  # one overflow test for all parameters (flat.many_sample_squares)
-        for key, sq in zip(grads, many_sample_squares(list(grads.values()))):
-            group = group_of(params[key])
-            squares[group] = squares.get(group, zeros) + sq
+    if mode in MATERIALISING:  # the small ones in one buffer per group (grouped.py)
+        planned = {key: p for key, p in params.items() if key not in exact}
+        grads = materialise(rec, mode, Grouped(rec.n, planned, lambda key: group_of(params[key])))
+        grads.loose.update(exact)  # already materialised: per parameter, as they are
+        squares = grads.squares(zeros)  # one overflow test for all parameters
     else:
-        squares, grads = squared_norms_by(rec, group_of, exact)
+        squares, materialised = squared_norms_by(rec, group_of, exact)
+        grads = Grouped(rec.n, {}, lambda key: group_of(params[key]))
+        grads.loose.update(materialised)
     norms = sum(squares.values(), zeros).sqrt()  # (n,) NaN or inf if any group is
     bad = bad_records(norms)
     ok = ~bad if bad.any() else None  # None: the usual case, nothing to mask
     c = {group: checked_clip_factors(sq.sqrt(), C[group]) for group, sq in squares.items()}
     if users is not None:  # user-level: c_i = c_{u(i)}; a non-finite user masked as a whole
-        user_sq = user_squares_from_grads(grads, users, zeros[:users.U]) \
-            if mode in MATERIALISING else user_squares_ghost(rec, users, grads, zeros[:users.U])
+        user_sq = user_squares_from_grads(grads.tensors(), users, zeros[:users.U]) \
+            if mode in MATERIALISING else user_squares_ghost(rec, users, grads.tensors(),
+                                                              zeros[:users.U])
         c[None], ok = user_factors(user_sq, users, C[None])
         ok = None if bool(ok.all()) else ok
     if ok is not None:  # a non-finite record: 0 in every group, not only in its bad one
@@ -163,15 +164,7 @@ def clipped_sum(rec, max_grad_norm, mode: str, group_of=None, exact=None, users=
                                                           ok).items():
                         sums[key] = g if key not in sums else sums[key] + g
             call.backprops = None  # used: free it before the next layer's weight gradient
-    cast: dict = {}  # (group, dtype) -> c_g in that dtype: one conversion, not one per param
-    with torch.no_grad():
-        for key, g in grads.items():  # materialised: Σ_i c_i g_i directly
-            g = g if ok is None else masked(g, ok)
-            group = group_of(params[key])
-            cg = cast.get((group, g.dtype))
-            if cg is None:
-                cg = cast[group, g.dtype] = c[group].to(g.dtype)
-            sums[key] = torch.tensordot(cg, g, dims=1)
+    sums.update(grads.weighted_sums(c, ok))  # materialised: Σ_i c_i g_i directly
     factors = torch.stack(list(c.values())).min(0).values if c else zeros + 1
     return sums, norms, factors
 

@@ -73,7 +73,7 @@ def sample_norms(g: torch.Tensor) -> torch.Tensor:
     workbench.bench memory``). Rows that overflow (inf) are recomputed alone, scaled by their
     largest entry (module docstring); a row holding NaN or inf stays NaN or inf.
     """
-    norms = _plain_norms(g)  # (n,)
+    norms = plain_norms(g)  # (n,)
     if g.dim() == 1:
         return norms
     dims, wide = tuple(range(1, g.dim())), _wide(g)
@@ -90,7 +90,7 @@ def _wide(g: torch.Tensor):
     return torch.float32 if g.dtype in LOW_PRECISION else None  # 256² overflows float16
 
 
-def _plain_norms(g: torch.Tensor) -> torch.Tensor:
+def plain_norms(g: torch.Tensor) -> torch.Tensor:
     """||g_i|| (n,) float64 by one reduction; inf where ||g_i||² overflowed (``sample_norms``)."""
     if g.dim() == 1:
         return g.to(_wide(g) or g.dtype).abs().double()
@@ -106,7 +106,7 @@ def many_sample_squares(gs: list) -> list:
     """``[sample_squares(g) for g in gs]`` (the same values, bit for bit) with one overflow
     test for all of them: one host synchronisation per step, not one per parameter. In the
     rare case some row overflowed, each tensor takes ``sample_squares`` on its own."""
-    norms = [_plain_norms(g) for g in gs]  # each (n,) float64
+    norms = [plain_norms(g) for g in gs]  # each (n,) float64
     if norms and bool(torch.isinf(torch.stack([r.to(norms[0].device) for r in norms])).any()):
         return [sample_squares(g) for g in gs]
     return [r.square() for r in norms]
@@ -120,5 +120,5 @@ def weighted_sum(grads: dict[str, torch.Tensor], c: torch.Tensor) -> dict[str, t
 
 __all__ = [
     "LOW_PRECISION", "clip_factors", "grad_norms", "many_sample_squares", "norm_dtype",
-    "sample_norms", "sample_squares", "weighted_sum",
+    "plain_norms", "sample_norms", "sample_squares", "weighted_sum",
 ]

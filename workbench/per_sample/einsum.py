@@ -57,13 +57,19 @@ def sample_layer(layer, call, keep=None) -> dict[str, torch.Tensor]:
     Samplers run under ``no_grad``: the results are data for clipping, not part of a graph
     (so they keep no activations alive and may write into preallocated outputs).
     """
-    sampler = find_grad_sampler(layer)
     with torch.no_grad():
-        if sampler is None:  # torch.func transforms ignore the outer no_grad
-            grads = layer_vmap_grad_sampler(layer, call.args, call.kwargs, call.backprops)
-        else:
-            grads = sampler(layer, call.args, call.backprops)
-    return {k: g for k, g in grads.items() if keep is None or k in keep}
+        return sample_call(layer, call, keep)
+
+
+def sample_call(layer, call, keep=None) -> dict[str, torch.Tensor]:
+    """``sample_layer`` for a caller that runs under ``full_precision`` and ``no_grad``
+    already (``clipping.engine.materialise``: once for all calls, not once per call)."""
+    sampler = find_grad_sampler(layer)
+    if sampler is None:  # torch.func transforms ignore the outer no_grad
+        grads = layer_vmap_grad_sampler(layer, call.args, call.kwargs, call.backprops)
+    else:
+        grads = sampler(layer, call.args, call.backprops)
+    return grads if keep is None else {k: g for k, g in grads.items() if k in keep}
 
 
 def rule_gradients(rec: Recording) -> dict[int, torch.Tensor]:
@@ -128,5 +134,5 @@ def einsum_per_sample_gradients(model, loss_fn, inputs, targets, strict=False, c
 
 __all__ = [
     "einsum_per_sample_gradients", "fallback_gradients", "replay_probe", "rule_gradients",
-    "sample_layer", "warn_fallbacks",
+    "sample_call", "sample_layer", "warn_fallbacks",
 ]
