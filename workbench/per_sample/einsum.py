@@ -97,6 +97,8 @@ def replay_of(rec: Recording):
 
 def fallback_gradients(rec: Recording, model, loss_fn, inputs, targets):
     """{id(param): (n, *shape)} of the fallback parameters, exact."""
+    if not rec.fallback:  # no parameter marked: nothing to compute (the common case)
+        return {}
     names = rec.fallback_names()
     grads = exact_per_sample_gradients(model, loss_fn, inputs, targets, names,
                                        sorted(set(rec.fallback.values())), replay_of(rec))
