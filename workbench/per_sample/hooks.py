@@ -86,6 +86,10 @@ class LayerCall:
 
     def set_backprops(self, grads) -> None:
         """b from the gradients of each output (None -> zeros); None when none arrived."""
+        if (len(grads) == 1 and grads[0] is not None and not self.is_tuple
+                and self.meet is None and self.rows is None and self.widen_to is None):
+            self.backprops = grads[0]  # one output, as it arrived: the steps below, skipped
+            return
         if all(g is None for g in grads):
             self.backprops = None
             return

@@ -69,23 +69,33 @@ def replayed(dtype: torch.dtype | None, device: torch.device):
         yield
 
 
+def autocast_on() -> list[str]:
+    """The device kinds (CPU, and CUDA where present) whose autocast is on now."""
+    kinds = ["cpu"] if torch.is_autocast_enabled("cpu") else []  # the flags first: cheaper
+    if torch.is_autocast_enabled("cuda") and torch.cuda.is_available():  # than is_available
+        kinds.append("cuda")
+    return kinds
+
+
 @contextmanager
 def full_precision():
     """Autocast off (CPU, and CUDA where present): the rules compute in the widened inputs'
     dtype, also when they run inside the user's autocast block (the functional API, a step
     taken inside it)."""
-    kinds = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
-    kinds = [kind for kind in kinds if torch.is_autocast_enabled(kind)]  # entering one is
-    with ExitStack() as stack:  # slow (~100 µs), a fixed cost of every rule call: only if on
+    kinds = autocast_on()  # entering one is slow (~100 µs), a fixed cost of every rule call:
+    with ExitStack() as stack:  # only if on
         for kind in kinds:
             stack.enter_context(torch.autocast(kind, enabled=False))
         yield
 
 
 def in_full_precision(rule):
-    """``rule`` run under ``full_precision``."""
+    """``rule`` run under ``full_precision`` (called directly when no autocast is on: the
+    same computation without a context manager's fixed cost, paid by every rule call)."""
     @functools.wraps(rule)
     def run(*args, **kwargs):
+        if not autocast_on():
+            return rule(*args, **kwargs)
         with full_precision():
             return rule(*args, **kwargs)
 
@@ -122,6 +132,6 @@ def compared_dtype(rec) -> torch.dtype:
 
 
 __all__ = [
-    "compared_dtype", "full_precision", "in_full_precision", "layer_dtype", "replayed", "state",
+    "autocast_on", "compared_dtype", "full_precision", "in_full_precision", "layer_dtype", "replayed", "state",
     "widen",
 ]
