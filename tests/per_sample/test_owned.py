@@ -1,5 +1,7 @@
 """A recorded backprop is written in place only when nothing but its calls can read it."""
 
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -28,6 +30,7 @@ EXTRA = {  # another reader of b: each must keep the copy
     "a numpy array": lambda b: np.asarray(b),
     "a slice": lambda b: b[1:],
     "its storage": lambda b: b.untyped_storage(),
+    "a weak reference": lambda b: weakref.ref(b),  # raises no count, still reads the write
 }
 
 

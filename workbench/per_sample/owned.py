@@ -14,7 +14,8 @@ same result), not a view, not autograd, not a user's hook.
   autograd node saved it, no ``.grad`` stole it) and its storage's count
   (``torch._C._storage_Use_Count``) is a fresh tensor's (no view, ``detach()`` or numpy
   array shares the memory), and so are the references to its storage's Python object (no
-  one keeps ``t.untyped_storage()``); no ``_base``, no ``requires_grad``, dense and
+  one keeps ``t.untyped_storage()``), and no weak reference to it (one raises no count but
+  can still read the write); no ``_base``, no ``requires_grad``, dense and
   contiguous, not an inference tensor, exactly ``torch.Tensor``;
 - Python: ``sys.getrefcount`` of the tensor equals the references the given holders'
   ``backprops`` attributes make, calibrated once on a fresh tensor held by one attribute
@@ -29,6 +30,7 @@ Notation: n batch, b backprops, f_i the loss's per-record factors.
 """
 
 import sys
+import weakref
 from collections import Counter
 
 import torch
@@ -81,7 +83,8 @@ def _alone(t) -> bool:
     return (type(t) is torch.Tensor and t.layout == torch.strided and t._base is None
             and not t.is_inference() and t.is_contiguous() and t._use_count() == 1
             and _storage_refs(t) == _FRESH_STORAGE
-            and _storage_objects(t) == _FRESH_STORAGE_OBJECT)
+            and _storage_objects(t) == _FRESH_STORAGE_OBJECT
+            and weakref.getweakrefcount(t) == 0)  # a weak reader counts nowhere else
 
 
 def _plain(t) -> bool:

@@ -132,6 +132,6 @@ def compared_dtype(rec) -> torch.dtype:
 
 
 __all__ = [
-    "autocast_on", "compared_dtype", "full_precision", "in_full_precision", "layer_dtype", "replayed", "state",
-    "widen",
+    "autocast_on", "compared_dtype", "full_precision", "in_full_precision", "layer_dtype",
+    "replayed", "state", "widen",
 ]
