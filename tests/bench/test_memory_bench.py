@@ -167,3 +167,22 @@ def test_cpu_peak_fails_loudly_when_the_profiler_records_change(monkeypatch):
     monkeypatch.undo()
     with pytest.raises(RuntimeError, match=f"torch {version} does not provide"):
         P._memory_records(Renamed())
+
+
+def test_cpu_peak_does_not_depend_on_earlier_profiled_calls():
+    """A step that frees last step's .grad reads the same peak on its first profiled call and
+    on later ones (the allocator remembers blocks allocated under any earlier profiler)."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(32, 64)
+
+    def step():
+        opt.zero_grad()  # frees the .grad the previous step allocated
+        model(x).square().sum().backward()
+        opt.step()
+
+    step()
+    peaks = [P.peak_bytes(step, CPU, resident=0) for _ in range(3)]
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert peaks[0] == peaks[1] == peaks[2]
+    assert peaks[0] >= grads + 32 * 256 * 4  # the new .grad and the hidden activations

@@ -19,12 +19,23 @@ workspace and frees it before returning shows no peak at all: on ``Linear(512, 5
 forward + backward at b = 256 the public events give a peak of 2.5 MiB where 3.5 MiB were
 live. ``prof.export_memory_timeline`` keeps the timeline but is deprecated (a FutureWarning
 in 2.13) and needs ``with_stack=True``. So ``_cpu_extra_peak`` reads the raw records,
-``prof.profiler.kineto_results.events()``: the ``"[memory]"`` events with ``start_ns()`` and
-``nbytes()`` (negative for a free). If a torch release renames or drops any of these, or
-stops recording the allocations, ``_cpu_extra_peak`` raises ``RuntimeError`` naming the
-torch version instead of returning a wrong number: every measurement first allocates and frees
-a canary tensor of known size inside the profiled region and checks that the records show
-exactly that allocation and that free.
+``prof.profiler.kineto_results.experimental_event_tree()``: each allocation event's time,
+address (``ptr``) and ``alloc_size`` (negative for a free). If a torch release renames or
+drops any of these, or stops recording the allocations, ``_cpu_extra_peak`` raises
+``RuntimeError`` naming the torch version instead of returning a wrong number: every
+measurement first allocates and frees a canary tensor of known size inside the profiled region
+and checks that the records show exactly that allocation and that free.
+
+**Only what the call allocated counts, and only its frees.** The CPU allocator remembers the
+size of every block allocated while *any* profiler ran, so whether a free of an older block
+(last step's ``.grad``, say) is recorded depended on the process' history: on whether that
+block, or an earlier block at the same address, was allocated under an earlier profiled call.
+The same step then read 0.86 or 1.36 MiB, and MobileNetV3's ratio 6.4-17.5x, from run to run.
+So the running sum keeps an address's free only when this call's records hold its allocation:
+it is the peak of the bytes allocated during the call and still live. Blocks from before the
+call count through ``resident`` (parameters, buffers, inputs), or not at all (what a step frees
+before it allocates, like the ``.grad`` that ``zero_grad`` drops), the same for every step
+measured.
 """
 
 import contextlib
@@ -55,16 +66,36 @@ def _quiet_stderr():
 
 
 def _memory_records(prof) -> list[tuple[int, int]]:
-    """(start_ns, nbytes) of every allocation (+) and free (-) the profiler recorded."""
+    """(start_ns, nbytes) of every allocation (+) in the profiled region, and of the frees (-)
+    of those blocks only (the module docstring says why), in the order they happened."""
     try:
-        return sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                      if e.name() == "[memory]")
+        events = [(e.start_time_ns, i, e.extra_fields.ptr, e.extra_fields.alloc_size)
+                  for i, e in enumerate(_walk(prof.profiler.kineto_results
+                                              .experimental_event_tree()))
+                  if type(e.extra_fields).__name__ == "_ExtraFields_Allocation"]
     except AttributeError as err:
         raise RuntimeError(
             f"the CPU memory measurement reads the profiler's private records "
-            f"(prof.profiler.kineto_results.events(): name, start_ns, nbytes), which torch "
-            f"{torch.__version__} does not provide ({err}); it was written for torch 2.13. "
-            f"Measure on CUDA, or adapt bench/peak_memory.py") from err
+            f"(prof.profiler.kineto_results.experimental_event_tree(): start_time_ns, "
+            f"extra_fields.ptr, alloc_size), which torch {torch.__version__} does not provide "
+            f"({err}); it was written for torch 2.13. Measure on CUDA, or adapt "
+            f"bench/peak_memory.py") from err
+    live, records = {}, []  # ptr -> bytes of a block allocated in this region
+    for start, _, ptr, nbytes in sorted(events):
+        if nbytes > 0:
+            live[ptr] = nbytes
+            records.append((start, nbytes))
+        elif live.get(ptr) == -nbytes:  # a free of a block this region allocated
+            del live[ptr]
+            records.append((start, nbytes))
+    return records
+
+
+def _walk(events):
+    """Every event of the profiler's tree, parents before children."""
+    for e in events:
+        yield e
+        yield from _walk(e.children)
 
 
 def _cpu_extra_peak(fn) -> int:
