@@ -41,10 +41,12 @@ from torch.nn.utils.parametrize import is_parametrized
 from workbench.clipping.engine import clipped_sum
 from workbench.clipping.ghost import record_batch, recorded_shared, squared_norms, verify_norms
 from workbench.clipping.nonfinite import refuse_nonfinite
+from workbench.per_sample import selfcheck
 from workbench.per_sample.einsum import fallback_gradients, sample_layer
 from workbench.per_sample.hooks import drop_inputs
 from workbench.per_sample.precision import in_full_precision
 from workbench.per_sample.recording import own_parameters
+from workbench.per_sample.sketch import RowSketch
 from workbench.per_sample.streaming import stream_backward
 
 
@@ -53,9 +55,14 @@ def bookkeeping_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm, chec
     ``max_grad_norm`` validated by the caller."""
     rec, materialised = record_streamed(model, loss_fn, inputs, targets, check)
     exact = {**rec.exact, **materialised}  # (n, *shape) each: normed and summed as given
+    row = None
     if rec.signature is not None:  # the norms are the engine's; verify them first
-        verify_norms(model, rec, squared_norms(rec, exact)[0])
-    sums, norms, _ = clipped_sum(rec, max_grad_norm, "bookkeeping", exact=exact)
+        ref = verify_norms(model, rec, squared_norms(rec, exact)[0], remember=False)
+        row = RowSketch({id(p): p for p in rec.params.values()})
+    sums, norms, _ = clipped_sum(rec, max_grad_norm, "bookkeeping", exact=exact, row=row)
+    if row is not None and bool(torch.isfinite(norms[-1])):  # the sum's own row n - 1
+        selfcheck.compare_rows(rec, row, ref)
+        selfcheck.remember(model, rec.signature, dict(rec.fallback))
     refuse_nonfinite(norms)  # the engine masked them; the functional API names them
     return {name: sums[id(p)] if id(p) in sums else p.new_zeros(p.shape)
             for name, p in rec.params.items()}

@@ -115,8 +115,15 @@ def reweighted_weight_grads(layer, call, c, own: list, ok=None) -> dict:
     return {id(p): g for p, g in zip(own, grads) if g is not None}
 
 
-def clipped_sum(rec, max_grad_norm, mode: str, group_of=None, exact=None, users=None):
+def clipped_sum(rec, max_grad_norm, mode: str, group_of=None, exact=None, users=None,
+                row=None):
     """({id(param): Σ_i c_i g_i}, norms (n,), clip factors (n,)) for one recorded batch.
+
+    ``row``: a ``sketch.RowSketch`` (keys id(param)) into which record n - 1's own
+    contribution is added, computed by this function's own summing code with c = e_{n-1}
+    (the sum is linear in c): what the self-check compares with the exact g_{n-1}
+    (``selfcheck.compare_rows``), so a per-sample gradient that is wrong where only the
+    sum reads it (a misattributed small parameter) cannot pass a norm check unseen.
 
     ``users``: a ``users.BatchUsers`` for user-level clipping (one C, no groups): each record
     gets its user's factor c_{u(i)}, from ||Σ_{i ∈ R_u} g_i|| (``users.py``); the norms
@@ -154,19 +161,32 @@ def clipped_sum(rec, max_grad_norm, mode: str, group_of=None, exact=None, users=
     if ok is not None:  # a non-finite record: 0 in every group, not only in its bad one
         c = {group: masked(cg, ok) for group, cg in c.items()}
     sums = {}
+    e = None if row is None else _one_hot(rec.n, rec.n - 1, zeros)  # (n,) c = e_{n-1}
     if mode not in MATERIALISING:
         for _, layer, call in list(rec.calls()):
             for group in {group_of(p) for _, p in rec.own(layer)} & set(c):
                 own = [p for _, p in rec.own(layer)
                        if id(p) not in grads and group_of(p) == group]
+                if own and e is not None:  # before the sum: both read the same (a, b)
+                    for key, g in reweighted_weight_grads(layer, call, e, own, ok).items():
+                        row.add(key, g)
                 if own:
                     for key, g in reweighted_weight_grads(layer, call, c[group], own,
                                                           ok).items():
                         sums[key] = g if key not in sums else sums[key] + g
             call.backprops = None  # used: free it before the next layer's weight gradient
+    if e is not None:
+        for key, g in grads.weighted_sums({group: e for group in c}, ok).items():
+            row.add(key, g)
     sums.update(grads.weighted_sums(c, ok))  # materialised: Σ_i c_i g_i directly
     factors = torch.stack(list(c.values())).min(0).values if c else zeros + 1
     return sums, norms, factors
+
+
+def _one_hot(n: int, i: int, like: torch.Tensor) -> torch.Tensor:
+    e = torch.zeros_like(like)  # float64, like the clip factors
+    e[i] = 1.0
+    return e
 
 
 def clip_materialised(grads: dict[str, torch.Tensor], C: float) -> dict[str, torch.Tensor]:

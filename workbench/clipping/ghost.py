@@ -66,15 +66,21 @@ def _covered(layer) -> bool:
     return find_norm_sampler(layer) is not None
 
 
-def record_batch(model, loss_fn, inputs, targets, check=False) -> Recording:
+NORM_CHECK = ("norm",)  # the verdict key of a check of ||g_i|| alone (ghost's own sums)
+
+
+def record_batch(model, loss_fn, inputs, targets, check=False, norms_only=False) -> Recording:
     """The forward pass with hooks; the fallback decided and, when ``check`` asks for it,
-    ``probe`` (micro-batching's ||g_i|| of one sample) set. No backward pass yet."""
+    ``probe`` (a sketch of micro-batching's g_i of one sample, ``per_sample/sketch.py``) set.
+    No backward pass yet. ``norms_only``: the caller checks ||g_i|| alone (ghost clipping,
+    whose sum is autograd's: only the norms enter it), under its own verdict key, which a
+    verdict of the vector check (book-keeping, einsum) implies but never the reverse."""
     selfcheck.check_option(check)
     rec = record_forward(model, loss_fn, inputs, targets, covered=_covered)
     warn_fallbacks(rec, _covered)
-    sig = selfcheck.known(model, rec, check)
-    rec.probe = selfcheck.probe_norm(selfcheck.probe(rec, model, loss_fn, inputs, targets)) \
-        if sig else None  # ||g_i||: the norm check needs no more
+    sig = selfcheck.known(model, rec, check, *((NORM_CHECK, ()) if norms_only else ()))
+    rec.probe = selfcheck.probe_sketch(rec, selfcheck.probe(
+        rec, model, loss_fn, inputs, targets)) if sig else None  # 3 numbers per parameter
     if sig is not None and rec.random:  # the record probe, run when the norms are known
         rec.replay = lambda: replay_probe(rec, model, loss_fn, inputs, targets)
     rec.signature = sig
@@ -95,7 +101,7 @@ def record_norms(model, loss_fn, inputs, targets, check=False):
     call's backprops become its norm contribution as they arrive and are dropped, with its
     inputs (``per_sample.streaming``, ``hooks.drop_inputs``): the graph is freed as it goes,
     and no two layers' b are held at once."""
-    rec = record_batch(model, loss_fn, inputs, targets, check)
+    rec = record_batch(model, loss_fn, inputs, targets, check, norms_only=True)
     norms = NormSum(rec, lambda p: None, shared=recorded_shared(rec))
     layer_of = {id(call): layer for path, layer in rec.layers.items()
                 for call in rec.recorder.calls[path]}
@@ -111,15 +117,19 @@ def record_norms(model, loss_fn, inputs, targets, check=False):
     return rec, squares.get(None, zeros), materialised
 
 
-def verify_norms(model, rec: Recording, squares: torch.Tensor) -> None:
+def verify_norms(model, rec: Recording, squares: torch.Tensor, remember: bool = True):
     """The probed sample's norm against micro-batching (deterministic models) or the record
-    probe (random ones: ``selfcheck.py``); remember."""
+    probe (random ones: ``selfcheck.py``); remember the verdict unless the caller checks more
+    (``remember=False``: book-keeping then compares the sum's own row). Returns the exact
+    twin (a sketch), or None when this call is not checked."""
     if rec.signature is None:
-        return
-    ref = rec.replay() if rec.random else rec.probe
+        return None
+    ref = selfcheck.as_sketch(rec, rec.replay()) if rec.random else rec.probe
     rec.replay = None
     selfcheck.compare_norm(rec, squares[rec.n - 1].sqrt(), ref)
-    selfcheck.remember(model, rec.signature, dict(rec.fallback))
+    if remember:
+        selfcheck.remember(model, rec.signature, dict(rec.fallback))
+    return ref
 
 
 def recorded_shared(rec: Recording) -> set[int]:
@@ -251,6 +261,6 @@ def ghost_norms(model, loss_fn, inputs, targets, check=True) -> torch.Tensor:
 
 
 __all__ = [
-    "NormSum", "ghost_norms", "record", "record_batch", "record_norms",
+    "NORM_CHECK", "NormSum", "ghost_norms", "record", "record_batch", "record_norms",
     "recorded_shared", "rerun_losses", "squared_norms", "squared_norms_by", "verify_norms",
 ]

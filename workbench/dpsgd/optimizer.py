@@ -100,6 +100,7 @@ from workbench.errors import UnattributedGradientError
 from workbench.methods import OPTIMIZER_ALIASES
 from workbench.per_sample import precision, selfcheck
 from workbench.per_sample.checks import check_no_sample_mixing
+from workbench.per_sample.sketch import RowSketch
 
 AUTO = Default("auto")  # the method= default, told apart from an explicit "auto"
 
@@ -339,10 +340,12 @@ class DPOptimizer(Optimizer):
                         unchecked |= self.recorder.unchecked(rec)
                         compare = True
                     users = None if self.user_level is None else self.user_level.batch(rec)
+                    row = None if rec.signature is None else RowSketch(
+                        {id(p): p for p in rec.params.values()})  # record n - 1's part
                     sums, norm, c = clipped_sum(rec, C, mode, group_of, exact=exact,
-                                                users=users)  # users: user_level.py
+                                                users=users, row=row)  # users: user_level.py
                     if rec.signature is not None:
-                        replays.append((rec, norm[rec.n - 1].detach()))
+                        replays.append((rec, norm[rec.n - 1].detach(), row))
                     skipped += [seen + i for i in skip_nonfinite(norm)]  # masked by the engine
                     seen += rec.n
                     for key, s in sums.items():
@@ -351,9 +354,9 @@ class DPOptimizer(Optimizer):
                     factors.append(c.detach())
             self.recorder.clear(keep_pending=True)  # the checks' extra passes: on freed memory
             self.recorder.watch.probe()
-            for rec, norm in replays:
+            for rec, norm, row in replays:
                 if torch.isfinite(norm):  # a non-finite record is left out, not compared
-                    self._verify(rec, norm)
+                    self._verify(rec, norm, row)
             if compare and not skipped:  # Σ_i g_i with a NaN record in it proves nothing
                 self._check_path(paths, tol, unchecked)
         except Exception:
@@ -381,14 +384,17 @@ class DPOptimizer(Optimizer):
             mode = self._modes[key] = choose_mode(rec)[0]
         return mode
 
-    def _verify(self, rec, norm) -> None:
-        """Record n - 1's ||g_i|| against its exact twin; then the verdict is remembered."""
+    def _verify(self, rec, norm, row) -> None:
+        """Record n - 1's ||g_i||, then its contribution as the clipped sum added it (``row``:
+        parameter by parameter, ``per_sample/sketch.py``), against its exact twin; then the
+        verdict is remembered."""
         if rec.replay is not None:  # randomness: the record probe (selfcheck.py)
-            ref = self.recorder.replay_probe(rec, *rec.replay)
+            ref = selfcheck.as_sketch(rec, self.recorder.replay_probe(rec, *rec.replay))
         else:
             ref = rec.probe
         rec.replay = None
         selfcheck.compare_norm(rec, norm, ref)
+        selfcheck.compare_rows(rec, row, ref)
         selfcheck.remember(self.recorder.model, rec.signature, dict(rec.fallback))
 
     def _check_path(self, paths: dict, tol: float, unchecked=frozenset()) -> None:

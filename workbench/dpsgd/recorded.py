@@ -233,8 +233,8 @@ class ModelRecorder:
             rec.signature = sig if len(mine) == 1 else None
             rec.probe = None
             if rec.signature is not None:
-                rec.probe = selfcheck.probe_norm(selfcheck.probe(
-                    rec, self.model, dot_loss, _inputs(root, rec.n), root.backprops))  # ||g_i||
+                rec.probe = selfcheck.probe_sketch(rec, selfcheck.probe(
+                    rec, self.model, dot_loss, _inputs(root, rec.n), root.backprops))  # g_i
                 if rec.random and rec.rng is not None:  # for the record probe, after clipping
                     b = root.backprops
                     row = tuple(t[-1:].clone() for t in b) if isinstance(b, tuple) \

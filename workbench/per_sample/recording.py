@@ -175,7 +175,7 @@ class Recording:
     random: bool = False  # a random function (dropout) ran in the forward pass
     generation: int | None = None  # capture="hooks": only calls of this backward pass
     exact: dict = field(default_factory=dict)  # id(param) -> (n, *shape): the fallback's g_i
-    probe: float | None = None  # selfcheck.probe_norm: micro-batching's ||g_i|| of one sample
+    probe: object = None  # selfcheck.probe_sketch: micro-batching's g_i of one sample (sketched)
     signature: tuple | None = None  # selfcheck: the call signature this recording verifies
     rng: tuple | None = None  # selfcheck.rng_state before the forward pass (record_probe)
     replay: object = None  # () -> exact g_i of the record probe (random models, when checked)

@@ -42,7 +42,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from workbench.errors import PerSampleCheckError
-from workbench.per_sample import precision
+from workbench.per_sample import precision, sketch
 from workbench.per_sample.checks import check_losses, forward, take
 from workbench.per_sample.fallback import replayed
 from workbench.per_sample.hooks import ActivationRecorder
@@ -53,6 +53,7 @@ from workbench.per_sample.recording import (
     owners_of,
     parameter_names,
 )
+from workbench.per_sample.sketch import RowSketch
 from workbench.per_sample.uses import UseTracker
 
 # relative tolerance of the comparison: float64 methods agree to ~1e-13; float32 to ~1e-5;
@@ -85,13 +86,19 @@ def signature(rec: Recording, extra=()) -> tuple:
     return calls, tuple(sorted(rec.fallback)), rec.dtype, extra
 
 
-def known(model, rec: Recording, check, extra=()) -> tuple | None:
+def known(model, rec: Recording, check, extra=(), stronger=None) -> tuple | None:
     """The signature to verify, or None when this call need not be checked (re-applying the
-    probe's decisions of the first call with the same signature)."""
+    probe's decisions of the first call with the same signature). ``stronger``: the ``extra``
+    of a check whose verdict implies this one's (a verified per-record vector implies its
+    norm); a weaker check's verdict never stands in for a stronger one (ghost's norm check
+    for book-keeping's sums, which read every per-sample vector)."""
     if rec.n < 2:
         return None
     sig = signature(rec, extra)
-    marks = _VERIFIED.get(model, {}).get(sig)
+    verified = _VERIFIED.get(model, {})
+    marks = verified.get(sig)
+    if marks is None and stronger is not None:
+        marks = verified.get(signature(rec, stronger))
     if marks is not None and check != "always":
         for key, reason in marks.items():  # the probe's decisions, also with check=False
             rec.fallback.setdefault(key, reason)
@@ -127,6 +134,11 @@ def probe(rec: Recording, model, loss_fn, inputs, targets) -> dict[str, torch.Te
         # a sequence layer may run fewer steps for one (shorter) sample than for the padded
         # batch: the calls both passes made must scale with the batch
         for c_big, c_one in zip(big, one):
+            if treatment(c_big) != treatment(c_one):
+                rec.mark(layer, path, f"is recorded {treatment_words(c_big)} for n = {rec.n} "
+                                      f"samples but {treatment_words(c_one)} for one: its "
+                                      f"batch dimension cannot be verified")
+                break
             for s_big, s_one in zip(checked_shapes(layer, c_big), checked_shapes(layer, c_one)):
                 if len(s_one) == 0 or s_one[0] != 1:
                     rec.mark(layer, path, f"is called on shape {tuple(s_big)} for n = {rec.n} "
@@ -136,6 +148,24 @@ def probe(rec: Recording, model, loss_fn, inputs, targets) -> dict[str, torch.Te
     grads = torch.autograd.grad(loss.sum(), params, allow_unused=True)
     return {name: torch.zeros_like(p) if g is None else g
             for (name, p), g in zip(rec.params.items(), grads)}
+
+
+def treatment(call) -> tuple:
+    """How a call was recorded: given a batch dim it did not have (a batch-free output
+    broadcast into the batch, ``broadcast.py``), and on batch-flattened rows
+    (``flat_rows.py``). A shape seen after such a conversion was made by it, and at n = 1 a
+    conversion can apply that does not at n (a dim 0 of size 1 broadcasts: MPNet's bias
+    expanded to the batch size meets the scores as a broadcast at n = 1 only), so the
+    probe's shapes prove the batch's only when both passes treated the call alike. (A call
+    whose dim 0 of size 1 was expanded, not added, keeps its shapes at n = 1: no change.)"""
+    return call.meet is not None and call.meet.new_dim, call.rows is not None
+
+
+def treatment_words(call) -> str:
+    broadcast, rows = treatment(call)
+    words = [w for w, on in (("broadcast into the batch", broadcast),
+                             ("on batch-flattened rows", rows)) if on]
+    return " and ".join(words) if words else "as called"
 
 
 def substituted(batch, i: int, n: int):
@@ -205,18 +235,25 @@ def compare(rec: Recording, got: dict, ref: dict, what: str) -> None:
         f"method='vmap' or 'microbatch' are exact for models whose samples do not mix")
 
 
-def probe_norm(ref: dict) -> float:
-    """||g_i|| of the probe's exact gradient: all ``compare_norm`` needs. Norm checks keep this
-    number, not g_i, so the model-sized g_i is not held through the batch's backward pass (it
-    added one model's worth of memory to the peak of ghost's and book-keeping's first call)."""
-    return float(_norm(ref.values()))
+def probe_sketch(rec: Recording, ref: dict) -> RowSketch:
+    """The probe's exact g_i ({name: tensor}) as a sketch (``sketch.py``): 3 numbers per
+    parameter, all the norm and vector checks need, so the model-sized g_i is not held
+    through the batch's backward pass (it added one model's worth of memory to the peak of
+    ghost's and book-keeping's first call)."""
+    return sketch.of({id(p): p for p in rec.params.values()},
+                     {id(rec.params[k]): g for k, g in ref.items()})
+
+
+def as_sketch(rec: Recording, exact) -> RowSketch:
+    return exact if isinstance(exact, RowSketch) else probe_sketch(rec, exact)
 
 
 def compare_norm(rec: Recording, got: torch.Tensor, exact) -> None:
     """The fast ||g_i|| of the probed sample against the exact ||g_i|| (a number, or the
     exact g_i itself as a dict, from the record probe)."""
     tol = TOLERANCE.get(precision.compared_dtype(rec), 1e-3)
-    exact = float(_norm(exact.values())) if isinstance(exact, dict) else float(exact)
+    exact = as_sketch(rec, exact).norm if isinstance(exact, (dict, RowSketch)) \
+        else float(exact)
     if not math.isfinite(exact) and not math.isfinite(float(got)):
         return  # a non-finite record either way: clipping/nonfinite.py's policy handles it
     err = abs(float(got) - exact)
@@ -235,8 +272,35 @@ def compare_norm(rec: Recording, got: torch.Tensor, exact) -> None:
         f"returned; locate it with wb.audit.audit_gradients(model, loss_fn, inputs, targets)")
 
 
+def compare_rows(rec: Recording, fast: RowSketch, exact) -> None:
+    """Record n - 1's contribution as the fast path sums it (``fast``: its per-parameter
+    parts, from the clipped sum's own code with c = e_i) against its exact twin (a sketch or
+    {name: g_i}), parameter by parameter (``sketch.py``): the vector, not only its norm."""
+    exact = as_sketch(rec, exact)
+    tol = TOLERANCE.get(precision.compared_dtype(rec), 1e-3)
+    atol = 1e-12 if rec.dtype == torch.float64 else 1e-6
+    if not math.isfinite(exact.norm):
+        return  # a non-finite record either way: clipping/nonfinite.py's policy handles it
+    bad = sketch.differences(fast, exact, tol, atol)
+    if not bad:
+        return
+    names = {id(p): k for k, p in rec.params.items()}
+    worst = ", ".join(f"{names[key]} ({over:.3g}x the tolerance)" for key, over in bad[:3])
+    raise PerSampleCheckError(
+        f"self-check failed: the per-sample gradient of sample {rec.n - 1}, as the clipped "
+        f"sum adds it, differs from its exact twin in {len(bad)} parameter(s): {worst} "
+        f"(tolerance {tol:g} for {precision.compared_dtype(rec)}, parameter by parameter). "
+        f"Its norm may still agree: the record's contribution to these parameters is not its "
+        f"own gradient. A grad/norm sampler registered for their layer is wrong, or their "
+        f"layer is called on rows that are not the batch's (a position table looked up on a "
+        f"(T, T) matrix when T equals n), or the model mixes samples outside any module. "
+        f"Nothing was returned. Locate it with wb.audit.audit_gradients(model, loss_fn, "
+        f"inputs, targets); method='vmap' or 'microbatch' are exact for models whose samples "
+        f"do not mix")
+
+
 __all__ = [
-    "CHECKS", "NORM_CHUNK", "TOLERANCE", "check_option", "compare", "compare_norm", "known",
-    "probe", "probe_norm", "record_probe", "remember", "replayed", "signature", "substituted",
-    "symbolic",
+    "CHECKS", "NORM_CHUNK", "TOLERANCE", "as_sketch", "check_option", "compare", "compare_norm",
+    "compare_rows", "known", "probe", "probe_sketch", "record_probe", "remember", "replayed",
+    "signature", "substituted", "symbolic", "treatment",
 ]
