@@ -21,15 +21,18 @@ class RelativeBias(nn.Module):
     (``T5Attention.compute_bias``: o (T, T, H) -> (1, H, T, T)). ``use`` says how the bias
     is made and used; ``sdpa``: it is SDPA's ``attn_mask`` (Hugging Face's SDPA path)."""
 
-    def __init__(self, layers=2, use="add", sdpa=False, p=0.0):
+    def __init__(self, layers=2, use="add", sdpa=False, p=0.0, big=False):
         super().__init__()
         self.use, self.sdpa, self.p = use, sdpa, p
+        # big: a second head on 1000 x the inputs, whose gradient dwarfs the bias's (MPNet's
+        # bias is a small part of ||g_i|| too): an error in the bias then hides in the norm
+        self.big = nn.Linear(D, 2) if big else None
         self.relative_attention_bias = nn.Embedding(BUCKETS, H)
         self.qkv = nn.ModuleList(nn.Linear(D, 3 * H * K) for _ in range(layers))
         self.o = nn.ModuleList(nn.Linear(H * K, D) for _ in range(layers))
         self.head = nn.Linear(D, 2)
 
-    def compute_bias(self, t):
+    def compute_bias(self, t, n):
         extra = 1 if self.use == "slice" else 0  # computed for t + 1 positions, then cut
         pos = torch.arange(t + extra)
         buckets = (pos[None, :] - pos[:, None]).clamp(-2, 2) + 2  # (t, t) bucket ids
@@ -46,6 +49,11 @@ class RelativeBias(nn.Module):
             bias = bias * 2.0  # not a shape-only op: fallback
         if self.use == "in_place":
             bias.mul_(2.0)  # overwrites the followed tensor: fallback
+        if self.use.startswith("batch_expand"):  # MPNet: expanded to the batch size, then
+            bias = bias.expand(n, H, t, t)  # contiguous: (n, H, t, t) meets the scores row
+            if self.use.startswith("batch_expand_t"):  # for row, as the broadcast would
+                bias = bias.transpose(-1, -2)  # (a shape op after the expand: not followed)
+            bias = bias.contiguous()
         return bias
 
     def scores(self, q, k, bias, mask, layer):
@@ -65,7 +73,7 @@ class RelativeBias(nn.Module):
         bias, h = None, x
         for layer, (qkv, o) in enumerate(zip(self.qkv, self.o)):
             if bias is None:
-                bias = self.compute_bias(t)
+                bias = self.compute_bias(t, n)
             q, k, v = qkv(h).view(n, t, 3, H, K).permute(2, 0, 3, 1, 4)  # (n, H, t, K) each
             if self.sdpa:
                 mask = bias
@@ -82,7 +90,8 @@ class RelativeBias(nn.Module):
                 w = self.scores(q, k, bias, pad, layer).softmax(-1)
                 a = F.dropout(w, self.p, self.training) @ v
             h = h + o(a.transpose(1, 2).reshape(n, t, H * K))
-        return self.head(torch.tanh(h)).mean(1)
+        out = self.head(torch.tanh(h)).mean(1)
+        return out if self.big is None else out + self.big(1e3 * x.mean(1))
 
 
 RULE = {  # converted: the Embedding rule, per-sample backprops summed over the meetings
@@ -90,10 +99,18 @@ RULE = {  # converted: the Embedding rule, per-sample backprops summed over the 
     "slice": dict(use="slice"), "merged_mask": dict(use="merged_mask"),
     "sdpa": dict(sdpa=True), "sdpa_causal": dict(sdpa=True, use="causal"),
     "sdpa_padding": dict(sdpa=True, use="padding"),
+    "batch_expand": dict(use="batch_expand"),  # MPNet's (broadcast.widened)
 }
 FALLBACK = {  # a use the per-sample rule cannot prove: the exact whole-model fallback
     "times": dict(use="times"), "nonshape": dict(use="nonshape"),
     "in_place": dict(use="in_place"), "twice_in_one_op": dict(use="twice_in_one_op"),
+    # MPNet's bias, transposed after its expand to the batch size: at n = T its (T, T)
+    # lookup looks batch-first, and at n = 1 (the probe) the expand is a broadcast that
+    # meets the scores, so the probe's shapes looked right while the batch's call was never
+    # converted: book-keeping's sum of the bias and every optimizer mode were silently
+    # 0.7-1.5% off on MPNet itself before the probe compared treatments (selfcheck.treatment)
+    "batch_expand_t": dict(use="batch_expand_t"),
+    "batch_expand_t_big": dict(use="batch_expand_t", big=True),
 }
 
 
@@ -126,7 +143,8 @@ def test_unproven_uses_of_the_bias_stay_exact_on_the_fallback(name, n):
     assert bias_routes(routes) == {"exact fallback"}, routes
 
 
-@pytest.mark.parametrize("name", ["layers", "sdpa_causal", "times"])
+@pytest.mark.parametrize("name", ["layers", "sdpa_causal", "times", "batch_expand",
+                                  "batch_expand_t"])
 @pytest.mark.parametrize("mode", [*MODES, "auto"])
 def test_optimizer_with_relative_bias_matches_microbatching(name, mode):
     model, _, _ = problem(name, 1)
@@ -156,3 +174,39 @@ def test_dropout_after_the_meeting_trains_in_every_mode(mode):
     finally:
         opt.detach()
     assert not torch.equal(before, model.relative_attention_bias.weight)
+
+
+@pytest.mark.parametrize("mode", ["bookkeeping", "auto", "einsum"])
+def test_the_sums_own_row_is_checked_not_only_its_norm(mode, monkeypatch):
+    """The MPNet-like bias (transposed after its expand) at n = T with the probe's treatment
+    test switched off: the bias's wrong per-sample gradient barely moves ||g_i|| (its part
+    of the norm is small), so a norm check passed it. The check compares the record's own
+    contribution, parameter by parameter, as the clipped sum adds it
+    (``per_sample/sketch.py``): refused, naming it."""
+    from workbench.errors import PerSampleCheckError
+    from workbench.per_sample import selfcheck
+
+    monkeypatch.setattr(selfcheck, "treatment", lambda call: (False, False))
+    model, x, y = problem("batch_expand_t_big", T)
+    with pytest.raises(PerSampleCheckError, match="relative_attention_bias.weight"):
+        assert_optimizer_matches_microbatch(model, mse_per_sample, [(x, y)], method=mode)
+
+
+def test_a_norm_verdict_never_stands_in_for_a_vector_check(monkeypatch):
+    """Ghost clipping checks ||g_i|| alone (its sum is autograd's: only the norms enter it)
+    and passes the MPNet-like bias at n = T (treatment test off); book-keeping's sum reads
+    every per-sample vector, so ghost's verdict must not spare it its own check
+    (``selfcheck.known(stronger=...)``)."""
+    import workbench as wb
+    from workbench.errors import PerSampleCheckError
+    from workbench.per_sample import selfcheck
+
+    monkeypatch.setattr(selfcheck, "treatment", lambda call: (False, False))
+    model, x, y = problem("batch_expand_t_big", T)
+    C = float(wb.per_sample_grad_norms(model, mse_per_sample, x, y, "microbatch").median())
+    want = wb.clipped_grad_sum(model, mse_per_sample, x, y, C, method="microbatch")
+    ghost = wb.clipped_grad_sum(model, mse_per_sample, x, y, C, method="ghost")
+    for k in want:  # the bias's wrong norm moves c_i within the norm check's 1e-7
+        torch.testing.assert_close(ghost[k], want[k], rtol=1e-6, atol=1e-9)
+    with pytest.raises(PerSampleCheckError, match="relative_attention_bias.weight"):
+        wb.clipped_grad_sum(model, mse_per_sample, x, y, C, method="bookkeeping")

@@ -32,6 +32,10 @@ must be one of
   takes D where cond_i chooses it, the gradient elsewhere is dropped), and SDPA's
   ``attn_mask`` (Hugging Face's SDPA path): the use tracker passes D expanded to q's batch
   dim instead (``BatchFree.rewrite``: the same values), and that expand is the meeting.
+  Also an add of D' = D.expand(m, ...), which widens D's dim 0 of size 1 to m (or a copy
+  of it: ``contiguous``, ``clone``), with a tensor of m samples of the same dims (MPNet's
+  bias, expanded to the batch size before it meets the scores): D' has m equal rows and
+  row i meets sample i alone, which is D broadcast along dim 0: D's meeting (``widened``).
 
 With no other use (``poison``: an op that is neither, a product, an in-place op, two tensors
 followed from one o in one op, a tensor the model returns) and at least one meeting, the call
@@ -45,7 +49,9 @@ row i of each h_m's gradient is sample i's. A no-op that returns o itself (``o.t
 as Hugging Face's GPT-2 writes it) is not a use. Otherwise the call stays as it was; its dim 0
 is then not the batch and ``recording.py`` sends its parameters to the exact fallback. The
 self-check (``selfcheck.py``) runs the same conversion at n = 1 and compares the result with
-micro-batching, which verifies the assumption numerically.
+micro-batching, which verifies the assumption numerically; a call converted at n = 1 but
+not at n (a dim 0 of size 1 broadcasts at n = 1 only) is sent to the fallback
+(``selfcheck.treatment``).
 
 Notation: n batch size, T sequence length, C width, o the batch-free output, D a tensor
 derived from o by shape-only ops (o itself included), h = a + D, π D's positions in o.
@@ -86,6 +92,7 @@ class Meeting:
     indices: list  # per meeting: π_m flattened (D_m.numel(),) (-1 -> o.numel()), or None: o
     shape: tuple  # (n, *o_rest): the per-sample backprop of the expanded call
     keeps: list = field(default_factory=list)  # per meeting: where D_m was chosen, or None
+    new_dim: bool = False  # the call's inputs got a batch dim (else its dim 0 of 1 expanded)
 
     @property
     def edge(self) -> GradientEdge:
@@ -145,10 +152,13 @@ class _Node:
     parent: object = None  # the node of the op's input; None for o itself
     op: tuple = None  # shape_ops.op_of: how this tensor was made from its parent's
     shape: tuple = ()
+    expanded: object = None  # D' = D.expand(m, ...) (then copied): D's node (``widened``)
 
 
-def meets_batch(func, args, kwargs, o: torch.Tensor, h) -> bool:
-    """Is ``h = func(*args)`` an add in which o is broadcast along h's batch dim 0?"""
+def meets_batch(func, args, kwargs, o: torch.Tensor, h, expanded: bool = False) -> bool:
+    """Is ``h = func(*args)`` an add in which o is broadcast along h's batch dim 0?
+    ``expanded``: o is D' = D.expand(m, ...) (``widened``), whose m equal rows then meet
+    h's m samples one to one, as D broadcast would."""
     if getattr(func, "__name__", "") not in ADDS or len(args) != 2 or kwargs.get("alpha", 1) != 1:
         return False
     if args[0] is o and func.__name__ in ("add_", "__iadd__"):
@@ -157,14 +167,36 @@ def meets_batch(func, args, kwargs, o: torch.Tensor, h) -> bool:
     if not (isinstance(a, torch.Tensor) and isinstance(h, torch.Tensor) and h.dim() >= 1):
         return False
     carries = a.dim() == h.dim() and a.shape[0] == h.shape[0]
-    broadcast = 1 <= o.dim() < h.dim() or (o.dim() == h.dim() and o.shape[0] == 1)
+    if expanded:
+        broadcast = o.dim() == h.dim() and o.shape[0] == h.shape[0]
+    else:
+        broadcast = 1 <= o.dim() < h.dim() or (o.dim() == h.dim() and o.shape[0] == 1)
     return carries and broadcast and h.requires_grad
 
 
-def meeting(node: _Node, d: torch.Tensor, h: torch.Tensor, keep=None) -> tuple:
+EXPANDS = {"expand", "expand_as", "broadcast_to"}
+COPIES = {"contiguous", "clone"}  # D' copied row for row: still m equal rows
+
+
+def widened(func, node: _Node, t: torch.Tensor, result: torch.Tensor):
+    """The node of D when ``result`` is D' = D.expand(m, ...) with D's dim 0 of 1 widened to
+    m > 1 (MPNet's bias: ``values.expand((bsz, -1, q, k)).contiguous()``), or a copy of such
+    a D'; else None. D' has m equal rows; where it meets a tensor of m samples (an add of
+    the same dims), row i goes to sample i alone, which is D broadcast along dim 0: the
+    meeting is D's (``meets_batch(expanded=True)``)."""
+    name = getattr(func, "__name__", "")
+    if name in COPIES and result.shape == t.shape:
+        return node.expanded
+    if (name in EXPANDS and t.dim() == result.dim() >= 1 and t.shape[0] == 1
+            and result.shape[0] > 1 and tuple(result.shape[1:]) == tuple(t.shape[1:])):
+        return node
+    return None
+
+
+def meeting(node: _Node, d_shape: tuple, h: torch.Tensor, keep=None) -> tuple:
     """(edge, target, node, n, new_dim, keep) of the meeting h = a + d (or h = where(cond,
-    d, c): ``keep``, where d was chosen), d followed by ``node``."""
-    d_shape, h_shape = tuple(d.shape), tuple(h.shape)
+    d, c): ``keep``, where d was chosen), d (of shape ``d_shape``) followed by ``node``."""
+    d_shape, h_shape = tuple(d_shape), tuple(h.shape)
     n, new_dim = h_shape[0], len(d_shape) < len(h_shape)
     target = (n, *[1] * (len(h_shape) - 1 - len(d_shape)), *d_shape) if new_dim else (
         n, *d_shape[1:])
@@ -180,7 +212,7 @@ class BatchFree:
 
     def watch(self, call, output: torch.Tensor) -> None:
         entry = _Watched(call, tuple(output.shape), output.device)
-        self.watched[id(output)] = _Node(weakref.ref(output), entry)
+        self.watched[id(output)] = _Node(weakref.ref(output), entry, shape=tuple(output.shape))
         self.entries.append(entry)
 
     def saw(self, func, args, kwargs, result, differentiable) -> None:
@@ -212,16 +244,20 @@ class BatchFree:
             self.watched[id(result)] = _Node(weakref.ref(result), entry, node, op,
                                              tuple(result.shape))
         elif meets_batch(func, args, kwargs, t, result):
-            entry.meetings.append(meeting(node, t, result))
+            entry.meetings.append(meeting(node, t.shape, result))
+        elif node.expanded is not None and meets_batch(func, args, kwargs, t, result,
+                                                       expanded=True):
+            entry.meetings.append(meeting(node.expanded, node.expanded.shape, result))
         elif (keep := chosen_by_batch(func, args, kwargs, t, result)) is not None:
-            entry.meetings.append(meeting(node, t, result, keep))
+            entry.meetings.append(meeting(node, t.shape, result, keep))
         else:
             op = op_of(func, args, kwargs, t, result)
             if op is None:
                 entry.poisoned = True  # any other use: o stays batch-free (exact fallback)
             else:
                 self.watched[id(result)] = _Node(weakref.ref(result), entry, node, op,
-                                                 tuple(result.shape))
+                                                 tuple(result.shape),
+                                                 widened(func, node, t, result))
 
     def rewrite(self, func, args, kwargs) -> tuple:
         """(args, kwargs) of ``scaled_dot_product_attention(q, k, v, attn_mask=D)`` with a
@@ -239,7 +275,7 @@ class BatchFree:
         with torch._C.DisableTorchFunction():  # the workbench's op, not the model's use
             m = d.reshape(*[1] * (q.dim() - d.dim()), *d.shape)  # q's dims, dim 0 of size 1
             e = m.expand(q.shape[0], *m.shape[1:])  # (n, ...): a view, no memory
-        node.entry.meetings.append(meeting(node, d, e))
+        node.entry.meetings.append(meeting(node, d.shape, e))
         if position:
             return (*args[:3], e, *args[4:]), kwargs
         return args, {**kwargs, "attn_mask": e}
@@ -290,7 +326,8 @@ def convert(recorder, entry: _Watched, meetings: list) -> None:
         return
     rest = tuple(o_shape) if new_dim else tuple(o_shape[1:])
     call.args = tuple(args)
-    call.meet = Meeting(list(edges), list(targets), list(indices), (n, *rest), list(keeps))
+    call.meet = Meeting(list(edges), list(targets), list(indices), (n, *rest), list(keeps),
+                        new_dim)
     call.outputs = [(torch.Size((n, *rest)), dtype, device)]
     recorder.redirect(call, call.meet.edges)
 

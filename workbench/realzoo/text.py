@@ -126,14 +126,21 @@ CAUSAL = {
 }
 """name -> builder of an ids -> (n, T, V) logits model (next-token loss)."""
 
+def mpnet():
+    """MPNet: a relative position bias computed once, expanded to the batch size (n, H, T, T)
+    and added to every layer's scores (``per_sample/broadcast.py``, ``widened``)."""
+    return encoder("MPNet")  # its 32 buckets are fixed in compute_position_bias
+
+
 CLASSIFIERS = {
     "bert": lambda: encoder("Bert"), "roberta": lambda: encoder("Roberta", pad_token_id=1),
-    "distilbert": distilbert,
+    "distilbert": distilbert, "mpnet": mpnet,
 }
 """name -> builder of an ids -> (n, K) logits model (cross-entropy on a label)."""
 
 
 __all__ = [
     "CAUSAL", "CLASSIFIERS", "SMALL", "Logits", "bart", "bloom", "build", "distilbert", "encoder",
-    "gemma", "gpt2", "gpt_neox", "llama_like", "lora_llama", "mamba", "opt", "phi", "qwen3", "t5",
+    "gemma", "gpt2", "gpt_neox", "llama_like", "lora_llama", "mamba", "mpnet", "opt", "phi",
+    "qwen3", "t5",
 ]
