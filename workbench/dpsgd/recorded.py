@@ -39,7 +39,7 @@ from workbench.clipping.engine import reweighted_weight_grads
 from workbench.dpsgd.loss_watch import LossWatch
 from workbench.dpsgd.skip_weights import AUTO, WeightGradSkipper
 from workbench.dpsgd.streamed import stream_call, streamed_gradients
-from workbench.errors import UnsupportedLayerError
+from workbench.errors import LossCouplingError, UnsupportedLayerError
 from workbench.per_sample import precision, selfcheck
 from workbench.per_sample.checks import ModelCall
 from workbench.per_sample.fallback import exact_per_sample_gradients
@@ -225,12 +225,13 @@ class ModelRecorder:
         roots = [c for c in self.root_rec.calls[ROOT] if c.backprops is not None]
         for gen in sorted({c.generation for c in roots}):
             mine = [c for c in roots if c.generation == gen]
+            if len(mine) > 1:
+                raise several_calls(mine)
             rec = self._recording(gen, mine, loss_reduction, scale)
             root = mine[0]
             rec.rng = getattr(root, "rng", None)
             rec.autocast = getattr(root, "amp", None)
-            sig = selfcheck.known(self.model, rec, check, extra=("optimizer",))
-            rec.signature = sig if len(mine) == 1 else None
+            rec.signature = selfcheck.known(self.model, rec, check, extra=("optimizer",))
             rec.probe = None
             if rec.signature is not None:
                 rec.probe = selfcheck.probe_sketch(rec, selfcheck.probe(
@@ -361,6 +362,30 @@ def structure(model: nn.Module) -> tuple[list[int], list[int]]:
                     params.append(id(p))
         todo.extend(c for c in reversed(m._modules.values()) if c is not None)
     return mods, params
+
+
+def several_calls(roots) -> LossCouplingError:
+    """One backward pass reached several calls of the model (``loss = f(model(x1)) +
+    f(model(x2))``). Row i of each call would be taken for one record and clipped with the
+    others' rows i: right only where the calls hold the same records (two views of each),
+    and a record pair clipped as one where the batch was split in two (records i and
+    n/2 + i: twice the sensitivity). Which one it is the data does not say, and neither the
+    probe (it verifies the engine, not the pairing) nor the fallback can tell: refused."""
+    sizes = ", ".join(str(tuple(_shape(c))[:1]) for c in roots)
+    return LossCouplingError(
+        f"one backward pass reached {len(roots)} calls of the private model (batch sizes "
+        f"{sizes}): the optimizer would take row i of every call for one record and clip them "
+        f"together, which is wrong when the calls hold different records (a batch split in "
+        f"two: each pair of records would share one clip, doubling the sensitivity), and it "
+        f"cannot tell that from two views of the same records. Call the model once per "
+        f"backward pass: out = model(torch.cat([x1, x2])) for distinct records (then split "
+        f"the output for the loss), or one backward pass per call (gradient accumulation: "
+        f"each backward pass is clipped as its own batch)")
+
+
+def _shape(call):
+    shape, _, _ = call.outputs[0]
+    return shape
 
 
 def distributed_run(model) -> bool:
