@@ -18,10 +18,31 @@ def test_threads_default_to_one_and_bad_values_are_refused(tmp_path, capsys):
 
 def test_main_leaves_the_thread_count_as_it_was(tmp_path, monkeypatch):
     seen = []
-    monkeypatch.setattr(real, "row", lambda name, repeats, device: seen.append(
+    monkeypatch.setattr(real, "row", lambda name, repeats, device, sizes: seen.append(
         torch.get_num_threads()) or {"model": name, **dict.fromkeys(
             ("microbatch", "vmap", "einsum", "ghost", "bookkeeping"), "exact"),
             "opacus": "exact", "plain_ms": 1.0, "time_x": 1.0, "memory_x": 1.0})
     before = torch.get_num_threads()
     real.main(["--models", "gpt2", "--threads", "1", "--out", str(tmp_path / "real.csv")])
     assert seen == [1] and torch.get_num_threads() == before
+
+
+def test_base_size_widens_every_architecture_it_builds():
+    """``realzoo.sizes``: "base" changes only the keys a tiny builder sets, so each model keeps
+    its architecture (same module types) at the width the cost table measures; outside the
+    block the tiny model comes back."""
+    from workbench.realzoo import PROBLEMS, sizes
+
+    for name in ("gpt2", "t5", "timm_vit"):
+        tiny = PROBLEMS[name].build(torch.float32)
+        with sizes.size("base"):
+            base = PROBLEMS[name].build(torch.float32)
+            x, _ = PROBLEMS[name].batch(2, T=sizes.TOKENS["base"], dtype=torch.float32)
+            assert base(x).shape[0] == 2
+        assert {type(m) for m in base.modules()} == {type(m) for m in tiny.modules()}, name
+        count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+        assert count(base) > 20 * count(tiny), name
+        assert count(PROBLEMS[name].build(torch.float32)) == count(tiny)
+    with pytest.raises(ValueError, match="size must be one of"):
+        with sizes.size("huge"):
+            pass

@@ -10,10 +10,14 @@ side by side:
   "refused: <error>" (a ``WorkbenchError`` naming what and why);
 - **Opacus 1.6's verdict** on the same batch: ``GradSampleModule`` (hooks) per-sample
   gradients against the same loop: exact / wrong / "raised: <error>";
-- **cost** (float32, n = 16, T = 8): one DP-optimizer step in the default mode
+- **cost** (float32, n = 16): one DP-optimizer step in the default mode
   (``method="auto"``: zero_grad, forward, backward, step) over one plain SGD step
   (zero_grad, forward, backward, step): interleaved medians (``bench.timing``) and peak
-  allocated bytes (``bench.peak_memory``).
+  allocated bytes (``bench.peak_memory``), at two sizes of each architecture
+  (``realzoo/sizes.py``): **tiny** (the verdicts' models, T = 8), where a plain step is a
+  few milliseconds of Python dispatch and the ratio measures the DP step's fixed per-call
+  costs, and **base** (hidden 256, 2 layers, T = 64; images 32 x 32 at 4x the widths),
+  where arithmetic is what a step is made of (columns ``*_base``). ``--sizes`` picks.
 
 **Threads.** On CPU the table runs with one intra-op thread (``--threads 1``, the default):
 the models are tiny (width 16-32, 16x16 images), so there is nothing for a second thread to
@@ -41,11 +45,11 @@ from workbench.bench.timing import device_name, time_interleaved
 from workbench.dpsgd import DPOptimizer
 from workbench.errors import WorkbenchError
 from workbench.outputs import output_file_arg
-from workbench.realzoo import PROBLEMS
+from workbench.realzoo import PROBLEMS, sizes
 from workbench.realzoo.reference import clipped_sum, norms_of, one_at_a_time, scale, verdict
 
 VERDICT_N, T_CHECK = 5, 5  # n = T: the layout shapes cannot tell apart
-TIME_N, T_TIME = 16, 8  # T within every tiny config's positions (16)
+TIME_N = 16  # T: sizes.TOKENS (8 tiny: within every tiny config's 16 positions; 64 base)
 
 
 def short(error: Exception) -> str:
@@ -103,11 +107,15 @@ def opacus_verdict(model, loss_fn, x, y, ref, size, rtol) -> str:
     return result.replace("refused: ", "raised: ").replace("crashed: ", "raised: ")
 
 
-def cost(name: str, repeats: int, device: torch.device) -> dict:
-    """One default-mode DP step over one plain SGD step: time and peak memory, float32."""
-    problem = PROBLEMS[name]
-    x, y = (t.to(device) for t in problem.batch(TIME_N, T=T_TIME, dtype=torch.float32))
-    plain_model = problem.build(torch.float32).to(device)
+def cost(name: str, repeats: int, device: torch.device, size: str = "tiny") -> dict:
+    """One default-mode DP step over one plain SGD step: time and peak memory, float32, at
+    ``size`` (``realzoo/sizes.py``); the columns of "base" end in ``_base``."""
+    with sizes.size(size):
+        problem = PROBLEMS[name]
+        x, y = (t.to(device) for t in problem.batch(TIME_N, T=sizes.TOKENS[size],
+                                                    dtype=torch.float32))
+        plain_model = problem.build(torch.float32).to(device)
+    end = "" if size == "tiny" else f"_{size}"
     dp_model = copy.deepcopy(plain_model)
     plain_opt = torch.optim.SGD([p for p in plain_model.parameters() if p.requires_grad], lr=1e-3)
     dp_opt = DPOptimizer(torch.optim.SGD([p for p in dp_model.parameters() if p.requires_grad],
@@ -132,15 +140,18 @@ def cost(name: str, repeats: int, device: torch.device) -> dict:
                 for k, (m, o) in {"plain": (plain_model, plain_opt),
                                   "dp": (dp_model, dp_opt)}.items()}
     dp_opt.detach()
-    return {"plain_ms": 1e3 * times["plain"], "time_x": times["dp"] / times["plain"],
-            "memory_x": peak["dp"] / peak["plain"]}
+    return {f"plain_ms{end}": 1e3 * times["plain"], f"time_x{end}": times["dp"] / times["plain"],
+            f"memory_x{end}": peak["dp"] / peak["plain"]}
 
 
-def row(name: str, repeats: int, device: torch.device) -> dict:
+def row(name: str, repeats: int, device: torch.device, sizes_=("tiny", "base")) -> dict:
     out = {"model": name, **verdicts(name)}
-    dp = attempt(lambda: cost(name, repeats, device))
-    out.update(dp if isinstance(dp, dict) else {"time_x": float("nan"), "memory_x": float("nan"),
-                                                 "cost_note": dp})
+    for size in sizes_:
+        end = "" if size == "tiny" else f"_{size}"
+        dp = attempt(lambda s=size: cost(name, repeats, device, s))
+        out.update(dp if isinstance(dp, dict) else {
+            f"time_x{end}": float("nan"), f"memory_x{end}": float("nan"),
+            f"cost_note{end}": dp})
     return out
 
 
@@ -153,6 +164,8 @@ def parse(argv):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op CPU threads (0: PyTorch's default; see the docstring)")
+    parser.add_argument("--sizes", nargs="+", default=list(sizes.SIZES), choices=sizes.SIZES,
+                        help="the sizes the DP step's cost is measured at (realzoo/sizes.py)")
     parser.add_argument("--out", type=output_file_arg("--out"),
                         default=Path("bench-results/real.csv"), help="CSV of the table")
     args = parser.parse_args(argv)
@@ -172,10 +185,11 @@ def brief(cell) -> str:
 
 
 def printable(table: pd.DataFrame) -> pd.DataFrame:
-    out = table.drop(columns=[c for c in ("cost_note",) if c in table]).copy()
+    out = table.drop(columns=[c for c in table if c.startswith("cost_note")]).copy()
     for column in ("microbatch", "vmap", "einsum", "ghost", "bookkeeping", "opacus"):
         out[column] = out[column].map(brief)
-    return out.round({"plain_ms": 1, "time_x": 2, "memory_x": 2})
+    return out.round({c: 1 if c.startswith("plain_ms") else 2 for c in out
+                      if c.startswith(("plain_ms", "time_x", "memory_x"))})
 
 
 def summary(table: pd.DataFrame) -> str:
@@ -184,10 +198,17 @@ def summary(table: pd.DataFrame) -> str:
     count = {k: int(cells.str.startswith(k).sum()) for k in ("exact", "refused", "wrong",
                                                               "crashed")}
     opacus = table["opacus"].str.split(":").str[0].value_counts().to_dict()
+    costs = []
+    for size in sizes.SIZES:
+        end = "" if size == "tiny" else f"_{size}"
+        if f"time_x{end}" in table:
+            t, m = table[f"time_x{end}"], table[f"memory_x{end}"]
+            costs.append(f"{size}: median {t.median():.2f}x time (worst {t.max():.2f}x, "
+                         f"{table['model'][t.idxmax()] if t.notna().any() else '-'}), median "
+                         f"{m.median():.2f}x memory")
     return (f"workbench: {count['exact']} exact, {count['refused']} refused with a clear error, "
             f"{count['wrong']} wrong, {count['crashed']} unclear crashes of {len(cells)}; "
-            f"opacus: {opacus}; DP step over plain (default mode): median "
-            f"{table['time_x'].median():.2f}x time, {table['memory_x'].median():.2f}x memory")
+            f"opacus: {opacus}; DP step over plain (default mode), {'; '.join(costs)}")
 
 
 def main(argv=None):
@@ -198,14 +219,15 @@ def main(argv=None):
     try:
         rows = []
         for name in args.models:
-            rows.append(row(name, args.repeats, device))
+            rows.append(row(name, args.repeats, device, args.sizes))
             print(f"{name}: done", flush=True)
         where = device_name(device)  # with the threads the table ran on
     finally:
         torch.set_num_threads(threads)  # main() called from a notebook leaves it as it was
     table = pd.DataFrame(rows)
     with pd.option_context("display.width", 250):
-        print(f"\n{where}, DP step: n = {TIME_N}, T = {T_TIME}, float32; "
+        print(f"\n{where}, DP step: n = {TIME_N}, T = {sizes.TOKENS['tiny']} (tiny) and "
+              f"{sizes.TOKENS['base']} (base), float32; "
               f"verdicts: n = T = {VERDICT_N}, float64\n"
               f"{printable(table).to_string(index=False)}\n\n{summary(table)}")
     table.to_csv(args.out, index=False)

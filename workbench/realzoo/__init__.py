@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.realzoo import text, vision
+from workbench.realzoo import sizes, text, vision
 from workbench.realzoo.reference import RTOL, RTOL_FLOAT32_INSIDE
 
 VOCAB, CLASSES, SIZE = text.VOCAB, text.CLASSES, vision.SIZE
@@ -56,15 +56,18 @@ class Problem:
         return RTOL_FLOAT32_INSIDE if self.name in FLOAT32_INSIDE else RTOL
 
     def batch(self, n: int, T: int = 5, seed: int = 0, dtype=torch.float64):
-        """(inputs, targets) of n samples; T tokens per sequence for the text models."""
+        """(inputs, targets) of n samples; T tokens per sequence for the text models (the
+        vocabulary and image side of the current size, ``sizes.py``)."""
         g = torch.Generator().manual_seed(seed)
         if self.kind == "image":
-            return (torch.randn(n, 3, SIZE, SIZE, generator=g, dtype=dtype),
+            side = sizes.IMAGE[sizes.current()]
+            return (torch.randn(n, 3, side, side, generator=g, dtype=dtype),
                     torch.randint(0, CLASSES, (n,), generator=g))
-        ids = torch.randint(2, VOCAB, (n, T), generator=g)  # 0, 1: pad / special ids
+        vocab = sizes.scaled({"vocab_size": VOCAB})["vocab_size"]
+        ids = torch.randint(2, vocab, (n, T), generator=g)  # 0, 1: pad / special ids
         if self.kind == "classify":
             return ids, torch.randint(0, CLASSES, (n,), generator=g)
-        return ids, torch.randint(0, VOCAB, (n, T), generator=g)
+        return ids, torch.randint(0, vocab, (n, T), generator=g)
 
 
 PROBLEMS = {name: Problem(name, "causal") for name in text.CAUSAL}

@@ -10,6 +10,7 @@ import importlib
 
 from torch import nn
 
+from workbench.realzoo import sizes
 from workbench.realzoo.imports import import_transformers
 
 VOCAB, HIDDEN, CLASSES = 32, 16, 3
@@ -35,7 +36,7 @@ class Logits(nn.Module):
 
 def build(config_name: str, model_name: str, seq2seq: bool = False, **config) -> nn.Module:
     transformers = import_transformers()
-    cfg = getattr(transformers, config_name)(**config)
+    cfg = getattr(transformers, config_name)(**sizes.scaled(config))  # tiny, or base
     cfg.use_cache = False
     hf = getattr(transformers, model_name)(cfg)
     return Logits(hf.eval(), seq2seq)

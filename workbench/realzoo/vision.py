@@ -10,6 +10,7 @@ from functools import partial
 
 from torch import nn
 
+from workbench.realzoo import sizes
 from workbench.realzoo.imports import import_timm, import_torchvision, import_transformers
 
 SIZE, CLASSES = 16, 3
@@ -30,32 +31,38 @@ class Logits(nn.Module):
 
 def hf_vit():
     transformers = import_transformers()
-    cfg = transformers.ViTConfig(image_size=SIZE, patch_size=8, hidden_size=16,
-                                 num_hidden_layers=1, num_attention_heads=2,
-                                 intermediate_size=32, num_labels=CLASSES)
+    cfg = transformers.ViTConfig(image_size=sizes.IMAGE[sizes.current()], patch_size=8,
+                                 num_labels=CLASSES, **sizes.scaled(dict(
+                                     hidden_size=16, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=32)))
     return Logits(transformers.ViTForImageClassification(cfg).eval())
 
 
 def timm_vit():
     import_timm()
     vit = importlib.import_module("timm.models.vision_transformer")
-    return vit.VisionTransformer(img_size=SIZE, patch_size=8, embed_dim=16, depth=1, num_heads=2,
-                                 mlp_ratio=2.0, num_classes=CLASSES).eval()
+    big = sizes.current() == "base"  # 256 wide (4 heads of 64), 2 blocks, mlp 1024
+    return vit.VisionTransformer(img_size=sizes.IMAGE[sizes.current()], patch_size=8,
+                                 embed_dim=256 if big else 16, depth=2 if big else 1,
+                                 num_heads=4 if big else 2, mlp_ratio=4.0 if big else 2.0,
+                                 num_classes=CLASSES).eval()
 
 
 def timm_convnext():
     import_timm()
     convnext = importlib.import_module("timm.models.convnext")
-    return convnext.ConvNeXt(depths=(1, 1, 1, 1), dims=(8, 8, 16, 16), patch_size=1,
+    dims = tuple(sizes.width(c) for c in (8, 8, 16, 16))
+    return convnext.ConvNeXt(depths=(1, 1, 1, 1), dims=dims, patch_size=1,
                              num_classes=CLASSES).eval()
 
 
 def timm_resnet(norm_layer):
     import_timm()
     resnet = importlib.import_module("timm.models.resnet")
-    return resnet.ResNet(resnet.BasicBlock, layers=(1, 1, 1, 1), channels=(8, 8, 16, 16),
-                         stem_width=8,
-                         norm_layer=norm_layer, num_classes=CLASSES).eval()
+    return resnet.ResNet(resnet.BasicBlock, layers=(1, 1, 1, 1),
+                         channels=tuple(sizes.width(c) for c in (8, 8, 16, 16)),
+                         stem_width=sizes.width(8), norm_layer=norm_layer,
+                         num_classes=CLASSES).eval()
 
 
 def torchvision_resnet18_gn():
@@ -65,7 +72,8 @@ def torchvision_resnet18_gn():
 
 def torchvision_mobilenet_v3_gn():
     return import_torchvision().models.mobilenet_v3_small(
-        num_classes=CLASSES, width_mult=0.25, norm_layer=partial(nn.GroupNorm, 1)).eval()
+        num_classes=CLASSES, width_mult=0.25 * sizes.WIDTH[sizes.current()],
+        norm_layer=partial(nn.GroupNorm, 1)).eval()
 
 
 IMAGES = {
