@@ -55,6 +55,7 @@ from torch.utils.hooks import RemovableHandle
 from workbench.per_sample import precision
 from workbench.per_sample.broadcast import BROADCASTABLE
 from workbench.per_sample.flat_rows import as_batch, unflattened
+from workbench.per_sample.positional import as_positional
 
 
 @dataclass
@@ -120,12 +121,42 @@ def drop_inputs(call: LayerCall) -> None:
 
 
 def tensor_outputs(output):
-    """(the Tensors requiring grad in ``output``, is_tuple), or (None, False) if unsupported."""
+    """(the Tensors of ``output`` to read b at, is_tuple), or (None, False) if unsupported.
+
+    A tuple or list is read element by element: each a Tensor or ``None`` (Hugging Face's
+    attention blocks return ``(output, None)`` when no attention weights are asked for). Its
+    b is the tuple of its Tensors' gradients, ``None`` elements skipped (the per-layer vmap and
+    micro-batching skip them likewise). Unsupported (``odd_output`` says why): any other
+    element, or a Tensor that does not require grad beside ones that do (a mask): no rule
+    could tell which of the layer's outputs its b belongs to."""
     if isinstance(output, torch.Tensor):
         return ([output] if output.requires_grad else []), False
-    if isinstance(output, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in output):
-        return [o for o in output if o.requires_grad], True
+    if isinstance(output, (tuple, list)):
+        tensors = [o for o in output if o is not None]
+        if not all(isinstance(o, torch.Tensor) for o in tensors):
+            return None, False
+        grads = [o for o in tensors if o.requires_grad]
+        if grads and len(grads) < len(tensors):
+            return None, False
+        return grads, True
     return None, False
+
+
+def output_tensors(output) -> list:
+    """The Tensors a layer's (or the model's) output holds, in order, ``None`` elements of a
+    tuple or list skipped: what its recorded b (a tuple when ``is_tuple``) lines up with."""
+    if isinstance(output, (tuple, list)):
+        return [o for o in output if o is not None]
+    return [output]
+
+
+def odd_output(output) -> str:
+    """What a layer returned that ``tensor_outputs`` cannot read, in words."""
+    kind = type(output).__name__
+    if isinstance(output, (tuple, list)) and all(
+            o is None or isinstance(o, torch.Tensor) for o in output):
+        return f"{kind} holding Tensors that do not require grad beside ones that do"
+    return f"{kind} (not a Tensor, nor a tuple of Tensors and None)"
 
 
 def attach(module: nn.Module, pre_hook, hook) -> tuple:
@@ -208,10 +239,12 @@ class ActivationRecorder:
         else:
             tensors, is_tuple = tensor_outputs(output)
         if tensors is None:
-            self.untracked[path] = type(output).__name__  # the caller decides if fatal
+            self.untracked[path] = odd_output(output)  # recording.odd_outputs: fallback
             return
         if not tensors:
             return  # not differentiable here: nothing to sample
+        if kwargs:  # fc(input=x): the input where every rule reads it, args[0]
+            args, kwargs = as_positional(layer, args, kwargs)
         rows = None
         if not is_tuple and args and self.flat_rows is not None and self.flat_rows.tags:
             rows = unflattened(self.flat_rows, layer, args[0], tensors[0])  # None: untagged
@@ -326,4 +359,7 @@ class ActivationRecorder:
         return list(grads[k:])
 
 
-__all__ = ["ActivationRecorder", "LayerCall", "attach", "detach", "drop_inputs", "tensor_outputs"]
+__all__ = [
+    "ActivationRecorder", "LayerCall", "attach", "detach", "drop_inputs", "odd_output",
+    "output_tensors", "tensor_outputs",
+]

@@ -41,6 +41,7 @@ from workbench.per_sample.checks import (
 )
 from workbench.per_sample.fallback import redraws
 from workbench.per_sample.hooks import ActivationRecorder
+from workbench.per_sample.leaves import call_leaves
 from workbench.per_sample.registry import find_grad_sampler, find_sampler_check, layer_type
 from workbench.per_sample.structure import model_tables
 from workbench.per_sample.tied import delegates
@@ -122,33 +123,48 @@ FUSED = (nn.RNNBase, nn.MultiheadAttention)  # torch.nn layers whose kernels hid
 
 
 def check_recorded(layers: dict[str, nn.Module], recorder: ActivationRecorder) -> None:
-    """A layer whose per-sample gradients cannot be captured is an error, never zeros: an
-    output that is not a Tensor or a tuple of Tensors, or one of torch.nn's fused recurrent
-    and attention layers, without a grad sampler of its own."""
+    """One of torch.nn's fused recurrent and attention layers without a grad sampler of its
+    own is an error, never zeros: its kernel hides the products a rule needs (``fix_model``
+    swaps in the DP version). Any other layer whose output no hook can read is sent to the
+    exact fallback (``odd_outputs``)."""
     for path, layer in layers.items():
-        if find_grad_sampler(layer) is not None:
+        if not isinstance(layer, FUSED) or find_grad_sampler(layer) is not None:
             continue
         odd = recorder.untracked.get(path)
-        if odd is None and not (isinstance(layer, FUSED) and recorder.calls[path]):
+        if odd is None and not recorder.calls[path]:
             continue
         name = type(layer).__name__
-        kind = odd or "tuple"
         raise UnsupportedLayerError(
-            f"{name} at {path or '<model>'} returns a {kind}, and its per-sample gradients "
-            f"cannot be captured (torch.nn's fused recurrent and attention kernels hide their "
-            f"inner products); use wb.fix_model(model) to swap in the wb.layers DP version, "
-            f"or register a grad sampler for {name}")
+            f"{name} at {path or '<model>'} returns a {(odd or 'tuple').split()[0]}, and its "
+            f"per-sample "
+            f"gradients cannot be captured (torch.nn's fused recurrent and attention kernels "
+            f"hide their inner products); use wb.fix_model(model) to swap in the wb.layers DP "
+            f"version, or register a grad sampler for {name}")
+
+
+def odd_outputs(rec: "Recording") -> None:
+    """Send to the exact fallback the parameters of every layer that returned something other
+    than a Tensor or a tuple of Tensors (``hooks.tensor_outputs``: a tuple holding ``None``,
+    as Hugging Face's attention blocks return ``(output, None)``; IBert's ``QuantLinear``'s
+    ``(output, None)``; a dict): no hook reads the gradient of such an output, so no rule or
+    per-layer vmap can be applied to its calls, while ``g_i`` of the whole model is exact."""
+    for path, kind in rec.recorder.untracked.items():
+        layer = rec.layers.get(path)
+        if layer is not None:
+            rec.mark(layer, path, f"returns a {kind}: no hook can read the gradient of "
+                                  f"its output")
 
 
 def checked_shapes(layer, call) -> list[torch.Size]:
     """Shapes that must carry the batch on dim 0 for ``layer``'s rule to hold: its outputs
-    and first input (a registered sampler), or every Tensor argument (vmap on the layer
-    treats them all as batched)."""
+    and first input (a registered sampler), or every Tensor in its arguments, nested ones
+    too (vmap on the layer maps every Tensor leaf: a rotary (cos, sin) pair of shape
+    (1, T, d) passed as a tuple is no more batched than a (1, T) argument)."""
     shapes = [s for s, _, _ in call.outputs]
-    inputs = [a.shape for a in call.args if isinstance(a, torch.Tensor)]
     if find_grad_sampler(layer) is not None:
-        return shapes + inputs[:1]
-    return shapes + inputs + [v.shape for v in call.kwargs.values() if isinstance(v, torch.Tensor)]
+        return shapes + [a.shape for a in call.args if isinstance(a, torch.Tensor)][:1]
+    return shapes + [t.shape for t in call_leaves(call.args, call.kwargs)
+                     if isinstance(t, torch.Tensor)]
 
 
 def batch_problem(layer, call, n: int) -> str | None:
@@ -273,6 +289,8 @@ def new_recording(n: int, layers, recorder, params, uncovered, calls, **fields) 
     p0 = next(iter(params.values()))
     rec = Recording(n, layers, recorder, params, p0.dtype, p0.device, **fields)
     note_uncovered(rec, uncovered)
+    if recorder.untracked:
+        odd_outputs(rec)
     for path, layer, call in calls:
         if layer.__dict__.get("takes_over", False):  # tied.py's layers set it in __init__;
             # getattr would ask nn.Module.__getattr__, which builds an error for each layer
@@ -295,6 +313,6 @@ def note_uncovered(rec: Recording, uncovered: dict[int, set[str]]) -> None:
 
 __all__ = [
     "FUSED", "Recording", "batch_problem", "check_layers", "check_recorded", "checked_shapes",
-    "layers_with_parameters", "note_uncovered", "own_parameters", "owners_of", "parameter_names",
-    "record", "rng_state", "tables",
+    "layers_with_parameters", "note_uncovered", "odd_outputs", "own_parameters", "owners_of",
+    "parameter_names", "record", "rng_state", "tables",
 ]
