@@ -10,6 +10,9 @@ every DP-optimizer mode, at n ≠ T and n = T:
   behaviour rules' probes (``rules/_rule.probe_forward``) see no Tensor and do not match;
 - an input passed by keyword, ``fc(input=x)``, ``mixer(hidden_states=h)`` (Jamba's Mamba
   mixer): moved to ``args`` (``per_sample/positional.py``), where every rule reads it;
+- a layer a behaviour rule matches on one input, called with more (HF's
+  ``MambaRMSNormGated(h, gate)`` in Mamba2, Bamba, Zamba2: the affine rule given h alone was
+  silently wrong for its weight with ``check=False``): the per-layer vmap, every argument;
 - a rule-less layer given a batch-free Tensor inside a tuple argument (a rotary
   ``(cos, sin)`` pair of shape (1, T, d)): its parameters take the exact fallback, not a
   per-layer vmap that maps the pair over a batch it does not have.
@@ -64,6 +67,28 @@ class QuantLinear(nn.Module):  # IBert: weight and bias, returns (output, scale)
 
     def forward(self, x, scale=None):
         return F.linear(x, self.weight, self.bias), None
+
+
+class GatedRMSNorm(nn.Module):  # Hugging Face's MambaRMSNormGated
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(D))
+
+    def forward(self, h, gate=None):
+        if gate is not None:
+            h = h * F.silu(gate)
+        return self.weight * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.gate = nn.Embedding(8, D), nn.Linear(D, D)
+        self.norm, self.plain, self.head = GatedRMSNorm(), GatedRMSNorm(), nn.Linear(D, 3)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        return self.head(self.plain(self.norm(h, self.gate(h)))).sum(1)
 
 
 class Model(nn.Module):
@@ -208,3 +233,21 @@ def test_behaviour_probe_of_a_layer_returning_a_tuple_does_not_match():
     from workbench.rules._rule import find_layer_rule
 
     assert find_layer_rule(QuantLinear().double()) is None
+
+
+def test_a_gated_norm_takes_the_per_layer_vmap_not_the_affine_rule():
+    torch.manual_seed(0)
+    model = Gated().double()
+    routes = routes_of(model)
+    # the gated call: no affine rule (its weight, a broadcast product, taken over:
+    # tied.py); the same class called with its input alone keeps the affine rule
+    assert "vmap" in routes.get("norm", "vmap") and "norm.weight" in " ".join(routes.index)
+    assert routes["plain"] == "fast gradient clipping", routes
+    for n, seed in ((3, 0), (T, 1)):
+        x, y = batch(n, seed)
+        ref = one_at_a_time(model, loss_fn, x, y)
+        got = quiet(wb.per_sample_gradients, model, loss_fn, x, y, method="einsum", check=False)
+        assert_exact(got, ref, scale(ref), "einsum unchecked")
+    check_functional(model)
+    for mode in ("bookkeeping", "auto"):
+        check_optimizer(model, mode)

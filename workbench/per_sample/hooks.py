@@ -56,6 +56,7 @@ from workbench.per_sample import precision
 from workbench.per_sample.broadcast import BROADCASTABLE
 from workbench.per_sample.flat_rows import as_batch, unflattened
 from workbench.per_sample.positional import as_positional
+from workbench.per_sample.registry import called_with_more
 
 
 @dataclass
@@ -160,14 +161,16 @@ def odd_output(output) -> str:
 
 
 def attach(module: nn.Module, pre_hook, hook) -> tuple:
-    """``module.register_forward_pre_hook(pre_hook)`` and ``module.register_forward_hook(hook,
-    with_kwargs=True, always_call=True)`` in one, without the two ``RemovableHandle`` objects
+    """``module.register_forward_pre_hook(pre_hook, with_kwargs=True)`` and
+    ``module.register_forward_hook(hook, with_kwargs=True, always_call=True)`` in one,
+    without the two ``RemovableHandle`` objects
     (a fixed cost of every ``record``: ~5 µs a layer): the same entries in the module's hook
     tables, under a key drawn from torch's own counter (so no user hook's key is taken).
     Returns ``(module, key)`` for ``detach``."""
     key = RemovableHandle.next_id
     RemovableHandle.next_id += 1
     module._forward_pre_hooks[key] = pre_hook
+    module._forward_pre_hooks_with_kwargs[key] = True
     module._forward_hooks[key] = hook
     module._forward_hooks_with_kwargs[key] = True
     module._forward_hooks_always_called[key] = True
@@ -176,8 +179,9 @@ def attach(module: nn.Module, pre_hook, hook) -> tuple:
 
 def detach(module: nn.Module, key: int) -> None:
     """Remove what ``attach`` put in ``module``'s hook tables (as ``RemovableHandle.remove``)."""
-    for table in (module._forward_pre_hooks, module._forward_hooks,
-                  module._forward_hooks_with_kwargs, module._forward_hooks_always_called):
+    for table in (module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs,
+                  module._forward_hooks, module._forward_hooks_with_kwargs,
+                  module._forward_hooks_always_called):
         table.pop(key, None)
 
 
@@ -214,8 +218,12 @@ class ActivationRecorder:
     def _push(self, path):
         stack = self.stack
 
-        def pre_hook(module, args):  # no tensor call: needs no ``quiet``
+        def pre_hook(module, args, kwargs):  # no tensor call: needs no ``quiet``
             stack.append(path)
+            if len(args) > 1 or kwargs:  # before its forward runs: the uses inside it
+                # (tied.py's takeovers) see the rule the whole pass will use
+                called_with_more(module, *as_positional(module, args, kwargs))
+            return None
 
         return pre_hook
 
