@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge
 from torch.utils.hooks import RemovableHandle
 
 from workbench.per_sample import precision
@@ -57,6 +57,7 @@ from workbench.per_sample.broadcast import BROADCASTABLE
 from workbench.per_sample.flat_rows import as_batch, unflattened
 from workbench.per_sample.positional import as_positional
 from workbench.per_sample.registry import called_with_more
+from workbench.per_sample.views import capture_edge, watched
 
 
 @dataclass
@@ -77,6 +78,8 @@ class LayerCall:
     path: str = ""  # the recorded layer's path
     sampled: object = None  # {id(param): (n, *shape)}: g_i materialised as b arrived, a dropped
     rows: tuple | None = None  # (n, T): called on flattened (n·T, ...) rows (flat_rows.py)
+    views: list | None = None  # per edge, o's shape where b is read at o's base (views.py)
+    watch: list = field(default_factory=list)  # [(o, version)]: partial views (views.py)
 
     @property
     def edge(self) -> GradientEdge:
@@ -89,7 +92,8 @@ class LayerCall:
     def set_backprops(self, grads) -> None:
         """b from the gradients of each output (None -> zeros); None when none arrived."""
         if (len(grads) == 1 and grads[0] is not None and not self.is_tuple
-                and self.meet is None and self.rows is None and self.widen_to is None):
+                and self.meet is None and self.rows is None and self.widen_to is None
+                and self.views is None):
             self.backprops = grads[0]  # one output, as it arrived: the steps below, skipped
             return
         if all(g is None for g in grads):
@@ -97,6 +101,9 @@ class LayerCall:
             return
         if self.meet is not None:
             grads = [self.meet.reduce(grads)]  # (n, *o.shape), summed over the meetings
+        elif self.views is not None:  # read at the base of a view: views.py Eq. (1)
+            grads = [g if g is None or v is None else g.reshape(v)
+                     for g, v in zip(grads, self.views)]
         if self.rows is not None:  # (n·T, ...) -> (n, T, ...)
             grads = [None if g is None else as_batch(g, self.rows) for g in grads]
         full = [torch.zeros(s, dtype=d, device=v) if g is None else g
@@ -260,17 +267,22 @@ class ActivationRecorder:
             self.flat_rows.tag(tensors[0], *rows)
             args = (as_batch(args[0], rows), *args[1:])
         device = tensors[0].device
+        captured = [capture_edge(t) for t in tensors]  # a view's b at its base (views.py)
+        views = [v for _, v in captured]
         call = LayerCall(args=args, kwargs=kwargs, path=path, rows=rows,
-                         edges=[get_gradient_edge(t) for t in tensors],
+                         edges=[e for e, _ in captured],
+                         views=views if any(v is not None for v in views) else None,
+                         watch=watched(tensors),
                          outputs=[(t.shape if rows is None else (*rows, *t.shape[1:]),
                                    t.dtype, t.device) for t in tensors],
                          is_tuple=is_tuple, grads=[None] * len(tensors))
         if torch.is_autocast_enabled(device.type):  # precision.state(device) is not None
             call.widen_to = precision.layer_dtype(layer)
         self.calls.setdefault(path, []).append(call)
-        if self.capture == "hooks":
-            call.handles = [t.register_hook(self._grad_hook(call, k))
-                            for k, t in enumerate(tensors)]
+        if self.capture == "hooks":  # a view's b: at its base's node, as redirect does
+            call.handles = [t.register_hook(self._grad_hook(call, k)) if v is None else
+                            e.node.register_prehook(self._pre_hook(call, k, e.output_nr))
+                            for k, (t, (e, v)) in enumerate(zip(tensors, captured))]
         if self.batch_free is not None and not is_tuple and type(layer) in BROADCASTABLE:
             self.batch_free.watch(call, tensors[0])
 
@@ -335,7 +347,7 @@ class ActivationRecorder:
             for call in calls:  # drop the activations, the graph edges and the gradients now
                 call.args, call.kwargs, call.edges, call.grads = (), {}, [], []
                 call.backprops, call.meet, call.handles, call.sampled = None, None, [], None
-                call.rows = None
+                call.rows, call.views, call.watch = None, None, []
             calls.clear()
         self.untracked.clear()
 

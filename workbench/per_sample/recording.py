@@ -46,6 +46,7 @@ from workbench.per_sample.registry import find_grad_sampler, find_sampler_check,
 from workbench.per_sample.structure import model_tables
 from workbench.per_sample.tied import delegates
 from workbench.per_sample.uses import UseTracker
+from workbench.per_sample.views import stale
 
 
 def rng_state(device: torch.device) -> tuple:
@@ -291,6 +292,7 @@ def new_recording(n: int, layers, recorder, params, uncovered, calls, **fields) 
     note_uncovered(rec, uncovered)
     if recorder.untracked:
         odd_outputs(rec)
+    stale_views(rec)
     for path, layer, call in calls:
         if layer.__dict__.get("takes_over", False):  # tied.py's layers set it in __init__;
             # getattr would ask nn.Module.__getattr__, which builds an error for each layer
@@ -299,6 +301,19 @@ def new_recording(n: int, layers, recorder, params, uncovered, calls, **fields) 
         if problem:
             rec.mark(layer, path, problem)
     return rec
+
+
+def stale_views(rec: Recording) -> None:
+    """Every recorded call whose output, a view of part of a tensor, was written in place
+    after the call (``views.py``): its b never arrives (nor a generation), so every call of
+    the recorder is looked at, not only those whose b arrived; its layer's parameters take
+    the exact fallback, in the recording of every backward pass before the step (a stale
+    call has no generation to say which one it belongs to)."""
+    for path, calls in rec.recorder.calls.items():
+        if path in rec.layers and any(call.watch and stale(call.watch) for call in calls):
+            rec.mark(rec.layers[path], path, "returns a view of part of a tensor, written in "
+                                             "place after the call, so the gradient of its "
+                                             "output cannot be read")
 
 
 def note_uncovered(rec: Recording, uncovered: dict[int, set[str]]) -> None:
@@ -314,5 +329,5 @@ def note_uncovered(rec: Recording, uncovered: dict[int, set[str]]) -> None:
 __all__ = [
     "FUSED", "Recording", "batch_problem", "check_layers", "check_recorded", "checked_shapes",
     "layers_with_parameters", "note_uncovered", "odd_outputs", "own_parameters", "owners_of",
-    "parameter_names", "record", "rng_state", "tables",
+    "parameter_names", "record", "rng_state", "stale_views", "tables",
 ]
