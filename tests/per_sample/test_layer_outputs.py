@@ -13,6 +13,11 @@ every DP-optimizer mode, at n ≠ T and n = T:
 - a layer a behaviour rule matches on one input, called with more (HF's
   ``MambaRMSNormGated(h, gate)`` in Mamba2, Bamba, Zamba2: the affine rule given h alone was
   silently wrong for its weight with ``check=False``): the per-layer vmap, every argument;
+- an output written in place after the call (RoCBert: ``h = self.map_inputs_layer(x);
+  h += token_type_embeddings``): torch returns a Linear on (n, T, d) as a view of its
+  (n·T, p) product, and the view's node leaves the graph at the in-place op, so the Linear's
+  per-sample gradients were zeros (silently with ``check=False``): b is read at the base
+  (``per_sample/views.py``); a partial view written in place takes the exact fallback;
 - a rule-less layer given a batch-free Tensor inside a tuple argument (a rotary
   ``(cos, sin)`` pair of shape (1, T, d)): its parameters take the exact fallback, not a
   per-layer vmap that maps the pair over a batch it does not have.
@@ -89,6 +94,50 @@ class Gated(nn.Module):
     def forward(self, ids):
         h = self.embed(ids)
         return self.head(self.plain(self.norm(h, self.gate(h)))).sum(1)
+
+
+class Chunk(nn.Module):  # a fused projection's first half: a partial view of the product
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(D, 2 * D) / 2)
+
+    def forward(self, x):
+        return (x @ self.weight)[..., :D]
+
+
+class InPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.lin, self.pos = nn.Embedding(8, D), nn.Linear(D, D), nn.Embedding(T, D)
+        self.chunk, self.head = Chunk(), nn.Linear(D, 3)
+
+    def forward(self, ids):
+        h = self.lin(self.embed(ids))  # (n, T, D): a view of the (n·T, D) product
+        h += self.pos(torch.arange(ids.shape[1]))  # in place, a batch-free position table
+        h.relu_()
+        c = self.chunk(h)
+        c *= 2.0  # a partial view, in place: the exact fallback for chunk.weight
+        return self.head(c + h).sum(1)
+
+
+class ScaledLinear(nn.Module):  # IBert's QuantLinear in quant mode: (output, scale)
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(D, D) / 2)
+
+    def forward(self, x):
+        scale = self.weight.detach().abs().amax() + 1.0  # no grad
+        return x @ self.weight / scale, scale
+
+
+class Quantised(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.quant, self.head = nn.Embedding(8, D), ScaledLinear(), nn.Linear(D, 3)
+
+    def forward(self, ids):
+        h, scale = self.quant(self.embed(ids))
+        return self.head(h * (4.0 // scale)).sum(1)  # floor_divide: no derivative
 
 
 class Model(nn.Module):
@@ -251,3 +300,43 @@ def test_a_gated_norm_takes_the_per_layer_vmap_not_the_affine_rule():
     check_functional(model)
     for mode in ("bookkeeping", "auto"):
         check_optimizer(model, mode)
+
+
+def test_outputs_written_in_place_after_the_call():
+    torch.manual_seed(0)
+    model = InPlace().double()
+    for n, seed in ((3, 0), (T, 1)):
+        x, y = batch(n, seed)
+        ref = one_at_a_time(model, loss_fn, x, y)
+        for method in ("einsum",):
+            got = quiet(wb.per_sample_gradients, model, loss_fn, x, y, method=method,
+                        check=False)
+            assert_exact(got, ref, scale(ref), f"{method} unchecked")
+    routes = routes_of(model)
+    assert "fallback" not in routes["lin"] + routes["pos"], routes
+    assert routes["chunk"] == "exact fallback", routes
+    check_functional(model)
+    for mode in (*MODES, "auto"):
+        check_optimizer(model, mode)
+
+
+def test_optimizer_never_makes_an_output_that_needs_no_grad_require_it():
+    """skip_weights' Tap made every floating output of a tapped layer require grad: the scale
+    of IBert's QuantLinear reached ``4.0 // scale`` and the user's backward pass crashed
+    (derivative for floor_divide not implemented); a layer is tapped only with a grad rule."""
+    torch.manual_seed(0)
+    model = Quantised().double()
+    for mode in ("bookkeeping", "auto"):
+        check_optimizer(model, mode)
+    opt = quiet(DPOptimizer, torch.optim.SGD(model.parameters(), lr=0.0), model,
+                noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=4.0,
+                loss_reduction="sum")
+    opt.skip_weight_grads = True
+    try:
+        for step in range(2):
+            x, y = batch(3, step)
+            opt.zero_grad()
+            loss_fn(model(x), y).sum().backward()
+            quiet(opt.step)
+    finally:
+        opt.detach()
