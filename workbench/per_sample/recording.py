@@ -8,7 +8,9 @@ the two it is:
 
 - **by rule**: every use is covered and every call carries the batch on dim 0;
 - **exact fallback**: anything else (a tied head written ``h @ E.T``, a positional embedding
-  used twice, a sequence-first layer, ``self.fc.forward(x)``, a parametrised weight).
+  used twice, a sequence-first layer, ``self.fc.forward(x)``, a parametrised weight, a layer
+  whose output no hook can read: a dict, a tuple with a mask, ``odd_outputs``; a partial
+  view of a tensor written in place after the call, ``views.py``).
 
 Common uses outside a layer's own call become rule calls during the forward pass
 (``uses.py``): ``F.linear(h, E)`` of a tied head and ``F.embedding(ids, W)`` of an Embedding
