@@ -57,6 +57,8 @@ class Attention(nn.Module):  # owns a parameter used in its forward, returns (ou
             out = out * pe[0] + pe[1]
         if self.style == "none":
             return out, None
+        if self.style == "indices":  # a router's expert indices: no gradient to carry
+            return out, scores.argmax(-1), None
         if self.style == "mask":
             return out, (h > 0).to(h.dtype)  # a Tensor that does not require grad
         if self.style == "dict":
@@ -225,6 +227,7 @@ def build(*args, **kwargs):
 CASES = {
     "tuple with None": dict(style="none", quant=True),
     "tuple with a mask": dict(style="mask"),
+    "tuple with integer indices": dict(style="indices"),
     "dict": dict(style="dict"),
     "keyword inputs": dict(style="tensor", keyword=True),
     "keyword inputs, tuple with None": dict(style="none", keyword=True, quant=True),
@@ -256,10 +259,13 @@ def routes_of(model):
 
 def test_tuple_with_none_is_recorded_not_sent_to_the_fallback():
     """(output, None): the attention block's own parameters on its per-layer route (vmap on
-    the layer, q_bias by the broadcast rule), the QuantLinear on its per-layer vmap."""
+    the layer, q_bias by the broadcast rule), the QuantLinear on its per-layer vmap; an
+    integer Tensor beside the output, like None, carries no gradient."""
     routes = routes_of(build("none", quant=True))
     assert not routes.str.contains("fallback").any(), routes
     assert "quant" in routes.index and "attn.proj" in routes.index, routes
+    routes = routes_of(build("indices"))
+    assert not routes.str.contains("fallback").any(), routes
 
 
 @pytest.mark.parametrize("style", ["mask", "dict"])

@@ -133,14 +133,16 @@ def tensor_outputs(output):
 
     A tuple or list is read element by element: each a Tensor or ``None`` (Hugging Face's
     attention blocks return ``(output, None)`` when no attention weights are asked for). Its
-    b is the tuple of its Tensors' gradients, ``None`` elements skipped (the per-layer vmap and
-    micro-batching skip them likewise). Unsupported (``odd_output`` says why): any other
-    element, or a Tensor that does not require grad beside ones that do (a mask): no rule
-    could tell which of the layer's outputs its b belongs to."""
+    b is the tuple of its Tensors' gradients; ``None`` elements and integer or boolean Tensors
+    (a router's expert indices), which carry no gradient, are skipped (``output_tensors``: the
+    per-layer vmap, micro-batching and the optimizer's dot loss skip them likewise).
+    Unsupported (``odd_output`` says why): any other element, or a floating Tensor that does
+    not require grad beside ones that do (a mask): no rule could tell which of the layer's
+    outputs its b belongs to."""
     if isinstance(output, torch.Tensor):
         return ([output] if output.requires_grad else []), False
     if isinstance(output, (tuple, list)):
-        tensors = [o for o in output if o is not None]
+        tensors = output_tensors(output)
         if not all(isinstance(o, torch.Tensor) for o in tensors):
             return None, False
         grads = [o for o in tensors if o.requires_grad]
@@ -150,11 +152,18 @@ def tensor_outputs(output):
     return None, False
 
 
+def _no_gradient(o) -> bool:
+    """None, or a Tensor whose dtype holds no gradient (integer, boolean)."""
+    return o is None or (isinstance(o, torch.Tensor) and not (o.is_floating_point()
+                                                               or o.is_complex()))
+
+
 def output_tensors(output) -> list:
-    """The Tensors a layer's (or the model's) output holds, in order, ``None`` elements of a
-    tuple or list skipped: what its recorded b (a tuple when ``is_tuple``) lines up with."""
+    """The elements a layer's (or the model's) output can carry gradients in, in order:
+    ``None`` and integer or boolean Tensors of a tuple or list skipped. What its recorded b (a
+    tuple when ``is_tuple``) lines up with."""
     if isinstance(output, (tuple, list)):
-        return [o for o in output if o is not None]
+        return [o for o in output if not _no_gradient(o)]
     return [output]
 
 
