@@ -1,5 +1,6 @@
 """``hooks.attach`` / ``detach``: the recorder's hooks without RemovableHandle objects behave as
-``register_forward_pre_hook`` + ``register_forward_hook(with_kwargs=True, always_call=True)``
+``register_forward_pre_hook(with_kwargs=True)`` + ``register_forward_hook(with_kwargs=True,
+always_call=True)``
 and leave the user's own hooks as they were."""
 
 import pytest
@@ -12,16 +13,17 @@ from workbench.per_sample.hooks import attach, detach
 def test_attach_runs_like_registered_hooks_and_detach_leaves_the_users_hooks():
     layer, seen = nn.Linear(3, 2), []
     user = layer.register_forward_hook(lambda m, a, o: seen.append("user"))
-    _, key = attach(layer, lambda m, a: seen.append("pre"),
+    _, key = attach(layer, lambda m, a, k: seen.append(("pre", tuple(k))),
                     lambda m, a, k, o: seen.append(("post", tuple(k))))
     assert key not in (user.id,)
     layer(torch.randn(4, 3))
-    assert seen == ["pre", "user", ("post", ())]
+    assert seen == [("pre", ()), "user", ("post", ())]
     detach(layer, key)
     seen.clear()
     layer(torch.randn(4, 3))
     assert seen == ["user"]
     assert len(layer._forward_hooks) == 1 and not layer._forward_pre_hooks
+    assert not layer._forward_pre_hooks_with_kwargs
     assert not layer._forward_hooks_with_kwargs and not layer._forward_hooks_always_called
     user.remove()
     nxt = layer.register_forward_hook(lambda m, a, o: None)
@@ -35,7 +37,7 @@ def test_attached_hook_is_always_called_when_the_forward_raises():
             raise RuntimeError("boom")
 
     layer, seen = Boom(), []
-    _, key = attach(layer, lambda m, a: seen.append("pre"),
+    _, key = attach(layer, lambda m, a, k: seen.append("pre"),
                     lambda m, a, k, o: seen.append("post"))
     with pytest.raises(RuntimeError, match="boom"):
         layer(torch.randn(2))

@@ -39,6 +39,8 @@ VMAP_ROUTES = {
     # scan, as an RNN's rule would), which hooks at the mixer's output do not give; its own
     # A_log and D stay exact on vmap (D alone is an elementwise scale, no gain while A stays)
     "mamba": {"MambaMixer"},
+    # Mamba-2's SSD scan (the same recurrence, chunked): A_log, D and dt_bias likewise
+    "mamba2": {"Mamba2Mixer"},
 }
 
 @pytest.fixture(autouse=True)

@@ -43,7 +43,7 @@ from workbench.errors import LossCouplingError, UnsupportedLayerError
 from workbench.per_sample import precision, selfcheck
 from workbench.per_sample.checks import ModelCall
 from workbench.per_sample.fallback import exact_per_sample_gradients
-from workbench.per_sample.hooks import ActivationRecorder
+from workbench.per_sample.hooks import ActivationRecorder, output_tensors
 from workbench.per_sample.owned import sole_holders
 from workbench.per_sample.recording import (
     Recording,
@@ -63,7 +63,7 @@ ROOT = "<model>"
 
 def dot_loss(outputs, backprops) -> torch.Tensor:
     """(n,): ⟨o_i, b_i⟩ per sample, whose gradient w.r.t. θ is the per-sample gradient."""
-    outs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    outs = output_tensors(outputs)  # None elements skipped, as the recorded b (hooks.py)
     bs = backprops if isinstance(backprops, (tuple, list)) else (backprops,)
     return sum((o * b).flatten(1).sum(1) for o, b in zip(outs, bs))
 
@@ -304,7 +304,7 @@ class ModelRecorder:
         i = rec.n - 1
 
         def loss_of_record(out):
-            leaves = out if isinstance(out, (tuple, list)) else (out,)
+            leaves = output_tensors(out)
             return dot_loss(tuple(o[i:i + 1] for o in leaves), b_i).sum()
 
         with self.paused():

@@ -16,9 +16,11 @@ it with the noised clipped sum. This module keeps autograd from computing it:
   input does not), so the recorder's tensor hooks catch b, and the backward pass continues to
   the layer's inputs as before. Nothing else of the graph changes.
 
-Only *leaf* layers (no submodules) that are not parametrised are tapped: every use of their
-parameters inside their forward is their own call, so the use tracker (``per_sample.uses``)
-sees the same uses either way; uses outside the layer's forward keep ``requires_grad``.
+Only *leaf* layers (no submodules) that are not parametrised and have a grad rule are
+tapped: every use of their parameters inside their forward is their own call, so the use
+tracker (``per_sample.uses``) sees the same uses either way; uses outside the layer's forward
+keep ``requires_grad``; and their output is one Tensor (a rule-less layer's may hold a Tensor
+that must not start requiring grad: autograd computes its weight gradients as usual).
 
 What the user's ``.grad`` then holds (the contract, on by default): before ``step()``, for a
 tapped parameter only the gradient of terms outside the tapped calls (an L2 penalty, a tied
@@ -39,6 +41,7 @@ from torch import nn
 from torch.nn.utils.parametrize import is_parametrized
 from torch.utils._pytree import tree_map
 
+from workbench.per_sample.registry import find_grad_rule
 from workbench.per_sample.uses import quiet
 
 AUTO = "auto"  # DPOptimizer.skip_weight_grads's default (module docstring)
@@ -58,8 +61,12 @@ class Tap(torch.autograd.Function):
 
 
 def tappable(layer: nn.Module) -> bool:
-    """A leaf layer, not parametrised: all uses of its parameters in its forward are its own."""
-    return next(layer.children(), None) is None and not is_parametrized(layer)
+    """A leaf layer, not parametrised: all uses of its parameters in its forward are its own;
+    and one with a grad rule, so its output is one Tensor (``Tap`` makes every floating output
+    require grad: IBert's ``QuantLinear`` returns (output, scale), and a tapped scale reached
+    ``1.0 // scale`` in the user's backward pass, which has no derivative)."""
+    return (next(layer.children(), None) is None and not is_parametrized(layer)
+            and find_grad_rule(layer) is not None)
 
 
 class WeightGradSkipper:

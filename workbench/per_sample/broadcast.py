@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge
 
 from workbench.per_sample.shape_ops import (
     SHAPE_OPS,
@@ -73,6 +73,7 @@ from workbench.per_sample.shape_ops import (
     op_of,
     replay,
 )
+from workbench.per_sample.views import capture_edge, stale, watched
 
 # position-wise layers: layer(x.expand(n, *x.shape)) == layer(x).expand(n, *o.shape), exact type
 BROADCASTABLE = (nn.Embedding, nn.Linear, nn.LayerNorm)
@@ -93,6 +94,7 @@ class Meeting:
     shape: tuple  # (n, *o_rest): the per-sample backprop of the expanded call
     keeps: list = field(default_factory=list)  # per meeting: where D_m was chosen, or None
     new_dim: bool = False  # the call's inputs got a batch dim (else its dim 0 of 1 expanded)
+    views: list = field(default_factory=list)  # per meeting: h_m's shape, b read at its base
 
     @property
     def edge(self) -> GradientEdge:
@@ -104,9 +106,13 @@ class Meeting:
         for s in self.shape[1:]:
             size *= s
         keeps = self.keeps or [None] * len(self.edges)
-        for g, target, index, keep in zip(grads, self.targets, self.indices, keeps):
+        views = self.views or [None] * len(self.edges)
+        for g, target, index, keep, view in zip(grads, self.targets, self.indices, keeps,
+                                                views):
             if g is None:
                 continue
+            if view is not None:  # h_m is a view, its gradient read at its base (views.py)
+                g = g.reshape(view)
             if keep is not None:  # h_m = where(cond_i, D_m, c): no gradient where c chosen
                 g = torch.where(keep, g, g.new_zeros(()))
             g = g.sum_to_size(target).reshape(n, -1)  # (n, D_m.numel())
@@ -125,7 +131,8 @@ class _Watched:
     shape: tuple  # o's shape
     device: torch.device
     poisoned: bool = False  # a use that is neither a shape-only op nor a meeting
-    meetings: list = field(default_factory=list)  # [(edge, target, node, n, new_dim, keep)]
+    meetings: list = field(default_factory=list)  # [(edge, target, node, n, new_dim, keep,
+    # view, watch)] (``meeting``)
 
     def positions(self, node) -> torch.Tensor | None:
         """π of a node's tensor flattened, -1 (masked) -> o.numel(), a spare column; None
@@ -194,13 +201,17 @@ def widened(func, node: _Node, t: torch.Tensor, result: torch.Tensor):
 
 
 def meeting(node: _Node, d_shape: tuple, h: torch.Tensor, keep=None) -> tuple:
-    """(edge, target, node, n, new_dim, keep) of the meeting h = a + d (or h = where(cond,
-    d, c): ``keep``, where d was chosen), d (of shape ``d_shape``) followed by ``node``."""
+    """(edge, target, node, n, new_dim, keep, view, watch) of the meeting h = a + d (or
+    h = where(cond, d, c): ``keep``, where d was chosen), d (of shape ``d_shape``) followed by
+    ``node``; h's edge where a later in-place op cannot take it out of the graph
+    (``views.capture_edge``: at the base of ``h += o``'s view, ``view`` h's shape),
+    ``watch``: h as a partial view."""
     d_shape, h_shape = tuple(d_shape), tuple(h.shape)
     n, new_dim = h_shape[0], len(d_shape) < len(h_shape)
     target = (n, *[1] * (len(h_shape) - 1 - len(d_shape)), *d_shape) if new_dim else (
         n, *d_shape[1:])
-    return get_gradient_edge(h), target, node, n, new_dim, keep
+    edge, view = capture_edge(h)
+    return edge, target, node, n, new_dim, keep, view, watched([h])
 
 
 class BatchFree:
@@ -310,10 +321,12 @@ def convert(recorder, entry: _Watched, meetings: list) -> None:
     if call.is_tuple or len(call.outputs) != 1 or any(isinstance(v, torch.Tensor)
                                                       for v in call.kwargs.values()):
         return
-    edges, targets, nodes, sizes, new_dims, keeps = zip(*meetings)
+    edges, targets, nodes, sizes, new_dims, keeps, views, watches = zip(*meetings)
     n = sizes[0]
     if any(s != n for s in sizes):
         return  # h's dim 0 differs between meetings: not one batch
+    if any(stale(w) for w in watches):
+        return  # h, a partial view, written in place later: its edge left the graph
     known = {id(node): entry.positions(node) for node in nodes}  # π (shape_ops.py), once
     indices = [known[id(node)] for node in nodes]  # per meeting: T5 meets once a layer
     if any(i is False for i in indices):
@@ -327,7 +340,7 @@ def convert(recorder, entry: _Watched, meetings: list) -> None:
     rest = tuple(o_shape) if new_dim else tuple(o_shape[1:])
     call.args = tuple(args)
     call.meet = Meeting(list(edges), list(targets), list(indices), (n, *rest), list(keeps),
-                        new_dim)
+                        new_dim, list(views))
     call.outputs = [(torch.Size((n, *rest)), dtype, device)]
     recorder.redirect(call, call.meet.edges)
 

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_map
 from workbench.errors import UnsupportedLayerError, WorkbenchError
 from workbench.per_sample import precision
 from workbench.per_sample.checks import check_batch, check_losses, trainable_parameters
+from workbench.per_sample.hooks import output_tensors
 
 
 def _one_sample(x):
@@ -103,12 +104,13 @@ def layer_vmap_grad_sampler(layer, args, kwargs, backprops):
 
     def grads_of_one(a, kw, b):
         def output(p):
-            return functional_call(layer, p, tree_map(_one_sample, a), tree_map(_one_sample, kw))
+            out = functional_call(layer, p, tree_map(_one_sample, a), tree_map(_one_sample, kw))
+            return tuple(output_tensors(out)) if isinstance(out, (tuple, list)) else out
 
         out, pullback = vjp(output, params)
         b1 = tree_map(_one_sample, b)
-        if isinstance(out, list) and isinstance(b1, tuple):
-            b1 = list(b1)
+        if isinstance(b1, tuple):  # a tuple output: its Tensors, None skipped (hooks.py)
+            b1 = type(out)(b1)
         return pullback(b1)[0]  # g_i = (∂o_i/∂w)^T b_i
 
     def batched(x):

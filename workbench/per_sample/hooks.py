@@ -49,12 +49,15 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge
 from torch.utils.hooks import RemovableHandle
 
 from workbench.per_sample import precision
 from workbench.per_sample.broadcast import BROADCASTABLE
 from workbench.per_sample.flat_rows import as_batch, unflattened
+from workbench.per_sample.positional import as_positional
+from workbench.per_sample.registry import called_with_more
+from workbench.per_sample.views import capture_edge, watched
 
 
 @dataclass
@@ -75,6 +78,8 @@ class LayerCall:
     path: str = ""  # the recorded layer's path
     sampled: object = None  # {id(param): (n, *shape)}: g_i materialised as b arrived, a dropped
     rows: tuple | None = None  # (n, T): called on flattened (n·T, ...) rows (flat_rows.py)
+    views: list | None = None  # per edge, o's shape where b is read at o's base (views.py)
+    watch: list = field(default_factory=list)  # [(o, version)]: partial views (views.py)
 
     @property
     def edge(self) -> GradientEdge:
@@ -87,7 +92,8 @@ class LayerCall:
     def set_backprops(self, grads) -> None:
         """b from the gradients of each output (None -> zeros); None when none arrived."""
         if (len(grads) == 1 and grads[0] is not None and not self.is_tuple
-                and self.meet is None and self.rows is None and self.widen_to is None):
+                and self.meet is None and self.rows is None and self.widen_to is None
+                and self.views is None):
             self.backprops = grads[0]  # one output, as it arrived: the steps below, skipped
             return
         if all(g is None for g in grads):
@@ -95,6 +101,9 @@ class LayerCall:
             return
         if self.meet is not None:
             grads = [self.meet.reduce(grads)]  # (n, *o.shape), summed over the meetings
+        elif self.views is not None:  # read at the base of a view: views.py Eq. (1)
+            grads = [g if g is None or v is None else g.reshape(v)
+                     for g, v in zip(grads, self.views)]
         if self.rows is not None:  # (n·T, ...) -> (n, T, ...)
             grads = [None if g is None else as_batch(g, self.rows) for g in grads]
         full = [torch.zeros(s, dtype=d, device=v) if g is None else g
@@ -120,23 +129,64 @@ def drop_inputs(call: LayerCall) -> None:
 
 
 def tensor_outputs(output):
-    """(the Tensors requiring grad in ``output``, is_tuple), or (None, False) if unsupported."""
+    """(the Tensors of ``output`` to read b at, is_tuple), or (None, False) if unsupported.
+
+    A tuple or list is read element by element: each a Tensor or ``None`` (Hugging Face's
+    attention blocks return ``(output, None)`` when no attention weights are asked for). Its
+    b is the tuple of its Tensors' gradients; ``None`` elements and integer or boolean Tensors
+    (a router's expert indices), which carry no gradient, are skipped (``output_tensors``: the
+    per-layer vmap, micro-batching and the optimizer's dot loss skip them likewise).
+    Unsupported (``odd_output`` says why): any other element, or a floating Tensor that does
+    not require grad beside ones that do (a mask): no rule could tell which of the layer's
+    outputs its b belongs to."""
     if isinstance(output, torch.Tensor):
         return ([output] if output.requires_grad else []), False
-    if isinstance(output, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in output):
-        return [o for o in output if o.requires_grad], True
+    if isinstance(output, (tuple, list)):
+        tensors = output_tensors(output)
+        if not all(isinstance(o, torch.Tensor) for o in tensors):
+            return None, False
+        grads = [o for o in tensors if o.requires_grad]
+        if grads and len(grads) < len(tensors):
+            return None, False
+        return grads, True
     return None, False
 
 
+def _no_gradient(o) -> bool:
+    """None, or a Tensor whose dtype holds no gradient (integer, boolean)."""
+    return o is None or (isinstance(o, torch.Tensor) and not (o.is_floating_point()
+                                                               or o.is_complex()))
+
+
+def output_tensors(output) -> list:
+    """The elements a layer's (or the model's) output can carry gradients in, in order:
+    ``None`` and integer or boolean Tensors of a tuple or list skipped. What its recorded b (a
+    tuple when ``is_tuple``) lines up with."""
+    if isinstance(output, (tuple, list)):
+        return [o for o in output if not _no_gradient(o)]
+    return [output]
+
+
+def odd_output(output) -> str:
+    """What a layer returned that ``tensor_outputs`` cannot read, in words."""
+    kind = type(output).__name__
+    if isinstance(output, (tuple, list)) and all(
+            o is None or isinstance(o, torch.Tensor) for o in output):
+        return f"{kind} holding Tensors that do not require grad beside ones that do"
+    return f"{kind} (not a Tensor, nor a tuple of Tensors and None)"
+
+
 def attach(module: nn.Module, pre_hook, hook) -> tuple:
-    """``module.register_forward_pre_hook(pre_hook)`` and ``module.register_forward_hook(hook,
-    with_kwargs=True, always_call=True)`` in one, without the two ``RemovableHandle`` objects
+    """``module.register_forward_pre_hook(pre_hook, with_kwargs=True)`` and
+    ``module.register_forward_hook(hook, with_kwargs=True, always_call=True)`` in one,
+    without the two ``RemovableHandle`` objects
     (a fixed cost of every ``record``: ~5 µs a layer): the same entries in the module's hook
     tables, under a key drawn from torch's own counter (so no user hook's key is taken).
     Returns ``(module, key)`` for ``detach``."""
     key = RemovableHandle.next_id
     RemovableHandle.next_id += 1
     module._forward_pre_hooks[key] = pre_hook
+    module._forward_pre_hooks_with_kwargs[key] = True
     module._forward_hooks[key] = hook
     module._forward_hooks_with_kwargs[key] = True
     module._forward_hooks_always_called[key] = True
@@ -145,8 +195,9 @@ def attach(module: nn.Module, pre_hook, hook) -> tuple:
 
 def detach(module: nn.Module, key: int) -> None:
     """Remove what ``attach`` put in ``module``'s hook tables (as ``RemovableHandle.remove``)."""
-    for table in (module._forward_pre_hooks, module._forward_hooks,
-                  module._forward_hooks_with_kwargs, module._forward_hooks_always_called):
+    for table in (module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs,
+                  module._forward_hooks, module._forward_hooks_with_kwargs,
+                  module._forward_hooks_always_called):
         table.pop(key, None)
 
 
@@ -183,8 +234,12 @@ class ActivationRecorder:
     def _push(self, path):
         stack = self.stack
 
-        def pre_hook(module, args):  # no tensor call: needs no ``quiet``
+        def pre_hook(module, args, kwargs):  # no tensor call: needs no ``quiet``
             stack.append(path)
+            if len(args) > 1 or kwargs:  # before its forward runs: the uses inside it
+                # (tied.py's takeovers) see the rule the whole pass will use
+                called_with_more(module, *as_positional(module, args, kwargs))
+            return None
 
         return pre_hook
 
@@ -208,10 +263,12 @@ class ActivationRecorder:
         else:
             tensors, is_tuple = tensor_outputs(output)
         if tensors is None:
-            self.untracked[path] = type(output).__name__  # the caller decides if fatal
+            self.untracked[path] = odd_output(output)  # recording.odd_outputs: fallback
             return
         if not tensors:
             return  # not differentiable here: nothing to sample
+        if kwargs:  # fc(input=x): the input where every rule reads it, args[0]
+            args, kwargs = as_positional(layer, args, kwargs)
         rows = None
         if not is_tuple and args and self.flat_rows is not None and self.flat_rows.tags:
             rows = unflattened(self.flat_rows, layer, args[0], tensors[0])  # None: untagged
@@ -219,17 +276,22 @@ class ActivationRecorder:
             self.flat_rows.tag(tensors[0], *rows)
             args = (as_batch(args[0], rows), *args[1:])
         device = tensors[0].device
+        captured = [capture_edge(t) for t in tensors]  # a view's b at its base (views.py)
+        views = [v for _, v in captured]
         call = LayerCall(args=args, kwargs=kwargs, path=path, rows=rows,
-                         edges=[get_gradient_edge(t) for t in tensors],
+                         edges=[e for e, _ in captured],
+                         views=views if any(v is not None for v in views) else None,
+                         watch=watched(tensors),
                          outputs=[(t.shape if rows is None else (*rows, *t.shape[1:]),
                                    t.dtype, t.device) for t in tensors],
                          is_tuple=is_tuple, grads=[None] * len(tensors))
         if torch.is_autocast_enabled(device.type):  # precision.state(device) is not None
             call.widen_to = precision.layer_dtype(layer)
         self.calls.setdefault(path, []).append(call)
-        if self.capture == "hooks":
-            call.handles = [t.register_hook(self._grad_hook(call, k))
-                            for k, t in enumerate(tensors)]
+        if self.capture == "hooks":  # a view's b: at its base's node, as redirect does
+            call.handles = [t.register_hook(self._grad_hook(call, k)) if v is None else
+                            e.node.register_prehook(self._pre_hook(call, k, e.output_nr))
+                            for k, (t, (e, v)) in enumerate(zip(tensors, captured))]
         if self.batch_free is not None and not is_tuple and type(layer) in BROADCASTABLE:
             self.batch_free.watch(call, tensors[0])
 
@@ -294,7 +356,7 @@ class ActivationRecorder:
             for call in calls:  # drop the activations, the graph edges and the gradients now
                 call.args, call.kwargs, call.edges, call.grads = (), {}, [], []
                 call.backprops, call.meet, call.handles, call.sampled = None, None, [], None
-                call.rows = None
+                call.rows, call.views, call.watch = None, None, []
             calls.clear()
         self.untracked.clear()
 
@@ -326,4 +388,7 @@ class ActivationRecorder:
         return list(grads[k:])
 
 
-__all__ = ["ActivationRecorder", "LayerCall", "attach", "detach", "drop_inputs", "tensor_outputs"]
+__all__ = [
+    "ActivationRecorder", "LayerCall", "attach", "detach", "drop_inputs", "odd_output",
+    "output_tensors", "tensor_outputs",
+]

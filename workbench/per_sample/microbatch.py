@@ -21,6 +21,7 @@ from workbench.per_sample.checks import (
     take,
     trainable_parameters,
 )
+from workbench.per_sample.hooks import output_tensors
 from workbench.per_sample.memory import zeros_per_sample
 
 
@@ -64,7 +65,7 @@ def layer_microbatch_grad_sampler(layer, args, kwargs, backprops):
         kwargs_i = {k: row(v, i) for k, v in kwargs.items()}
         with torch.enable_grad():
             o_i = layer.forward(*args_i, **kwargs_i)  # .forward: no recording hooks
-        outs = list(o_i) if many else [o_i]
+        outs = output_tensors(o_i)  # a tuple's Tensors, None skipped (as its b)
         b_i = [b[i:i + 1] for b in backprops] if many else [backprops[i:i + 1]]
         g_i = torch.autograd.grad(outs, list(own.values()), b_i, allow_unused=True)
         for name, g in zip(own, g_i):

@@ -8,7 +8,9 @@ the two it is:
 
 - **by rule**: every use is covered and every call carries the batch on dim 0;
 - **exact fallback**: anything else (a tied head written ``h @ E.T``, a positional embedding
-  used twice, a sequence-first layer, ``self.fc.forward(x)``, a parametrised weight).
+  used twice, a sequence-first layer, ``self.fc.forward(x)``, a parametrised weight, a layer
+  whose output no hook can read: a dict, a tuple with a mask, ``odd_outputs``; a partial
+  view of a tensor written in place after the call, ``views.py``).
 
 Common uses outside a layer's own call become rule calls during the forward pass
 (``uses.py``): ``F.linear(h, E)`` of a tied head and ``F.embedding(ids, W)`` of an Embedding
@@ -41,10 +43,12 @@ from workbench.per_sample.checks import (
 )
 from workbench.per_sample.fallback import redraws
 from workbench.per_sample.hooks import ActivationRecorder
+from workbench.per_sample.leaves import call_leaves
 from workbench.per_sample.registry import find_grad_sampler, find_sampler_check, layer_type
 from workbench.per_sample.structure import model_tables
 from workbench.per_sample.tied import delegates
 from workbench.per_sample.uses import UseTracker
+from workbench.per_sample.views import stale
 
 
 def rng_state(device: torch.device) -> tuple:
@@ -122,33 +126,48 @@ FUSED = (nn.RNNBase, nn.MultiheadAttention)  # torch.nn layers whose kernels hid
 
 
 def check_recorded(layers: dict[str, nn.Module], recorder: ActivationRecorder) -> None:
-    """A layer whose per-sample gradients cannot be captured is an error, never zeros: an
-    output that is not a Tensor or a tuple of Tensors, or one of torch.nn's fused recurrent
-    and attention layers, without a grad sampler of its own."""
+    """One of torch.nn's fused recurrent and attention layers without a grad sampler of its
+    own is an error, never zeros: its kernel hides the products a rule needs (``fix_model``
+    swaps in the DP version). Any other layer whose output no hook can read is sent to the
+    exact fallback (``odd_outputs``)."""
     for path, layer in layers.items():
-        if find_grad_sampler(layer) is not None:
+        if not isinstance(layer, FUSED) or find_grad_sampler(layer) is not None:
             continue
         odd = recorder.untracked.get(path)
-        if odd is None and not (isinstance(layer, FUSED) and recorder.calls[path]):
+        if odd is None and not recorder.calls[path]:
             continue
         name = type(layer).__name__
-        kind = odd or "tuple"
         raise UnsupportedLayerError(
-            f"{name} at {path or '<model>'} returns a {kind}, and its per-sample gradients "
-            f"cannot be captured (torch.nn's fused recurrent and attention kernels hide their "
-            f"inner products); use wb.fix_model(model) to swap in the wb.layers DP version, "
-            f"or register a grad sampler for {name}")
+            f"{name} at {path or '<model>'} returns a {(odd or 'tuple').split()[0]}, and its "
+            f"per-sample "
+            f"gradients cannot be captured (torch.nn's fused recurrent and attention kernels "
+            f"hide their inner products); use wb.fix_model(model) to swap in the wb.layers DP "
+            f"version, or register a grad sampler for {name}")
+
+
+def odd_outputs(rec: "Recording") -> None:
+    """Send to the exact fallback the parameters of every layer that returned something other
+    than a Tensor or a tuple of Tensors (``hooks.tensor_outputs``: a tuple holding ``None``,
+    as Hugging Face's attention blocks return ``(output, None)``; IBert's ``QuantLinear``'s
+    ``(output, None)``; a dict): no hook reads the gradient of such an output, so no rule or
+    per-layer vmap can be applied to its calls, while ``g_i`` of the whole model is exact."""
+    for path, kind in rec.recorder.untracked.items():
+        layer = rec.layers.get(path)
+        if layer is not None:
+            rec.mark(layer, path, f"returns a {kind}: no hook can read the gradient of "
+                                  f"its output")
 
 
 def checked_shapes(layer, call) -> list[torch.Size]:
     """Shapes that must carry the batch on dim 0 for ``layer``'s rule to hold: its outputs
-    and first input (a registered sampler), or every Tensor argument (vmap on the layer
-    treats them all as batched)."""
+    and first input (a registered sampler), or every Tensor in its arguments, nested ones
+    too (vmap on the layer maps every Tensor leaf: a rotary (cos, sin) pair of shape
+    (1, T, d) passed as a tuple is no more batched than a (1, T) argument)."""
     shapes = [s for s, _, _ in call.outputs]
-    inputs = [a.shape for a in call.args if isinstance(a, torch.Tensor)]
     if find_grad_sampler(layer) is not None:
-        return shapes + inputs[:1]
-    return shapes + inputs + [v.shape for v in call.kwargs.values() if isinstance(v, torch.Tensor)]
+        return shapes + [a.shape for a in call.args if isinstance(a, torch.Tensor)][:1]
+    return shapes + [t.shape for t in call_leaves(call.args, call.kwargs)
+                     if isinstance(t, torch.Tensor)]
 
 
 def batch_problem(layer, call, n: int) -> str | None:
@@ -273,6 +292,9 @@ def new_recording(n: int, layers, recorder, params, uncovered, calls, **fields) 
     p0 = next(iter(params.values()))
     rec = Recording(n, layers, recorder, params, p0.dtype, p0.device, **fields)
     note_uncovered(rec, uncovered)
+    if recorder.untracked:
+        odd_outputs(rec)
+    stale_views(rec)
     for path, layer, call in calls:
         if layer.__dict__.get("takes_over", False):  # tied.py's layers set it in __init__;
             # getattr would ask nn.Module.__getattr__, which builds an error for each layer
@@ -281,6 +303,19 @@ def new_recording(n: int, layers, recorder, params, uncovered, calls, **fields) 
         if problem:
             rec.mark(layer, path, problem)
     return rec
+
+
+def stale_views(rec: Recording) -> None:
+    """Every recorded call whose output, a view of part of a tensor, was written in place
+    after the call (``views.py``): its b never arrives (nor a generation), so every call of
+    the recorder is looked at, not only those whose b arrived; its layer's parameters take
+    the exact fallback, in the recording of every backward pass before the step (a stale
+    call has no generation to say which one it belongs to)."""
+    for path, calls in rec.recorder.calls.items():
+        if path in rec.layers and any(call.watch and stale(call.watch) for call in calls):
+            rec.mark(rec.layers[path], path, "returns a view of part of a tensor, written in "
+                                             "place after the call, so the gradient of its "
+                                             "output cannot be read")
 
 
 def note_uncovered(rec: Recording, uncovered: dict[int, set[str]]) -> None:
@@ -295,6 +330,6 @@ def note_uncovered(rec: Recording, uncovered: dict[int, set[str]]) -> None:
 
 __all__ = [
     "FUSED", "Recording", "batch_problem", "check_layers", "check_recorded", "checked_shapes",
-    "layers_with_parameters", "note_uncovered", "own_parameters", "owners_of", "parameter_names",
-    "record", "rng_state", "tables",
+    "layers_with_parameters", "note_uncovered", "odd_outputs", "own_parameters", "owners_of",
+    "parameter_names", "record", "rng_state", "stale_views", "tables",
 ]

@@ -27,7 +27,8 @@ that changes ``forward`` inherit its parent's rule silently:
 3. else a *behaviour* rule (``register_by_behaviour``): a ``matches(layer)`` test that runs the
    layer's own forward on a probe input and accepts it only where the output is the rule's
    formula (e.g. every RMSNorm class of Hugging Face, ``rules/affine.py``);
-   its verdict is cached per layer object.
+   its verdict is cached per layer object, and holds only for a layer called with its one
+   input (``called_with_more``: a gated norm's second argument is no part of the probe).
 
 Anything else has no rule: vmap on the layer (``functional.layer_vmap_grad_sampler``).
 
@@ -143,10 +144,25 @@ def find_rule(table: dict, layer: nn.Module, behaviours=()):
 
 
 _VERDICTS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+_CALLED_WITH_MORE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def called_with_more(layer: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Note a recorded call of ``layer`` (its ``args`` made positional: ``positional.py``).
+    A behaviour rule's probe verifies o = f(a) on one input ``a``; a call that passes
+    anything else (HF's ``MambaRMSNormGated(h, gate)``: o = RMSNorm(h ⊙ silu(gate)) ⊙ w,
+    which an affine rule given h alone would take for RMSNorm(h) ⊙ w) computes what no probe
+    saw. From its first such call on, no behaviour rule is the layer's rule (``by_behaviour``):
+    it takes the per-layer vmap, which passes every argument, in every method."""
+    if any(a is not None for a in args[1:]) or any(v is not None for v in kwargs.values()):
+        _CALLED_WITH_MORE.add(layer)
 
 
 def by_behaviour(layer: nn.Module, behaviours):
-    """The first behaviour rule whose ``matches(layer)`` holds (cached per layer), or None."""
+    """The first behaviour rule whose ``matches(layer)`` holds (cached per layer), or None;
+    None for a layer called with more than its input (``called_with_more``)."""
+    if not behaviours or layer in _CALLED_WITH_MORE:
+        return None
     verdicts = _VERDICTS.setdefault(layer, {})
     for matches, rule in behaviours:
         if matches not in verdicts:
@@ -187,7 +203,7 @@ find_grad_sampler = find_grad_rule
 
 __all__ = [
     "GRAD_BEHAVIOURS", "GRAD_RULES", "GRAD_SAMPLERS", "INHERITABLE", "SAMPLER_CHECKS",
-    "GradSamplerFn", "by_behaviour", "check_callable", "check_layer_types", "computes_like",
-    "find_grad_rule", "find_grad_sampler", "find_rule", "find_sampler_check", "layer_type",
-    "register_by_behaviour", "register_grad_rule", "register_grad_sampler",
+    "GradSamplerFn", "by_behaviour", "called_with_more", "check_callable", "check_layer_types",
+    "computes_like", "find_grad_rule", "find_grad_sampler", "find_rule", "find_sampler_check",
+    "layer_type", "register_by_behaviour", "register_grad_rule", "register_grad_sampler",
 ]

@@ -11,7 +11,8 @@ Needs the ``realmodels`` extra (transformers, timm, peft; torchvision through ti
 
 ``REFUSED[name]``: the methods that must raise, and why (never a silent answer): BatchNorm
 mixes the samples of a batch (``fix_model``); Bloom's ALiBi builds its bias with in-place
-writes that ``torch.func.vmap`` cannot run.
+writes that ``torch.func.vmap`` cannot run; DeBERTa's forward tests the ids for padding in
+Python: data-dependent control flow, which vmap cannot run either.
 """
 
 from dataclasses import dataclass
@@ -74,16 +75,18 @@ PROBLEMS = {name: Problem(name, "causal") for name in text.CAUSAL}
 PROBLEMS.update({name: Problem(name, "classify") for name in text.CLASSIFIERS})
 PROBLEMS.update({name: Problem(name, "image") for name in vision.IMAGES})
 
-FLOAT32_INSIDE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "lora_llama", "mamba", "t5"}
-"""Models whose RMSNorm computes in float32 whatever the model's dtype (Hugging Face's
-``hidden_states.to(torch.float32)``): even in float64 their answers carry float32 rounding,
-which a method's different order of operations (ghost's second backward pass) changes by
-~1e-8 relative, so they are checked to ``RTOL_FLOAT32_INSIDE``."""
+FLOAT32_INSIDE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "lora_llama", "mamba", "t5",
+                  "mixtral", "mamba2", "deberta"}
+"""Models whose RMSNorm (DeBERTa: LayerNorm) computes in float32 whatever the model's dtype
+(Hugging Face's ``hidden_states.to(torch.float32)``): even in float64 their answers carry
+float32 rounding, which a method's different order of operations (ghost's second backward
+pass) changes by ~1e-8 relative, so they are checked to ``RTOL_FLOAT32_INSIDE``."""
 
 BATCHNORM = "BatchNorm"
 REFUSED = {
     "timm_resnet_bn": {"all": BATCHNORM},
     "bloom": {"vmap": "vmap"},
+    "deberta": {"vmap": "vmap"},  # transformers' warn_if_padding_and_no_attention_mask
 }
 """name -> {method or "all": a word the error message must contain}."""
 

@@ -110,6 +110,36 @@ def bart():
                  max_position_embeddings=16, dropout=0.0)
 
 
+def mixtral():
+    """Mixture of experts: a top-2 router over 4 experts per token, the experts' weights as 3-D
+    parameters (E, 2I, d), each token's k experts' weights gathered and applied by one bmm
+    (Hugging Face's "batched_mm" experts; the default "grouped_mm" has no float64 kernel on
+    CPU, "eager" loops over the experts hit, which vmap cannot run)."""
+    return llama_like("Mixtral", num_local_experts=4, num_experts_per_tok=2,
+                      experts_implementation="batched_mm")
+
+
+def mamba2():
+    """Mamba-2: the SSD scan, and a gated RMSNorm called as norm(y, gate)."""
+    return build("Mamba2Config", "Mamba2ForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN,
+                 num_hidden_layers=1, state_size=4, expand=2, num_heads=4, head_dim=8,
+                 n_groups=1, conv_kernel=2, chunk_size=4)
+
+
+def albert():
+    """ALBERT: one layer's weights shared across depth (2 layers, 1 group): each shared module
+    is called twice per forward pass."""
+    return encoder("Albert", num_hidden_layers=2, embedding_size=8, num_hidden_groups=1,
+                   inner_group_num=1)
+
+
+def deberta():
+    """DeBERTa (v1) with disentangled relative attention: ``DisentangledSelfAttention`` owns
+    q_bias and v_bias, reads the relative embeddings' table, and returns (output, None)."""
+    return encoder("Deberta", relative_attention=True, max_relative_positions=2,
+                   pos_att_type=["c2p", "p2c"])
+
+
 def lora_llama():
     peft = importlib.import_module("peft")
     base = llama_like("Llama")
@@ -123,9 +153,10 @@ CAUSAL = {
     "gpt2": gpt2, "gpt_neox": gpt_neox, "llama": lambda: llama_like("Llama"),
     "mistral": lambda: llama_like("Mistral"), "qwen2": lambda: llama_like("Qwen2"),
     "qwen3": qwen3, "phi": phi, "gemma": gemma, "opt": opt, "bloom": bloom, "mamba": mamba,
-    "lora_llama": lora_llama, "t5": t5, "bart": bart,
+    "lora_llama": lora_llama, "t5": t5, "bart": bart, "mixtral": mixtral, "mamba2": mamba2,
 }
 """name -> builder of an ids -> (n, T, V) logits model (next-token loss)."""
+
 
 def mpnet():
     """MPNet: a relative position bias computed once, expanded to the batch size (n, H, T, T)
@@ -135,13 +166,13 @@ def mpnet():
 
 CLASSIFIERS = {
     "bert": lambda: encoder("Bert"), "roberta": lambda: encoder("Roberta", pad_token_id=1),
-    "distilbert": distilbert, "mpnet": mpnet,
+    "distilbert": distilbert, "mpnet": mpnet, "albert": albert, "deberta": deberta,
 }
 """name -> builder of an ids -> (n, K) logits model (cross-entropy on a label)."""
 
 
 __all__ = [
-    "CAUSAL", "CLASSIFIERS", "SMALL", "Logits", "bart", "bloom", "build", "distilbert", "encoder",
-    "gemma", "gpt2", "gpt_neox", "llama_like", "lora_llama", "mamba", "mpnet", "opt", "phi",
-    "qwen3", "t5",
+    "CAUSAL", "CLASSIFIERS", "SMALL", "Logits", "albert", "bart", "bloom", "build", "deberta",
+    "distilbert", "encoder", "gemma", "gpt2", "gpt_neox", "llama_like", "lora_llama", "mamba",
+    "mamba2", "mixtral", "mpnet", "opt", "phi", "qwen3", "t5",
 ]

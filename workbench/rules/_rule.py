@@ -32,6 +32,7 @@ Notation: n batch, g_i per-sample gradient, c_i clip factor, a activations, b ba
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from workbench.clipping.registry import (
@@ -68,6 +69,19 @@ class Route:
 PROBE_ERRORS = (RuntimeError, TypeError, ValueError, IndexError, AssertionError)
 """What a behaviour rule's probe forward may raise on a layer it does not fit (an Embedding
 subclass given floats, a shape assertion): the layer simply does not match."""
+
+
+
+def probe_forward(layer: nn.Module, *args) -> torch.Tensor:
+    """``layer.forward(*args)`` on a behaviour rule's probe input, which must return one Tensor:
+    a layer returning anything else (IBert's ``QuantLinear``: a tuple (output, scale)) is no
+    o = f(a) layer of any behaviour rule, so it raises TypeError, one of ``PROBE_ERRORS``
+    (the probe's "does not match"). Every probe forward goes through here."""
+    out = layer.forward(*args)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{type(layer).__name__} returns a {type(out).__name__}, not a Tensor")
+    return out
+
 
 MATERIALISE = Route("materialise", own_gradient_size, materialises=True)
 """The per-sample gradient itself, normed and dropped: P numbers per sample."""
@@ -166,5 +180,5 @@ def fast_reweighted(layer: nn.Module):
 __all__ = [
     "MATERIALISE", "PROBE_ERRORS", "RULES", "RULE_BEHAVIOURS", "LayerRule", "Route",
     "fast_reweighted", "fast_weight_grads", "find_layer_rule", "norm_route", "own_gradient_size",
-    "register_rule", "unregister_rule",
+    "probe_forward", "register_rule", "unregister_rule",
 ]

@@ -36,7 +36,7 @@ import weakref
 import torch
 from torch.nn.utils.stateless import _reparametrize_module
 
-from workbench.rules._rule import PROBE_ERRORS, LayerRule, register_rule
+from workbench.rules._rule import PROBE_ERRORS, LayerRule, probe_forward, register_rule
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4}  # relative, per probe, by compute dtype
 
@@ -53,7 +53,7 @@ def run(layer, a, weight, bias=None):
     """The layer's own forward with weight (and bias) swapped; no hooks run."""
     params = {"weight": weight} if bias is None else {"weight": weight, "bias": bias}
     with _reparametrize_module(layer, params):
-        return layer.forward(a)
+        return probe_forward(layer, a)
 
 
 def parts(layer, a):
@@ -149,8 +149,8 @@ def rows_independent(layer) -> bool:
                     dtype=w.dtype).to(w.device)
     try:
         with torch.no_grad():
-            rows, one = layer.forward(a), layer.forward(a[1:2])
-            grid = layer.forward(a.reshape(2, 2, *w.shape)).reshape(rows.shape)
+            rows, one = probe_forward(layer, a), probe_forward(layer, a[1:2])
+            grid = probe_forward(layer, a.reshape(2, 2, *w.shape)).reshape(rows.shape)
     except PROBE_ERRORS:
         return False
     tol = TOLERANCE.get(compute_dtype(rows), TOLERANCE.get(w.dtype, 1e-4))

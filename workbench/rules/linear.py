@@ -33,6 +33,7 @@ from workbench.rules._rule import (
     LayerRule,
     Route,
     own_gradient_size,
+    probe_forward,
     register_rule,
 )
 
@@ -152,7 +153,7 @@ def is_transposed_linear(layer) -> bool:
                     dtype=W.dtype).to(W.device)
     try:
         with torch.no_grad():
-            out, want = layer.forward(a), a @ W + (0 if c is None else c)
+            out, want = probe_forward(layer, a), a @ W + (0 if c is None else c)
     except PROBE_ERRORS:
         return False
     return out.shape == want.shape and bool((out - want).norm() <= 1e-5 * want.norm())
