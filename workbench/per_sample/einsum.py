@@ -157,6 +157,6 @@ def einsum_per_sample_gradients(model, loss_fn, inputs, targets, strict=False, c
 
 
 __all__ = [
-    "check_shapes", "einsum_per_sample_gradients", "fallback_gradients", "replay_probe", "rule_gradients",
-    "sample_call", "sample_layer", "warn_fallbacks",
+    "check_shapes", "einsum_per_sample_gradients", "fallback_gradients", "replay_probe",
+    "rule_gradients", "sample_call", "sample_layer", "warn_fallbacks",
 ]

@@ -122,14 +122,15 @@ FUSED = (nn.RNNBase, nn.MultiheadAttention)  # torch.nn layers whose kernels hid
 
 
 def check_recorded(layers: dict[str, nn.Module], recorder: ActivationRecorder) -> None:
-    """A layer whose per-sample gradients cannot be captured is an error, never zeros: an
-    output that is not a Tensor or a tuple of Tensors, or one of torch.nn's fused recurrent
-    and attention layers, without a grad sampler of its own."""
+    """One of torch.nn's fused recurrent and attention layers without a grad sampler of its
+    own is an error (its per-sample gradients cannot be captured, and ``fix_model`` has a
+    twin for it). Any other layer whose output is not a Tensor or a tuple of Tensors is not
+    recorded: its parameters take the exact fallback (``odd_outputs``), never zeros."""
     for path, layer in layers.items():
-        if find_grad_sampler(layer) is not None:
+        if not isinstance(layer, FUSED) or find_grad_sampler(layer) is not None:
             continue
         odd = recorder.untracked.get(path)
-        if odd is None and not (isinstance(layer, FUSED) and recorder.calls[path]):
+        if odd is None and not recorder.calls[path]:
             continue
         name = type(layer).__name__
         kind = odd or "tuple"
@@ -280,7 +281,25 @@ def new_recording(n: int, layers, recorder, params, uncovered, calls, **fields) 
         problem = batch_problem(layer, call, n) or (rec.random and redraws(layer))
         if problem:
             rec.mark(layer, path, problem)
+    odd_outputs(rec, recorder)
     return rec
+
+
+def odd_outputs(rec: Recording, recorder: ActivationRecorder) -> None:
+    """A rule-less layer that returned something other than a Tensor or a tuple of Tensors
+    (Hugging Face's ``embeddings, (height, width)`` of Data2Vec-Vision, PVT, Hiera) has no
+    recorded call: its parameters take the exact fallback, except those it hands over to a
+    broadcast call (a cls token ``cat``-ed to the batch: ``tied.py``), whose rule needs no
+    call of the owner."""
+    for path, kind in recorder.untracked.items():
+        layer = rec.layers.get(path)
+        if layer is None or find_grad_sampler(layer) is not None:
+            continue
+        for _, p in own_parameters(layer):
+            if id(p) not in rec.taken:
+                rec.fallback.setdefault(id(p), f"{type(layer).__name__} at {path or '<model>'} "
+                                               f"returns a {kind} (not a Tensor or a tuple of "
+                                               f"Tensors), so its calls are not recorded")
 
 
 def note_uncovered(rec: Recording, uncovered: dict[int, set[str]]) -> None:
@@ -295,6 +314,6 @@ def note_uncovered(rec: Recording, uncovered: dict[int, set[str]]) -> None:
 
 __all__ = [
     "FUSED", "Recording", "batch_problem", "check_layers", "check_recorded", "checked_shapes",
-    "layers_with_parameters", "note_uncovered", "own_parameters", "owners_of", "parameter_names",
-    "record", "rng_state", "tables",
+    "layers_with_parameters", "note_uncovered", "odd_outputs", "own_parameters", "owners_of",
+    "parameter_names", "record", "rng_state", "tables",
 ]

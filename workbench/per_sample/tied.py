@@ -213,7 +213,8 @@ def record_broadcast(tracker, args, kwargs, result, where: str, func=None) -> bo
     name = tracker.names.get(id(p), "a parameter")
     path = f"broadcast({name}{' in its owner' if inside else ''})"
     anchor = result.new_zeros(()).expand(result.shape)  # (n, ...) of stride 0: no memory
-    if not record_call(tracker, path, lambda: BroadcastParameter(p, inside, where if inside else None),
+    owner = where if inside else None  # its calls sit inside the owner's (skip_weights.py)
+    if not record_call(tracker, path, lambda: BroadcastParameter(p, inside, owner),
                        {"weight": p}, (anchor,), result):
         return False
     if inside:
@@ -247,7 +248,8 @@ def record_product(tracker, p, v, x, result, where: str) -> bool:
     name = tracker.names.get(id(p), "a parameter")
     view = "" if shape == tuple(p.shape) else f".reshape{shape}"
     path = f"scale({name}{view}{' in its owner' if inside else ''})"
-    if not record_call(tracker, path, lambda: BroadcastProduct(p, shape, inside, where if inside else None),
+    owner = where if inside else None
+    if not record_call(tracker, path, lambda: BroadcastProduct(p, shape, inside, owner),
                        {"weight": p}, (x,), result):
         return False
     if inside:
