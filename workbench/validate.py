@@ -97,8 +97,10 @@ def validate_model(model: nn.Module) -> list[Problem]:
         if isinstance(module, INPLACE) and getattr(module, "inplace", False):
             problems.append(Problem(path, type(module).__name__, (
                 "is in-place: the workbench's hooks are safe (they record the value before "
-                "the in-place change), but tools built on register_full_backward_hook (e.g. "
-                "Opacus' hooks mode) fail on it; inplace=False is portable"), blocking=False))
+                "the in-place change; after a layer whose output is a view, a Linear on (n, T, "
+                "d), that layer's parameters take the slower exact fallback), but tools built "
+                "on register_full_backward_hook (e.g. Opacus' hooks mode) fail on it; "
+                "inplace=False is portable"), blocking=False))
         mixing = sample_mixing_problem(module)
         if mixing:
             problems.append(Problem(path, type(module).__name__, mixing))

@@ -59,6 +59,19 @@ def in_place(name: str) -> bool:
         or name == "__setitem__"
 
 
+def written_into(name: str, args, kwargs):
+    """The tensor an op writes into, or None: its first argument for ``in_place(name)`` and
+    for ``F.relu(x, inplace=True)`` (the functional form, ``nn.ReLU(inplace=True)``, reaches a
+    torch-function mode as ``relu`` with ``inplace=True``), ``out=`` where given."""
+    if kwargs:
+        if kwargs.get("inplace") is True and args:
+            return args[0]
+        out = kwargs.get("out")
+        if isinstance(out, torch.Tensor):
+            return out
+    return args[0] if args and in_place(name) else None
+
+
 def merged(src: torch.Size, out: torch.Size) -> int | None:
     """k: ``out``'s dim 0 is the product of ``src``'s first k dims (k ≥ 1), else None (Eq. 1)."""
     size = 1
@@ -169,4 +182,5 @@ def as_batch(t: torch.Tensor, tag: tuple[int, int]) -> torch.Tensor:
 
 
 __all__ = ["ELEMENTWISE", "FOLLOWED", "FlatRows", "RESHAPES", "as_batch", "in_place", "merged",
+           "written_into",
            "row_wise", "unflattened"]

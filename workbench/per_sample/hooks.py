@@ -10,7 +10,10 @@ obtains per-sample gradients from two quantities per layer and call:
 The forward hook also keeps o's autograd *edge* (``torch.autograd.graph.get_gradient_edge``):
 the point of the graph where o's gradient arrives. ``ActivationRecorder.backward`` then asks
 autograd for the gradients at all those edges in one pass (an in-place change of o after the
-layer moves o to a new node, but the edge taken before it still names o's original value).
+layer moves o to a new node, but the edge taken before it still names o's original value;
+not so when o is a *view*, e.g. F.linear's output on (n, T, d): the write rebuilds the graph
+of o's base without o's old node, so such writes are watched and the layer's parameters take
+the exact fallback: ``ActivationRecorder.written``).
 When someone else runs the backward pass (the ordinary training loop's ``loss.backward()``,
 used by ``dpsgd``), ``capture="hooks"`` registers a tensor hook on o instead.
 
@@ -75,6 +78,7 @@ class LayerCall:
     path: str = ""  # the recorded layer's path
     sampled: object = None  # {id(param): (n, *shape)}: g_i materialised as b arrived, a dropped
     rows: tuple | None = None  # (n, T): called on flattened (n·T, ...) rows (flat_rows.py)
+    written: bool = False  # an output, a view, written in place after the call (``views``)
 
     @property
     def edge(self) -> GradientEdge:
@@ -164,6 +168,8 @@ class ActivationRecorder:
     batch_free: object = None  # broadcast.BatchFree while a use tracker runs the forward pass
     flat_rows: object = None  # flat_rows.FlatRows while a use tracker runs the forward pass
     on_complete: object = None  # capture="hooks": (call) -> None once all its b have arrived
+    views: dict = field(default_factory=dict)  # id(base) -> (weakref(base), [calls]): outputs
+    # that are views of base (a Linear on (n, T, d)); the use tracker reports writes into them
     _handles: list = field(default_factory=list)
     _pending: bool = False
 
@@ -227,11 +233,38 @@ class ActivationRecorder:
         if torch.is_autocast_enabled(device.type):  # precision.state(device) is not None
             call.widen_to = precision.layer_dtype(layer)
         self.calls.setdefault(path, []).append(call)
+        for t in tensors:
+            if t._is_view():  # an in-place write would move it off the edge (``written``)
+                self._watch_view(t._base, call)
         if self.capture == "hooks":
             call.handles = [t.register_hook(self._grad_hook(call, k))
                             for k, t in enumerate(tensors)]
         if self.batch_free is not None and not is_tuple and type(layer) in BROADCASTABLE:
             self.batch_free.watch(call, tensors[0])
+
+    def _watch_view(self, base: torch.Tensor, call: LayerCall) -> None:
+        entry = self.views.get(id(base))
+        if entry is None or entry[0]() is not base:  # an id reused after its tensor was freed
+            self.views[id(base)] = (weakref.ref(base), [call])
+        else:
+            entry[1].append(call)
+
+    def written(self, t) -> None:
+        """The use tracker saw an in-place write into t (``x.relu_()``, ``x += y``, ``x[i] =
+        y``). If t shares its storage with a recorded output that is a *view* (F.linear on
+        (n, T, d) returns addmm's (n·T, p) result viewed as (n, T, p)), autograd moves that
+        output to a new node (CopySlices of its base): the output's edge and tensor hooks,
+        taken before the write, are no longer on the graph and its backprops never arrive.
+        Those calls are marked ``written``: their layers take the exact fallback
+        (``recording.unreadable``), never a zero gradient. An output that is not a view keeps
+        its node (the write's node leads to it), so nothing is lost there."""
+        if not isinstance(t, torch.Tensor):
+            return
+        base = t._base if t._is_view() else t
+        entry = self.views.get(id(base))
+        if entry is not None and entry[0]() is base:
+            for call in entry[1]:
+                call.written = True
 
     def add_layer(self, path: str, layer) -> nn.Module:
         """A layer met during the forward pass (``uses.py``); the one already there if any."""
@@ -297,6 +330,7 @@ class ActivationRecorder:
                 call.rows = None
             calls.clear()
         self.untracked.clear()
+        self.views.clear()
 
     def all_calls(self) -> list[LayerCall]:
         return [call for calls in self.calls.values() for call in calls]

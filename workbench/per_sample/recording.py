@@ -281,16 +281,25 @@ def new_recording(n: int, layers, recorder, params, uncovered, calls, **fields) 
         problem = batch_problem(layer, call, n) or (rec.random and redraws(layer))
         if problem:
             rec.mark(layer, path, problem)
-    odd_outputs(rec, recorder)
+    unreadable(rec, recorder)
     return rec
 
 
-def odd_outputs(rec: Recording, recorder: ActivationRecorder) -> None:
-    """A rule-less layer that returned something other than a Tensor or a tuple of Tensors
-    (Hugging Face's ``embeddings, (height, width)`` of Data2Vec-Vision, PVT, Hiera) has no
-    recorded call: its parameters take the exact fallback, except those it hands over to a
-    broadcast call (a cls token ``cat``-ed to the batch: ``tied.py``), whose rule needs no
-    call of the owner."""
+def unreadable(rec: Recording, recorder: ActivationRecorder) -> None:
+    """Layers whose calls cannot be read take the exact fallback, never a zero gradient: a
+    call whose output, a view, was written in place afterwards (``ReLU(inplace=True)`` after
+    a Linear on (n, T, d), Swin-V2's position-bias MLP: its backprops never arrive,
+    ``ActivationRecorder.written``), and a rule-less layer that returned something other than
+    a Tensor or a tuple of Tensors (Hugging Face's ``embeddings, (height, width)`` of
+    Data2Vec-Vision, PVT, Hiera: no call recorded), except for the parameters the latter hands
+    over to a broadcast call (a cls token ``cat``-ed to the batch: ``tied.py``), whose rule
+    needs no call of the owner."""
+    for path, calls in recorder.calls.items():
+        layer = rec.layers.get(path)
+        if layer is not None and any(c.written for c in calls):
+            rec.mark(layer, path, "returned a view that was written in place afterwards (e.g. "
+                                  "ReLU(inplace=True) after a Linear on (n, T, d)), so its "
+                                  "backprops cannot be read; an out-of-place op keeps its rule")
     for path, kind in recorder.untracked.items():
         layer = rec.layers.get(path)
         if layer is None or find_grad_sampler(layer) is not None:
@@ -314,6 +323,6 @@ def note_uncovered(rec: Recording, uncovered: dict[int, set[str]]) -> None:
 
 __all__ = [
     "FUSED", "Recording", "batch_problem", "check_layers", "check_recorded", "checked_shapes",
-    "layers_with_parameters", "note_uncovered", "odd_outputs", "own_parameters", "owners_of",
+    "layers_with_parameters", "note_uncovered", "unreadable", "own_parameters", "owners_of",
     "parameter_names", "record", "rng_state", "tables",
 ]

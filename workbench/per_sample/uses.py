@@ -34,7 +34,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from workbench.per_sample.broadcast import REWRITES, BatchFree
-from workbench.per_sample.flat_rows import FOLLOWED, FlatRows, in_place
+from workbench.per_sample.flat_rows import FOLLOWED, FlatRows, in_place, written_into
 from workbench.per_sample.leaves import leaves
 from workbench.per_sample.tied import FUNCTIONAL, settle_broadcast, use_views
 
@@ -141,6 +141,8 @@ class UseTracker(TorchFunctionMode):
         if torch.is_grad_enabled():
             if name in FOLLOWED or (self.flat_rows.tags and in_place(name)):
                 self.flat_rows.after(name, args, kwargs, result)
+            if self.recorder.views:  # a recorded output, a view, written in place (hooks.py)
+                self.recorder.written(written_into(name, args, kwargs))
             ids = _argument_ids(args, kwargs)  # one scan, then C-level set tests
             watched = self.batch_free.watched
             if watched and not watched.keys().isdisjoint(ids):
