@@ -72,8 +72,30 @@ class PlainLayerNorm(nn.LayerNorm):  # a new __init__ only: computes as its pare
         super().__init__(d, eps=1e-6)
 
 
+class GRN(nn.Module):  # transformers' ConvNextV2GRNLayer: weight and bias (1, 1, 1, C)
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, 1, 1, d))
+        self.bias = nn.Parameter(torch.zeros(1, 1, 1, d))
+
+    def forward(self, x):  # (n, H, W, C): a global response norm per sample and channel
+        g = torch.linalg.vector_norm(x, ord=2, dim=(1, 2), keepdim=True)
+        return self.weight * (x * (g / (g.mean(dim=-1, keepdim=True) + 1e-6))) + self.bias + x
+
+
+class ChannelScale(nn.Module):  # a (C, 1, 1) scale on (n, C, H, W), right-aligned
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d, 1, 1))
+
+    def forward(self, x):
+        return x * self.weight
+
+
 D = 5
 CASES = {
+    "grn": (GRN(D), (6, 3, 2, D), affine_grad_sampler),  # size-1 dims summed too
+    "channel_scale": (ChannelScale(D), (6, D, 3, 2), affine_grad_sampler),
     "llama_rms": (LlamaRMSNorm(D), (6, 3, D), affine_grad_sampler),
     "gemma_rms": (GemmaRMSNorm(D), (6, 3, D), affine_grad_sampler),
     "layer_norm_2d": (LayerNorm2d(D), (6, D, 3, 2), affine_grad_sampler),
@@ -160,3 +182,32 @@ def test_rule_probe_takes_the_tolerance_of_the_dtype_a_layer_computes_in():
         got = wb.clipped_grad_sum(model, mse_per_sample, x, y, C, method=method)
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7)
+
+
+def test_a_rule_returning_another_shape_than_its_parameter_is_refused():
+    """A rule's per-sample gradient must be (n, *p.shape): one that summed over the wrong dims
+    is refused before its numbers reach a sum or a norm (``einsum.check_shapes``)."""
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.s = nn.Parameter(torch.ones(1, D))
+
+        def forward(self, x):
+            return x * self.s
+
+    @wb.register_grad_sampler(Scale)
+    def wrong(layer, activations, backprops):  # forgets the (1, D) shape: (n, D)
+        return {"s": (activations[0] * backprops).sum(1)}
+
+    try:
+        model, x, y = regression(Scale(), (4, 3, D))
+        for method in ("einsum", "ghost"):
+            with pytest.raises(wb.PerSampleCheckError, match=r"Scale at 0.*shape \(4, 5\).*"
+                                                           r"\(4, 1, 5\)"):
+                if method == "einsum":
+                    wb.per_sample_gradients(model, mse_per_sample, x, y, method="einsum")
+                else:
+                    wb.clipped_grad_sum(model, mse_per_sample, x, y, 1.0, method="ghost")
+    finally:
+        from workbench.per_sample.registry import GRAD_SAMPLERS
+        GRAD_SAMPLERS.pop(Scale, None)

@@ -61,6 +61,16 @@ class Outside(nn.Module):  # the model owns the scale, a Linear beside it
         return torch.tanh(self.fc(x)) * self.scale
 
 
+class Dinov2Like(nn.Module):  # a leaf layer scale beside a parameter used outside layers
+    def __init__(self):
+        super().__init__()
+        self.conv, self.scale = nn.Conv2d(C, C, 1), LayerScale()
+        self.pos = nn.Parameter(torch.randn(1, C, S, S))
+
+    def forward(self, x):  # the scale's calls sit inside its tapped forward (skip_weights.py)
+        return x + self.pos + self.scale(torch.tanh(self.conv(x)))
+
+
 def head():
     return [nn.Flatten(1), nn.Linear(C * S * S, 2)]
 
@@ -74,6 +84,7 @@ MODELS = {  # name: (model, scale layers taking the rule; vmap remains?)
     "hf_layer_scale": (lambda: nn.Sequential(nn.Conv2d(C, C, 1), LayerScale(), nn.Tanh(),
                                              *head()), 1, False),
     "outside": (lambda: nn.Sequential(Outside(), nn.Tanh(), *head()), 1, False),
+    "dinov2": (lambda: nn.Sequential(Dinov2Like(), nn.Tanh(), *head()), 1, False),
 }
 
 
@@ -93,7 +104,7 @@ def test_layer_scales_are_exact_and_leave_vmap(name):
         assert "0.conv" in set(routes["layer"]), routes
 
 
-@pytest.mark.parametrize("name", ["convnext", "mixed", "outside"])
+@pytest.mark.parametrize("name", ["convnext", "mixed", "outside", "dinov2"])
 @pytest.mark.parametrize("mode", [*MODES, "auto"])
 def test_optimizer_with_layer_scales_matches_microbatching(name, mode):
     model, _, _ = problem(name)

@@ -274,8 +274,9 @@ class ModelRecorder:
         f = rec.factors
         c = torch.where(f != 0, 1 / torch.where(f != 0, f, 1), 0)  # (n,) undo f_i
         sums: dict = {}
+        tapped = self.tapped_paths()
         for path, layer, call in rec.calls():
-            if path in self.skipper.tapped:  # autograd computed no weight gradient there
+            if path in tapped:  # autograd computed no weight gradient there
                 continue
             own = [p for _, p in rec.own(layer)]
             if own:
@@ -283,17 +284,28 @@ class ModelRecorder:
                     sums[key] = g if key not in sums else sums[key] + g
         with torch.no_grad():
             for key, g in exact.items():
-                if self._stream_paths.get(key, set()) & self.skipper.tapped:
+                if self._stream_paths.get(key, set()) & tapped:
                     continue  # streamed from a tapped call: autograd computed no .grad there
                 s = torch.tensordot(c.to(g.dtype), g, dims=1)
                 sums[key] = s if key not in sums else sums[key] + s
         return sums
 
+    def tapped_paths(self) -> set[str]:
+        """The paths of the calls autograd computed no weight gradient for: the tapped layers
+        (``skip_weights.py``) and the calls recorded inside their forward for a parameter
+        they hand over (a layer scale ``x * lambda1`` in a rule-less leaf layer, Dinov2's
+        ``LayerScale``: a ``BroadcastProduct`` whose ``owner`` was tapped, ``tied.py``)."""
+        tapped = self.skipper.tapped
+        if not tapped:
+            return tapped
+        return tapped | {path for path, layer in self.layers.items()
+                         if layer.__dict__.get("owner") in tapped}
+
     def unchecked(self, rec: Recording) -> set[int]:
         """ids of fallback parameters of tapped layers: their exact g_i sums every use, the
         user's ``.grad`` only the uses outside the tapped calls, so they are not compared."""
-        tapped = self.skipper.tapped
-        return {id(p) for path in tapped for p in self.skipper.own[path]
+        tapped = self.tapped_paths()
+        return {id(p) for path in self.skipper.tapped for p in self.skipper.own[path]
                 if id(p) in rec.fallback} | {key for key, paths in self._stream_paths.items()
                                              if paths & tapped and not paths <= tapped}
 

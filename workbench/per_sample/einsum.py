@@ -24,6 +24,7 @@ import warnings
 
 import torch
 
+from workbench.errors import PerSampleCheckError
 from workbench.per_sample import selfcheck
 from workbench.per_sample.fallback import exact_per_sample_gradients
 from workbench.per_sample.functional import layer_vmap_grad_sampler
@@ -73,7 +74,24 @@ def sample_call(layer, call, keep=None) -> dict[str, torch.Tensor]:
         grads = layer_vmap_grad_sampler(layer, call.args, call.kwargs, call.backprops)
     else:
         grads = sampler(layer, call.args, call.backprops)
+        check_shapes(layer, call, grads)
     return grads if keep is None else {k: g for k, g in grads.items() if k in keep}
+
+
+def check_shapes(layer, call, grads: dict) -> None:
+    """Every per-sample gradient a rule returns is (n, *p.shape): a rule that returns another
+    shape has summed over the wrong dims (a parameter of shape (1, 1, 1, C) treated as (C,)),
+    and its numbers must never reach a sum or a norm."""
+    b = call.backprops[0] if isinstance(call.backprops, tuple) else call.backprops
+    n = b.shape[0] if isinstance(b, torch.Tensor) and b.dim() else None
+    for name, g in grads.items():
+        p = getattr(layer, name, None)
+        if n is None or not isinstance(p, torch.Tensor) or tuple(g.shape) == (n, *p.shape):
+            continue
+        raise PerSampleCheckError(
+            f"the grad rule of {type(layer).__name__} at {call.path or '<model>'} returned a "
+            f"per-sample gradient of shape {tuple(g.shape)} for {name!r}, not (n, *{name}.shape) "
+            f"= {(n, *p.shape)}: the rule does not fit this layer; unregister it or fix it")
 
 
 def rule_gradients(rec: Recording) -> dict[int, torch.Tensor]:
@@ -139,6 +157,6 @@ def einsum_per_sample_gradients(model, loss_fn, inputs, targets, strict=False, c
 
 
 __all__ = [
-    "einsum_per_sample_gradients", "fallback_gradients", "replay_probe", "rule_gradients",
-    "sample_call", "sample_layer", "warn_fallbacks",
+    "check_shapes", "einsum_per_sample_gradients", "fallback_gradients", "replay_probe",
+    "rule_gradients", "sample_call", "sample_layer", "warn_fallbacks",
 ]

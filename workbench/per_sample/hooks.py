@@ -10,7 +10,9 @@ obtains per-sample gradients from two quantities per layer and call:
 The forward hook also keeps o's autograd *edge* (``torch.autograd.graph.get_gradient_edge``):
 the point of the graph where o's gradient arrives. ``ActivationRecorder.backward`` then asks
 autograd for the gradients at all those edges in one pass (an in-place change of o after the
-layer moves o to a new node, but the edge taken before it still names o's original value).
+layer moves o to a new node, but the edge taken before it still names o's original value;
+when o is a *view*, e.g. F.linear's output on (n, T, d), the write rebuilds the graph of o's
+base without o's old node, so b is read at the base: ``views.py``).
 When someone else runs the backward pass (the ordinary training loop's ``loss.backward()``,
 used by ``dpsgd``), ``capture="hooks"`` registers a tensor hook on o instead.
 

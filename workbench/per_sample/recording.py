@@ -150,12 +150,19 @@ def odd_outputs(rec: "Recording") -> None:
     than a Tensor or a tuple of Tensors (``hooks.tensor_outputs``: a tuple holding ``None``,
     as Hugging Face's attention blocks return ``(output, None)``; IBert's ``QuantLinear``'s
     ``(output, None)``; a dict): no hook reads the gradient of such an output, so no rule or
-    per-layer vmap can be applied to its calls, while ``g_i`` of the whole model is exact."""
+    per-layer vmap can be applied to its calls, while ``g_i`` of the whole model is exact.
+    A parameter the layer hands over to a broadcast call (a cls token ``cat``-ed to the batch
+    inside Hugging Face's ``embeddings, (height, width)`` of Data2Vec-Vision, PVT, Hiera:
+    ``tied.py``, ``rec.taken``) keeps that call's rule, which needs no call of its owner."""
     for path, kind in rec.recorder.untracked.items():
         layer = rec.layers.get(path)
-        if layer is not None:
-            rec.mark(layer, path, f"returns a {kind}: no hook can read the gradient of "
-                                  f"its output")
+        if layer is None:
+            continue
+        for _, p in own_parameters(layer):
+            if id(p) not in rec.taken:
+                rec.fallback.setdefault(id(p), f"{type(layer).__name__} at {path or '<model>'} "
+                                               f"returns a {kind}: no hook can read the "
+                                               f"gradient of its output")
 
 
 def checked_shapes(layer, call) -> list[torch.Size]:
@@ -292,8 +299,6 @@ def new_recording(n: int, layers, recorder, params, uncovered, calls, **fields) 
     p0 = next(iter(params.values()))
     rec = Recording(n, layers, recorder, params, p0.dtype, p0.device, **fields)
     note_uncovered(rec, uncovered)
-    if recorder.untracked:
-        odd_outputs(rec)
     stale_views(rec)
     for path, layer, call in calls:
         if layer.__dict__.get("takes_over", False):  # tied.py's layers set it in __init__;
@@ -302,6 +307,8 @@ def new_recording(n: int, layers, recorder, params, uncovered, calls, **fields) 
         problem = batch_problem(layer, call, n) or (rec.random and redraws(layer))
         if problem:
             rec.mark(layer, path, problem)
+    if recorder.untracked:
+        odd_outputs(rec)
     return rec
 
 

@@ -94,10 +94,11 @@ class BroadcastParameter(nn.Module):
     """The functional layer of one parameter used broadcast into the batch (``weight`` *is*
     that Parameter; its rule: ``rules/broadcast.py``)."""
 
-    def __init__(self, weight: nn.Parameter, takes_over: bool = False):
+    def __init__(self, weight: nn.Parameter, takes_over: bool = False, owner: str = None):
         super().__init__()
         self.weight = weight
         self.takes_over = takes_over  # used inside its rule-less owner, which hands p over
+        self.owner = owner  # that owner's path: its calls hold this layer's calls
 
     def forward(self, anchor: torch.Tensor) -> torch.Tensor:
         """p expanded to the op's output shape (``anchor``: a stride-0 tensor of that shape,
@@ -111,10 +112,11 @@ class BroadcastProduct(nn.Module):
     ``x * p.reshape(shape)`` (``weight`` *is* that Parameter, ``shape`` the operand's shape;
     rule: ``rules/broadcast.py``)."""
 
-    def __init__(self, weight: nn.Parameter, shape: tuple, takes_over: bool = False):
+    def __init__(self, weight: nn.Parameter, shape: tuple, takes_over: bool = False,
+                 owner: str = None):
         super().__init__()
         self.weight, self.shape = weight, tuple(shape)
-        self.takes_over = takes_over  # as BroadcastParameter's
+        self.takes_over, self.owner = takes_over, owner  # as BroadcastParameter's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (n, ...) -> (n, ...)
         return x * self.weight.reshape(self.shape)
@@ -211,7 +213,8 @@ def record_broadcast(tracker, args, kwargs, result, where: str, func=None) -> bo
     name = tracker.names.get(id(p), "a parameter")
     path = f"broadcast({name}{' in its owner' if inside else ''})"
     anchor = result.new_zeros(()).expand(result.shape)  # (n, ...) of stride 0: no memory
-    if not record_call(tracker, path, lambda: BroadcastParameter(p, takes_over=inside),
+    owner = where if inside else None  # its calls sit inside the owner's (skip_weights.py)
+    if not record_call(tracker, path, lambda: BroadcastParameter(p, inside, owner),
                        {"weight": p}, (anchor,), result):
         return False
     if inside:
@@ -245,7 +248,8 @@ def record_product(tracker, p, v, x, result, where: str) -> bool:
     name = tracker.names.get(id(p), "a parameter")
     view = "" if shape == tuple(p.shape) else f".reshape{shape}"
     path = f"scale({name}{view}{' in its owner' if inside else ''})"
-    if not record_call(tracker, path, lambda: BroadcastProduct(p, shape, takes_over=inside),
+    owner = where if inside else None
+    if not record_call(tracker, path, lambda: BroadcastProduct(p, shape, inside, owner),
                        {"weight": p}, (x,), result):
         return False
     if inside:

@@ -1,8 +1,16 @@
-"""Image models from tiny configs (random weights): Hugging Face ViT, timm, torchvision.
+"""Image models from tiny configs (random weights): Hugging Face, timm, torchvision.
 
 Each builder returns ``nn.Module`` mapping images (n, 3, 16, 16) to logits (n, K). BatchNorm
 mixes the samples of a batch, so the BatchNorm ResNet is in the table to be *refused* (with
 ``fix_model``'s advice); the others use GroupNorm, as DP training does (Opacus' ``fix``).
+
+Beside ViT, ConvNeXt, ResNet and MobileNet, each of the Hugging Face models below covers a
+family of its own (the vision survey's findings): Swin-V2 (windows flattened into dim 0, a
+position-bias MLP on a constant table whose in-place ReLU writes into a Linear's view output:
+``per_sample/views.py``), ConvNeXt-V2 (global response normalisation, parameters of
+shape (1, 1, 1, C): ``rules/affine.py``), BiT (weight-standardised convolutions) and
+Data2Vec-Vision (relative position bias, layer-scale lambdas, embeddings returning
+``(embeddings, (height, width))``: ``recording.odd_outputs``).
 """
 
 import importlib
@@ -36,6 +44,41 @@ def hf_vit():
                                      hidden_size=16, num_hidden_layers=1,
                                      num_attention_heads=2, intermediate_size=32)))
     return Logits(transformers.ViTForImageClassification(cfg).eval())
+
+
+def hf_image(kind: str, **config):
+    """A Hugging Face ``<kind>ForImageClassification`` from ``<kind>Config(**config)``."""
+    transformers = import_transformers()
+    cfg = getattr(transformers, f"{kind}Config")(num_labels=CLASSES, **config)
+    return Logits(getattr(transformers, f"{kind}ForImageClassification")(cfg).eval())
+
+
+def hf_swinv2():
+    """Swin-V2: windows flattened into dim 0, a continuous position-bias MLP on a constant
+    table (its ReLU in place on a Linear's view output), a logit scale per head."""
+    return hf_image("Swinv2", image_size=SIZE, patch_size=2, embed_dim=8, depths=[2, 1],
+                    num_heads=[1, 2], window_size=2, drop_path_rate=0.0)
+
+
+def hf_convnextv2():
+    """ConvNeXt-V2: global response normalisation, weight and bias of shape (1, 1, 1, C)."""
+    return hf_image("ConvNextV2", patch_size=2, hidden_sizes=[8, 16], depths=[1, 1],
+                    num_stages=2)
+
+
+def hf_bit():
+    """BiT: weight-standardised convolutions (the weight transformed inside forward)."""
+    return hf_image("Bit", embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_groups=2,
+                    layer_type="preactivation")
+
+
+def hf_data2vec_vision():
+    """Data2Vec-Vision (BEiT's family): relative position bias, layer-scale lambdas, and an
+    embeddings layer that returns ``(embeddings, (height, width))``."""
+    return hf_image("Data2VecVision", image_size=SIZE, patch_size=4, hidden_size=16,
+                    num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                    use_relative_position_bias=True, layer_scale_init_value=0.1,
+                    drop_path_rate=0.0)
 
 
 def timm_vit():
@@ -81,11 +124,14 @@ IMAGES = {
     "timm_resnet_gn": lambda: timm_resnet(group_norm),
     "timm_resnet_bn": lambda: timm_resnet(nn.BatchNorm2d),
     "tv_resnet18_gn": torchvision_resnet18_gn, "tv_mobilenet_v3_gn": torchvision_mobilenet_v3_gn,
+    "swinv2": hf_swinv2, "convnextv2": hf_convnextv2, "bit": hf_bit,
+    "data2vec_vision": hf_data2vec_vision,
 }
 """name -> builder of an images (n, 3, 16, 16) -> (n, K) logits model."""
 
 
 __all__ = [
-    "IMAGES", "Logits", "group_norm", "hf_vit", "timm_convnext", "timm_resnet", "timm_vit",
+    "IMAGES", "Logits", "group_norm", "hf_bit", "hf_convnextv2", "hf_data2vec_vision",
+    "hf_image", "hf_swinv2", "hf_vit", "timm_convnext", "timm_resnet", "timm_vit",
     "torchvision_mobilenet_v3_gn", "torchvision_resnet18_gn",
 ]

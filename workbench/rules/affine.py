@@ -36,6 +36,7 @@ import weakref
 import torch
 from torch.nn.utils.stateless import _reparametrize_module
 
+from workbench.errors import UnsupportedLayerError
 from workbench.rules._rule import PROBE_ERRORS, LayerRule, probe_forward, register_rule
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4}  # relative, per probe, by compute dtype
@@ -109,25 +110,36 @@ def affine_layout(layer) -> str | None:
     return None
 
 
-def sum_to_parameter(t: torch.Tensor, layout: str, dims: int) -> torch.Tensor:
-    """(n, ...) summed over every dim but the batch and the parameter's."""
+def sum_to_parameter(t: torch.Tensor, layout: str, shape: tuple) -> torch.Tensor:
+    """(n, *shape): t (n, ...), o's shape, summed over every dim along which the parameter
+    (of ``shape``) was broadcast. "last": the parameter is right-aligned with o, so a size-1
+    dim of it (ConvNeXt-V2's GRN weight (1, 1, 1, C) on (n, H, W, C); a (C, 1, 1) scale on
+    (n, C, H, W)) is summed too, and a leading dim of it that reaches o's batch dim must be 1
+    (one parameter for every sample)."""
+    n, rest = t.shape[0], t.dim() - 1
     if layout == "channel":
-        return t.sum(dim=tuple(range(2, t.dim()))) if t.dim() > 2 else t
-    keep = tuple(range(1, t.dim() - dims))
-    return t.sum(dim=keep) if keep else t
+        return t.sum(dim=tuple(range(2, t.dim()))) if t.dim() > 2 else t  # (n, C)
+    inner = tuple(shape[max(0, len(shape) - rest):])  # the parameter's dims within a sample
+    if any(s != 1 for s in shape[:len(shape) - len(inner)]):
+        raise UnsupportedLayerError(
+            f"a parameter of shape {tuple(shape)} is broadcast against an output of shape "
+            f"{tuple(t.shape)}: its dim {len(shape) - len(inner) - 1} reaches the batch dim 0, "
+            f"so each sample would use another slice of it; the elementwise-affine rule "
+            f"(rules/affine.py) needs one parameter for every sample")
+    return t.sum_to_size(n, *[1] * (rest - len(inner)), *inner).reshape(n, *shape)
 
 
 def affine_grad_sampler(layer, activations, backprops):
     layout, a = affine_layout(layer), activations[0]
-    dims = layer.weight.dim()
+    shape = tuple(layer.weight.shape)
     out = {}
     if layer.weight.requires_grad:
         with torch.no_grad():
             _, B = parts(layer, a.detach())
-        out["weight"] = sum_to_parameter(backprops * B, layout, dims)  # Σ b ⊙ B(a)
+        out["weight"] = sum_to_parameter(backprops * B, layout, shape)  # Σ b ⊙ B(a)
     bias = getattr(layer, "bias", None)
     if bias is not None and bias.requires_grad:
-        out["bias"] = sum_to_parameter(backprops, layout, dims)  # Σ b
+        out["bias"] = sum_to_parameter(backprops, layout, shape)  # Σ b
     return out
 
 
