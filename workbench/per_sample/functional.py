@@ -11,6 +11,17 @@ The same machinery gives the *fallback* for a single layer without a registered 
 the per-sample gradient of a layer output o_i = h(a_i; w) is the vector-Jacobian product
 g_i = (∂o_i/∂w)^T b_i with the captured backprop b_i, computed by ``vmap(vjp)``.
 
+**One value per slot.** ``functional_call`` swaps each named tensor into its module for the
+call and swaps the originals back after it. A module registered under two parents (VB-LoRA's
+vector bank, one ``ParameterDict`` in every adapted layer; any shared submodule) has one slot,
+``module._parameters[name]``, reached by several dotted names, and ``tie_weights=True`` swaps
+it once per name: the second swap saves the first's substitute as the "original", so the
+restore leaves the substitute in the model (a plain, detached or vmap-wrapped tensor in place
+of the Parameter: the parameter silently drops out of every later call). ``slot_values``
+names every slot exactly once (``named_modules`` visits a shared module once) and gives each
+the value of its tensor, so a Parameter tied across two modules (a tied head) still gets its
+substitute in both, with ``tie_weights=False``.
+
 Notation: n batch size, θ trainable parameters, a activations, b backprops.
 """
 
@@ -28,6 +39,20 @@ def _one_sample(x):
     return x.unsqueeze(0) if isinstance(x, torch.Tensor) else x
 
 
+def slot_values(model, values: dict) -> dict:
+    """{dotted name: tensor} naming each parameter and buffer slot of ``model`` once (module
+    docstring), valued ``values[id(t)]`` for the tensors t in ``values``, t.detach() for the
+    others: what ``functional_call(..., tie_weights=False)`` swaps in and out exactly once."""
+    out = {}
+    for path, module in model.named_modules():  # a shared module: once, under its first path
+        prefix = f"{path}." if path else ""
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    out[prefix + name] = values.get(id(t), t.detach())
+    return out
+
+
 def vmap_per_sample_gradients(model, loss_fn, inputs, targets, names=None):
     """``{name: Tensor(n, *param.shape)}`` by ``vmap(grad(...))`` over the batch.
 
@@ -36,15 +61,15 @@ def vmap_per_sample_gradients(model, loss_fn, inputs, targets, names=None):
     these trainable parameters (the others are held fixed), e.g. the exact fallback's.
     """
     check_batch(inputs, targets)
-    params = {k: p.detach() for k, p in trainable_parameters(model).items()
+    chosen = {k: p for k, p in trainable_parameters(model).items()
               if names is None or k in names}
-    fixed = {k: p.detach() for k, p in model.named_parameters() if k not in params}
-    fixed.update(dict(model.named_buffers()))
+    params = {k: p.detach() for k, p in chosen.items()}
     many = isinstance(inputs, (tuple, list))
 
     def loss_of_one(p, x, y):
         args = tuple(_one_sample(v) for v in x) if many else (_one_sample(x),)
-        out = functional_call(model, (p, fixed), args)
+        values = slot_values(model, {id(chosen[k]): v for k, v in p.items()})
+        out = functional_call(model, values, args, tie_weights=False)
         loss = loss_fn(out, tree_map(_one_sample, y))  # (1,); tuple targets row by row
         check_losses(loss, 1)
         return loss.sum()
@@ -119,5 +144,6 @@ def layer_vmap_grad_sampler(layer, args, kwargs, backprops):
 
 
 __all__ = [
-    "check_vmappable", "layer_vmap_grad_sampler", "vmap_or_explain", "vmap_per_sample_gradients",
+    "check_vmappable", "layer_vmap_grad_sampler", "slot_values", "vmap_or_explain",
+    "vmap_per_sample_gradients",
 ]
