@@ -25,6 +25,8 @@ substitute in both, with ``tie_weights=False``.
 Notation: n batch size, θ trainable parameters, a activations, b backprops.
 """
 
+import warnings
+
 import torch
 from torch.func import functional_call, grad, vjp, vmap
 from torch.utils._pytree import tree_map
@@ -32,6 +34,7 @@ from torch.utils._pytree import tree_map
 from workbench.errors import UnsupportedLayerError, WorkbenchError
 from workbench.per_sample import precision
 from workbench.per_sample.checks import check_batch, check_losses, trainable_parameters
+from workbench.per_sample.microbatch import layer_microbatch_grad_sampler
 
 
 def _one_sample(x):
@@ -123,7 +126,28 @@ def layer_vmap_grad_sampler(layer, args, kwargs, backprops):
 
     Used for layers without a registered grad sampler. Every Tensor argument of the layer
     is assumed to carry the batch on dim 0 (non-Tensor arguments are passed through).
+    A forward torch.func cannot run (a ``torch.autograd.Function`` without
+    ``setup_context``, a sparse op, ``.item()``) is re-run one record at a time instead
+    (``microbatch.layer_microbatch_grad_sampler``: the same vector-Jacobian products, a loop),
+    with a warning once per layer type: exact, n times the layer's cost.
     """
+    try:
+        return _layer_vmap(layer, args, kwargs, backprops)
+    except (RuntimeError, NotImplementedError) as error:
+        kind = type(layer)
+        if kind not in _LOOPED:
+            _LOOPED.add(kind)
+            warnings.warn(f"torch.func.vmap cannot run the forward of {kind.__name__} "
+                          f"({type(error).__name__}: {str(error).splitlines()[0][:160]}); its "
+                          f"per-sample gradients are computed one record at a time instead "
+                          f"(exact, n times slower for this layer)", stacklevel=3)
+        return layer_microbatch_grad_sampler(layer, args, kwargs, backprops)
+
+
+_LOOPED: set[type] = set()  # layer types warned about (layer_vmap_grad_sampler)
+
+
+def _layer_vmap(layer, args, kwargs, backprops):
     params = {k: p.detach() for k, p in layer.named_parameters(recurse=False) if p.requires_grad}
 
     def grads_of_one(a, kw, b):
