@@ -26,8 +26,9 @@ pytestmark = pytest.mark.realmodels
 
 T = 5  # tokens per sequence; n = T is the layout shapes cannot tell apart
 ALL = bool(os.environ.get("CI") or os.environ.get("WORKBENCH_REAL_ALL"))
-SUBSET = ["gpt2", "llama", "opt", "bloom", "t5", "lora_llama", "timm_convnext",
-          "timm_resnet_bn"]  # Conv1D, RMSNorm, flattened MLP, vmap refused, T5, LoRA, LN2d, BN
+SUBSET = ["gpt2", "llama", "opt", "bloom", "t5", "lora_llama", "loha_bert", "timm_convnext",
+          "timm_resnet_bn"]  # Conv1D, RMSNorm, flattened MLP, vmap refused, T5, LoRA, a
+# parameter only an autograd.Function uses, LN2d, BN
 NAMES = list(PROBLEMS) if ALL else SUBSET
 IMAGE = {name for name, p in PROBLEMS.items() if p.kind == "image"}
 # the layers still on per-layer vmap (ghost_routes) and why; any other is a regression
@@ -37,6 +38,10 @@ VMAP_ROUTES = {
     # scan, as an RNN's rule would), which hooks at the mixer's output do not give; its own
     # A_log and D stay exact on vmap (D alone is an elementwise scale, no gain while A stays)
     "mamba": {"MambaMixer"},
+    # DoRA's magnitude m (p,): h = (m / ||W + s BA||_c) ⊙ (W x + s B A x) - W x, a layer called
+    # with lora_A, lora_B and the base layer as keyword arguments (modules), which the affine
+    # behaviour rules (o = A(x) + B(x) ⊙ w) do not probe: vmap on that layer, exact
+    "dora_bert": {"DoraLinearLayer"},
 }
 
 @pytest.fixture(autouse=True)
