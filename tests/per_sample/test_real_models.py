@@ -189,3 +189,15 @@ def test_t5_relative_bias_takes_the_embedding_rule_not_the_fallback(n):
     bias = routes[routes["layer"].str.endswith("relative_attention_bias")]
     assert len(bias) == 2 and set(bias["route"]) == {"segment sum"}, bias
     assert not routes["route"].str.contains("fallback").any(), routes
+
+
+@pytest.mark.parametrize("n", [3, T])
+def test_prompt_tuning_takes_the_embedding_rule_not_the_fallback(n):
+    """PEFT's virtual tokens, computed once without the batch, ``repeat``-ed to it and
+    concatenated before the token embeddings, are followed to that ``cat``
+    (per_sample/concat.py): the prompt Embedding takes its rule, not the whole-model fallback."""
+    model, loss_fn = model_of("prompt_tuning_gpt2"), PROBLEMS["prompt_tuning_gpt2"].loss_fn
+    x, y = PROBLEMS["prompt_tuning_gpt2"].batch(n, T=T)
+    routes = quiet(wb.ghost_routes, model, loss_fn, x, y)
+    assert len(routes) == 1 and routes["type"].iloc[0] == "Embedding", routes
+    assert not routes["route"].str.contains("fallback|vmap").any(), routes

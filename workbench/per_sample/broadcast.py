@@ -32,6 +32,8 @@ must be one of
   takes D where cond_i chooses it, the gradient elsewhere is dropped), and SDPA's
   ``attn_mask`` (Hugging Face's SDPA path): the use tracker passes D expanded to q's batch
   dim instead (``BatchFree.rewrite``: the same values), and that expand is the meeting.
+  And a ``cat`` along a dim ≥ 1 with a tensor carrying the batch, D repeated to it (prompt
+  tuning's virtual tokens: ``concat.py``).
 
 With no other use (``poison``: an op that is neither, a product, an in-place op, two tensors
 followed from one o in one op, a tensor the model returns) and at least one meeting, the call
@@ -59,6 +61,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from workbench.per_sample.concat import CATS, concat_part, row_positions
 from workbench.per_sample.shape_ops import (
     SHAPE_OPS,
     chosen_by_batch,
@@ -73,7 +76,7 @@ BROADCASTABLE = (nn.Embedding, nn.Linear, nn.LayerNorm)
 ADDS = {"add", "add_", "__add__", "__radd__", "__iadd__"}
 #: names some test of ``BatchFree._use`` can accept (an add, ``where``, a shape-only op); any
 #: other op on a followed tensor poisons it (the model's usual op: one set test, not five)
-FOLLOWED_NAMES = frozenset(ADDS | SHAPE_OPS | {"where"})
+FOLLOWED_NAMES = frozenset(ADDS | SHAPE_OPS | CATS | {"where"})
 
 
 @dataclass
@@ -86,6 +89,8 @@ class Meeting:
     indices: list  # per meeting: π_m flattened (D_m.numel(),) (-1 -> o.numel()), or None: o
     shape: tuple  # (n, *o_rest): the per-sample backprop of the expanded call
     keeps: list = field(default_factory=list)  # per meeting: where D_m was chosen, or None
+    parts: list = field(default_factory=list)  # per meeting: (dim, start, length) of D_m in
+    # h_m = cat([..., D_m, ...], dim) (concat.py), or None
 
     @property
     def edge(self) -> GradientEdge:
@@ -97,9 +102,12 @@ class Meeting:
         for s in self.shape[1:]:
             size *= s
         keeps = self.keeps or [None] * len(self.edges)
-        for g, target, index, keep in zip(grads, self.targets, self.indices, keeps):
+        parts = self.parts or [None] * len(self.edges)
+        for g, target, index, keep, part in zip(grads, self.targets, self.indices, keeps, parts):
             if g is None:
                 continue
+            if part is not None:  # h_m = cat(..., D_m, ...): D_m's positions (concat.py Eq. 1)
+                g = g.narrow(*part)
             if keep is not None:  # h_m = where(cond_i, D_m, c): no gradient where c chosen
                 g = torch.where(keep, g, g.new_zeros(()))
             g = g.sum_to_size(target).reshape(n, -1)  # (n, D_m.numel())
@@ -161,14 +169,15 @@ def meets_batch(func, args, kwargs, o: torch.Tensor, h) -> bool:
     return carries and broadcast and h.requires_grad
 
 
-def meeting(node: _Node, d: torch.Tensor, h: torch.Tensor, keep=None) -> tuple:
-    """(edge, target, node, n, new_dim, keep) of the meeting h = a + d (or h = where(cond,
-    d, c): ``keep``, where d was chosen), d followed by ``node``."""
+def meeting(node: _Node, d: torch.Tensor, h: torch.Tensor, keep=None, part=None) -> tuple:
+    """(edge, target, node, n, new_dim, keep, part) of the meeting h = a + d (or h =
+    where(cond, d, c): ``keep``, where d was chosen; or h = cat(..., d, ...): ``part``, d's
+    place in h, concat.py), d followed by ``node``."""
     d_shape, h_shape = tuple(d.shape), tuple(h.shape)
     n, new_dim = h_shape[0], len(d_shape) < len(h_shape)
     target = (n, *[1] * (len(h_shape) - 1 - len(d_shape)), *d_shape) if new_dim else (
         n, *d_shape[1:])
-    return get_gradient_edge(h), target, node, n, new_dim, keep
+    return get_gradient_edge(h), target, node, n, new_dim, keep, part
 
 
 class BatchFree:
@@ -215,6 +224,8 @@ class BatchFree:
             entry.meetings.append(meeting(node, t, result))
         elif (keep := chosen_by_batch(func, args, kwargs, t, result)) is not None:
             entry.meetings.append(meeting(node, t, result, keep))
+        elif (part := concat_part(func, args, kwargs, t, result)) is not None:
+            entry.meetings.append(meeting(node, t, result, part=part))  # prompt tuning
         else:
             op = op_of(func, args, kwargs, t, result)
             if op is None:
@@ -274,12 +285,14 @@ def convert(recorder, entry: _Watched, meetings: list) -> None:
     if call.is_tuple or len(call.outputs) != 1 or any(isinstance(v, torch.Tensor)
                                                       for v in call.kwargs.values()):
         return
-    edges, targets, nodes, sizes, new_dims, keeps = zip(*meetings)
+    edges, targets, nodes, sizes, new_dims, keeps, parts = zip(*meetings)
     n = sizes[0]
     if any(s != n for s in sizes):
         return  # h's dim 0 differs between meetings: not one batch
     known = {id(node): entry.positions(node) for node in nodes}  # π (shape_ops.py), once
-    indices = [known[id(node)] for node in nodes]  # per meeting: T5 meets once a layer
+    indices = [known[id(node)] if part is None else row_positions(known[id(node)], n)
+               for node, part in zip(nodes, parts)]  # per meeting: T5 meets once a layer;
+    # a cat: D's rows must be copies of one (concat.py), π of that row
     if any(i is False for i in indices):
         return  # an op that did not replay on π: stays batch-free (exact fallback)
     o_shape, dtype, device = call.outputs[0]
@@ -290,7 +303,8 @@ def convert(recorder, entry: _Watched, meetings: list) -> None:
         return
     rest = tuple(o_shape) if new_dim else tuple(o_shape[1:])
     call.args = tuple(args)
-    call.meet = Meeting(list(edges), list(targets), list(indices), (n, *rest), list(keeps))
+    call.meet = Meeting(list(edges), list(targets), list(indices), (n, *rest), list(keeps),
+                        list(parts))
     call.outputs = [(torch.Size((n, *rest)), dtype, device)]
     recorder.redirect(call, call.meet.edges)
 

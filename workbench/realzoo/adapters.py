@@ -15,7 +15,8 @@ builder here covers a way the adapter's parameters reach the output that the pla
   head (a trainable copy of the classifier);
 - ``prompt_tuning_gpt2``: prompt tuning (Lester et al. 2021, arXiv 2104.08691), v virtual
   token embeddings P (v, d) shared by the batch, ``P.repeat(n, 1, 1)`` concatenated before
-  every sample's token embeddings: g_i^P = ∂ℓ_i/∂P (the logits of the virtual positions cut);
+  every sample's token embeddings: g_i^P = ∂ℓ_i/∂P, the Embedding's rule at that ``cat``
+  (``per_sample/concat.py``; the logits of the virtual positions cut);
 - ``loha_bert``: LoHa (Hyeon-Woo et al. 2022, arXiv 2108.06098), ΔW = (w1a w1b) ⊙ (w2a w2b)
   built inside a ``torch.autograd.Function`` no hook sees (``per_sample/unseen.py``);
 - ``vblora_gpt2``: VB-LoRA (Li et al. 2024, arXiv 2405.15179), A and B assembled from top-k
