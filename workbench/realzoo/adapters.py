@@ -91,8 +91,8 @@ def loha_bert() -> nn.Module:
 def vblora_gpt2() -> nn.Module:
     peft = _peft()
     return adapted(gpt2(), peft.VBLoRAConfig(r=2, num_vectors=8, vector_length=4,
-                                             target_modules=["c_attn", "c_proj"],
-                                             fan_in_fan_out=True))
+                                             target_modules=["c_attn", "mlp.c_proj"],
+                                             fan_in_fan_out=True))  # two layers share the bank
 
 
 ADAPTED_CAUSAL = {"lora_gpt2": lora_gpt2, "prompt_tuning_gpt2": prompt_tuning_gpt2,
