@@ -26,10 +26,11 @@ pytestmark = pytest.mark.realmodels
 
 T = 5  # tokens per sequence; n = T is the layout shapes cannot tell apart
 ALL = bool(os.environ.get("CI") or os.environ.get("WORKBENCH_REAL_ALL"))
-SUBSET = ["gpt2", "llama", "opt", "bloom", "t5", "mpnet", "lora_llama", "timm_convnext",
-          "timm_resnet_bn"]  # Conv1D, RMSNorm, flattened MLP, vmap refused, T5, MPNet's bias
-# expanded to the batch (silently wrong at n = T in every optimizer mode before the probe
-# compared treatments and the check compared each parameter), LoRA, LN2d, BN
+SUBSET = ["gpt2", "llama", "opt", "bloom", "t5", "mpnet", "lora_llama", "loha_bert",
+          "timm_convnext", "timm_resnet_bn"]  # Conv1D, RMSNorm, flattened MLP, vmap refused,
+# T5, MPNet's bias expanded to the batch (silently wrong at n = T in every optimizer mode
+# before the probe compared treatments and the check compared each parameter), LoRA, a
+# parameter only an autograd.Function uses, LN2d, BN
 NAMES = list(PROBLEMS) if ALL else SUBSET
 IMAGE = {name for name, p in PROBLEMS.items() if p.kind == "image"}
 # the layers still on per-layer vmap (ghost_routes) and why; any other is a regression
@@ -41,6 +42,10 @@ VMAP_ROUTES = {
     "mamba": {"MambaMixer"},
     # Mamba-2's SSD scan (the same recurrence, chunked): A_log, D and dt_bias likewise
     "mamba2": {"Mamba2Mixer"},
+    # DoRA's magnitude m (p,): h = (m / ||W + s BA||_c) ⊙ (W x + s B A x) - W x, a layer called
+    # with lora_A, lora_B and the base layer as keyword arguments (modules), which the affine
+    # behaviour rules (o = A(x) + B(x) ⊙ w) do not probe: vmap on that layer, exact
+    "dora_bert": {"DoraLinearLayer"},
 }
 
 @pytest.fixture(autouse=True)
@@ -188,3 +193,15 @@ def test_t5_relative_bias_takes_the_embedding_rule_not_the_fallback(n):
     bias = routes[routes["layer"].str.endswith("relative_attention_bias")]
     assert len(bias) == 2 and set(bias["route"]) == {"segment sum"}, bias
     assert not routes["route"].str.contains("fallback").any(), routes
+
+
+@pytest.mark.parametrize("n", [3, T])
+def test_prompt_tuning_takes_the_embedding_rule_not_the_fallback(n):
+    """PEFT's virtual tokens, computed once without the batch, ``repeat``-ed to it and
+    concatenated before the token embeddings, are followed to that ``cat``
+    (per_sample/concat.py): the prompt Embedding takes its rule, not the whole-model fallback."""
+    model, loss_fn = model_of("prompt_tuning_gpt2"), PROBLEMS["prompt_tuning_gpt2"].loss_fn
+    x, y = PROBLEMS["prompt_tuning_gpt2"].batch(n, T=T)
+    routes = quiet(wb.ghost_routes, model, loss_fn, x, y)
+    assert len(routes) == 1 and routes["type"].iloc[0] == "Embedding", routes
+    assert not routes["route"].str.contains("fallback|vmap").any(), routes

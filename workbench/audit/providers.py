@@ -39,14 +39,27 @@ def _trainable(model):
     return {k: p for k, p in model.named_parameters() if p.requires_grad}
 
 
+def _slots(model, theta: dict, trainable: dict) -> dict:
+    """{dotted name: tensor} with every parameter slot named once (a module registered under
+    two parents, VB-LoRA's shared bank, is one slot: ``functional_call``'s ``tie_weights``
+    swapped it once per name and left the substitute in the model), valued from ``theta``
+    for the trainable parameters (a Parameter tied across two modules: in both)."""
+    by_id = {id(trainable[k]): v for k, v in theta.items()}
+    return {f"{path}.{name}" if path else name: by_id.get(id(p), p.detach())
+            for path, m in model.named_modules() for name, p in m._parameters.items()
+            if p is not None}
+
+
 def torch_func_provider(model, loss_fn, inputs, targets):
     """g_i = vmap_i(grad_θ ℓ(f(x_i; θ), y_i)) with ``torch.func``: {name: Tensor(n, ...)}."""
-    params = {k: p.detach() for k, p in _trainable(model).items()}
+    trainable = _trainable(model)
+    params = {k: p.detach() for k, p in trainable.items()}
 
     def loss_of_one(theta, xs, y):
         xs = tree_map(lambda v: v.unsqueeze(0), xs)  # each (1, ...)
         y = None if y is None else y.unsqueeze(0)  # (1, ...)
-        return loss_fn(functional_call(model, theta, xs), y).sum()  # scalar ℓ_i
+        out = functional_call(model, _slots(model, theta, trainable), xs, tie_weights=False)
+        return loss_fn(out, y).sum()  # scalar ℓ_i
 
     in_dims = (None, 0, None if targets is None else 0)
     return vmap(grad(loss_of_one), in_dims=in_dims)(params, _as_tuple(inputs), targets)

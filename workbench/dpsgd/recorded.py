@@ -56,6 +56,7 @@ from workbench.per_sample.recording import (
     parameter_names,
     rng_state,
 )
+from workbench.per_sample.unseen import unseen
 from workbench.per_sample.uses import UseTracker, quiet
 
 ROOT = "<model>"
@@ -154,7 +155,8 @@ class ModelRecorder:
             # the loss is not seen here: an output the model returns may be used there
             self.tracker.batch_free.exclude(tree_flatten(output)[0])
             self.tracker.__exit__(None, None, None)
-            for key, where in self.tracker.uncovered.items():
+            missed = unseen(self.tracker, tree_flatten(output)[0])  # Function.apply's uses
+            for key, where in (*self.tracker.uncovered.items(), *missed.items()):
                 self.uncovered.setdefault(key, set()).update(where)
             roots = self.root_rec.calls[ROOT]
             if len(roots) > self._roots:  # this forward pass's call: its random state

@@ -36,6 +36,8 @@ must be one of
   of it: ``contiguous``, ``clone``), with a tensor of m samples of the same dims (MPNet's
   bias, expanded to the batch size before it meets the scores): D' has m equal rows and
   row i meets sample i alone, which is D broadcast along dim 0: D's meeting (``widened``).
+  And a ``cat`` along a dim ≥ 1 with a tensor carrying the batch, D repeated to it (prompt
+  tuning's virtual tokens: ``concat.py``).
 
 With no other use (``poison``: an op that is neither, a product, an in-place op, two tensors
 followed from one o in one op, a tensor the model returns) and at least one meeting, the call
@@ -65,6 +67,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
 
+from workbench.per_sample.concat import CATS, concat_part, row_positions
 from workbench.per_sample.shape_ops import (
     SHAPE_OPS,
     chosen_by_batch,
@@ -80,7 +83,7 @@ BROADCASTABLE = (nn.Embedding, nn.Linear, nn.LayerNorm)
 ADDS = {"add", "add_", "__add__", "__radd__", "__iadd__"}
 #: names some test of ``BatchFree._use`` can accept (an add, ``where``, a shape-only op); any
 #: other op on a followed tensor poisons it (the model's usual op: one set test, not five)
-FOLLOWED_NAMES = frozenset(ADDS | SHAPE_OPS | {"where"})
+FOLLOWED_NAMES = frozenset(ADDS | SHAPE_OPS | CATS | {"where"})
 
 
 @dataclass
@@ -95,6 +98,8 @@ class Meeting:
     keeps: list = field(default_factory=list)  # per meeting: where D_m was chosen, or None
     new_dim: bool = False  # the call's inputs got a batch dim (else its dim 0 of 1 expanded)
     views: list = field(default_factory=list)  # per meeting: h_m's shape, b read at its base
+    parts: list = field(default_factory=list)  # per meeting: (dim, start, length) of D_m in
+    # h_m = cat([..., D_m, ...], dim) (concat.py), or None
 
     @property
     def edge(self) -> GradientEdge:
@@ -106,13 +111,17 @@ class Meeting:
         for s in self.shape[1:]:
             size *= s
         keeps = self.keeps or [None] * len(self.edges)
+        keeps = self.keeps or [None] * len(self.edges)
         views = self.views or [None] * len(self.edges)
-        for g, target, index, keep, view in zip(grads, self.targets, self.indices, keeps,
-                                                views):
+        parts = self.parts or [None] * len(self.edges)
+        for g, target, index, keep, view, part in zip(grads, self.targets, self.indices, keeps,
+                                                      views, parts):
             if g is None:
                 continue
             if view is not None:  # h_m is a view, its gradient read at its base (views.py)
                 g = g.reshape(view)
+            if part is not None:  # h_m = cat(..., D_m, ...): D_m's positions (concat.py Eq. 1)
+                g = g.narrow(*part)
             if keep is not None:  # h_m = where(cond_i, D_m, c): no gradient where c chosen
                 g = torch.where(keep, g, g.new_zeros(()))
             g = g.sum_to_size(target).reshape(n, -1)  # (n, D_m.numel())
@@ -200,18 +209,18 @@ def widened(func, node: _Node, t: torch.Tensor, result: torch.Tensor):
     return None
 
 
-def meeting(node: _Node, d_shape: tuple, h: torch.Tensor, keep=None) -> tuple:
-    """(edge, target, node, n, new_dim, keep, view, watch) of the meeting h = a + d (or
-    h = where(cond, d, c): ``keep``, where d was chosen), d (of shape ``d_shape``) followed by
-    ``node``; h's edge where a later in-place op cannot take it out of the graph
-    (``views.capture_edge``: at the base of ``h += o``'s view, ``view`` h's shape),
-    ``watch``: h as a partial view."""
+def meeting(node: _Node, d_shape: tuple, h: torch.Tensor, keep=None, part=None) -> tuple:
+    """(edge, target, node, n, new_dim, keep, view, watch, part) of the meeting h = a + d (or
+    h = where(cond, d, c): ``keep``, where d was chosen; or h = cat(..., d, ...): ``part``,
+    d's place in h, concat.py), d (of shape ``d_shape``) followed by ``node``; h's edge
+    where a later in-place op cannot take it out of the graph (``views.capture_edge``: at
+    the base of ``h += o``'s view, ``view`` h's shape), ``watch``: h as a partial view."""
     d_shape, h_shape = tuple(d_shape), tuple(h.shape)
     n, new_dim = h_shape[0], len(d_shape) < len(h_shape)
     target = (n, *[1] * (len(h_shape) - 1 - len(d_shape)), *d_shape) if new_dim else (
         n, *d_shape[1:])
     edge, view = capture_edge(h)
-    return edge, target, node, n, new_dim, keep, view, watched([h])
+    return edge, target, node, n, new_dim, keep, view, watched([h]), part
 
 
 class BatchFree:
@@ -261,6 +270,8 @@ class BatchFree:
             entry.meetings.append(meeting(node.expanded, node.expanded.shape, result))
         elif (keep := chosen_by_batch(func, args, kwargs, t, result)) is not None:
             entry.meetings.append(meeting(node, t.shape, result, keep))
+        elif (part := concat_part(func, args, kwargs, t, result)) is not None:
+            entry.meetings.append(meeting(node, t.shape, result, part=part))  # prompt tuning
         else:
             op = op_of(func, args, kwargs, t, result)
             if op is None:
@@ -321,14 +332,16 @@ def convert(recorder, entry: _Watched, meetings: list) -> None:
     if call.is_tuple or len(call.outputs) != 1 or any(isinstance(v, torch.Tensor)
                                                       for v in call.kwargs.values()):
         return
-    edges, targets, nodes, sizes, new_dims, keeps, views, watches = zip(*meetings)
+    edges, targets, nodes, sizes, new_dims, keeps, views, watches, parts = zip(*meetings)
     n = sizes[0]
     if any(s != n for s in sizes):
         return  # h's dim 0 differs between meetings: not one batch
     if any(stale(w) for w in watches):
         return  # h, a partial view, written in place later: its edge left the graph
     known = {id(node): entry.positions(node) for node in nodes}  # π (shape_ops.py), once
-    indices = [known[id(node)] for node in nodes]  # per meeting: T5 meets once a layer
+    indices = [known[id(node)] if part is None else row_positions(known[id(node)], n)
+               for node, part in zip(nodes, parts)]  # per meeting: T5 meets once a layer;
+    # a cat: D's rows must be copies of one (concat.py), π of that row
     if any(i is False for i in indices):
         return  # an op that did not replay on π: stays batch-free (exact fallback)
     o_shape, dtype, device = call.outputs[0]
@@ -340,7 +353,7 @@ def convert(recorder, entry: _Watched, meetings: list) -> None:
     rest = tuple(o_shape) if new_dim else tuple(o_shape[1:])
     call.args = tuple(args)
     call.meet = Meeting(list(edges), list(targets), list(indices), (n, *rest), list(keeps),
-                        new_dim, list(views))
+                        new_dim, list(views), list(parts))
     call.outputs = [(torch.Size((n, *rest)), dtype, device)]
     recorder.redirect(call, call.meet.edges)
 

@@ -11,8 +11,21 @@ The same machinery gives the *fallback* for a single layer without a registered 
 the per-sample gradient of a layer output o_i = h(a_i; w) is the vector-Jacobian product
 g_i = (∂o_i/∂w)^T b_i with the captured backprop b_i, computed by ``vmap(vjp)``.
 
+**One value per slot.** ``functional_call`` swaps each named tensor into its module for the
+call and swaps the originals back after it. A module registered under two parents (VB-LoRA's
+vector bank, one ``ParameterDict`` in every adapted layer; any shared submodule) has one slot,
+``module._parameters[name]``, reached by several dotted names, and ``tie_weights=True`` swaps
+it once per name: the second swap saves the first's substitute as the "original", so the
+restore leaves the substitute in the model (a plain, detached or vmap-wrapped tensor in place
+of the Parameter: the parameter silently drops out of every later call). ``slot_values``
+names every slot exactly once (``named_modules`` visits a shared module once) and gives each
+the value of its tensor, so a Parameter tied across two modules (a tied head) still gets its
+substitute in both, with ``tie_weights=False``.
+
 Notation: n batch size, θ trainable parameters, a activations, b backprops.
 """
+
+import warnings
 
 import torch
 from torch.func import functional_call, grad, vjp, vmap
@@ -22,11 +35,26 @@ from workbench.errors import UnsupportedLayerError, WorkbenchError
 from workbench.per_sample import precision
 from workbench.per_sample.checks import check_batch, check_losses, trainable_parameters
 from workbench.per_sample.hooks import output_tensors
+from workbench.per_sample.microbatch import layer_microbatch_grad_sampler
 
 
 def _one_sample(x):
     """Give a sample (vmapped, so without batch dim) its batch dimension of size 1 back."""
     return x.unsqueeze(0) if isinstance(x, torch.Tensor) else x
+
+
+def slot_values(model, values: dict) -> dict:
+    """{dotted name: tensor} naming each parameter and buffer slot of ``model`` once (module
+    docstring), valued ``values[id(t)]`` for the tensors t in ``values``, t.detach() for the
+    others: what ``functional_call(..., tie_weights=False)`` swaps in and out exactly once."""
+    out = {}
+    for path, module in model.named_modules():  # a shared module: once, under its first path
+        prefix = f"{path}." if path else ""
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    out[prefix + name] = values.get(id(t), t.detach())
+    return out
 
 
 def vmap_per_sample_gradients(model, loss_fn, inputs, targets, names=None):
@@ -37,15 +65,15 @@ def vmap_per_sample_gradients(model, loss_fn, inputs, targets, names=None):
     these trainable parameters (the others are held fixed), e.g. the exact fallback's.
     """
     check_batch(inputs, targets)
-    params = {k: p.detach() for k, p in trainable_parameters(model).items()
+    chosen = {k: p for k, p in trainable_parameters(model).items()
               if names is None or k in names}
-    fixed = {k: p.detach() for k, p in model.named_parameters() if k not in params}
-    fixed.update(dict(model.named_buffers()))
+    params = {k: p.detach() for k, p in chosen.items()}
     many = isinstance(inputs, (tuple, list))
 
     def loss_of_one(p, x, y):
         args = tuple(_one_sample(v) for v in x) if many else (_one_sample(x),)
-        out = functional_call(model, (p, fixed), args)
+        values = slot_values(model, {id(chosen[k]): v for k, v in p.items()})
+        out = functional_call(model, values, args, tie_weights=False)
         loss = loss_fn(out, tree_map(_one_sample, y))  # (1,); tuple targets row by row
         check_losses(loss, 1)
         return loss.sum()
@@ -99,7 +127,28 @@ def layer_vmap_grad_sampler(layer, args, kwargs, backprops):
 
     Used for layers without a registered grad sampler. Every Tensor argument of the layer
     is assumed to carry the batch on dim 0 (non-Tensor arguments are passed through).
+    A forward torch.func cannot run (a ``torch.autograd.Function`` without
+    ``setup_context``, a sparse op, ``.item()``) is re-run one record at a time instead
+    (``microbatch.layer_microbatch_grad_sampler``: the same vector-Jacobian products, a loop),
+    with a warning once per layer type: exact, n times the layer's cost.
     """
+    try:
+        return _layer_vmap(layer, args, kwargs, backprops)
+    except (RuntimeError, NotImplementedError) as error:
+        kind = type(layer)
+        if kind not in _LOOPED:
+            _LOOPED.add(kind)
+            warnings.warn(f"torch.func.vmap cannot run the forward of {kind.__name__} "
+                          f"({type(error).__name__}: {str(error).splitlines()[0][:160]}); its "
+                          f"per-sample gradients are computed one record at a time instead "
+                          f"(exact, n times slower for this layer)", stacklevel=3)
+        return layer_microbatch_grad_sampler(layer, args, kwargs, backprops)
+
+
+_LOOPED: set[type] = set()  # layer types warned about (layer_vmap_grad_sampler)
+
+
+def _layer_vmap(layer, args, kwargs, backprops):
     params = {k: p.detach() for k, p in layer.named_parameters(recurse=False) if p.requires_grad}
 
     def grads_of_one(a, kw, b):
@@ -121,5 +170,6 @@ def layer_vmap_grad_sampler(layer, args, kwargs, backprops):
 
 
 __all__ = [
-    "check_vmappable", "layer_vmap_grad_sampler", "vmap_or_explain", "vmap_per_sample_gradients",
+    "check_vmappable", "layer_vmap_grad_sampler", "slot_values", "vmap_or_explain",
+    "vmap_per_sample_gradients",
 ]

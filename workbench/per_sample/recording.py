@@ -10,7 +10,8 @@ the two it is:
 - **exact fallback**: anything else (a tied head written ``h @ E.T``, a positional embedding
   used twice, a sequence-first layer, ``self.fc.forward(x)``, a parametrised weight, a layer
   whose output no hook can read: a dict, a tuple with a mask, ``odd_outputs``; a partial
-  view of a tensor written in place after the call, ``views.py``).
+  view of a tensor written in place after the call, ``views.py``; a weight computed inside
+  a ``torch.autograd.Function``: ``unseen.py``).
 
 Common uses outside a layer's own call become rule calls during the forward pass
 (``uses.py``): ``F.linear(h, E)`` of a tied head and ``F.embedding(ids, W)`` of an Embedding
@@ -47,6 +48,7 @@ from workbench.per_sample.leaves import call_leaves
 from workbench.per_sample.registry import find_grad_sampler, find_sampler_check, layer_type
 from workbench.per_sample.structure import model_tables
 from workbench.per_sample.tied import delegates
+from workbench.per_sample.unseen import unseen
 from workbench.per_sample.uses import UseTracker
 from workbench.per_sample.views import stale
 
@@ -286,7 +288,8 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
     check_recorded(layers, recorder)
     every_call = [(path, layer, call) for path, layer in layers.items()
                   for call in recorder.calls[path]]
-    return new_recording(n, layers, recorder, params, tracker.uncovered, every_call,
+    uncovered = {**tracker.uncovered, **unseen(tracker, [losses])}  # disjoint (unseen.py)
+    return new_recording(n, layers, recorder, params, uncovered, every_call,
                          losses=losses, random=tracker.random, rng=rng,
                          autocast=precision.state(p0.device))
 

@@ -4,7 +4,7 @@ T5's relative position bias (Raffel et al. 2020, JMLR 21(140), §2.1) is an Embe
 up on a (T_q, T_k) bucket matrix, o = E[buckets] (T_q, T_k, H), then *re-arranged* before it
 meets the batch: D = o.permute(2, 0, 1).unsqueeze(0) (1, H, T_q, T_k), added to every layer's
 attention scores (``broadcast.py``). A shape-only op (permute, unsqueeze, view, expand,
-indexing, ...) copies elements of its input without arithmetic, so D is a selection of o:
+repeat, indexing, ...) copies elements of its input without arithmetic, so D is a selection of o:
 
     D[k] = o[π(k)]        π: positions of D -> flat positions of o          (D.shape)
 
@@ -33,7 +33,7 @@ SHAPE_OPS = {
     "permute", "unsqueeze", "squeeze", "view", "reshape", "view_as", "reshape_as", "expand",
     "expand_as", "broadcast_to", "transpose", "t", "swapaxes", "swapdims", "movedim",
     "moveaxis", "flatten", "unflatten", "contiguous", "clone", "__getitem__", "narrow",
-    "select",
+    "select", "repeat",
 }
 
 

@@ -12,7 +12,8 @@ trainable parameter and returns something differentiable, it notes where the par
 used: inside the forward of a recorded layer that owns it (a *covered* use: the layer's rule
 accounts for it) or anywhere else (an *uncovered* use: its per-sample gradient must come from
 an exact method). It also notes random functions (dropout), which decide how the result can be
-checked (``selfcheck.py``).
+checked (``selfcheck.py``). A parameter used only inside a ``torch.autograd.Function`` is
+not seen at all (``unseen.py`` finds it in the graph afterwards).
 
 Given the recorder, it also turns these uses into rule calls instead of uncovered ones:
 ``F.linear(x, W)`` of a parameter outside its layer (a tied head: ``tied.py``),
@@ -111,13 +112,14 @@ class UseTracker(TorchFunctionMode):
         self.in_loss = False  # set while loss_fn runs: a use there is the loss's own
         self.batch_free = BatchFree()
         self.covered: set[int] = set()  # ids of parameters used inside an owner (tied.py)
+        self.seen: set[int] = set()  # ids of parameters any differentiable op took (unseen.py)
         self.broadcast: list = []  # parameters broadcast into the batch (tied.py)
         self.views: dict = {}  # id(v) -> (ref, p, where): views of p not used yet (tied.py)
         self.flat_rows = FlatRows()  # rows of a batch flattened to (n·T, ...) (flat_rows.py)
 
     def __enter__(self):
         self.recorder.batch_free = self.batch_free
-        self.covered, self.broadcast, self.views = set(), [], {}
+        self.covered, self.broadcast, self.views, self.seen = set(), [], {}, set()
         self.flat_rows = self.recorder.flat_rows = FlatRows()
         return super().__enter__()
 
@@ -152,6 +154,7 @@ class UseTracker(TorchFunctionMode):
                 return result  # no tracked parameter among the arguments: the usual op
             used = self._parameters_in(args, kwargs)
             if used and _differentiable(result):
+                self.seen.update(map(id, used))
                 where = LOSS if self.in_loss else self.stack[-1] if self.stack else _OUTSIDE
                 functional = FUNCTIONAL.get(func)
                 if (functional is not None and not self.in_loss and self.recorder.recording

@@ -9,10 +9,14 @@ the functional API and every DP-optimizer mode against one-sample-at-a-time grad
 Needs the ``realmodels`` extra (transformers, timm, peft; torchvision through timm):
 ``pip install '.[realmodels]'``; nothing is downloaded (``HF_HUB_OFFLINE=1`` is fine).
 
+PEFT adapters (``adapters.py``: LoRA on GPT-2's Conv1D, DoRA, prompt tuning, LoHa, VB-LoRA)
+train only the adapters' parameters, as ``peft.get_peft_model`` sets them.
+
 ``REFUSED[name]``: the methods that must raise, and why (never a silent answer): BatchNorm
 mixes the samples of a batch (``fix_model``); Bloom's ALiBi builds its bias with in-place
-writes that ``torch.func.vmap`` cannot run; DeBERTa's forward tests the ids for padding in
-Python: data-dependent control flow, which vmap cannot run either.
+writes that ``torch.func.vmap`` cannot run, nor LoHa's ``torch.autograd.Function`` (no
+``setup_context``); DeBERTa's forward tests the ids for padding in Python: data-dependent
+control flow, which vmap cannot run either.
 """
 
 from dataclasses import dataclass
@@ -21,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.realzoo import sizes, text, vision
+from workbench.realzoo import adapters, sizes, text, vision
 from workbench.realzoo.reference import RTOL, RTOL_FLOAT32_INSIDE
 
 VOCAB, CLASSES, SIZE = text.VOCAB, text.CLASSES, vision.SIZE
@@ -44,8 +48,7 @@ class Problem:
 
     def build(self, dtype=torch.float64, seed: int = 0) -> nn.Module:
         torch.manual_seed(seed)
-        table = {"causal": text.CAUSAL, "classify": text.CLASSIFIERS, "image": vision.IMAGES}
-        return table[self.kind][self.name]().to(dtype)
+        return BUILDERS[self.kind][self.name]().to(dtype)
 
     @property
     def loss_fn(self):
@@ -71,9 +74,13 @@ class Problem:
         return ids, torch.randint(0, vocab, (n, T), generator=g)
 
 
-PROBLEMS = {name: Problem(name, "causal") for name in text.CAUSAL}
-PROBLEMS.update({name: Problem(name, "classify") for name in text.CLASSIFIERS})
-PROBLEMS.update({name: Problem(name, "image") for name in vision.IMAGES})
+BUILDERS = {"causal": {**text.CAUSAL, **adapters.ADAPTED_CAUSAL},
+            "classify": {**text.CLASSIFIERS, **adapters.ADAPTED_CLASSIFIERS},
+            "image": vision.IMAGES}
+"""kind -> {name: builder}: the tiny models (``text.py``, ``vision.py``) and their PEFT
+adapters (``adapters.py``)."""
+
+PROBLEMS = {name: Problem(name, kind) for kind, table in BUILDERS.items() for name in table}
 
 FLOAT32_INSIDE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "lora_llama", "mamba", "t5",
                   "mixtral", "mamba2", "deberta"}
@@ -87,6 +94,7 @@ REFUSED = {
     "timm_resnet_bn": {"all": BATCHNORM},
     "bloom": {"vmap": "vmap"},
     "deberta": {"vmap": "vmap"},  # transformers' warn_if_padding_and_no_attention_mask
+    "loha_bert": {"vmap": "vmap"},
 }
 """name -> {method or "all": a word the error message must contain}."""
 
