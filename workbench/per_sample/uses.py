@@ -11,8 +11,11 @@ during the forward pass passes through it, wherever it is called. For each call 
 trainable parameter and returns something differentiable, it notes where the parameter was
 used: inside the forward of a recorded layer that owns it (a *covered* use: the layer's rule
 accounts for it) or anywhere else (an *uncovered* use: its per-sample gradient must come from
-an exact method). It also notes random functions (dropout), which decide how the result can be
-checked (``selfcheck.py``).
+an exact method). It also notes randomness (dropout), which decides how the result can be
+checked (``selfcheck.py``) and how the exact fallback runs (``fallback.py``: the batch's
+random state replayed): a random function by name, and any draw from the default generators
+between the tracker's entry and exit (their states compared: ``scaled_dot_product_attention``
+with ``dropout_p > 0``, Llama's only dropout, draws under no listed name).
 
 Given the recorder, it also turns these uses into rule calls instead of uncovered ones:
 ``F.linear(x, W)`` of a parameter outside its layer (a tied head: ``tied.py``),
@@ -49,6 +52,20 @@ _DROPOUTS = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
              "feature_alpha_dropout"}
 _OUTSIDE = "<outside any layer's forward>"
 LOSS = "<the loss function>"
+
+
+def generator_states() -> tuple:
+    """The default generators' states: CPU, and every initialised CUDA device's."""
+    cuda = tuple(torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())) \
+        if torch.cuda.is_initialized() else ()
+    return torch.get_rng_state(), cuda
+
+
+def advanced(before: tuple) -> bool:
+    """Did a default generator draw since ``before`` (``generator_states``)?"""
+    after = generator_states()
+    return not torch.equal(before[0], after[0]) or len(before[1]) != len(after[1]) or any(
+        not torch.equal(a, b) for a, b in zip(before[1], after[1]))
 
 
 def _is_random(name: str, args, kwargs) -> bool:
@@ -119,10 +136,15 @@ class UseTracker(TorchFunctionMode):
         self.recorder.batch_free = self.batch_free
         self.covered, self.broadcast, self.views = set(), [], {}
         self.flat_rows = self.recorder.flat_rows = FlatRows()
+        with torch._C.DisableTorchFunction():
+            self._states = generator_states()
         return super().__enter__()
 
     def __exit__(self, *exc):
         super().__exit__(*exc)
+        if not self.random:  # a draw under any name (SDPA's dropout_p, a fused kernel)
+            with torch._C.DisableTorchFunction():
+                self.random = advanced(self._states)
         self.recorder.batch_free = self.recorder.flat_rows = None
         if exc[0] is None:
             self.batch_free.finish(self.recorder)  # outside the mode: its ops are not uses
@@ -181,4 +203,4 @@ class UseTracker(TorchFunctionMode):
         return used
 
 
-__all__ = ["LOSS", "RANDOM_FUNCTIONS", "UseTracker", "quiet"]
+__all__ = ["LOSS", "RANDOM_FUNCTIONS", "UseTracker", "advanced", "generator_states", "quiet"]
