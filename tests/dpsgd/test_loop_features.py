@@ -286,3 +286,34 @@ def test_a_resume_in_the_middle_of_a_pass_continues_bit_for_bit(tmp_path):
     assert len(rest) == 4
     for a, b in zip(full[2:], rest):
         assert torch.equal(a, b)
+
+
+# --- an output the other outputs are computed from ------------------------------------------
+
+class TwoOut(nn.Module):
+    """(logits, h): logits computed from h (T5's encoder_last_hidden_state, hidden_states)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.dec = nn.Linear(D, D), nn.Linear(D, K)
+
+    def forward(self, x):
+        h = torch.tanh(self.enc(x))
+        return self.dec(h), h
+
+
+@pytest.mark.parametrize("mode", ["einsum", "bookkeeping", "microbatch", "vmap"])
+def test_an_upstream_output_is_not_counted_twice(mode):
+    """h's recorded gradient holds what flows through the logits: it is no recorded output
+    (the self-check refused every mode before)."""
+    released(TwoOut(), lambda m, x, y: token_mean(m(x)[0], y).mean().backward(), mode=mode,
+             record_loss=lambda out, y: token_mean(out[0], y))
+
+
+def test_a_loss_reading_an_upstream_output_is_refused():
+    def loop(model, x, y):
+        logits, h = model(x)
+        (token_mean(logits, y).mean() + h.pow(2).mean()).backward()
+
+    with pytest.raises(LossCouplingError, match=r"reads out\[1\]"):
+        released(TwoOut(), loop, steps=(3,), check=False)

@@ -54,6 +54,11 @@ def _leaves(output):
     return [(keystr(path), v) for path, v in found if isinstance(v, torch.Tensor)]
 
 
+#: nodes walked to tell which outputs are computed from which: a whole model's graph (a walk
+#: past it finds nothing more; a kept upstream output is then refused by the self-check)
+GRAPH_LIMIT = 200_000
+
+
 def _walk(start, targets: dict, stop: set, limit: int = LIMIT):
     """The keys of ``targets`` ({grad_fn node: [keys]}) met walking the autograd graph down
     from ``start`` (its inputs, not the node itself), not descending below a node of
@@ -97,8 +102,8 @@ def split_outputs(output):
         for k, t in per_record:
             if t.grad_fn is not None:
                 nodes.setdefault(t.grad_fn, []).append(k)
-        for k, t in per_record:
-            below = _walk(t.grad_fn, nodes, set(nodes))
+        for k, t in per_record:  # each walk stops at the next output: O(graph) in all
+            below = _walk(t.grad_fn, nodes, set(nodes), limit=GRAPH_LIMIT)
             upstream.update(below if below is not None else [])
     kept = [(k, t) for k, t in per_record if k not in upstream]
     outs = [t for _, t in kept]
@@ -215,6 +220,6 @@ def name_of(key) -> str:
 
 
 __all__ = [
-    "InnerLosses", "ModelLosses", "model_outputs", "name_of", "output_keys", "select",
-    "split_outputs",
+    "GRAPH_LIMIT", "InnerLosses", "ModelLosses", "model_outputs", "name_of", "output_keys",
+    "select", "split_outputs",
 ]
