@@ -175,23 +175,33 @@ def test_batches_that_cannot_be_cut_per_record_say_which_leaf():
         next(iter(loader))
 
 
-def test_a_model_returning_a_dict_is_told_so():
+def test_a_model_returning_a_dict_steps_as_the_tensor_it_holds():
+    """A dict (a Hugging Face ModelOutput) is read by its tensors (dpsgd/model_loss.py): the
+    same clipped sum as the model returning the logits tensor itself."""
     class HF(nn.Module):
-        def __init__(self):
+        def __init__(self, inner):
             super().__init__()
-            self.net = net()
+            self.net = inner
 
         def forward(self, x):
-            return {"logits": self.net(x)}
+            return {"logits": self.net(x), "note": "not a tensor"}
 
-    model = HF()
-    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
-                      max_grad_norm=1.0, expected_batch_size=4)
-    x, y = tensors(4)
-    opt.zero_grad()
-    CE(model(x)["logits"], y).mean().backward()
-    with pytest.raises(TypeError, match="the model returned a dict.*\\['logits'\\]"):
+    def step(model, read):
+        opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model,
+                          noise_multiplier=0.0, max_grad_norm=0.1, expected_batch_size=4)
+        x, y = tensors(4)
+        opt.zero_grad()
+        CE(read(model(x)), y).mean().backward()
         opt.step()
+        opt.detach()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    torch.manual_seed(0)
+    plain = net()
+    wrapped = HF(net())
+    wrapped.net.load_state_dict(plain.state_dict())
+    assert torch.allclose(step(wrapped, lambda out: out["logits"]), step(plain, lambda o: o),
+                          rtol=1e-12, atol=1e-15)
 
 
 # --- threads ----------------------------------------------------------------------------------

@@ -76,7 +76,7 @@ def test_noise_is_gaussian_with_std_sigma_c_over_b_on_zero_gradients():
                       max_grad_norm=C, expected_batch_size=B,
                       generator=torch.Generator().manual_seed(1))
     opt.zero_grad()
-    (0.0 * model(x)).sum().backward()  # every per-sample gradient is zero
+    (0.0 * model(x)).mean().backward()  # every per-sample gradient is zero
     opt.step()
     noise = torch.cat([p.grad.flatten() for p in model.parameters()])  # 10,100 draws
     expected = sigma * C / B

@@ -117,7 +117,7 @@ def test_passes_outside_zero_grad_and_step_keep_their_gradients():
     model, opt = linear_with_skip()
     x = torch.randn(4, 3, dtype=torch.float64)
     opt.zero_grad()
-    model(x).sum().backward()
+    model(x).sum(1).mean().backward()  # the mean over records: loss_reduction="mean"
     assert model[0].weight.grad is None  # skipped inside the step's window
     opt.step()
     w = model[0].weight
@@ -130,7 +130,7 @@ def test_grad_scaler_is_refused_not_misread():
     model, opt = linear_with_skip()
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     opt.zero_grad()
-    scaler.scale(model(torch.randn(4, 3, dtype=torch.float64)).sum()).backward()
+    scaler.scale(model(torch.randn(4, 3, dtype=torch.float64)).sum(1).mean()).backward()
     with pytest.raises(ValueError, match="skip_weight_grads"):
         scaler.step(opt)
     opt.detach()
@@ -147,7 +147,7 @@ def default_loop(steps, scaler=None):
     for k in range(steps):
         opt.zero_grad()
         loss = model(torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator()
-                                 .manual_seed(k))).sum()
+                                 .manual_seed(k))).sum(1).mean()
         (loss if scaler is None else scaler.scale(loss)).backward()
         kept.append(model[0].weight.grad is not None)
         if scaler is None:

@@ -121,3 +121,32 @@ def test_a_misattributing_rule_is_refused_by_every_optimizer_mode(wrong_rule, mo
             torch.testing.assert_close(p.grad, want[k], rtol=1e-6, atol=1e-12)
     finally:
         opt.detach()
+
+
+class Float32Inside(nn.Module):  # Hugging Face's RMSNorm: hidden_states.to(torch.float32)
+    def __init__(self, cast):
+        super().__init__()
+        self.cast, self.fc, self.out = cast, nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.cast:
+            h = (h.to(torch.float32) * torch.rsqrt(h.to(torch.float32).pow(2).mean(-1, True)
+                                                   + 1e-6)).to(x.dtype)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("cast", [False, True])
+def test_checks_use_the_tolerance_of_the_narrowest_dtype_computed_in(cast):
+    """A float64 model computing partly in float32 rounds at float32's precision: its
+    per-parameter check uses float32's tolerance (a T5 in a training loop was refused at 1.5x
+    float64's), a model computing in float64 throughout keeps float64's."""
+    from workbench.per_sample import precision
+    from workbench.per_sample.recording import record
+
+    torch.manual_seed(0)
+    model = Float32Inside(cast).double()
+    x, y = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64)
+    rec = record(model, lambda o, t: ((o - t) ** 2).sum(1), x, y)
+    want = torch.float32 if cast else torch.float64
+    assert precision.compared_dtype(rec) == want

@@ -62,6 +62,8 @@ from workbench.dpsgd.batches import batch_size
 from workbench.dpsgd.lifetime import Weak, push_bottom, reaches, sweep, weak_attribute
 from workbench.dpsgd.lifetime import remove as _remove
 from workbench.dpsgd.loss_terms import BatchStatistics
+from workbench.dpsgd.model_loss import name_of
+from workbench.dpsgd.record_reduction import RecordReduction
 from workbench.errors import LossCouplingError
 from workbench.per_sample.loss import check_separable, record_factors, reduction_of
 from workbench.per_sample.selfcheck import TOLERANCE, symbolic
@@ -85,6 +87,9 @@ class LossWatch:
         self.outputs: list = []  # the model's output tensors of the open window
         self._mode = None  # LossFunctions, on the TorchFunctionMode stack while the window is open
         self.stats = BatchStatistics()  # batch statistics of the data in the loss (loss_terms)
+        self.scale = RecordReduction()  # sum or mean over the records (record_reduction.py)
+        self.model_losses = None  # model_loss.ModelLosses: scalars the model computed
+        self.announced = None  # n of the batch the engine's loader handed out, until its step
         self.before = BatchStatistics()  # the same, from the loader's batch to the forward pass
         self._before_mode = None  # BeforeForward, on the stack while ``before`` follows calls
         self.paused = contextlib.nullcontext  # the recorder's pause (recorded.py sets it)
@@ -96,6 +101,7 @@ class LossWatch:
         """At the end of the model's forward pass (n records, before backward ``generation``);
         ``outputs``: the model's output tensors, for the coupling test at ``backward``."""
         self.n, self.generation, self._depth = n, generation, 0
+        self.model_losses = None
         last = LossWatch._open()
         if last is not None and last is not self:
             last.close()
@@ -108,6 +114,9 @@ class LossWatch:
         self.roots = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
         self.outputs = [o for o in self.roots if o.dim() and o.shape[0] == n]
         self.stats.reset(n if self.check else 0, self.outputs)
+        stats = self.stats
+        self.scale.reset(n if self.check else 0, lambda t: stats._has(stats.derived, t),
+                         self.loss_reduction)
         self.stats.inherit(self.before)  # statistics computed before the forward pass
         self.before.reset(0)
         if self._mode is None:
@@ -128,6 +137,7 @@ class LossWatch:
         """The engine's loader hands out a batch of n records: follow batch statistics of its
         data until the model's forward pass (``forward_begins``)."""
         self.batch_ends()
+        self.announced = n  # an empty batch may step without a forward pass (recorded.py)
         self._follow(n)
 
     def follow(self) -> None:
@@ -193,6 +203,7 @@ class LossWatch:
 
     def batch_ends(self) -> None:
         """The loader's pass ended (or was abandoned): nothing more to follow."""
+        self.announced = None
         self._stop_before()
         self.before.reset(0)
 
@@ -206,7 +217,9 @@ class LossWatch:
             handle.remove()
         self._handles = []
         self.outputs, self.roots = [], []
+        self.model_losses = None
         self.stats.reset(0)
+        self.scale.reset(0)
         self._close_mode()
         if LossWatch._open() is self:
             LossWatch._open = staticmethod(lambda: None)
@@ -259,6 +272,72 @@ class LossWatch:
             f"weight=w) with the mean (made exact per record), or a per-record sum divided by "
             f"a constant (the batch size n, or a fixed number of positions per record) with "
             f"loss_reduction='mean'; scale targets by a constant of the data set")
+
+    def attribute(self, loss) -> None:
+        """Before ``loss.backward()``: each scalar the model computed inside its forward pass
+        from its outputs that ``loss`` is computed from (``out.loss`` of a Hugging Face
+        model called with ``labels=``) is a loss call of this pass, if a functional loss
+        returned it (``model_loss.py``); any other raises LossCouplingError."""
+        losses = self.model_losses
+        if losses is None:
+            return
+        key = losses.upstream_use(loss)
+        if key is not None:
+            raise LossCouplingError(
+                f"the loss reads {name_of(key)}, a model output the model's other outputs are "
+                f"computed from (e.g. a seq2seq model's encoder_last_hidden_state, or "
+                f"hidden_states): the gradient recorded there would also hold what flows "
+                f"through those outputs, and the engine's exact checks would count it twice. "
+                f"Compute that term inside the model's forward pass (a wrapper module "
+                f"returning it as an output of its own), or leave it out of the loss")
+        for key, t in losses.used_by(loss):
+            inner = losses.inner
+            found = inner.call_of(t) if inner is not None else None
+            if found is None:
+                raise LossCouplingError(
+                    f"the loss is computed from {name_of(key)}, a scalar the model computed "
+                    f"inside its forward pass from its outputs, not returned by a loss "
+                    f"function the engine knows (e.g. a loss divided by num_items_in_batch, "
+                    f"or with an auxiliary term over the whole batch added): it cannot be "
+                    f"split into one term per record, and a normalisation by the batch would "
+                    f"couple the records. Call the model without labels= (or ignore "
+                    f"{name_of(key)}) and compute the loss from its logits after the model, "
+                    f"e.g. F.cross_entropy(logits.view(-1, V), labels.view(-1), "
+                    f"ignore_index=-100), which the engine makes per-record exact")
+            cls, options, z, y = found
+            self._loss_call(cls(**options), z, () if y is None else (y,))
+
+    def reduction(self, loss) -> None:
+        """Before ``loss.backward()``: LossCouplingError if the loss sums its records' terms
+        under ``loss_reduction="mean"``, averages them under "sum", or mixes the two
+        (``record_reduction.py``)."""
+        found = self.scale.check(loss, self.loss_reduction)
+        self.scale.on = False
+        if found is None:
+            return
+        kind, what = found
+        declared = self.loss_reduction
+        if kind == "mixed":
+            why = (f"adds terms that sum the records to terms that average them ({what}): "
+                   f"no single factor makes every record's gradient its own")
+            fix = ("normalise every term the same way (each a mean over the batch with "
+                   "loss_reduction='mean', or each a sum with loss_reduction='sum')")
+        elif kind == "sum":
+            why = (f"sums the records' terms ({what}), but loss_reduction='mean': the engine "
+                   f"multiplies each record's gradient by the batch size n to undo a mean "
+                   f"that is not there")
+            fix = ("divide the sum by the batch size (loss.sum() / n, or reduction='mean'), "
+                   "or pass loss_reduction='sum' to make_private / DPOptimizer (then a "
+                   "constant factor such as 1 / expected_batch_size is fine)")
+        else:
+            why = (f"averages the records' terms ({what}), but loss_reduction="
+                   f"{declared!r}: each record's gradient keeps the factor 1 / n")
+            fix = ("pass loss_reduction='mean' to make_private / DPOptimizer, or sum the "
+                   "records' terms (reduction='sum')")
+        raise LossCouplingError(
+            f"the loss passed to backward {why}. Each record's clipped contribution would "
+            f"then scale with the realised batch size n, a statistic of which other records "
+            f"were sampled, so the sensitivity is no longer max_grad_norm. Fix: {fix}")
 
     def coupling(self, loss) -> None:
         """Before ``loss.backward()``: LossCouplingError if record i's ∂L/∂o_i moves with any
@@ -319,6 +398,7 @@ class LossWatch:
         if self._depth or self._busy or not self._is_loss(module, output):
             return
         self._loss_call(module, args[0] if args else None, args[1:])
+        self.scale.loss_call(type(module).__name__, getattr(module, "reduction", None), output)
 
     def _is_loss(self, module, output) -> bool:
         if isinstance(module, _Loss) or module is self.criterion:
@@ -400,12 +480,15 @@ class LossFunctions(TorchFunctionMode):
             loss = loss if isinstance(loss, torch.Tensor) else None
             if loss is not None and reaches(loss, watch.roots):  # this model's loss only
                 try:
+                    watch.attribute(loss)
                     watch.statistics(loss)
+                    watch.reduction(loss)
                     watch.coupling(loss)
                 except Exception:
                     watch.close()  # the refused pass's window ends with it
                     raise
             return func(*args, **kwargs)
+        reduction = None
         if func in FUNCTIONAL and watch._depth == 0:
             cls, names = FUNCTIONAL[func]
             bound = inspect.signature(func).bind(*args, **kwargs)
@@ -414,10 +497,15 @@ class LossFunctions(TorchFunctionMode):
             positional = [v for k, v in bound.arguments.items() if k not in names]
             watch._loss_call(cls(**options), positional[0], tuple(positional[1:2]),
                              functional=True)
+            reduction = options.get("reduction", "mean")
         out = func(*args, **kwargs)
         if watch.stats.on:  # batch statistics of the data, followed to the loss
             with torch._C.DisableTorchFunction():  # a subclass (Opacus' ExpandedWeight) is
                 watch.stats.after(func, args, kwargs, out)  # read, never dispatched to
+                if reduction is not None:  # sum or mean over the records: the loss's kind
+                    watch.scale.loss_call(f"F.{func.__name__}", reduction, out)
+                else:
+                    watch.scale.after(func, args, kwargs, out)
         return out
 
 

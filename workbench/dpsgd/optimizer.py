@@ -334,7 +334,8 @@ class DPOptimizer(Optimizer):
                         mode = self._auto_mode(rec)
                     modes.append(mode)
                     tol = max(tol, selfcheck.TOLERANCE.get(precision.compared_dtype(rec), 1e-3))
-                    if rec.signature is not None:  # before clipping frees the backprops
+                    if self.recorder.comparing:  # before clipping frees the backprops; every
+                        # pass of the step (.grad is their sum), not only the checked ones
                         for key, g in self.recorder.path_gradient(rec, exact).items():
                             paths[key] = g if key not in paths else paths[key] + g
                         unchecked |= self.recorder.unchecked(rec)

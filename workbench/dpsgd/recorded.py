@@ -30,20 +30,31 @@ gradient.
 
 import warnings
 from contextlib import ExitStack, contextmanager
+from functools import partial
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from workbench.clipping.engine import reweighted_weight_grads
-from workbench.dpsgd.loss_watch import LossWatch
+from workbench.dpsgd.lifetime import push_bottom
+from workbench.dpsgd.loss_watch import FUNCTIONAL, LossWatch, _leave
+from workbench.dpsgd.model_loss import (
+    InnerLosses,
+    ModelLosses,
+    model_outputs,
+    name_of,
+    output_keys,
+    select,
+    split_outputs,
+)
 from workbench.dpsgd.skip_weights import AUTO, WeightGradSkipper
 from workbench.dpsgd.streamed import stream_call, streamed_gradients
 from workbench.errors import LossCouplingError, UnsupportedLayerError
 from workbench.per_sample import precision, selfcheck
 from workbench.per_sample.checks import ModelCall
 from workbench.per_sample.fallback import exact_per_sample_gradients
-from workbench.per_sample.hooks import ActivationRecorder, output_tensors
+from workbench.per_sample.hooks import ActivationRecorder
 from workbench.per_sample.owned import sole_holders
 from workbench.per_sample.recording import (
     Recording,
@@ -62,11 +73,19 @@ from workbench.per_sample.uses import UseTracker, quiet
 ROOT = "<model>"
 
 
-def dot_loss(outputs, backprops) -> torch.Tensor:
-    """(n,): ⟨o_i, b_i⟩ per sample, whose gradient w.r.t. θ is the per-sample gradient."""
-    outs = output_tensors(outputs)  # None elements skipped, as the recorded b (hooks.py)
+def dot_loss(outputs, backprops, keys=None) -> torch.Tensor:
+    """(n,): ⟨o_i, b_i⟩ per sample, whose gradient w.r.t. θ is the per-sample gradient;
+    ``keys``: the recorded call's outputs (``model_loss.output_keys``: a ``ModelOutput``'s
+    per-record tensors, not the loss it computed from them)."""
+    outs = select(outputs, keys)  # None elements skipped, as the recorded b (hooks.py)
     bs = backprops if isinstance(backprops, (tuple, list)) else (backprops,)
     return sum((o * b).flatten(1).sum(1) for o, b in zip(outs, bs))
+
+
+def dot_loss_of(call):
+    """``dot_loss`` for the outputs of the recorded model call ``call``."""
+    keys = getattr(call, "keys", None)
+    return dot_loss if keys is None else partial(dot_loss, keys=keys)
 
 
 class ModelRecorder:
@@ -99,10 +118,13 @@ class ModelRecorder:
                           f"set requires_grad=False to silence this", stacklevel=4)
         self.snapshot = self._structure()
         self.layer_rec = ActivationRecorder(self.layers, capture="hooks").__enter__()
-        self.root_rec = ActivationRecorder({ROOT: model}, capture="hooks").__enter__()
+        self.root_rec = ActivationRecorder({ROOT: model}, capture="hooks",
+                                           outputs_of=model_outputs).__enter__()
+        self._inner = None  # model_loss.InnerLosses of the forward pass running
         self.tracker = UseTracker(owners_of(self.layers, model), self.layer_rec,
                                   parameter_names(model))
         self.uncovered: dict[int, set[str]] = {}
+        self.comparing = False  # batches(): some backward pass of the step is checked
         self.watch = LossWatch(loss_reduction, criterion)
         self.watch.paused = self.paused  # its coupling test must not reach the recording hooks
         self._depth, self._tracking, self._rng, self._roots = 0, False, None, 0
@@ -142,6 +164,9 @@ class ModelRecorder:
             self._fast = (skip and self.armed and torch.is_grad_enabled()
                           and self._amp is None and not distributed_run(self.wrapped))
             self._roots = len(self.root_rec.calls[ROOT])
+            if torch.is_grad_enabled():  # a loss computed inside the model (model_loss.py)
+                self._inner = InnerLosses(FUNCTIONAL)
+                push_bottom(self._inner)
             self.tracker.__enter__()
             self._tracking = True
 
@@ -150,6 +175,10 @@ class ModelRecorder:
         if self._depth == 0:
             self._fast = False
             self.watch.forward_ends()  # an evaluation pass paused the batch follower
+        inner = None
+        if self._depth == 0 and self._inner is not None:
+            inner, self._inner = self._inner, None
+            _leave(inner)
         if self._depth == 0 and self._tracking:
             self._tracking = False
             # the loss is not seen here: an output the model returns may be used there
@@ -161,10 +190,14 @@ class ModelRecorder:
             roots = self.root_rec.calls[ROOT]
             if len(roots) > self._roots:  # this forward pass's call: its random state
                 roots[-1].rng, roots[-1].amp = self._rng, self._amp  # replayed by the checks
+                roots[-1].keys = output_keys(output)  # which outputs (model_loss.py)
                 shape = roots[-1].outputs[0][0]
                 self._n = shape[0] if len(shape) else None  # streaming: dim 0 must be n
                 self.watch.open(shape[0] if len(shape) else 1, self.root_rec.generation,
                                 tree_flatten(output)[0])
+                split = split_outputs(output)
+                if split is not None and (split[2] or split[3]):  # a loss, upstream outputs
+                    self.watch.model_losses = ModelLosses(split, inner)
 
     def close(self) -> None:
         self.watch.close()
@@ -196,13 +229,30 @@ class ModelRecorder:
             self.watch.pending = pending
 
     def check_step(self) -> None:
-        """A fresh backward pass since the last step, into the model made private."""
+        """A fresh backward pass since the last step, into the model made private; or an
+        empty batch of the engine's loader (n = 0, announced by ``loss_watch.watched``) that
+        the loop did not run through the model (many models, Hugging Face's among them,
+        cannot take n = 0): its step adds the noise to a zero sum, as DP-SGD must."""
         if self._structure() != self.snapshot:
             raise RuntimeError("the model's layers or trainable parameters changed after "
                                "make_private (a layer added, replaced or unfrozen): their "
                                "gradients would not be recorded. Call make_private again on "
                                "the changed model (with a new optimizer over its parameters)")
+        scalar = next((c for c in self.root_rec.all_calls() if c.outputs and all(
+            len(shape) == 0 for shape, _, _ in c.outputs)), None)
+        if scalar is not None:
+            keys = getattr(scalar, "keys", None)
+            what = name_of(keys[0]) if keys else "the output"
+            raise LossCouplingError(
+                f"the model returned only scalars ({what}: e.g. a loss computed inside its "
+                f"forward pass over the whole batch), no per-record output: the optimizer "
+                f"attributes the gradient to records through the outputs the loss is "
+                f"computed from (dim 0 = the batch). Return them too (a Hugging Face model's "
+                f"ModelOutput as it is, with its logits), or return the logits and compute "
+                f"the loss after the model")
         if not any(any(g is not None for g in c.grads) for c in self.root_rec.all_calls()):
+            if self.watch.announced == 0 and not self.root_rec.all_calls():
+                return  # an empty Poisson batch, not run through the model: Σ_i c_i g_i = 0
             if ROOT in self.root_rec.untracked:  # e.g. a dict or a Hugging Face ModelOutput
                 raise TypeError(
                     f"the model returned a {self.root_rec.untracked[ROOT]}: the optimizer "
@@ -214,17 +264,30 @@ class ModelRecorder:
                                "twice after one backward): each step needs its own "
                                "optimizer.zero_grad(), loss = criterion(model(x), y), "
                                "loss.backward(), then optimizer.step(). A step without fresh "
-                               "gradients would be a pure-noise update charged to the budget")
+                               "gradients would be a pure-noise update charged to the budget "
+                               "(only an empty batch of the engine's loader steps without a "
+                               "forward pass: its clipped sum is zero)")
 
     def batches(self, loss_reduction: str, check, scale=None):
         """(Recording, exact per-sample gradients of fallback parameters) per backward pass.
 
         ``check``: ``selfcheck``'s option (True: each new call signature). ``scale``: a
         GradScaler's scale, divided out of every recorded backprop."""
+        if self.layer_rec.recomputed:
+            raise UnsupportedLayerError(
+                f"{', '.join(sorted(self.layer_rec.recomputed)[:3])} ran their forward again "
+                f"inside the backward pass and received their gradient through that "
+                f"recomputation: activation checkpointing with use_reentrant=True. Its nested "
+                f"backward pass cannot be recorded as the batch's, and the optimizer's checks "
+                f"(torch.autograd.grad) are refused by it. Use use_reentrant=False: "
+                f"torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or "
+                f"model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                f"{{'use_reentrant': False}}) (Hugging Face's default)")
         self.layer_rec.collect()
         self.root_rec.collect()
         check_recorded(self.layers, self.layer_rec)
         roots = [c for c in self.root_rec.calls[ROOT] if c.backprops is not None]
+        prepared = []  # every backward pass's recording first: ``comparing`` below
         for gen in sorted({c.generation for c in roots}):
             mine = [c for c in roots if c.generation == gen]
             if len(mine) > 1:
@@ -237,12 +300,18 @@ class ModelRecorder:
             rec.probe = None
             if rec.signature is not None:
                 rec.probe = selfcheck.probe_sketch(rec, selfcheck.probe(
-                    rec, self.model, dot_loss, _inputs(root, rec.n), root.backprops))  # g_i
+                    rec, self.model, dot_loss_of(root), _inputs(root, rec.n),
+                    root.backprops))  # g_i
                 if rec.random and rec.rng is not None:  # for the record probe, after clipping
                     b = root.backprops
                     row = tuple(t[-1:].clone() for t in b) if isinstance(b, tuple) \
                         else b[-1:].clone()
-                    rec.replay = (root.args, root.kwargs, row)
+                    rec.replay = (root.args, root.kwargs, row, getattr(root, "keys", None))
+            prepared.append((gen, mine, rec))
+        # .grad sums every backward pass since the last step: where one pass is checked
+        # (a new signature), the path gradient of each is needed, known before any is clipped
+        self.comparing = any(rec.signature is not None for _, _, rec in prepared)
+        for gen, mine, rec in prepared:
             f0 = _uniform(rec.factors)
             streamed, self._stream_paths = streamed_gradients(
                 rec, gen, lambda g, f=rec.factors, n=rec.n, f0=f0: _rescaled(g, f, n, f0))
@@ -267,7 +336,8 @@ class ModelRecorder:
         for call in calls:
             call.backprops = _rescaled(call.backprops, f, n, f0, memo, owned)
         return new_recording(n, self.layers, self.layer_rec, self.params, self.uncovered,
-                             mine, random=self.tracker.random, generation=gen, factors=f)
+                             mine, random=self.tracker.random, lowered=self.tracker.lowered,
+                             generation=gen, factors=f)
 
     def path_gradient(self, rec: Recording, exact: dict) -> dict:
         """{id(param): Σ_i g_i} as the user's backward pass computed it (before the factors
@@ -311,15 +381,14 @@ class ModelRecorder:
                 if id(p) in rec.fallback} | {key for key, paths in self._stream_paths.items()
                                              if paths & tapped and not paths <= tapped}
 
-    def replay_probe(self, rec: Recording, args, kwargs, b_i) -> dict:
+    def replay_probe(self, rec: Recording, args, kwargs, b_i, keys=None) -> dict:
         """Exact g_i of record n - 1 (``selfcheck.record_probe``): the batch again with the
         other records substituted and the random state of its forward pass replayed, then
         ⟨o_i, f_i b_i⟩ backpropagated (b_i: the loss's recorded gradient of that record)."""
         i = rec.n - 1
 
         def loss_of_record(out):
-            leaves = output_tensors(out)
-            return dot_loss(tuple(o[i:i + 1] for o in leaves), b_i).sum()
+            return dot_loss(tuple(o[i:i + 1] for o in select(out, keys)), b_i).sum()
 
         with self.paused():
             return selfcheck.record_probe(rec, self.model, args, kwargs, loss_of_record)
@@ -330,17 +399,20 @@ class ModelRecorder:
             return {}
         reasons = sorted(set(rec.fallback.values()))
         root = roots[0]
-        if len(roots) != 1 or root.kwargs or batch_problem(self.model, root, rec.n):
+        problem = batch_problem(self.model, root, rec.n) if len(roots) == 1 else None
+        if len(roots) != 1 or problem:
             raise UnsupportedLayerError(
                 f"{', '.join(names)} need the exact whole-model fallback ({'; '.join(reasons)})"
-                f", which needs one call model(*inputs) per backward pass with the batch on "
-                f"dim 0 of the inputs and outputs; this backward pass had {len(roots)} model "
-                f"call(s). Restructure the forward pass, or compute per-sample gradients with "
+                f", which needs one call model(...) per backward pass with the batch on "
+                f"dim 0 of every tensor input and output; this backward pass had "
+                f"{len(roots)} model call(s){f', and the model {problem}' if problem else ''}"
+                f". Restructure the forward pass, or compute per-sample gradients with "
                 f"wb.clipped_grad_sum(model, loss_fn, x, y, C, method=...)")
         replay = (rec.rng, rec.device) if rec.random and rec.rng is not None else None
         with precision.replayed(rec.autocast, rec.device):  # the model as it was run
-            grads = exact_per_sample_gradients(self.model, dot_loss, _inputs(root, rec.n),
-                                               root.backprops, names, reasons, replay)
+            grads = exact_per_sample_gradients(self.model, dot_loss_of(root),
+                                               _inputs(root, rec.n), root.backprops, names,
+                                               reasons, replay)
         return {id(self.params[k]): g for k, g in grads.items()}
 
     def drop_outside_grads(self) -> None:

@@ -144,6 +144,11 @@ class DPDataLoader(DataLoader):
         sampler = PoissonBatchSampler(N, sample_rate, steps, generator)
         collate_fn = default_collate if collate_fn is None else collate_fn
         collate = PoissonCollate(collate_fn, empty_like_batch(dataset[0], collate_fn))
+        if kwargs.get("generator") is None:  # the workers' base seed, drawn per pass: from
+            # a generator of its own, not the global RNG, so that a pass begun after a resume
+            # leaves the global stream (dropout) where the uninterrupted run has it
+            seed = int(torch.randint(0, 2**62, (1,)))
+            kwargs["generator"] = torch.Generator().manual_seed(seed)
         super().__init__(dataset, batch_sampler=sampler, collate_fn=collate, **kwargs)
         self.sample_rate = sampler.sample_rate
         self.expected_batch_size = sampler.sample_rate * N

@@ -16,6 +16,11 @@ it with the noised clipped sum. This module keeps autograd from computing it:
   input does not), so the recorder's tensor hooks catch b, and the backward pass continues to
   the layer's inputs as before. Nothing else of the graph changes.
 
+Not under saved-tensor hooks (activation checkpointing with ``use_reentrant=False``, Hugging
+Face's ``gradient_checkpointing_enable()``): the checkpoint recomputes the forward in the
+backward pass, where nothing is skipped, and refuses a recomputation whose saved tensors
+differ from the forward's (a weight that did not require grad saves other tensors).
+
 Only *leaf* layers (no submodules) that are not parametrised and have a grad rule are
 tapped: every use of their parameters inside their forward is their own call, so the use
 tracker (``per_sample.uses``) sees the same uses either way; uses outside the layer's forward
@@ -46,6 +51,13 @@ from workbench.per_sample.uses import quiet
 
 AUTO = "auto"  # DPOptimizer.skip_weight_grads's default (module docstring)
 _requires_grad = quiet(lambda t: t.requires_grad)  # read without a mode seeing it
+
+
+def saving_hooks() -> bool:
+    """Saved-tensor hooks are on (``torch.utils.checkpoint`` with ``use_reentrant=False``,
+    ``save_on_cpu``): the forward's saved tensors are packed, and, under checkpointing,
+    recomputed in the backward pass and checked against the forward's."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
 
 
 class Tap(torch.autograd.Function):
@@ -101,8 +113,8 @@ class WeightGradSkipper:
 
     def _pre(self, path):
         def pre_hook(module, args):
-            if path in self._off or not self.active():
-                return
+            if path in self._off or not self.active() or saving_hooks():
+                return  # under checkpointing the recomputation must save what the forward did
             own = [p for p in self.own[path] if p.requires_grad]
             for p in own:
                 p.requires_grad_(False)
@@ -154,4 +166,4 @@ class WeightGradSkipper:
         self._handles.clear()
 
 
-__all__ = ["AUTO", "Tap", "WeightGradSkipper", "tappable"]
+__all__ = ["AUTO", "Tap", "WeightGradSkipper", "saving_hooks", "tappable"]

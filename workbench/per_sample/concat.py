@@ -55,7 +55,12 @@ def concat_part(func, args, kwargs, t: torch.Tensor, result) -> tuple | None:
         elif isinstance(other, torch.Tensor) and other.dim() == result.dim() \
                 and other.shape[0] == n:
             batched = True
-        start += other.shape[dim] if isinstance(other, torch.Tensor) and other.dim() else 0
+        if not isinstance(other, torch.Tensor):
+            return None
+        if other.dim() == result.dim():
+            start += other.shape[dim]
+        elif other.numel():  # only torch's legacy empty (0,) tensor is skipped by cat
+            return None  # (Hugging Face's cache starts from torch.tensor([]))
     if found is None or not batched:
         return None
     return dim, found, t.shape[dim]

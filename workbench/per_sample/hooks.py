@@ -27,6 +27,13 @@ it, or not), and, in ``capture="hooks"``, the *generation* of each call: the num
 backward passes that had finished when its gradient arrived, so that samples of two
 backward passes before one optimizer step are never merged.
 
+**Activation checkpointing** (``torch.utils.checkpoint``, Hugging Face's
+``gradient_checkpointing_enable()``) runs a layer's forward a second time inside the backward
+pass. That recomputation is not a call of the batch and is not recorded: with
+``use_reentrant=False`` the original call's output still receives b (the recomputation only
+refills its saved tensors); with ``use_reentrant=True`` the gradient flows through the
+recomputed call in a nested backward pass, which the caller refuses (``recomputed``).
+
 A call can also be recorded without a module hook (``add_call``): the use tracker records a
 tied head's ``F.linear`` as a Linear call (``tied.py``), and ``redirect`` reads a batch-free
 call's backprops where its output meets the batch (``broadcast.py``; in ``capture="hooks"`` by a
@@ -217,6 +224,8 @@ class ActivationRecorder:
     batch_free: object = None  # broadcast.BatchFree while a use tracker runs the forward pass
     flat_rows: object = None  # flat_rows.FlatRows while a use tracker runs the forward pass
     on_complete: object = None  # capture="hooks": (call) -> None once all its b have arrived
+    recomputed: dict[str, str] = field(default_factory=dict)  # path -> why: run in a backward
+    outputs_of: object = None  # (output) -> (tensors, is_tuple); default ``tensor_outputs``
     _handles: list = field(default_factory=list)
     _pending: bool = False
 
@@ -253,14 +262,30 @@ class ActivationRecorder:
                 stack.pop()
             if self.recording:
                 with torch._C.DisableTorchFunction():  # uses.quiet: its calls are not uses
+                    if torch._C._current_graph_task_id() != -1 and self._recomputation(path):
+                        return None
                     self.add_call(path, module, args, kwargs, output)
             return None
 
         return hook
 
+    def _recomputation(self, path: str) -> bool:
+        """A layer's forward run inside a backward pass: activation checkpointing recomputing
+        it. Not a call of the batch: True, not recorded. Non-reentrant checkpointing (its
+        saved-tensor hooks active) only refills the saved tensors of the original call, whose
+        output receives b as usual; reentrant checkpointing (grad on, no such hooks) runs a
+        nested backward pass through the recomputed call instead, noted in ``recomputed``
+        for the caller to refuse (``dpsgd/recorded.py``)."""
+        saving = torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+        if not saving and torch.is_grad_enabled():
+            self.recomputed.setdefault(path, "recomputed by a nested backward pass")
+        return True
+
     def add_call(self, path: str, layer, args, kwargs, output) -> None:
         """Record one call of ``layer`` (a module's, or a functional use: ``uses.py``)."""
-        if type(output) is torch.Tensor:  # the usual case, without tensor_outputs' tests
+        if self.outputs_of is not None:  # the model's own call (dpsgd/model_loss.py)
+            tensors, is_tuple = self.outputs_of(output)
+        elif type(output) is torch.Tensor:  # the usual case, without tensor_outputs' tests
             tensors, is_tuple = ([output] if output.requires_grad else []), False
         else:
             tensors, is_tuple = tensor_outputs(output)
@@ -361,6 +386,7 @@ class ActivationRecorder:
                 call.rows, call.views, call.watch = None, None, []
             calls.clear()
         self.untracked.clear()
+        self.recomputed.clear()
 
     def all_calls(self) -> list[LayerCall]:
         return [call for calls in self.calls.values() for call in calls]

@@ -127,8 +127,16 @@ def layer_dtype(layer) -> torch.dtype | None:
 
 def compared_dtype(rec) -> torch.dtype:
     """The dtype whose tolerance a check of ``rec`` uses: the autocast dtype of its forward
-    pass if it ran under autocast, else the parameters'."""
-    return getattr(rec, "autocast", None) or rec.dtype
+    pass if it ran under autocast, else the narrowest of the parameters' and any float dtype
+    the forward pass cast to (``uses.UseTracker._cast``: an RMSNorm computing in float32
+    inside a float64 model rounds at float32's precision)."""
+    autocast = getattr(rec, "autocast", None)
+    if autocast is not None:
+        return autocast
+    lowered = getattr(rec, "lowered", None)
+    if lowered is not None and lowered.itemsize < rec.dtype.itemsize:
+        return lowered
+    return rec.dtype
 
 
 __all__ = [

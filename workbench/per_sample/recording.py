@@ -201,6 +201,7 @@ class Recording:
     losses: torch.Tensor | None = None  # (n,)
     fallback: dict[int, str] = field(default_factory=dict)  # id(param) -> why not by rule
     random: bool = False  # a random function (dropout) ran in the forward pass
+    lowered: object = None  # a float dtype narrower than the parameters' computed in (uses.py)
     generation: int | None = None  # capture="hooks": only calls of this backward pass
     exact: dict = field(default_factory=dict)  # id(param) -> (n, *shape): the fallback's g_i
     probe: object = None  # selfcheck.probe_sketch: micro-batching's g_i of one sample (sketched)
@@ -290,7 +291,7 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
                   for call in recorder.calls[path]]
     uncovered = {**tracker.uncovered, **unseen(tracker, [losses])}  # disjoint (unseen.py)
     return new_recording(n, layers, recorder, params, uncovered, every_call,
-                         losses=losses, random=tracker.random, rng=rng,
+                         losses=losses, random=tracker.random, lowered=tracker.lowered, rng=rng,
                          autocast=precision.state(p0.device))
 
 

@@ -11,9 +11,13 @@ during the forward pass passes through it, wherever it is called. For each call 
 trainable parameter and returns something differentiable, it notes where the parameter was
 used: inside the forward of a recorded layer that owns it (a *covered* use: the layer's rule
 accounts for it) or anywhere else (an *uncovered* use: its per-sample gradient must come from
-an exact method). It also notes random functions (dropout), which decide how the result can be
-checked (``selfcheck.py``). A parameter used only inside a ``torch.autograd.Function`` is
-not seen at all (``unseen.py`` finds it in the graph afterwards).
+an exact method). It also notes randomness (dropout), which decides how the result can be
+checked (``selfcheck.py``) and how the exact fallback runs (``fallback.py``: the batch's
+random state replayed): a random function by name, and any draw from the default generators
+between the tracker's entry and exit (their states compared: ``scaled_dot_product_attention``
+with ``dropout_p > 0``, Llama's only dropout, draws under no listed name). A parameter
+used only inside a ``torch.autograd.Function`` is not seen at all (``unseen.py`` finds it in
+the graph afterwards).
 
 Given the recorder, it also turns these uses into rule calls instead of uncovered ones:
 ``F.linear(x, W)`` of a parameter outside its layer (a tied head: ``tied.py``),
@@ -50,6 +54,20 @@ _DROPOUTS = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
              "feature_alpha_dropout"}
 _OUTSIDE = "<outside any layer's forward>"
 LOSS = "<the loss function>"
+
+
+def generator_states() -> tuple:
+    """The default generators' states: CPU, and every initialised CUDA device's."""
+    cuda = tuple(torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())) \
+        if torch.cuda.is_initialized() else ()
+    return torch.get_rng_state(), cuda
+
+
+def advanced(before: tuple) -> bool:
+    """Did a default generator draw since ``before`` (``generator_states``)?"""
+    after = generator_states()
+    return not torch.equal(before[0], after[0]) or len(before[1]) != len(after[1]) or any(
+        not torch.equal(a, b) for a, b in zip(before[1], after[1]))
 
 
 def _is_random(name: str, args, kwargs) -> bool:
@@ -92,6 +110,9 @@ def quiet(hook):
     return run
 
 
+CASTS = frozenset({"to", "float", "half", "bfloat16", "type", "type_as"})
+
+
 class UseTracker(TorchFunctionMode):
     """Records uncovered uses of trainable parameters and random functions.
 
@@ -109,6 +130,7 @@ class UseTracker(TorchFunctionMode):
         self.names = names or {}
         self.uncovered: dict[int, set[str]] = {}  # id(param) -> where it was used
         self.random = False
+        self.lowered = None  # the narrowest float dtype a wider float was cast to (precision.py)
         self.in_loss = False  # set while loss_fn runs: a use there is the loss's own
         self.batch_free = BatchFree()
         self.covered: set[int] = set()  # ids of parameters used inside an owner (tied.py)
@@ -121,10 +143,15 @@ class UseTracker(TorchFunctionMode):
         self.recorder.batch_free = self.batch_free
         self.covered, self.broadcast, self.views, self.seen = set(), [], {}, set()
         self.flat_rows = self.recorder.flat_rows = FlatRows()
+        with torch._C.DisableTorchFunction():
+            self._states = generator_states()
         return super().__enter__()
 
     def __exit__(self, *exc):
         super().__exit__(*exc)
+        if not self.random:  # a draw under any name (SDPA's dropout_p, a fused kernel)
+            with torch._C.DisableTorchFunction():
+                self.random = advanced(self._states)
         self.recorder.batch_free = self.recorder.flat_rows = None
         if exc[0] is None:
             self.batch_free.finish(self.recorder)  # outside the mode: its ops are not uses
@@ -140,6 +167,8 @@ class UseTracker(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if not self.random and name in RANDOM_FUNCTIONS:
             self.random = _is_random(name, args, kwargs)
+        if name in CASTS:
+            self._cast(args, result)
         if torch.is_grad_enabled():
             if name in FOLLOWED or (self.flat_rows.tags and in_place(name)):
                 self.flat_rows.after(name, args, kwargs, result)
@@ -164,6 +193,18 @@ class UseTracker(TorchFunctionMode):
                     self._count(p, where)
         return result
 
+    def _cast(self, args, result) -> None:
+        """A float tensor cast to a narrower float (Hugging Face's RMSNorm computes in
+        ``hidden_states.to(torch.float32)`` whatever the model's dtype): the forward pass
+        computes partly in that precision, so its checks use its tolerance
+        (``precision.compared_dtype``), not the parameters' dtype's."""
+        x = args[0] if args else None
+        if (isinstance(x, torch.Tensor) and isinstance(result, torch.Tensor)
+                and x.is_floating_point() and result.is_floating_point()
+                and result.dtype.itemsize < x.dtype.itemsize
+                and (self.lowered is None or result.dtype.itemsize < self.lowered.itemsize)):
+            self.lowered = result.dtype
+
     def _count(self, p, where: str) -> None:
         """One use of p at ``where``: covered inside an owner, else uncovered."""
         if where not in self.owners[id(p)]:
@@ -184,4 +225,4 @@ class UseTracker(TorchFunctionMode):
         return used
 
 
-__all__ = ["LOSS", "RANDOM_FUNCTIONS", "UseTracker", "quiet"]
+__all__ = ["LOSS", "RANDOM_FUNCTIONS", "UseTracker", "advanced", "generator_states", "quiet"]

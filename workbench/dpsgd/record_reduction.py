@@ -1,0 +1,158 @@
+"""The loss's reduction over the records, read from the loop's own operations.
+
+The optimizer never sees the loss; ``loss_reduction`` tells it how the loop's loss L combines
+the records' terms ℓ_i, and the recorded gradient of record i is rescaled accordingly
+(``recorded.py``, ``per_sample/loss.py``, Eq. 2):
+
+    loss_reduction="mean":  L = (1/n) Σ_i ℓ_i  ->  g_i = n · ∂L/∂θ|_i
+    loss_reduction="sum":   L =       Σ_i ℓ_i  ->  g_i =     ∂L/∂θ|_i
+
+If the loop's L is not of the declared form, every g_i is scaled by a power of n before
+clipping: L = Σ_i ℓ_i under "mean" releases clip(n ∇ℓ_i), L = (1/n) Σ_i ℓ_i under "sum"
+releases clip(∇ℓ_i / n). n is the realised size of a Poisson batch, a statistic of which
+other records were sampled: adding one record then moves every other record's clipped
+contribution, and the sensitivity is no longer C (Abadi et al. 2016, arXiv 1607.00133,
+Algorithm 1: ∇ℓ_i must depend on record i alone). A loss *module* with the wrong reduction is
+refused by ``per_sample.loss.reduction_of``; a loss written from functions
+(``F.cross_entropy(o, y, reduction="sum")``, ``per_token.sum()``, ``((o - y) ** 2).sum()``)
+is followed here.
+
+**The invariant:** the loss passed to ``backward`` averages its records' terms under "mean"
+and sums them under "sum". ``RecordReduction`` follows the loss window's operations
+(``loss_watch.LossFunctions``) and gives each tensor computed from the model's outputs a
+*kind*:
+
+- "sum": a loss function with ``reduction="sum"`` (or a loss module with it), or
+  ``sum``/``nansum`` over the records (dim 0, or all dims) of a tensor with gradient of n·m
+  rows (m rows per record);
+- "mean": a loss function or module with its mean, or ``mean``/``nanmean`` over the records;
+- under "mean", a "sum" divided by a *count of the batch* (n, or n times a product of a
+  batch tensor's leading dims: n·T, n·T·V, the ``numel`` of the outputs) is a "mean"; under
+  "sum", a "mean" multiplied by one is a "sum"; any other scaling (a constant, 1 /
+  accumulation steps) keeps the kind. The counts are matched by value, so a constant equal
+  to this batch's n (B = qN when n = B) passes this step and is refused at a step whose n
+  differs; a sum divided by n under "sum" is not told apart from a constant (a limit);
+- a sum of terms of different kinds is "mixed": no single factor makes both right.
+
+``loss.backward()`` on a tensor whose kind is not ``loss_reduction`` raises
+``LossCouplingError`` naming the term and the fix. A tensor without a kind (a loss module
+with ``reduction="none"`` reduced in a way not listed, a loss the window did not see) passes,
+as before. Off with the optimizer's checks (``verify=False``) and for n < 2 (n = 1: the mean
+is the sum).
+
+Notation: n records, m rows per record, T positions, V classes, ℓ_i record i's term.
+"""
+
+import math
+import weakref
+
+import torch
+
+from workbench.per_sample.leaves import call_leaves
+
+SUMS = {"sum", "nansum"}
+MEANS = {"mean", "nanmean"}
+DIVIDE = {"div", "div_", "true_divide", "true_divide_", "__truediv__", "__itruediv__",
+          "divide", "__div__", "__idiv__"}
+MULTIPLY = {"mul", "mul_", "__mul__", "__rmul__", "__imul__", "multiply"}
+
+
+def _dims(args, kwargs, ndim: int) -> set[int]:
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    if dim is None or ndim == 0:
+        return set(range(ndim))
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    return {d % ndim for d in dims if isinstance(d, int)}
+
+
+def _number(v):
+    """A Python number, or the value of a 0-d tensor without gradient; else None."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, torch.Tensor) and v.dim() == 0 and not v.requires_grad \
+            and v.device.type != "meta":
+        return float(v)
+    return None
+
+
+class RecordReduction:
+    """The kinds of one loss window (module docstring)."""
+
+    def __init__(self):
+        self.reset(0)
+
+    def reset(self, n: int, derived=lambda t: True, declared: str = "mean") -> None:
+        """n records; ``derived(t)``: is t computed from the model's outputs?
+        ``declared``: the optimizer's ``loss_reduction``."""
+        self.n, self.on, self.derived, self.declared = n, n >= 2, derived, declared
+        self.kinds: dict[int, tuple] = {}  # id -> (weakref, kind, what)
+        self.counts: set[float] = {float(n)}  # n, n·T, n·T·V, ...: counts of the batch
+
+    def find(self, t):
+        entry = self.kinds.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return entry[1:] if entry is not None and entry[0]() is t else None
+
+    def mark(self, t, kind: str, what: str) -> None:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            self.kinds[id(t)] = (weakref.ref(t), kind, what)
+
+    def loss_call(self, name: str, reduction: str, out) -> None:
+        """A loss function or module ``name`` with ``reduction`` returned ``out``."""
+        if self.on and reduction in ("sum", "mean"):
+            self.mark(out, reduction, f"{name}(..., reduction={reduction!r})")
+
+    def _count(self, t: torch.Tensor) -> None:
+        """The counts a batch tensor offers as a denominator: n·m · Π of leading dims."""
+        if t.dim() and t.shape[0] and t.shape[0] % self.n == 0:
+            c = 1
+            for size in t.shape:
+                c *= int(size)
+                self.counts.add(float(c))
+
+    def after(self, func, args, kwargs, out) -> None:
+        """Follow one op of the window: ``out = func(*args, **kwargs)``."""
+        if not self.on:
+            return
+        tensors = [t for t in call_leaves(args, kwargs) if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            self._count(t)
+        name = getattr(func, "__name__", "")
+        x = tensors[0] if tensors and args and args[0] is tensors[0] else None
+        if (name in SUMS or name in MEANS) and x is not None and x.requires_grad and x.dim() \
+                and x.shape[0] % self.n == 0 and 0 in _dims(args, kwargs, x.dim()) \
+                and self.find(x) is None and self.derived(x):
+            kind = "sum" if name in SUMS else "mean"
+            self.mark(out, kind, f"{name}() over the records of a {tuple(x.shape)} tensor")
+            return
+        found = [k for t in tensors for k in [self.find(t)] if k is not None]
+        if not found:
+            return
+        kinds = {k for k, _ in found}
+        kind, what = found[0]
+        if len(kinds) > 1:
+            kind = "mixed"
+            what = " and ".join(dict.fromkeys(w for _, w in found))
+        elif len(args) > 1 and self.find(args[0]) is not None:
+            value = _number(args[1])
+            # toward the declared kind only: a constant that equals a count of this batch
+            # (B = qN when n = B) must not be refused; at another n it differs
+            if value is not None and any(math.isclose(value, c) for c in self.counts):
+                if name in DIVIDE and kind == "sum" and self.declared == "mean":
+                    kind, what = "mean", f"{what} divided by the batch count {value:g}"
+                elif name in MULTIPLY and kind == "mean" and self.declared == "sum":
+                    kind, what = "sum", f"{what} times the batch count {value:g}"
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for o in outs:
+            self.mark(o, kind, what)
+
+    def check(self, loss, loss_reduction: str):
+        """(kind, what) of ``loss`` when it is not ``loss_reduction``, else None."""
+        found = self.find(loss)
+        if found is None or found[0] == loss_reduction:
+            return None
+        return found
+
+
+__all__ = ["DIVIDE", "MEANS", "MULTIPLY", "SUMS", "RecordReduction"]
