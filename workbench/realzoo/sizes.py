@@ -67,10 +67,15 @@ def size(name: str):
 
 def scaled(config: dict) -> dict:
     """A tiny builder's config at the current size: at "base", every key of
-    ``BASE_CONFIG`` that the config sets takes the base value."""
+    ``BASE_CONFIG`` that the config sets takes the base value; a Mamba-2 config (``expand``,
+    ``num_heads`` and ``head_dim``) keeps heads x head_dim = expand x hidden, as its SSD
+    layer requires."""
     if current() == "tiny":
         return config
-    return {k: BASE_CONFIG.get(k, v) for k, v in config.items()}
+    out = {k: BASE_CONFIG.get(k, v) for k, v in config.items()}
+    if {"expand", "num_heads", "head_dim", "hidden_size"} <= out.keys():
+        out["num_heads"] = out["expand"] * out["hidden_size"] // out["head_dim"]
+    return out
 
 
 def width(channels: int) -> int:

@@ -56,27 +56,31 @@ def hf_image(kind: str, **config):
 def hf_swinv2():
     """Swin-V2: windows flattened into dim 0, a continuous position-bias MLP on a constant
     table (its ReLU in place on a Linear's view output), a logit scale per head."""
-    return hf_image("Swinv2", image_size=SIZE, patch_size=2, embed_dim=8, depths=[2, 1],
+    return hf_image("Swinv2", image_size=sizes.IMAGE[sizes.current()], patch_size=2,
+                    embed_dim=sizes.width(8), depths=[2, 1],
                     num_heads=[1, 2], window_size=2, drop_path_rate=0.0)
 
 
 def hf_convnextv2():
     """ConvNeXt-V2: global response normalisation, weight and bias of shape (1, 1, 1, C)."""
-    return hf_image("ConvNextV2", patch_size=2, hidden_sizes=[8, 16], depths=[1, 1],
+    return hf_image("ConvNextV2", patch_size=2, hidden_sizes=[sizes.width(8), sizes.width(16)],
+                    depths=[1, 1],
                     num_stages=2)
 
 
 def hf_bit():
     """BiT: weight-standardised convolutions (the weight transformed inside forward)."""
-    return hf_image("Bit", embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_groups=2,
+    return hf_image("Bit", embedding_size=sizes.width(8),
+                    hidden_sizes=[sizes.width(8), sizes.width(16)], depths=[1, 1], num_groups=2,
                     layer_type="preactivation")
 
 
 def hf_data2vec_vision():
     """Data2Vec-Vision (BEiT's family): relative position bias, layer-scale lambdas, and an
     embeddings layer that returns ``(embeddings, (height, width))``."""
-    return hf_image("Data2VecVision", image_size=SIZE, patch_size=4, hidden_size=16,
-                    num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+    return hf_image("Data2VecVision", image_size=sizes.IMAGE[sizes.current()], patch_size=4,
+                    **sizes.scaled(dict(hidden_size=16, num_hidden_layers=1,
+                                        num_attention_heads=2, intermediate_size=32)),
                     use_relative_position_bias=True, layer_scale_init_value=0.1,
                     drop_path_rate=0.0)
 
