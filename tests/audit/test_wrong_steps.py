@@ -16,7 +16,7 @@ import torch
 from workbench.audit import mechanism_noise
 from workbench.audit.bug_zoo import CORRECT, ZOO, _clip_rows, _noise
 from workbench.audit.bug_zoo_parts import PARTS
-from workbench.audit.mechanism import audit_dp_step, boundary_norms
+from workbench.audit.mechanism import MAX_DIM, MAX_REPEATS, audit_dp_step, boundary_norms
 from workbench.audit.mechanism_power import TARGETS, resolution
 from workbench.audit.report_suites import BugZooSuite
 
@@ -145,3 +145,29 @@ def test_repeat_check_tiles_agree_with_the_whole_gram_matrix(monkeypatch):
     assert mechanism_noise._cosines_max(X) == (pytest.approx(1.0), True)
     X[90] = 2 * X[3]  # parallel but not equal: a near-repeat, not an exact one
     assert mechanism_noise._cosines_max(X) == (pytest.approx(1.0), False)
+
+
+def test_huge_sigma_caps_the_design_and_says_how_many_trials():
+    """σ = 1000 would ask for 1000 copies of the clip-boundary rows: capped at MAX_REPEATS,
+    the run is inconclusive and names the trials that resolve 10% in the clip norm."""
+    rows = []
+    correct = ZOO[CORRECT](C, 1000.0, B, torch.Generator().manual_seed(1))
+
+    def step(G):
+        rows.append(G.shape[0])
+        return correct(G)
+
+    result = audit(lambda *args: step, dim=4, trials=20, sigma=1000.0)
+    assert max(rows) == 32 * MAX_REPEATS
+    assert result.verdict == "inconclusive" and result.resolution["clip norm"] > 0.1
+    assert result.trials_needed > 20 and f"trials >= {result.trials_needed}" in result.summary
+    again = audit(lambda *args: step, dim=4, trials=result.trials_needed, sigma=1000.0)
+    assert again.verdict == "passed", again.table
+
+
+@pytest.mark.parametrize("dim", [1, MAX_DIM + 1])
+def test_dim_outside_the_design_is_an_error(dim):
+    """The outlier-per-coordinate batch has dim² entries: a dim of a real model's parameter
+    count (10^6) would need 8 TB, so the audit refuses it by name instead of running out."""
+    with pytest.raises(ValueError, match=rf"dim must be an integer in \[2, {MAX_DIM}\]"):
+        audit_dp_step(ZOO[CORRECT](C, SIGMA, B), dim, B, C, SIGMA, trials=20)

@@ -34,7 +34,8 @@ of ~2%, a lag-1 noise correlation of ~0.03, a noise vector repeated at any lag.
 Resolution (``mechanism_power``): a run that finds nothing says "passed" only if it would
 have seen a 10% error in the noise std and a clip norm of 1.1 C (power 0.8); otherwise its
 verdict is "inconclusive" and its summary says how many trials would resolve them. The
-clip-boundary and dense rows come in ceil(σ) copies, which keeps the clip resolution at any σ.
+clip-boundary and dense rows come in ceil(σ) copies, which keeps the clip resolution at any σ
+up to ``MAX_REPEATS``; beyond it only more trials resolve 1.1 C.
 
 Notation: n batch size, d coordinates, g_i row i of G, C max_grad_norm, σ noise multiplier,
 B expected batch size, T trials, s = σC/B the claimed noise std of the output.
@@ -136,6 +137,8 @@ class MechanismAudit(AuditResult):
 
 TARGETS_TEXT = ", ".join(f"{k} within {v:.0%}" for k, v in TARGETS.items())
 _ROW_OF = {OUTLIERS: "mean · designed batch", DENSE: "mean · designed batch"}  # reported there
+MAX_REPEATS = 64  # copies of the clip-boundary and dense rows at most (2048 rows each)
+MAX_DIM = 2048  # the outlier-per-coordinate batch is (dim, dim): 32 MiB at this size
 
 
 def _run(step_fn, G, trials, dim):
@@ -184,10 +187,13 @@ def audit_dp_step(step_fn, dim: int, batch_size: float, max_grad_norm: float,
     sigma = check_noise_multiplier(noise_multiplier)
     T = check_count(trials, "trials", 20, note="for the tests' normal approximations")
     alpha = check_probability(alpha, "alpha", note="the audit's false-alarm probability")
-    dim = check_count(dim, "dim", 2, note="one outlier coordinate, one aligned")
+    dim = check_count(dim, "dim", 2, MAX_DIM, note="one outlier coordinate, one aligned; "
+                      "the coordinates stand for parameters: 32 to 64 catch every zoo's bug")
     a = alpha / len(_CHECKS)  # one row per check; alpha split evenly (Bonferroni)
     s, tol = sigma * C / B, 1e-6 * C / B
-    repeats = max(1, math.ceil(sigma))  # keeps the clip resolution (2) of mechanism_power
+    # σ copies keep the clip resolution (2) of mechanism_power; beyond MAX_REPEATS it is the
+    # trials' job (the verdict then says how many)
+    repeats = min(MAX_REPEATS, max(1, math.ceil(sigma)))
     batches = design_batches(dim, B, C, generator, repeats)
     parts, resid, noise, ybars = {}, [], [], {}
     for name, G in batches.items():
@@ -259,5 +265,5 @@ def _verdict(table, z, alpha, T, dim, sigma, batches, repeats, a):
     return MechanismAudit(verdict == "passed", table, z, alpha, T, verdict, res, need)
 
 
-__all__ = ["DENSE", "OUTLIERS", "MechanismAudit", "audit_dp_step",
+__all__ = ["DENSE", "MAX_DIM", "MAX_REPEATS", "OUTLIERS", "MechanismAudit", "audit_dp_step",
            "boundary_norms", "design_batches", "expected_step", "helmert", "nan_record_batch"]
