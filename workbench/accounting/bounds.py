@@ -30,12 +30,13 @@ the Poisson loader's length), E epochs, σ, δ.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from workbench.accounting.calibrate import steps_from_epochs, steps_per_epoch
 from workbench.accounting.curve import epsilon
 from workbench.accounting.gaussian import gaussian_epsilon
 from workbench.accounting.lower import poisson_lower_epsilon
+from workbench.accounting.noise_range import accounted_sigma
 from workbench.accounting.pld import check_pld_delta
 from workbench.accounting.shuffle import shuffle_lower_epsilon
 from workbench.checks import (
@@ -123,12 +124,17 @@ def epsilon_bounds(sampler, *, sample_rate, noise_multiplier, epochs, delta,
                                    f"epoch is one pass over the data"))
     delta = check_pld_delta(check_delta(delta))
     T = _batches(q, batches_per_epoch)
-    if sigma == 0:
-        bounds = SAMPLERS[sampler](q, 1.0, int(epochs), delta, T)  # steps; ε is inf for all
-        return type(bounds)(sampler, math.inf, math.inf, "no noise", "no noise", delta,
-                            bounds.steps)
-    return SAMPLERS[sampler](q, sigma, int(epochs) if sampler != "poisson" else epochs, delta,
-                             T)
+    epochs = int(epochs) if sampler != "poisson" else epochs
+    computed = accounted_sigma(sigma)  # noise_range.py: pessimistic outside its range
+    if computed == 0:
+        bounds = SAMPLERS[sampler](q, 1.0, epochs, delta, T)  # steps; ε is inf for all
+        return replace(bounds, lower=math.inf, upper=math.inf, lower_method="no noise",
+                       upper_method="no noise")
+    bounds = SAMPLERS[sampler](q, computed, epochs, delta, T)
+    if computed < sigma:  # an upper bound at less noise holds at σ; a lower bound does not
+        bounds = replace(bounds, lower=0.0, lower_method=f"trivial (noise_multiplier beyond "
+                         f"{computed:g}: the upper bound is computed there)")
+    return bounds
 
 
 __all__ = [

@@ -26,7 +26,10 @@ as never above another (PLD: RDP) starts from that one's answer, which is an upp
 never larger). RDP has a floor: as σ grows, ε tends to min_α [log((α-1)/α) - (log δ + log α)/(α
 - 1)] > 0, so tiny targets are unreachable with the given orders, and the error says so. An
 accountant whose ε is a step function of σ (a coarse grid) may have no σ in the band; then the
-bracket shrinks to σ_hi (1 ± 1e-10) and σ_hi is returned, still never above the target.
+bracket shrinks to σ_hi (1 ± 1e-10) and σ_hi is returned, still never above the target. So
+does a run whose ε stays below the band down to the least noise the accountant can compute
+(PLD refuses a loss too wide for its grid): at q T <= δ the total variation is below δ and ε is
+0 at every σ, and that least σ is returned, with its ε (``Calibration.epsilon``) below the band.
 
 Notation: q sample rate, σ noise multiplier, T steps, ε* target epsilon, δ target delta,
 τ relative tolerance in ε.
@@ -46,6 +49,10 @@ from workbench.checks import (
 )
 
 SIGMA_MAX = 1e4  # beyond this the target is reported unreachable
+#: Largest target ε calibrated. Past a few tens an (ε, δ) guarantee bounds nothing an attacker
+#: cares about (e^ε overflows float64 at ε ≈ 709), and the σ that spends it is tiny: PLD and
+#: PRV cannot grid such a loss, so the search would stop in their refusal instead.
+MAX_TARGET_EPSILON = 1000.0
 _MAX_EVALS = 60
 
 
@@ -132,6 +139,10 @@ def calibrate(target_epsilon, target_delta, sample_rate, steps=None, epochs=None
     (True, True)
     """
     target_epsilon = check_epsilon(target_epsilon, "target_epsilon")
+    if target_epsilon > MAX_TARGET_EPSILON:
+        raise ValueError(f"target_epsilon must be <= {MAX_TARGET_EPSILON:g} (a privacy budget, "
+                         f"e.g. 1 to 8; beyond a few tens epsilon promises nothing, and "
+                         f"e^epsilon overflows float64 past 709); got {target_epsilon!r}")
     target_delta = check_delta(target_delta, "target_delta")
     q = check_sample_rate(sample_rate)
     tau = check_positive(epsilon_tolerance, "epsilon_tolerance")
@@ -154,7 +165,12 @@ def calibrate(target_epsilon, target_delta, sample_rate, steps=None, epochs=None
 
     def eps(sigma):
         calls.append(sigma)
-        return epsilon(q, sigma, steps, target_delta, accountant, **options)
+        try:
+            return epsilon(q, sigma, steps, target_delta, accountant, **options)
+        except ValueError as e:  # the accountant refused a σ on the way: say which search
+            raise ValueError(f"noise calibration for target_epsilon={target_epsilon!r} with "
+                             f"accountant={accountant!r} stopped at noise_multiplier="
+                             f"{sigma:.4g}: {e}") from e
 
     start = _initial_sigma(target_epsilon, target_delta, q, steps)
     for looser in (n for n in spec.never_above if n in ACCOUNTANTS):
@@ -177,7 +193,11 @@ def _bracket(eps, target, sigma, tau):
         hi, e_hi = sigma, e
         while tau is None or e_hi < (1 - tau) * target:
             lo = hi / factor
-            e_lo, factor = eps(lo), factor**2
+            try:
+                e_lo, factor = eps(lo), factor**2
+            except ValueError:  # the accountant cannot compute so little noise (a PLD grid
+                return None, None, hi, e_hi  # limit) while ε is still below the target: the
+                # least noise it certifies (ε = 0 for q T <= δ, at any σ)
             if e_lo > target:
                 return lo, e_lo, hi, e_hi
             hi, e_hi = lo, e_lo
@@ -242,6 +262,6 @@ def _solve(eps, target, tau, rtol, sigma0):
 
 
 __all__ = [
-    "SIGMA_MAX", "Calibration", "calibrate", "get_noise_multiplier", "steps_from_epochs",
-    "steps_per_epoch",
+    "MAX_TARGET_EPSILON", "SIGMA_MAX", "Calibration", "calibrate", "get_noise_multiplier",
+    "steps_from_epochs", "steps_per_epoch",
 ]

@@ -24,14 +24,26 @@ Notation: q sample rate, σ noise multiplier, T steps, δ target delta, h PLD gr
 import numpy as np
 
 from workbench.accounting import registry
+from workbench.accounting.noise_range import accounted_history, accounted_sigma
 from workbench.checks import check_delta, check_noise_multiplier, check_sample_rate, check_steps
 
 
 def check_history(history):
     """[(σ, q, T), ...] validated, as a list of (float, float, int) tuples."""
-    return [
-        (check_noise_multiplier(s), check_sample_rate(q), check_steps(t)) for s, q, t in history
-    ]
+    shape = ("history must be a list of (noise_multiplier, sample_rate, steps) triples, one per "
+             "group of steps (as in an accountant's state_dict()['history'])")
+    if isinstance(history, (str, bytes, dict)) or not hasattr(history, "__iter__"):
+        raise TypeError(f"{shape}; got {type(history).__name__} {history!r:.80}")
+    out = []
+    for i, group in enumerate(history):
+        if isinstance(group, (str, bytes, dict)) or not hasattr(group, "__len__") \
+                or len(group) != 3:
+            raise ValueError(f"{shape}; group {i} is {group!r:.80}")
+        s, q, t = group
+        out.append((check_noise_multiplier(s, f"history[{i}] noise_multiplier"),
+                    check_sample_rate(q, f"history[{i}] sample_rate"),
+                    check_steps(t, f"history[{i}] steps")))
+    return out
 
 
 def _options(spec, fn, options, caller):
@@ -55,7 +67,7 @@ def history_epsilon(history, delta, accountant="rdp", **options):
     ``discretization`` (grid step h) and ``max_refine`` (how much finer a step may be used
     when one step's loss is narrow, see ``pld.grid_step``; 1 keeps h).
     """
-    history = check_history(history)
+    history = accounted_history(check_history(history))  # σ in the computable range
     delta = check_delta(delta)
     spec = registry.get_accountant(accountant)
     opts = _options(spec, spec.epsilon, options, "history_epsilon")
@@ -89,7 +101,8 @@ def epsilon_curve(sample_rate, noise_multiplier, steps, delta, accountant="rdp",
     >>> epsilon_curve(0.01, 1.0, [0, 100, 1000], 1e-5).round(3)
     array([0.   , 1.214, 2.101])
     """
-    q, sigma = check_sample_rate(sample_rate), check_noise_multiplier(noise_multiplier)
+    q = check_sample_rate(sample_rate)
+    sigma = accounted_sigma(check_noise_multiplier(noise_multiplier))  # noise_range.py
     counts = [check_steps(t) for t in np.atleast_1d(steps)]
     delta = check_delta(delta)
     spec = registry.get_accountant(accountant)

@@ -59,6 +59,8 @@ def gaussian_epsilon(noise_multiplier, delta, steps=1):
     hi = 1.0
     while gaussian_delta(noise_multiplier, hi, steps) > delta:
         hi *= 2
+        if hi > 1e300:  # σ/√T below ~1e-150: ε > 1e300, beyond float64's reach
+            return math.inf
     return brentq(lambda e: gaussian_delta(noise_multiplier, e, steps) - delta, 0.0, hi,
                   xtol=1e-13, rtol=1e-13)
 

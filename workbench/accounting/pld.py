@@ -81,10 +81,19 @@ def _g(q, sigma, x):
 
 
 def _g_inv(q, sigma, y):
-    """x with g(x) = y; -inf where y <= log(1 - q) (loss values below the support)."""
+    """x with g(x) = y; -inf where y <= log(1 - q) (loss values below the support).
+
+    log(e^y - 1 + q) is taken as y + log1p(-(1 - q) e^-y) for y > 1, so that a loss beyond
+    ~709 (σ below ~0.03) does not overflow e^y into inf and the masses into NaN.
+    """
+    y = np.asarray(y, dtype=np.float64)
+    big = y > 1.0
     with np.errstate(divide="ignore", invalid="ignore"):
-        inner = np.log(np.expm1(y) + q) - np.log(q)
-    return np.where(np.expm1(y) + q > 0, sigma**2 * inner + 0.5, -np.inf)
+        small_part = np.log(np.expm1(np.minimum(y, 1.0)) + q)  # y <= 1: direct
+        big_part = y + np.log1p(-(1 - q) * np.exp(-np.maximum(y, 1.0)))  # y > 1: no overflow
+        inner = np.where(big, big_part, small_part) - np.log(q)
+        inside = big | (np.expm1(np.minimum(y, 1.0)) + q > 0)
+    return np.where(inside, sigma**2 * inner + 0.5, -np.inf)
 
 
 def loss_std(q, sigma, direction):
@@ -133,7 +142,8 @@ def _normal_masses(edges, mean, sigma):
     z = (np.concatenate(([-np.inf], edges, [np.inf])) - mean) / sigma
     lower = np.diff(ndtr(z))
     upper = -np.diff(ndtr(-z))
-    mid = np.nan_to_num(0.5 * (z[:-1] + z[1:]), nan=0.0, posinf=1.0, neginf=-1.0)
+    with np.errstate(invalid="ignore"):  # -inf + inf at an empty end bin: its side is moot
+        mid = np.nan_to_num(0.5 * (z[:-1] + z[1:]), nan=0.0, posinf=1.0, neginf=-1.0)
     return np.where(mid > 0, upper, lower)
 
 
@@ -158,7 +168,9 @@ def sgm_pld(q, sigma, h, direction):
     m1 = (1 - q) * m0 + q * _normal_masses(x, 1.0, sigma)  # μ1
     p, r = (m1, m0) if direction == "remove" else (m0[::-1], m1[::-1])
     # p[0]: L <= ℓ_0 (moved up to ℓ_0); p[1:-1]: the n bins; p[-1]: L > ℓ_n (to +inf)
-    b = (r[1:-1] * np.exp(ell[:-1]) - p[1:-1] * np.exp(-h)) / -np.expm1(-h)  # Eq. (3)
+    with np.errstate(divide="ignore"):  # r e^ℓ in logs: it is <= p, but e^ℓ alone overflows
+        r_exp = np.exp(np.log(r[1:-1]) + ell[:-1])  # past ℓ ≈ 709 (σ below ~0.03)
+    b = (r_exp - p[1:-1] * np.exp(-h)) / -np.expm1(-h)  # Eq. (3)
     b = np.clip(b, 0.0, p[1:-1])  # rounding only: b is in [0, p] exactly
     pmf = np.zeros(ell.size)
     pmf[0] = p[0]

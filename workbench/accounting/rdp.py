@@ -46,6 +46,7 @@ Notation: q sample rate, σ noise multiplier, α order, T steps, Φ standard nor
 
 import numpy as np
 
+from workbench.accounting.noise_range import accounted_sigma
 from workbench.checks import (
     check_noise_multiplier,
     check_orders,
@@ -84,7 +85,9 @@ def compute_rdp(sample_rate, noise_multiplier, steps, orders=DEFAULT_ORDERS):
 
 
 def rdp_one_step(q, sigma, orders):
-    """ε(α) of one step, Eq. (1), for validated q, σ and orders (no argument checks)."""
+    """ε(α) of one step, Eq. (1), for validated q, σ and orders (no argument checks); σ outside
+    the computable range is taken pessimistically (``noise_range.py``)."""
+    sigma = accounted_sigma(sigma)
     if q == 0:
         return np.zeros_like(orders)
     if sigma == 0:

@@ -5,7 +5,8 @@ method or library with micro-batching, the reference of Opacus' own tests (Youse
 al. 2021, arXiv 2109.12298, Appendix A); ``providers`` adapts torch.func, Opacus, BackPACK.
 ``audit_dp_step`` tests one privatised step against the claim (Σ_i clip_C(g_i) + N(0, σ²C²I))
 / B with designed per-sample gradients (``mechanism.py``); ``bug_zoo`` holds wrong steps seen
-in real code, which the audit must flag; ``workbench_step`` runs the workbench's own optimizer.
+in real code, which the audit must flag, and ``bug_zoo_parts`` steps wrong in one layer,
+parameter, record or call only; ``workbench_step`` runs the workbench's own optimizer.
 ``audit_canaries`` bounds ε from below with Dirac canaries in one run (``canary.py``; the
 (ε, δ) bound of Steinke, Nasr, Jagielski 2023 is ``one_run_bound.py``): loose by design.
 ``audit_gaussian_step`` bounds one step's μ and ε tightly from many calls (Nasr et al. 2023,
@@ -27,7 +28,13 @@ repr; their plots are in ``workbench.viz``.
 
 # report_kinds, report_claim_kinds: the report's built-in kinds register themselves here,
 # before any of this package's modules draws a report
-from workbench.audit import bug_zoo, bug_zoo_coupling, report_claim_kinds, report_kinds  # noqa: F401
+from workbench.audit import (  # noqa: F401
+    bug_zoo,
+    bug_zoo_coupling,
+    bug_zoo_parts,
+    report_claim_kinds,
+    report_kinds,
+)
 from workbench.audit.canary import CanaryAudit, audit_canaries
 from workbench.audit.claim import Claim, ClaimError, load_claim
 from workbench.audit.claim_audit import ClaimAudit, audit_claim, register_evidence
@@ -58,7 +65,8 @@ __all__ = ["AuditResult", "CanaryAudit", "GaussianAudit", "GradientAudit", "Mech
            "naive_released_sum", "register_evidence", "step_released_sum",
            "audit_canaries", "audit_dp_step", "audit_gaussian_step",
            "audit_gradients", "attainable_bound", "epsilon_lower_bound",
-           "available_providers", "bug_zoo", "opacus_provider", "torch_func_provider",
+           "available_providers", "bug_zoo", "bug_zoo_parts", "opacus_provider",
+           "torch_func_provider",
            "workbench_step", "SamplingAudit", "audit_sampling",
            "audit_user_sampling", "MembershipAudit",
            "membership_inference"]

@@ -93,10 +93,11 @@ def _step_rows(claim, factory, name, trials, seed):
     influence = audit_record_influence(step_released_sum(factory, G, C, B_AUDIT), B_AUDIT,
                                        max_grad_norm=C, name=name)
     ok = mech.passed and tight.passed
+    unsure = mech.verdict == "inconclusive" and tight.passed  # nothing failed, too few trials
     rows = [_row("step: noise σ·C on the clipped sum", f"σ = {sigma:g}, C = {C:g}",
                  f"{name}: mechanism audit + tight one-step audit (at C = {probe_C:g})",
                  f"{mech.summary if not mech.passed else 'mechanism matches'}; {tight.summary}",
-                 SUPPORTED if ok else REFUTED)]
+                 SUPPORTED if ok else INCONCLUSIVE if unsure else REFUTED)]
     rel = claim.neighbouring
     worst = influence.worst(rel)
     held = bool(influence.table.loc[influence.table["relation"] == rel, "passed"].all())

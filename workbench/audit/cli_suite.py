@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from workbench import data, models
-from workbench.audit import bug_zoo, membership
+from workbench.audit import bug_zoo, bug_zoo_parts, membership
 from workbench.audit.canary import audit_canaries
 from workbench.audit.claim_epsilon import compare_libraries
 from workbench.audit.dpsgd_step import workbench_step
@@ -179,7 +179,8 @@ def privacy_sections(args, user_steps: dict, progress: bool, own_part: str = SUB
         correct(C, SIGMA, B, torch.Generator().manual_seed(SEEDS["step_noise"])), dim=DIM,
         batch_size=B, max_grad_norm=C, noise_multiplier=SIGMA, trials=args.trials,
         generator=torch.Generator().manual_seed(SEEDS["mechanism_design"])), part=SELF_CHECK))
-    bugs = {k: f for k, f in bug_zoo.ZOO.items() if k != bug_zoo.CORRECT}
+    bugs = {**{k: f for k, f in bug_zoo.ZOO.items() if k != bug_zoo.CORRECT},
+            **bug_zoo_parts.PARTS}
     audits = {}
     for name in tqdm(bugs, desc="bug zoo", disable=not progress):
         step = bugs[name](C, SIGMA, B, torch.Generator().manual_seed(SEEDS["step_noise"]))

@@ -124,6 +124,8 @@ def mechanism_summary(result):
            else f"variance ratio {v[0]:.4f} (band {v[1]:.3f}–{v[2]:.3f})")
     if result.passed:
         return f"mean, sensitivity and noise match the claim ({len(result.table)} checks)", key
+    if getattr(result, "verdict", "") == "inconclusive":
+        return result.summary, key
     return "fails: " + ", ".join(result.table["check"][~result.table["passed"]]), key
 
 

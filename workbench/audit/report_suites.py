@@ -94,6 +94,11 @@ class GradientSuite(AuditResult):
         return f"disagree or fail: {where}{note}"
 
 
+def _caught(audit) -> bool:
+    """A wrong step is caught when a check failed: an inconclusive run caught nothing."""
+    return getattr(audit, "verdict", "passed" if audit.passed else "failed") == "failed"
+
+
 @dataclass
 class BugZooSuite(AuditResult):
     """Mechanism audits of wrong steps (``audits``: name -> MechanismAudit) and what is wrong
@@ -105,13 +110,13 @@ class BugZooSuite(AuditResult):
     @property
     def table(self) -> pd.DataFrame:
         return pd.DataFrame([{
-            "bug": name, "what is wrong": self.docs.get(name, ""), "caught": not a.passed,
+            "bug": name, "what is wrong": self.docs.get(name, ""), "caught": _caught(a),
             "failed checks": ", ".join(a.table["check"][~a.table["passed"]]),
-            "passed": not a.passed} for name, a in self.audits.items()])
+            "passed": _caught(a)} for name, a in self.audits.items()])
 
     @property
     def passed(self) -> bool:
-        return bool(self.audits) and not any(a.passed for a in self.audits.values())
+        return bool(self.audits) and all(_caught(a) for a in self.audits.values())
 
     @property
     def summary(self) -> str:

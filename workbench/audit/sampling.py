@@ -15,9 +15,17 @@ independent terms, so a normal approximation with the exact mean and variance ap
     overlap at lag ℓ  O_ℓ = Σ_s Σ_j x_(s,j) x_(s+ℓ,j),  mean N (S-ℓ) q²,
                       var N [(S-ℓ) q²(1-q²) + 2 (S-2ℓ)_+ (q³ - q⁴)]
 
-with κ_n = (1 - 6q(1-q)) / (n q(1-q)) the binomial's excess kurtosis. Lag 1 catches batches
-drawn without replacement within an epoch (consecutive batches disjoint); lag L (the steps of
-the first epoch) catches a seed reused every epoch (epoch e+1 repeats epoch e). Each test is
+with κ_n = (1 - 6q(1-q)) / (n q(1-q)) the binomial's excess kurtosis. Two more facts share
+those rows (each row's p-value is twice the smaller of its parts', Bonferroni):           (2)
+
+    mean batch size   Σ_s b_s ~ N(S N q, S N q (1 - q)): a rate other than the claimed q
+                      (1.1 q: ε understated) shifts it even when the spread looks binomial;
+    no repeats        a Poisson batch holds each example at most once: any repeat is a
+                      draw with replacement (which has Binomial sizes too, and passed).
+
+Lag 1 catches batches drawn without replacement within an epoch (consecutive batches
+disjoint); lag L (the steps of the first epoch) catches a seed reused every epoch (epoch e+1
+repeats epoch e). Each test is
 two-sided and the audit passes when every p-value is at least significance / 4 (Bonferroni),
 so a true Poisson loader fails with probability at most ``significance`` (checked over seeds in
 tests/audit/test_sampling.py). Fixed-size batches have Σ z_s² = 0: they fail at any size.
@@ -94,11 +102,18 @@ def _tests(x, N, q, L):
     b, c = x.sum(1), x.sum(0)  # (S,) batch sizes, (N,) example counts
     rows = []
     stat = np.sum((b - N * q) ** 2) / (N * q * (1 - q))
-    rows.append(("batch sizes", *_normal_p(stat, S, S * (2 + _kurt(N, q))),
-                 "batch sizes vary as Binomial(N, q); fixed-size batches do not"))
+    spread = _normal_p(stat, S, S * (2 + _kurt(N, q)))
+    level = _normal_p(b.sum(), S * N * q, S * N * q * (1 - q))  # Eq. (2): the rate itself
+    z, p = min(spread, level, key=lambda zp: zp[1])
+    rows.append(("batch sizes", z, min(1.0, 2 * p), "batch sizes vary as Binomial(N, q) "
+                 "around N q; fixed-size batches do not, and a wrong rate shifts their mean"))
     stat = np.sum((c - S * q) ** 2) / (S * q * (1 - q))
-    rows.append(("example counts", *_normal_p(stat, N, N * (2 + _kurt(S, q))),
-                 "each example is used Binomial(S, q) times; once per epoch is shuffling"))
+    z, p = _normal_p(stat, N, N * (2 + _kurt(S, q)))
+    repeated = int((x > 1).sum())  # an example twice in one batch: drawn with replacement
+    rows.append(("example counts", z if not repeated else np.inf, p if not repeated else 0.0,
+                 "each example is used Binomial(S, q) times, at most once per batch; once per "
+                 "epoch is shuffling, twice in a batch is drawing with replacement"
+                 + (f" ({repeated} repeats seen)" if repeated else "")))
     for name, lag, meaning in [("overlap, lag 1", 1, "consecutive batches share examples "
                                 "at rate q²; disjoint ones mean sampling without replacement"),
                                (f"overlap, lag {L} (one epoch)", L, "a batch and the batch one "

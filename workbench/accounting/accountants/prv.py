@@ -43,6 +43,7 @@ import numpy as np
 
 from workbench.accounting.accountant import Accountant
 from workbench.accounting.compose import compose, self_compose_many
+from workbench.accounting.noise_range import accounted_history
 from workbench.accounting.pld import DiscretePLD, _g, _g_inv, _normal_masses, epsilon_for_delta
 from workbench.accounting.registry import register_accountant
 from workbench.checks import check_delta, check_positive
@@ -233,19 +234,21 @@ class PRVAccountant(Accountant):
 
     def get_epsilon_bounds(self, delta) -> PRVEpsilon:
         """Eq. (3) for this history; all zero while nothing was released."""
-        if not any(q > 0 and t > 0 and s > 0 for s, q, t in self.history):
-            eps = self.get_epsilon(delta)  # 0 (nothing released) or inf (no noise)
+        live = [(s, q, t) for s, q, t in accounted_history(self.history) if q > 0 and t > 0]
+        if not live or any(s == 0 for s, _, _ in live):  # nothing released, or no noise
+            check_delta(delta)
+            eps = np.inf if live else 0.0
             return PRVEpsilon(eps, eps, eps, self.eps_error, self.delta_error or 0.0)
-        live = [(s, q, t) for s, q, t in self.history if q > 0 and t > 0]
         return prv_epsilon_bounds(live, delta, self.eps_error, self.delta_error)
 
     def _options(self):
         return {"eps_error": self.eps_error, "delta_error": self.delta_error}
 
     def _load_options(self, state_dict):
-        self.eps_error = check_positive(state_dict["eps_error"], "eps_error")
+        eps_error = check_positive(state_dict["eps_error"], "eps_error")
         d = state_dict["delta_error"]
         self.delta_error = None if d is None else check_positive(d, "delta_error")
+        self.eps_error = eps_error
 
 
 def _explore_label(options):

@@ -1,0 +1,166 @@
+"""Accounting at the edges: σ beyond float64's reach, malformed histories and states, targets
+no calibration can honour. Each answer is an upper bound on the true ε or a clear error that
+names the argument (``noise_range.py``, ``curve.check_history``, ``calibrate.py``)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from workbench import accounting as A
+from workbench.accounting.accountants.prv import PRVAccountant
+from workbench.accounting.noise_range import SIGMA_CEILING
+
+ACCOUNTANTS = ("rdp", "pld", "prv")
+
+
+@pytest.mark.parametrize("accountant", ACCOUNTANTS)
+@pytest.mark.parametrize("sigma", [1e-300, 1e-60])
+def test_almost_no_noise_is_infinite_epsilon(accountant, sigma):
+    """Was: RuntimeError (series did not converge), OverflowError, or a grid refusal."""
+    assert A.epsilon(0.01, sigma, 100, 1e-5, accountant) == math.inf
+    assert A.epsilon(1.0, sigma, 1, 1e-5, accountant) == math.inf
+
+
+@pytest.mark.parametrize("accountant, q", [("rdp", 1e-6), ("rdp", 0.5), ("pld", 1e-6),
+                                           ("pld", 0.01), ("pld", 0.5), ("prv", 0.01)])
+def test_huge_noise_is_no_worse_than_the_ceiling(accountant, q):
+    """Was: ε = inf from PLD at σ = 1e17 (its loss rounds to 0 and the grid collapses), an
+    OverflowError from every accountant at σ = 1e160. ε falls with σ, so at most ε(1e8)."""
+    at_ceiling = A.epsilon(q, SIGMA_CEILING, 100, 1e-5, accountant)
+    assert at_ceiling < 0.02
+    for sigma in (1e17, 1e160, 1e300):
+        assert A.epsilon(q, sigma, 100, 1e-5, accountant) == at_ceiling
+    curve = A.epsilon_curve(q, 1e300, [0, 100], 1e-5, accountant)
+    assert curve[0] == 0 and curve[1] == at_ceiling
+
+
+def test_extreme_noise_in_every_entry_point():
+    assert np.isinf(A.compute_rdp(0.1, 1e-300, 10, [2, 3.5])).all()
+    assert np.isfinite(A.compute_rdp(0.1, 1e300, 10, [2, 3.5])).all()
+    assert A.gaussian_epsilon(1e-300, 1e-5) == math.inf  # was: "epsilon must be finite"
+    acc = A.RDPAccountant()
+    acc.step(noise_multiplier=1e300, sample_rate=0.1)
+    assert acc.get_epsilon(1e-5) < 0.01
+    for sampler in A.SAMPLERS:
+        b = A.epsilon_bounds(sampler, sample_rate=0.01, noise_multiplier=1e300, epochs=1,
+                             delta=1e-5)
+        assert b.lower == 0 and b.upper < 0.01, b
+        b = A.epsilon_bounds(sampler, sample_rate=0.01, noise_multiplier=1e-300, epochs=1,
+                             delta=1e-5)
+        assert b.lower == b.upper == math.inf, b
+
+
+def test_pld_is_never_above_rdp_even_where_its_grid_is_too_coarse():
+    """q = 1, σ = 1e8, 1e12 steps: one Gaussian with σ = 100 (exact ε 0.0272). The PLD's
+    finest grid swamped the loss (ε = 0.33, above RDP's 0.031): the registry promises PLD <= RDP
+    and the calibration starts from it."""
+    exact = A.gaussian_epsilon(100.0, 1e-5)
+    rdp = A.epsilon(1.0, 1e8, 10**12, 1e-5, "rdp")
+    pld = A.epsilon(1.0, 1e8, 10**12, 1e-5, "pld")
+    assert exact <= pld <= rdp < 1.2 * exact
+    assert A.epsilon_curve(1.0, 1e8, [10**12], 1e-5, "pld")[0] == pld
+
+
+def test_prv_bounds_with_a_noise_free_group():
+    """Was: OverflowError (the σ = 0 group went into the PRV grid)."""
+    acc = PRVAccountant()
+    acc.step(noise_multiplier=0.0, sample_rate=0.1, steps=10)
+    acc.step(noise_multiplier=1.0, sample_rate=0.01, steps=10)
+    b = acc.get_epsilon_bounds(1e-5)
+    assert b.lower == b.estimate == b.upper == math.inf == acc.get_epsilon(1e-5)
+    with pytest.raises(ValueError, match="delta"):
+        acc.get_epsilon_bounds(0.0)
+
+
+@pytest.mark.parametrize("history, error, match", [
+    ([(1.0, 0.1)], ValueError, r"triples.*group 0"),
+    ("abc", TypeError, "triples"),
+    (None, TypeError, "triples"),
+    ([(1.0, 0.1, 5), (1.0, 0.1, -1)], ValueError, r"history\[1\] steps"),
+    ([(float("nan"), 0.1, 5)], ValueError, r"history\[0\] noise_multiplier"),
+])
+def test_malformed_history_names_what_is_wrong(history, error, match):
+    """Was: 'not enough values to unpack', 'NoneType object is not iterable'."""
+    with pytest.raises(error, match=match):
+        A.history_epsilon(history, 1e-5)
+    acc = A.RDPAccountant()
+    with pytest.raises(error, match=match):
+        acc.load_state_dict({**acc.state_dict(), "history": history})
+
+
+@pytest.mark.parametrize("name, bad", [("rdp", {"orders": [1.0, 2.0]}),
+                                       ("prv", {"delta_error": -1.0})])
+def test_a_refused_state_leaves_the_accountant_as_it_was(name, bad):
+    """Was: the history was replaced before the options were refused (a half-loaded state)."""
+    acc = A.make_accountant(name)
+    acc.step(noise_multiplier=1.0, sample_rate=0.01, steps=7)
+    before = acc.state_dict()
+    state = {**before, "history": [[2.0, 0.5, 3]], **bad}
+    with pytest.raises(ValueError):
+        acc.load_state_dict(state)
+    assert acc.state_dict() == before
+
+
+def test_resumed_accountant_equals_the_uninterrupted_one():
+    schedule = [(1.0, 0.01, 40), (0.8, 0.02, 30), (0.0, 0.0, 5), (1.2, 0.5, 3), (1.0, 0.01, 7)]
+    for name in ("rdp", "pld"):
+        full, first = A.make_accountant(name), A.make_accountant(name)
+        for i, (s, q, t) in enumerate(schedule):
+            for _ in range(t):
+                full.step(noise_multiplier=s, sample_rate=q)
+            if i < 2:
+                first.step(noise_multiplier=s, sample_rate=q, steps=t)
+        resumed = A.make_accountant(name)
+        resumed.load_state_dict(first.state_dict())
+        for s, q, t in schedule[2:]:
+            resumed.step(noise_multiplier=s, sample_rate=q, steps=t)
+        assert resumed.state_dict() == full.state_dict()
+        assert resumed.get_epsilon(1e-5) == full.get_epsilon(1e-5)
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+@pytest.mark.parametrize("target", [1e6, 1e300, 1000.5])
+def test_calibration_refuses_a_huge_target_by_name(accountant, target):
+    """Was: σ = 0.023 for ε = 1e6 (RDP), a PLD grid error naming no argument, and a
+    RuntimeError from the RDP series at 1e300."""
+    with pytest.raises(ValueError, match="target_epsilon must be <= 1000"):
+        A.get_noise_multiplier(target, 1e-5, 0.01, steps=1000, accountant=accountant)
+
+
+def test_calibration_names_the_target_when_the_accountant_refuses_on_the_way():
+    with pytest.raises(ValueError, match=r"target_epsilon=1.0 with accountant='pld'.*delta"):
+        A.get_noise_multiplier(1.0, 1e-12, 0.01, steps=100, accountant="pld")
+
+
+def test_calibration_where_no_noise_is_needed_returns_a_valid_sigma():
+    """q T = 1e-6 <= δ: ε = 0 at every σ. PLD calibration shrank σ until its grid refused
+    (a ValueError); now the least σ it computes, whose ε is within the target."""
+    c = A.calibrate(1.0, 1e-5, 1e-6, steps=1, accountant="pld", discretization=0.05)
+    assert c.noise_multiplier > 0
+    assert A.epsilon(1e-6, c.noise_multiplier, 1, 1e-5, "pld", discretization=0.05) \
+        == c.epsilon <= 1.0
+
+
+@pytest.mark.parametrize("q, sigma, steps", [(1.0, 0.02, 1), (0.01, 0.02, 10), (0.5, 0.03, 3)])
+def test_pld_of_a_loss_beyond_exp_overflow(q, sigma, steps):
+    """σ = 0.02: one step's loss reaches ~1/(2σ²) = 1250, past e^709. The PLD's masses became
+    NaN ('cannot convert float NaN to integer'); now an upper bound, below RDP's."""
+    eps = A.epsilon(q, sigma, steps, 1e-5, "pld", discretization=0.05)
+    assert eps <= A.epsilon(q, sigma, steps, 1e-5, "rdp")
+    if q == 1.0:
+        exact = A.gaussian_epsilon(sigma, 1e-5, steps=steps)
+        assert exact <= eps <= exact * (1 + 1e-4)
+
+
+@pytest.mark.parametrize("sigma, steps", [(0.5, 1), (10.0, 10)])
+def test_full_batch_is_never_below_the_exact_gaussian(sigma, steps):
+    """q = 1: T steps are one Gaussian mechanism with σ/√T (Balle & Wang 2018): every
+    accountant's ε is at least the exact one, and not far above it."""
+    for delta in (1e-5, 0.5):
+        exact = A.gaussian_epsilon(sigma, delta, steps=steps)
+        for accountant in ACCOUNTANTS:
+            eps = A.epsilon(1.0, sigma, steps, delta, accountant)
+            assert exact - 1e-9 <= eps, (accountant, delta, eps, exact)
+            if accountant != "rdp":  # RDP's conversion is loose at large δ (0.19 for 0)
+                assert eps <= exact + 0.02, (accountant, delta, eps, exact)

@@ -1,0 +1,102 @@
+"""The noise checks of ``audit_dp_step``: variance, shape and freshness of the residuals.
+
+A correct step's noise is N(0, s² I), s = σC/B, drawn afresh at every call (Abadi et al. 2016,
+arXiv 1607.00133, Algorithm 1). The residuals r_t = y_t - ȳ of T calls on one batch are then
+iid across coordinates and calls (up to the centring), so each statistic below has an exact
+null law. Each row splits its level a between its parts (Bonferroni):
+
+noise variance (a/2 pooled, a/4 per batch, a/4 per coordinate; two-sided χ² each)         (1)
+
+    Σ r²/s² ~ χ²(k (T-1)) over all k = batches·d cells, over each batch's d, over each
+    coordinate's batches. The pooled test is the most powerful against one wrong scale (1.1σ);
+    the per-coordinate and per-batch ones see noise that is right on average but not in each
+    part: one parameter group noised twice and another not at all, a frozen-then-unfrozen
+    parameter without noise, a noise scale that follows the realised batch size.
+
+noise is Gaussian: Kolmogorov-Smirnov of the Helmert contrasts / s against N(0, 1) (``helmert``).
+
+noise is fresh (a/2 lag-1 correlation, a/2 repeats)                                      (2)
+
+    lag 1: r = Σ r_t·r_(t+1) / (norms), z = (r + 1/T) sqrt(pairs) ~ N(0, 1);
+    repeats: for every pair of calls, of any batch, the cosine ρ of their noise vectors
+    n = y - μ(G) (iid N(0, s² I) under the claim; not the residuals, whose centring would
+    hide a component shared by every call). Two independent isotropic Gaussian vectors in d
+    dimensions have (1 + ρ)/2 ~ Beta((d-1)/2, (d-1)/2), so max |ρ| over P pairs has p-value
+    <= P·2·sf. A noise vector that comes back, at any lag (a seed reset every k steps, one per
+    batch, a stale buffer mixed in), has ρ near 1; one that comes back exactly (the same n on
+    one batch or on two) fails outright, at any d. A wrong mean shifts every n of its batch
+    alike, so it can fail this part too (the mean rows say where).
+
+Notation: T calls per batch, d coordinates, s the claimed output noise std, r residuals.
+"""
+
+import numpy as np
+from scipy import stats
+
+BLOCK = 1024  # calls per side of a tile of the pairwise (Gram) computation
+EXACT = 1e-12  # |n_t - n_u|² <= EXACT (|n_t|² + |n_u|²): the same noise vector
+
+
+def helmert(R: np.ndarray) -> np.ndarray:
+    """(batches, T-1, dim) Helmert contrasts of R (batches, T, dim) along the calls.
+
+    h_k = (Σ_{j<=k} r_j - k·r_{k+1}) / sqrt(k(k+1)), k = 1..T-1: orthonormal and orthogonal to
+    the mean, so T iid N(μ, s²) calls give T-1 iid N(0, s²) values exactly (centred residuals
+    are correlated, -1/(T-1), which made asymptotic tests too liberal at small T)."""
+    k = np.arange(1, R.shape[1])[None, :, None]  # (1, T-1, 1)
+    head = np.cumsum(R, axis=1)[:, :-1]  # (batches, T-1, dim) Σ_{j<=k} r_j
+    return (head - k * R[:, 1:]) / np.sqrt(k * (k + 1))
+
+
+def _chi2_p(x, dof):
+    """Two-sided p-value of a χ²(dof) statistic (array-valued)."""
+    return np.minimum(1.0, 2 * np.minimum(stats.chi2.cdf(x, dof), stats.chi2.sf(x, dof)))
+
+
+def variance_p(R: np.ndarray, s: float, T: int) -> tuple:
+    """(pooled ratio Σr²/(s² dof), combined p) of Eq. (1) for residuals R (batches, T, d)."""
+    sq = R ** 2 / s ** 2  # (batches, T, d)
+    nb, _, d = R.shape
+    dof = nb * d * (T - 1)
+    pooled = sq.sum()
+    p_pool = _chi2_p(pooled, dof)
+    p_batch = _chi2_p(sq.sum(axis=(1, 2)), d * (T - 1)).min() * nb  # (batches,) -> min
+    p_coord = _chi2_p(sq.sum(axis=(0, 1)), nb * (T - 1)).min() * d  # (d,) -> min
+    return pooled / dof, float(min(1.0, 2 * p_pool, 4 * p_batch, 4 * p_coord))
+
+
+def _cosines_max(X: np.ndarray) -> tuple:
+    """(max |cosine| over pairs of rows of X (m, d), whether two rows are equal), in
+    BLOCK x BLOCK tiles of the Gram matrix (memory O(BLOCK²) at any m)."""
+    norms = np.sqrt((X ** 2).sum(1))  # (m,)
+    Xn = X / np.maximum(norms, 1e-300)[:, None]  # unit rows (a zero row stays zero)
+    best, same = 0.0, bool((norms == 0).sum() > 1)
+    for i in range(0, X.shape[0], BLOCK):
+        for j in range(i, X.shape[0], BLOCK):
+            cos = Xn[i:i + BLOCK] @ Xn[j:j + BLOCK].T  # (b, b'): rows t = i.. against u = j..
+            if i == j:
+                cos = np.triu(cos, k=1)  # pairs t < u only
+            best = max(best, float(np.abs(cos).max(initial=0.0)))
+            if not same:  # near-parallel pairs are rare under the claim: check those exactly
+                t, u = np.nonzero(cos > 1 - 1e-6)
+                x, y = X[i + t[:4096]], X[j + u[:4096]]  # (pairs, d); a few suffice
+                same = bool((((x - y) ** 2).sum(1)
+                             <= EXACT * ((x ** 2).sum(1) + (y ** 2).sum(1))).any())
+    return best, same
+
+
+def fresh_p(R: np.ndarray, noise: np.ndarray, T: int) -> tuple:
+    """(lag-1 correlation, combined p) of Eq. (2). ``noise``: y - μ(G) of every call (m, d)."""
+    num = (R[:, 1:] * R[:, :-1]).sum()  # lag-1: call t against call t+1
+    r = num / np.sqrt((R[:, 1:] ** 2).sum() * (R[:, :-1] ** 2).sum())
+    n_pairs = R.shape[0] * R.shape[2] * (T - 1)
+    p_lag = 2 * stats.norm.sf(abs((r + 1 / T) * np.sqrt(n_pairs)))  # centring biases r by -1/T
+    d = R.shape[2]
+    rho, same = _cosines_max(noise)  # (batches·T, d): y - μ(G), iid N(0, s² I)
+    pairs = noise.shape[0] * (noise.shape[0] - 1) / 2
+    p_rep = 0.0 if same else min(
+        1.0, pairs * 2 * stats.beta.sf((1 + rho) / 2, (d - 1) / 2, (d - 1) / 2))
+    return r, float(min(1.0, 2 * p_lag, 2 * p_rep))
+
+
+__all__ = ["BLOCK", "EXACT", "fresh_p", "helmert", "variance_p"]
