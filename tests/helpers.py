@@ -30,6 +30,26 @@ def assert_agree(model, loss_fn, inputs, targets, methods=("vmap", "einsum"), **
     return ref
 
 
+def ce_per_sample(outputs, targets):
+    return torch.nn.functional.cross_entropy(outputs, targets, reduction="none")
+
+
+def one_at_a_time_grads(model, loss_fn, x, y) -> dict:
+    """{name: (n, *p.shape)}: each record's gradient from a forward and backward pass of its
+    own (plain autograd, none of the workbench's code): the independent twin."""
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    rows = [torch.autograd.grad(loss_fn(model(x[i:i + 1]), y[i:i + 1]).sum(),
+                                list(params.values())) for i in range(x.shape[0])]
+    return {k: torch.stack([r[j] for r in rows]) for j, k in enumerate(params)}
+
+
+def classification_batch(n, d, k, seed):
+    """(x (n, d) float64, labels (n,) in [0, k))."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, d, generator=g, dtype=torch.float64),
+            torch.randint(0, k, (n,), generator=g))
+
+
 def mse_per_sample(outputs, targets):
     """A regression loss with one value per sample, reducing every non-batch dim."""
     return ((outputs - targets) ** 2).flatten(1).sum(dim=1)
@@ -92,15 +112,18 @@ def import_rule_package(root, package: str, files: dict[str, str]) -> None:
 
 
 def assert_optimizer_matches_microbatch(model, loss_fn, batches, max_grad_norm=0.5,
-                                        method=None):
+                                        method=None, verify=True):
     """DPOptimizer (no noise, lr 0) steps on ``batches`` [(x, y)]: each step's p.grad equals
-    micro-batching's clipped sum, float64 to 1e-9."""
+    micro-batching's clipped sum, float64 to 1e-9; ``verify=False``: without the optimizer's
+    self-check (a fast path must be right without it)."""
     from workbench.dpsgd import DPOptimizer
 
     kwargs = {} if method is None else {"method": method}
     opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
                       max_grad_norm=max_grad_norm, expected_batch_size=1.0,
                       loss_reduction="sum", **kwargs)
+    if not verify:
+        opt.verify = False
     try:
         for x, y in batches:
             want = wb.clipped_grad_sum(model, loss_fn, x, y, max_grad_norm, method="microbatch")

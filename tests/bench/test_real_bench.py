@@ -1,5 +1,7 @@
 """``python -m workbench.bench real``'s options: threads and repeats checked, threads restored."""
 
+import math
+
 import pytest
 import torch
 
@@ -46,3 +48,20 @@ def test_base_size_widens_every_architecture_it_builds():
     with pytest.raises(ValueError, match="size must be one of"):
         with sizes.size("huge"):
             pass
+
+
+def test_every_model_builds_at_base_or_says_why_not(monkeypatch):
+    """Each architecture has a base size the cost table can build (Mamba-2's heads follow its
+    width: heads x head_dim = expand x hidden), or ``sizes.NO_BASE`` says why it is not
+    measured there, and the table's row carries that reason instead of a number."""
+    from workbench.realzoo import sizes
+
+    config = {"hidden_size": 16, "expand": 2, "num_heads": 4, "head_dim": 8}
+    with sizes.size("base"):
+        sizes_config = sizes.scaled(config)
+    assert sizes_config["num_heads"] * sizes_config["head_dim"] == 2 * sizes_config["hidden_size"]
+    monkeypatch.setattr(real, "verdicts", lambda name: {})
+    monkeypatch.setattr(real, "cost", lambda *a, **k: pytest.fail("cost measured at base"))
+    row = real.row("mixtral", 1, torch.device("cpu"), ("base",))
+    assert row["cost_note_base"] == sizes.NO_BASE["mixtral"]
+    assert math.isnan(row["time_x_base"]) and math.isnan(row["memory_x_base"])

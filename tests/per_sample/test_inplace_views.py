@@ -13,8 +13,13 @@ import torch
 from torch import nn
 
 import workbench as wb
-from tests.helpers import assert_agree, assert_clipping_agrees, mse_per_sample, random_batch
-from workbench.dpsgd import DPOptimizer
+from tests.helpers import (
+    assert_agree,
+    assert_clipping_agrees,
+    assert_optimizer_matches_microbatch,
+    mse_per_sample,
+    random_batch,
+)
 
 T, D = 4, 3
 
@@ -87,21 +92,9 @@ def test_optimizer_reads_no_zero_for_a_view_written_in_place(name, mode):
     """The optimizer's tensor hooks missed the gradient as the edges did: without the
     self-check, the first step's clipped sum held a zero for ``fc``'s parameters."""
     model, _, _ = problem(name)
-    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
-                      max_grad_norm=0.5, expected_batch_size=1.0, loss_reduction="sum",
-                      method=mode)
-    opt.verify = False  # the check the lead is strengthening: this test must not need it
-    try:
-        for seed, n in ((0, 3), (1, 5)):
-            _, x, y = problem(name, n=n, seed=seed)
-            want = wb.clipped_grad_sum(model, mse_per_sample, x, y, 0.5, method="microbatch")
-            opt.zero_grad()
-            mse_per_sample(model(x), y).sum().backward()
-            opt.step()
-            for k, p in model.named_parameters():
-                torch.testing.assert_close(p.grad, want[k], rtol=1e-9, atol=1e-12)
-    finally:
-        opt.detach()
+    batches = [problem(name, n=n, seed=seed)[1:] for seed, n in ((0, 3), (1, 5))]
+    assert_optimizer_matches_microbatch(model, mse_per_sample, batches, method=mode,
+                                        verify=False)  # must not need the self-check
 
 
 def test_validate_model_says_what_an_in_place_activation_costs():

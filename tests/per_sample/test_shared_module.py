@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import workbench as wb
-from tests.helpers import relative_error
+from tests.helpers import ce_per_sample as loss_fn
+from tests.helpers import classification_batch, one_at_a_time_grads, relative_error
 from workbench.dpsgd import MODES, DPOptimizer
 
 D, K = 4, 3
@@ -45,21 +46,8 @@ class SharedBank(nn.Module):
         return self.head(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
-def loss_fn(out, y):
-    return F.cross_entropy(out, y, reduction="none")
-
-
-def one_at_a_time(model, x, y):
-    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
-    rows = [torch.autograd.grad(loss_fn(model(x[i:i + 1]), y[i:i + 1]).sum(),
-                                list(params.values())) for i in range(x.shape[0])]
-    return {k: torch.stack([r[j] for r in rows]) for j, k in enumerate(params)}
-
-
 def batch(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, D, generator=g, dtype=torch.float64),
-            torch.randint(0, K, (n,), generator=g))
+    return classification_batch(n, D, K, seed)
 
 
 @pytest.fixture
@@ -80,7 +68,7 @@ def test_per_sample_gradients_stay_exact_call_after_call(model, method):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             got = wb.per_sample_gradients(model, loss_fn, x, y, method=method)
-        ref = one_at_a_time(model, x, y)
+        ref = one_at_a_time_grads(model, loss_fn, x, y)
         assert set(got) == set(ref)
         for k in ref:
             assert relative_error(got[k], ref[k]) <= 1e-9, (method, seed, k)
@@ -90,7 +78,7 @@ def test_per_sample_gradients_stay_exact_call_after_call(model, method):
 def test_clipped_sums_and_the_optimizer_stay_exact(model):
     for seed, method in enumerate(["vmap", "ghost", "bookkeeping", "ghost"]):
         x, y = batch(4, seed)
-        ref = one_at_a_time(model, x, y)
+        ref = one_at_a_time_grads(model, loss_fn, x, y)
         norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in ref.values()))
         C = float(norms.median())
         c = (C / norms).clamp(max=1)
@@ -106,7 +94,7 @@ def test_clipped_sums_and_the_optimizer_stay_exact(model):
         try:
             for seed, n in enumerate((3, 4, 3)):
                 x, y = batch(n, 10 + seed)
-                ref = one_at_a_time(model, x, y)
+                ref = one_at_a_time_grads(model, loss_fn, x, y)
                 norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in ref.values()))
                 c = (C / norms).clamp(max=1)
                 opt.zero_grad()
@@ -128,7 +116,8 @@ def test_the_audits_torch_func_provider_leaves_the_model_as_it_was(model):
     before = slots(model)
     for seed in range(2):
         x, y = batch(3, seed)
-        got, ref = torch_func_provider(model, loss_fn, x, y), one_at_a_time(model, x, y)
+        got = torch_func_provider(model, loss_fn, x, y)
+        ref = one_at_a_time_grads(model, loss_fn, x, y)
         for k in ref:
             assert relative_error(got[k], ref[k]) <= 1e-9, (seed, k)
         assert all(a is b for a, b in zip(slots(model), before))

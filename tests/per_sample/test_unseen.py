@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import workbench as wb
-from tests.helpers import relative_error
+from tests.helpers import ce_per_sample as loss_fn
+from tests.helpers import classification_batch, one_at_a_time_grads, relative_error
 from workbench.dpsgd import MODES, DPOptimizer
 from workbench.per_sample.unseen import reached
 
@@ -49,21 +50,8 @@ class LoHaLike(nn.Module):
         return self.head(torch.tanh(self.base(x) + F.linear(x, dw)))
 
 
-def loss_fn(out, y):
-    return F.cross_entropy(out, y, reduction="none")
-
-
-def one_at_a_time(model, x, y):
-    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
-    rows = [torch.autograd.grad(loss_fn(model(x[i:i + 1]), y[i:i + 1]).sum(),
-                                list(params.values())) for i in range(x.shape[0])]
-    return {k: torch.stack([r[j] for r in rows]) for j, k in enumerate(params)}
-
-
 def batch(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, D, generator=g, dtype=torch.float64),
-            torch.randint(0, K, (n,), generator=g))
+    return classification_batch(n, D, K, seed)
 
 
 @pytest.fixture
@@ -81,7 +69,7 @@ def quiet(fn, *args, **kwargs):
 @pytest.mark.parametrize("check", [True, False])
 def test_functional_api_is_exact(model, check):
     x, y = batch(4, 0)
-    ref = one_at_a_time(model, x, y)
+    ref = one_at_a_time_grads(model, loss_fn, x, y)
     got = quiet(wb.per_sample_gradients, model, loss_fn, x, y, method="einsum", check=check)
     for k in ref:
         assert relative_error(got[k], ref[k]) <= 1e-9, k
@@ -103,7 +91,7 @@ def test_optimizer_is_exact(model, mode):
     try:
         for seed, n in enumerate((3, 4)):
             x, y = batch(n, 10 + seed)
-            ref = one_at_a_time(model, x, y)
+            ref = one_at_a_time_grads(model, loss_fn, x, y)
             c = (C / torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in ref.values()))).clamp(max=1)
             opt.zero_grad()
             loss_fn(model(x), y).sum().backward()

@@ -148,7 +148,8 @@ def row(name: str, repeats: int, device: torch.device, sizes_=("tiny", "base")) 
     out = {"model": name, **verdicts(name)}
     for size in sizes_:
         end = "" if size == "tiny" else f"_{size}"
-        dp = attempt(lambda s=size: cost(name, repeats, device, s))
+        dp = (sizes.NO_BASE[name] if size == "base" and name in sizes.NO_BASE
+              else attempt(lambda s=size: cost(name, repeats, device, s)))
         out.update(dp if isinstance(dp, dict) else {
             f"time_x{end}": float("nan"), f"memory_x{end}": float("nan"),
             f"cost_note{end}": dp})

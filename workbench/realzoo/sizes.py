@@ -44,6 +44,13 @@ BASE_CONFIG = {
 }
 """Config keys a "base" builder overrides, where the tiny builder sets them."""
 
+NO_BASE = {
+    "mixtral": "not measured at base: Hugging Face's batched_mm experts copy each token's k "
+               "experts' weights (n·T·k·3·I·d floats, about 6 GB per forward pass at n = 16, "
+               "T = 64), which measures that copy, not DP-SGD",
+}
+"""name -> why the model's cost is not measured at "base" (``bench real``)."""
+
 TOKENS = {"tiny": 8, "base": 64}  # T of the cost measurement (bench real)
 IMAGE = {"tiny": 16, "base": 32}  # image side of the image models
 WIDTH = {"tiny": 1, "base": 4}  # the factor on the image models' channel widths
@@ -83,5 +90,5 @@ def width(channels: int) -> int:
     return channels * WIDTH[current()]
 
 
-__all__ = ["BASE_CONFIG", "IMAGE", "SIZES", "TOKENS", "WIDTH", "current", "scaled", "size",
-           "width"]
+__all__ = ["BASE_CONFIG", "IMAGE", "NO_BASE", "SIZES", "TOKENS", "WIDTH", "current", "scaled",
+           "size", "width"]
