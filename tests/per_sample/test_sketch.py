@@ -130,13 +130,15 @@ class Float32Inside(nn.Module):  # Hugging Face's RMSNorm: hidden_states.to(torc
 
     def forward(self, x):
         h = self.fc(x)
-        if self.cast:
+        if self.cast == "softmax":
+            h = h * torch.softmax(h, -1, dtype=torch.float32).to(x.dtype)
+        elif self.cast:
             h = (h.to(torch.float32) * torch.rsqrt(h.to(torch.float32).pow(2).mean(-1, True)
                                                    + 1e-6)).to(x.dtype)
         return self.out(h)
 
 
-@pytest.mark.parametrize("cast", [False, True])
+@pytest.mark.parametrize("cast", [False, True, "softmax"])
 def test_checks_use_the_tolerance_of_the_narrowest_dtype_computed_in(cast):
     """A float64 model computing partly in float32 rounds at float32's precision: its
     per-parameter check uses float32's tolerance (a T5 in a training loop was refused at 1.5x

@@ -167,7 +167,7 @@ class UseTracker(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if not self.random and name in RANDOM_FUNCTIONS:
             self.random = _is_random(name, args, kwargs)
-        if name in CASTS:
+        if name in CASTS or (kwargs and "dtype" in kwargs):  # softmax(x, dtype=float32) too
             self._cast(args, result)
         if torch.is_grad_enabled():
             if name in FOLLOWED or (self.flat_rows.tags and in_place(name)):
@@ -195,7 +195,8 @@ class UseTracker(TorchFunctionMode):
 
     def _cast(self, args, result) -> None:
         """A float tensor cast to a narrower float (Hugging Face's RMSNorm computes in
-        ``hidden_states.to(torch.float32)`` whatever the model's dtype): the forward pass
+        ``hidden_states.to(torch.float32)`` whatever the model's dtype; an op given a
+        narrower ``dtype=``, ``F.softmax(x, -1, dtype=torch.float32)``): the forward pass
         computes partly in that precision, so its checks use its tolerance
         (``precision.compared_dtype``), not the parameters' dtype's."""
         x = args[0] if args else None
