@@ -104,3 +104,32 @@ def test_validate_model_says_what_an_in_place_activation_costs():
     notes = [str(p) for p in wb.validate_model(MODELS["swinv2_bias"]())
              if "in-place" in str(p)]
     assert notes and "hooks are safe" in notes[0]
+
+
+def test_a_view_output_keeps_its_own_backprop_in_hooks_mode():
+    """b of a Linear on (n, T, d) (a view of its (n·T, p) product) comes from the output's own
+    tensor hook when it fires: a Tensor of its own that the loss's factor can rescale in place
+    (``owned.py``), not the base's gradient reshaped (a view: one more copy per call; the DP
+    LSTM's peak went from 1.13x to 1.3x a plain step). After an in-place write the hook does
+    not fire and b is read at the base's node (views.py Eq. 1); either way it is dL/do."""
+    from workbench.per_sample.hooks import ActivationRecorder
+
+    writes = {"out_of_place": lambda h: torch.relu(h), "relu_": lambda h: torch.relu(h),
+              "iadd": lambda h: h + torch.ones(()), "setitem": lambda h: torch.cat(
+                  [torch.zeros_like(h[..., :1]), h[..., 1:]], -1)}
+    for how, write in writes.items():
+        model, x, y = problem(how)
+        if how == "iadd":
+            write = lambda h, x=x: h + x.sum(-1, keepdim=True)  # noqa: E731
+        with ActivationRecorder({"fc": model.fc}, capture="hooks") as recorder:
+            mse_per_sample(model(x), y).sum().backward()
+            (call,) = recorder.calls["fc"]
+            assert call.views is not None  # fc's output is a whole view of its base
+            (g,) = call.grads
+        o = model.fc(x).detach().requires_grad_()  # b = dL/do, o as fc returned it
+        own = how == "out_of_place"  # the output's own hook fired: its b as it is
+        assert g is not None and g._base is None, how
+        assert g.shape == (o.shape if own else (o.shape[0] * T, 8)), how  # else the base's
+        loss = mse_per_sample(model.out(torch.tanh(write(o))), y).sum()
+        torch.testing.assert_close(g.reshape(o.shape), torch.autograd.grad(loss, o)[0],
+                                   rtol=1e-12, atol=0)

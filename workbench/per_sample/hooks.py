@@ -89,6 +89,7 @@ class LayerCall:
     rows: tuple | None = None  # (n, T): called on flattened (n·T, ...) rows (flat_rows.py)
     views: list | None = None  # per edge, o's shape where b is read at o's base (views.py)
     watch: list = field(default_factory=list)  # [(o, version)]: partial views (views.py)
+    stored_at: dict = field(default_factory=dict)  # k -> the backward pass b_k came in
 
     @property
     def edge(self) -> GradientEdge:
@@ -111,8 +112,8 @@ class LayerCall:
         if self.meet is not None:
             grads = [self.meet.reduce(grads)]  # (n, *o.shape), summed over the meetings
         elif self.views is not None:  # read at the base of a view: views.py Eq. (1)
-            grads = [g if g is None or v is None else g.reshape(v)
-                     for g, v in zip(grads, self.views)]
+            grads = [g if g is None or v is None or tuple(g.shape) == v else g.reshape(v)
+                     for g, v in zip(grads, self.views)]  # the view's own b: as it is
         if self.rows is not None:  # (n·T, ...) -> (n, T, ...)
             grads = [None if g is None else as_batch(g, self.rows) for g in grads]
         full = [torch.zeros(s, dtype=d, device=v) if g is None else g
@@ -315,10 +316,16 @@ class ActivationRecorder:
         if torch.is_autocast_enabled(device.type):  # precision.state(device) is not None
             call.widen_to = precision.layer_dtype(layer)
         self.calls.setdefault(path, []).append(call)
-        if self.capture == "hooks":  # a view's b: at its base's node, as redirect does
-            call.handles = [t.register_hook(self._grad_hook(call, k)) if v is None else
-                            e.node.register_prehook(self._pre_hook(call, k, e.output_nr))
-                            for k, (t, (e, v)) in enumerate(zip(tensors, captured))]
+        if self.capture == "hooks":
+            call.handles = [t.register_hook(self._grad_hook(call, k)) for k, t in
+                            enumerate(tensors)]
+            # a view's b also at its base's node (views.py Eq. 1), read only where the view's
+            # own hook did not fire (an in-place write after the call took its node out of
+            # the graph): the view's own b is a Tensor of its own, which the loss's factor
+            # can rescale in place (owned.py); a reshaped base gradient is a view
+            call.handles += [e.node.register_prehook(self._pre_hook(call, k, e.output_nr,
+                                                                    unless_stored=True))
+                             for k, (e, v) in enumerate(captured) if v is not None]
         if self.batch_free is not None and not is_tuple and type(layer) in BROADCASTABLE:
             self.batch_free.watch(call, tensors[0])
 
@@ -340,10 +347,20 @@ class ActivationRecorder:
         call.handles = [edge.node.register_prehook(self._pre_hook(call, k, edge.output_nr))
                         for k, edge in enumerate(edges)]
 
-    def _pre_hook(self, call: LayerCall, k: int, nr: int):
+    def _pre_hook(self, call: LayerCall, k: int, nr: int, unless_stored=False):
         store = self._grad_hook(call, k)  # no edge in the closure: a reference from the
         # node's hook back to the node would be a cycle the GC cannot see
-        return lambda grad_outputs: store(grad_outputs[nr])
+        if not unless_stored:
+            return lambda grad_outputs: store(grad_outputs[nr])
+        ref = weakref.ref(call)
+
+        def fallback(grad_outputs):  # only when the output's own hook stored nothing in
+            # this backward pass
+            held = ref()
+            if held is not None and held.stored_at.get(k) != self.generation:
+                store(grad_outputs[nr])
+
+        return fallback
 
     def _grad_hook(self, call: LayerCall, k: int):
         ref = weakref.ref(call)  # a strong reference would make a cycle through the graph:
@@ -355,7 +372,7 @@ class ActivationRecorder:
             if call is None or not self.recording:  # paused: a check's own gradient pass
                 return
             call.grads[k] = grad
-            call.generation = self.generation
+            call.generation = call.stored_at[k] = self.generation
             if not self._pending:  # count this backward pass once it has finished
                 self._pending = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finished)
@@ -383,7 +400,7 @@ class ActivationRecorder:
             for call in calls:  # drop the activations, the graph edges and the gradients now
                 call.args, call.kwargs, call.edges, call.grads = (), {}, [], []
                 call.backprops, call.meet, call.handles, call.sampled = None, None, [], None
-                call.rows, call.views, call.watch = None, None, []
+                call.rows, call.views, call.watch, call.stored_at = None, None, [], {}
             calls.clear()
         self.untracked.clear()
         self.recomputed.clear()
