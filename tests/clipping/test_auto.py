@@ -101,6 +101,26 @@ def test_calls_materialised_in_both_modes_do_not_count():
     assert why["materialised"] == 6 * 20
 
 
+def test_a_tied_head_differs_when_its_weight_is_cross_normed():
+    """Book-keeping norms a tied embedding from its two calls' Grams (``cross.py``), einsum
+    materialises it: both calls count, with the pairs' Gram cost (T · Σ T · (V + d) each)."""
+    from tests.clipping.test_cross import TiedHead, sequence_ce, tokens
+
+    n, T, V, d = 6, 5, 20_000, 16
+    model = TiedHead(V=V, d=d, hidden_bias=False).double()
+    x, y = tokens(n=n, T=T, V=V)
+    rec = record(model, sequence_ce, x, y, retain_graph=False)
+    mode, why = choose_mode(rec)
+    assert why["avoided"] == n * (2 * V * d + d * d)  # both tied calls and the d x d Linear
+    assert mode == "bookkeeping", why
+    head = [call for path, _, call in rec.calls() if path.startswith("F.linear")][0]
+    e, k = auto.call_costs(rec, rec.layers["F.linear(wte.weight)"], head, V * d, T * 2 * T)
+    m = V * d * T
+    assert e == pytest.approx(n * m / auto.SAMPLE + 3 * n * V * d * 8 / auto.BANDWIDTH)
+    assert k == pytest.approx(n * (2 * T * T * (V + d) + m) / auto.GEMM
+                              + n * (T * d + 2 * T * V) * 8 / auto.BANDWIDTH + auto.FIXED)
+
+
 def test_a_route_without_declared_flops_assumes_no_saving(monkeypatch):
     torch.manual_seed(0)
     rec = record(embedding_model(40_000), CE, *inputs("embedding"), retain_graph=False)

@@ -39,6 +39,24 @@ class SeqModel(nn.Module):
         return self.head(self.norm(self.emb(x))).mean(1)
 
 
+class TiedSeq(nn.Module):
+    """The embedding reused as the head (``F.linear(h, emb.weight)``): one weight in two
+    calls, normed by Grams with cross terms (``clipping/cross.py``); its user's norm is the
+    norm of the sum over both calls, never the sum of the calls' norms."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb, self.norm = nn.Embedding(V, 8), nn.LayerNorm(8)
+        self.double()
+
+    def forward(self, x):
+        return nn.functional.linear(self.norm(self.emb(x)), self.emb.weight).mean(1)
+
+
+MODELS = {"mlp": mlp, "seq": SeqModel, "tied": TiedSeq}
+
+
 def data(kind, seed=1):
     g = torch.Generator().manual_seed(seed)
     n = len(USERS)
@@ -70,10 +88,10 @@ def twin(model, x, y, ids, reduction="sum"):
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
-@pytest.mark.parametrize("kind", ["mlp", "seq"])
+@pytest.mark.parametrize("kind", list(MODELS))
 @pytest.mark.parametrize("mode", ALL_MODES)
 def test_every_mode_equals_the_per_user_twin(mode, kind, reduction):
-    model = mlp() if kind == "mlp" else SeqModel()
+    model = MODELS[kind]()
     x, y = data(kind)
     got = released(model, x, y, USERS, mode, reduction)
     want = twin(model, x, y, USERS, reduction)

@@ -7,8 +7,9 @@ only ever costs time. They do the same work on most layer calls:
   transformer's projections and LayerNorms at T >= 2, a CNN's wide-image convolutions) is
   materialised in both modes while the backward pass runs (``bookkeeping.materialise_call``,
   ``dpsgd/streamed.py``);
-- a call without a cheap ghost norm (shared parameters, the exact fallback, a route whose
-  ``Route.materialises`` is set, no norm rule) is materialised in both modes.
+- a call without a cheap ghost norm (shared parameters other than the cross-normed weights
+  of ``cross.py``, the exact fallback, a route whose ``Route.materialises`` is set, no norm
+  rule) is materialised in both modes.
 
 They differ only on the other calls, the *cheaply normed* ones, which einsum materialises
 and book-keeping (Bu et al. 2023, arXiv 2210.00038, §3) norms from (a, b) by its rule's
@@ -58,6 +59,7 @@ import torch
 from torch import nn
 from torch.nn.utils.parametrize import is_parametrized
 
+from workbench.clipping import cross
 from workbench.clipping.bookkeeping import smaller_materialised
 from workbench.clipping.registry import find_norm_sampler
 from workbench.per_sample.recording import own_parameters
@@ -69,9 +71,12 @@ BANDWIDTH = 4e9  # bytes/s, through memory
 FIXED = 1e-3  # s per book-keeping call: ~10 more small tensor ops than einsum (docstring)
 
 
-def cheaply_normed(rec, layer, call, shared: set[int]) -> bool:
-    """Whether book-keeping norms this call from (a, b) without materialising it."""
+def cheaply_normed(rec, layer, call, shared: set[int], crossed=()) -> bool:
+    """Whether book-keeping norms this call from (a, b) without materialising it: by its
+    rule's route, or, for a shared weight, by cross Grams (``crossed``: ``cross.plan``)."""
     own = rec.own(layer)
+    if any(id(p) in crossed for _, p in own):
+        return all(id(p) in crossed or name == "bias" for name, p in own)
     if (is_parametrized(layer) or find_norm_sampler(layer) is None
             or len(own) != len(own_parameters(layer))
             or any(id(p) in shared or id(p) in rec.fallback for _, p in own)):
@@ -94,12 +99,18 @@ def gradient_macs(layer, a: torch.Tensor, b: torch.Tensor, P: int) -> int:
     return P * max(b[0].numel() // max(p, 1), 1)
 
 
-def call_costs(rec, layer, call, P: int) -> tuple[float, float]:
-    """(einsum, bookkeeping) seconds of one cheaply normed call, Eq. (1) and (2)."""
+def call_costs(rec, layer, call, P: int, pairs: int = 0) -> tuple[float, float]:
+    """(einsum, bookkeeping) seconds of one cheaply normed call, Eq. (1) and (2); ``pairs``:
+    for a call of a cross-normed weight (``cross.py``), T times the positions of all its
+    calls, the Gram entries its pairs add (each of P + D multiply-adds)."""
     n, s = rec.n, rec.dtype.itemsize
     a, b = _first(call.args), _first(call.backprops)
     m = gradient_macs(layer, a, b, P)
     einsum = n * m / SAMPLE + 3 * n * P * s / BANDWIDTH  # (1)
+    if pairs:
+        r = pairs * sum(layer.weight.shape)
+        moved = (a[0].numel() + 2 * b[0].numel()) * s
+        return einsum, n * (r + m) / GEMM + n * moved / BANDWIDTH + FIXED  # (2)
     route = norm_route(layer, call.args)
     if route is not None and route[0].flops is None:
         return einsum, einsum  # cost not declared: no saving assumed
@@ -108,7 +119,7 @@ def call_costs(rec, layer, call, P: int) -> tuple[float, float]:
     return einsum, n * (r + m) / GEMM + n * moved / BANDWIDTH + FIXED  # (2)
 
 
-def differs(rec, layer, call, own: list, shared: set[int]) -> bool:
+def differs(rec, layer, call, own: list, shared: set[int], crossed=()) -> bool:
     """A call the two modes treat differently: cheaply normed, with its a and b (not
     materialised during the backward pass, ``smaller_materialised``)."""
     b = call.backprops
@@ -117,7 +128,7 @@ def differs(rec, layer, call, own: list, shared: set[int]) -> bool:
     if isinstance(b, torch.Tensor) and smaller_materialised(layer, call, dict(own), shared,
                                                              rec.n):
         return False
-    return cheaply_normed(rec, layer, call, shared)
+    return cheaply_normed(rec, layer, call, shared, crossed)
 
 
 def choose_mode(rec) -> tuple[str, dict]:
@@ -127,15 +138,23 @@ def choose_mode(rec) -> tuple[str, dict]:
     modes differ), "avoided" (n·P of those calls: what book-keeping does not materialise)
     and "materialised" (n·P of every recorded call)."""
     shared = rec.shared_ids()
+    crossed = cross.plan(rec, shared)
+    total: dict[int, int] = {}  # Σ_k T_k of each cross-normed weight's calls
+    for _, layer, call in rec.calls():
+        for _, p in rec.own(layer):
+            if id(p) in crossed:
+                total[id(p)] = total.get(id(p), 0) + (cross.positions(layer, call) or 0)
     avoided = materialised = 0
     einsum = bookkeeping = 0.0
     for _, layer, call in rec.calls():
         own = rec.own(layer)
         P = sum(p.numel() for _, p in own)
         materialised += rec.n * P
-        if P and differs(rec, layer, call, own, shared):
+        if P and differs(rec, layer, call, own, shared, crossed):
             avoided += rec.n * P
-            e, k = call_costs(rec, layer, call, P)
+            mine = [id(p) for _, p in own if id(p) in crossed]
+            pairs = (cross.positions(layer, call) or 0) * total[mine[0]] if mine else 0
+            e, k = call_costs(rec, layer, call, P, pairs)
             einsum, bookkeeping = einsum + e, bookkeeping + k
     mode = "bookkeeping" if bookkeeping < einsum else "einsum"
     return mode, {"einsum_s": einsum, "bookkeeping_s": bookkeeping, "avoided": avoided,

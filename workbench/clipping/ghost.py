@@ -25,10 +25,12 @@ clipping" (Opacus blog on fast gradient clipping and ghost clipping, seed 004): 
 per-sample gradients are materialised, normed and dropped immediately.
 
 A parameter used in more than one call (a module called twice) has the *sum* of several
-layers' gradients as its per-sample gradient; the norm of a sum has cross terms, so such
-parameters are materialised per call and summed before taking the norm (a tied head's E:
-its Embedding call and its ``F.linear`` call, ``per_sample.tied``): one (n, *shape) tensor
-per shared parameter, to which each call adds its part as its b arrives. Parameters no per-layer
+layers' gradients as its per-sample gradient; the norm of a sum has cross terms. A weight
+whose every call is a Linear's or an Embedding's (a tied head's E: its Embedding call and its
+``F.linear`` call, ``per_sample.tied``; ALBERT's layers) is normed from its calls' (T, T)
+Grams with those cross terms (``cross.py``) when they are smaller than its gradient; any
+other shared parameter is materialised per call and summed before taking the norm: one
+(n, *shape) tensor, to which each call adds its part as its b arrives. Parameters no per-layer
 rule can account for (``per_sample.recording``) are materialised exactly by the whole-model
 fallback, and the norms are checked against micro-batching on one sample
 (``per_sample.selfcheck``).
@@ -44,6 +46,7 @@ Notation: n batch, a activations, b backprops, c clip factors, C max_grad_norm.
 import torch
 from torch.nn.utils.parametrize import is_parametrized
 
+from workbench.clipping import cross
 from workbench.clipping.flat import many_sample_squares, norm_dtype
 from workbench.clipping.registry import find_norm_sampler
 from workbench.per_sample import precision, selfcheck
@@ -179,6 +182,8 @@ class NormSum:
         self.squares: dict = {}
         self.materialised: dict[int, torch.Tensor] = {}
         self.deferred, self.ghost = deferred, []  # [(layer, call, own, group, (n,) value)]
+        # shared weights normed by their calls' Grams with cross terms (``cross.py``)
+        self.cross = {key: cross.CrossNorm(p) for key, p in cross.plan(rec, self.shared).items()}
 
     def add(self, group, value) -> None:
         squares = self.squares
@@ -193,7 +198,11 @@ class NormSum:
             sampler = None if is_parametrized(layer) else find_norm_sampler(layer)
             everything = len(own) == len(own_parameters(layer))
             groups = {self.group_of(p) for p in own.values()}
-            if (sampler is not None and everything and len(groups) == 1
+            if any(id(p) in self.cross for p in own.values()):
+                own = self.add_cross(layer, call, own)
+                if not own:
+                    return
+            elif (sampler is not None and everything and len(groups) == 1
                     and not any(id(p) in self.shared for p in own.values())):
                 # float16 -> float32: squared norms above 256² fit
                 args, b = widen(call.args, torch.float32), widen(call.backprops, torch.float32)
@@ -206,10 +215,39 @@ class NormSum:
                     return
             self.fast_gradient_clipping(layer, call, own)
 
+    def add_cross(self, layer, call, own: dict) -> dict:
+        """Add this call's factors to each cross-normed weight's norm (``cross.py``); returns
+        the parameters left to materialise (a bias, or a weight whose call could not be
+        factored: its earlier calls are materialised then, and the sum goes on as shared)."""
+        rest = {}
+        for name, p in own.items():
+            norm = self.cross.get(id(p))
+            f = None if norm is None else cross.factors(layer, call, p)
+            if f is not None:
+                norm.add(f)
+                continue
+            if norm is not None:  # not as planned: materialise this weight from here on
+                del self.cross[id(p)]
+                done = norm.materialise()
+                if done is not None:
+                    self.materialised[id(p)] = done
+            rest[name] = p
+        if set(rest) == {"bias"}:
+            grads = cross.bias_grads(layer, call, rest)
+            if grads is not None:
+                self.take(own, grads)
+                return {}
+        return rest
+
     def fast_gradient_clipping(self, layer, call, own) -> None:
         """The layer's per-sample gradients materialised, normed (overflow-safe) and dropped."""
+        self.take(own, sample_layer(layer, call, keep=own))
+
+    def take(self, own: dict, grads: dict) -> None:
+        """Per-sample gradients {name: g} of ``own`` parameters: a shared one added to its sum,
+        the others normed and dropped."""
         normed = []  # (param, g): normed together, one overflow test (host sync) per call
-        for name, g in sample_layer(layer, call, keep=own).items():
+        for name, g in grads.items():
             p = own[name]
             if id(p) in self.shared:  # summed over its uses before the norm
                 self.materialised[id(p)] = self.materialised.get(id(p), 0) + g
@@ -235,6 +273,9 @@ class NormSum:
         """({group: (n,)}, {id(param): (n, *shape)}: the shared and the ``exact`` ones)."""
         self._check_deferred()
         params = {id(p): p for p in self.rec.params.values()}
+        for key, norm in self.cross.items():
+            if norm.value is not None:
+                self.add(self.group_of(params[key]), norm.square())
         materialised = {**(exact or {}), **self.materialised}
         with torch.no_grad():  # one overflow test (host sync) for all, not one per parameter
             for key, sq in zip(materialised, many_sample_squares(list(materialised.values()))):

@@ -22,6 +22,8 @@ itself (``rules.Route.scratch``, in its layer family's file; ``route_scratch`` a
   a convolution with G groups unfolds to a Linear per group over its T = L output positions,
   and ``rules/conv_gram.py`` builds the Grams of every group at once, (n, G, L, L) each;
 - "segment sum" (the embedding): the T·d backprop rows summed by index;
+- "gram (shared)" (a weight in several calls, ``cross.py``): the call's (T, T) Grams with
+  itself and the other calls, counted as two of its own (2·T² numbers);
 - materialise, fast gradient clipping, materialise (shared), exact fallback, bias only: the
   layer's own per-sample gradient (P numbers);
 - a new layer's routes: what its rule file declares, tested against measurement

@@ -8,6 +8,7 @@ reason (e.g. "2T² = 512 < pd = 4096: (T, T) Grams are smaller"). "fast gradient
 
 from typing import TYPE_CHECKING
 
+from workbench.clipping import cross
 from workbench.clipping.ghost import record
 from workbench.clipping.registry import find_norm_sampler
 from workbench.per_sample.recording import own_parameters
@@ -20,12 +21,15 @@ if TYPE_CHECKING:
 
 FALLBACK = Route("exact fallback", own_gradient_size, materialises=True)
 SHARED = Route("materialise (shared)", own_gradient_size, materialises=True)
+CROSS = Route("gram (shared)",  # the call's (T, T) Grams with itself and every other call
+              lambda layer, call: 2 * cross.positions(layer, call) ** 2)
 FAST_GRADIENT_CLIPPING = Route("fast gradient clipping", own_gradient_size, materialises=True)
 VMAP = Route("fast gradient clipping (vmap)", own_gradient_size, materialises=True)
 UNDECLARED = Route("norm sampler", None)  # a norm rule registered without routes: cost unknown
 
 
-def layer_route(layer, call, shared: set[int], fallback=None) -> tuple[Route, str]:
+def layer_route(layer, call, shared: set[int], fallback=None,
+                crossed=()) -> tuple[Route, str]:
     reasons = sorted({fallback[id(p)] for _, p in own_parameters(layer)
                       if fallback and id(p) in fallback})
     if reasons:
@@ -33,6 +37,11 @@ def layer_route(layer, call, shared: set[int], fallback=None) -> tuple[Route, st
                                   "micro-batching): " + "; ".join(reasons))
     shared_names = [name for name, p in layer.named_parameters(recurse=False)
                     if id(p) in shared]
+    grams = [name for name in shared_names if id(getattr(layer, name)) in crossed]
+    if grams:
+        return (CROSS,
+                f"{', '.join(grams)} used in several calls: the norm of the sum from every "
+                f"call's (T, T) Grams with cross terms, smaller than the (n, *shape) gradient")
     if shared_names:
         return (SHARED,
                 f"{', '.join(shared_names)} used in several calls: the norm of the summed "
@@ -59,12 +68,13 @@ def route_calls(model, loss_fn, inputs, targets, check=True):
     """
     rec = record(model, loss_fn, inputs, targets, retain_graph=False, check=check)
     shared = rec.shared_ids()
+    crossed = cross.plan(rec, shared)
     seen = {}
     for path, layer, call in rec.calls():
         if rec.hands_over(layer):  # its parameters are sampled by their broadcast calls
             continue
         seen[path] = seen.get(path, -1) + 1
-        route, reason = layer_route(layer, call, shared, rec.fallback)
+        route, reason = layer_route(layer, call, shared, rec.fallback, crossed)
         yield ({"layer": path or "<model>", "type": type(layer).__name__, "call": seen[path],
                 "route": route.name, "reason": reason}, layer, call, route)
     for path, layer in rec.layers.items():  # fallback layers no hook saw (.forward(x))

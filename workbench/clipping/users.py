@@ -24,8 +24,9 @@ What changes is the norm. Per layer, ||G_u^{layer}||²:
   or, when the user's rows m_u exceed what a (p, d) weight costs (m_u² > p d), the user's
   weight gradient B_uᵀ A_u itself (one matmul for the user, never per record);
 - ghost / book-keeping, ``nn.Embedding``: the same with the kernel [x_r = x_s] for (a_r·a_s);
-- any other layer, and parameters the engine materialised (shared, exact fallback): the
-  per-record gradients of that layer are materialised and summed per user, as above.
+- any other layer, parameters the engine materialised (exact fallback), and a parameter
+  used in several calls (a tied head's weight): the per-record gradients of that layer are
+  materialised (summed over a parameter's calls) and summed per user, as above.
 
 Norms are computed in float64. Notation: n records in the batch, U users in it, u(i) the user
 of record i, R_u its records, a activations, b backprops, C max_grad_norm.
@@ -136,9 +137,17 @@ def user_squares_ghost(rec, users: BatchUsers, materialised: dict, zeros: torch.
     """||G_u||² (U,) from the recorded (a, b) of every call (module docstring), before the
     reweighting frees the backprops; ``materialised`` {id: (n, *shape)}: the engine's."""
     squares = user_squares_from_grads(materialised, users, zeros)
+    shared = rec.shared_ids() - set(materialised)  # normed by cross terms (ghost's cross.py)
+    summed: dict = {}  # {id: Σ over its calls of g_i}: a norm of a sum, never a sum of norms
     with torch.no_grad():
         for _, layer, call in list(rec.calls()):
             own = {name: p for name, p in rec.own(layer) if id(p) not in materialised}
+            mine = {name: p for name, p in own.items() if id(p) in shared}
+            if mine:
+                for name, g in sample_layer(layer, call, keep=mine).items():
+                    key = id(mine[name])
+                    summed[key] = g if key not in summed else summed[key] + g
+                own = {name: p for name, p in own.items() if id(p) not in shared}
             if not own:
                 continue
             value = _layer_user_squares(layer, call, own, users)
@@ -147,7 +156,7 @@ def user_squares_ghost(rec, users: BatchUsers, materialised: dict, zeros: torch.
                 value = user_squares_from_grads(
                     {k: g for k, g in local.items() if k in own}, users, zeros)
             squares = squares + value
-    return squares
+    return user_squares_from_grads(summed, users, squares)
 
 
 def user_factors(squares: torch.Tensor, users: BatchUsers, C: float):
