@@ -144,6 +144,24 @@ def test_behaviour_probe_reads_the_layout_not_the_name():
     assert affine_layout(nn.Linear(D, D)) is None  # weight (p, d) times a, not elementwise
 
 
+def test_the_layout_probe_runs_once_per_layer_and_weight_layout():
+    """The grad rule reads the layout its probe found (three forward passes on probe inputs)
+    from a cache, per layer and weight shape and dtype: a call costs its own two passes."""
+    from workbench.rules.affine import layout_of
+
+    layer, forwards = LlamaRMSNorm(D).double(), []
+    own = layer.forward
+    layer.forward = lambda h: forwards.append(h.shape) or own(h)  # probes call .forward
+    a, b = torch.randn(4, 3, D, dtype=torch.float64), torch.randn(4, 3, D, dtype=torch.float64)
+    assert layout_of(layer) == "last"
+    probes = len(forwards)
+    for _ in range(3):
+        affine_grad_sampler(layer, (a,), b)
+    assert len(forwards) == probes + 3 * 2  # B(a) = o(w = 1) - o(w = 0), nothing else
+    layer.float()
+    assert layout_of(layer) == "last" and len(forwards) > probes + 6  # a new dtype: probed
+
+
 class GemmaRMSNormFloat32(GemmaRMSNorm):  # transformers' own: (1 + w) multiplied in float32
     def forward(self, x):
         out = self._norm(x.float()) * (1.0 + self.weight.float())

@@ -129,8 +129,24 @@ def sum_to_parameter(t: torch.Tensor, layout: str, shape: tuple) -> torch.Tensor
     return t.sum_to_size(n, *[1] * (rest - len(inner)), *inner).reshape(n, *shape)
 
 
+_LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def layout_of(layer) -> str | None:
+    """``affine_layout(layer)``, cached per layer and weight shape and dtype: its probe runs
+    the layer's forward three times per layout, once, not on every recorded call."""
+    w = getattr(layer, "weight", None)
+    if not isinstance(w, torch.Tensor):
+        return None
+    key = (tuple(w.shape), w.dtype, w.device)
+    known = _LAYOUTS.setdefault(layer, {})
+    if key not in known:
+        known[key] = affine_layout(layer)
+    return known[key]
+
+
 def affine_grad_sampler(layer, activations, backprops):
-    layout, a = affine_layout(layer), activations[0]
+    layout, a = layout_of(layer), activations[0]
     shape = tuple(layer.weight.shape)
     out = {}
     if layer.weight.requires_grad:
@@ -151,7 +167,7 @@ def row_wise(layer) -> bool:
     depends on that row alone and the leading dims do not matter)? Then it may be called on
     batch-flattened rows (``per_sample/flat_rows.py``); cached per layer."""
     if layer not in _ROW_WISE:
-        _ROW_WISE[layer] = affine_layout(layer) == "last" and rows_independent(layer)
+        _ROW_WISE[layer] = layout_of(layer) == "last" and rows_independent(layer)
     return _ROW_WISE[layer]
 
 
@@ -172,10 +188,11 @@ def rows_independent(layer) -> bool:
 
 RULE = register_rule(LayerRule("elementwise affine (o = A(a) + B(a) ⊙ w + β)",
                                grad=affine_grad_sampler, rows=row_wise,
-                               matches=lambda layer: affine_layout(layer) is not None))
+                               matches=lambda layer: layout_of(layer) is not None))
 
 
 __all__ = [
     "RULE", "TOLERANCE", "affine_grad_sampler", "affine_layout", "aligned", "candidate",
-    "parts", "probe_inputs", "row_wise", "rows_independent", "run", "sum_to_parameter",
+    "layout_of", "parts", "probe_inputs", "row_wise", "rows_independent", "run",
+    "sum_to_parameter",
 ]
