@@ -163,7 +163,12 @@ class UseTracker(TorchFunctionMode):
         if (func in REWRITES and self.batch_free.watched and torch.is_grad_enabled()
                 and self.recorder.recording):
             args, kwargs = self.batch_free.rewrite(func, args, kwargs)  # T5's bias in SDPA
-        result = func(*args, **kwargs)
+        result = func(*args, **kwargs)  # the op itself: the modes below this one see it
+        with torch._C.DisableTorchFunction():  # this mode's own reads of it: no mode's ops
+            return self._after(func, args, kwargs, result)
+
+    def _after(self, func, args, kwargs, result):
+        """What one op of the forward pass tells the tracker; returns the op's result."""
         name = getattr(func, "__name__", "")
         if not self.random and name in RANDOM_FUNCTIONS:
             self.random = _is_random(name, args, kwargs)
