@@ -10,12 +10,18 @@ import torch.nn.functional as F
 from torch import nn
 
 import workbench as wb
-from tests.helpers import assert_agree, assert_clipping_agrees, mse_per_sample
+from tests.helpers import (
+    assert_agree,
+    assert_clipping_agrees,
+    assert_optimizer_matches_microbatch,
+    mse_per_sample,
+)
 from workbench.clipping.registry import find_norm_sampler
 from workbench.per_sample.registry import find_grad_sampler
 from workbench.rules.affine import affine_grad_sampler, affine_layout
 from workbench.rules.linear import transposed_linear_grad_sampler
 from workbench.rules.norms import layer_norm_grad_sampler
+from workbench.rules.std_conv import std_conv_eps, std_conv_grad_sampler
 
 
 class LlamaRMSNorm(nn.Module):  # transformers' LlamaRMSNorm: statistics in float32
@@ -92,6 +98,68 @@ class ChannelScale(nn.Module):  # a (C, 1, 1) scale on (n, C, H, W), right-align
         return x * self.weight
 
 
+def standardise(weight, eps, unbiased=False):
+    """timm's and Hugging Face's weight standardisation: F.batch_norm over each filter."""
+    if unbiased:  # the sample variance: another function, never the rule's
+        w = weight.reshape(weight.shape[0], -1)
+        return ((w - w.mean(1, keepdim=True)) / (w.var(1, keepdim=True) + eps).sqrt()
+                ).reshape_as(weight)
+    return F.batch_norm(weight.reshape(1, weight.shape[0], -1), None, None, training=True,
+                        momentum=0.0, eps=eps).reshape_as(weight)
+
+
+class StdConv2d(nn.Conv2d):  # timm's StdConv2d (ResNetV2 / BiT)
+    def __init__(self, *args, eps=1e-6, unbiased=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.eps, self.unbiased = eps, unbiased
+
+    def forward(self, x):
+        return F.conv2d(x, standardise(self.weight, self.eps, self.unbiased), self.bias,
+                        self.stride, self.padding, self.dilation, self.groups)
+
+
+class StdConv1d(nn.Conv1d):
+    def __init__(self, *args, eps=1e-5, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.eps = eps
+
+    def forward(self, x):
+        return F.conv1d(x, standardise(self.weight, self.eps), self.bias, self.stride,
+                        self.padding, self.dilation, self.groups)
+
+
+class DynamicPad2d(nn.Module):  # Hugging Face's BiT: "SAME" padding computed per input
+    def __init__(self, k, s):
+        super().__init__()
+        self.k, self.s = k, s
+
+    def forward(self, x):
+        pads = [max((-(-n // self.s) - 1) * self.s + self.k - n, 0) for n in x.shape[-2:]]
+        return F.pad(x, [pads[1] // 2, pads[1] - pads[1] // 2, pads[0] // 2,
+                         pads[0] - pads[0] // 2])
+
+
+class WeightStandardizedConv2d(nn.Conv2d):  # Hugging Face's BiT layer, its pad a child
+    def __init__(self, c, o, k, stride, eps=1e-8):
+        super().__init__(c, o, k, stride=stride, padding=0, bias=False)
+        self.pad, self.eps = DynamicPad2d(k, stride), eps
+
+    def forward(self, x):
+        x = self.pad(x)
+        return F.conv2d(x, standardise(self.weight, self.eps), None, self.stride, 0,
+                        self.dilation, self.groups)
+
+
+class ScaledStdConv2d(StdConv2d):  # NFNets: a learned gain too, so not the rule's function
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gain = nn.Parameter(torch.ones(self.out_channels, 1, 1, 1))
+
+    def forward(self, x):
+        return F.conv2d(x, self.gain * standardise(self.weight, self.eps), self.bias,
+                        self.stride, self.padding, self.dilation, self.groups)
+
+
 D = 5
 CASES = {
     "grn": (GRN(D), (6, 3, 2, D), affine_grad_sampler),  # size-1 dims summed too
@@ -104,6 +172,14 @@ CASES = {
     "scaled_layer_norm": (ScaledLayerNorm(D), (6, 3, D), None),
     "squared_layer_norm": (SquaredLayerNorm(D), (6, 3, D), None),
     "plain_layer_norm": (PlainLayerNorm(D), (6, 3, D), layer_norm_grad_sampler),
+    "std_conv": (StdConv2d(3, 4, 3, padding=1), (6, 3, 5, 5), std_conv_grad_sampler),
+    "std_conv_grouped_strided": (StdConv2d(4, 6, 3, stride=2, groups=2, eps=1e-5),
+                                 (6, 4, 7, 7), std_conv_grad_sampler),
+    "std_conv1d": (StdConv1d(3, 4, 3), (6, 3, 9), std_conv_grad_sampler),
+    "std_conv_dynamic_pad": (WeightStandardizedConv2d(3, 4, 3, stride=2), (6, 3, 7, 7),
+                             std_conv_grad_sampler),
+    "std_conv_unbiased": (StdConv2d(3, 4, 3, unbiased=True), (6, 3, 5, 5), None),
+    "scaled_std_conv": (ScaledStdConv2d(3, 4, 3), (6, 3, 5, 5), None),
 }
 
 
@@ -128,6 +204,32 @@ def test_rule_found_by_behaviour_is_exact(name):
     assert_clipping_agrees(model, mse_per_sample, x, y)
     routes = wb.ghost_routes(model, mse_per_sample, x, y)["route"].tolist()
     assert ("vmap" in routes[0]) == (rule is None), routes
+
+
+def test_weight_standardisation_probe_finds_the_layers_eps():
+    """The ε the layer computes with, found on a float64 probe (its own ``eps`` first, then
+    the usual ones): a conv that standardises with another ε than its attribute says keeps
+    vmap unless that ε is one the probe tries, and then the rule uses the one that fits."""
+    assert std_conv_eps(StdConv2d(3, 4, 3, eps=1e-3)) == 1e-3  # the layer's own
+    liar = StdConv2d(3, 4, 3, eps=1e-3)
+    liar.forward = lambda x: F.conv2d(x, standardise(liar.weight, 1e-5), liar.bias)
+    assert std_conv_eps(liar) == 1e-5
+    odd = StdConv2d(3, 4, 3, eps=1e-3)
+    odd.forward = lambda x: F.conv2d(x, standardise(odd.weight, 0.5), odd.bias)
+    assert std_conv_eps(odd) is None and find_grad_sampler(odd) is None
+
+
+def test_weight_standardised_conv_in_the_optimizer():
+    torch.manual_seed(0)
+    model = nn.Sequential(StdConv2d(3, 4, 3, padding=1), nn.ReLU(),
+                          WeightStandardizedConv2d(4, 4, 3, stride=2), nn.Flatten(),
+                          nn.LazyLinear(3)).double()
+    batches = [(torch.randn(n, 3, 6, 6, dtype=torch.float64), torch.randint(0, 3, (n,)))
+               for n in (5, 3, 6)]
+    model(batches[0][0])  # the lazy head's shape
+    loss = nn.CrossEntropyLoss(reduction="none")
+    for verify in (True, False):
+        assert_optimizer_matches_microbatch(model, loss, batches, verify=verify)
 
 
 def test_subclass_changing_forward_never_inherits_its_parents_rule():

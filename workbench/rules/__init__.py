@@ -16,6 +16,8 @@ the table below is a reading aid.
 | LayerNorm, GroupNorm, RMSNorm,         | norms.py     | b_i ⊙ â_i summed | none: fast gradient |
 |   InstanceNorm1d/2d/3d                 |              |                  |   clipping          |
 | by behaviour: o = A(a) + B(a) ⊙ w + β  | affine.py    | b_i ⊙ B(a_i)     | none                |
+| by behaviour: o = conv(a, W') + c,     | std_conv.py  | Jᵀ of the conv   | none: fast gradient |
+|   W' each filter standardised (BiT)    |              |   rule's g'_i    |   clipping          |
 | a parameter broadcast into the batch   | broadcast.py | b_i summed to p  | broadcast sum       |
 |   (ViT's cls_token.expand, x + pos)    |              |                  |                     |
 """
