@@ -20,6 +20,7 @@ from workbench.clipping.registry import find_norm_sampler
 from workbench.per_sample.registry import find_grad_sampler
 from workbench.rules.affine import affine_grad_sampler, affine_layout
 from workbench.rules.linear import transposed_linear_grad_sampler
+from workbench.rules.norm_activation import norm_activation_grad_sampler
 from workbench.rules.norms import layer_norm_grad_sampler
 from workbench.rules.std_conv import std_conv_eps, std_conv_grad_sampler
 
@@ -160,6 +161,35 @@ class ScaledStdConv2d(StdConv2d):  # NFNets: a learned gain too, so not the rule
                         self.stride, self.padding, self.dilation, self.groups)
 
 
+class GroupNormActivation(nn.GroupNorm):  # Hugging Face's BitGroupNormActivation
+    def __init__(self, groups, channels, act):
+        super().__init__(groups, channels)
+        self.activation = act
+
+    def forward(self, x):
+        return self.activation(F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps))
+
+
+class LayerNormActivation(nn.LayerNorm):
+    def __init__(self, d, act):
+        super().__init__(d)
+        self.act = act
+
+    def forward(self, x):
+        return self.act(F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps))
+
+
+class BatchCentred(nn.Module):  # an "activation" that mixes the samples: never the rule's
+    def forward(self, x):
+        return torch.tanh(x - x.mean(0, keepdim=True))
+
+
+class ActivationFirst(GroupNormActivation):  # act before the norm: another function
+    def forward(self, x):
+        return F.group_norm(self.activation(x), self.num_groups, self.weight, self.bias,
+                            self.eps)
+
+
 D = 5
 CASES = {
     "grn": (GRN(D), (6, 3, 2, D), affine_grad_sampler),  # size-1 dims summed too
@@ -180,6 +210,16 @@ CASES = {
                              std_conv_grad_sampler),
     "std_conv_unbiased": (StdConv2d(3, 4, 3, unbiased=True), (6, 3, 5, 5), None),
     "scaled_std_conv": (ScaledStdConv2d(3, 4, 3), (6, 3, 5, 5), None),
+    "group_norm_relu": (GroupNormActivation(2, 4, nn.ReLU()), (6, 4, 3, 3),
+                        norm_activation_grad_sampler),
+    "group_norm_relu_in_place": (GroupNormActivation(2, 4, nn.ReLU(inplace=True)),
+                                 (6, 4, 3, 3), norm_activation_grad_sampler),
+    "group_norm_identity": (GroupNormActivation(4, 4, nn.Identity()), (6, 4, 3),
+                            norm_activation_grad_sampler),
+    "layer_norm_silu": (LayerNormActivation(D, nn.SiLU()), (6, 3, D),
+                        norm_activation_grad_sampler),
+    "group_norm_activation_first": (ActivationFirst(2, 4, nn.Tanh()), (6, 4, 3, 3), None),
+    "group_norm_prelu": (GroupNormActivation(2, 4, nn.PReLU()), (6, 4, 3, 3), None),
 }
 
 
@@ -217,6 +257,16 @@ def test_weight_standardisation_probe_finds_the_layers_eps():
     odd = StdConv2d(3, 4, 3, eps=1e-3)
     odd.forward = lambda x: F.conv2d(x, standardise(odd.weight, 0.5), odd.bias)
     assert std_conv_eps(odd) is None and find_grad_sampler(odd) is None
+
+
+def test_an_activation_that_mixes_samples_is_not_the_norm_activation_rule():
+    """(1) of rules/norm_activation.py needs act to treat each sample alone: the probe runs a
+    sample alone through it, and a batch-centred "activation" fails it (per-layer vmap)."""
+    from workbench.rules.norm_activation import norm_activation
+
+    assert not norm_activation(GroupNormActivation(2, 4, BatchCentred()))
+    assert find_grad_sampler(GroupNormActivation(2, 4, BatchCentred())) is None
+    assert norm_activation(GroupNormActivation(2, 4, nn.Tanh()))
 
 
 def test_weight_standardised_conv_in_the_optimizer():

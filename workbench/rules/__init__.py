@@ -18,6 +18,8 @@ the table below is a reading aid.
 | by behaviour: o = A(a) + B(a) ⊙ w + β  | affine.py    | b_i ⊙ B(a_i)     | none                |
 | by behaviour: o = conv(a, W') + c,     | std_conv.py  | Jᵀ of the conv   | none: fast gradient |
 |   W' each filter standardised (BiT)    |              |   rule's g'_i    |   clipping          |
+| by behaviour: o = act(γ ⊙ â + β) in a  | norm_        | the parent's     | none                |
+|   norm subclass (BiT's GroupNorm+act)  |  activation  |   rule on Jᵀ b   |                     |
 | a parameter broadcast into the batch   | broadcast.py | b_i summed to p  | broadcast sum       |
 |   (ViT's cls_token.expand, x + pos)    |              |                  |                     |
 """
