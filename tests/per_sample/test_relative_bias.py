@@ -210,3 +210,32 @@ def test_a_norm_verdict_never_stands_in_for_a_vector_check(monkeypatch):
         torch.testing.assert_close(ghost[k], want[k], rtol=1e-6, atol=1e-9)
     with pytest.raises(PerSampleCheckError, match="relative_attention_bias.weight"):
         wb.clipped_grad_sum(model, mse_per_sample, x, y, C, method="bookkeeping")
+
+
+class PermutedResidual(nn.Module):
+    """ConvNeXt's block: a Linear on channels-last positions, permuted back and added to the
+    residual. For one sample (the probe) the permuted output's dim 0 of 1 broadcasts against
+    the residual's, so that pass records the Linear as broadcast into the batch; the batch's
+    pass records it as called for n samples (``selfcheck.one_broadcasts``)."""
+
+    def __init__(self, c=4):
+        super().__init__()
+        self.stem = nn.Conv2d(c, c, 1)
+        self.norm, self.mix, self.head = nn.LayerNorm(c), nn.Linear(c, c), nn.Linear(c, 2)
+
+    def forward(self, x):  # (n, C, H, W)
+        residual = self.stem(x)
+        h = self.mix(self.norm(residual.permute(0, 2, 3, 1))).permute(0, 3, 1, 2)
+        return self.head(torch.tanh(residual + h).mean((2, 3)))
+
+
+@pytest.mark.parametrize("n", [3, 4])  # 4 = C = W: a layout the shapes cannot tell apart
+def test_a_batch_call_permuted_into_a_residual_keeps_its_rule(n):
+    torch.manual_seed(0)
+    model = PermutedResidual().double()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 4, 3, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(n, 2, generator=g, dtype=torch.float64)
+    routes = exact_routes(model, x, y)  # every method and clipped sum vs micro-batching
+    assert not routes["route"].str.contains("fallback|vmap").any(), routes
+    assert_optimizer_matches_microbatch(model, mse_per_sample, [(x, y), (x[:2], y[:2])])

@@ -135,6 +135,8 @@ def probe(rec: Recording, model, loss_fn, inputs, targets) -> dict[str, torch.Te
         # batch: the calls both passes made must scale with the batch
         for c_big, c_one in zip(big, one):
             if treatment(c_big) != treatment(c_one):
+                if one_broadcasts(layer, c_big, c_one, rec.n):
+                    continue  # a batch call, its dim 0 shrunk to 1: verified
                 rec.mark(layer, path, f"is recorded {treatment_words(c_big)} for n = {rec.n} "
                                       f"samples but {treatment_words(c_one)} for one: its "
                                       f"batch dimension cannot be verified")
@@ -159,6 +161,25 @@ def treatment(call) -> tuple:
     probe's shapes prove the batch's only when both passes treated the call alike. (A call
     whose dim 0 of size 1 was expanded, not added, keeps its shapes at n = 1: no change.)"""
     return call.meet is not None and call.meet.new_dim, call.rows is not None
+
+
+def one_broadcasts(layer, c_big, c_one, n: int) -> bool:
+    """The one benign difference of treatment: a call recorded as called for the batch, on
+    dim 0 of size n, that one sample's pass converted as broadcast into the batch only because
+    a dim 0 of size 1 broadcasts against another of size 1 (ConvNeXt-V2's ``pwconv2`` output,
+    permuted, then added to the residual of one sample: ``broadcast.convert`` gives it a new
+    dim). Its own shapes before that conversion (each converted shape is (1, *own)) must then
+    have dim 0 of 1: the batch dim shrunk with the batch, which is what the probe proves for
+    any call. A batch-free call whose dim 0 happened to equal n keeps its size there and is
+    still refused."""
+    if treatment(c_big)[0] or not treatment(c_one)[0] or \
+            treatment(c_big)[1] != treatment(c_one)[1]:
+        return False
+    big, one = checked_shapes(layer, c_big), checked_shapes(layer, c_one)
+    return (bool(big) and len(big) == len(one)
+            and all(len(s) >= 1 and s[0] == n for s in big)
+            and all(len(s) >= 2 and s[0] == 1 and s[1] == 1 and len(s) == len(b) + 1
+                    for s, b in zip(one, big)))
 
 
 def treatment_words(call) -> str:
