@@ -269,6 +269,22 @@ def test_an_activation_that_mixes_samples_is_not_the_norm_activation_rule():
     assert norm_activation(GroupNormActivation(2, 4, nn.Tanh()))
 
 
+def test_a_changed_eps_is_probed_again_not_kept():
+    """The rule's ε is the one the layer computes with now: set ``eps`` after a first call
+    (weights small enough that ε matters) and the per-sample gradients still equal
+    micro-batching's, with the self-check off."""
+    model, x, y = regression(StdConv2d(3, 4, 3, padding=1), (6, 3, 5, 5))
+    with torch.no_grad():
+        model[0].weight.mul_(1e-3)
+    wb.per_sample_gradients(model, mse_per_sample, x, y, method="einsum")
+    model[0].eps = 1e-5  # comparable to the filters' variance (~1e-6): a different W'
+    assert std_conv_eps(model[0]) == 1e-5
+    got = wb.per_sample_gradients(model, mse_per_sample, x, y, method="einsum", check=False)
+    want = wb.per_sample_gradients(model, mse_per_sample, x, y, method="microbatch")
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-12)
+
+
 def test_weight_standardised_conv_in_the_optimizer():
     torch.manual_seed(0)
     model = nn.Sequential(StdConv2d(3, 4, 3, padding=1), nn.ReLU(),

@@ -79,11 +79,14 @@ _EPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def std_conv_eps(layer) -> float | None:
     """The ε for which ``layer`` computes conv(pad(x), W', c) on a float64 probe, else None
-    (cached per layer)."""
-    if layer in _EPS:
-        return _EPS[layer]
-    _EPS[layer] = found = _probe(layer) if candidate(layer) else None
-    return found
+    (cached per layer, its ``eps`` attribute and its weight's shape and dtype: a layer whose
+    ``eps`` is set after its first call is probed again, its rule never keeps the old ε)."""
+    w = getattr(layer, "weight", None)
+    key = (getattr(layer, "eps", None), getattr(w, "shape", None), getattr(w, "dtype", None))
+    known = _EPS.setdefault(layer, {})
+    if key not in known:
+        known[key] = _probe(layer) if candidate(layer) else None
+    return known[key]
 
 
 def _probe(layer) -> float | None:
