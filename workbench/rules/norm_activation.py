@@ -22,8 +22,6 @@ Notation: n batch, a activations, b backprops, z the normalised and scaled input
 β bias.
 """
 
-import weakref
-
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -71,17 +69,9 @@ def probe_input(layer, g, device):
     return torch.randn(shape, generator=g, dtype=torch.float64).to(device)
 
 
-_VERDICTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def norm_activation(layer) -> bool:
-    """Whether ``layer`` computes act(norm(x)) as the module docstring says (cached)."""
-    if layer not in _VERDICTS:
-        _VERDICTS[layer] = _probe(layer)
-    return _VERDICTS[layer]
-
-
-def _probe(layer) -> bool:
+    """Whether ``layer`` computes act(norm(x)) as the module docstring says (the registry
+    caches the verdict per layer: ``per_sample.registry.by_behaviour``)."""
     found, act = parent(layer), activation(layer)
     own = dict(layer.named_parameters(recurse=False))
     if found is None or act is None or set(own) - {"weight", "bias"}:
