@@ -100,6 +100,8 @@ def plan(rec, shared: set[int]) -> dict:
     """{id: weight} of the ``shared`` weights that take the cross-Gram route (module
     docstring): every recorded call a product of two factors, and the Grams smaller than the
     gradient."""
+    if not shared:
+        return {}  # the usual model: nothing to plan, no walk over its calls (every step)
     calls: dict[int, list] = {}
     params = {}
     for path, layer in rec.layers.items():
