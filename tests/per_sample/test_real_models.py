@@ -35,16 +35,9 @@ NAMES = list(PROBLEMS) if ALL else SUBSET
 IMAGE = {name for name, p in PROBLEMS.items() if p.kind == "image"}
 # the layers still on per-layer vmap (ghost_routes) and why; any other is a regression
 VMAP_ROUTES = {
-    # the selective scan h_t = exp(Δ_t A) h_(t-1) + Δ_t B_t x_t, y_t = C_t h_t + D x_t, over
-    # time: A_log's per-sample gradient needs the state's backprop at every step (a second
-    # scan, as an RNN's rule would), which hooks at the mixer's output do not give; its own
-    # A_log and D stay exact on vmap (D alone is an elementwise scale, no gain while A stays)
-    "mamba": {"MambaMixer"},
-    # Mamba-2's SSD scan (the same recurrence, chunked): A_log, D and dt_bias likewise
-    "mamba2": {"Mamba2Mixer"},
-    # DoRA's magnitude m (p,): h = (m / ||W + s BA||_c) ⊙ (W x + s B A x) - W x, a layer called
-    # with lora_A, lora_B and the base layer as keyword arguments (modules), which the affine
-    # behaviour rules (o = A(x) + B(x) ⊙ w) do not probe: vmap on that layer, exact
+    # (Mamba's and Mamba-2's mixers left vmap: A_log, D and dt_bias reach the loss only through
+    # tensors computed from them that meet the batch, -exp(A_log) ⊙ Δ, x ⊙ D, which
+    # per_sample/derived.py differentiates at each meeting)
     "dora_bert": {"DoraLinearLayer"},
 }
 

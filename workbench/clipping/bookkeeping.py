@@ -87,7 +87,8 @@ def record_streamed(model, loss_fn, inputs, targets, check):
         else:
             materialised.update(grads)
 
-    stream_backward(rec.recorder.all_calls(), rec.losses.sum(), on_call)
+    stream_backward(rec.recorder.all_calls(), rec.losses.sum(), on_call,
+                    derived=rec.recorder.derived)
     for call in rec.recorder.all_calls():
         call.backprops = kept.get(id(call))
     rec.exact = fallback_gradients(rec, model, loss_fn, inputs, targets)

@@ -113,7 +113,8 @@ def record_norms(model, loss_fn, inputs, targets, check=False):
         norms.add_call(layer_of[id(call)], call)
         drop_inputs(call)  # a: normed; the second pass runs the forward again
 
-    stream_backward(rec.recorder.all_calls(), rec.losses.sum(), on_call)
+    stream_backward(rec.recorder.all_calls(), rec.losses.sum(), on_call,
+                    derived=rec.recorder.derived)
     rec.exact = fallback_gradients(rec, model, loss_fn, inputs, targets)
     squares, materialised = norms.result(rec.exact)
     zeros = torch.zeros(rec.n, dtype=torch.float64, device=rec.device)

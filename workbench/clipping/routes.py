@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from workbench.clipping import cross
 from workbench.clipping.ghost import record
 from workbench.clipping.registry import find_norm_sampler
+from workbench.per_sample.derived import served_gradients
 from workbench.per_sample.recording import own_parameters
 from workbench.per_sample.registry import find_grad_sampler
 from workbench.rules._rule import Route, norm_route, own_gradient_size
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 
 
 FALLBACK = Route("exact fallback", own_gradient_size, materialises=True)
+DERIVED = Route("derived (meetings)", own_gradient_size, materialises=True)  # derived.py
 SHARED = Route("materialise (shared)", own_gradient_size, materialises=True)
 CROSS = Route("gram (shared)",  # the call's (T, T) Grams with itself and every other call
               lambda layer, call: 2 * cross.positions(layer, call) ** 2)
@@ -29,9 +31,14 @@ UNDECLARED = Route("norm sampler", None)  # a norm rule registered without route
 
 
 def layer_route(layer, call, shared: set[int], fallback=None,
-                crossed=()) -> tuple[Route, str]:
+                crossed=(), derived=()) -> tuple[Route, str]:
     reasons = sorted({fallback[id(p)] for _, p in own_parameters(layer)
                       if fallback and id(p) in fallback})
+    if reasons and all(id(p) in derived for _, p in own_parameters(layer)
+                       if id(p) in fallback):
+        return (DERIVED, "computed from parameters alone where they meet the batch: each "
+                         "meeting op's per-sample vjp, then back through that computation, "
+                         "batched (derived.py); no whole-model pass (" + "; ".join(reasons) + ")")
     if reasons:
         return (FALLBACK, "per-sample gradients over the whole model (vmap, else "
                                   "micro-batching): " + "; ".join(reasons))
@@ -67,6 +74,7 @@ def route_calls(model, loss_fn, inputs, targets, check=True):
     ``check``: as in ``per_sample_grad_norms`` (the recording's one-sample probe).
     """
     rec = record(model, loss_fn, inputs, targets, retain_graph=False, check=check)
+    derived = set(served_gradients(rec))
     shared = rec.shared_ids()
     crossed = cross.plan(rec, shared)
     seen = {}
@@ -74,12 +82,12 @@ def route_calls(model, loss_fn, inputs, targets, check=True):
         if rec.hands_over(layer):  # its parameters are sampled by their broadcast calls
             continue
         seen[path] = seen.get(path, -1) + 1
-        route, reason = layer_route(layer, call, shared, rec.fallback, crossed)
+        route, reason = layer_route(layer, call, shared, rec.fallback, crossed, derived)
         yield ({"layer": path or "<model>", "type": type(layer).__name__, "call": seen[path],
                 "route": route.name, "reason": reason}, layer, call, route)
     for path, layer in rec.layers.items():  # fallback layers no hook saw (.forward(x))
         if path not in seen and any(id(p) in rec.fallback for _, p in own_parameters(layer)):
-            route, reason = layer_route(layer, None, shared, rec.fallback)
+            route, reason = layer_route(layer, None, shared, rec.fallback, derived=derived)
             yield ({"layer": path or "<model>", "type": type(layer).__name__, "call": "-",
                     "route": route.name, "reason": reason}, layer, None, route)
 

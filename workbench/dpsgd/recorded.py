@@ -53,8 +53,10 @@ from workbench.dpsgd.streamed import stream_call, streamed_gradients
 from workbench.errors import LossCouplingError, UnsupportedLayerError
 from workbench.per_sample import precision, selfcheck
 from workbench.per_sample.checks import ModelCall
+from workbench.per_sample.derived import served_gradients
 from workbench.per_sample.fallback import exact_per_sample_gradients
 from workbench.per_sample.hooks import ActivationRecorder
+from workbench.per_sample.leaves import call_leaves
 from workbench.per_sample.owned import sole_holders
 from workbench.per_sample.recording import (
     Recording,
@@ -129,7 +131,8 @@ class ModelRecorder:
         self.watch.paused = self.paused  # its coupling test must not reach the recording hooks
         self._depth, self._tracking, self._rng, self._roots = 0, False, None, 0
         self._amp = None  # the autocast dtype of the forward pass running (precision.py)
-        self._handles = [model.register_forward_pre_hook(quiet(self._enter)),  # uses.quiet
+        self._handles = [model.register_forward_pre_hook(quiet(self._enter),  # uses.quiet
+                                                          with_kwargs=True),
                          model.register_forward_hook(quiet(self._exit), always_call=True)]
         # skip_weights.py: True, False or AUTO (the default: from the second step on, while
         # no GradScaler was seen: ``warm``); armed by zero_grad() until the step (clear)
@@ -151,7 +154,7 @@ class ModelRecorder:
         with torch._C.DisableTorchFunction():
             return structure(self.model)
 
-    def _enter(self, module, args):
+    def _enter(self, module, args, kwargs):
         if self._depth == 0 and self.layer_rec.recording:  # before anything changes: may raise
             self.watch.forward_begins((args,))  # statistics of the batch before it: loss_watch
         self._depth += 1
@@ -168,6 +171,7 @@ class ModelRecorder:
                 self._inner = InnerLosses(FUNCTIONAL)
                 push_bottom(self._inner)
             self.tracker.__enter__()
+            self.tracker.derived.start(call_leaves(args, kwargs))  # derived.py: the batch
             self._tracking = True
 
     def _exit(self, module, args, output):
@@ -188,7 +192,11 @@ class ModelRecorder:
             for key, where in (*self.tracker.uncovered.items(), *missed.items()):
                 self.uncovered.setdefault(key, set()).update(where)
             roots = self.root_rec.calls[ROOT]
-            if len(roots) > self._roots:  # this forward pass's call: its random state
+            recorded = len(roots) > self._roots
+            self.tracker.derived.settle(tree_flatten(output)[0], roots[-1].outputs[0][0][0]
+                                        if recorded and len(roots[-1].outputs[0][0]) else None,
+                                        self.layer_rec)
+            if recorded:  # this forward pass's call: its random state
                 roots[-1].rng, roots[-1].amp = self._rng, self._amp  # replayed by the checks
                 roots[-1].keys = output_keys(output)  # which outputs (model_loss.py)
                 shape = roots[-1].outputs[0][0]
@@ -220,6 +228,7 @@ class ModelRecorder:
         pending = self.watch.pending
         self.layer_rec.clear()
         self.root_rec.clear()
+        self.tracker.derived.clear()
         self.skipper.clear()
         self._stream_paths = {}
         self.armed = False
@@ -397,7 +406,11 @@ class ModelRecorder:
         names = rec.fallback_names()
         if not names or rec.n == 0:
             return {}
-        reasons = sorted(set(rec.fallback.values()))
+        served = served_gradients(rec)  # computed from parameters alone (derived.py)
+        names = [name for name in names if id(self.params[name]) not in served]
+        if not names:
+            return served
+        reasons = sorted({why for key, why in rec.fallback.items() if key not in served})
         root = roots[0]
         problem = batch_problem(self.model, root, rec.n) if len(roots) == 1 else None
         if len(roots) != 1 or problem:
@@ -413,7 +426,7 @@ class ModelRecorder:
             grads = exact_per_sample_gradients(self.model, dot_loss_of(root),
                                                _inputs(root, rec.n), root.backprops, names,
                                                reasons, replay)
-        return {id(self.params[k]): g for k, g in grads.items()}
+        return {**served, **{id(self.params[k]): g for k, g in grads.items()}}
 
     def drop_outside_grads(self) -> None:
         for p in self.outside:

@@ -26,6 +26,7 @@ import torch
 
 from workbench.errors import PerSampleCheckError
 from workbench.per_sample import selfcheck
+from workbench.per_sample.derived import served_gradients
 from workbench.per_sample.fallback import exact_per_sample_gradients
 from workbench.per_sample.functional import layer_vmap_grad_sampler
 from workbench.per_sample.precision import in_full_precision
@@ -117,10 +118,12 @@ def fallback_gradients(rec: Recording, model, loss_fn, inputs, targets):
     """{id(param): (n, *shape)} of the fallback parameters, exact."""
     if not rec.fallback:  # no parameter marked: nothing to compute (the common case)
         return {}
-    names = rec.fallback_names()
-    grads = exact_per_sample_gradients(model, loss_fn, inputs, targets, names,
-                                       sorted(set(rec.fallback.values())), replay_of(rec))
-    return {id(rec.params[name]): g for name, g in grads.items()}
+    served = served_gradients(rec)  # computed from parameters alone (derived.py)
+    names = [name for name in rec.fallback_names() if id(rec.params[name]) not in served]
+    reasons = sorted({why for key, why in rec.fallback.items() if key not in served})
+    grads = exact_per_sample_gradients(model, loss_fn, inputs, targets, names, reasons,
+                                       replay_of(rec))
+    return {**served, **{id(rec.params[name]): g for name, g in grads.items()}}
 
 
 def replay_probe(rec: Recording, model, loss_fn, inputs, targets) -> dict:

@@ -224,6 +224,7 @@ class ActivationRecorder:
     generation: int = 0  # capture="hooks": backward passes finished so far
     batch_free: object = None  # broadcast.BatchFree while a use tracker runs the forward pass
     flat_rows: object = None  # flat_rows.FlatRows while a use tracker runs the forward pass
+    derived: object = None  # derived.Derived of the use tracker: meetings and their results
     on_complete: object = None  # capture="hooks": (call) -> None once all its b have arrived
     recomputed: dict[str, str] = field(default_factory=dict)  # path -> why: run in a backward
     outputs_of: object = None  # (output) -> (tensors, is_tuple); default ``tensor_outputs``
@@ -290,6 +291,9 @@ class ActivationRecorder:
             tensors, is_tuple = ([output] if output.requires_grad else []), False
         else:
             tensors, is_tuple = tensor_outputs(output)
+        if self.derived is not None and self.derived.taint.refs:  # derived.Taint: a layer's
+            self.derived.taint.through(args, kwargs, output)  # forward may run where no mode
+            # sees it (an autograd.Function's, a tapped layer's: skip_weights.py)
         if tensors is None:
             self.untracked[path] = odd_output(output)  # recording.odd_outputs: fallback
             return
@@ -421,10 +425,12 @@ class ActivationRecorder:
         """
         calls = self.all_calls()
         edges = [e for c in calls for e in c.capture_edges()]
-        if not edges and not params:
+        extra = self.derived.edges() if self.derived is not None else []  # derived.py
+        if not edges and not params and not extra:
             return []
-        grads = torch.autograd.grad(total_loss, [*edges, *params], allow_unused=True,
+        grads = torch.autograd.grad(total_loss, [*edges, *params, *extra], allow_unused=True,
                                     retain_graph=retain_graph)
+        grads = grads[:len(grads) - len(extra)]
         k = 0
         for call in calls:
             m = len(call.capture_edges())

@@ -44,7 +44,7 @@ from workbench.per_sample.checks import (
 )
 from workbench.per_sample.fallback import redraws
 from workbench.per_sample.hooks import ActivationRecorder
-from workbench.per_sample.leaves import call_leaves
+from workbench.per_sample.leaves import call_leaves, leaves
 from workbench.per_sample.registry import find_grad_sampler, find_sampler_check, layer_type
 from workbench.per_sample.structure import model_tables
 from workbench.per_sample.tied import delegates
@@ -282,10 +282,12 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
     with ActivationRecorder(layers) as recorder:
         tracker = UseTracker(owners, recorder, names)
         with tracker:
+            tracker.derived.start(leaves((inputs, targets)))  # derived.py: what they touch
             outputs = forward(model, inputs)
             tracker.in_loss = True
             losses = loss_fn(outputs, targets)  # (n,)
         check_losses(losses, n)
+        tracker.derived.settle([losses], n, recorder)
     check_recorded(layers, recorder)
     every_call = [(path, layer, call) for path, layer in layers.items()
                   for call in recorder.calls[path]]
@@ -313,7 +315,26 @@ def new_recording(n: int, layers, recorder, params, uncovered, calls, **fields) 
             rec.mark(layer, path, problem)
     if recorder.untracked:
         odd_outputs(rec)
+    derived_of_ruleless(rec)
     return rec
+
+
+def derived_of_ruleless(rec: Recording) -> None:
+    """A rule-less layer's own parameters that reach the loss only through meetings of
+    tensors computed from them (Mamba's mixer: ``-exp(A_log)`` times the batch): from the
+    meetings (``derived.py``), not by vmap on the layer; the whole-model fallback if a
+    meeting cannot give them."""
+    derived = rec.recorder.derived
+    if derived is None or not derived.meetings:
+        return
+    gen = rec.generation if rec.generation is not None else 0
+    complete = {id(p) for m in derived.meetings if m.generation == gen for p in m.params}
+    for path, layer in rec.layers.items():
+        if find_grad_sampler(layer) is None:
+            for _, p in own_parameters(layer):
+                if id(p) in complete:
+                    rec.fallback.setdefault(id(p), f"{type(layer).__name__} at "
+                                                   f"{path or '<model>'} has no rule")
 
 
 def stale_views(rec: Recording) -> None:
@@ -341,6 +362,7 @@ def note_uncovered(rec: Recording, uncovered: dict[int, set[str]]) -> None:
 
 __all__ = [
     "FUSED", "Recording", "batch_problem", "check_layers", "check_recorded", "checked_shapes",
-    "layers_with_parameters", "note_uncovered", "odd_outputs", "own_parameters", "owners_of",
-    "parameter_names", "record", "rng_state", "stale_views", "tables",
+    "derived_of_ruleless", "layers_with_parameters", "note_uncovered", "odd_outputs",
+    "own_parameters", "owners_of", "parameter_names", "record", "rng_state", "stale_views",
+    "tables",
 ]

@@ -70,7 +70,8 @@ def frontier(calls) -> tuple[list, list]:
     return passed, captured
 
 
-def stream_backward(calls, total_loss: torch.Tensor, on_call, retain_graph: bool = False):
+def stream_backward(calls, total_loss: torch.Tensor, on_call, retain_graph: bool = False,
+                    derived=None):
     """One backward pass of ``total_loss``; ``on_call(call)`` for every call that received a
     gradient, with ``call.backprops`` set, which is set back to None right after."""
     passed, captured = frontier(calls)
@@ -97,8 +98,10 @@ def stream_backward(calls, total_loss: torch.Tensor, on_call, retain_graph: bool
             for k, edge in enumerate(call.capture_edges()):
                 handles.append(edge.node.register_prehook(prehook(call, k, edge.output_nr)))
         edges = [e for call in captured for e in call.capture_edges()]
-        grads = torch.autograd.grad(total_loss, edges, allow_unused=True,
-                                    retain_graph=retain_graph) if edges else ()
+        extra = derived.edges() if derived is not None else []  # their hooks run (derived.py)
+        grads = torch.autograd.grad(total_loss, [*edges, *extra], allow_unused=True,
+                                    retain_graph=retain_graph) if edges or extra else ()
+        grads = grads[:len(edges)]
     finally:
         for handle in handles:
             handle.remove()

@@ -38,7 +38,8 @@ batch-free output.
 import torch
 from torch.overrides import TorchFunctionMode
 
-from workbench.per_sample.broadcast import REWRITES, BatchFree
+from workbench.per_sample.broadcast import ADDS, REWRITES, BatchFree
+from workbench.per_sample.derived import Derived
 from workbench.per_sample.flat_rows import FOLLOWED, FlatRows, in_place
 from workbench.per_sample.leaves import leaves
 from workbench.per_sample.tied import FUNCTIONAL, settle_broadcast, use_views
@@ -138,9 +139,11 @@ class UseTracker(TorchFunctionMode):
         self.broadcast: list = []  # parameters broadcast into the batch (tied.py)
         self.views: dict = {}  # id(v) -> (ref, p, where): views of p not used yet (tied.py)
         self.flat_rows = FlatRows()  # rows of a batch flattened to (n·T, ...) (flat_rows.py)
+        self.derived = Derived(owners)  # parameter-only tensors meeting the batch (derived.py)
 
     def __enter__(self):
         self.recorder.batch_free = self.batch_free
+        self.recorder.derived = self.derived  # kept after the pass: its hooks and results
         self.covered, self.broadcast, self.views, self.seen = set(), [], {}, set()
         self.flat_rows = self.recorder.flat_rows = FlatRows()
         with torch._C.DisableTorchFunction():
@@ -163,9 +166,33 @@ class UseTracker(TorchFunctionMode):
         if (func in REWRITES and self.batch_free.watched and torch.is_grad_enabled()
                 and self.recorder.recording):
             args, kwargs = self.batch_free.rewrite(func, args, kwargs)  # T5's bias in SDPA
+        pending = None
+        if (self.derived.taint.refs and not self.in_loss and torch.is_grad_enabled()
+                and self.recorder.recording):
+            with torch._C.DisableTorchFunction():
+                args, pending = self.derived.rewrite(func, args, kwargs, self._followed)
         result = func(*args, **kwargs)  # the op itself: the modes below this one see it
         with torch._C.DisableTorchFunction():  # this mode's own reads of it: no mode's ops
+            if pending is not None:
+                self.derived.met(func, args, kwargs, pending, result)
             return self._after(func, args, kwargs, result)
+
+    def _followed(self, t, name: str) -> bool:
+        """t is followed already, as a view of a parameter (``tied.use_views``), or by
+        ``BatchFree`` (a batch-free layer output) in an add, which it converts: not a meeting's
+        D. In any other op, BatchFree would give it up (``poison``): it is, and t becomes D."""
+        node = self.batch_free.watched.get(id(t))
+        if node is not None and node.ref() is t:
+            if name in ADDS:
+                return True
+            node.entry.poisoned = True
+            return False
+        view = self.views.get(id(t))
+        if view is not None and view[0]() is t:
+            return True
+        layer = self.recorder.layers.get(self.stack[-1]) if self.stack else None
+        return layer is not None and any(v is t for v in vars(layer).values())  # an old-style
+        # weight_norm's weight, set by the layer's pre-hook: the layer's own route takes it
 
     def _after(self, func, args, kwargs, result):
         """What one op of the forward pass tells the tracker; returns the op's result."""
@@ -174,10 +201,12 @@ class UseTracker(TorchFunctionMode):
             self.random = _is_random(name, args, kwargs)
         if name in CASTS or (kwargs and "dtype" in kwargs):  # softmax(x, dtype=float32) too
             self._cast(args, result)
+        ids = _argument_ids(args, kwargs)  # one scan, then C-level set tests
+        if self.derived.taint.refs:
+            self.derived.taint.spread(ids, args, kwargs, result)
         if torch.is_grad_enabled():
             if name in FOLLOWED or (self.flat_rows.tags and in_place(name)):
                 self.flat_rows.after(name, args, kwargs, result)
-            ids = _argument_ids(args, kwargs)  # one scan, then C-level set tests
             watched = self.batch_free.watched
             if watched and not watched.keys().isdisjoint(ids):
                 self.batch_free.saw(func, args, kwargs, result, _differentiable)

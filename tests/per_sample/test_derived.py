@@ -1,0 +1,245 @@
+"""Tensors computed from parameters alone that meet the batch (``per_sample/derived.py``):
+DeBERTa's projected relative positions (``q @ (E W)ᵀ``), Mamba's ``A = -exp(A_log)`` times
+the batch, a weight built inside an ``autograd.Function`` (LoHa) in ``F.linear``, a
+convolution weight read through a view. Their parameters used to take the whole-model
+fallback; they now take Eqs. (1)-(2) at each meeting, exact against a float64 loop in every
+method and optimizer mode, with and without the self-check. Where a parameter also reaches
+the loss another way, or the batch operand is written after the op, it keeps the fallback."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import workbench as wb
+from tests.helpers import (
+    assert_optimizer_matches_microbatch,
+    ce_per_sample,
+    classification_batch,
+    one_at_a_time_grads,
+)
+from tests.per_sample.test_unseen import Hada
+from workbench.dpsgd import MODES
+from workbench.per_sample.recording import record
+
+D, K, T = 4, 3, 5
+
+
+class RelativeBias(nn.Module):
+    """Scores q kᵀ + q (E W)ᵀ: the projected embeddings meet every record's queries in a
+    matmul (DeBERTa's c2p term); E also read outside its module, W inside a batch-free call."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = nn.Linear(D, D), nn.Linear(D, D)
+        self.rel = nn.Embedding(T, D)
+        self.proj = nn.Linear(D, D, bias=False)
+        self.head = nn.Linear(D, K)
+
+    def forward(self, x):  # x (n, T, D)
+        q, k = self.q(x), self.k(x)
+        pos = self.proj(self.rel.weight).unsqueeze(0)  # (1, T, D): no sample in it
+        scores = q @ k.transpose(-1, -2) + torch.matmul(q, pos.transpose(-1, -2))
+        return self.head((scores.softmax(-1) @ x).mean(1))
+
+
+class StateDecay(nn.Module):
+    """h = x ⊙ (-exp(A_log)) + x ⊙ D, then a conv whose weight is read through a view (Mamba)."""
+
+    def __init__(self):
+        super().__init__()
+        self.A_log = nn.Parameter(torch.randn(D, 1))
+        self.D = nn.Parameter(torch.randn(D))
+        self.conv = nn.Conv1d(D, D, 3, groups=D, padding=2, bias=False)
+        self.head = nn.Linear(D, K)
+
+    def forward(self, x):  # x (n, T, D)
+        h = x.transpose(1, 2) * -torch.exp(self.A_log)  # (n, D, T) ⊙ (D, 1)
+        h = h + x.transpose(1, 2) * self.D[:, None]
+        w = self.conv.weight.view(D, 3).unsqueeze(1)  # read outside the conv's forward
+        h = F.conv1d(h, w, padding=2, groups=D)[..., :T]
+        return self.head(torch.tanh(h).mean(-1))
+
+
+class Hadamard(nn.Module):
+    """A weight from an autograd.Function that torch.func cannot run, in ``F.linear``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.c = nn.Parameter(torch.randn(D, 2)), nn.Parameter(torch.randn(D, 2))
+        self.b, self.d = nn.Parameter(torch.randn(2, D)), nn.Parameter(torch.randn(2, D))
+        self.head = nn.Linear(D, K)
+
+    def forward(self, x):  # x (n, T, D)
+        dw = Hada.apply(self.a, self.b, self.c, self.d)
+        return self.head(torch.tanh(F.linear(x, dw)).mean(1))
+
+
+class AlsoElsewhere(RelativeBias):
+    """E also added to the batch directly: E reaches the loss outside the meeting."""
+
+    def forward(self, x):
+        return super().forward(x + self.rel.weight)
+
+
+MODELS = {"relative_bias": RelativeBias, "state_decay": StateDecay, "hadamard": Hadamard}
+
+
+def batch(n, seed):
+    x, y = classification_batch(n * T, D, K, seed)
+    return x.view(n, T, D), y[:n]
+
+
+def build(name):
+    torch.manual_seed(0)
+    return MODELS[name]().double()
+
+
+def assert_same(got: dict, ref: dict, what=""):
+    """Each parameter's error within 1e-9 of the whole gradient's size (k.bias's is zero but
+    for rounding: the softmax does not see it)."""
+    size = float(torch.sqrt(sum(g.pow(2).sum() for g in ref.values())))
+    for k, g in ref.items():
+        assert float((got[k] - g).norm()) <= 1e-9 * size, (what, k)
+
+
+def quiet(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kwargs)
+
+
+def derived_names(model, x, y):
+    rec = record(model, ce_per_sample, x, y)
+    rec.recorder.backward(rec.losses.sum())
+    ids = {id(p) for m in rec.recorder.derived.meetings for p in m.params}
+    return {name for name, p in model.named_parameters() if id(p) in ids}
+
+
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("n", [3, T])  # n = T: shapes cannot tell the batch from positions
+def test_functional_api_is_exact(name, n, check):
+    model = build(name)
+    x, y = batch(n, 0)
+    ref = one_at_a_time_grads(model, ce_per_sample, x, y)
+    got = quiet(wb.per_sample_gradients, model, ce_per_sample, x, y, method="einsum",
+                check=check)
+    assert_same(got, ref)
+    norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in ref.values()))
+    C = float(norms.median())
+    c = (C / norms).clamp(max=1)
+    for method in ("ghost", "bookkeeping"):
+        got = quiet(wb.clipped_grad_sum, model, ce_per_sample, x, y, C, method=method,
+                    check=check)
+        assert_same(got, {k: torch.einsum("n,n...->...", c, g) for k, g in ref.items()},
+                    method)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_meetings_serve_them_without_the_whole_model(name):
+    model = build(name)
+    x, y = batch(3, 0)
+    served = {"relative_bias": {"rel.weight", "proj.weight"},
+              "state_decay": {"A_log", "D", "conv.weight"},
+              "hadamard": {"a", "b", "c", "d"}}[name]
+    assert derived_names(model, x, y) == served
+    routes = quiet(wb.ghost_routes, model, ce_per_sample, x, y)
+    assert not routes.route.str.contains("fallback").any(), routes.to_string()
+    assert routes.route.str.contains("derived").any()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_optimizer_is_exact(name, mode):
+    model = build(name)
+    batches = [batch(n, 10 + s) for s, n in enumerate((3, T, 4))]
+    quiet(assert_optimizer_matches_microbatch, model, ce_per_sample, batches, method=mode)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_optimizer_without_its_check_and_with_accumulation(name):
+    """Two backward passes before one step: each pass's meetings give its own g_i."""
+    from workbench.dpsgd import DPOptimizer
+
+    model = build(name)
+    C = 0.3
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
+                      max_grad_norm=C, expected_batch_size=1.0, loss_reduction="sum")
+    opt.verify = False
+    try:
+        for step in range(2):
+            parts = [batch(3, 20 + step), batch(2, 30 + step)]
+            opt.zero_grad()
+            for x, y in parts:
+                ce_per_sample(model(x), y).sum().backward()
+            quiet(opt.step)
+            want = {k: sum(wb.clipped_grad_sum(model, ce_per_sample, x, y, C,
+                                               method="microbatch")[k] for x, y in parts)
+                    for k, _ in model.named_parameters()}
+            for k, p in model.named_parameters():
+                torch.testing.assert_close(p.grad, want[k], rtol=1e-9, atol=1e-12)
+    finally:
+        opt.detach()
+
+
+def test_a_parameter_reaching_the_loss_another_way_keeps_the_fallback():
+    torch.manual_seed(0)
+    model = AlsoElsewhere().double()
+    x, y = batch(3, 0)
+    assert "rel.weight" not in derived_names(model, x, y)
+    assert "proj.weight" in derived_names(model, x, y)  # only through the meeting
+    ref = one_at_a_time_grads(model, ce_per_sample, x, y)
+    got = quiet(wb.per_sample_gradients, model, ce_per_sample, x, y, method="einsum",
+                check=False)
+    assert_same(got, ref)
+
+
+class WrittenAfter(nn.Module):
+    """The batch operand of a meeting written in place after it (an add saves nothing, so
+    autograd allows it): Eq. (1) would re-run the op on other values, so the meeting gives
+    nothing and the fallback computes the parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D))
+        self.head = nn.Linear(D, K)
+
+    def forward(self, x):
+        a = torch.tanh(x.mean(1))
+        h = a + torch.exp(self.w)  # a meeting: a + D
+        a.mul_(2)
+        return self.head(h * a)
+
+
+def test_an_operand_written_after_the_meeting_keeps_the_fallback():
+    torch.manual_seed(0)
+    model = WrittenAfter().double()
+    x, y = batch(3, 0)
+    ref = one_at_a_time_grads(model, ce_per_sample, x, y)
+    for check in (True, False):
+        got = quiet(wb.per_sample_gradients, model, ce_per_sample, x, y, method="einsum",
+                    check=check)
+        assert_same(got, ref, check)
+    routes = quiet(wb.ghost_routes, model, ce_per_sample, x, y)
+    assert not routes.route.str.contains("derived").any()
+
+
+def test_a_batch_statistic_is_not_a_parameter_only_tensor():
+    """D = mean over the batch of an activation: tainted by the inputs, not a meeting."""
+    torch.manual_seed(0)
+
+    class Centred(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.head = nn.Linear(D, D), nn.Linear(D, K)
+
+        def forward(self, x):
+            h = self.lin(x.mean(1))
+            return self.head(h * h.mean(0, keepdim=True))
+
+    model = Centred().double()
+    x, y = batch(3, 0)
+    assert derived_names(model, x, y) == set()

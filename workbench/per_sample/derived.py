@@ -1,0 +1,385 @@
+"""A tensor computed from parameters alone that meets the batch: its per-sample gradient.
+
+Real models compute tensors from their parameters before any sample touches them: DeBERTa
+projects its relative-position embeddings, ``K_r = E_r W_r`` (He et al. 2021, arXiv
+2006.03654, Eq. 4), and multiplies them into every record's queries; Mamba's state matrix is
+``A = -exp(A_log)`` (Gu & Dao 2023, arXiv 2312.00752, Alg. 2); a LoHa adapter's weight is a
+Hadamard product of low-rank factors. Such a tensor D = F(θ) has no batch dim, so no per-layer
+rule sees it, and its parameters used to take the whole-model fallback (a second pass over
+the entire model per step, micro-batching where vmap cannot run it).
+
+The chain rule splits where D meets the batch. If D enters the loss only through ops
+h_m = f_m(a_m, D_m) whose row i depends on sample i's row a_{m,i} alone (a *meeting*:
+``F.linear(x, D)``, ``x @ D``, ``x * D`` with D broadcast along the batch dim 0),
+
+    ∂ℓ_i/∂D_m = vjp_D[ f_m(a_{m,i}, ·) ](∂ℓ_i/∂h_{m,i})            (n, *D_m.shape)     (1)
+    g_i^θ     = Σ_m J_{F_m}(θ)ᵀ ∂ℓ_i/∂D_m                          (n, *θ.shape)       (2)
+
+Eq. (1) is one op re-run on one row at a time (``torch.func.vmap`` of its ``vjp``), from the
+row of h's gradient that the backward pass delivers (sample i's own, because samples do not
+mix: the self-check verifies it). Eq. (2) is a backward pass through F alone, batched over the
+n rows (``is_grads_batched``), taken while F's graph is still alive: in the user's backward
+pass, h_m's node is reached before any node of F, so a hook on h_m's node runs Eq. (1) and
+Eq. (2) there (``retain_graph``: the user's pass then goes on through F as usual); in the
+functional API's pass (gradients at edges only), F's nodes are never run, and Eqs. (1)-(2)
+follow it.
+
+**When is this exact?** (a) D carries no sample: it is computed from tensors that do not
+depend on the model's inputs. The tracker marks every tensor computed from the inputs
+(*tainted*; an op of a tainted tensor is tainted); D must be untainted and the meeting's
+other operand a, tainted. (b) θ reaches the loss through the meetings only: each D_m is
+handed to its op as a view D'_m made for it (no other op holds D'_m), and the graph walked
+from the model's outputs (or the losses) without entering any D'_m must not reach θ
+(``settle``); else θ keeps the whole-model fallback. (c) The op is row-wise along a's dim 0:
+only the ops listed (``MEETS``), D in a weight position or broadcast along that dim. The
+self-check compares the result with micro-batching on every new call signature, as for every
+route. A parameter for which any of this fails (a meeting's operand written in place after
+it, an op without a batching rule, a meeting whose h left the graph) keeps the whole-model
+fallback; a rule-less layer's own parameters served this way leave its per-layer vmap
+(``recording.derived_of_ruleless``: Mamba's mixer). The taint crosses every recorded layer
+call (``through``): a forward no mode sees (an autograd.Function's, a layer tapped by
+``skip_weights.py``) still passes it on. Known gap: a tapped layer inside F hides its
+parameters from the walk below D (no AccumulateGrad node), so they keep the fallback.
+
+Notation: n batch size, θ a parameter, F the computation of D from the parameters, a the
+batch operand, h the meeting op's result, ℓ_i sample i's loss.
+"""
+
+import weakref
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+
+from workbench.per_sample.leaves import leaves
+from workbench.per_sample.views import capture_edge, stale, watched
+
+# ops whose result's row i depends on the batch operand's row i and on D, for D broadcast
+# along that dim 0 (elementwise, matmul) or in a weight position (linear, conv)
+ELEMENTWISE = {"add", "__add__", "__radd__", "sub", "__sub__", "__rsub__", "mul", "__mul__",
+               "__rmul__", "div", "__truediv__"}
+WEIGHTED = {"linear", "conv1d", "conv2d", "conv3d"}  # D as args[1] (weight) or args[2] (bias)
+PRODUCTS = {"matmul", "__matmul__", "__rmatmul__"}
+MEETS = frozenset(ELEMENTWISE | WEIGHTED | PRODUCTS)
+MAX_NODES = 512  # a D whose graph is larger is not a parameter-only computation worth it
+
+
+class Taint:
+    """ids of the tensors computed from the model's inputs during one forward pass (weakly:
+    an id may be reused once its tensor is freed)."""
+
+    def __init__(self):
+        self.refs: dict[int, weakref.ref] = {}
+
+    def seed(self, tensors) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self.refs[id(t)] = weakref.ref(t)
+
+    def has(self, t) -> bool:
+        ref = self.refs.get(id(t))
+        return ref is not None and ref() is t
+
+    def spread(self, ids, args, kwargs, result) -> None:
+        """After an op: its result is tainted when an argument is (an in-place op taints its
+        first argument)."""
+        refs = self.refs
+        if refs.keys().isdisjoint(ids):
+            return
+        if not any(self.has(a) for a in _flat((*args, *kwargs.values()))):
+            return  # only a freed tensor's id reused
+        outs = result if type(result) in (list, tuple) else (result,)
+        for t in outs:
+            if isinstance(t, torch.Tensor):
+                refs[id(t)] = weakref.ref(t)
+        if args and isinstance(args[0], torch.Tensor) and args[0] is not result:
+            refs[id(args[0])] = weakref.ref(args[0])  # x.add_(a), x[k] = a: x carries it
+
+    def through(self, args, kwargs, output) -> None:
+        """A layer call: its outputs are tainted when an input is."""
+        if any(self.has(a) for a in _flat((*args, *kwargs.values()))):
+            self.seed(leaves(output))
+
+
+def _flat(args):
+    for a in args:
+        if type(a) in (list, tuple):
+            yield from a
+        else:
+            yield a
+
+
+class Meeting:
+    """One op h = f(a, D') seen in the forward pass (module docstring)."""
+
+    def __init__(self, func, args, kwargs, d_at, rows_at, h):
+        self.func, self.args, self.kwargs = func, args, kwargs
+        self.d_at, self.rows_at = d_at, rows_at  # positions in args of D' and of the a's
+        self.versions = [args[k]._version for k in (*d_at, *rows_at)]
+        self.n = h.shape[0]
+        self.edge, self.view = capture_edge(h)  # h's gradient read at its base (views.py)
+        self.watch = watched([h])  # h, a partial view: written in place later, it is lost
+        self.params: list = []  # θ below D' reaching the loss through meetings only
+        self.failed = False
+        self.handle = None
+        self.generation = 0  # the recorder's generation of the forward pass it was in
+
+    def nodes(self):
+        return [self.args[k].grad_fn for k in self.d_at]
+
+    def usable(self) -> bool:
+        """Its operands unchanged since the op (an in-place op after it would make Eq. (1)
+        read other values) and its result still in the graph (``views.stale``)."""
+        return not self.failed and not stale(self.watch) and all(
+            self.args[k]._version == v
+            for k, v in zip((*self.d_at, *self.rows_at), self.versions))
+
+    def gradients(self, grad_h: torch.Tensor) -> dict:
+        """{id(θ): (n, *θ.shape)}: Eqs. (1)-(2) from h's gradient (n, *h.shape[1:])."""
+        if not self.params:
+            return {}
+        if self.view is not None:
+            grad_h = grad_h.reshape(self.view)
+        ds = [self.args[k] for k in self.d_at]
+        fixed = [a.detach() if isinstance(a, torch.Tensor) else a for a in self.args]
+        rows = [fixed[k] for k in self.rows_at]
+        func, kwargs, d_at, rows_at = self.func, self.kwargs, self.d_at, self.rows_at
+
+        def one(row_list, g):  # Eq. (1) for one sample: the op on a batch of one
+            def op(*d):
+                full = list(fixed)
+                for k, r in zip(rows_at, row_list):
+                    full[k] = r.unsqueeze(0)
+                for k, v in zip(d_at, d):
+                    full[k] = v
+                return func(*full, **kwargs)
+
+            _, back = torch.func.vjp(op, *[fixed[k] for k in d_at])
+            return back(g.unsqueeze(0))
+
+        grad_d = torch.func.vmap(one)(rows, grad_h)  # tuple of (n, *D.shape)
+        try:
+            grads = torch.autograd.grad(ds, self.params, grad_outputs=list(grad_d),
+                                        is_grads_batched=True, retain_graph=True,
+                                        allow_unused=True)
+        except (RuntimeError, NotImplementedError):  # F has an op without a batching rule
+            rows_g = [torch.autograd.grad(ds, self.params, [g[i] for g in grad_d],
+                                          retain_graph=True, allow_unused=True)
+                      for i in range(self.n)]
+            grads = [torch.stack([torch.zeros_like(p) if r[k] is None else r[k]
+                                  for r in rows_g]) for k, p in enumerate(self.params)]
+        return {id(p): torch.zeros(self.n, *p.shape, dtype=p.dtype, device=p.device)
+                if g is None else g for p, g in zip(self.params, grads)}
+
+
+def meeting_operands(name, args, kwargs, taint: Taint, params: dict, skip) -> tuple | None:
+    """(positions of D, positions of the batch operands a) for ``func(*args)`` when it is a
+    meeting of an untainted, differentiable, non-parameter D with a tainted a (module
+    docstring (a), (c)); else None."""
+    if kwargs.get("out") is not None or not args:
+        return None
+    tensors = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    rows = [k for k in tensors if taint.has(args[k])]
+    if not rows:
+        return None
+    ds = [k for k in tensors if k not in rows and args[k].requires_grad
+          and args[k].grad_fn is not None and id(args[k]) not in params and not skip(args[k], name)]
+    if not ds:
+        return None
+    a = args[rows[0]]
+    if a.dim() < 1 or a.shape[0] < 1 or any(args[k].dim() < 1 or args[k].shape[0] != a.shape[0]
+                                           for k in rows):
+        return None
+    if name in WEIGHTED:
+        if rows != [0] or any(k not in (1, 2) for k in ds):
+            return None
+    elif name in PRODUCTS:
+        if len(rows) != 1 or len(ds) != 1 or len(tensors) != 2:
+            return None
+        d = args[ds[0]]
+        if rows[0] == 0:  # a @ D: rows of a (a 2-d a included: its rows are the batch)
+            if not (d.dim() < a.dim() or d.shape[0] == 1) and a.dim() > 2:
+                return None
+            if d.dim() > a.dim():
+                return None
+        elif a.dim() < 3 or not (d.dim() < a.dim() or d.shape[0] == 1):
+            return None  # D @ a: a's dim 0 must be a batch dim of the product
+    else:  # elementwise: D broadcast along a's dim 0
+        if len(tensors) != 2 or kwargs:
+            return None
+        d = args[ds[0]]
+        if not (d.dim() < a.dim() or d.shape[0] == 1):
+            return None
+    return ds, rows
+
+
+def parameters_below(node, params: dict) -> list | None:
+    """The tracked parameters whose leaves the graph below ``node`` reaches; None when it is
+    larger than ``MAX_NODES`` or reaches a leaf that is not one of them."""
+    seen, stack, found = set(), [node], {}
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if len(seen) > MAX_NODES:
+            return None
+        var = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf
+        if var is not None:
+            if id(var) not in params:
+                return None
+            found[id(var)] = var
+            continue
+        stack.extend(f for f, _ in node.next_functions)
+    return list(found.values())
+
+
+def reached(roots, stops: set[int]) -> set[int]:
+    """ids of the leaves the graph from ``roots`` reaches without entering a node in
+    ``stops``."""
+    seen, stack, leaves = set(), [t.grad_fn for t in roots if isinstance(t, torch.Tensor)], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen or id(node) in stops:
+            continue
+        seen.add(id(node))
+        var = getattr(node, "variable", None)
+        if var is not None:
+            leaves.add(id(var))
+            continue
+        stack.extend(f for f, _ in node.next_functions)
+    return leaves
+
+
+class Derived:
+    """The meetings of the forward passes since the last ``clear`` and the per-sample
+    gradients they gave, per backward pass (the recorder's generation)."""
+
+    def __init__(self, params: dict):
+        self.params = params  # {id(θ): ...}: the tracked parameters
+        self.taint = Taint()
+        self.pending: list[Meeting] = []  # the forward pass running
+        self.meetings: list[Meeting] = []  # settled, with their hooks
+        self.results: dict[int, dict] = {}  # generation -> {id(θ): (n, *θ.shape)}
+        self.tasks: dict[int, int] = {}  # generation -> the autograd pass that gave them
+
+    def start(self, inputs=()) -> None:
+        """A forward pass begins: ``inputs``, the model's tensors, taint what they touch."""
+        self.taint, self.pending = Taint(), []
+        self.taint.seed(inputs)
+
+    def rewrite(self, func, args, kwargs, skip):
+        """(args, pending): args with each D replaced by a view D' of it made here, and what
+        ``met`` needs after the op; pending None when the op is not a meeting."""
+        name = getattr(func, "__name__", "")
+        if name not in MEETS:
+            return args, None
+        found = meeting_operands(name, args, kwargs, self.taint, self.params, skip)
+        if found is None:
+            return args, None
+        ds, rows = found
+        args = list(args)
+        with torch._C.DisableTorchFunction():  # the workbench's view, not the model's use
+            for k in ds:
+                args[k] = args[k].view_as(args[k])
+        return tuple(args), (ds, rows)
+
+    def met(self, func, args, kwargs, pending, result) -> None:
+        ds, rows = pending
+        if (isinstance(result, torch.Tensor) and result.requires_grad and result.dim() >= 1
+                and result.shape[0] == args[rows[0]].shape[0]):
+            self.pending.append(Meeting(func, args, kwargs, ds, rows, result))
+
+    def settle(self, roots, n, recorder) -> None:
+        """After the forward pass (module docstring (b)): each meeting's parameters, and a
+        hook at each h's node that runs Eqs. (1)-(2) when the backward pass reaches it."""
+        meetings, self.pending = [m for m in self.pending if m.n == n], []
+        self.taint = Taint()
+        if not meetings:
+            return
+        stops = {id(node) for m in meetings for node in m.nodes()}
+        elsewhere = reached(roots, stops)
+        for m in meetings:
+            found = []
+            for node in m.nodes():
+                below = parameters_below(node, self.params)
+                if below is None:
+                    found = []
+                    break
+                found += below
+            m.params = list({id(p): p for p in found if id(p) not in elsewhere}.values())
+            if m.params:
+                m.generation = recorder.generation
+                m.handle = m.edge.node.register_prehook(_prehook(m, self, recorder))
+                self.meetings.append(m)
+
+    def store(self, generation: int, grads: dict) -> None:
+        """Add one meeting's g_i to its backward pass's; a second pass through the same graph
+        (a check's, retain_graph) in the same generation is not added again."""
+        task = torch._C._current_graph_task_id()
+        if self.tasks.setdefault(generation, task) != task:
+            return
+        mine = self.results.setdefault(generation, {})
+        for key, g in grads.items():
+            mine[key] = g if key not in mine else mine[key] + g
+
+    def edges(self) -> list:
+        """The D' of every meeting: a backward pass asked for gradients at them runs each
+        h's node, and with it the hook (the functional API's passes, which stop at edges)."""
+        return [get_gradient_edge(m.args[k]) for m in self.meetings for k in m.d_at]
+
+    def served(self, generation: int, wanted) -> dict:
+        """{id(θ): g_i} for the parameters among ``wanted`` whose every meeting of this
+        backward pass ran (or never reached the loss, a zero): the others keep the fallback."""
+        mine = [m for m in self.meetings if m.generation == generation]
+        bad = {id(p) for m in mine if m.failed or stale(m.watch) for p in m.params}
+        results = self.results.get(generation, {})
+        out = {}
+        for m in mine:
+            for p in m.params:
+                if id(p) in wanted and id(p) not in bad and id(p) not in out:
+                    g = results.get(id(p))
+                    out[id(p)] = g if g is not None else torch.zeros(
+                        m.n, *p.shape, dtype=p.dtype, device=p.device)
+        return out
+
+    def clear(self) -> None:
+        for m in self.meetings:
+            if m.handle is not None:
+                m.handle.remove()
+        self.meetings, self.results, self.pending, self.tasks = [], {}, [], {}
+
+
+def served_gradients(rec) -> dict:
+    """{id(θ): g_i} of the recording's fallback parameters that meetings served."""
+    derived = getattr(rec.recorder, "derived", None)
+    if derived is None or not derived.meetings:
+        return {}
+    gen = rec.generation if rec.generation is not None else 0
+    return derived.served(gen, rec.fallback)
+
+
+def _prehook(m: Meeting, derived: Derived, recorder):
+    ref, nr = weakref.ref(m), m.edge.output_nr  # weakly: the node's hook must not hold the
+    # meeting, which holds the node (a cycle the GC cannot see through the graph)
+
+    def run(grad_outputs):
+        meeting = ref()
+        if meeting is None or not recorder.recording or grad_outputs[nr] is None:
+            return None  # paused: a check's own gradient pass
+        if not meeting.usable():
+            meeting.failed = True
+            return None
+        try:
+            with recorder.paused():  # Eq. (2)'s pass reaches recorded calls below D: not
+                grads = meeting.gradients(grad_outputs[nr])  # their b, nor a new generation
+        except (RuntimeError, NotImplementedError, ValueError, TypeError):
+            meeting.failed = True  # its parameters keep the whole-model fallback
+            return None
+        derived.store(recorder.generation, grads)
+        return None
+
+    return run
+
+
+__all__ = ["MEETS", "Derived", "Meeting", "Taint", "meeting_operands", "parameters_below",
+           "reached", "served_gradients"]
