@@ -243,3 +243,27 @@ def test_a_batch_statistic_is_not_a_parameter_only_tensor():
     model = Centred().double()
     x, y = batch(3, 0)
     assert derived_names(model, x, y) == set()
+
+
+class AlsoInItsLayer(nn.Module):
+    """W in its Linear on the batch and, transposed, in a matmul meeting (tests/clipping's
+    shared model): from the second step on, book-keeping taps the Linear (skip_weights.py)
+    and the graph walk no longer sees that use; the layer's rule still computes it, so W is
+    not the meeting's alone (``derived.ruled``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.head = nn.Linear(D, D), nn.Linear(D, K)
+
+    def forward(self, x):
+        x = x.mean(1)
+        return self.head(torch.tanh(self.inp(x) + 0.5 * torch.tanh(x @ self.inp.weight.T)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_weight_also_in_its_tapped_layer_is_not_the_meetings_alone(mode):
+    torch.manual_seed(0)
+    model = AlsoInItsLayer().double()
+    batches = [batch(n, 40 + s) for s, n in enumerate((3, 4, 3, 5))]
+    quiet(assert_optimizer_matches_microbatch, model, ce_per_sample, batches, method=mode,
+          verify=False)

@@ -34,12 +34,11 @@ SUBSET = ["gpt2", "llama", "opt", "bloom", "t5", "mpnet", "lora_llama", "loha_be
 NAMES = list(PROBLEMS) if ALL else SUBSET
 IMAGE = {name for name, p in PROBLEMS.items() if p.kind == "image"}
 # the layers still on per-layer vmap (ghost_routes) and why; any other is a regression
-VMAP_ROUTES = {
-    # (Mamba's and Mamba-2's mixers left vmap: A_log, D and dt_bias reach the loss only through
-    # tensors computed from them that meet the batch, -exp(A_log) ⊙ Δ, x ⊙ D, which
-    # per_sample/derived.py differentiates at each meeting)
-    "dora_bert": {"DoraLinearLayer"},
-}
+VMAP_ROUTES: dict[str, set] = {}
+# (Mamba's and Mamba-2's mixers and DoRA's magnitude layer left vmap: A_log, D, dt_bias and
+# DoRA's m reach the loss only through tensors computed from them that meet the batch,
+# -exp(A_log) ⊙ Δ, x ⊙ D, m / ||W + s BA||_c ⊙ ..., which per_sample/derived.py
+# differentiates at each meeting)
 
 @pytest.fixture(autouse=True)
 def libraries():

@@ -140,7 +140,11 @@ def test_relative_bias_takes_the_embedding_rule_exactly(name, n):
 def test_unproven_uses_of_the_bias_stay_exact_on_the_fallback(name, n):
     model, x, y = problem(name, n)
     routes = exact_routes(model, x, y)
-    assert bias_routes(routes) == {"exact fallback"}, routes
+    # an op after the lookup that is not shape-only (bias * 2, bias + bias) makes it a tensor
+    # computed from parameters alone meeting the scores: the meetings' route, no whole-model
+    # pass (per_sample/derived.py); an in-place write on it keeps the fallback
+    want = "derived (meetings)" if name in ("nonshape", "twice_in_one_op") else "exact fallback"
+    assert bias_routes(routes) == {want}, routes
 
 
 @pytest.mark.parametrize("name", ["layers", "sdpa_causal", "times", "batch_expand",
@@ -176,6 +180,27 @@ def test_dropout_after_the_meeting_trains_in_every_mode(mode):
     assert not torch.equal(before, model.relative_attention_bias.weight)
 
 
+def off_rows_test(monkeypatch):
+    """The recording's own test of a lookup on a (T, T) table computed without the batch at
+    n = T (``recording.rows_not_samples``) switched off too: the bias then takes the wrong
+    route the checks below must refuse."""
+    from workbench.per_sample import recording
+
+    monkeypatch.setattr(recording, "rows_not_samples", lambda layer, call, n: None)
+
+
+def test_a_table_computed_without_the_batch_is_not_read_as_samples(monkeypatch):
+    """The same bias at n = T with the probe's treatment test off: the lookup's input is
+    tainted by no input, its rows differ, so its rows are not samples: exact, every mode."""
+    from workbench.per_sample import selfcheck
+
+    monkeypatch.setattr(selfcheck, "treatment", lambda call: (False, False))
+    model, x, y = problem("batch_expand_t_big", T)
+    for mode in ("bookkeeping", "einsum", "auto"):
+        assert_optimizer_matches_microbatch(model, mse_per_sample, [(x, y)], method=mode,
+                                            verify=False)
+
+
 @pytest.mark.parametrize("mode", ["bookkeeping", "auto", "einsum"])
 def test_the_sums_own_row_is_checked_not_only_its_norm(mode, monkeypatch):
     """The MPNet-like bias (transposed after its expand) at n = T with the probe's treatment
@@ -187,6 +212,7 @@ def test_the_sums_own_row_is_checked_not_only_its_norm(mode, monkeypatch):
     from workbench.per_sample import selfcheck
 
     monkeypatch.setattr(selfcheck, "treatment", lambda call: (False, False))
+    off_rows_test(monkeypatch)
     model, x, y = problem("batch_expand_t_big", T)
     with pytest.raises(PerSampleCheckError, match="relative_attention_bias.weight"):
         assert_optimizer_matches_microbatch(model, mse_per_sample, [(x, y)], method=mode)
@@ -202,6 +228,7 @@ def test_a_norm_verdict_never_stands_in_for_a_vector_check(monkeypatch):
     from workbench.per_sample import selfcheck
 
     monkeypatch.setattr(selfcheck, "treatment", lambda call: (False, False))
+    off_rows_test(monkeypatch)
     model, x, y = problem("batch_expand_t_big", T)
     C = float(wb.per_sample_grad_norms(model, mse_per_sample, x, y, "microbatch").median())
     want = wb.clipped_grad_sum(model, mse_per_sample, x, y, C, method="microbatch")

@@ -51,6 +51,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from workbench.per_sample.leaves import leaves
+from workbench.per_sample.registry import find_grad_sampler
 from workbench.per_sample.views import capture_edge, stale, watched
 
 # ops whose result's row i depends on the batch operand's row i and on D, for D broadcast
@@ -171,10 +172,25 @@ class Meeting:
                 if g is None else g for p, g in zip(self.params, grads)}
 
 
-def meeting_operands(name, args, kwargs, taint: Taint, params: dict, skip) -> tuple | None:
+def positional(name, args, kwargs) -> tuple:
+    """``F.linear`` / ``F.convNd`` with ``weight=`` / ``bias=`` given by keyword (Mamba's
+    ``F.conv1d(x, weight=w, bias=b, ...)``): the same call, them in args[1], args[2]."""
+    if name not in WEIGHTED or not kwargs or ("weight" not in kwargs and "bias" not in kwargs):
+        return args, kwargs
+    kwargs = dict(kwargs)
+    if len(args) == 1 and "weight" in kwargs:
+        args = (*args, kwargs.pop("weight"))
+    if len(args) == 2 and "bias" in kwargs:
+        args = (*args, kwargs.pop("bias"))
+    return args, kwargs
+
+
+def meeting_operands(name, args, kwargs, taint: Taint, params: dict, skip,
+                     own=lambda p: False) -> tuple | None:
     """(positions of D, positions of the batch operands a) for ``func(*args)`` when it is a
-    meeting of an untainted, differentiable, non-parameter D with a tainted a (module
-    docstring (a), (c)); else None."""
+    meeting of an untainted, differentiable D with a tainted a (module docstring (a), (c));
+    else None. D is a tensor computed from parameters, or a parameter for which ``own(p)``
+    (a use the tracker would otherwise leave to the whole-model fallback)."""
     if kwargs.get("out") is not None or not args:
         return None
     tensors = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor)]
@@ -182,7 +198,8 @@ def meeting_operands(name, args, kwargs, taint: Taint, params: dict, skip) -> tu
     if not rows:
         return None
     ds = [k for k in tensors if k not in rows and args[k].requires_grad
-          and args[k].grad_fn is not None and id(args[k]) not in params and not skip(args[k], name)]
+          and (args[k].grad_fn is not None and id(args[k]) not in params
+               and not skip(args[k], name) or id(args[k]) in params and own(args[k]))]
     if not ds:
         return None
     a = args[rows[0]]
@@ -250,6 +267,19 @@ def reached(roots, stops: set[int]) -> set[int]:
     return leaves
 
 
+def ruled(recorder) -> set[int]:
+    """ids of the direct parameters of layers with a rule that were called on the batch (a
+    tainted input): their rule computes those uses, which the graph walk may not even see
+    (a layer tapped by ``skip_weights.py`` hands its weight no gradient edge)."""
+    out = set()
+    for path, calls in recorder.calls.items():
+        layer = recorder.layers.get(path)
+        if layer is not None and any(c.tainted for c in calls) and \
+                find_grad_sampler(layer) is not None:
+            out.update(id(p) for p in layer.parameters(recurse=False))
+    return out
+
+
 class Derived:
     """The meetings of the forward passes since the last ``clear`` and the per-sample
     gradients they gave, per backward pass (the recorder's generation)."""
@@ -267,24 +297,26 @@ class Derived:
         self.taint, self.pending = Taint(), []
         self.taint.seed(inputs)
 
-    def rewrite(self, func, args, kwargs, skip):
-        """(args, pending): args with each D replaced by a view D' of it made here, and what
-        ``met`` needs after the op; pending None when the op is not a meeting."""
+    def rewrite(self, func, args, kwargs, skip, own):
+        """(args, kwargs, pending): each D replaced by a view D' of it made here, and what
+        ``met`` needs after the op (pending[2]: the parameters among the D); pending None when
+        the op is not a meeting (args and kwargs then as given)."""
         name = getattr(func, "__name__", "")
         if name not in MEETS:
-            return args, None
-        found = meeting_operands(name, args, kwargs, self.taint, self.params, skip)
+            return args, kwargs, None
+        moved, kw = positional(name, args, kwargs)
+        found = meeting_operands(name, moved, kw, self.taint, self.params, skip, own)
         if found is None:
-            return args, None
+            return args, kwargs, None
         ds, rows = found
-        args = list(args)
+        args, params = list(moved), [moved[k] for k in ds if id(moved[k]) in self.params]
         with torch._C.DisableTorchFunction():  # the workbench's view, not the model's use
             for k in ds:
                 args[k] = args[k].view_as(args[k])
-        return tuple(args), (ds, rows)
+        return tuple(args), kw, (ds, rows, params)
 
     def met(self, func, args, kwargs, pending, result) -> None:
-        ds, rows = pending
+        ds, rows, _ = pending
         if (isinstance(result, torch.Tensor) and result.requires_grad and result.dim() >= 1
                 and result.shape[0] == args[rows[0]].shape[0]):
             self.pending.append(Meeting(func, args, kwargs, ds, rows, result))
@@ -297,7 +329,7 @@ class Derived:
         if not meetings:
             return
         stops = {id(node) for m in meetings for node in m.nodes()}
-        elsewhere = reached(roots, stops)
+        elsewhere = reached(roots, stops) | ruled(recorder)
         for m in meetings:
             found = []
             for node in m.nodes():
@@ -382,4 +414,4 @@ def _prehook(m: Meeting, derived: Derived, recorder):
 
 
 __all__ = ["MEETS", "Derived", "Meeting", "Taint", "meeting_operands", "parameters_below",
-           "reached", "served_gradients"]
+           "positional", "reached", "ruled", "served_gradients"]

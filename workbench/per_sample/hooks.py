@@ -64,6 +64,7 @@ from torch.utils.hooks import RemovableHandle
 from workbench.per_sample import precision
 from workbench.per_sample.broadcast import BROADCASTABLE
 from workbench.per_sample.flat_rows import as_batch, unflattened
+from workbench.per_sample.leaves import call_leaves
 from workbench.per_sample.positional import as_positional
 from workbench.per_sample.registry import called_with_more
 from workbench.per_sample.views import capture_edge, watched
@@ -90,6 +91,8 @@ class LayerCall:
     views: list | None = None  # per edge, o's shape where b is read at o's base (views.py)
     watch: list = field(default_factory=list)  # [(o, version)]: partial views (views.py)
     stored_at: dict = field(default_factory=dict)  # k -> the backward pass b_k came in
+    tainted: bool | None = None  # an input computed from the model's inputs (derived.Taint;
+    # None: not known, no use tracker ran)
 
     @property
     def edge(self) -> GradientEdge:
@@ -317,6 +320,8 @@ class ActivationRecorder:
                          outputs=[(t.shape if rows is None else (*rows, *t.shape[1:]),
                                    t.dtype, t.device) for t in tensors],
                          is_tuple=is_tuple, grads=[None] * len(tensors))
+        if self.derived is not None and self.derived.taint.refs:  # the batch is known
+            call.tainted = any(map(self.derived.taint.has, call_leaves(args, kwargs)))
         if torch.is_autocast_enabled(device.type):  # precision.state(device) is not None
             call.widen_to = precision.layer_dtype(layer)
         self.calls.setdefault(path, []).append(call)

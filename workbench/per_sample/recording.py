@@ -180,11 +180,30 @@ def checked_shapes(layer, call) -> list[torch.Size]:
 
 
 def batch_problem(layer, call, n: int) -> str | None:
-    """Why a call does not carry the batch on dim 0 (by shape), or None."""
+    """Why a call does not carry the batch on dim 0 (by shape, or by what its inputs were
+    computed from), or None."""
     for shape in checked_shapes(layer, call):
         if len(shape) == 0 or shape[0] != n:
             return (f"is called on a tensor of shape {tuple(shape)}: dim 0 is not the batch "
                     f"(n = {n})")
+    return rows_not_samples(layer, call, n)
+
+
+def rows_not_samples(layer, call, n: int) -> str | None:
+    """A call on tensors computed without the batch (``derived.Taint``) whose dim 0 happens
+    to be n (DoRA's ``lora_A(eye(d))`` with d = n, a position table with T = n): its rows
+    are not samples unless they are one constant row repeated (BERT's token types expanded
+    to the batch), so its rule would read them as samples. Else None."""
+    if call.tainted is not False or call.meet is not None or call.rows is not None or n < 2 \
+            or layer.__dict__.get("takes_over", False):
+        return None
+    for a in call_leaves(call.args, call.kwargs):
+        if isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == n:
+            with torch.no_grad():
+                if not bool((a == a[:1]).all()):
+                    return (f"is called on a tensor computed without the batch, of shape "
+                            f"{tuple(a.shape)}: its dim 0 is n = {n} by coincidence, its rows "
+                            f"are not samples")
     return None
 
 
@@ -320,21 +339,29 @@ def new_recording(n: int, layers, recorder, params, uncovered, calls, **fields) 
 
 
 def derived_of_ruleless(rec: Recording) -> None:
-    """A rule-less layer's own parameters that reach the loss only through meetings of
-    tensors computed from them (Mamba's mixer: ``-exp(A_log)`` times the batch): from the
-    meetings (``derived.py``), not by vmap on the layer; the whole-model fallback if a
-    meeting cannot give them."""
+    """Parameters that reach the loss only through meetings of tensors computed from them
+    (``derived.py``), owned by a layer without a rule (Mamba's mixer: ``-exp(A_log)`` times
+    the batch) or by a layer called only without the batch (a Linear projecting an embedding
+    table whose dim 0 happens to be n: its rule would read the rows as samples): from the
+    meetings, not by vmap on the layer or its rule; the whole-model fallback if a meeting
+    cannot give them."""
     derived = rec.recorder.derived
     if derived is None or not derived.meetings:
         return
     gen = rec.generation if rec.generation is not None else 0
     complete = {id(p) for m in derived.meetings if m.generation == gen for p in m.params}
     for path, layer in rec.layers.items():
+        calls = rec.recorder.calls.get(path, [])
         if find_grad_sampler(layer) is None:
-            for _, p in own_parameters(layer):
-                if id(p) in complete:
-                    rec.fallback.setdefault(id(p), f"{type(layer).__name__} at "
-                                                   f"{path or '<model>'} has no rule")
+            why = "has no rule"
+        elif calls and not any(c.tainted for c in calls):
+            why = "is called only on tensors computed without the batch"
+        else:
+            continue
+        for _, p in own_parameters(layer):
+            if id(p) in complete:
+                rec.fallback.setdefault(id(p), f"{type(layer).__name__} at "
+                                               f"{path or '<model>'} {why}")
 
 
 def stale_views(rec: Recording) -> None:
@@ -363,6 +390,6 @@ def note_uncovered(rec: Recording, uncovered: dict[int, set[str]]) -> None:
 __all__ = [
     "FUSED", "Recording", "batch_problem", "check_layers", "check_recorded", "checked_shapes",
     "derived_of_ruleless", "layers_with_parameters", "note_uncovered", "odd_outputs",
-    "own_parameters", "owners_of", "parameter_names", "record", "rng_state", "stale_views",
-    "tables",
+    "own_parameters", "owners_of", "parameter_names", "record", "rng_state",
+    "rows_not_samples", "stale_views", "tables",
 ]

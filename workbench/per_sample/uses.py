@@ -170,12 +170,20 @@ class UseTracker(TorchFunctionMode):
         if (self.derived.taint.refs and not self.in_loss and torch.is_grad_enabled()
                 and self.recorder.recording):
             with torch._C.DisableTorchFunction():
-                args, pending = self.derived.rewrite(func, args, kwargs, self._followed)
+                args, kwargs, pending = self.derived.rewrite(
+                    func, args, kwargs, self._followed,
+                    lambda p: func not in FUNCTIONAL and self._where() not in self.owners[id(p)])
         result = func(*args, **kwargs)  # the op itself: the modes below this one see it
         with torch._C.DisableTorchFunction():  # this mode's own reads of it: no mode's ops
             if pending is not None:
                 self.derived.met(func, args, kwargs, pending, result)
+                for p in pending[2]:  # a parameter handed over as D': its use is still one
+                    self.seen.add(id(p))  # outside its layer (the fallback if the meeting
+                    self._count(p, self._where())  # cannot give it)
             return self._after(func, args, kwargs, result)
+
+    def _where(self) -> str:
+        return LOSS if self.in_loss else self.stack[-1] if self.stack else _OUTSIDE
 
     def _followed(self, t, name: str) -> bool:
         """t is followed already, as a view of a parameter (``tied.use_views``), or by
