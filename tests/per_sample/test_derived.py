@@ -267,3 +267,19 @@ def test_a_weight_also_in_its_tapped_layer_is_not_the_meetings_alone(mode):
     batches = [batch(n, 40 + s) for s, n in enumerate((3, 4, 3, 5))]
     quiet(assert_optimizer_matches_microbatch, model, ce_per_sample, batches, method=mode,
           verify=False)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_optimizer_steps_never_run_the_whole_model(name, monkeypatch):
+    """Every step, the first (checked) and the later ones (book-keeping taps its layers'
+    weights, ``skip_weights.py``: a batch-free call such as ``proj`` is not tapped, so the
+    walk below D still reaches its weight): no whole-model pass, the same sums."""
+    import workbench.dpsgd.recorded as recorded
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the whole-model fallback ran")
+
+    monkeypatch.setattr(recorded, "exact_per_sample_gradients", refuse)
+    model = build(name)
+    batches = [batch(n, 50 + s) for s, n in enumerate((3, 4, 3, T))]
+    quiet(assert_optimizer_matches_microbatch, model, ce_per_sample, batches)

@@ -139,7 +139,8 @@ class ModelRecorder:
         self.skip_weight_grads, self.armed, self._fast = AUTO, False, False
         self.warm, self.scaler_seen = False, False
         self.skipper = WeightGradSkipper(self.layers, {id(p) for p in self.params.values()},
-                                         lambda: self._fast and self.layer_rec.recording)
+                                         lambda: self._fast and self.layer_rec.recording,
+                                         lambda args: self.tracker.derived.taint.none_of(args))
         self.skipper.attach(True)
         # book-keeping's streaming in the user's backward pass (streamed.py): the last
         # forward pass's n, {path: own parameters}, {id(param): paths of its streamed g_i}

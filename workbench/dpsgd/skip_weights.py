@@ -22,10 +22,14 @@ backward pass, where nothing is skipped, and refuses a recomputation whose saved
 differ from the forward's (a weight that did not require grad saves other tensors).
 
 Only *leaf* layers (no submodules) that are not parametrised and have a grad rule are
-tapped: every use of their parameters inside their forward is their own call, so the use
-tracker (``per_sample.uses``) sees the same uses either way; uses outside the layer's forward
-keep ``requires_grad``; and their output is one Tensor (a rule-less layer's may hold a Tensor
-that must not start requiring grad: autograd computes its weight gradients as usual).
+tapped, and only in calls on the batch (a call on a tensor computed from parameters alone,
+DeBERTa's ``pos_proj`` on its relative embeddings, keeps its weight's graph edge: its
+per-sample gradient is taken where its output meets the batch, ``per_sample/derived.py``,
+which follows that edge): every use of their parameters inside their forward is their own
+call, so the use tracker (``per_sample.uses``) sees the same uses either way; uses outside the
+layer's forward keep ``requires_grad``; and their output is one Tensor (a rule-less layer's
+may hold a Tensor that must not start requiring grad: autograd computes its weight gradients
+as usual).
 
 What the user's ``.grad`` then holds (the contract, on by default): before ``step()``, for a
 tapped parameter only the gradient of terms outside the tapped calls (an L2 penalty, a tied
@@ -86,8 +90,11 @@ class WeightGradSkipper:
     parameters in ``params`` (ids) while ``active()`` is true; ``tapped``: the paths tapped
     since the last ``clear``."""
 
-    def __init__(self, layers: dict, params: set[int], active):
+    def __init__(self, layers: dict, params: set[int], active, batch_free=lambda args: False):
         self.active, self.tapped = active, set()
+        self.batch_free = batch_free  # (args) -> a call without the batch: not tapped (its
+        # parameters' per-sample gradients come from where its output meets the batch,
+        # per_sample/derived.py, which follows the graph to them)
         self.own = {path: [p for p in layer.parameters(recurse=False)
                            if p.requires_grad and id(p) in params]
                     for path, layer in layers.items() if tappable(layer)}
@@ -113,7 +120,7 @@ class WeightGradSkipper:
 
     def _pre(self, path):
         def pre_hook(module, args):
-            if path in self._off or not self.active() or saving_hooks():
+            if path in self._off or not self.active() or saving_hooks() or self.batch_free(args):
                 return  # under checkpointing the recomputation must save what the forward did
             own = [p for p in self.own[path] if p.requires_grad]
             for p in own:

@@ -95,6 +95,10 @@ class Taint:
         if args and isinstance(args[0], torch.Tensor) and args[0] is not result:
             refs[id(args[0])] = weakref.ref(args[0])  # x.add_(a), x[k] = a: x carries it
 
+    def none_of(self, args) -> bool:
+        """The batch is known (a forward pass runs) and none of ``args`` carries it."""
+        return bool(self.refs) and not any(map(self.has, _flat(args)))
+
     def through(self, args, kwargs, output) -> None:
         """A layer call: its outputs are tainted when an input is."""
         if any(self.has(a) for a in _flat((*args, *kwargs.values()))):
@@ -309,6 +313,8 @@ class Derived:
         if found is None:
             return args, kwargs, None
         ds, rows = found
+        if torch.is_autocast_enabled(moved[rows[0]].device.type):
+            return args, kwargs, None  # Eq. (1) would re-run the op outside autocast
         args, params = list(moved), [moved[k] for k in ds if id(moved[k]) in self.params]
         with torch._C.DisableTorchFunction():  # the workbench's view, not the model's use
             for k in ds:
