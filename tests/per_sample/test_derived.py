@@ -84,7 +84,28 @@ class AlsoElsewhere(RelativeBias):
         return super().forward(x + self.rel.weight)
 
 
-MODELS = {"relative_bias": RelativeBias, "state_decay": StateDecay, "hadamard": Hadamard}
+class TableBias(nn.Module):
+    """BEiT's / Data2Vec's relative position bias on the SDPA path: a table (a parameter)
+    indexed by a buffer, permuted, handed to ``scaled_dot_product_attention`` as its mask."""
+
+    def __init__(self, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.head = nn.Linear(D, 3 * D), nn.Linear(D, K)
+        self.table = nn.Parameter(torch.randn(2 * T - 1, heads))
+        pos = torch.arange(T)
+        self.register_buffer("index", (pos[:, None] - pos[None, :] + T - 1).flatten())
+
+    def forward(self, x):  # x (n, T, D)
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, T, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        bias = self.table[self.index].view(T, T, self.heads).permute(2, 0, 1).unsqueeze(0)
+        h = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # (n, heads, T, D/heads)
+        return self.head(h.transpose(1, 2).reshape(n, T, D).mean(1))
+
+
+MODELS = {"relative_bias": RelativeBias, "state_decay": StateDecay, "hadamard": Hadamard,
+          "table_bias": TableBias}
 
 
 def batch(n, seed):
@@ -144,7 +165,7 @@ def test_the_meetings_serve_them_without_the_whole_model(name):
     x, y = batch(3, 0)
     served = {"relative_bias": {"rel.weight", "proj.weight"},
               "state_decay": {"A_log", "D", "conv.weight"},
-              "hadamard": {"a", "b", "c", "d"}}[name]
+              "hadamard": {"a", "b", "c", "d"}, "table_bias": {"table"}}[name]
     assert derived_names(model, x, y) == served
     routes = quiet(wb.ghost_routes, model, ce_per_sample, x, y)
     assert not routes.route.str.contains("fallback").any(), routes.to_string()

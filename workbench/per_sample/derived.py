@@ -60,7 +60,9 @@ ELEMENTWISE = {"add", "__add__", "__radd__", "sub", "__sub__", "__rsub__", "mul"
                "__rmul__", "div", "__truediv__"}
 WEIGHTED = {"linear", "conv1d", "conv2d", "conv3d"}  # D as args[1] (weight) or args[2] (bias)
 PRODUCTS = {"matmul", "__matmul__", "__rmatmul__"}
-MEETS = frozenset(ELEMENTWISE | WEIGHTED | PRODUCTS)
+ATTENTION = {"scaled_dot_product_attention"}  # D as attn_mask, args[3] (BEiT's, Data2Vec's
+# relative position bias on the SDPA path); without dropout, which Eq. (1) would draw again
+MEETS = frozenset(ELEMENTWISE | WEIGHTED | PRODUCTS | ATTENTION)
 MAX_NODES = 512  # a D whose graph is larger is not a parameter-only computation worth it
 
 
@@ -179,6 +181,9 @@ class Meeting:
 def positional(name, args, kwargs) -> tuple:
     """``F.linear`` / ``F.convNd`` with ``weight=`` / ``bias=`` given by keyword (Mamba's
     ``F.conv1d(x, weight=w, bias=b, ...)``): the same call, them in args[1], args[2]."""
+    if name in ATTENTION and len(args) == 3 and "attn_mask" in kwargs:
+        kwargs = dict(kwargs)
+        return (*args, kwargs.pop("attn_mask")), kwargs
     if name not in WEIGHTED or not kwargs or ("weight" not in kwargs and "bias" not in kwargs):
         return args, kwargs
     kwargs = dict(kwargs)
@@ -212,6 +217,13 @@ def meeting_operands(name, args, kwargs, taint: Taint, params: dict, skip,
         return None
     if name in WEIGHTED:
         if rows != [0] or any(k not in (1, 2) for k in ds):
+            return None
+    elif name in ATTENTION:
+        p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+        if ds != [3] or not set(rows) <= {0, 1, 2} or 0 not in rows or p:
+            return None
+        d = args[3]
+        if not (d.dim() < a.dim() or d.shape[0] == 1):
             return None
     elif name in PRODUCTS:
         if len(rows) != 1 or len(ds) != 1 or len(tensors) != 2:
