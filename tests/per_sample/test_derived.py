@@ -304,3 +304,33 @@ def test_optimizer_steps_never_run_the_whole_model(name, monkeypatch):
     model = build(name)
     batches = [batch(n, 50 + s) for s, n in enumerate((3, 4, 3, T))]
     quiet(assert_optimizer_matches_microbatch, model, ce_per_sample, batches)
+
+
+class PositionsFirst(nn.Module):
+    """``maximum(pos, x)`` with the batch-free table first: the op reads pos, it does not
+    write it, so pos stays untainted, and ``pos @ exp(M)`` is no meeting (its rows are
+    positions, T of them; at n = T a taint that spread to pos would have read them as
+    samples and given M a plausible, wrong g_i)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rel, self.M = nn.Embedding(T, D), nn.Parameter(torch.randn(D, D) / 2)
+        self.head = nn.Linear(D, K)
+
+    def forward(self, x):  # x (n, T, D)
+        pos = self.rel.weight * 1.0  # (T, D), computed from a parameter
+        h = torch.maximum(pos, x)  # not a meeting op: pos reaches the loss here too
+        extra = pos @ torch.exp(self.M)  # (T, D): still no sample in it
+        return self.head(torch.tanh(h + extra).mean(1))
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_an_op_reading_a_batch_free_tensor_does_not_taint_it(check):
+    torch.manual_seed(0)
+    model = PositionsFirst().double()
+    x, y = batch(T, 0)  # n = T
+    ref = one_at_a_time_grads(model, ce_per_sample, x, y)
+    got = quiet(wb.per_sample_gradients, model, ce_per_sample, x, y, method="einsum",
+                check=check)
+    assert_same(got, ref)
+    assert derived_names(model, x, y) == {"M"}  # rel.weight: also through maximum

@@ -64,6 +64,7 @@ ATTENTION = {"scaled_dot_product_attention"}  # D as attn_mask, args[3] (BEiT's,
 # relative position bias on the SDPA path); without dropout, which Eq. (1) would draw again
 MEETS = frozenset(ELEMENTWISE | WEIGHTED | PRODUCTS | ATTENTION)
 MAX_NODES = 512  # a D whose graph is larger is not a parameter-only computation worth it
+WRITES = {"__setitem__"}  # in-place by another name than ``x.op_`` / ``x.__iop__``
 
 
 class Taint:
@@ -82,20 +83,41 @@ class Taint:
         ref = self.refs.get(id(t))
         return ref is not None and ref() is t
 
-    def spread(self, ids, args, kwargs, result) -> None:
-        """After an op: its result is tainted when an argument is (an in-place op taints its
-        first argument)."""
+    def spread(self, name: str, ids, args, kwargs, result) -> None:
+        """After an op: its result is tainted when an argument is; an in-place op (``x.add_``,
+        ``x += a``, ``x[k] = a``) taints its first argument, which it wrote."""
         refs = self.refs
-        if refs.keys().isdisjoint(ids):
-            return
-        if not any(self.has(a) for a in _flat((*args, *kwargs.values()))):
-            return  # only a freed tensor's id reused
-        outs = result if type(result) in (list, tuple) else (result,)
-        for t in outs:
-            if isinstance(t, torch.Tensor):
-                refs[id(t)] = weakref.ref(t)
-        if args and isinstance(args[0], torch.Tensor) and args[0] is not result:
-            refs[id(args[0])] = weakref.ref(args[0])  # x.add_(a), x[k] = a: x carries it
+        if refs.keys().isdisjoint(ids) or not self._holds(args, kwargs):
+            return  # none, or only a freed tensor's id reused
+        if type(result) is torch.Tensor:
+            refs[id(result)] = weakref.ref(result)
+        elif type(result) in (list, tuple):
+            for t in result:
+                if isinstance(t, torch.Tensor):
+                    refs[id(t)] = weakref.ref(t)
+        elif isinstance(result, torch.Tensor):
+            refs[id(result)] = weakref.ref(result)
+        first = args[0] if args else None
+        if (isinstance(first, torch.Tensor) and first is not result
+                and (name in WRITES or name.startswith("__i")
+                     or (name.endswith("_") and not name.endswith("__")))):
+            refs[id(first)] = weakref.ref(first)
+
+    def _holds(self, args, kwargs) -> bool:
+        """A tainted tensor is among the arguments (one level into lists), checked by
+        identity, not by id alone."""
+        refs = self.refs
+        for a in (*args, *kwargs.values()) if kwargs else args:
+            if type(a) in (list, tuple):
+                for b in a:
+                    r = refs.get(id(b))
+                    if r is not None and r() is b:
+                        return True
+            else:
+                r = refs.get(id(a))
+                if r is not None and r() is a:
+                    return True
+        return False
 
     def none_of(self, args) -> bool:
         """The batch is known (a forward pass runs) and none of ``args`` carries it."""

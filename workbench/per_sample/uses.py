@@ -211,7 +211,7 @@ class UseTracker(TorchFunctionMode):
             self._cast(args, result)
         ids = _argument_ids(args, kwargs)  # one scan, then C-level set tests
         if self.derived.taint.refs:
-            self.derived.taint.spread(ids, args, kwargs, result)
+            self.derived.taint.spread(name, ids, args, kwargs, result)
         if torch.is_grad_enabled():
             if name in FOLLOWED or (self.flat_rows.tags and in_place(name)):
                 self.flat_rows.after(name, args, kwargs, result)
