@@ -123,10 +123,17 @@ class Taint:
         """The batch is known (a forward pass runs) and none of ``args`` carries it."""
         return bool(self.refs) and not any(map(self.has, _flat(args)))
 
-    def through(self, args, kwargs, output) -> None:
-        """A layer call: its outputs are tainted when an input is."""
-        if any(self.has(a) for a in _flat((*args, *kwargs.values()))):
+    def through(self, args, kwargs, output) -> bool:
+        """A layer call: its outputs are tainted when an input is; returns whether one is."""
+        if not self._holds(args, kwargs) and not (
+                any(isinstance(a, dict) for a in (*args, *kwargs.values()))
+                and any(map(self.has, leaves((args, kwargs))))):  # a dict of inputs
+            return False
+        if type(output) is torch.Tensor:  # the usual case, without a pytree walk
+            self.refs[id(output)] = weakref.ref(output)
+        else:
             self.seed(leaves(output))
+        return True
 
 
 def _flat(args):

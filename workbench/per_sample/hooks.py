@@ -64,7 +64,6 @@ from torch.utils.hooks import RemovableHandle
 from workbench.per_sample import precision
 from workbench.per_sample.broadcast import BROADCASTABLE
 from workbench.per_sample.flat_rows import as_batch, unflattened
-from workbench.per_sample.leaves import call_leaves
 from workbench.per_sample.positional import as_positional
 from workbench.per_sample.registry import called_with_more
 from workbench.per_sample.views import capture_edge, watched
@@ -294,9 +293,10 @@ class ActivationRecorder:
             tensors, is_tuple = ([output] if output.requires_grad else []), False
         else:
             tensors, is_tuple = tensor_outputs(output)
-        if self.derived is not None and self.derived.taint.refs:  # derived.Taint: a layer's
-            self.derived.taint.through(args, kwargs, output)  # forward may run where no mode
-            # sees it (an autograd.Function's, a tapped layer's: skip_weights.py)
+        tainted = None  # derived.Taint: the batch known while a use tracker runs the pass
+        if self.derived is not None and self.derived.taint.refs:
+            tainted = self.derived.taint.through(args, kwargs, output)  # a layer's forward
+            # may run where no mode sees it (an autograd.Function's, a tapped layer's)
         if tensors is None:
             self.untracked[path] = odd_output(output)  # recording.odd_outputs: fallback
             return
@@ -320,8 +320,7 @@ class ActivationRecorder:
                          outputs=[(t.shape if rows is None else (*rows, *t.shape[1:]),
                                    t.dtype, t.device) for t in tensors],
                          is_tuple=is_tuple, grads=[None] * len(tensors))
-        if self.derived is not None and self.derived.taint.refs:  # the batch is known
-            call.tainted = any(map(self.derived.taint.has, call_leaves(args, kwargs)))
+        call.tainted = tainted
         if torch.is_autocast_enabled(device.type):  # precision.state(device) is not None
             call.widen_to = precision.layer_dtype(layer)
         self.calls.setdefault(path, []).append(call)
