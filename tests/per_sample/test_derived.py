@@ -334,3 +334,50 @@ def test_an_op_reading_a_batch_free_tensor_does_not_taint_it(check):
                 check=check)
     assert_same(got, ref)
     assert derived_names(model, x, y) == {"M"}  # rel.weight: also through maximum
+
+
+def test_a_model_whose_only_trainable_parameters_are_derived(monkeypatch):
+    """VB-LoRA's shape: the base frozen, the adapters' parameters reach the loss only through
+    meetings; no layer call is recorded, so the optimizer counts backward passes at the
+    model's output, and the meetings must count them the same way (they counted the layer
+    recorder's passes, which never advanced: from the second step on the whole-model pass
+    ran instead)."""
+    import workbench.dpsgd.recorded as recorded
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the whole-model fallback ran")
+
+    monkeypatch.setattr(recorded, "exact_per_sample_gradients", refuse)
+
+    class FrozenBase(nn.Module):  # the factors in a ParameterDict no forward call records
+        def __init__(self):
+            super().__init__()
+            self.factors = nn.ParameterDict({
+                "a": nn.Parameter(torch.randn(D, 2)), "b": nn.Parameter(torch.randn(2, D)),
+                "c": nn.Parameter(torch.randn(D, 2)), "d": nn.Parameter(torch.randn(2, D))})
+            self.head = nn.Linear(D, K).requires_grad_(False)
+
+        def forward(self, x):
+            f = self.factors
+            dw = Hada.apply(f["a"], f["b"], f["c"], f["d"])
+            return self.head(torch.tanh(F.linear(x, dw)).mean(1))
+
+    torch.manual_seed(0)
+    model = FrozenBase().double()
+    batches = [batch(n, 60 + s) for s, n in enumerate((3, 4, 3))]
+    from workbench.dpsgd import DPOptimizer
+
+    opt = DPOptimizer(torch.optim.SGD([p for p in model.parameters() if p.requires_grad],
+                                      lr=0.0), model, noise_multiplier=0.0, max_grad_norm=0.3,
+                      expected_batch_size=1.0, loss_reduction="sum")
+    try:
+        for x, y in batches:
+            want = wb.clipped_grad_sum(model, ce_per_sample, x, y, 0.3, method="microbatch")
+            opt.zero_grad()
+            ce_per_sample(model(x), y).sum().backward()
+            quiet(opt.step)
+            for k, p in model.named_parameters():
+                if p.requires_grad:
+                    torch.testing.assert_close(p.grad, want[k], rtol=1e-9, atol=1e-12)
+    finally:
+        opt.detach()

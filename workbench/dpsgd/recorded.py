@@ -125,6 +125,7 @@ class ModelRecorder:
         self._inner = None  # model_loss.InnerLosses of the forward pass running
         self.tracker = UseTracker(owners_of(self.layers, model), self.layer_rec,
                                   parameter_names(model))
+        self.tracker.derived.clock = lambda: self.root_rec.generation  # as rec.generation
         self.uncovered: dict[int, set[str]] = {}
         self.comparing = False  # batches(): some backward pass of the step is checked
         self.watch = LossWatch(loss_reduction, criterion)

@@ -158,14 +158,20 @@ class Meeting:
         self.failed = False
         self.handle = None
         self.generation = 0  # the recorder's generation of the forward pass it was in
+        self.d_edges: list = []  # D' edges (``Derived.edges``), kept after ``release``
 
     def nodes(self):
         return [self.args[k].grad_fn for k in self.d_at]
 
+    def release(self) -> None:
+        """After Eqs. (1)-(2): its operands are no longer held (autograd frees its own copies
+        as the pass goes on; holding them to the step would raise the step's peak memory)."""
+        self.args = self.kwargs = None
+
     def usable(self) -> bool:
         """Its operands unchanged since the op (an in-place op after it would make Eq. (1)
         read other values) and its result still in the graph (``views.stale``)."""
-        return not self.failed and not stale(self.watch) and all(
+        return not self.failed and self.args is not None and not stale(self.watch) and all(
             self.args[k]._version == v
             for k, v in zip((*self.d_at, *self.rows_at), self.versions))
 
@@ -335,6 +341,9 @@ class Derived:
         self.pending: list[Meeting] = []  # the forward pass running
         self.meetings: list[Meeting] = []  # settled, with their hooks
         self.results: dict[int, dict] = {}  # generation -> {id(θ): (n, *θ.shape)}
+        self.clock = None  # () -> the backward pass's number, where the recorder's is not the
+        # caller's (the optimizer counts passes at the model's output: a model whose layers
+        # have no trainable parameter, VB-LoRA's frozen base, records no layer call)
         self.tasks: dict[int, int] = {}  # generation -> the autograd pass that gave them
 
     def start(self, inputs=()) -> None:
@@ -387,9 +396,13 @@ class Derived:
                 found += below
             m.params = list({id(p): p for p in found if id(p) not in elsewhere}.values())
             if m.params:
-                m.generation = recorder.generation
+                m.generation = self.generation(recorder)
+                m.d_edges = [get_gradient_edge(m.args[k]) for k in m.d_at]
                 m.handle = m.edge.node.register_prehook(_prehook(m, self, recorder))
                 self.meetings.append(m)
+
+    def generation(self, recorder) -> int:
+        return self.clock() if self.clock is not None else recorder.generation
 
     def store(self, generation: int, grads: dict) -> None:
         """Add one meeting's g_i to its backward pass's; a second pass through the same graph
@@ -404,7 +417,7 @@ class Derived:
     def edges(self) -> list:
         """The D' of every meeting: a backward pass asked for gradients at them runs each
         h's node, and with it the hook (the functional API's passes, which stop at edges)."""
-        return [get_gradient_edge(m.args[k]) for m in self.meetings for k in m.d_at]
+        return [e for m in self.meetings for e in m.d_edges]
 
     def served(self, generation: int, wanted) -> dict:
         """{id(θ): g_i} for the parameters among ``wanted`` whose every meeting of this
@@ -443,8 +456,9 @@ def _prehook(m: Meeting, derived: Derived, recorder):
 
     def run(grad_outputs):
         meeting = ref()
-        if meeting is None or not recorder.recording or grad_outputs[nr] is None:
-            return None  # paused: a check's own gradient pass
+        if (meeting is None or not recorder.recording or grad_outputs[nr] is None
+                or meeting.args is None):
+            return None  # paused: a check's own gradient pass; or computed and released
         if not meeting.usable():
             meeting.failed = True
             return None
@@ -454,7 +468,8 @@ def _prehook(m: Meeting, derived: Derived, recorder):
         except (RuntimeError, NotImplementedError, ValueError, TypeError):
             meeting.failed = True  # its parameters keep the whole-model fallback
             return None
-        derived.store(recorder.generation, grads)
+        derived.store(derived.generation(recorder), grads)
+        meeting.release()
         return None
 
     return run
