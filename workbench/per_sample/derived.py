@@ -38,8 +38,10 @@ it, an op without a batching rule, a meeting whose h left the graph) keeps the w
 fallback; a rule-less layer's own parameters served this way leave its per-layer vmap
 (``recording.derived_of_ruleless``: Mamba's mixer). The taint crosses every recorded layer
 call (``through``): a forward no mode sees (an autograd.Function's, a layer tapped by
-``skip_weights.py``) still passes it on. Known gap: a tapped layer inside F hides its
-parameters from the walk below D (no AccumulateGrad node), so they keep the fallback.
+``skip_weights.py``) still passes it on. A tapped layer hands its weight no graph edge, so the
+walk cannot see its uses: the direct parameters of every layer with a rule called on the batch
+are never the meetings' alone (``ruled``), and book-keeping does not tap a call without the
+batch (DeBERTa's ``pos_proj`` inside F), so the walk below D still reaches its weight.
 
 Notation: n batch size, θ a parameter, F the computation of D from the parameters, a the
 batch operand, h the meeting op's result, ℓ_i sample i's loss.
