@@ -381,3 +381,25 @@ def test_a_model_whose_only_trainable_parameters_are_derived(monkeypatch):
                     torch.testing.assert_close(p.grad, want[k], rtol=1e-9, atol=1e-12)
     finally:
         opt.detach()
+
+
+class TableThenBatch(nn.Module):
+    """One Linear called first on a position table (no sample in it, rows that differ), then
+    on the batch: book-keeping's tap must take both calls or neither (``skip_weights.py``),
+    since the optimizer's ``.grad`` check leaves a tapped path's calls out as a whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.rel, self.proj = nn.Embedding(T, D), nn.Linear(D, D)
+        self.head = nn.Linear(D, K)
+
+    def forward(self, x):  # x (n, T, D)
+        pos = self.proj(self.rel.weight)  # (T, D)
+        return self.head(torch.tanh(self.proj(x) + pos).mean(1))
+
+
+def test_a_layer_called_without_then_with_the_batch_in_the_optimizer():
+    torch.manual_seed(0)
+    model = TableThenBatch().double()
+    batches = [batch(n, 70 + s) for s, n in enumerate((3, 4, 2, 4, T))]  # new shapes, later
+    quiet(assert_optimizer_matches_microbatch, model, ce_per_sample, batches)

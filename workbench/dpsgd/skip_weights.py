@@ -91,7 +91,7 @@ class WeightGradSkipper:
     since the last ``clear``."""
 
     def __init__(self, layers: dict, params: set[int], active, batch_free=lambda args: False):
-        self.active, self.tapped = active, set()
+        self.active, self.tapped, self.spared = active, set(), set()
         self.batch_free = batch_free  # (args) -> a call without the batch: not tapped (its
         # parameters' per-sample gradients come from where its output meets the batch,
         # per_sample/derived.py, which follows the graph to them)
@@ -120,8 +120,12 @@ class WeightGradSkipper:
 
     def _pre(self, path):
         def pre_hook(module, args):
-            if path in self._off or not self.active() or saving_hooks() or self.batch_free(args):
+            if path in self._off or not self.active() or saving_hooks():
                 return  # under checkpointing the recomputation must save what the forward did
+            if path in self.spared or (path not in self.tapped and self.batch_free(args)):
+                self.spared.add(path)  # a call without the batch, and every later call of its
+                return  # path in this step (one tapped earlier: this one tapped too): every
+                # call of a path is tapped, or none, as ``recorded.path_gradient`` assumes
             own = [p for p in self.own[path] if p.requires_grad]
             for p in own:
                 p.requires_grad_(False)
@@ -165,7 +169,7 @@ class WeightGradSkipper:
         return Tap.apply(dummy, t)
 
     def clear(self) -> None:
-        self.tapped = set()
+        self.tapped, self.spared = set(), set()
 
     def close(self) -> None:
         for handle in self._handles:

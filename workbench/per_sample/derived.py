@@ -122,8 +122,15 @@ class Taint:
         return False
 
     def none_of(self, args) -> bool:
-        """The batch is known (a forward pass runs) and none of ``args`` carries it."""
-        return bool(self.refs) and not any(map(self.has, _flat(args)))
+        """The batch is known (a forward pass runs), none of ``args`` carries it, and they are
+        not one constant row repeated along dim 0 (an RNN's zero initial state, a constant
+        expanded to the batch: calls on the batch's rows as much as any)."""
+        if not self.refs or any(map(self.has, _flat(args))):
+            return False
+        tensors = [a for a in _flat(args) if isinstance(a, torch.Tensor) and a.dim() >= 1]
+        with torch.no_grad():
+            return bool(tensors) and any(t.shape[0] == 1 or not bool((t == t[:1]).all())
+                                         for t in tensors)
 
     def through(self, args, kwargs, output) -> bool:
         """A layer call: its outputs are tainted when an input is; returns whether one is."""
