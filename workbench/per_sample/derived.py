@@ -69,6 +69,12 @@ MAX_NODES = 512  # a D whose graph is larger is not a parameter-only computation
 WRITES = {"__setitem__"}  # in-place by another name than ``x.op_`` / ``x.__iop__``
 
 
+class TaintRef(weakref.ref):
+    """The taint's weak reference: identity only (``owned.py`` does not count it as a reader)."""
+
+    __slots__ = ()
+
+
 class Taint:
     """ids of the tensors computed from the model's inputs during one forward pass (weakly:
     an id may be reused once its tensor is freed)."""
@@ -79,7 +85,7 @@ class Taint:
     def seed(self, tensors) -> None:
         for t in tensors:
             if isinstance(t, torch.Tensor):
-                self.refs[id(t)] = weakref.ref(t)
+                self.refs[id(t)] = TaintRef(t)
 
     def has(self, t) -> bool:
         ref = self.refs.get(id(t))
@@ -92,18 +98,18 @@ class Taint:
         if refs.keys().isdisjoint(ids) or not self._holds(args, kwargs):
             return  # none, or only a freed tensor's id reused
         if type(result) is torch.Tensor:
-            refs[id(result)] = weakref.ref(result)
+            refs[id(result)] = TaintRef(result)
         elif type(result) in (list, tuple):
             for t in result:
                 if isinstance(t, torch.Tensor):
-                    refs[id(t)] = weakref.ref(t)
+                    refs[id(t)] = TaintRef(t)
         elif isinstance(result, torch.Tensor):
-            refs[id(result)] = weakref.ref(result)
+            refs[id(result)] = TaintRef(result)
         first = args[0] if args else None
         if (isinstance(first, torch.Tensor) and first is not result
                 and (name in WRITES or name.startswith("__i")
                      or (name.endswith("_") and not name.endswith("__")))):
-            refs[id(first)] = weakref.ref(first)
+            refs[id(first)] = TaintRef(first)
 
     def _holds(self, args, kwargs) -> bool:
         """A tainted tensor is among the arguments (one level into lists), checked by
@@ -139,7 +145,7 @@ class Taint:
                 and any(map(self.has, leaves((args, kwargs))))):  # a dict of inputs
             return False
         if type(output) is torch.Tensor:  # the usual case, without a pytree walk
-            self.refs[id(output)] = weakref.ref(output)
+            self.refs[id(output)] = TaintRef(output)
         else:
             self.seed(leaves(output))
         return True
@@ -484,5 +490,5 @@ def _prehook(m: Meeting, derived: Derived, recorder):
     return run
 
 
-__all__ = ["MEETS", "Derived", "Meeting", "Taint", "meeting_operands", "parameters_below",
-           "positional", "reached", "ruled", "served_gradients"]
+__all__ = ["MEETS", "Derived", "Meeting", "Taint", "TaintRef", "meeting_operands",
+           "parameters_below", "positional", "reached", "ruled", "served_gradients"]

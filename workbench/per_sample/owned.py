@@ -35,6 +35,8 @@ from collections import Counter
 
 import torch
 
+from workbench.per_sample.derived import TaintRef
+
 
 class _Holder:
     __slots__ = ("backprops",)
@@ -84,7 +86,14 @@ def _alone(t) -> bool:
             and not t.is_inference() and t.is_contiguous() and t._use_count() == 1
             and _storage_refs(t) == _FRESH_STORAGE
             and _storage_objects(t) == _FRESH_STORAGE_OBJECT
-            and weakref.getweakrefcount(t) == 0)  # a weak reader counts nowhere else
+            and not _weak_readers(t))  # a weak reader counts nowhere else
+
+
+def _weak_readers(t) -> bool:
+    """A weak reference to t that may read it later; the taint's (``derived.TaintRef``) only
+    compares identities, never values."""
+    return weakref.getweakrefcount(t) > 0 and any(
+        not isinstance(r, TaintRef) for r in weakref.getweakrefs(t))
 
 
 def _plain(t) -> bool:
