@@ -31,6 +31,8 @@ class ViT(nn.Module):  # timm's VisionTransformer._pos_embed: the model owns the
         h = torch.cat([self.cls_token.expand(h.shape[0], -1, -1), h], dim=1)
         if self.use == "subtract":  # not an add: the owner's vmap
             h = h - self.pos_embed
+        elif self.use == "cast":  # p.to(its own dtype), p.contiguous(): p itself, no use
+            h = h + self.pos_embed.to(h.dtype).contiguous()
         else:
             h = self.pos_embed + h if self.use == "radd" else h + self.pos_embed
         if self.use == "mixed":  # pos_embed also used otherwise: the owner's vmap for it
@@ -64,6 +66,7 @@ MODELS = {
     "radd": (lambda: ViT("radd"), {"cls_token", "pos_embed"}),
     "no_leading_one": (lambda: ViT("no_leading_one"), {"cls_token", "pos_embed"}),
     "subtract": (lambda: ViT("subtract"), {"cls_token"}),
+    "cast": (lambda: ViT("cast"), {"cls_token", "pos_embed"}),
     "mixed": (lambda: ViT("mixed"), {"cls_token"}),
     "hf_embeddings": (lambda: nn.Sequential(Embeddings(), nn.Tanh(), nn.Flatten(1),
                                             nn.Linear((T + 1) * D, 2)),
@@ -88,7 +91,7 @@ def test_broadcast_parameters_are_exact_and_leave_vmap(name):
     assert vmap.empty == (name not in ("subtract", "mixed")), routes
 
 
-@pytest.mark.parametrize("name", ["vit", "mixed", "hf_embeddings"])
+@pytest.mark.parametrize("name", ["vit", "mixed", "hf_embeddings", "cast"])
 @pytest.mark.parametrize("mode", [*MODES, "auto"])
 def test_optimizer_with_broadcast_parameters_matches_microbatching(name, mode):
     model, _, _ = problem(name)

@@ -162,11 +162,12 @@ def _flat(args):
 class Meeting:
     """One op h = f(a, D') seen in the forward pass (module docstring)."""
 
-    def __init__(self, func, args, kwargs, d_at, rows_at, h):
+    def __init__(self, func, args, kwargs, d_at, rows_at, h, per: int = 1):
         self.func, self.args, self.kwargs = func, args, kwargs
         self.d_at, self.rows_at = d_at, rows_at  # positions in args of D' and of the a's
         self.versions = [args[k]._version for k in (*d_at, *rows_at)]
-        self.n = h.shape[0]
+        self.per = per  # rows per sample: h's dim 0 is n·per, flattened sample-major
+        self.n = h.shape[0] // per
         self.edge, self.view = capture_edge(h)  # h's gradient read at its base (views.py)
         self.watch = watched([h])  # h, a partial view: written in place later, it is lost
         self.params: list = []  # θ below D' reaching the loss through meetings only
@@ -213,7 +214,9 @@ class Meeting:
             _, back = torch.func.vjp(op, *[fixed[k] for k in d_at])
             return back(g.unsqueeze(0))
 
-        grad_d = torch.func.vmap(one)(rows, grad_h)  # tuple of (n, *D.shape)
+        grad_d = torch.func.vmap(one)(rows, grad_h)  # tuple of (n·per, *D.shape)
+        if self.per > 1:  # each sample's rows summed: Eq. (1) for the sample
+            grad_d = tuple(g.view(self.n, self.per, *g.shape[1:]).sum(1) for g in grad_d)
         try:
             grads = torch.autograd.grad(ds, self.params, grad_outputs=list(grad_d),
                                         is_grads_batched=True, retain_graph=True,
@@ -386,11 +389,20 @@ class Derived:
                 args[k] = args[k].view_as(args[k])
         return tuple(args), kw, (ds, rows, params)
 
-    def met(self, func, args, kwargs, pending, result) -> None:
+    def met(self, func, args, kwargs, pending, result, tag_of=None) -> None:
+        """After the op: a meeting when h has a's rows; ``tag_of(a)``: (m, T) when a's rows are
+        a batch of m flattened sample-major, T rows each (``flat_rows.py``: Swin's windows)."""
         ds, rows, _ = pending
-        if (isinstance(result, torch.Tensor) and result.requires_grad and result.dim() >= 1
+        if not (isinstance(result, torch.Tensor) and result.requires_grad and result.dim() >= 1
                 and result.shape[0] == args[rows[0]].shape[0]):
-            self.pending.append(Meeting(func, args, kwargs, ds, rows, result))
+            return
+        per = 1
+        tags = {tag_of(args[k]) for k in rows} if tag_of is not None else {None}
+        if len(tags) == 1 and None not in tags:
+            m, per = tags.pop()
+            if m * per != result.shape[0]:
+                return
+        self.pending.append(Meeting(func, args, kwargs, ds, rows, result, per))
 
     def settle(self, roots, n, recorder) -> None:
         """After the forward pass (module docstring (b)): each meeting's parameters, and a

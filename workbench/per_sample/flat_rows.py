@@ -50,7 +50,9 @@ ELEMENTWISE = frozenset({
     "__iadd__", "__sub__", "__rsub__", "__isub__", "__mul__", "__rmul__", "__imul__",
     "__truediv__", "__rtruediv__", "__itruediv__", "__neg__", "__pow__", "__rpow__",
 })
-FOLLOWED = RESHAPES | ELEMENTWISE
+ROW_WISE = frozenset({"transpose", "permute", "softmax", "log_softmax", "normalize", "matmul",
+                      "__matmul__", "bmm"})  # row r of the result from rows r of the inputs
+FOLLOWED = RESHAPES | ELEMENTWISE | ROW_WISE
 
 
 def in_place(name: str) -> bool:
@@ -74,8 +76,9 @@ def merged(src: torch.Size, out: torch.Size) -> int | None:
 class FlatRows:
     """Tensors whose rows are a batch flattened sample-major: {id: (weakref, m, T)}."""
 
-    def __init__(self):
+    def __init__(self, tainted=None):
         self.tags: dict[int, tuple] = {}
+        self.tainted = tainted  # (t) -> whether t was computed from the batch (derived.Taint)
 
     def of(self, t) -> tuple[int, int] | None:
         """(m, T) of a tagged tensor, or None."""
@@ -99,6 +102,10 @@ class FlatRows:
             return
         if name in RESHAPES and isinstance(src, torch.Tensor) and src.dim() >= 1:
             self._reshaped(src, result)
+        elif name in ROW_WISE and self.tags and isinstance(src, torch.Tensor):
+            tag = self.of(src)
+            if tag is not None and keeps_rows(name, args, kwargs, result, self.of, self.tainted):
+                self.tag(result, *tag)
         elif name in ELEMENTWISE and self.tags and any(
                 id(t) in self.tags for t in (*args, *kwargs.values())):
             self._elementwise(args, kwargs, result)
@@ -139,6 +146,43 @@ class FlatRows:
             self.tags.pop(id(result), None)  # an in-place op on a tagged tensor: no proof
 
 
+DEFAULT_DIM = {"normalize": 1}  # F.normalize(x, p=2.0, dim=1)
+
+
+def keeps_rows(name: str, args, kwargs, result: torch.Tensor, tag_of, tainted=None) -> bool:
+    """Does ``result = name(*args)`` keep dim 0 of its tagged first argument x as its own, row
+    r of the result computed from row r of x (and of a second operand tagged alike) alone?
+    A transpose or permute that leaves dim 0 in place; a softmax or normalisation along
+    another dim; a batched matmul (Swin's window attention, q k^T and p v on (n·windows)
+    rows) whose other operand has the same rows, or carries no sample (``tainted``, the
+    tracker's: not computed from the batch; ``h @ h.T`` would mix every row into each) and
+    is a matrix or broadcast along dim 0."""
+    x = args[0]
+    if x.dim() < 1 or result.dim() < 1 or result.shape[0] != x.shape[0]:
+        return False
+    if name == "transpose":
+        dims = [*args[1:3], *(kwargs.get(k) for k in ("dim0", "dim1") if k in kwargs)]
+        return len(dims) == 2 and all(isinstance(d, int) and d % x.dim() != 0 for d in dims)
+    if name == "permute":
+        dims = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+        dims = dims or kwargs.get("dims", ())
+        return len(dims) == x.dim() and isinstance(dims[0], int) and dims[0] % x.dim() == 0
+    if name in ("softmax", "log_softmax", "normalize"):
+        dim = args[1] if len(args) > 1 and name != "normalize" else (
+            args[2] if len(args) > 2 else kwargs.get("dim", DEFAULT_DIM.get(name)))
+        return isinstance(dim, int) and dim % x.dim() != 0
+    other = args[1] if len(args) > 1 else None  # matmul, bmm
+    if not isinstance(other, torch.Tensor) or x.dim() < 2 or kwargs:
+        return False
+    mine = tag_of(other)
+    if mine is not None:  # rows of both: each a batch dim of the product, tagged alike
+        return x.dim() >= 3 and other.dim() == x.dim() and mine == tag_of(x) \
+            and other.shape[0] == x.shape[0]
+    if tainted is None or tainted(other):
+        return False
+    return other.dim() <= 2 or other.dim() < x.dim() or other.shape[0] == 1  # broadcast
+
+
 def unflattened(rows: FlatRows | None, layer, x, output) -> tuple[int, int] | None:
     """(m, T) when ``output = layer(x)`` is a position-wise layer on tagged rows (Eq. 2)."""
     if rows is None or not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor):
@@ -168,5 +212,5 @@ def as_batch(t: torch.Tensor, tag: tuple[int, int]) -> torch.Tensor:
     return t.reshape(*tag, *t.shape[1:])
 
 
-__all__ = ["ELEMENTWISE", "FOLLOWED", "FlatRows", "RESHAPES", "as_batch", "in_place", "merged",
-           "row_wise", "unflattened"]
+__all__ = ["ELEMENTWISE", "FOLLOWED", "FlatRows", "RESHAPES", "ROW_WISE", "as_batch", "in_place",
+           "keeps_rows", "merged", "row_wise", "unflattened"]

@@ -42,6 +42,7 @@ from workbench.per_sample.broadcast import ADDS, REWRITES, BatchFree
 from workbench.per_sample.derived import Derived
 from workbench.per_sample.flat_rows import FOLLOWED, FlatRows, in_place
 from workbench.per_sample.leaves import leaves
+from workbench.per_sample.registry import find_grad_sampler
 from workbench.per_sample.tied import FUNCTIONAL, settle_broadcast, use_views
 
 RANDOM_FUNCTIONS = {
@@ -140,12 +141,14 @@ class UseTracker(TorchFunctionMode):
         self.views: dict = {}  # id(v) -> (ref, p, where): views of p not used yet (tied.py)
         self.flat_rows = FlatRows()  # rows of a batch flattened to (n·T, ...) (flat_rows.py)
         self.derived = Derived(owners)  # parameter-only tensors meeting the batch (derived.py)
+        self._ruled: dict[str, bool] = {}  # path -> the layer has a grad rule (_inside_rule)
 
     def __enter__(self):
         self.recorder.batch_free = self.batch_free
         self.recorder.derived = self.derived  # kept after the pass: its hooks and results
         self.covered, self.broadcast, self.views, self.seen = set(), [], {}, set()
-        self.flat_rows = self.recorder.flat_rows = FlatRows()
+        self._ruled = {}
+        self.flat_rows = self.recorder.flat_rows = FlatRows(self._tainted)
         with torch._C.DisableTorchFunction():
             self._states = generator_states()
         return super().__enter__()
@@ -168,7 +171,7 @@ class UseTracker(TorchFunctionMode):
             args, kwargs = self.batch_free.rewrite(func, args, kwargs)  # T5's bias in SDPA
         pending = None
         if (self.derived.taint.refs and not self.in_loss and torch.is_grad_enabled()
-                and self.recorder.recording):
+                and self.recorder.recording and not self._inside_rule()):
             with torch._C.DisableTorchFunction():
                 args, kwargs, pending = self.derived.rewrite(
                     func, args, kwargs, self._followed,
@@ -176,11 +179,30 @@ class UseTracker(TorchFunctionMode):
         result = func(*args, **kwargs)  # the op itself: the modes below this one see it
         with torch._C.DisableTorchFunction():  # this mode's own reads of it: no mode's ops
             if pending is not None:
-                self.derived.met(func, args, kwargs, pending, result)
+                self.derived.met(func, args, kwargs, pending, result, self.flat_rows.of)
                 for p in pending[2]:  # a parameter handed over as D': its use is still one
                     self.seen.add(id(p))  # outside its layer (the fallback if the meeting
                     self._count(p, self._where())  # cannot give it)
             return self._after(func, args, kwargs, result)
+
+    def _inside_rule(self) -> bool:
+        """The op runs inside the forward of a recorded layer with a rule (BiT's standardised
+        weight meeting the batch in its conv): its own parameters are its rule's, any other
+        one is a use outside its owner (the exact fallback), so no meeting is looked for."""
+        if not self.stack:
+            return False
+        path = self.stack[-1]
+        known = self._ruled.get(path)
+        if known is None:
+            layer = self.recorder.layers.get(path)
+            known = self._ruled[path] = layer is not None and \
+                find_grad_sampler(layer) is not None
+        return known
+
+    def _tainted(self, t) -> bool:
+        """t may carry a sample: computed from the batch, or no batch known (no taint)."""
+        taint = self.derived.taint
+        return not taint.refs or taint.has(t)
 
     def _where(self) -> str:
         return LOSS if self.in_loss else self.stack[-1] if self.stack else _OUTSIDE
@@ -224,6 +246,9 @@ class UseTracker(TorchFunctionMode):
             if self.owners.keys().isdisjoint(ids):
                 return result  # no tracked parameter among the arguments: the usual op
             used = self._parameters_in(args, kwargs)
+            if used and result is used[0] and not in_place(name):
+                return result  # p.to(p.dtype), p.float() on a float32 p: p itself, no op;
+                # its uses are those of what it flows into (Mamba-2's dt_bias.to(dt.dtype))
             if used and _differentiable(result):
                 self.seen.update(map(id, used))
                 where = LOSS if self.in_loss else self.stack[-1] if self.stack else _OUTSIDE
