@@ -399,3 +399,65 @@ def test_a_rule_returning_another_shape_than_its_parameter_is_refused():
     finally:
         from workbench.per_sample.registry import GRAD_SAMPLERS
         GRAD_SAMPLERS.pop(Scale, None)
+
+
+@pytest.mark.parametrize(("name", "frozen"), [
+    ("std_conv", None), ("std_conv_grouped_strided", None), ("std_conv1d", None),
+    ("std_conv_dynamic_pad", None), ("std_conv", "weight"), ("std_conv_grouped_strided", "bias")])
+@pytest.mark.parametrize("gram", [True, False])
+def test_weight_standardised_norm_needs_no_per_sample_gradient(name, frozen, gram, monkeypatch):
+    """The norm rule's Eq. (2) (rules/std_conv.py: the convolution's Gram norm of b / s, two
+    forward convolutions) equals ||g_i||² of the materialised per-sample gradients, in float64
+    to 1e-10, with either parameter frozen too; and in float32 to the dtype's tolerance. Both
+    routes, whichever the shapes would pick."""
+    from workbench.rules import std_conv
+    from workbench.rules.std_conv import std_conv_norm_sampler
+
+    monkeypatch.setattr(std_conv, "gram_is_cheaper", lambda *dims: gram)
+
+    layer, shape, _ = CASES[name]
+    model, x, _ = regression(layer, shape)
+    conv = model[0]
+    if conv.bias is None and frozen == "weight":  # a bias left to train
+        conv.bias = nn.Parameter(torch.randn(conv.out_channels, dtype=torch.float64))
+        assert std_conv_eps(conv) is not None  # probed again: it has a bias now
+    if frozen is not None:
+        getattr(conv, frozen).requires_grad_(False)
+    b = torch.randn_like(conv(x))
+    grads = std_conv_grad_sampler(conv, (x,), b)
+    want = sum(g.flatten(1).square().sum(1) for k, g in grads.items()
+               if getattr(conv, k).requires_grad)
+    torch.testing.assert_close(std_conv_norm_sampler(conv, (x,), b), want, rtol=1e-10, atol=0)
+    conv.float()
+    got = std_conv_norm_sampler(conv, (x.float(),), b.float())
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=0)
+
+
+def test_kept_rule_answers_follow_every_change_of_the_tables():
+    """``find_rule`` keeps its answer per layer; a table changed by any path (the decorator,
+    item assignment, ``del``, ``pop``) or a behaviour rule appended gives the new answer."""
+    from workbench.clipping.registry import NORM_SAMPLERS, find_norm_sampler
+    from workbench.per_sample.registry import GRAD_BEHAVIOURS, GRAD_SAMPLERS
+
+    class Doubled(nn.Linear):  # changes forward: no rule of its parent's
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    layer = Doubled(2, 3)
+    assert find_grad_sampler(layer) is None and find_norm_sampler(layer) is None
+
+    def rule(*args):
+        return {}
+
+    GRAD_SAMPLERS[Doubled] = rule
+    NORM_SAMPLERS.update({Doubled: rule})
+    assert find_grad_sampler(layer) is rule and find_norm_sampler(layer) is rule
+    del GRAD_SAMPLERS[Doubled]
+    NORM_SAMPLERS.pop(Doubled)
+    assert find_grad_sampler(layer) is None and find_norm_sampler(layer) is None
+    GRAD_BEHAVIOURS.append((lambda m: isinstance(m, Doubled), rule))
+    try:
+        assert find_grad_sampler(layer) is rule
+    finally:
+        GRAD_BEHAVIOURS.pop()
+    assert find_grad_sampler(Doubled(2, 3)) is None

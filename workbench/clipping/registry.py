@@ -21,19 +21,25 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from workbench.per_sample.registry import check_callable, check_layer_types, find_rule
+from workbench.per_sample.registry import (
+    RuleList,
+    RuleTable,
+    check_callable,
+    check_layer_types,
+    find_rule,
+)
 
 NormSamplerFn = Callable[[nn.Module, tuple, torch.Tensor], torch.Tensor]
 
-NORM_SAMPLERS: dict[type[nn.Module], NormSamplerFn] = {}
+NORM_SAMPLERS: dict[type[nn.Module], NormSamplerFn] = RuleTable()
 """layer type -> norm sampler (squared per-sample norms). Add with the decorator."""
 
-NORM_ROUTES: dict[type[nn.Module], Callable] = {}
+NORM_ROUTES: dict[type[nn.Module], Callable] = RuleTable()
 """layer type -> ``route(layer, activations) -> (route, reason)``."""
 
-NORM_BEHAVIOURS: list[tuple[Callable, NormSamplerFn]] = []
+NORM_BEHAVIOURS: list[tuple[Callable, NormSamplerFn]] = RuleList()
 """(matches(layer), norm sampler): rules found by what a layer computes."""
-ROUTE_BEHAVIOURS: list[tuple[Callable, Callable]] = []
+ROUTE_BEHAVIOURS: list[tuple[Callable, Callable]] = RuleList()
 
 
 def register_norm_sampler(*layer_types: type[nn.Module], route=None):

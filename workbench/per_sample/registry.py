@@ -45,13 +45,51 @@ from torch.nn.utils.parametrize import is_parametrized
 
 GradSamplerFn = Callable[[nn.Module, tuple, torch.Tensor], dict[str, torch.Tensor]]
 
-GRAD_SAMPLERS: dict[type[nn.Module], GradSamplerFn] = {}
+_VERSION = [0]  # bumped by every change of a rule table, so ``find_rule``'s answers are kept
+
+
+def _bump(*_):
+    _VERSION[0] += 1
+
+
+def _changing(cls, methods):
+    """``cls`` with each of ``methods`` also bumping the tables' version."""
+    def wrap(name):
+        base = getattr(cls.__mro__[1], name)
+
+        def method(self, *args, **kwargs):
+            out = base(self, *args, **kwargs)
+            _VERSION[0] += 1
+            return out
+        method.__name__ = name
+        return method
+
+    for name in methods:
+        setattr(cls, name, wrap(name))
+    return cls
+
+
+class RuleTable(dict):
+    """A rule table (layer type -> rule): a dict whose every change, by any path (``del``,
+    ``pop``, an update), tells ``find_rule`` that its kept answers are out of date."""
+
+
+class RuleList(list):
+    """A list of (matches, rule) behaviour rules, changes noted as ``RuleTable``'s."""
+
+
+_changing(RuleTable, ("__setitem__", "__delitem__", "pop", "popitem", "update", "setdefault",
+                      "clear", "__ior__"))
+_changing(RuleList, ("__setitem__", "__delitem__", "append", "extend", "insert", "remove",
+                     "pop", "clear", "__iadd__", "sort", "reverse"))
+
+GRAD_SAMPLERS: dict[type[nn.Module], GradSamplerFn] = RuleTable()
 """layer type -> grad sampler. Read it to see what is supported; add with the decorator."""
 
-SAMPLER_CHECKS: dict[type[nn.Module], Callable[[nn.Module], None]] = {}
+SAMPLER_CHECKS: dict[type[nn.Module], Callable[[nn.Module], None]] = RuleTable()
 """layer type -> ``check(layer)``, raising UnsupportedLayerError for unsupported options."""
 
-GRAD_BEHAVIOURS: list[tuple[Callable[[nn.Module], bool], GradSamplerFn]] = []
+GRAD_BEHAVIOURS: list[tuple[Callable[[nn.Module], bool], GradSamplerFn]] = RuleList()
 """(matches(layer), sampler) rules found by what a layer computes, tried in order."""
 
 INHERITABLE = frozenset({"__init__", "reset_parameters", "_reset_parameters", "extra_repr",
@@ -127,11 +165,31 @@ def computes_like(kind: type, parent: type) -> bool:
     return False
 
 
+_FOUND: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
 def find_rule(table: dict, layer: nn.Module, behaviours=()):
-    """``table``'s rule for ``layer`` by the three steps of the module docstring, or None."""
+    """``table``'s rule for ``layer`` by the three steps of the module docstring, or None.
+    The answer is kept per layer, its type and the tables' version (a layer's behaviour
+    verdicts are kept anyway): a lookup per layer call, not a walk of its classes."""
     rule = table.get(type(layer))  # registered for its own class (parametrize's generated
     if rule is not None:  # classes are never registered): step 1 without layer_type's tests
         return rule
+    if not isinstance(table, RuleTable) or not isinstance(behaviours, (RuleList, tuple)) \
+            or (behaviours and not isinstance(behaviours, RuleList)):
+        return _find_rule(table, layer, behaviours)
+    key, version, kind = (id(table), id(behaviours)), _VERSION[0], type(layer)
+    kept = _FOUND.get(layer)
+    if kept is not None:
+        hit = kept.get(key)
+        if hit is not None and hit[0] == version and hit[1] is kind:
+            return hit[2]
+    rule = _find_rule(table, layer, behaviours)
+    _FOUND.setdefault(layer, {})[key] = (version, kind, rule)
+    return rule
+
+
+def _find_rule(table: dict, layer: nn.Module, behaviours):
     kind = layer_type(layer)
     if kind in table:
         return table[kind]
@@ -154,8 +212,10 @@ def called_with_more(layer: nn.Module, args: tuple, kwargs: dict) -> None:
     which an affine rule given h alone would take for RMSNorm(h) ⊙ w) computes what no probe
     saw. From its first such call on, no behaviour rule is the layer's rule (``by_behaviour``):
     it takes the per-layer vmap, which passes every argument, in every method."""
-    if any(a is not None for a in args[1:]) or any(v is not None for v in kwargs.values()):
+    if (any(a is not None for a in args[1:]) or any(v is not None for v in kwargs.values())) \
+            and layer not in _CALLED_WITH_MORE:
         _CALLED_WITH_MORE.add(layer)
+        _bump()  # its behaviour rule no longer holds: no kept answer may say it does
 
 
 def by_behaviour(layer: nn.Module, behaviours):
@@ -203,7 +263,8 @@ find_grad_sampler = find_grad_rule
 
 __all__ = [
     "GRAD_BEHAVIOURS", "GRAD_RULES", "GRAD_SAMPLERS", "INHERITABLE", "SAMPLER_CHECKS",
-    "GradSamplerFn", "by_behaviour", "called_with_more", "check_callable", "check_layer_types",
+    "GradSamplerFn", "RuleList", "RuleTable", "by_behaviour", "called_with_more",
+    "check_callable", "check_layer_types",
     "computes_like", "find_grad_rule", "find_grad_sampler", "find_rule", "find_sampler_check",
     "layer_type", "register_by_behaviour", "register_grad_rule", "register_grad_sampler",
 ]

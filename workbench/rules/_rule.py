@@ -41,6 +41,8 @@ from workbench.clipping.registry import (
     register_norm_sampler,
 )
 from workbench.per_sample.registry import (
+    RuleList,
+    RuleTable,
     check_layer_types,
     find_rule,
     register_by_behaviour,
@@ -104,10 +106,10 @@ class LayerRule:
     rows: bool | Callable = False  # row by row: flattened (n·T, ...) rows allowed (flat_rows)
 
 
-RULES: dict[type[nn.Module], LayerRule] = {}
+RULES: dict[type[nn.Module], LayerRule] = RuleTable()
 """layer type -> its LayerRule (the grad and norm tables are filled from it)."""
 
-RULE_BEHAVIOURS: list[tuple[Callable, LayerRule]] = []
+RULE_BEHAVIOURS: list[tuple[Callable, LayerRule]] = RuleList()
 """(matches(layer), rule): rules found by what a layer computes."""
 
 
