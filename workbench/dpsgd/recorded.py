@@ -64,6 +64,7 @@ from workbench.per_sample.recording import (
     check_layers,
     check_recorded,
     layers_with_parameters,
+    loss_reach,
     new_recording,
     owners_of,
     parameter_names,
@@ -348,7 +349,8 @@ class ModelRecorder:
             call.backprops = _rescaled(call.backprops, f, n, f0, memo, owned)
         return new_recording(n, self.layers, self.layer_rec, self.params, self.uncovered,
                              mine, random=self.tracker.random, lowered=self.tracker.lowered,
-                             generation=gen, factors=f)
+                             generation=gen, factors=f,
+                             feeds=loss_reach([e.node for r in roots for e in r.capture_edges()]))
 
     def path_gradient(self, rec: Recording, exact: dict) -> dict:
         """{id(param): Σ_i g_i} as the user's backward pass computed it (before the factors

@@ -231,6 +231,7 @@ class Recording:
     autocast: torch.dtype | None = None  # the forward pass's autocast dtype (precision.py)
     taken: dict = field(default_factory=dict)  # id(param) -> the BroadcastParameter layer
     # that takes it over from its rule-less owner (tied.py, rules/broadcast.py)
+    feeds: object = None  # (call) -> whether its output reaches the loss (``loss_reach``)
 
     def calls(self):
         """(path, layer, call) for every call whose output reached the loss."""
@@ -313,7 +314,31 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
     uncovered = {**tracker.uncovered, **unseen(tracker, [losses])}  # disjoint (unseen.py)
     return new_recording(n, layers, recorder, params, uncovered, every_call,
                          losses=losses, random=tracker.random, lowered=tracker.lowered, rng=rng,
-                         autocast=precision.state(p0.device))
+                         autocast=precision.state(p0.device), feeds=loss_reach([losses]))
+
+
+def loss_reach(roots):
+    """(call) -> whether the call's output reaches the loss: its gradient node is among those
+    the graph from ``roots`` (tensors, or autograd nodes) reaches, walked once, when first
+    asked. A call whose output never reaches the loss (DoRA's ``lora_B(lora_A(eye(d)))``,
+    detached before the norm it feeds) adds nothing to any g_i: its shapes and inputs prove
+    or disprove nothing, so no layout check may send its layer to the fallback for it."""
+    seen = None
+
+    def feeds(call) -> bool:
+        nonlocal seen
+        if seen is None:
+            stack = [getattr(r, "grad_fn", r) for r in roots]
+            seen = set()
+            while stack:
+                node = stack.pop()
+                if node is None or id(node) in seen:
+                    continue
+                seen.add(id(node))
+                stack.extend(f for f, _ in node.next_functions)
+        return any(e.node is not None and id(e.node) in seen for e in call.capture_edges())
+
+    return feeds
 
 
 def new_recording(n: int, layers, recorder, params, uncovered, calls, **fields) -> Recording:
@@ -330,7 +355,7 @@ def new_recording(n: int, layers, recorder, params, uncovered, calls, **fields) 
             # getattr would ask nn.Module.__getattr__, which builds an error for each layer
             rec.taken[id(layer.weight)] = layer
         problem = batch_problem(layer, call, n) or (rec.random and redraws(layer))
-        if problem:
+        if problem and (rec.feeds is None or rec.feeds(call)):
             rec.mark(layer, path, problem)
     if recorder.untracked:
         odd_outputs(rec)
@@ -389,7 +414,8 @@ def note_uncovered(rec: Recording, uncovered: dict[int, set[str]]) -> None:
 
 __all__ = [
     "FUSED", "Recording", "batch_problem", "check_layers", "check_recorded", "checked_shapes",
-    "derived_of_ruleless", "layers_with_parameters", "note_uncovered", "odd_outputs",
+    "derived_of_ruleless", "layers_with_parameters", "loss_reach", "note_uncovered",
+    "odd_outputs",
     "own_parameters", "owners_of", "parameter_names", "record", "rng_state",
     "rows_not_samples", "stale_views", "tables",
 ]

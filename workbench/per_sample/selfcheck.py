@@ -50,6 +50,7 @@ from workbench.per_sample.loss import substitute
 from workbench.per_sample.recording import (
     Recording,
     checked_shapes,
+    loss_reach,
     owners_of,
     parameter_names,
 )
@@ -123,10 +124,14 @@ def probe(rec: Recording, model, loss_fn, inputs, targets) -> dict[str, torch.Te
             tracker.in_loss = True
             loss = loss_fn(out, take(targets, rows))  # (1,)
     check_losses(loss, 1)
+    # calls whose output reaches the loss, in both passes (recording.loss_reach): one that
+    # does not (DoRA's adapter on eye(d), detached) adds nothing to g_i and proves nothing
+    feeds = rec.feeds if rec.feeds is not None else (lambda call: True)
+    feeds_one = loss_reach([loss])
     for path, layer in rec.layers.items():
         big = [c for c in rec.recorder.calls[path]
-               if rec.generation is None or c.generation == rec.generation]
-        one = small.calls[path]
+               if (rec.generation is None or c.generation == rec.generation) and feeds(c)]
+        one = [c for c in small.calls[path] if feeds_one(c)]
         if big and not one:
             rec.mark(layer, path, f"is called {len(big)} times for the batch and never for one "
                                   f"sample, so its batch dimension cannot be verified")
