@@ -65,6 +65,8 @@ def test_auto_route_rule():
     assert conv_sampler.choose_route(nn.Conv2d(16, 8, 3), None) == "grouped"
     assert conv_sampler.choose_route(nn.Conv2d(64, 8, 3), None) == "grouped"  # the last grouped
     assert conv_sampler.choose_route(nn.Conv2d(128, 8, 3), None) == "unfold"
+    assert conv_sampler.choose_route(nn.Conv2d(32, 8, 1), None) == "unfold"  # 1x1: a bmm
+    assert conv_sampler.choose_route(nn.Conv2d(32, 8, 1, stride=2), None) == "unfold"
     depthwise = nn.Conv2d(8, 8, 7, padding=3, groups=8)  # ConvNeXt's
     assert conv_sampler.choose_route(depthwise, torch.zeros(2, 8, 16, 16)) == "depthwise"
     assert conv_sampler.choose_route(depthwise, torch.zeros(2, 8, 1, 1)) == "unfold"

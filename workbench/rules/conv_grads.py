@@ -111,6 +111,11 @@ def choose_route(layer, a: torch.Tensor | None) -> str:
     C = 32, n = 64: 217 / 19 / 29; 3x3 on 7x7, C = 256, n = 256: 404 / 25 / 50; 5x5 on a 1x1
     input (one output position, MobileNetV3): 0.17 / 0.60 / 4.5. So: one output position,
     unfold; a 3x3 (or smaller) kernel at stride 1, grouped; else the depthwise convolution.
+
+    1x1 kernels (BiT's and ResNet bottlenecks' projections), one thread, ms unfold / grouped,
+    best of three (2026-11-29): n = 16, C = 32 -> 8 on 8x8: 0.29 / 0.79; C = 8 -> 32 on 8x8:
+    0.22 / 0.32; C = 64 -> 16 on 4x4: 0.15 / 0.29; C = 32 -> 64 at stride 2: 0.14 / 0.26;
+    n = 256, C = 64 -> 64 on 8x8: 7.6 / 8.6. There the unfold is the input itself: unfold.
     """
     depthwise = is_depthwise(layer)
     if ROUTE != "auto" and (ROUTE != "depthwise" or depthwise):
@@ -121,6 +126,8 @@ def choose_route(layer, a: torch.Tensor | None) -> str:
         small = math.prod(layer.kernel_size) <= 3 ** len(layer.kernel_size)
         return "grouped" if small and set(layer.stride) == {1} else "depthwise"
     channels = layer.in_channels // layer.groups
+    if math.prod(layer.kernel_size) == 1:
+        return "unfold"  # a 1x1 kernel: the unfold is a view (or a strided copy), then a bmm
     return "grouped" if 4 < channels <= 64 else "unfold"
 
 
