@@ -32,8 +32,9 @@ WINDOWS = (SIDE // WIN) ** 2
 class WindowAttention(nn.Module):
     """Swin-V2's ``Swinv2SelfAttention``: owns ``logit_scale``, has no rule of its own."""
 
-    def __init__(self):
+    def __init__(self, bias="sigmoid"):
         super().__init__()
+        self.bias = bias  # "sigmoid": Swin-V2's 16 σ(table); "direct": the MLP's output added
         self.query, self.key, self.value = (nn.Linear(D, D) for _ in range(3))
         self.logit_scale = nn.Parameter(torch.log(10 * torch.ones(HEADS, 1, 1)) + 0.1 *
                                         torch.randn(HEADS, 1, 1))
@@ -45,6 +46,7 @@ class WindowAttention(nn.Module):
         pos = pos.flatten(1)
         rel = (pos[:, :, None] - pos[:, None, :]).permute(1, 2, 0) + WIN - 1
         self.register_buffer("index", rel[..., 0] * (2 * WIN - 1) + rel[..., 1])
+        self.register_buffer("square", torch.randn(WIN * WIN, WIN * WIN, 2))  # dim 0 = windows
 
     def forward(self, h):  # (n·windows, w², d)
         rows, length, _ = h.shape
@@ -55,9 +57,12 @@ class WindowAttention(nn.Module):
         q, k, v = heads(self.query(h)), heads(self.key(h)), heads(self.value(h))
         s = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
         s = s * torch.clamp(self.logit_scale, max=math.log(100.0)).exp()
-        table = self.bias_mlp(self.coords).view(-1, HEADS)
-        bias = table[self.index.view(-1)].view(length, length, -1).permute(2, 0, 1).contiguous()
-        s = s + 16 * torch.sigmoid(bias).unsqueeze(0)
+        if self.bias == "direct":  # a layer's batch-free output added to the window rows
+            s = s + self.bias_mlp(self.square).permute(2, 0, 1)
+        else:
+            table = self.bias_mlp(self.coords).view(-1, HEADS)
+            bias = table[self.index.view(-1)].view(length, length, -1).permute(2, 0, 1)
+            s = s + 16 * torch.sigmoid(bias.contiguous()).unsqueeze(0)
         p = F.softmax(s, dim=-1)
         context = torch.matmul(p, v).permute(0, 2, 1, 3).contiguous()
         return context.view(rows, length, D)
@@ -67,10 +72,10 @@ class Swinish(nn.Module):
     """Patch embedding, window partition, attention, output projection, windows merged back.
     ``layout``: "sample" (Swin's, sample-major) or "window" (window-major rows)."""
 
-    def __init__(self, layout="sample"):
+    def __init__(self, layout="sample", bias="sigmoid"):
         super().__init__()
         self.layout = layout
-        self.embed, self.attn = nn.Linear(2, D), WindowAttention()
+        self.embed, self.attn = nn.Linear(2, D), WindowAttention(bias)
         self.out, self.head = nn.Linear(D, D), nn.Linear(D, 2)
 
     def forward(self, x):  # (n, SIDE, SIDE, 2)
@@ -86,9 +91,9 @@ class Swinish(nn.Module):
         return self.head(torch.tanh(o.reshape(n, SIDE * SIDE, D)).mean(1))  # (n, 2)
 
 
-def model(layout="sample"):
+def model(layout="sample", bias="sigmoid"):
     torch.manual_seed(0)
-    return Swinish(layout).double()
+    return Swinish(layout, bias).double()
 
 
 def batch(n, seed=0):
@@ -97,9 +102,10 @@ def batch(n, seed=0):
             torch.randn(n, 2, generator=g, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("bias", ["sigmoid", "direct"])  # direct: not BatchFree's to convert
 @pytest.mark.parametrize("n", [3, WINDOWS])  # n = windows: a layout shapes cannot tell apart
-def test_window_rows_take_rules_and_meetings_exactly(n):
-    routes = exact_routes(model(), *batch(n))
+def test_window_rows_take_rules_and_meetings_exactly(n, bias):
+    routes = exact_routes(model(bias=bias), *batch(n))
     assert not routes["route"].str.contains("fallback|vmap").any(), routes
     by_layer = dict(zip(routes["layer"], routes["route"]))
     assert by_layer["attn"] == "derived (meetings)", routes  # logit_scale
@@ -116,16 +122,19 @@ def test_window_major_rows_keep_the_exact_fallback(n):
 
 
 @pytest.mark.parametrize("mode", [*MODES, "auto"])
-@pytest.mark.parametrize("layout", ["sample", "window"])
-def test_optimizer_on_window_rows_matches_microbatching(mode, layout):
+@pytest.mark.parametrize(("layout", "bias"), [("sample", "sigmoid"), ("window", "sigmoid"),
+                                              ("sample", "direct")])
+def test_optimizer_on_window_rows_matches_microbatching(mode, layout, bias):
     sizes = ((0, 3), (1, WINDOWS), (2, 5))  # n = windows in the middle: probed again
     batches = [batch(n, seed) for seed, n in sizes]
-    assert_optimizer_matches_microbatch(model(layout), mse_per_sample, batches, method=mode)
+    assert_optimizer_matches_microbatch(model(layout, bias), mse_per_sample, batches,
+                                        method=mode)
 
 
-@pytest.mark.parametrize("layout", ["sample", "window"])
-def test_unchecked_window_rows_are_exact_too(layout):
-    m, (x, y) = model(layout), batch(WINDOWS)
+@pytest.mark.parametrize(("layout", "bias"), [("sample", "sigmoid"), ("window", "sigmoid"),
+                                              ("sample", "direct"), ("window", "direct")])
+def test_unchecked_window_rows_are_exact_too(layout, bias):
+    m, (x, y) = model(layout, bias), batch(WINDOWS)
     assert_agree(m, mse_per_sample, x, y, check=False)
     assert_clipping_agrees(m, mse_per_sample, x, y)
 

@@ -261,7 +261,7 @@ def meeting_operands(name, args, kwargs, taint: Taint, params: dict, skip,
         return None
     ds = [k for k in tensors if k not in rows and args[k].requires_grad
           and (args[k].grad_fn is not None and id(args[k]) not in params
-               and not skip(args[k], name) or id(args[k]) in params and own(args[k]))]
+               and not skip(args[k], name, args) or id(args[k]) in params and own(args[k]))]
     if not ds:
         return None
     a = args[rows[0]]

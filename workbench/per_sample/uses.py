@@ -207,13 +207,18 @@ class UseTracker(TorchFunctionMode):
     def _where(self) -> str:
         return LOSS if self.in_loss else self.stack[-1] if self.stack else _OUTSIDE
 
-    def _followed(self, t, name: str) -> bool:
+    def _followed(self, t, name: str, args=()) -> bool:
         """t is followed already, as a view of a parameter (``tied.use_views``), or by
         ``BatchFree`` (a batch-free layer output) in an add, which it converts: not a meeting's
-        D. In any other op, BatchFree would give it up (``poison``): it is, and t becomes D."""
+        D. In any other op, or in an add with batch-flattened rows (Swin's window rows: its
+        conversion would record the call on n·windows rows, not n), BatchFree would give it
+        up (``poison``): it is, and t becomes D, whose meeting sums each sample's rows."""
         node = self.batch_free.watched.get(id(t))
         if node is not None and node.ref() is t:
-            if name in ADDS:
+            if name in ADDS and not any(
+                    a is not t and isinstance(a, torch.Tensor) and (self.flat_rows.of(a) or
+                                                                    (0, 1))[1] > 1
+                    for a in args):
                 return True
             node.entry.poisoned = True
             return False
