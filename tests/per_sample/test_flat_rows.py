@@ -104,8 +104,11 @@ def test_optimizer_on_flattened_rows_matches_microbatching(mode, layout):
     assert_optimizer_matches_microbatch(model(layout), mse_per_sample, batches, method=mode)
 
 
-def test_unchecked_calls_are_exact_too():
-    m, (x, y) = model(), batch(T)
+@pytest.mark.parametrize("layout", ["sample", "time", "flip", "cat"])
+def test_unchecked_calls_are_exact_too(layout):
+    """n = T without the self-check: time-major rows flattened gave a tag (T, n) read as
+    (n, T), silently wrong by 180% before the rows' dim 0 had to be proved the batch's."""
+    m, (x, y) = model(layout), batch(T)
     assert_agree(m, mse_per_sample, x, y, check=False)
     assert_clipping_agrees(m, mse_per_sample, x, y)
 
@@ -118,6 +121,11 @@ def test_merged_reads_only_a_merge_of_leading_dims():
 
 def test_tags_follow_reshapes_and_elementwise_ops_only():
     rows, x = FlatRows(), torch.randn(2, 3, 4)
+    unseen = x.reshape(-1, 4)  # x not seeded: its dim 0 not known to be the batch
+    rows.after("reshape", (x, -1, 4), {}, unseen)
+    assert rows.of(unseen) is None
+    rows.seed([x])  # a model input: the batch on dim 0, one row each
+    assert rows.of(x) == (2, 1)
     h = x.reshape(-1, 4)
     rows.after("reshape", (x, -1, 4), {}, h)
     assert rows.of(h) == (2, 3)
@@ -132,9 +140,17 @@ def test_tags_follow_reshapes_and_elementwise_ops_only():
     b = h + torch.ones(4)  # a broadcast bias carries no rows
     rows.after("__add__", (h, torch.ones(4)), {}, b)
     assert rows.of(b) == (2, 3)
-    split = h.reshape(2, 3, 4)  # back to the batch: dim 0 split, no tag
+    split = h.reshape(2, 3, 4)  # back to the batch: dim 0 split into the samples
     rows.after("reshape", (h, 2, 3, 4), {}, split)
-    assert rows.of(split) is None
+    assert rows.of(split) == (2, 1)
+    odd = h.reshape(3, 2, 4)  # dim 0 split otherwise: no proof
+    rows.after("reshape", (h, 3, 2, 4), {}, odd)
+    assert rows.of(odd) is None
+    moved = x.transpose(0, 1)  # time-major: dim 0 is no longer the batch
+    rows.after("transpose", (x, 0, 1), {}, moved)
+    flat = moved.reshape(-1, 4)
+    rows.after("reshape", (moved, -1, 4), {}, flat)
+    assert rows.of(moved) is None and rows.of(flat) is None
     heads = h.reshape(6, 2, 2)  # dim 0 kept whole: still rows
     rows.after("reshape", (h, 6, 2, 2), {}, heads)
     assert rows.of(heads) == (2, 3)
@@ -173,7 +189,9 @@ def test_a_subclass_changing_forward_inherits_no_row_rule():
     m = model()
     m.fc1 = DoubledLinear(D, 6).double()
     routes = exact_routes(m, *batch(2))
-    after = routes[routes["layer"].isin({"fc1", "fc2"})]  # fc2: the proof stops at fc1
-    assert (after["route"] == "exact fallback").all(), after
+    by_layer = dict(zip(routes["layer"], routes["route"]))
+    assert by_layer["fc1"] == "exact fallback", routes  # no rule: vmap needs dim 0 = n
+    # fc1's own ops (linear, then 2 *) keep the rows: the proof goes on through them to fc2
+    assert "fallback" not in by_layer["fc2"] and "vmap" not in by_layer["fc2"], routes
     before = routes[routes["layer"].isin({"norm", "rms"})]
     assert not before["route"].str.contains("fallback|vmap").any(), before

@@ -133,14 +133,16 @@ def test_optimizer_on_window_rows_matches_microbatching(mode, layout, bias):
 
 @pytest.mark.parametrize(("layout", "bias"), [("sample", "sigmoid"), ("window", "sigmoid"),
                                               ("sample", "direct"), ("window", "direct")])
-def test_unchecked_window_rows_are_exact_too(layout, bias):
-    m, (x, y) = model(layout, bias), batch(WINDOWS)
+@pytest.mark.parametrize("n", [SIDE // WIN, WINDOWS])  # n = windows per side: window-major
+def test_unchecked_window_rows_are_exact_too(layout, bias, n):  # rows look sample-major
+    m, (x, y) = model(layout, bias), batch(n)
     assert_agree(m, mse_per_sample, x, y, check=False)
     assert_clipping_agrees(m, mse_per_sample, x, y)
 
 
 def test_row_wise_ops_keep_rows_only_where_each_row_stands_alone():
     rows, x = FlatRows(tainted=lambda t: t is not w), torch.randn(2, 3, 4, 5)
+    rows.seed([x])
     h = x.reshape(6, 4, 5)
     rows.after("reshape", (x, 6, 4, 5), {}, h)
     tag = rows.of(h)

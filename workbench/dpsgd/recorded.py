@@ -174,7 +174,7 @@ class ModelRecorder:
                 self._inner = InnerLosses(FUNCTIONAL)
                 push_bottom(self._inner)
             self.tracker.__enter__()
-            self.tracker.derived.start(call_leaves(args, kwargs))  # derived.py: the batch
+            self.tracker.start(call_leaves(args, kwargs))  # the batch: its taint and rows
             self._tracking = True
 
     def _exit(self, module, args, output):

@@ -16,21 +16,23 @@ and the call *is* the call f(y.reshape(m, T, *rest')) of a batch-first layer:
     ∂ℓ_i/∂W = Σ_{r : r // T = i} g(a_r, b_r)      (n, ...)  the rule on (m, T, ...) views (2)
 
 ``FlatRows`` proves (1) for the tensors it follows (the use tracker, ``uses.py``, shows it every
-op of the forward pass): a reshape / view / flatten that merges dim 0 with the next dims
-tags its result (m, T); a tag is kept through a position-wise layer's recorded output, an
-elementwise op (``ELEMENTWISE``: activations, dropout, arithmetic) whose other operands are
-tagged alike or carry no rows, and a further reshape that keeps dim 0 whole. Nothing else
-keeps a tag: rows reordered (``x[perm]``, ``flip``, ``roll``), concatenated, or mixed with a
-tensor of another layout give an untagged tensor, and an in-place write into a tagged tensor's
-storage that is not such an elementwise op (``copy_``, ``x[i] = y``) drops every tag there;
-a layer called on an untagged tensor keeps the batch-on-dim-0 check and its exact fallback
-(``recording.batch_problem``).
-
-Whether dim 0 of the tensor that was flattened is the batch is checked like any call's: the
-converted call's shapes are (m, T, ...), and m must be n (``batch_problem``), and 1 when one
-sample runs alone (``selfcheck.probe``, on every new call signature): rows flattened
-time-major, ``x.transpose(0, 1).reshape(-1, d)``, give m = T and are refused, at T = n by the
-probe (the signature with n symbolic differs from T ≠ n's, so it is probed again).
+op of the forward pass). A tag (m, T) says: row r is sample r // T's, of m samples. The model's
+inputs are tagged (m, 1), the batch on dim 0 (``seed``). A tag is kept by an op that builds
+row r of its result from rows r of its tagged operands alone, the other operands carrying no
+sample (untainted, ``derived.Taint``) or broadcast along dim 0: an elementwise op
+(``ELEMENTWISE``), a transpose, permute, roll, index, squeeze or reduction that leaves dim 0
+alone, a softmax or normalisation along another dim, a layer's own op (``linear``,
+``layer_norm``, ``embedding``, ``conv2d``, pooling), attention and batched matmuls on operands
+tagged alike, a ``cat`` or ``split`` along another dim (``ROW_WISE``, ``keeps_rows``). A reshape
+that merges dim 0 of a tagged (m, T) tensor with its next dims tags its result (m, T·Π); one
+that splits (m·T) back into m gives (m, 1). Nothing else keeps a tag: rows reordered
+(``x[perm]``, ``flip``, dim 0 moved by a transpose: time-major rows), mixed with rows of unknown
+order, or written in place by anything but such an elementwise op (the write bumps the version
+counter that all views of the storage share, and a tag holds only at the version it was made
+at). A layer called on an untagged tensor keeps the batch-on-dim-0 check and its exact
+fallback (``recording.batch_problem``); the probe still compares the shapes at n and at one
+sample (``selfcheck.probe``). So a tag never rests on shapes alone: time-major rows at T = n,
+window-major windows at n = windows per side, give no tag with or without the self-check.
 
 Notation: n batch, T rows per sample, m the flattened tensor's dim 0 (n when right),
 a activations, b backprops, ℓ_i per-sample loss.
@@ -41,6 +43,8 @@ import weakref
 
 import torch
 
+from workbench.per_sample.registry import find_grad_rule
+
 RESHAPES = frozenset({"reshape", "view", "flatten", "reshape_as", "view_as"})
 ELEMENTWISE = frozenset({
     "relu", "relu_", "gelu", "silu", "tanh", "sigmoid", "elu", "selu", "celu", "leaky_relu",
@@ -50,9 +54,17 @@ ELEMENTWISE = frozenset({
     "__iadd__", "__sub__", "__rsub__", "__isub__", "__mul__", "__rmul__", "__imul__",
     "__truediv__", "__rtruediv__", "__itruediv__", "__neg__", "__pow__", "__rpow__",
 })
-ROW_WISE = frozenset({"transpose", "permute", "softmax", "log_softmax", "normalize", "matmul",
-                      "__matmul__", "bmm"})  # row r of the result from rows r of the inputs
-FOLLOWED = RESHAPES | ELEMENTWISE | ROW_WISE
+ROW_WISE = frozenset({
+    "transpose", "permute", "softmax", "log_softmax", "normalize", "matmul", "__matmul__", "bmm",
+    "linear", "layer_norm", "group_norm", "rms_norm", "embedding", "conv1d", "conv2d", "conv3d",
+    "scaled_dot_product_attention", "unsqueeze", "squeeze", "__getitem__", "mean", "sum",
+    "amax", "amin", "logsumexp", "pad", "masked_fill", "roll", "adaptive_avg_pool1d",
+    "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d",
+    "avg_pool1d", "avg_pool2d", "avg_pool3d", "max_pool1d", "max_pool2d", "max_pool3d",
+})  # row r of the result from rows r of the inputs (``keeps_rows``)
+JOINS = frozenset({"cat", "concat", "concatenate", "stack"})  # along another dim than 0
+SPLITS = frozenset({"split", "chunk", "unbind"})  # along another dim than 0: each part
+FOLLOWED = RESHAPES | ELEMENTWISE | ROW_WISE | JOINS | SPLITS
 
 
 def in_place(name: str) -> bool:
@@ -81,22 +93,37 @@ class FlatRows:
         self.tainted = tainted  # (t) -> whether t was computed from the batch (derived.Taint)
 
     def of(self, t) -> tuple[int, int] | None:
-        """(m, T) of a tagged tensor, or None."""
+        """(m, T) of a tagged tensor whose storage was not written since, or None. A write in
+        place bumps the version counter its views share: every tag on that storage lapses at
+        once, without a scan of the tags."""
         entry = self.tags.get(id(t))
-        return entry[1:] if entry is not None and entry[0]() is t else None
+        return entry[1:3] if entry is not None and entry[0]() is t and \
+            t._version == entry[3] else None
 
     def tag(self, t: torch.Tensor, m: int, T: int) -> None:
-        self.tags[id(t)] = (weakref.ref(t), m, T)
+        self.tags[id(t)] = (weakref.ref(t), m, T, t._version)
+
+    def seed(self, tensors) -> None:
+        """The model's inputs: the batch on dim 0, one row per sample (m, 1)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.dim() >= 1:
+                self.tag(t, t.shape[0], 1)
 
     def after(self, name: str, args, kwargs, result) -> None:
         """Follow ``result = name(*args, **kwargs)`` (module docstring)."""
         src = args[0] if args else None
         if self.tags and in_place(name) and isinstance(src, torch.Tensor):
-            before = self.of(src)
-            if name in ELEMENTWISE:
+            entry = self.tags.get(id(src))  # its tag as of just before this op's one write
+            if name in ELEMENTWISE and entry is not None and entry[0]() is src \
+                    and src._version == entry[3] + 1:
+                self.tag(src, *entry[1:3])  # for the proof below, then kept only if it holds
                 self._elementwise(args, kwargs, src)
-            if name not in ELEMENTWISE or before is None or self.of(src) != before:
-                self._written(src)  # rows may have moved: no tag on this storage stays
+            return  # otherwise the write lapsed every tag on src's storage (``of``)
+        if name in JOINS and self.tags and args:
+            self._joined(args, kwargs, result)
+            return
+        if name in SPLITS and self.tags and isinstance(src, torch.Tensor):
+            self._split(name, args, kwargs, result)
             return
         if not isinstance(result, torch.Tensor) or result.dim() == 0 or src is None:
             return
@@ -110,20 +137,44 @@ class FlatRows:
                 id(t) in self.tags for t in (*args, *kwargs.values())):
             self._elementwise(args, kwargs, result)
 
-    def _written(self, t: torch.Tensor) -> None:
-        """An in-place write into t's storage that keeps no proof: drop every tag there."""
-        ptr = t.untyped_storage().data_ptr()
-        for key, (ref, *_) in list(self.tags.items()):
-            u = ref()
-            if u is None or u.untyped_storage().data_ptr() == ptr:
-                del self.tags[key]
-
     def _reshaped(self, src: torch.Tensor, out: torch.Tensor) -> None:
         k, tag = merged(src.shape, out.shape), self.of(src)
-        if k is None or (tag is None and k < 2):
-            return  # dim 0 split (or kept, untagged): not rows of a batch
-        m, T = tag if tag is not None else (src.shape[0], 1)
-        self.tag(out, m, T * math.prod(src.shape[1:k]))
+        if tag is None:
+            return  # src's dim 0 not proved to be the batch's rows: nor are out's
+        m, T = tag
+        if k is not None:
+            self.tag(out, m, T * math.prod(src.shape[1:k]))
+        elif out.dim() >= 1 and out.shape[0] == m:  # (m·T, ...) split back into samples
+            self.tag(out, m, 1)
+
+    def _joined(self, args, kwargs, result) -> None:
+        """``cat`` / ``stack`` along another dim than 0 of tensors with the same rows, or no
+        sample in them (a cls token expanded to the batch): the same rows."""
+        parts = args[0]
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        if not isinstance(result, torch.Tensor) or not isinstance(parts, (list, tuple)) \
+                or not parts or not isinstance(dim, int) or result.dim() < 2 \
+                or dim % result.dim() == 0:
+            return
+        tags = {self.of(t) for t in parts if isinstance(t, torch.Tensor)}
+        tag = next(iter(tags - {None}), None) if len(tags - {None}) == 1 else None
+        if tag is None or any(self.of(t) is None and (self.tainted is None or self.tainted(t))
+                              for t in parts) or any(t.shape[0] != result.shape[0]
+                                                     for t in parts):
+            return
+        self.tag(result, *tag)
+
+    def _split(self, name, args, kwargs, result) -> None:
+        """``split`` / ``chunk`` / ``unbind`` along another dim than 0: each part has x's rows."""
+        x, tag = args[0], self.of(args[0])
+        dim = kwargs.get("dim", args[2] if name != "unbind" and len(args) > 2 else
+                         args[1] if name == "unbind" and len(args) > 1 else 0)
+        if tag is None or not isinstance(dim, int) or dim % x.dim() == 0 \
+                or not isinstance(result, (tuple, list)):
+            return
+        for t in result:
+            if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == x.shape[0]:
+                self.tag(t, *tag)
 
     def _elementwise(self, args, kwargs, result: torch.Tensor) -> None:
         tag = None
@@ -132,12 +183,14 @@ class FlatRows:
                 continue
             mine = self.of(t)
             if mine is None:
-                if t.dim() >= result.dim() and t.shape[0] != 1:
+                if t.dim() >= result.dim() and t.shape[0] != 1 and (
+                        self.tainted is None or self.tainted(t)):
                     tag = None  # rows of unknown order meet these: no proof
                     break
-                continue
-            if t.shape != result.shape or (tag is not None and mine != tag):
-                tag = None
+                continue  # broadcast along dim 0, or no sample in it (OPT's positions)
+            if t.dim() != result.dim() or t.shape[0] != result.shape[0] or (
+                    tag is not None and mine != tag):
+                tag = None  # broadcast along other dims is fine; rows must line up
                 break
             tag = mine
         if tag is not None:
@@ -160,6 +213,8 @@ def keeps_rows(name: str, args, kwargs, result: torch.Tensor, tag_of, tainted=No
     x = args[0]
     if x.dim() < 1 or result.dim() < 1 or result.shape[0] != x.shape[0]:
         return False
+    if name in OPS:
+        return OPS[name](x, args, kwargs, result, tag_of, tainted)
     if name == "transpose":
         dims = [*args[1:3], *(kwargs.get(k) for k in ("dim0", "dim1") if k in kwargs)]
         return len(dims) == 2 and all(isinstance(d, int) and d % x.dim() != 0 for d in dims)
@@ -183,15 +238,138 @@ def keeps_rows(name: str, args, kwargs, result: torch.Tensor, tag_of, tainted=No
     return other.dim() <= 2 or other.dim() < x.dim() or other.shape[0] == 1  # broadcast
 
 
+def _no_sample(t, tainted) -> bool:
+    return not isinstance(t, torch.Tensor) or (tainted is not None and not tainted(t))
+
+
+def _alike_or_none(t, x, tag_of, tainted) -> bool:
+    """Another operand of a row-wise op: the same rows as x, or no sample, broadcast."""
+    if not isinstance(t, torch.Tensor):
+        return True
+    mine = tag_of(t)
+    if mine is not None:
+        return mine == tag_of(x) and t.dim() == x.dim() and t.shape[0] == x.shape[0]
+    return _no_sample(t, tainted) and (t.dim() < x.dim() or t.shape[0] == 1)
+
+
+def _weighted(x, args, kwargs, result, tag_of, tainted) -> bool:  # linear, embedding
+    return (x.dim() >= 2 or (x.dim() == 1 and result.dim() == 2)) and all(
+        _no_sample(a, tainted) for a in (*args[1:], *kwargs.values()))
+
+
+def _convolved(dims):
+    def check(x, args, kwargs, result, tag_of, tainted):
+        return x.dim() == dims + 2 and all(_no_sample(a, tainted)
+                                            for a in (*args[1:3], kwargs.get("weight"),
+                                                      kwargs.get("bias")))
+    return check
+
+
+def _normalised(x, args, kwargs, result, tag_of, tainted):  # layer_norm, rms_norm
+    shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape", ())
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    return len(shape) < x.dim() and all(_no_sample(a, tainted)
+                                        for a in (*args[2:], *kwargs.values()))
+
+
+def _reduced(x, args, kwargs, result, tag_of, tainted):  # mean, sum, amax, ... over dims ≠ 0
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    dims = (dim,) if isinstance(dim, int) else tuple(dim) if isinstance(dim, (tuple, list)) \
+        else None
+    return bool(dims) and all(isinstance(d, int) and d % x.dim() != 0 for d in dims)
+
+
+def _unsqueezed(x, args, kwargs, result, tag_of, tainted):
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    return isinstance(dim, int) and dim % result.dim() != 0
+
+
+def _squeezed(x, args, kwargs, result, tag_of, tainted):
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    dims = (dim,) if isinstance(dim, int) else tuple(dim) if isinstance(dim, (tuple, list)) \
+        else None
+    return bool(dims) and all(isinstance(d, int) and d % x.dim() != 0 for d in dims)
+
+
+def _indexed(x, args, kwargs, result, tag_of, tainted):
+    """``x[:, ...]``, ``x[..., k]``: basic indexing that leaves dim 0 whole (no tensor index,
+    which could move dims to the front)."""
+    index = args[1] if len(args) > 1 else None
+    index = index if isinstance(index, tuple) else (index,)
+    if any(not (i is None or i is Ellipsis or isinstance(i, (int, slice))) for i in index):
+        return False
+    first = next((i for i in index if i is not None), Ellipsis)
+    if first is Ellipsis:
+        return sum(i is not None and i is not Ellipsis for i in index) < x.dim()
+    return isinstance(first, slice) and first == slice(None)
+
+
+def _padded(x, args, kwargs, result, tag_of, tainted):
+    pad = args[1] if len(args) > 1 else kwargs.get("pad", ())
+    return len(pad) // 2 < x.dim()
+
+
+def _attended(x, args, kwargs, result, tag_of, tainted):  # SDPA: q, k, v, attn_mask
+    others = [*args[1:4], kwargs.get("key"), kwargs.get("value"), kwargs.get("attn_mask")]
+    return x.dim() >= 3 and all(_alike_or_none(t, x, tag_of, tainted) for t in others)
+
+
+def _filled(x, args, kwargs, result, tag_of, tainted):  # masked_fill(x, mask, value)
+    return all(_alike_or_none(t, x, tag_of, tainted) for t in (*args[1:], *kwargs.values()))
+
+
+def _group_normalised(x, args, kwargs, result, tag_of, tainted):
+    return x.dim() >= 2 and all(_no_sample(a, tainted) for a in (*args[2:], *kwargs.values()))
+
+
+def _rolled(x, args, kwargs, result, tag_of, tainted):  # Swin's shifted windows
+    dims = args[2] if len(args) > 2 else kwargs.get("dims")
+    dims = (dims,) if isinstance(dims, int) else tuple(dims) if isinstance(dims, (tuple, list)) \
+        else None
+    return bool(dims) and all(isinstance(d, int) and d % x.dim() != 0 for d in dims)
+
+
+def _pooled(dims):
+    def check(x, args, kwargs, result, tag_of, tainted):
+        return x.dim() == dims + 2
+    return check
+
+
+OPS = {"roll": _rolled,
+       **{f"{kind}{d}d": _pooled(d) for d in (1, 2, 3)
+          for kind in ("adaptive_avg_pool", "adaptive_max_pool", "avg_pool", "max_pool")},
+       "linear": _weighted, "embedding": _weighted, "conv1d": _convolved(1),
+       "conv2d": _convolved(2), "conv3d": _convolved(3), "layer_norm": _normalised,
+       "rms_norm": _normalised, "group_norm": _group_normalised, "mean": _reduced,
+       "sum": _reduced, "amax": _reduced, "amin": _reduced, "logsumexp": _reduced,
+       "unsqueeze": _unsqueezed, "squeeze": _squeezed, "__getitem__": _indexed, "pad": _padded,
+       "scaled_dot_product_attention": _attended, "masked_fill": _filled}
+"""op name -> (x, args, kwargs, result, tag_of, tainted) -> whether the result keeps x's rows
+(x tagged, the result's dim 0 x's: checked before)."""
+
+
 def unflattened(rows: FlatRows | None, layer, x, output) -> tuple[int, int] | None:
     """(m, T) when ``output = layer(x)`` is a position-wise layer on tagged rows (Eq. 2)."""
     if rows is None or not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor):
         return None
     tag = rows.of(x)
-    if tag is None or x.shape[0] != tag[0] * tag[1] or output.dim() == 0 \
+    if tag is None or tag[1] == 1 or x.shape[0] != tag[0] * tag[1] or output.dim() == 0 \
             or output.shape[0] != x.shape[0] or not row_wise(layer):
-        return None
+        return None  # (m, 1): dim 0 is the batch itself, the call as it is
     return tag
+
+
+def passed_on(rows: FlatRows, layer, x, outputs) -> None:
+    """A layer with a rule called on x tagged (m, 1): its outputs with dim 0 of m carry the
+    same batch, as its rule reads them (``recording.checked_shapes``). Its own ops may run
+    where no mode sees them (a layer tapped by ``skip_weights.py``), so the call passes the
+    tag on, as it passes the taint (``derived.Taint.through``)."""
+    tag = rows.of(x) if isinstance(x, torch.Tensor) else None
+    if tag is None or tag[1] != 1 or find_grad_rule(layer) is None:
+        return
+    for t in outputs:
+        if t.dim() >= 1 and t.shape[0] == tag[0] and rows.of(t) is None:
+            rows.tag(t, *tag)
 
 
 def row_wise(layer) -> bool:
@@ -213,4 +391,4 @@ def as_batch(t: torch.Tensor, tag: tuple[int, int]) -> torch.Tensor:
 
 
 __all__ = ["ELEMENTWISE", "FOLLOWED", "FlatRows", "RESHAPES", "ROW_WISE", "as_batch", "in_place",
-           "keeps_rows", "merged", "row_wise", "unflattened"]
+           "keeps_rows", "merged", "passed_on", "row_wise", "unflattened"]

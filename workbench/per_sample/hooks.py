@@ -63,7 +63,7 @@ from torch.utils.hooks import RemovableHandle
 
 from workbench.per_sample import precision
 from workbench.per_sample.broadcast import BROADCASTABLE
-from workbench.per_sample.flat_rows import as_batch, unflattened
+from workbench.per_sample.flat_rows import as_batch, passed_on, unflattened
 from workbench.per_sample.positional import as_positional
 from workbench.per_sample.registry import called_with_more
 from workbench.per_sample.views import capture_edge, watched
@@ -307,6 +307,7 @@ class ActivationRecorder:
         rows = None
         if not is_tuple and args and self.flat_rows is not None and self.flat_rows.tags:
             rows = unflattened(self.flat_rows, layer, args[0], tensors[0])  # None: untagged
+            passed_on(self.flat_rows, layer, args[0], tensors)
         if rows is not None:  # flat_rows.py: the call on (n, T, ...) rows, Eq. (2)
             self.flat_rows.tag(tensors[0], *rows)
             args = (as_batch(args[0], rows), *args[1:])

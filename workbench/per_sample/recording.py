@@ -302,7 +302,7 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
     with ActivationRecorder(layers) as recorder:
         tracker = UseTracker(owners, recorder, names)
         with tracker:
-            tracker.derived.start(leaves((inputs, targets)))  # derived.py: what they touch
+            tracker.start(leaves((inputs, targets)))  # the batch: what it touches, its rows
             outputs = forward(model, inputs)
             tracker.in_loss = True
             losses = loss_fn(outputs, targets)  # (n,)

@@ -46,6 +46,7 @@ from workbench.per_sample import precision, sketch
 from workbench.per_sample.checks import check_losses, forward, take
 from workbench.per_sample.fallback import replayed
 from workbench.per_sample.hooks import ActivationRecorder
+from workbench.per_sample.leaves import leaves
 from workbench.per_sample.loss import substitute
 from workbench.per_sample.recording import (
     Recording,
@@ -120,9 +121,11 @@ def probe(rec: Recording, model, loss_fn, inputs, targets) -> dict[str, torch.Te
             precision.replayed(rec.autocast, rec.device):  # the batch's autocast state
         tracker = UseTracker(owners_of(rec.layers, model), small, parameter_names(model))
         with tracker:  # the same functional and batch-free calls as the batch's (uses.py)
-            out = forward(model, take(inputs, rows))
+            x1, y1 = take(inputs, rows), take(targets, rows)
+            tracker.start(leaves((x1, y1)))  # its taint and rows, as the batch's
+            out = forward(model, x1)
             tracker.in_loss = True
-            loss = loss_fn(out, take(targets, rows))  # (1,)
+            loss = loss_fn(out, y1)  # (1,)
     check_losses(loss, 1)
     # calls whose output reaches the loss, in both passes (recording.loss_reach): one that
     # does not (DoRA's adapter on eye(d), detached) adds nothing to g_i and proves nothing

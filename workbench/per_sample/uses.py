@@ -185,6 +185,13 @@ class UseTracker(TorchFunctionMode):
                     self._count(p, self._where())  # cannot give it)
             return self._after(func, args, kwargs, result)
 
+    def start(self, inputs) -> None:
+        """A forward pass begins on ``inputs``, the model's tensors: each taints what it
+        touches (``derived.py``) and carries the batch on dim 0, one row per sample
+        (``flat_rows.py``: the rows a reshape may then flatten)."""
+        self.derived.start(inputs)
+        self.flat_rows.seed(inputs)
+
     def _inside_rule(self) -> bool:
         """The op runs inside the forward of a recorded layer with a rule (BiT's standardised
         weight meeting the batch in its conv): its own parameters are its rule's, any other
