@@ -140,6 +140,11 @@ def test_tags_follow_reshapes_and_elementwise_ops_only():
     b = h + torch.ones(4)  # a broadcast bias carries no rows
     rows.after("__add__", (h, torch.ones(4)), {}, b)
     assert rows.of(b) == (2, 3)
+    one = torch.randn(1, 4)  # an input of one row (position ids' embedding): broadcast
+    rows.seed([one])
+    p = h + one
+    rows.after("__add__", (h, one), {}, p)
+    assert rows.of(p) == (2, 3)
     split = h.reshape(2, 3, 4)  # back to the batch: dim 0 split into the samples
     rows.after("reshape", (h, 2, 3, 4), {}, split)
     assert rows.of(split) == (2, 1)

@@ -499,7 +499,10 @@ def distributed_run(model) -> bool:
 
 
 def _inputs(call, n: int):
-    if call.kwargs:
+    """The model call's inputs as the probe and the fallback take them: a ModelCall (only its
+    tensors with n rows are sliced per record) unless it is one tensor; a second positional
+    input without the batch (position ids of shape (1, T)) is passed whole, as by keyword."""
+    if call.kwargs or len(call.args) > 1:
         return ModelCall(call.args, call.kwargs, n)
     return call.args if len(call.args) != 1 else call.args[0]
 

@@ -182,6 +182,8 @@ class FlatRows:
             if not isinstance(t, torch.Tensor):
                 continue
             mine = self.of(t)
+            if mine is not None and t.shape[0] == 1 and result.shape[0] != 1:
+                mine = None  # one row broadcast to every row (an input of one row: positions)
             if mine is None:
                 if t.dim() >= result.dim() and t.shape[0] != 1 and (
                         self.tainted is None or self.tainted(t)):
@@ -246,10 +248,12 @@ def _alike_or_none(t, x, tag_of, tainted) -> bool:
     """Another operand of a row-wise op: the same rows as x, or no sample, broadcast."""
     if not isinstance(t, torch.Tensor):
         return True
+    if t.dim() < x.dim() or (t.shape[0] == 1 and x.shape[0] != 1):
+        return True  # broadcast along dim 0: one row for every row, as elementwise ops allow
     mine = tag_of(t)
     if mine is not None:
         return mine == tag_of(x) and t.dim() == x.dim() and t.shape[0] == x.shape[0]
-    return _no_sample(t, tainted) and (t.dim() < x.dim() or t.shape[0] == 1)
+    return _no_sample(t, tainted)
 
 
 def _weighted(x, args, kwargs, result, tag_of, tainted) -> bool:  # linear, embedding
