@@ -403,3 +403,31 @@ def test_a_layer_called_without_then_with_the_batch_in_the_optimizer():
     model = TableThenBatch().double()
     batches = [batch(n, 70 + s) for s, n in enumerate((3, 4, 2, 4, T))]  # new shapes, later
     quiet(assert_optimizer_matches_microbatch, model, ce_per_sample, batches)
+
+
+class TimeMajorDecay(nn.Module):
+    """exp(A) meets rows whose dim 0 is time, not the batch (a sequence-first block)."""
+
+    def __init__(self):
+        super().__init__()
+        self.A = nn.Parameter(torch.randn(D))
+        self.inp, self.head = nn.Linear(D, D), nn.Linear(D, K)
+
+    def forward(self, x):  # (n, T, D)
+        h = torch.tanh(self.inp(x)).transpose(0, 1)  # (T, n, D)
+        return self.head((h * torch.exp(self.A)).transpose(0, 1)).mean(1)  # (n, K)
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_meeting_on_rows_that_are_not_the_batch_is_refused(check):
+    """At T = n the time-major rows have the batch's size: only the rows' proof from the model's
+    inputs (flat_rows.py) tells them apart; without it, and without the self-check, A's g_i was
+    summed over time steps (relative error 0.71)."""
+    torch.manual_seed(0)
+    model = TimeMajorDecay().double()
+    x, y = batch(T, 0)
+    got = quiet(wb.per_sample_gradients, model, ce_per_sample, x, y, method="einsum",
+                check=check)
+    assert_same(got, wb.per_sample_gradients(model, ce_per_sample, x, y, method="microbatch"))
+    routes = quiet(wb.ghost_routes, model, ce_per_sample, x, y)
+    assert "derived (meetings)" not in set(routes["route"]), routes

@@ -319,21 +319,25 @@ def parameters_below(node, params: dict) -> list | None:
     return list(found.values())
 
 
-def reached(roots, stops: set[int]) -> set[int]:
-    """ids of the leaves the graph from ``roots`` reaches without entering a node in
-    ``stops``."""
-    seen, stack, leaves = set(), [t.grad_fn for t in roots if isinstance(t, torch.Tensor)], set()
+def graph_nodes(starts, stops=frozenset()):
+    """Each autograd node the graph from ``starts`` (tensors, via their ``grad_fn``, or nodes)
+    reaches, once, without entering a node whose id is in ``stops``."""
+    seen, stack = set(), [getattr(t, "grad_fn", t) for t in starts]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen or id(node) in stops:
             continue
         seen.add(id(node))
-        var = getattr(node, "variable", None)
-        if var is not None:
-            leaves.add(id(var))
-            continue
+        yield node
         stack.extend(f for f, _ in node.next_functions)
-    return leaves
+
+
+def reached(roots, stops: set[int]) -> set[int]:
+    """ids of the leaves the graph from ``roots`` reaches without entering a node in
+    ``stops``."""
+    tensors = [t for t in roots if isinstance(t, torch.Tensor)]
+    return {id(var) for node in graph_nodes(tensors, stops)
+            if (var := getattr(node, "variable", None)) is not None}
 
 
 def ruled(recorder) -> set[int]:
@@ -389,19 +393,21 @@ class Derived:
                 args[k] = args[k].view_as(args[k])
         return tuple(args), kw, (ds, rows, params)
 
-    def met(self, func, args, kwargs, pending, result, tag_of=None) -> None:
-        """After the op: a meeting when h has a's rows; ``tag_of(a)``: (m, T) when a's rows are
-        a batch of m flattened sample-major, T rows each (``flat_rows.py``: Swin's windows)."""
+    def met(self, func, args, kwargs, pending, result, tag_of) -> None:
+        """After the op: a meeting when h has a's rows and a's rows are proved to be the batch's
+        (``tag_of(a)`` = (m, T): m samples flattened sample-major, T rows each, ``flat_rows.py``;
+        T = 1 for the batch on dim 0, Swin's windows T > 1). A batch operand whose dim 0 only
+        has the batch's size (time-major rows at T = n) is no meeting: the fallback."""
         ds, rows, _ = pending
         if not (isinstance(result, torch.Tensor) and result.requires_grad and result.dim() >= 1
                 and result.shape[0] == args[rows[0]].shape[0]):
             return
-        per = 1
-        tags = {tag_of(args[k]) for k in rows} if tag_of is not None else {None}
-        if len(tags) == 1 and None not in tags:
-            m, per = tags.pop()
-            if m * per != result.shape[0]:
-                return
+        tags = {tag_of(args[k]) for k in rows}
+        if len(tags) != 1 or None in tags:
+            return
+        m, per = tags.pop()
+        if m * per != result.shape[0]:
+            return
         self.pending.append(Meeting(func, args, kwargs, ds, rows, result, per))
 
     def settle(self, roots, n, recorder) -> None:
@@ -502,5 +508,5 @@ def _prehook(m: Meeting, derived: Derived, recorder):
     return run
 
 
-__all__ = ["MEETS", "Derived", "Meeting", "Taint", "TaintRef", "meeting_operands",
+__all__ = ["MEETS", "Derived", "Meeting", "Taint", "TaintRef", "graph_nodes", "meeting_operands",
            "parameters_below", "positional", "reached", "ruled", "served_gradients"]

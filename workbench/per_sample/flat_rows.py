@@ -53,6 +53,8 @@ ELEMENTWISE = frozenset({
     "double", "half", "bfloat16", "type_as", "add", "sub", "mul", "div", "__add__", "__radd__",
     "__iadd__", "__sub__", "__rsub__", "__isub__", "__mul__", "__rmul__", "__imul__",
     "__truediv__", "__rtruediv__", "__itruediv__", "__neg__", "__pow__", "__rpow__",
+    "clamp", "clip", "clamp_min", "clamp_max", "log", "log1p", "expm1", "reciprocal", "maximum",
+    "minimum", "where",
 })
 ROW_WISE = frozenset({
     "transpose", "permute", "softmax", "log_softmax", "normalize", "matmul", "__matmul__", "bmm",
@@ -61,10 +63,14 @@ ROW_WISE = frozenset({
     "amax", "amin", "logsumexp", "pad", "masked_fill", "roll", "adaptive_avg_pool1d",
     "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d",
     "avg_pool1d", "avg_pool2d", "avg_pool3d", "max_pool1d", "max_pool2d", "max_pool3d",
+    "cumsum", "cumprod", "repeat_interleave", "addmm", "expand", "zeros_like", "ones_like",
+    "full_like",
 })  # row r of the result from rows r of the inputs (``keeps_rows``)
+LIKE = ("zeros_like", "ones_like", "full_like")  # constant rows, one per row of x
 JOINS = frozenset({"cat", "concat", "concatenate", "stack"})  # along another dim than 0
 SPLITS = frozenset({"split", "chunk", "unbind"})  # along another dim than 0: each part
-FOLLOWED = RESHAPES | ELEMENTWISE | ROW_WISE | JOINS | SPLITS
+FOLLOWED = RESHAPES | ELEMENTWISE | ROW_WISE | JOINS | SPLITS | {"einsum", "__getitem__",
+                                                                   "__iter__"}
 
 
 def in_place(name: str) -> bool:
@@ -90,6 +96,7 @@ class FlatRows:
 
     def __init__(self, tainted=None):
         self.tags: dict[int, tuple] = {}
+        self.moved: dict[int, tuple] = {}  # tagged rows moved to dim 1 by a permute (_unstacked)
         self.tainted = tainted  # (t) -> whether t was computed from the batch (derived.Taint)
 
     def of(self, t) -> tuple[int, int] | None:
@@ -102,6 +109,25 @@ class FlatRows:
 
     def tag(self, t: torch.Tensor, m: int, T: int) -> None:
         self.tags[id(t)] = (weakref.ref(t), m, T, t._version)
+
+    def _unstacked(self, name, args, kwargs, result) -> bool:
+        """``q, k, v = qkv.permute(2, 0, ...)`` (a fused projection's parts stacked in front of
+        the batch, timm's and BEiT's attention): each part of the front dim has the rows."""
+        src = args[0]
+        entry = self.moved.get(id(src))
+        if entry is None or entry[0]() is not src or src._version != entry[3]:
+            return False
+        if name == "__getitem__":
+            index = args[1] if len(args) > 1 else None
+            if isinstance(index, int) and isinstance(result, torch.Tensor):
+                self.tag(result, *entry[1:3])
+            return True
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+        if dim == 0 and isinstance(result, (tuple, list)):
+            for t in result:
+                if isinstance(t, torch.Tensor):
+                    self.tag(t, *entry[1:3])
+        return True
 
     def seed(self, tensors) -> None:
         """The model's inputs: the batch on dim 0, one row per sample (m, 1)."""
@@ -122,6 +148,14 @@ class FlatRows:
         if name in JOINS and self.tags and args:
             self._joined(args, kwargs, result)
             return
+        if name == "einsum" and self.tags and isinstance(result, torch.Tensor):
+            tag = summed_rows(args, result, self.of, self.tainted)
+            if tag is not None:
+                self.tag(result, *tag)
+            return
+        if self.moved and name in ("unbind", "__getitem__", "__iter__") and \
+                isinstance(src, torch.Tensor) and self._unstacked(name, args, kwargs, result):
+            return
         if name in SPLITS and self.tags and isinstance(src, torch.Tensor):
             self._split(name, args, kwargs, result)
             return
@@ -131,8 +165,14 @@ class FlatRows:
             self._reshaped(src, result)
         elif name in ROW_WISE and self.tags and isinstance(src, torch.Tensor):
             tag = self.of(src)
+            if tag is not None and name == "permute" and _moves_dim0_to_1(args, kwargs, src):
+                self.moved[id(result)] = (weakref.ref(result), *tag, result._version)
+                return
             if tag is not None and keeps_rows(name, args, kwargs, result, self.of, self.tainted):
                 self.tag(result, *tag)
+            elif tag is None and len(args) > 1 and (row := rows_second(
+                    name, args, kwargs, result, self.of, self.tainted)) is not None:
+                self.tag(result, *row)
         elif name in ELEMENTWISE and self.tags and any(
                 id(t) in self.tags for t in (*args, *kwargs.values())):
             self._elementwise(args, kwargs, result)
@@ -219,7 +259,7 @@ def keeps_rows(name: str, args, kwargs, result: torch.Tensor, tag_of, tainted=No
         return OPS[name](x, args, kwargs, result, tag_of, tainted)
     if name == "transpose":
         dims = [*args[1:3], *(kwargs.get(k) for k in ("dim0", "dim1") if k in kwargs)]
-        return len(dims) == 2 and all(isinstance(d, int) and d % x.dim() != 0 for d in dims)
+        return len(dims) == 2 and _spares_dim0(dims, x.dim())
     if name == "permute":
         dims = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
         dims = dims or kwargs.get("dims", ())
@@ -227,7 +267,7 @@ def keeps_rows(name: str, args, kwargs, result: torch.Tensor, tag_of, tainted=No
     if name in ("softmax", "log_softmax", "normalize"):
         dim = args[1] if len(args) > 1 and name != "normalize" else (
             args[2] if len(args) > 2 else kwargs.get("dim", DEFAULT_DIM.get(name)))
-        return isinstance(dim, int) and dim % x.dim() != 0
+        return isinstance(dim, int) and _spares_dim0(dim, x.dim())
     other = args[1] if len(args) > 1 else None  # matmul, bmm
     if not isinstance(other, torch.Tensor) or x.dim() < 2 or kwargs:
         return False
@@ -238,6 +278,61 @@ def keeps_rows(name: str, args, kwargs, result: torch.Tensor, tag_of, tainted=No
     if tainted is None or tainted(other):
         return False
     return other.dim() <= 2 or other.dim() < x.dim() or other.shape[0] == 1  # broadcast
+
+
+def rows_second(name: str, args, kwargs, result, tag_of, tainted):
+    """The tag of ``result`` when its rows come from the *second* operand: ``D @ a`` with D
+    carrying no sample and broadcast along a's batch dims (Mamba's ``dt_proj.weight @ x``),
+    ``addmm(c, a, W)`` (GPT-2's Conv1D: rows of a); else None."""
+    a, first = args[1], args[0]
+    tag = tag_of(a) if isinstance(a, torch.Tensor) else None
+    if tag is None or result.dim() < 1 or kwargs and name != "addmm":
+        return None
+    if name == "addmm":
+        ok = a.dim() == 2 and result.shape[0] == a.shape[0] and all(
+            _no_sample(t, tainted) for t in (first, *args[2:3]))
+    elif name in ("matmul", "__matmul__"):
+        ok = (a.dim() >= 3 and result.shape[0] == a.shape[0] and _no_sample(first, tainted)
+              and isinstance(first, torch.Tensor) and (first.dim() < a.dim()
+                                                       or first.shape[0] == 1))
+    else:
+        ok = False
+    return tag if ok else None
+
+
+def _moves_dim0_to_1(args, kwargs, x) -> bool:
+    dims = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+    dims = dims or kwargs.get("dims", ())
+    return len(dims) == x.dim() >= 2 and isinstance(dims[1], int) and dims[1] % x.dim() == 0
+
+
+def summed_rows(args, result, tag_of, tainted):
+    """The tag of ``einsum(eq, *ops)``'s result when one letter is dim 0 of the output and of
+    every tagged operand (Mamba-2's chunk scan, 'bclhn,bcshn->bclsh'), tagged alike, and every
+    operand without that letter carries no sample; else None."""
+    eq, ops = args[0], list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) \
+        else list(args[1:])
+    if not isinstance(eq, str) or "->" not in eq or "." in eq:
+        return None
+    lhs, out = eq.replace(" ", "").split("->")
+    terms = lhs.split(",")
+    if not out or len(terms) != len(ops) or result.dim() != len(out):
+        return None
+    b, tags = out[0], set()
+    for term, t in zip(terms, ops):
+        if b in term:
+            if term[0] != b or term.count(b) != 1 or not isinstance(t, torch.Tensor):
+                return None
+            tags.add(tag_of(t))
+        elif not _no_sample(t, tainted):
+            return None
+    if len(tags) != 1 or None in tags:
+        return None
+    return tags.pop()
+
+
+def _expanded(x, args, kwargs, result, tag_of, tainted):  # expand keeping dim 0 as it is
+    return x.dim() == result.dim()
 
 
 def _no_sample(t, tainted) -> bool:
@@ -276,23 +371,20 @@ def _normalised(x, args, kwargs, result, tag_of, tainted):  # layer_norm, rms_no
                                         for a in (*args[2:], *kwargs.values()))
 
 
-def _reduced(x, args, kwargs, result, tag_of, tainted):  # mean, sum, amax, ... over dims ≠ 0
-    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+def _spares_dim0(dim, ndim: int) -> bool:
+    """``dim`` (an int or a sequence of them) names dims of an ndim-tensor other than 0."""
     dims = (dim,) if isinstance(dim, int) else tuple(dim) if isinstance(dim, (tuple, list)) \
-        else None
-    return bool(dims) and all(isinstance(d, int) and d % x.dim() != 0 for d in dims)
+        else ()
+    return bool(dims) and all(isinstance(d, int) and d % ndim != 0 for d in dims)
+
+
+def _reduced(x, args, kwargs, result, tag_of, tainted):  # mean, sum, squeeze over dims ≠ 0
+    return _spares_dim0(args[1] if len(args) > 1 else kwargs.get("dim"), x.dim())
 
 
 def _unsqueezed(x, args, kwargs, result, tag_of, tainted):
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    return isinstance(dim, int) and dim % result.dim() != 0
-
-
-def _squeezed(x, args, kwargs, result, tag_of, tainted):
-    dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    dims = (dim,) if isinstance(dim, int) else tuple(dim) if isinstance(dim, (tuple, list)) \
-        else None
-    return bool(dims) and all(isinstance(d, int) and d % x.dim() != 0 for d in dims)
+    return isinstance(dim, int) and _spares_dim0(dim, result.dim())
 
 
 def _indexed(x, args, kwargs, result, tag_of, tainted):
@@ -308,9 +400,20 @@ def _indexed(x, args, kwargs, result, tag_of, tainted):
     return isinstance(first, slice) and first == slice(None)
 
 
-def _padded(x, args, kwargs, result, tag_of, tainted):
-    pad = args[1] if len(args) > 1 else kwargs.get("pad", ())
-    return len(pad) // 2 < x.dim()
+def _padded(x, args, kwargs, result, tag_of, tainted):  # pairs from the last dim backwards
+    pad = tuple(args[1] if len(args) > 1 else kwargs.get("pad", ()))
+    return len(pad) // 2 < x.dim() or tuple(pad[2 * x.dim() - 2:2 * x.dim()]) == (0, 0)
+
+
+def _along(x, args, kwargs, result, tag_of, tainted):  # cumsum, repeat_interleave along dim ≠ 0
+    dim = kwargs.get("dim", args[2] if name_dim_third(args) else args[1] if len(args) > 1
+                     else None)
+    return isinstance(dim, int) and _spares_dim0(dim, x.dim())
+
+
+def name_dim_third(args) -> bool:
+    """``repeat_interleave(x, repeats, dim)``: dim third; ``cumsum(x, dim)``: second."""
+    return len(args) > 2
 
 
 def _attended(x, args, kwargs, result, tag_of, tainted):  # SDPA: q, k, v, attn_mask
@@ -327,10 +430,7 @@ def _group_normalised(x, args, kwargs, result, tag_of, tainted):
 
 
 def _rolled(x, args, kwargs, result, tag_of, tainted):  # Swin's shifted windows
-    dims = args[2] if len(args) > 2 else kwargs.get("dims")
-    dims = (dims,) if isinstance(dims, int) else tuple(dims) if isinstance(dims, (tuple, list)) \
-        else None
-    return bool(dims) and all(isinstance(d, int) and d % x.dim() != 0 for d in dims)
+    return _spares_dim0(args[2] if len(args) > 2 else kwargs.get("dims"), x.dim())
 
 
 def _pooled(dims):
@@ -339,14 +439,15 @@ def _pooled(dims):
     return check
 
 
-OPS = {"roll": _rolled,
+OPS = {"expand": _expanded, "roll": _rolled, "cumsum": _along, "cumprod": _along,
+       "repeat_interleave": _along, **dict.fromkeys(LIKE, lambda *_: True),
        **{f"{kind}{d}d": _pooled(d) for d in (1, 2, 3)
           for kind in ("adaptive_avg_pool", "adaptive_max_pool", "avg_pool", "max_pool")},
        "linear": _weighted, "embedding": _weighted, "conv1d": _convolved(1),
        "conv2d": _convolved(2), "conv3d": _convolved(3), "layer_norm": _normalised,
        "rms_norm": _normalised, "group_norm": _group_normalised, "mean": _reduced,
        "sum": _reduced, "amax": _reduced, "amin": _reduced, "logsumexp": _reduced,
-       "unsqueeze": _unsqueezed, "squeeze": _squeezed, "__getitem__": _indexed, "pad": _padded,
+       "unsqueeze": _unsqueezed, "squeeze": _reduced, "__getitem__": _indexed, "pad": _padded,
        "scaled_dot_product_attention": _attended, "masked_fill": _filled}
 """op name -> (x, args, kwargs, result, tag_of, tainted) -> whether the result keeps x's rows
 (x tagged, the result's dim 0 x's: checked before)."""

@@ -42,6 +42,7 @@ from workbench.per_sample.checks import (
     forward,
     trainable_parameters,
 )
+from workbench.per_sample.derived import graph_nodes
 from workbench.per_sample.fallback import redraws
 from workbench.per_sample.hooks import ActivationRecorder
 from workbench.per_sample.leaves import call_leaves, leaves
@@ -328,14 +329,7 @@ def loss_reach(roots):
     def feeds(call) -> bool:
         nonlocal seen
         if seen is None:
-            stack = [getattr(r, "grad_fn", r) for r in roots]
-            seen = set()
-            while stack:
-                node = stack.pop()
-                if node is None or id(node) in seen:
-                    continue
-                seen.add(id(node))
-                stack.extend(f for f, _ in node.next_functions)
+            seen = {id(node) for node in graph_nodes(roots)}
         return any(e.node is not None and id(e.node) in seen for e in call.capture_edges())
 
     return feeds
