@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
+from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from workbench.per_sample import precision
@@ -179,6 +180,54 @@ def output_tensors(output) -> list:
     return [output]
 
 
+def fed_outputs(output, args, kwargs, limit: int = 2000) -> set[int]:
+    """Positions in a tuple ``output`` of the Tensors another of its Tensors was computed from
+    inside the call (a cell's new state c, from which it computes its h; a router's logits,
+    from which its top-k weights): the gradient arriving at such a Tensor (at its hook or its
+    edge) holds the other's path through the layer as well as the gradient from outside, and a
+    layer's rule (or its vmap) applied to every output's b would count that path twice. Found
+    by walking each output's graph back to the call's inputs; a walk of more than ``limit``
+    nodes names every output (copying one that feeds nothing is harmless)."""
+    outs = [(k, t) for k, t in enumerate(output)
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    if len(outs) < 2:
+        return set()
+    at = {(t.grad_fn, t.output_nr): k for k, t in outs}
+    stop = {a.grad_fn for a in tree_leaves((args, kwargs))
+            if isinstance(a, torch.Tensor) and a.grad_fn is not None}
+    fed, walked = set(), 0
+    for k, t in outs:
+        todo, seen = list(t.grad_fn.next_functions), set()
+        while todo:
+            node, nr = todo.pop()
+            if node is None:
+                continue
+            hit = at.get((node, nr))
+            if hit is not None and hit != k:
+                fed.add(hit)
+            if node in seen or node in stop:
+                continue
+            seen.add(node)
+            walked += 1
+            if walked > limit:
+                return {k for k, _ in outs}
+            todo.extend(node.next_functions)
+    return fed
+
+
+def apart(output, fed: set[int]):
+    """``output`` with a copy of each Tensor at the positions ``fed``: the layer's own ops
+    read the original, everything after the call the copy, whose gradient is then the one
+    from outside the layer alone (``fed_outputs``). None for a tuple type that cannot be
+    rebuilt."""
+    items = [t.clone() if k in fed else t for k, t in enumerate(output)]
+    if type(output) in (tuple, list):
+        return type(output)(items)
+    if hasattr(output, "_make"):  # a namedtuple
+        return output._make(items)
+    return None
+
+
 def odd_output(output) -> str:
     """What a layer returned that ``tensor_outputs`` cannot read, in words."""
     kind = type(output).__name__
@@ -264,12 +313,24 @@ class ActivationRecorder:
         def hook(module, args, kwargs, output):
             if stack and stack[-1] == path:
                 stack.pop()
-            if self.recording:
-                with torch._C.DisableTorchFunction():  # uses.quiet: its calls are not uses
-                    if torch._C._current_graph_task_id() != -1 and self._recomputation(path):
-                        return None
-                    self.add_call(path, module, args, kwargs, output)
-            return None
+            if not self.recording:
+                return None
+            fed = None
+            with torch._C.DisableTorchFunction():  # uses.quiet: its calls are not uses
+                if torch._C._current_graph_task_id() != -1 and self._recomputation(path):
+                    return None
+                if type(output) is not torch.Tensor and isinstance(output, (tuple, list)) \
+                        and self.outputs_of is None:  # the model's own outputs: model_loss.py
+                    fed = fed_outputs(output, args, kwargs)
+            if fed:  # outside the block: the modes see the copies (their rows, their taint)
+                output = apart(output, fed) if path else None  # the model itself as a layer
+                # (its own parameters): its outputs as they are, for model_loss.py
+                if output is None:
+                    self.untracked[path] = "tuple whose Tensors are computed from each other"
+                    return None
+            with torch._C.DisableTorchFunction():
+                self.add_call(path, module, args, kwargs, output)
+            return output if fed else None
 
         return hook
 
