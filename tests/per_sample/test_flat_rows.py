@@ -115,6 +115,7 @@ def test_unchecked_calls_are_exact_too(layout):
 
 def test_merged_reads_only_a_merge_of_leading_dims():
     assert merged(torch.Size([2, 3, 4]), torch.Size([6, 4])) == 2
+    assert merged(torch.Size([12, 4]), torch.Size([6, 2, 4])) is None  # a split: _reshaped
     assert merged(torch.Size([2, 3, 4]), torch.Size([2, 12])) == 1
     assert merged(torch.Size([2, 3, 4]), torch.Size([4, 6])) is None  # not a merge
 
@@ -195,8 +196,47 @@ def test_a_subclass_changing_forward_inherits_no_row_rule():
     m.fc1 = DoubledLinear(D, 6).double()
     routes = exact_routes(m, *batch(2))
     by_layer = dict(zip(routes["layer"], routes["route"]))
-    assert by_layer["fc1"] == "exact fallback", routes  # no rule: vmap needs dim 0 = n
+    assert "vmap" in by_layer["fc1"], routes  # no rule: per-layer vmap over each sample's
+    # rows, its own ops (linear, then 2 *) proving them (flat_rows.rule_less_rows)
     # fc1's own ops (linear, then 2 *) keep the rows: the proof goes on through them to fc2
     assert "fallback" not in by_layer["fc2"] and "vmap" not in by_layer["fc2"], routes
     before = routes[routes["layer"].isin({"norm", "rms"})]
     assert not before["route"].str.contains("fallback|vmap").any(), before
+    x, y = batch(T)  # n = T without the self-check: each sample's rows, exactly
+    assert_agree(m, mse_per_sample, x, y, check=False)
+    assert_clipping_agrees(m, mse_per_sample, x, y)
+
+
+def test_tags_follow_row_splits_topk_repeats_and_gathers():
+    """A Mixture-of-Experts block's ops on flattened tokens (``test_moe_rows.py``): a reshape
+    grouping j whole rows of one sample (j | T), ``topk`` along another dim, a repeat of each
+    row along dim 0, a table gathered by a tagged index; a group that straddles samples, or a
+    repeat along dim 0 without ``dim``, gives no tag."""
+    table = torch.randn(5, 3, 4)  # computed without the batch (the taint's verdict)
+    rows, x = FlatRows(lambda t: t is not table), torch.randn(2, 6, 4)
+    rows.seed([x])
+    flat = x.reshape(-1, 4)  # (12, 4): (2, 6)
+    rows.after("reshape", (x, -1, 4), {}, flat)
+    pairs = flat.view(6, 2, 4)  # two rows of one sample each: (2, 3)
+    rows.after("view", (flat, 6, 2, 4), {}, pairs)
+    assert rows.of(pairs) == (2, 3)
+    fours = flat.view(3, 4, 4)  # rows 4..7 straddle samples 0 and 1: no proof
+    rows.after("view", (flat, 3, 4, 4), {}, fours)
+    assert rows.of(fours) is None
+    top = torch.topk(flat, 2, dim=-1)
+    rows.after("topk", (flat, 2), {"dim": -1}, top)
+    assert rows.of(top.values) == rows.of(top.indices) == (2, 6)
+    along0 = torch.topk(flat, 2, dim=0)
+    rows.after("topk", (flat, 2), {"dim": 0}, along0)
+    assert rows.of(along0.values) is None
+    rep = flat.repeat_interleave(2, dim=0)  # row j is row j // 2: (2, 12)
+    rows.after("repeat_interleave", (flat, 2), {"dim": 0}, rep)
+    assert rows.of(rep) == (2, 12)
+    whole = flat.repeat_interleave(2)  # no dim: flattened first, no rows
+    rows.after("repeat_interleave", (flat, 2), {}, whole)
+    assert rows.of(whole) is None
+    ids = top.indices.reshape(-1)
+    rows.after("reshape", (top.indices, -1), {}, ids)
+    picked = table[ids]  # row r: the table's row ids[r]
+    rows.after("__getitem__", (table, ids), {}, picked)
+    assert rows.of(ids) == rows.of(picked) == (2, 12)

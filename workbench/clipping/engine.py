@@ -67,10 +67,11 @@ def materialise(rec, mode: str, grads: Grouped | None = None) -> Grouped:
             if mode == "einsum":
                 local = sample_call(layer, call, keep=own)  # under this function's wrappers
             elif mode == "vmap":
-                local = layer_vmap_grad_sampler(layer, call.args, call.kwargs, call.backprops)
+                local = layer_vmap_grad_sampler(layer, call.args, call.kwargs, call.backprops,
+                                                call.rows is not None)
             else:
                 local = layer_microbatch_grad_sampler(layer, call.args, call.kwargs,
-                                                      call.backprops)
+                                                      call.backprops, call.rows is not None)
             for name, g in local.items():
                 if name in own:
                     grads.put(id(own[name]), g)
@@ -104,6 +105,10 @@ def reweighted_weight_grads(layer, call, c, own: list, ok=None) -> dict:
         if grads is not None:
             return grads
     detach = lambda t: t.detach() if isinstance(t, torch.Tensor) else t  # noqa: E731
+    if call.rows is not None:  # batch-flattened rows (flat_rows.py): (n, T, ...) back to the
+        # (n·T, ...) the layer was called on (a router's forward reshapes its input itself)
+        detach = lambda t: t.detach().flatten(0, 1) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        weighted = [w.flatten(0, 1) for w in weighted]
     args, kwargs = tree_map(detach, call.args), tree_map(detach, call.kwargs)
     if ok is not None:
         args, kwargs = finite_values(args), finite_values(kwargs)

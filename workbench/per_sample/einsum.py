@@ -72,7 +72,8 @@ def sample_call(layer, call, keep=None) -> dict[str, torch.Tensor]:
     already (``clipping.engine.materialise``: once for all calls, not once per call)."""
     sampler = find_grad_sampler(layer)
     if sampler is None:  # torch.func transforms ignore the outer no_grad
-        grads = layer_vmap_grad_sampler(layer, call.args, call.kwargs, call.backprops)
+        grads = layer_vmap_grad_sampler(layer, call.args, call.kwargs, call.backprops,
+                                        call.rows is not None)
     else:
         grads = sampler(layer, call.args, call.backprops)
         check_shapes(layer, call, grads)

@@ -69,8 +69,9 @@ ROW_WISE = frozenset({
 LIKE = ("zeros_like", "ones_like", "full_like")  # constant rows, one per row of x
 JOINS = frozenset({"cat", "concat", "concatenate", "stack"})  # along another dim than 0
 SPLITS = frozenset({"split", "chunk", "unbind"})  # along another dim than 0: each part
-FOLLOWED = RESHAPES | ELEMENTWISE | ROW_WISE | JOINS | SPLITS | {"einsum", "__getitem__",
-                                                                   "__iter__"}
+SORTS = frozenset({"topk", "sort"})  # (values, indices) along another dim than 0: each part
+FOLLOWED = RESHAPES | ELEMENTWISE | ROW_WISE | JOINS | SPLITS | SORTS | {
+    "einsum", "__getitem__", "__iter__"}
 
 
 def in_place(name: str) -> bool:
@@ -140,7 +141,8 @@ class FlatRows:
         src = args[0] if args else None
         if self.tags and in_place(name) and isinstance(src, torch.Tensor):
             entry = self.tags.get(id(src))  # its tag as of just before this op's one write
-            if name in ELEMENTWISE and entry is not None and entry[0]() is src \
+            if (name in ELEMENTWISE or name[:-1] in ELEMENTWISE) and entry is not None \
+                    and entry[0]() is src \
                     and src._version == entry[3] + 1:
                 self.tag(src, *entry[1:3])  # for the proof below, then kept only if it holds
                 self._elementwise(args, kwargs, src)
@@ -158,6 +160,12 @@ class FlatRows:
             return
         if name in SPLITS and self.tags and isinstance(src, torch.Tensor):
             self._split(name, args, kwargs, result)
+            return
+        if name in SORTS and self.tags and isinstance(src, torch.Tensor):
+            self._sorted(name, args, kwargs, result)
+            return
+        if name == "repeat_interleave" and self.tags and isinstance(src, torch.Tensor) and \
+                isinstance(result, torch.Tensor) and self._repeated(args, kwargs, result):
             return
         if not isinstance(result, torch.Tensor) or result.dim() == 0 or src is None:
             return
@@ -184,8 +192,13 @@ class FlatRows:
         m, T = tag
         if k is not None:
             self.tag(out, m, T * math.prod(src.shape[1:k]))
-        elif out.dim() >= 1 and out.shape[0] == m:  # (m·T, ...) split back into samples
-            self.tag(out, m, 1)
+        elif out.dim() >= 1 and out.shape[0] and src.shape[0] % out.shape[0] == 0 \
+                and T % (src.shape[0] // out.shape[0]) == 0:
+            # (m·T, ...) -> (m·T / j, j, ...): each new row holds j whole rows of one sample
+            # (j | T), m·T / j = m (samples back on dim 0) included; MoE's (tokens, k, d)
+            self.tag(out, m, T // (src.shape[0] // out.shape[0]))
+        elif out.dim() >= 1 and out.shape[0] % src.shape[0] == 0:
+            self.tag(out, m, T * (out.shape[0] // src.shape[0]))  # each row cut into j rows
 
     def _joined(self, args, kwargs, result) -> None:
         """``cat`` / ``stack`` along another dim than 0 of tensors with the same rows, or no
@@ -215,6 +228,32 @@ class FlatRows:
         for t in result:
             if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == x.shape[0]:
                 self.tag(t, *tag)
+
+    def _sorted(self, name, args, kwargs, result) -> None:
+        """``topk`` / ``sort`` along another dim than 0 (a router's top-k experts per token):
+        the values and the indices have x's rows."""
+        x, tag = args[0], self.of(args[0])
+        at = 2 if name == "topk" else 1  # topk(x, k, dim), sort(x, dim)
+        dim = kwargs.get("dim", args[at] if len(args) > at else -1)
+        if tag is None or isinstance(dim, bool) or not isinstance(dim, int) or x.dim() == 0 \
+                or dim % x.dim() == 0 or not isinstance(result, (tuple, list)):
+            return
+        for t in result:
+            if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == x.shape[0]:
+                self.tag(t, *tag)
+
+    def _repeated(self, args, kwargs, result) -> bool:
+        """``x.repeat_interleave(r, dim=0)``, r an int: row j of the result is row j // r of x,
+        sample j // (T r)'s (a token repeated for each of its k experts): (m, T·r)."""
+        x, tag = args[0], self.of(args[0])
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+        dim = args[2] if len(args) > 2 else kwargs.get("dim")
+        if tag is None or type(repeats) is not int or repeats < 1 or type(dim) is not int \
+                or x.dim() == 0 or dim % x.dim() != 0 or result.dim() != x.dim() \
+                or result.shape[0] != x.shape[0] * repeats:
+            return False
+        self.tag(result, tag[0], tag[1] * repeats)
+        return True
 
     def _elementwise(self, args, kwargs, result: torch.Tensor) -> None:
         tag = None
@@ -291,6 +330,11 @@ def rows_second(name: str, args, kwargs, result, tag_of, tainted):
     if name == "addmm":
         ok = a.dim() == 2 and result.shape[0] == a.shape[0] and all(
             _no_sample(t, tainted) for t in (first, *args[2:3]))
+    elif name == "__getitem__":  # W[idx]: a table's rows gathered by a tagged index (MoE's
+        # experts' weights per token), row r of the result W[idx[r]]
+        ok = (not a.is_floating_point() and not a.is_complex() and a.dtype != torch.bool
+              and a.dim() >= 1 and result.shape[0] == a.shape[0] and _no_sample(first, tainted)
+              and isinstance(first, torch.Tensor))
     elif name in ("matmul", "__matmul__"):
         ok = (a.dim() >= 3 and result.shape[0] == a.shape[0] and _no_sample(first, tainted)
               and isinstance(first, torch.Tensor) and (first.dim() < a.dim()
@@ -490,10 +534,31 @@ def row_wise(layer) -> bool:
     return rule.rows is True or bool(rule.rows(layer))
 
 
+def rule_less_rows(rows: FlatRows | None, layer, args, kwargs, outputs) -> tuple | None:
+    """(m, T) when a layer without a rule (per-layer vmap) is called on flattened rows and
+    computes its outputs row by row: every Tensor among its arguments and every output it
+    returns for the gradient tagged (m, T), T > 1, the outputs' tags proved op by op inside
+    its forward (a Mixture-of-Experts router and experts on (n·T, d) tokens). vmap then maps
+    each sample's T rows (Eq. 2). Else None: the batch-on-dim-0 check as before."""
+    if rows is None or not rows.tags or not outputs or find_grad_rule(layer) is not None:
+        return None
+    from workbench.per_sample.leaves import call_leaves
+
+    tensors = [t for t in call_leaves(args, kwargs) if isinstance(t, torch.Tensor)]
+    tag = rows.of(outputs[0])
+    if tag is None or tag[1] == 1 or not tensors:
+        return None
+    for t in (*tensors, *outputs):
+        if t.dim() == 0 or t.shape[0] != tag[0] * tag[1] or rows.of(t) != tag:
+            return None
+    return tag
+
+
 def as_batch(t: torch.Tensor, tag: tuple[int, int]) -> torch.Tensor:
     """(m·T, ...) -> (m, T, ...), a view where the strides allow."""
     return t.reshape(*tag, *t.shape[1:])
 
 
-__all__ = ["ELEMENTWISE", "FOLLOWED", "FlatRows", "RESHAPES", "ROW_WISE", "as_batch", "in_place",
-           "keeps_rows", "merged", "passed_on", "row_wise", "unflattened"]
+__all__ = ["ELEMENTWISE", "FOLLOWED", "FlatRows", "RESHAPES", "ROW_WISE", "SORTS", "as_batch",
+           "in_place", "keeps_rows", "merged", "passed_on", "row_wise", "rule_less_rows",
+           "unflattened"]

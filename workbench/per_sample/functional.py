@@ -43,6 +43,11 @@ def _one_sample(x):
     return x.unsqueeze(0) if isinstance(x, torch.Tensor) else x
 
 
+def _as_rows(x):
+    """A sample's T rows of a call on batch-flattened rows: as the call flattened them."""
+    return x
+
+
 def slot_values(model, values: dict) -> dict:
     """{dotted name: tensor} naming each parameter and buffer slot of ``model`` once (module
     docstring), valued ``values[id(t)]`` for the tensors t in ``values``, t.detach() for the
@@ -122,7 +127,7 @@ def vmap_or_explain(model, loss_fn, inputs, targets):
             from error
 
 
-def layer_vmap_grad_sampler(layer, args, kwargs, backprops):
+def layer_vmap_grad_sampler(layer, args, kwargs, backprops, flat: bool = False):
     """Per-sample gradients of one layer's own trainable parameters by ``vmap(vjp)``.
 
     Used for layers without a registered grad sampler. Every Tensor argument of the layer
@@ -131,9 +136,13 @@ def layer_vmap_grad_sampler(layer, args, kwargs, backprops):
     ``setup_context``, a sparse op, ``.item()``) is re-run one record at a time instead
     (``microbatch.layer_microbatch_grad_sampler``: the same vector-Jacobian products, a loop),
     with a warning once per layer type: exact, n times the layer's cost.
+
+    ``flat``: the call ran on batch-flattened rows (``flat_rows.rule_less_rows``: every
+    Tensor given here as (n, T, ...)); each sample's call then gets its T rows as they were
+    flattened, (1·T, ...) = (T, ...), as it got them in the batch.
     """
     try:
-        return _layer_vmap(layer, args, kwargs, backprops)
+        return _layer_vmap(layer, args, kwargs, backprops, flat)
     except (RuntimeError, NotImplementedError) as error:
         kind = type(layer)
         if kind not in _LOOPED:
@@ -142,22 +151,23 @@ def layer_vmap_grad_sampler(layer, args, kwargs, backprops):
                           f"({type(error).__name__}: {str(error).splitlines()[0][:160]}); its "
                           f"per-sample gradients are computed one record at a time instead "
                           f"(exact, n times slower for this layer)", stacklevel=3)
-        return layer_microbatch_grad_sampler(layer, args, kwargs, backprops)
+        return layer_microbatch_grad_sampler(layer, args, kwargs, backprops, flat)
 
 
 _LOOPED: set[type] = set()  # layer types warned about (layer_vmap_grad_sampler)
 
 
-def _layer_vmap(layer, args, kwargs, backprops):
+def _layer_vmap(layer, args, kwargs, backprops, flat=False):
     params = {k: p.detach() for k, p in layer.named_parameters(recurse=False) if p.requires_grad}
+    one = _as_rows if flat else _one_sample
 
     def grads_of_one(a, kw, b):
         def output(p):
-            out = functional_call(layer, p, tree_map(_one_sample, a), tree_map(_one_sample, kw))
+            out = functional_call(layer, p, tree_map(one, a), tree_map(one, kw))
             return tuple(output_tensors(out)) if isinstance(out, (tuple, list)) else out
 
         out, pullback = vjp(output, params)
-        b1 = tree_map(_one_sample, b)
+        b1 = tree_map(one, b)
         if isinstance(b1, tuple):  # a tuple output: its Tensors, None skipped (hooks.py)
             b1 = type(out)(b1)
         return pullback(b1)[0]  # g_i = (∂o_i/∂w)^T b_i

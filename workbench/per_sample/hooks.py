@@ -59,12 +59,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.hooks import RemovableHandle
 
 from workbench.per_sample import precision
 from workbench.per_sample.broadcast import BROADCASTABLE
-from workbench.per_sample.flat_rows import as_batch, passed_on, unflattened
+from workbench.per_sample.flat_rows import as_batch, passed_on, rule_less_rows, unflattened
 from workbench.per_sample.positional import as_positional
 from workbench.per_sample.registry import called_with_more
 from workbench.per_sample.views import capture_edge, watched
@@ -372,6 +372,11 @@ class ActivationRecorder:
         if rows is not None:  # flat_rows.py: the call on (n, T, ...) rows, Eq. (2)
             self.flat_rows.tag(tensors[0], *rows)
             args = (as_batch(args[0], rows), *args[1:])
+        elif self.flat_rows is not None and self.flat_rows.tags and \
+                (rows := rule_less_rows(self.flat_rows, layer, args, kwargs, tensors)):
+            args, kwargs = tree_map(  # vmap on the layer maps every Tensor: each (n, T, ...)
+                lambda t: as_batch(t, rows) if isinstance(t, torch.Tensor) else t,
+                (args, kwargs))
         device = tensors[0].device
         captured = [capture_edge(t) for t in tensors]  # a view's b at its base (views.py)
         views = [v for _, v in captured]

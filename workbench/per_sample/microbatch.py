@@ -47,18 +47,19 @@ def microbatch_per_sample_gradients(model, loss_fn, inputs, targets, names=None)
     return grads
 
 
-def layer_microbatch_grad_sampler(layer, args, kwargs, backprops):
+def layer_microbatch_grad_sampler(layer, args, kwargs, backprops, flat: bool = False):
     """One layer's per-sample gradients from its recorded inputs and output gradient, by a
     loop over samples: o_i = layer(a_i), g_i = (∂o_i/∂w)ᵀ b_i. The layer-level reference,
     used where the loss is not at hand (the DP optimizer's ``method="microbatch"``);
-    every Tensor argument must carry the batch on dim 0."""
+    every Tensor argument must carry the batch on dim 0 (``flat``: as (n, T, ...), a call on
+    batch-flattened rows, each sample called on its T rows as flattened, (T, ...))."""
     own = {name: p for name, p in layer.named_parameters(recurse=False) if p.requires_grad}
     many = isinstance(backprops, (tuple, list))  # a layer returning a tuple of Tensors
     n = (backprops[0] if many else backprops).shape[0]
     grads = {name: zeros_per_sample((n, *p.shape), like=p) for name, p in own.items()}
 
     def row(t, i):
-        return t[i:i + 1].detach() if isinstance(t, torch.Tensor) else t
+        return (t[i] if flat else t[i:i + 1]).detach() if isinstance(t, torch.Tensor) else t
 
     for i in range(n):
         args_i = tuple(row(t, i) for t in args)
@@ -66,7 +67,7 @@ def layer_microbatch_grad_sampler(layer, args, kwargs, backprops):
         with torch.enable_grad():
             o_i = layer.forward(*args_i, **kwargs_i)  # .forward: no recording hooks
         outs = output_tensors(o_i)  # a tuple's Tensors, None skipped (as its b)
-        b_i = [b[i:i + 1] for b in backprops] if many else [backprops[i:i + 1]]
+        b_i = [row(b, i) for b in backprops] if many else [row(backprops, i)]
         g_i = torch.autograd.grad(outs, list(own.values()), b_i, allow_unused=True)
         for name, g in zip(own, g_i):
             if g is not None:
