@@ -185,17 +185,23 @@ def fed_outputs(output, args, kwargs, limit: int = 2000) -> set[int]:
     inside the call (a cell's new state c, from which it computes its h; a router's logits,
     from which its top-k weights): the gradient arriving at such a Tensor (at its hook or its
     edge) holds the other's path through the layer as well as the gradient from outside, and a
-    layer's rule (or its vmap) applied to every output's b would count that path twice. Found
-    by walking each output's graph back to the call's inputs; a walk of more than ``limit``
-    nodes names every output (copying one that feeds nothing is harmless)."""
+    layer's rule (or its vmap) applied to every output's b would count that path twice; the
+    same value returned twice (``return h, h``: both hooks read the sum of both uses) is such
+    a pair too, every place it is returned at named. Found by walking each output's graph
+    back to the call's inputs; a walk of more than ``limit`` nodes names every output
+    (copying one that feeds nothing is harmless)."""
     outs = [(k, t) for k, t in enumerate(output)
             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     if len(outs) < 2:
         return set()
-    at = {(t.grad_fn, t.output_nr): k for k, t in outs}
+    at, fed = {}, set()
+    for k, t in outs:  # the same value twice (``return h, h``): each hook would read both
+        first = at.setdefault((t.grad_fn, t.output_nr), k)
+        if first != k:
+            fed.update((first, k))  # a copy each: a hook on the value itself would read both
     stop = {a.grad_fn for a in tree_leaves((args, kwargs))
             if isinstance(a, torch.Tensor) and a.grad_fn is not None}
-    fed, walked = set(), 0
+    walked = 0
     for k, t in outs:
         todo, seen = list(t.grad_fn.next_functions), set()
         while todo:
