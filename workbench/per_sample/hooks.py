@@ -65,6 +65,7 @@ from torch.utils.hooks import RemovableHandle
 from workbench.per_sample import precision
 from workbench.per_sample.broadcast import BROADCASTABLE
 from workbench.per_sample.flat_rows import as_batch, passed_on, rule_less_rows, unflattened
+from workbench.per_sample.leaves import call_leaves
 from workbench.per_sample.positional import as_positional
 from workbench.per_sample.registry import called_with_more
 from workbench.per_sample.views import capture_edge, watched
@@ -93,6 +94,7 @@ class LayerCall:
     stored_at: dict = field(default_factory=dict)  # k -> the backward pass b_k came in
     tainted: bool | None = None  # an input computed from the model's inputs (derived.Taint;
     # None: not known, no use tracker ran)
+    repeated: list | None = None  # per Tensor leaf: its rows one row repeated (drop_inputs)
 
     @property
     def edge(self) -> GradientEdge:
@@ -132,7 +134,15 @@ class LayerCall:
 def drop_inputs(call: LayerCall) -> None:
     """Free a call's activations a once its per-sample gradients are materialised (streaming):
     each Tensor argument becomes a "meta" tensor of the same shape and dtype (no storage), so
-    the shape checks and call signatures (``recording.checked_shapes``) still read them."""
+    the shape checks and call signatures (``recording.checked_shapes``) still read them. A
+    call on tensors computed without the batch first notes, per Tensor, whether its rows are
+    one row repeated (``recording.rows_not_samples`` reads values the stand-ins lack)."""
+    if call.tainted is False and call.repeated is None:
+        with torch.no_grad():
+            call.repeated = [bool((t == t[:1]).all()) if isinstance(t, torch.Tensor)
+                             and t.dim() >= 1 else True
+                             for t in call_leaves(call.args, call.kwargs)]
+
     def stand_in(t):
         return torch.empty(t.shape, dtype=t.dtype, device="meta") \
             if isinstance(t, torch.Tensor) else t

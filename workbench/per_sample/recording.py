@@ -198,13 +198,18 @@ def rows_not_samples(layer, call, n: int) -> str | None:
     if call.tainted is not False or call.meet is not None or call.rows is not None or n < 2 \
             or layer.__dict__.get("takes_over", False):
         return None
-    for a in call_leaves(call.args, call.kwargs):
+    known = call.repeated  # noted before streaming dropped the values (hooks.drop_inputs)
+    for i, a in enumerate(call_leaves(call.args, call.kwargs)):
         if isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == n:
-            with torch.no_grad():
-                if not bool((a == a[:1]).all()):
-                    return (f"is called on a tensor computed without the batch, of shape "
-                            f"{tuple(a.shape)}: its dim 0 is n = {n} by coincidence, its rows "
-                            f"are not samples")
+            if a.is_meta:
+                same = known is not None and i < len(known) and known[i]
+            else:
+                with torch.no_grad():
+                    same = bool((a == a[:1]).all())
+            if not same:
+                return (f"is called on a tensor computed without the batch, of shape "
+                        f"{tuple(a.shape)}: its dim 0 is n = {n} by coincidence, its rows "
+                        f"are not samples")
     return None
 
 
