@@ -151,7 +151,19 @@ def layer_vmap_grad_sampler(layer, args, kwargs, backprops, flat: bool = False):
                           f"({type(error).__name__}: {str(error).splitlines()[0][:160]}); its "
                           f"per-sample gradients are computed one record at a time instead "
                           f"(exact, n times slower for this layer)", stacklevel=3)
-        return layer_microbatch_grad_sampler(layer, args, kwargs, backprops, flat)
+        try:
+            return layer_microbatch_grad_sampler(layer, args, kwargs, backprops, flat)
+        except (RuntimeError, NotImplementedError) as looped:
+            raise UnsupportedLayerError(
+                f"{kind.__name__} has no rule, and its recorded call cannot be run again on "
+                f"its own: under torch.func.vmap {type(error).__name__}: "
+                f"{str(error).splitlines()[0][:120]}; record by record "
+                f"{type(looped).__name__}: {str(looped).splitlines()[0][:120]} (a forward "
+                f"that reads state an earlier pass left on the module, a cache or a "
+                f"recurrent state, cannot be replayed from its inputs). Use "
+                f"method='microbatch' or 'vmap', which differentiate the whole model per "
+                f"sample, or register a grad sampler for {kind.__name__} "
+                f"(wb.register_grad_sampler)") from looped
 
 
 _LOOPED: set[type] = set()  # layer types warned about (layer_vmap_grad_sampler)
