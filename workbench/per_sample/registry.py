@@ -218,6 +218,15 @@ def called_with_more(layer: nn.Module, args: tuple, kwargs: dict) -> None:
         _bump()  # its behaviour rule no longer holds: no kept answer may say it does
 
 
+def rng_kept(layer: nn.Module):
+    """A context in which a probe of ``layer`` may draw random numbers (its forward, random
+    probe values): the global generators (CPU, and the layer's CUDA devices) are as before
+    afterwards, so a probe never moves the user's random stream (the dropout masks a seeded
+    training run draws next)."""
+    devices = sorted({p.device.index or 0 for p in layer.parameters() if p.device.type == "cuda"})
+    return torch.random.fork_rng(devices=devices)
+
+
 def by_behaviour(layer: nn.Module, behaviours):
     """The first behaviour rule whose ``matches(layer)`` holds (cached per layer), or None;
     None for a layer called with more than its input (``called_with_more``)."""
@@ -226,7 +235,8 @@ def by_behaviour(layer: nn.Module, behaviours):
     verdicts = _VERDICTS.setdefault(layer, {})
     for matches, rule in behaviours:
         if matches not in verdicts:
-            verdicts[matches] = bool(matches(layer))
+            with rng_kept(layer):  # the probe's draws are its own
+                verdicts[matches] = bool(matches(layer))
         if verdicts[matches]:
             return rule
     return None

@@ -47,6 +47,7 @@ from workbench.per_sample.registry import (
     find_rule,
     register_by_behaviour,
     register_grad_sampler,
+    rng_kept,
 )
 
 
@@ -78,8 +79,10 @@ def probe_forward(layer: nn.Module, *args) -> torch.Tensor:
     """``layer.forward(*args)`` on a behaviour rule's probe input, which must return one Tensor:
     a layer returning anything else (IBert's ``QuantLinear``: a tuple (output, scale)) is no
     o = f(a) layer of any behaviour rule, so it raises TypeError, one of ``PROBE_ERRORS``
-    (the probe's "does not match"). Every probe forward goes through here."""
-    out = layer.forward(*args)
+    (the probe's "does not match"). Every probe forward goes through here; a random draw inside
+    it leaves the global generators as they were (``registry.rng_kept``)."""
+    with rng_kept(layer):
+        out = layer.forward(*args)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{type(layer).__name__} returns a {type(out).__name__}, not a Tensor")
     return out

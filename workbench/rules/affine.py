@@ -92,12 +92,14 @@ def affine_layout(layer) -> str | None:
     if not candidate(layer) or layer.weight.dtype not in TOLERANCE:
         return None
     w, bias = layer.weight.detach(), getattr(layer, "bias", None)
+    g = torch.Generator().manual_seed(1)  # the probe's own values: no global draw
     for layout, a in probe_inputs(w):
         try:
             with torch.no_grad():
                 A, B = parts(layer, a.to(w.device))
-                w2 = torch.randn_like(w)
-                b2 = None if bias is None else torch.randn_like(bias)
+                w2 = torch.randn(w.shape, generator=g, dtype=w.dtype).to(w.device)
+                b2 = None if bias is None else torch.randn(
+                    bias.shape, generator=g, dtype=bias.dtype).to(bias.device)
                 out = run(layer, a.to(w.device), w2, b2)
                 want = A + B * aligned(w2, out, layout)
                 if b2 is not None:
