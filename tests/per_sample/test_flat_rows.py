@@ -235,6 +235,9 @@ def test_tags_follow_row_splits_topk_repeats_and_gathers():
     whole = flat.repeat_interleave(2)  # no dim: flattened first, no rows
     rows.after("repeat_interleave", (flat, 2), {}, whole)
     assert rows.of(whole) is None
+    wave = torch.sin(flat)  # a pointwise op (was not listed: the tag was lost, the fallback)
+    rows.after("sin", (flat,), {}, wave)
+    assert rows.of(wave) == (2, 6)
     ids = top.indices.reshape(-1)
     rows.after("reshape", (top.indices, -1), {}, ids)
     picked = table[ids]  # row r: the table's row ids[r]

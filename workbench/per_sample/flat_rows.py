@@ -54,8 +54,17 @@ ELEMENTWISE = frozenset({
     "__iadd__", "__sub__", "__rsub__", "__isub__", "__mul__", "__rmul__", "__imul__",
     "__truediv__", "__rtruediv__", "__itruediv__", "__neg__", "__pow__", "__rpow__",
     "clamp", "clip", "clamp_min", "clamp_max", "log", "log1p", "expm1", "reciprocal", "maximum",
-    "minimum", "where",
-})
+    "minimum", "where", "sin", "cos", "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh",
+    "asinh", "acosh", "atanh", "sign", "sgn", "floor", "ceil", "round", "trunc", "frac", "log2",
+    "log10", "exp2", "logit", "logsigmoid", "softsign", "tanhshrink", "hardshrink",
+    "softshrink", "threshold", "nan_to_num", "fmod", "remainder", "lerp", "addcmul", "addcdiv",
+    "erfc", "erfinv", "lgamma", "digamma", "xlogy", "hypot", "copysign", "float_power",
+    "true_divide", "floor_divide", "fmax", "fmin", "heaviside", "deg2rad", "rad2deg",
+    "positive", "rsub", "__mod__", "__floordiv__", "__abs__", "eq", "ne", "lt", "le", "gt",
+    "ge", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "logical_and",
+    "logical_or", "logical_xor", "logical_not", "__and__", "__or__", "__xor__", "__invert__",
+    "isnan", "isinf", "isfinite",
+})  # pointwise: row r of the result from rows r of the operands (broadcasting: _elementwise)
 ROW_WISE = frozenset({
     "transpose", "permute", "softmax", "log_softmax", "normalize", "matmul", "__matmul__", "bmm",
     "linear", "layer_norm", "group_norm", "rms_norm", "embedding", "conv1d", "conv2d", "conv3d",
