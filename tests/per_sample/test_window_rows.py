@@ -170,3 +170,38 @@ def test_row_wise_ops_keep_rows_only_where_each_row_stands_alone():
     assert not kept("matmul", flat, flat.T)  # h h^T: every row meets every other
     other = torch.randn(6, 5, 2)  # of the batch, rows of unknown order
     assert not kept("matmul", h, other)
+
+
+class Residual(Swinish):
+    """Swin's block: the windows merged back and added to the residual stream (n, H, W, d)."""
+
+    def forward(self, x):
+        n, g = x.shape[0], SIDE // WIN
+        h = self.embed(x)  # (n, SIDE, SIDE, d)
+        windows = h.view(n, g, WIN, g, WIN, D).permute(0, 1, 3, 2, 4, 5).reshape(-1, WIN * WIN,
+                                                                                 D)
+        o = self.out(self.attn(windows)).view(n, g, g, WIN, WIN, D).permute(0, 1, 3, 2, 4, 5)
+        h = h + o.reshape(n, SIDE, SIDE, D)  # the add BatchFree would take for a broadcast
+        return self.head(torch.tanh(h).reshape(n, SIDE * SIDE, D).mean(1))
+
+
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("n", [1, 3])
+def test_one_sample_window_rows_added_to_the_residual(n, check):
+    """At n = 1 the output projection's (windows, w², d) output, merged back to (1, H, W, d)
+    and added to the residual, looked like a batch-free output broadcast into the batch (its
+    dim 0 of size 1): BatchFree converted the call although its rows were proved the batch's,
+    and every method crashed with a reshape error (torchvision's and Hugging Face's Swin, the
+    sweep of new architectures). A call on the batch's rows is no batch-free call now."""
+    torch.manual_seed(0)
+    m, (x, y) = Residual().double(), batch(n)
+    assert_agree(m, mse_per_sample, x, y, check=check)
+    assert_clipping_agrees(m, mse_per_sample, x, y)
+
+
+@pytest.mark.parametrize("mode", [*MODES, "auto"])
+def test_optimizer_on_one_sample_window_rows(mode):
+    torch.manual_seed(0)
+    batches = [batch(n, seed) for seed, n in ((0, 1), (1, 3), (2, 1))]
+    assert_optimizer_matches_microbatch(Residual().double(), mse_per_sample, batches,
+                                        method=mode)

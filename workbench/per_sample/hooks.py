@@ -417,7 +417,10 @@ class ActivationRecorder:
             call.handles += [e.node.register_prehook(self._pre_hook(call, k, e.output_nr,
                                                                     unless_stored=True))
                              for k, (e, v) in enumerate(captured) if v is not None]
-        if self.batch_free is not None and not is_tuple and type(layer) in BROADCASTABLE:
+        if self.batch_free is not None and not is_tuple and type(layer) in BROADCASTABLE \
+                and rows is None and tainted is not True:  # a call on the batch's rows (its
+            # input computed from the model's inputs) is no batch-free call: at n = 1 its
+            # output's dim 0 of size 1 would broadcast like one (Swin's window rows, n = 1)
             self.batch_free.watch(call, tensors[0])
 
     def add_layer(self, path: str, layer) -> nn.Module:
