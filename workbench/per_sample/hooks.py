@@ -418,9 +418,10 @@ class ActivationRecorder:
                                                                     unless_stored=True))
                              for k, (e, v) in enumerate(captured) if v is not None]
         if self.batch_free is not None and not is_tuple and type(layer) in BROADCASTABLE \
-                and rows is None and tainted is not True:  # a call on the batch's rows (its
-            # input computed from the model's inputs) is no batch-free call: at n = 1 its
-            # output's dim 0 of size 1 would broadcast like one (Swin's window rows, n = 1)
+                and rows is None:  # a call on rows proved the batch's is no batch-free call:
+            # at n = 1 its output's dim 0 of size 1 would broadcast like one (Swin's window
+            # rows, n = 1). (Its input's taint is no test: a model input without the batch,
+            # position ids of shape (1, T), is tainted and batch-free.)
             self.batch_free.watch(call, tensors[0])
 
     def add_layer(self, path: str, layer) -> nn.Module:
