@@ -86,6 +86,18 @@ def assert_clipping_agrees(model, loss_fn, inputs, targets, max_grad_norm=None):
     return ref_norms, ref
 
 
+def assert_clipped_sums_agree(model, loss_fn, inputs, targets, max_grad_norm, **kwargs):
+    """ghost, book-keeping and einsum clipped sums equal micro-batching's to 1e-9 (float64),
+    with the keyword options given (``check=False``: a fast path must be right without it)."""
+    want = wb.clipped_grad_sum(model, loss_fn, inputs, targets, max_grad_norm,
+                               method="microbatch")
+    for method in ("ghost", "bookkeeping", "einsum"):
+        got = wb.clipped_grad_sum(model, loss_fn, inputs, targets, max_grad_norm,
+                                  method=method, **kwargs)
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-12)
+
+
 def exact_routes(model, inputs, targets, loss_fn=mse_per_sample):
     """A rule's model: every method and the clipped sums against micro-batching (float64),
     then ``ghost_routes``' table for the caller's route assertions."""

@@ -15,7 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import workbench as wb
+from tests.helpers import (
+    assert_agree,
+    assert_clipped_sums_agree,
+    assert_optimizer_matches_microbatch,
+)
 from workbench.dpsgd import MODES, DPOptimizer
 
 D, C = 4, 0.5
@@ -70,14 +74,6 @@ def batch(n, seed=0):
         torch.randint(0, 3, (n,), generator=g)
 
 
-def clipped(ref):
-    n = next(iter(ref.values())).shape[0]
-    norms = torch.stack([torch.cat([g[i].flatten() for g in ref.values()]).norm()
-                         for i in range(n)])
-    c = (C / norms).clamp(max=1.0)
-    return {k: (g * c.view(-1, *[1] * (g.dim() - 1))).sum(0) for k, g in ref.items()}
-
-
 def model_of(kind=tuple):
     torch.manual_seed(0)
     return Unrolled(kind).double()
@@ -86,17 +82,9 @@ def model_of(kind=tuple):
 @pytest.mark.parametrize("kind", [tuple, list, State, Pair, "twice"])
 @pytest.mark.parametrize("check", [True, False])
 def test_outputs_computed_from_each_other_are_exact(kind, check):
-    model = model_of(kind)
-    x, y = batch(6)
-    ref = wb.per_sample_gradients(model, losses, x, y, method="microbatch")
-    got = wb.per_sample_gradients(model, losses, x, y, method="einsum", check=check)
-    for k in ref:
-        torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=1e-12)
-    want = clipped(ref)
-    for method in ("ghost", "bookkeeping", "einsum"):
-        got = wb.clipped_grad_sum(model, losses, x, y, C, method=method, check=check)
-        for k in want:
-            torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-12)
+    model, (x, y) = model_of(kind), batch(6)
+    assert_agree(model, losses, x, y, methods=("einsum",), check=check)
+    assert_clipped_sums_agree(model, losses, x, y, C, check=check)
 
 
 def test_the_copy_changes_nothing_the_model_computes():
@@ -117,19 +105,6 @@ def test_the_copy_changes_nothing_the_model_computes():
 @pytest.mark.parametrize("mode", [*MODES, "auto"])
 @pytest.mark.parametrize("verify", [True, False])
 def test_dp_optimizer_steps_are_exact(mode, verify):
-    model = model_of()
-    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
-                      max_grad_norm=C, expected_batch_size=1.0, loss_reduction="sum",
-                      method=mode)
-    opt.verify = verify
-    try:
-        for seed, n in ((0, 3), (1, 5), (2, 4)):
-            x, y = batch(n, seed)
-            want = clipped(wb.per_sample_gradients(model, losses, x, y, method="microbatch"))
-            opt.zero_grad()
-            losses(model(x), y).sum().backward()
-            opt.step()
-            for k, p in model.named_parameters():
-                torch.testing.assert_close(p.grad, want[k], rtol=1e-9, atol=1e-12)
-    finally:
-        opt.detach()
+    batches = [batch(n, seed) for seed, n in ((0, 3), (1, 5), (2, 4))]
+    assert_optimizer_matches_microbatch(model_of(), losses, batches, max_grad_norm=C,
+                                        method=mode, verify=verify)

@@ -15,7 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import workbench as wb
-from workbench.dpsgd import MODES, DPOptimizer
+from tests.helpers import (
+    assert_agree,
+    assert_clipped_sums_agree,
+    assert_optimizer_matches_microbatch,
+)
+from workbench.dpsgd import MODES
 
 T, D, E, K, C = 5, 6, 4, 2, 0.5
 
@@ -92,14 +97,6 @@ def model_of(mix=False):
     return MoE(mix).double()
 
 
-def clipped(ref):
-    n = next(iter(ref.values())).shape[0]
-    norms = torch.stack([torch.cat([g[i].flatten() for g in ref.values()]).norm()
-                         for i in range(n)])
-    c = (C / norms).clamp(max=1.0)
-    return {k: (g * c.view(-1, *[1] * (g.dim() - 1))).sum(0) for k, g in ref.items()}
-
-
 def test_router_and_experts_take_per_layer_vmap_on_the_rows():
     for n in (3, T):
         x, y = batch(n)
@@ -119,33 +116,13 @@ def test_a_rule_less_layer_on_rows_not_proved_keeps_the_fallback():
 @pytest.mark.parametrize("check", [True, False])
 @pytest.mark.parametrize("n", [3, T])
 def test_functional_api_is_exact(mix, check, n):
-    model = model_of(mix)
-    x, y = batch(n, seed=n)
-    ref = wb.per_sample_gradients(model, losses, x, y, method="microbatch")
-    got = wb.per_sample_gradients(model, losses, x, y, method="einsum", check=check)
-    for k in ref:
-        torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=1e-12)
-    want = clipped(ref)
-    for method in ("ghost", "bookkeeping", "einsum"):
-        got = wb.clipped_grad_sum(model, losses, x, y, C, method=method, check=check)
-        for k in want:
-            torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-12)
+    model, (x, y) = model_of(mix), batch(n, seed=n)
+    assert_agree(model, losses, x, y, methods=("einsum",), check=check)
+    assert_clipped_sums_agree(model, losses, x, y, C, check=check)
 
 
 @pytest.mark.parametrize("mode", [*MODES, "auto"])
 def test_dp_optimizer_steps_are_exact(mode):
-    model = model_of()
-    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
-                      max_grad_norm=C, expected_batch_size=1.0, loss_reduction="sum",
-                      method=mode)
-    try:
-        for seed, n in ((0, 3), (1, T), (2, 4), (3, T)):
-            x, y = batch(n, seed)
-            want = clipped(wb.per_sample_gradients(model, losses, x, y, method="microbatch"))
-            opt.zero_grad()
-            losses(model(x), y).sum().backward()
-            opt.step()
-            for k, p in model.named_parameters():
-                torch.testing.assert_close(p.grad, want[k], rtol=1e-9, atol=1e-12)
-    finally:
-        opt.detach()
+    batches = [batch(n, seed) for seed, n in ((0, 3), (1, T), (2, 4), (3, T))]
+    assert_optimizer_matches_microbatch(model_of(), losses, batches, max_grad_norm=C,
+                                        method=mode)
