@@ -190,3 +190,40 @@ def test_make_private_defaults_to_auto_and_an_explicit_mode_wins():
                 break
         assert opt.last["mode"] == ran
         opt.detach()
+
+
+class PositionBias(nn.Module):
+    """A learned (heads, T, T) bias called without arguments (Swin's relative position bias):
+    no (a, b) pair to cost. At n = 1 its output's dim 0 of size 1 looks like the batch's."""
+
+    def __init__(self, T=4):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(1, T, T) / 4)
+
+    def forward(self):
+        return self.table
+
+
+class Biased(nn.Module):
+    def __init__(self, T=4, d=3):
+        super().__init__()
+        self.bias, self.proj, self.head = PositionBias(T), nn.Linear(d, d), nn.Linear(d, 2)
+
+    def forward(self, x):  # x: (n, T, d)
+        scores = self.proj(x) @ x.transpose(1, 2) + self.bias()
+        return self.head((scores.softmax(-1) @ x).mean(1))
+
+
+@pytest.mark.parametrize("sizes", [(1,), (1, 3, 1), (3, 1, 2)])
+def test_auto_costs_a_call_without_arguments(sizes):
+    """Used to raise IndexError in the cost model (``_first`` of no arguments) at n = 1."""
+    from tests.helpers import assert_optimizer_matches_microbatch
+
+    torch.manual_seed(0)
+    model = Biased().double()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(n, 4, 3, generator=g, dtype=torch.float64),
+                torch.randint(0, 2, (n,), generator=g)) for n in sizes]
+    assert_optimizer_matches_microbatch(
+        model, lambda out, y: nn.functional.cross_entropy(out, y, reduction="none"), batches,
+        max_grad_norm=0.05, method="auto")

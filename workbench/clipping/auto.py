@@ -86,7 +86,11 @@ def cheaply_normed(rec, layer, call, shared: set[int], crossed=()) -> bool:
 
 
 def _first(t):
-    return t[0] if isinstance(t, (tuple, list)) else t
+    """The first of a call's inputs or backprops; None for a call given none (a layer called
+    without arguments, such as a relative-position bias table: it has no (a, b) to norm)."""
+    if isinstance(t, (tuple, list)):
+        return t[0] if t else None
+    return t
 
 
 def gradient_macs(layer, a: torch.Tensor, b: torch.Tensor, P: int) -> int:
