@@ -44,6 +44,16 @@ gradient of a call has arrived, still inside the backward pass: the optimizer's 
 materialises a call there and frees its a (``drop_inputs``: "meta" tensors keep the shapes)
 and b (``dpsgd/streamed.py``), as the functional API's streamed pass does.
 
+**A layer's state** (``state_of``, ``changed_state``): every route that re-runs a layer's forward
+(per-layer vmap, per-layer micro-batching) assumes the re-run computes what the call computed.
+A forward that reads an attribute which it, or anything after it, rebinds or writes in place
+during the pass (RecurrentGemma's RG-LRU starts its scan from ``self.recurrent_states``, which
+each call overwrites with its last state) would, re-run after the pass, read what the pass
+left there, not what the call read. So the pre-hook of each layer's first call keeps its
+attribute bindings and its buffers' versions (``before``), and ``changed()`` names, per layer,
+what differs now; ``recording.new_recording`` sends such a layer, if it has no grad rule (the
+re-run ones), to the exact whole-model fallback.
+
 A position-wise layer called on batch-flattened rows (n·T, d) that the use tracker proved
 sample-major (OPT's MLP on ``h.reshape(-1, d)``, ``flat_rows.py``) is recorded as the call on
 (n, T, d): its input viewed so, its output's shape and backprops likewise (``rows``).
@@ -231,6 +241,31 @@ def fed_outputs(output, args, kwargs, limit: int = 2000) -> set[int]:
     return fed
 
 
+def leaf_outputs(output) -> set[int] | None:
+    """Positions of the outputs a layer returned as they are, leaves that require grad (a
+    relative-position table's ``forward`` returning ``self.table``): {0} for a Tensor. Its
+    output then *is* the parameter, so the gradient its hook reads is the parameter's whole
+    gradient, which the use tracker also counts where the parameter meets the batch (at n = 1
+    the output's dim 0 of size 1 passes for the batch's: counted twice, 2x). A copy taken
+    inside the layer (``copy_leaves``) is an output computed from the parameter, as
+    ``self.table * 1`` is, which every route reads once."""
+    if isinstance(output, torch.Tensor):  # an nn.Parameter too
+        return {0} if output.requires_grad and output.grad_fn is None else None
+    if isinstance(output, (tuple, list)):
+        found = {k for k, t in enumerate(output) if isinstance(t, torch.Tensor)
+                 and t.requires_grad and t.grad_fn is None}
+        return found or None
+    return None
+
+
+def copy_leaves(output, leaves: set[int]):
+    """``output`` with its leaves (``leaf_outputs``) copied; None for a tuple type that cannot
+    be rebuilt."""
+    if isinstance(output, torch.Tensor):
+        return output.clone()  # a plain Tensor, computed from the parameter
+    return apart(output, leaves)
+
+
 def apart(output, fed: set[int]):
     """``output`` with a copy of each Tensor at the positions ``fed``: the layer's own ops
     read the original, everything after the call the copy, whose gradient is then the one
@@ -251,6 +286,34 @@ def odd_output(output) -> str:
             o is None or isinstance(o, torch.Tensor) for o in output):
         return f"{kind} holding Tensors that do not require grad beside ones that do"
     return f"{kind} (not a Tensor, nor a tuple of Tensors and None)"
+
+
+_MODULE_KEYS = frozenset(nn.Module().__dict__)  # torch's own slots: hook dicts, _parameters...
+
+
+def state_of(module: nn.Module) -> tuple:
+    """(bindings, buffer versions): what a forward may read besides its arguments and
+    parameters, as identities (``is``) and ``_version`` counters: cheap, no values read."""
+    d = module.__dict__
+    bufs = d["_buffers"]
+    return (dict(d), [(b, b._version) for b in bufs.values() if b is not None] if bufs else ())
+
+
+def changed_state(module: nn.Module, before: tuple) -> list[str]:
+    """The attributes of ``module`` rebound, added, removed, or (buffers) written in place
+    since ``state_of`` gave ``before``; [] when none."""
+    bound, versions = before
+    d = module.__dict__
+    names = [k for k in d.keys() | bound.keys()
+             if k not in _MODULE_KEYS and d.get(k, bound) is not bound.get(k, d)]
+    bufs = d["_buffers"]
+    if len(bufs) != len(versions) or any(b is not v for b, v in zip(
+            (b for b in bufs.values() if b is not None), (b for b, _ in versions))):
+        names.append("_buffers")  # a buffer rebound (register_buffer, self.buf = t)
+    else:
+        names += [k for (k, b), (_, v) in zip(((k, b) for k, b in bufs.items() if b is not None),
+                                              versions) if b._version != v]
+    return names
 
 
 def attach(module: nn.Module, pre_hook, hook) -> tuple:
@@ -295,6 +358,8 @@ class ActivationRecorder:
     on_complete: object = None  # capture="hooks": (call) -> None once all its b have arrived
     recomputed: dict[str, str] = field(default_factory=dict)  # path -> why: run in a backward
     outputs_of: object = None  # (output) -> (tensors, is_tuple); default ``tensor_outputs``
+    before: dict[str, tuple] = field(default_factory=dict)  # path -> ``state_of`` the layer
+    # before its first recorded call: what a re-run of its calls must find (``changed``)
     _handles: list = field(default_factory=list)
     _pending: bool = False
 
@@ -312,10 +377,12 @@ class ActivationRecorder:
         return False
 
     def _push(self, path):
-        stack = self.stack
+        stack, before = self.stack, self.before
 
         def pre_hook(module, args, kwargs):  # no tensor call: needs no ``quiet``
             stack.append(path)
+            if path not in before and self.recording:
+                before[path] = state_of(module)
             if len(args) > 1 or kwargs:  # before its forward runs: the uses inside it
                 # (tied.py's takeovers) see the rule the whole pass will use
                 called_with_more(module, *as_positional(module, args, kwargs))
@@ -327,6 +394,17 @@ class ActivationRecorder:
         stack = self.stack
 
         def hook(module, args, kwargs, output):
+            copied = False
+            if self.recording and path and (leaves := leaf_outputs(output)) \
+                    and torch._C._current_graph_task_id() == -1:
+                output = copy_leaves(output, leaves)  # still inside the layer: the copy is
+                # its own use of its parameter (``leaf_outputs``)
+                if output is None:
+                    self.untracked[path] = "tuple holding a parameter as it is"
+                    if stack and stack[-1] == path:
+                        stack.pop()
+                    return None
+                copied = True
             if stack and stack[-1] == path:
                 stack.pop()
             if not self.recording:
@@ -346,7 +424,7 @@ class ActivationRecorder:
                     return None
             with torch._C.DisableTorchFunction():
                 self.add_call(path, module, args, kwargs, output)
-            return output if fed else None
+            return output if fed or copied else None
 
         return hook
 
@@ -499,6 +577,17 @@ class ActivationRecorder:
             calls.clear()
         self.untracked.clear()
         self.recomputed.clear()
+        self.before.clear()
+
+    def changed(self) -> dict[str, list[str]]:
+        """{path: what changed}: the layers whose attributes or buffers differ now from
+        before their first recorded call (``changed_state``)."""
+        out = {}
+        for path, state in self.before.items():
+            layer = self.layers.get(path)
+            if layer is not None and (names := changed_state(layer, state)):
+                out[path] = names
+        return out
 
     def all_calls(self) -> list[LayerCall]:
         return [call for calls in self.calls.values() for call in calls]
@@ -531,6 +620,7 @@ class ActivationRecorder:
 
 
 __all__ = [
-    "ActivationRecorder", "LayerCall", "attach", "detach", "drop_inputs", "odd_output",
-    "output_tensors", "tensor_outputs",
+    "ActivationRecorder", "LayerCall", "attach", "changed_state", "copy_leaves", "detach",
+    "drop_inputs", "leaf_outputs", "odd_output", "output_tensors", "state_of",
+    "tensor_outputs",
 ]

@@ -358,8 +358,26 @@ def new_recording(n: int, layers, recorder, params, uncovered, calls, **fields) 
             rec.mark(layer, path, problem)
     if recorder.untracked:
         odd_outputs(rec)
+    if recorder.before:
+        stateful(rec)
     derived_of_ruleless(rec)
     return rec
+
+
+def stateful(rec: Recording) -> None:
+    """Every layer without a grad rule whose attributes or buffers changed since its first
+    call (``hooks.changed_state``: RecurrentGemma's RG-LRU rebinds ``recurrent_states``,
+    which its next call starts from): its calls are re-run by the
+    per-layer vmap and micro-batching, which would read the state the pass left, not the state
+    each call read, so its parameters take the exact whole-model fallback (which re-runs the
+    whole forward, the state set up by the model as the user's pass set it up). A layer with
+    a grad rule is never re-run: its rule reads the recorded a and b."""
+    for path, names in rec.recorder.changed().items():
+        layer = rec.layers.get(path)
+        if layer is not None and find_grad_sampler(layer) is None:
+            rec.mark(layer, path, f"changes {', '.join(names)} in its forward: a re-run of a "
+                                  f"call (per-layer vmap or micro-batching) would read what "
+                                  f"the pass left there, not what the call read")
 
 
 def derived_of_ruleless(rec: Recording) -> None:
@@ -416,5 +434,5 @@ __all__ = [
     "derived_of_ruleless", "layers_with_parameters", "loss_reach", "note_uncovered",
     "odd_outputs",
     "own_parameters", "owners_of", "parameter_names", "record", "rng_state",
-    "rows_not_samples", "stale_views", "tables",
+    "rows_not_samples", "stale_views", "stateful", "tables",
 ]
