@@ -28,7 +28,7 @@ from workbench.audit.report_provenance import provenance
 from workbench.models import sequence_cross_entropy
 
 LOSSES = {"cross_entropy": nn.CrossEntropyLoss(reduction="none"),
-          "mse": lambda out, y: ((out - y) ** 2).flatten(1).sum(1),
+          "mse": lambda out, y: ((out - y) ** 2).reshape(len(out), -1).sum(1),
           # language models: logits (n, T, V), targets (n, T), summed over the T tokens
           "sequence_cross_entropy": lambda out, y: sequence_cross_entropy(out, y,
                                                                           reduction="sum")}

@@ -13,7 +13,7 @@ import torch
 
 def sum_of_products(outputs, targets):
     """A per-sample loss for any output shape: Σ over non-batch dims of o ⊙ t. Shape (n,)."""
-    return (outputs * targets).flatten(1).sum(1)
+    return (outputs * targets).reshape(len(outputs), -1).sum(1)
 
 
 def plain_step(model, x, t, loss_fn=sum_of_products, reduce=torch.sum):

@@ -96,7 +96,7 @@ def _by_layer(grads):
                          "them): there are no gradients to clip")
     groups: dict[str, list[torch.Tensor]] = {}
     for name, g in grads.items():
-        groups.setdefault(layer_of(name), []).append(g.detach().flatten(1).double())
+        groups.setdefault(layer_of(name), []).append(g.detach().reshape(len(g), -1).double())
     return {layer: torch.cat(parts, dim=1) for layer, parts in groups.items()}
 
 

@@ -82,7 +82,7 @@ def dot_loss(outputs, backprops, keys=None) -> torch.Tensor:
     per-record tensors, not the loss it computed from them)."""
     outs = select(outputs, keys)  # None elements skipped, as the recorded b (hooks.py)
     bs = backprops if isinstance(backprops, (tuple, list)) else (backprops,)
-    return sum((o * b).flatten(1).sum(1) for o, b in zip(outs, bs))
+    return sum((o * b).reshape(len(o), -1).sum(1) for o, b in zip(outs, bs))  # (n,) o too
 
 
 def dot_loss_of(call):

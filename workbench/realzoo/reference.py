@@ -26,8 +26,9 @@ def one_at_a_time(model, loss_fn, x, y) -> dict[str, torch.Tensor]:
 
 
 def norms_of(per_sample: dict) -> torch.Tensor:
-    """||g_i|| over all parameters, (n,)."""
-    return torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in per_sample.values()))
+    """||g_i|| over all parameters, (n,). (``reshape``, not ``flatten(1)``: a 0-d parameter's
+    g is (n,), which ``flatten(1)`` refuses.)"""
+    return torch.sqrt(sum(g.reshape(len(g), -1).pow(2).sum(1) for g in per_sample.values()))
 
 
 def clipped_sum(per_sample: dict, C: float) -> dict[str, torch.Tensor]:

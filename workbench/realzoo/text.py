@@ -141,8 +141,9 @@ def deberta():
 
 
 def lora_llama():
+    base = llama_like("Llama")  # first: import_transformers' torchvision stand-in (imports.py)
+    # must be in place before peft imports transformers itself
     peft = importlib.import_module("peft")
-    base = llama_like("Llama")
     cfg = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
                           lora_dropout=0.0)
     base.hf = peft.get_peft_model(base.hf, cfg)

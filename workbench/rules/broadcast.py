@@ -62,7 +62,7 @@ def broadcast_grad_sampler(layer, activations, backprops):
 
 def broadcast_norm_sampler(layer, activations, backprops):
     g = per_sample_sum(layer, product(layer, activations, backprops))
-    return g.flatten(1).pow(2).sum(1)  # (n,) ||g_i||²
+    return g.reshape(len(g), -1).pow(2).sum(1)  # (n,) ||g_i||²; a 0-d weight's g is (n,)
 
 
 SUMMED = Route("broadcast sum", own_gradient_size)
