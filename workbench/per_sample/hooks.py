@@ -394,9 +394,12 @@ class ActivationRecorder:
         stack = self.stack
 
         def hook(module, args, kwargs, output):
-            copied = False
-            if self.recording and path and (leaves := leaf_outputs(output)) \
-                    and torch._C._current_graph_task_id() == -1:
+            copied, leaves = False, None
+            if self.recording and path:
+                with torch._C.DisableTorchFunction():  # a mode's property reads cost ~80 µs
+                    if torch._C._current_graph_task_id() == -1:
+                        leaves = leaf_outputs(output)
+            if leaves:
                 output = copy_leaves(output, leaves)  # still inside the layer: the copy is
                 # its own use of its parameter (``leaf_outputs``)
                 if output is None:
