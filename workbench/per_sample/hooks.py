@@ -582,13 +582,15 @@ class ActivationRecorder:
         self.recomputed.clear()
         self.before.clear()
 
-    def changed(self) -> dict[str, list[str]]:
-        """{path: what changed}: the layers whose attributes or buffers differ now from
-        before their first recorded call (``changed_state``)."""
+    def changed(self, among=None) -> dict[str, list[str]]:
+        """{path: what changed}: the layers (those ``among(layer)`` holds for, if given)
+        whose attributes or buffers differ now from before their first recorded call
+        (``changed_state``)."""
         out = {}
         for path, state in self.before.items():
             layer = self.layers.get(path)
-            if layer is not None and (names := changed_state(layer, state)):
+            if layer is not None and (among is None or among(layer)) \
+                    and (names := changed_state(layer, state)):
                 out[path] = names
         return out
 

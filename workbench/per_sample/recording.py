@@ -372,9 +372,10 @@ def stateful(rec: Recording) -> None:
     each call read, so its parameters take the exact whole-model fallback (which re-runs the
     whole forward, the state set up by the model as the user's pass set it up). A layer with
     a grad rule is never re-run: its rule reads the recorded a and b."""
-    for path, names in rec.recorder.changed().items():
+    rule_less = rec.recorder.changed(among=lambda layer: find_grad_sampler(layer) is None)
+    for path, names in rule_less.items():
         layer = rec.layers.get(path)
-        if layer is not None and find_grad_sampler(layer) is None:
+        if layer is not None:
             rec.mark(layer, path, f"changes {', '.join(names)} in its forward: a re-run of a "
                                   f"call (per-layer vmap or micro-batching) would read what "
                                   f"the pass left there, not what the call read")
