@@ -158,3 +158,18 @@ def test_an_unchanged_attribute_keeps_the_per_layer_route():
     routes = ghost_routes(model, losses, x, y)
     assert (routes[routes.layer == "cell"].route != "exact fallback").all()
     assert_agree(model, losses, x, y, methods=("einsum",), check=False)
+
+
+def test_changed_state_reads_rebinding_in_place_writes_and_none_buffers():
+    from workbench.per_sample.hooks import changed_state, state_of
+
+    layer = Counted()
+    layer.register_buffer("empty", None)  # a None buffer is no state and no change
+    before = state_of(layer)
+    assert changed_state(layer, before) == []
+    layer.count += 1  # in place: its version moves
+    assert changed_state(layer, before) == ["count"]
+    before = state_of(layer)
+    layer.note = "new"  # an attribute added
+    layer.count = torch.zeros(())  # a buffer rebound
+    assert sorted(changed_state(layer, before)) == ["_buffers", "note"]

@@ -306,13 +306,11 @@ def changed_state(module: nn.Module, before: tuple) -> list[str]:
     d = module.__dict__
     names = [k for k in d.keys() | bound.keys()
              if k not in _MODULE_KEYS and d.get(k, bound) is not bound.get(k, d)]
-    bufs = d["_buffers"]
-    if len(bufs) != len(versions) or any(b is not v for b, v in zip(
-            (b for b in bufs.values() if b is not None), (b for b, _ in versions))):
+    now = [(k, b) for k, b in d["_buffers"].items() if b is not None]  # as ``state_of`` reads
+    if len(now) != len(versions) or any(b is not v for (_, b), (v, _) in zip(now, versions)):
         names.append("_buffers")  # a buffer rebound (register_buffer, self.buf = t)
     else:
-        names += [k for (k, b), (_, v) in zip(((k, b) for k, b in bufs.items() if b is not None),
-                                              versions) if b._version != v]
+        names += [k for (k, b), (_, version) in zip(now, versions) if b._version != version]
     return names
 
 
