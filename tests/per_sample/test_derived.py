@@ -431,3 +431,46 @@ def test_a_meeting_on_rows_that_are_not_the_batch_is_refused(check):
     assert_same(got, wb.per_sample_gradients(model, ce_per_sample, x, y, method="microbatch"))
     routes = quiet(wb.ghost_routes, model, ce_per_sample, x, y)
     assert "derived (meetings)" not in set(routes["route"]), routes
+
+
+class GatheredPositions(nn.Module):
+    """Two DeBERTa-like layers: each query meets a table projected from parameters alone
+    (a meeting), the scores are gathered by relative position along the key dim with an index
+    expanded to the batch, and added to content scores. The second layer's meeting needs the
+    first's output rows proved the batch's through that gather (before: the proof stopped at
+    the gather, and the second layer's table took the whole-model fallback on every step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rel = nn.Parameter(torch.randn(2 * T, D) / 2)
+        self.q = nn.ModuleList([nn.Linear(D, D), nn.Linear(D, D)])
+        self.pos = nn.ModuleList([nn.Linear(D, D), nn.Linear(D, D)])
+        self.head = nn.Linear(D, K)
+
+    def forward(self, x):  # (n, T, D)
+        n = x.shape[0]
+        idx = (torch.arange(T)[None, :] - torch.arange(T)[:, None] + T).expand(n, T, T)
+        for q, pos in zip(self.q, self.pos):
+            query = q(x)  # (n, T, D)
+            scores = query @ pos(self.rel).T  # (n, T, 2T): the meeting
+            scores = torch.gather(scores, -1, idx)  # (n, T, T) by relative position
+            scores = scores + query @ x.transpose(1, 2)
+            x = x + torch.softmax(scores, -1) @ x
+        return self.head(x.mean(1))
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_gather_by_relative_position_keeps_the_rows_proof(check):
+    torch.manual_seed(0)
+    model = GatheredPositions().double()
+    for n in (2, T):
+        x, y = batch(n, 3)
+        got = quiet(wb.per_sample_gradients, model, ce_per_sample, x, y, method="einsum",
+                    check=check)
+        assert_same(got, wb.per_sample_gradients(model, ce_per_sample, x, y,
+                                                 method="microbatch"), n)
+    routes = quiet(wb.ghost_routes, model, ce_per_sample, x, y)
+    assert "exact fallback" not in set(routes["route"]), routes
+    assert set(routes[routes.layer.str.startswith("pos.")]["route"]) == {"derived (meetings)"}
+    batches = [batch(n, 80 + s) for s, n in enumerate((3, 1, T))]
+    quiet(assert_optimizer_matches_microbatch, model, ce_per_sample, batches)

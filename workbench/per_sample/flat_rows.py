@@ -73,7 +73,7 @@ ROW_WISE = frozenset({
     "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d",
     "avg_pool1d", "avg_pool2d", "avg_pool3d", "max_pool1d", "max_pool2d", "max_pool3d",
     "cumsum", "cumprod", "repeat_interleave", "addmm", "expand", "zeros_like", "ones_like",
-    "full_like",
+    "full_like", "gather", "take_along_dim",
 })  # row r of the result from rows r of the inputs (``keeps_rows``)
 LIKE = ("zeros_like", "ones_like", "full_like")  # constant rows, one per row of x
 JOINS = frozenset({"cat", "concat", "concatenate", "stack"})  # along another dim than 0
@@ -478,6 +478,25 @@ def _filled(x, args, kwargs, result, tag_of, tainted):  # masked_fill(x, mask, v
     return all(_alike_or_none(t, x, tag_of, tainted) for t in (*args[1:], *kwargs.values()))
 
 
+def _gathered(x, args, kwargs, result, tag_of, tainted):  # gather(x, dim, index)
+    """``gather`` along a dim other than 0: row r of the result is row r of x picked at row r
+    of the index, whose rows are x's or carry no sample (DeBERTa's relative positions expanded
+    to the batch: ``gather(q @ k_pos^T, -1, pos.expand(n, ...))``)."""
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    index = args[2] if len(args) > 2 else kwargs.get("index")
+    return isinstance(dim, int) and _spares_dim0(dim, x.dim()) and \
+        isinstance(index, torch.Tensor) and index.dim() == x.dim() and \
+        _alike_or_none(index, x, tag_of, tainted)
+
+
+def _taken(x, args, kwargs, result, tag_of, tainted):  # take_along_dim(x, indices, dim)
+    index = args[1] if len(args) > 1 else kwargs.get("indices")
+    dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    return isinstance(dim, int) and _spares_dim0(dim, x.dim()) and \
+        isinstance(index, torch.Tensor) and index.dim() == x.dim() and \
+        _alike_or_none(index, x, tag_of, tainted)
+
+
 def _group_normalised(x, args, kwargs, result, tag_of, tainted):
     return x.dim() >= 2 and all(_no_sample(a, tainted) for a in (*args[2:], *kwargs.values()))
 
@@ -501,7 +520,8 @@ OPS = {"expand": _expanded, "roll": _rolled, "cumsum": _along, "cumprod": _along
        "rms_norm": _normalised, "group_norm": _group_normalised, "mean": _reduced,
        "sum": _reduced, "amax": _reduced, "amin": _reduced, "logsumexp": _reduced,
        "unsqueeze": _unsqueezed, "squeeze": _reduced, "__getitem__": _indexed, "pad": _padded,
-       "scaled_dot_product_attention": _attended, "masked_fill": _filled}
+       "scaled_dot_product_attention": _attended, "masked_fill": _filled,
+       "gather": _gathered, "take_along_dim": _taken}
 """op name -> (x, args, kwargs, result, tag_of, tainted) -> whether the result keeps x's rows
 (x tagged, the result's dim 0 x's: checked before)."""
 
