@@ -67,6 +67,31 @@ class Scaled(nn.Module):
         return torch.tanh(x @ self.W) * self.scale
 
 
+class Memory(nn.Module):
+    """A parameter-free child holding the state: the layer's own attributes never change."""
+
+    def __init__(self):
+        super().__init__()
+        self.state = None
+
+    def forward(self, h):
+        out = h if self.state is None else h + self.state
+        self.state = out.detach()
+        return out
+
+
+class InChild(nn.Module):
+    """Its forward runs its child's, which starts from the state the previous call left."""
+
+    def __init__(self):
+        super().__init__()
+        self.W = nn.Parameter(torch.randn(4, 4) / 2)
+        self.mem = Memory()
+
+    def forward(self, x):
+        return self.mem(torch.tanh(x @ self.W))
+
+
 class Model(nn.Module):
     def __init__(self, cell):
         super().__init__()
@@ -78,6 +103,8 @@ class Model(nn.Module):
             cell.state = None
         elif isinstance(cell, Counted):
             cell.count.zero_()
+        elif isinstance(cell, InChild):
+            cell.mem.state = None
         else:
             cell.scale = 1.0
         h = cell(x)
@@ -96,7 +123,7 @@ def batch(n, seed):
                                                                                  generator=g)
 
 
-CELLS = [Carried, Counted, Scaled]
+CELLS = [Carried, Counted, Scaled, InChild]
 
 
 def model_of(cell):
@@ -173,3 +200,7 @@ def test_changed_state_reads_rebinding_in_place_writes_and_none_buffers():
     layer.note = "new"  # an attribute added
     layer.count = torch.zeros(())  # a buffer rebound
     assert sorted(changed_state(layer, before)) == ["_buffers", "note"]
+    cell = InChild()
+    before = state_of(cell)
+    cell.mem.state = torch.ones(4)  # a child's attribute, named by its path
+    assert changed_state(cell, before) == ["mem.state"]

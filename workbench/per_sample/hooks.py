@@ -291,19 +291,35 @@ def odd_output(output) -> str:
 _MODULE_KEYS = frozenset(nn.Module().__dict__)  # torch's own slots: hook dicts, _parameters...
 
 
-def state_of(module: nn.Module) -> tuple:
-    """(bindings, buffer versions): what a forward may read besides its arguments and
-    parameters, as identities (``is``) and ``_version`` counters: cheap, no values read."""
-    d = module.__dict__
+def state_of(module: nn.Module) -> list:
+    """[(path, submodule, (bindings, buffer versions))] for ``module`` and every module inside
+    it (a re-run of its forward runs theirs too: a state kept on a child is read as well):
+    what a forward may read besides its arguments and parameters, as identities (``is``) and
+    ``_version`` counters: cheap, no values read."""
+    if not module._modules:  # the usual layer: no walk
+        return [("", module, _own_state(module))]
+    return [(path, m, _own_state(m)) for path, m in module.named_modules()]
+
+
+def _own_state(m: nn.Module) -> tuple:
+    d = m.__dict__
     bufs = d["_buffers"]
-    return (dict(d), [(b, b._version) for b in bufs.values() if b is not None] if bufs else ())
+    return dict(d), [(b, b._version) for b in bufs.values() if b is not None] if bufs else ()
 
 
-def changed_state(module: nn.Module, before: tuple) -> list[str]:
-    """The attributes of ``module`` rebound, added, removed, or (buffers) written in place
-    since ``state_of`` gave ``before``; [] when none."""
+def changed_state(module: nn.Module, before: list) -> list[str]:
+    """The attributes of ``module`` and of the modules inside it (``child.attr``) rebound,
+    added, removed, or (buffers) written in place since ``state_of`` gave ``before``; []
+    when none."""
+    names = []
+    for path, m, state in before:
+        names += [f"{path}.{k}" if path else k for k in _own_changes(m, state)]
+    return names
+
+
+def _own_changes(m: nn.Module, before: tuple) -> list[str]:
     bound, versions = before
-    d = module.__dict__
+    d = m.__dict__
     names = [k for k in d.keys() | bound.keys()
              if k not in _MODULE_KEYS and d.get(k, bound) is not bound.get(k, d)]
     now = [(k, b) for k, b in d["_buffers"].items() if b is not None]  # as ``state_of`` reads
