@@ -478,23 +478,18 @@ def _filled(x, args, kwargs, result, tag_of, tainted):  # masked_fill(x, mask, v
     return all(_alike_or_none(t, x, tag_of, tainted) for t in (*args[1:], *kwargs.values()))
 
 
-def _gathered(x, args, kwargs, result, tag_of, tainted):  # gather(x, dim, index)
-    """``gather`` along a dim other than 0: row r of the result is row r of x picked at row r
-    of the index, whose rows are x's or carry no sample (DeBERTa's relative positions expanded
-    to the batch: ``gather(q @ k_pos^T, -1, pos.expand(n, ...))``)."""
-    dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    index = args[2] if len(args) > 2 else kwargs.get("index")
-    return isinstance(dim, int) and _spares_dim0(dim, x.dim()) and \
-        isinstance(index, torch.Tensor) and index.dim() == x.dim() and \
-        _alike_or_none(index, x, tag_of, tainted)
-
-
-def _taken(x, args, kwargs, result, tag_of, tainted):  # take_along_dim(x, indices, dim)
-    index = args[1] if len(args) > 1 else kwargs.get("indices")
-    dim = args[2] if len(args) > 2 else kwargs.get("dim")
-    return isinstance(dim, int) and _spares_dim0(dim, x.dim()) and \
-        isinstance(index, torch.Tensor) and index.dim() == x.dim() and \
-        _alike_or_none(index, x, tag_of, tainted)
+def _picked(dim_at: int, index_at: int, index_name: str):
+    """``gather(x, dim, index)`` (dim second) and ``take_along_dim(x, indices, dim)`` (dim
+    third) along a dim other than 0: row r of the result is row r of x picked at row r of the
+    index, whose rows are x's or carry no sample (DeBERTa's relative positions expanded to the
+    batch: ``gather(q @ k_pos^T, -1, pos.expand(n, ...))``)."""
+    def check(x, args, kwargs, result, tag_of, tainted):
+        dim = args[dim_at] if len(args) > dim_at else kwargs.get("dim")
+        index = args[index_at] if len(args) > index_at else kwargs.get(index_name)
+        return isinstance(dim, int) and _spares_dim0(dim, x.dim()) and \
+            isinstance(index, torch.Tensor) and index.dim() == x.dim() and \
+            _alike_or_none(index, x, tag_of, tainted)
+    return check
 
 
 def _group_normalised(x, args, kwargs, result, tag_of, tainted):
@@ -521,7 +516,7 @@ OPS = {"expand": _expanded, "roll": _rolled, "cumsum": _along, "cumprod": _along
        "sum": _reduced, "amax": _reduced, "amin": _reduced, "logsumexp": _reduced,
        "unsqueeze": _unsqueezed, "squeeze": _reduced, "__getitem__": _indexed, "pad": _padded,
        "scaled_dot_product_attention": _attended, "masked_fill": _filled,
-       "gather": _gathered, "take_along_dim": _taken}
+       "gather": _picked(1, 2, "index"), "take_along_dim": _picked(2, 1, "indices")}
 """op name -> (x, args, kwargs, result, tag_of, tainted) -> whether the result keeps x's rows
 (x tagged, the result's dim 0 x's: checked before)."""
 
