@@ -26,12 +26,19 @@ from tests.helpers import (
 from workbench.clipping.routes import ghost_routes
 
 
-class Carried(nn.Module):
-    """Adds the previous call's output (detached): the state its next call starts from."""
+class Cell(nn.Module):
+    """A layer without a rule: tanh(x W), and whatever state its subclass reads."""
 
     def __init__(self):
         super().__init__()
         self.W = nn.Parameter(torch.randn(4, 4) / 2)
+
+
+class Carried(Cell):
+    """Adds the previous call's output (detached): the state its next call starts from."""
+
+    def __init__(self):
+        super().__init__()
         self.state = None
 
     def forward(self, x):
@@ -42,12 +49,11 @@ class Carried(nn.Module):
         return out
 
 
-class Counted(nn.Module):
+class Counted(Cell):
     """Scales by a buffer it increments in place: each call reads another count."""
 
     def __init__(self):
         super().__init__()
-        self.W = nn.Parameter(torch.randn(4, 4) / 2)
         self.register_buffer("count", torch.zeros(()))
 
     def forward(self, x):
@@ -55,12 +61,11 @@ class Counted(nn.Module):
         return torch.tanh(x @ self.W) * self.count.clone()  # the count at this call
 
 
-class Scaled(nn.Module):
+class Scaled(Cell):
     """Reads a scale its model rebinds between (after) its calls."""
 
     def __init__(self):
         super().__init__()
-        self.W = nn.Parameter(torch.randn(4, 4) / 2)
         self.scale = 1.0
 
     def forward(self, x):
@@ -80,12 +85,11 @@ class Memory(nn.Module):
         return out
 
 
-class InChild(nn.Module):
+class InChild(Cell):
     """Its forward runs its child's, which starts from the state the previous call left."""
 
     def __init__(self):
         super().__init__()
-        self.W = nn.Parameter(torch.randn(4, 4) / 2)
         self.mem = Memory()
 
     def forward(self, x):
@@ -165,12 +169,11 @@ def test_optimizer_steps_are_exact(cell, method, verify):
                                         method=method, verify=verify)
 
 
-class Cached(nn.Module):
+class Cached(Cell):
     """Rebinds an attribute to the object it already holds, and reads no state: no change."""
 
     def __init__(self):
         super().__init__()
-        self.W = nn.Parameter(torch.randn(4, 4) / 2)
         self.table = torch.ones(4)
 
     def forward(self, x):
