@@ -196,8 +196,12 @@ def test_a_subclass_changing_forward_inherits_no_row_rule():
     m.fc1 = DoubledLinear(D, 6).double()
     routes = exact_routes(m, *batch(2))
     by_layer = dict(zip(routes["layer"], routes["route"]))
-    assert "vmap" in by_layer["fc1"], routes  # no rule: per-layer vmap over each sample's
-    # rows, its own ops (linear, then 2 *) proving them (flat_rows.rule_less_rows)
+    assert "fc1" not in by_layer, routes  # no rule of its own: the module's call is not
+    # the Linear rule's; the F.linear op inside it is, on rows its input's proof covers, so it
+    # is recorded as a Linear call inside its owner (tied.rule_less_owner), which hands its
+    # parameters over; the 2 * after the op is in the op's backprops
+    route = by_layer["F.linear(fc1.weight, fc1.bias) in its owner"]
+    assert "vmap" not in route and "fallback" not in route, routes
     # fc1's own ops (linear, then 2 *) keep the rows: the proof goes on through them to fc2
     assert "fallback" not in by_layer["fc2"] and "vmap" not in by_layer["fc2"], routes
     before = routes[routes["layer"].isin({"norm", "rms"})]

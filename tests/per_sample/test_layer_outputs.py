@@ -259,11 +259,13 @@ def routes_of(model):
 
 def test_tuple_with_none_is_recorded_not_sent_to_the_fallback():
     """(output, None): the attention block's own parameters on its per-layer route (vmap on
-    the layer, q_bias by the broadcast rule), the QuantLinear on its per-layer vmap; an
-    integer Tensor beside the output, like None, carries no gradient."""
+    the layer, q_bias by the broadcast rule), the QuantLinear's ``F.linear`` on the Linear
+    rule inside it (``tied.rule_less_owner``; per-layer vmap on it before); an integer Tensor
+    beside the output, like None, carries no gradient."""
     routes = routes_of(build("none", quant=True))
     assert not routes.str.contains("fallback").any(), routes
-    assert "quant" in routes.index and "attn.proj" in routes.index, routes
+    assert "F.linear(quant.weight, quant.bias) in its owner" in routes.index, routes
+    assert "attn.proj" in routes.index, routes
     routes = routes_of(build("indices"))
     assert not routes.str.contains("fallback").any(), routes
 

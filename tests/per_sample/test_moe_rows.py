@@ -2,12 +2,16 @@
 a top-k router and the experts' weights as 3-D parameters gathered per token, Hugging Face's
 "batched_mm" experts) runs both on (n·T, d) tokens. The flattened-row proof follows the
 router's ``topk``, the experts' ``repeat_interleave`` over dim 0, the weights gathered by a
-tagged index, the batched products and the ``view`` back to (tokens, k, d); each layer's
-outputs proved row by row from its inputs, per-layer vmap maps each sample's T rows
-(``flat_rows.rule_less_rows``) instead of the whole-model fallback. A rule-less layer that
-reorders the flattened rows by an op the proof does not follow keeps the fallback. Exact
-against micro-batching in float64, every method and optimizer mode, n ≠ T and n = T, with
-and without the self-check."""
+tagged index, the batched products and the ``view`` back to (tokens, k, d). The router's
+``F.linear`` on the proved rows is recorded as a Linear call inside its owner, each pick
+``W[index]`` as a ``ParameterRows`` call (``per_sample/tied.py``, ``rules/gather.py``), so
+neither layer needs per-layer vmap (which they took before, and which a rule-less layer whose
+outputs are proved row by row still takes for its other parameters:
+``flat_rows.rule_less_rows``). A rule-less layer that reorders the flattened rows by an op the
+proof does not follow keeps the fallback. Exact against micro-batching in float64, every
+method and optimizer mode, n = 1, n ≠ T and n = T, with and without the self-check, int32
+and negative expert indices; the owner keeping a weight it also uses otherwise, and its other
+parameters; a table picked by indices that are not the batch's, or outside its owner."""
 
 import pytest
 import torch
@@ -26,27 +30,38 @@ T, D, E, K, C = 5, 6, 4, 2, 0.5
 
 
 class Router(nn.Module):
-    def __init__(self):
+    def __init__(self, extra=False, reuse=False):
         super().__init__()
         self.weight = nn.Parameter(torch.randn(E, D) / D ** 0.5)
+        self.extra = nn.Parameter(torch.eye(E) + torch.randn(E, E) / 4) if extra else None
+        self.reuse = reuse
 
     def forward(self, h):  # (tokens, D)
         logits = F.linear(h, self.weight)
+        if self.extra is not None:  # another parameter of the owner: its vmap's
+            logits = logits @ self.extra
+        if self.reuse:  # the weight used otherwise too: the owner's vmap keeps it
+            logits = logits + self.weight.sum(1)
         top, index = torch.topk(torch.softmax(logits, dim=-1), K, dim=-1)
         top /= top.sum(dim=-1, keepdim=True)
         return logits, top, index
 
 
 class Experts(nn.Module):
-    def __init__(self):
+    def __init__(self, index="int64"):
         super().__init__()
         self.up = nn.Parameter(torch.randn(E, 2 * D, D) / D ** 0.5)
         self.down = nn.Parameter(torch.randn(E, D, 2 * D) / D ** 0.5)
+        self.index = index
 
     def forward(self, h, index, weights):  # (tokens, D), (tokens, K), (tokens, K)
         tokens = h.shape[0]
         picked = h.repeat_interleave(K, dim=0)  # (tokens·K, D)
         ids = index.reshape(-1)
+        if self.index == "int32":
+            ids = ids.to(torch.int32)
+        elif self.index == "negative":  # W[-1] is W[E - 1]
+            ids = ids - E
         up = torch.bmm(self.up[ids], picked.unsqueeze(-1)).squeeze(-1)
         out = torch.bmm(self.down[ids], F.silu(up).unsqueeze(-1)).squeeze(-1)
         out = out * weights.reshape(-1).unsqueeze(-1)
@@ -66,10 +81,10 @@ class Mixer(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, mix=False):
+    def __init__(self, mix=False, index="int64", extra=False, reuse=False):
         super().__init__()
         self.embed, self.head = nn.Embedding(11, D), nn.Linear(D, 11)
-        self.gate, self.experts = Router(), Experts()
+        self.gate, self.experts = Router(extra, reuse), Experts(index)
         self.mixer = Mixer() if mix else None
 
     def forward(self, ids):  # (n, T)
@@ -92,18 +107,47 @@ def batch(n, seed=0):
     return torch.randint(0, 11, (n, T), generator=g), torch.randint(0, 11, (n, T), generator=g)
 
 
-def model_of(mix=False):
+def model_of(mix=False, **options):
     torch.manual_seed(0)
-    return MoE(mix).double()
+    return MoE(mix, **options).double()
 
 
-def test_router_and_experts_take_per_layer_vmap_on_the_rows():
-    for n in (3, T):
-        x, y = batch(n)
-        routes = wb.ghost_routes(model_of(), losses, x, y)
-        moe = routes[routes["layer"].isin(["gate", "experts"])]
-        assert len(moe) == 2 and moe["route"].str.contains("vmap").all(), routes
-        assert not routes["route"].str.contains("fallback").any(), routes
+def routes_of(model, x, y):
+    table = wb.ghost_routes(model, losses, x, y)
+    return dict(zip(table["layer"], table["route"]))
+
+
+@pytest.mark.parametrize("n", [1, 3, T])
+def test_router_and_experts_take_their_ops_rules_not_vmap(n):
+    routes = routes_of(model_of(), *batch(n))
+    assert not any("vmap" in r or "fallback" in r for r in routes.values()), routes
+    assert "gate" not in routes and "experts" not in routes, routes  # nothing left to them
+    assert "F.linear(gate.weight) in its owner" in routes, routes
+    assert routes["gather(experts.up in its owner)"] == "segment sum", routes
+    assert routes["gather(experts.down in its owner)"] == "segment sum", routes
+
+
+def test_a_weight_also_used_otherwise_stays_with_its_owner():
+    """The router's weight also enters a batch-free term: its Linear call is dropped and the
+    owner's per-layer vmap over each sample's rows covers every use of it."""
+    model, (x, y) = model_of(reuse=True), batch(T)
+    routes = routes_of(model, x, y)
+    assert "vmap" in routes["gate"] and not any(k.startswith("F.linear(gate") for k in routes)
+    assert_agree(model, losses, x, y, methods=("einsum",), check=False)
+    assert_clipped_sums_agree(model, losses, x, y, C, check=False)
+
+
+@pytest.mark.parametrize("mode", ["microbatch", "vmap", "einsum", "bookkeeping"])
+def test_the_owner_keeps_its_other_parameters_and_counts_nothing_twice(mode):
+    """The router also holds ``extra``, used in a product no rule records: the owner's vmap
+    samples ``extra`` alone, the Linear call ``weight`` (once, not in the vmap too)."""
+    model = model_of(extra=True)
+    routes = routes_of(model, *batch(T))
+    assert "vmap" in routes["gate"] and "F.linear(gate.weight) in its owner" in routes
+    assert_agree(model, losses, *batch(T), methods=("einsum",), check=False)
+    batches = [batch(n, seed) for seed, n in ((0, 1), (1, T), (2, 3))]
+    assert_optimizer_matches_microbatch(model, losses, batches, max_grad_norm=C,
+                                        method=mode, verify=False)
 
 
 def test_a_rule_less_layer_on_rows_not_proved_keeps_the_fallback():
@@ -112,17 +156,86 @@ def test_a_rule_less_layer_on_rows_not_proved_keeps_the_fallback():
     assert routes.set_index("layer").loc["mixer", "route"] == "exact fallback", routes
 
 
-@pytest.mark.parametrize("mix", [False, True])
+@pytest.mark.parametrize("mix,index", [(False, "int64"), (True, "int64"), (False, "int32"),
+                                       (False, "negative")])
 @pytest.mark.parametrize("check", [True, False])
-@pytest.mark.parametrize("n", [3, T])
-def test_functional_api_is_exact(mix, check, n):
-    model, (x, y) = model_of(mix), batch(n, seed=n)
+@pytest.mark.parametrize("n", [1, 3, T])
+def test_functional_api_is_exact(mix, index, check, n):
+    model, (x, y) = model_of(mix, index=index), batch(n, seed=n)
     assert_agree(model, losses, x, y, methods=("einsum",), check=check)
     assert_clipped_sums_agree(model, losses, x, y, C, check=check)
 
 
 @pytest.mark.parametrize("mode", [*MODES, "auto"])
-def test_dp_optimizer_steps_are_exact(mode):
-    batches = [batch(n, seed) for seed, n in ((0, 3), (1, T), (2, 4), (3, T))]
-    assert_optimizer_matches_microbatch(model_of(), losses, batches, max_grad_norm=C,
-                                        method=mode)
+@pytest.mark.parametrize("index,verify", [("int64", True), ("int64", False),
+                                          ("negative", False)])
+def test_dp_optimizer_steps_are_exact(mode, index, verify):
+    batches = [batch(n, seed) for seed, n in ((0, 3), (1, T), (2, 1), (3, T))]
+    assert_optimizer_matches_microbatch(model_of(index=index), losses, batches,
+                                        max_grad_norm=C, method=mode, verify=verify)
+
+
+class TableInside(nn.Module):
+    """A rule-less layer picking rows of its table by indices that are not the batch's (a
+    position table by ``arange``): no ParameterRows call (its rows are not samples); the
+    picked rows, computed from the parameter alone, meet the batch (``derived.py``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(T, D))
+
+    def forward(self, h):  # (n, T, D)
+        return h * self.table[torch.arange(h.shape[1])]
+
+
+class Positions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.pos, self.head = nn.Embedding(11, D), TableInside(), nn.Linear(D, 11)
+
+    def forward(self, ids):
+        return self.head(self.pos(self.embed(ids)))
+
+
+@pytest.mark.parametrize("n", [1, T])
+def test_indices_that_are_not_the_batch_keep_the_owner(n):
+    torch.manual_seed(0)
+    model, (x, y) = Positions().double(), batch(n)
+    routes = routes_of(model, x, y)
+    assert routes["pos"] == "derived (meetings)", routes
+    assert not any(k.startswith("gather(") for k in routes), routes
+    assert_agree(model, losses, x, y, methods=("einsum",))
+    assert_clipped_sums_agree(model, losses, x, y, C)
+
+
+class PickedOutside(nn.Module):
+    """A table owned by a layer that is never called, picked by the batch's token ids in the
+    model's own forward: outside its owner, a ParameterRows call."""
+
+    def __init__(self, select=False):
+        super().__init__()
+        self.codes = nn.Module()
+        self.codes.weight = nn.Parameter(torch.randn(11, D, 2))
+        self.head = nn.Linear(2 * D, 11)
+        self.select = select
+
+    def forward(self, ids):  # (n, T)
+        if self.select:  # the same pick by index_select, on the flattened ids
+            picked = torch.index_select(self.codes.weight, 0, ids.reshape(-1))
+            picked = picked.view(*ids.shape, D, 2)
+        else:
+            picked = self.codes.weight[ids]
+        return self.head(torch.tanh(picked).flatten(2))
+
+
+@pytest.mark.parametrize("select", [False, True])
+@pytest.mark.parametrize("n", [1, 3, T])
+def test_a_table_picked_outside_its_owner_by_the_batch(n, select):
+    torch.manual_seed(0)
+    model, (x, y) = PickedOutside(select).double(), batch(n, seed=n)
+    x[0, 1] = x[0, 0]  # a row picked twice in one sample: its backprops summed first
+    assert routes_of(model, x, y)["gather(codes.weight)"] == "segment sum"
+    assert_agree(model, losses, x, y, methods=("einsum",))
+    assert_clipped_sums_agree(model, losses, x, y, C)
+    assert_optimizer_matches_microbatch(model, losses, [(x, y), batch(1, seed=9)],
+                                        max_grad_norm=C, method="bookkeeping")

@@ -34,10 +34,11 @@ SUBSET = ["gpt2", "llama", "opt", "bloom", "t5", "mpnet", "lora_llama", "loha_be
 NAMES = list(PROBLEMS) if ALL else SUBSET
 IMAGE = {name for name, p in PROBLEMS.items() if p.kind == "image"}
 # the layers still on per-layer vmap (ghost_routes) and why; any other is a regression
-VMAP_ROUTES: dict[str, set] = {"mixtral": {"MixtralTopKRouter", "MixtralExperts"}}
-# (Mixtral's router and experts have no rule: on the flattened tokens, proved row by row, they
-# take per-layer vmap over each sample's rows, flat_rows.rule_less_rows, no longer the
-# whole-model fallback; their parameters are 3-D expert weights gathered per token)
+VMAP_ROUTES: dict[str, set] = {}
+# (Mixtral's router and experts have no rule of their own; the router's F.linear on the
+# flattened tokens and the experts' W[expert_ids] picks are recorded as calls of a Linear and
+# of a ParameterRows layer inside their owners, per_sample/tied.py, rules/gather.py: until
+# then they took per-layer vmap over each sample's rows)
 # (Mamba's and Mamba-2's mixers and DoRA's magnitude layer left vmap: A_log, D, dt_bias and
 # DoRA's m reach the loss only through tensors computed from them that meet the batch,
 # -exp(A_log) ⊙ Δ, x ⊙ D, m / ||W + s BA||_c ⊙ ..., which per_sample/derived.py

@@ -352,7 +352,8 @@ def new_recording(n: int, layers, recorder, params, uncovered, calls, **fields) 
     for path, layer, call in calls:
         if layer.__dict__.get("takes_over", False):  # tied.py's layers set it in __init__;
             # getattr would ask nn.Module.__getattr__, which builds an error for each layer
-            rec.taken[id(layer.weight)] = layer
+            for q in layer.parameters(recurse=False):  # a functional linear's bias too
+                rec.taken[id(q)] = layer
         problem = batch_problem(layer, call, n) or (rec.random and redraws(layer))
         if problem and (rec.feeds is None or rec.feeds(call)):
             rec.mark(layer, path, problem)

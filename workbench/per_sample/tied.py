@@ -122,6 +122,19 @@ class BroadcastProduct(nn.Module):
         return x * self.weight.reshape(self.shape)
 
 
+class ParameterRows(nn.Module):
+    """The functional layer of one parameter whose rows are picked by an index carrying the
+    batch, ``W[ids]`` (``weight`` *is* that Parameter; rule: ``rules/gather.py``)."""
+
+    def __init__(self, weight: nn.Parameter, takes_over: bool = False, owner: str = None):
+        super().__init__()
+        self.weight = weight
+        self.takes_over, self.owner = takes_over, owner  # as BroadcastParameter's
+
+    def forward(self, index: torch.Tensor) -> torch.Tensor:  # (n·R,) -> (n·R, *W.shape[1:])
+        return self.weight[index]
+
+
 def outside(tracker, where: str, *params) -> bool:
     """Are ``params`` (None skipped) tracked parameters used outside their owners here?"""
     owners = tracker.owners
@@ -146,12 +159,85 @@ def record_linear(tracker, args, kwargs, result, where: str, func=None) -> bool:
     used outside its owners, c is None or such a parameter too, and x is a plain tensor.
     """
     x, W, c = linear_arguments(args, kwargs)
-    if (not outside(tracker, where, W, c) or W.dim() != 2 or not isinstance(x, torch.Tensor)
-            or id(x) in tracker.owners):
+    if (id(W) not in tracker.owners or W.dim() != 2 or not isinstance(x, torch.Tensor)
+            or id(x) in tracker.owners or (c is not None and id(c) not in tracker.owners)):
+        return False
+    inside = not outside(tracker, where, W, c)
+    if inside and not rule_less_owner(tracker, where, x, W, c):
         return False
     names = [tracker.names.get(id(p), "a parameter") for p in (W, c) if p is not None]
-    return record_call(tracker, f"F.linear({', '.join(names)})",
-                       lambda: functional_linear(W, c), {"weight": W, "bias": c}, (x,), result)
+    path = f"F.linear({', '.join(names)}){' in its owner' if inside else ''}"
+
+    def make():
+        layer = functional_linear(W, c)
+        if inside:  # handed over by its rule-less owner (Mixtral's router)
+            layer.takes_over, layer.owner = True, where
+        return layer
+
+    return record_inside(tracker, path, make, {"weight": W, "bias": c}, (x,), result, inside)
+
+
+def rule_less_owner(tracker, where: str, x, *params) -> bool:
+    """The op runs inside a layer without a rule that owns every one of ``params`` (None
+    skipped), on rows ``x`` proved to be the batch's (``flat_rows.py``: the batch on dim 0,
+    or flattened sample-major): the op can be recorded as a call of its own rule's functional
+    layer, and the owner, run by vmap for its other parameters, hands these over."""
+    owner = tracker.recorder.layers.get(where)
+    return (owner is not None and not has_rule(owner)
+            and all(where in tracker.owners[id(p)] for p in params if p is not None)
+            and tracker.flat_rows.of(x) is not None)
+
+
+def record_inside(tracker, path: str, make, params: dict, args: tuple, result,
+                  inside: bool) -> bool:
+    """``record_call``; a call inside the owner is also remembered for ``settle_broadcast``
+    (dropped if the owner uses the parameter otherwise too)."""
+    if not record_call(tracker, path, make, params, args, result):
+        return False
+    if inside:
+        for p in params.values():
+            if p is not None:
+                tracker.broadcast.append((id(p), path, tracker.recorder.calls[path][-1]))
+    return True
+
+
+def gather_arguments(func, args, kwargs):
+    """(W, ids) of ``W[ids]`` or ``index_select(W, 0, ids)``; None for any other pick."""
+    if func in SELECTS:
+        values = dict(zip(("input", "dim", "index"), args), **kwargs)
+        W, dim = values.get("input"), values.get("dim")
+        if (set(values) != {"input", "dim", "index"} or not isinstance(W, torch.Tensor)
+                or not isinstance(dim, int) or W.dim() == 0 or dim % W.dim() != 0):
+            return None
+        return W, values["index"]
+    return None if len(args) != 2 or kwargs else args
+
+
+def record_gather(tracker, args, kwargs, result, where: str, func=None) -> bool:
+    """Record ``W[ids]`` or ``index_select(W, 0, ids)`` (a tracked parameter W, an integer
+    tensor ids whose rows are proved the batch's: Mixtral's experts gathered per token,
+    ``W[expert_ids]``) as a ``ParameterRows`` call on ids; outside W's owners, or inside an
+    owner without a rule."""
+    found = gather_arguments(func, args, kwargs)
+    if found is None:
+        return False
+    W, ids = found
+    if (id(W) not in tracker.owners or W.dim() == 0 or not isinstance(ids, torch.Tensor)
+            or ids.dim() == 0 or ids.dtype not in INDEX_DTYPES or id(ids) in tracker.owners
+            or tracker.flat_rows.of(ids) is None):
+        return False
+    inside = not outside(tracker, where, W)
+    if inside and not rule_less_owner(tracker, where, ids, W):
+        return False
+    name = tracker.names.get(id(W), "a parameter")
+    path = f"gather({name}{' in its owner' if inside else ''})"
+    return record_inside(tracker, path, lambda: ParameterRows(W, inside, where if inside
+                                                              else None),
+                         {"weight": W}, (ids,), result, inside)
+
+
+SELECTS = (torch.index_select, torch.Tensor.index_select)
+INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8)  # not uint8: a mask
 
 
 EMBEDDING_OPTIONS = ("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
@@ -309,12 +395,15 @@ def settle_broadcast(tracker) -> None:
         if ref() is not None and not used:
             tracker._count(p, where)
     tracker.views = {}
-    for key, path, call in tracker.broadcast:
-        if key in tracker.covered:
-            for handle in call.handles:
-                handle.remove()
-            calls = tracker.recorder.calls[path]
-            calls[:] = [c for c in calls if c is not call]
+    dropped = {id(call): (path, call) for key, path, call in tracker.broadcast
+               if key in tracker.covered}
+    for path, call in dropped.values():
+        for handle in call.handles:
+            handle.remove()
+        calls = tracker.recorder.calls[path]
+        calls[:] = [c for c in calls if c is not call]
+        tracker.covered.update(map(id, tracker.recorder.layers[path].parameters()))  # a
+        # dropped linear's bias too: the owner's vmap covers it with its weight
     tracker.broadcast = []
 
 
@@ -325,6 +414,7 @@ MUL_FUNCTIONS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor
 VIEWS = {torch.Tensor.reshape, torch.Tensor.view, torch.reshape, torch.Tensor.unsqueeze,
          torch.unsqueeze}
 FUNCTIONAL = {LINEAR: record_linear, EMBEDDING: record_embedding,
+              **dict.fromkeys((torch.Tensor.__getitem__, *SELECTS), record_gather),
               **dict.fromkeys(EXPANDS | ADD_FUNCTIONS, record_broadcast),
               **dict.fromkeys(MUL_FUNCTIONS, record_scale),
               **dict.fromkeys(VIEWS, record_view)}
