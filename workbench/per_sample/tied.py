@@ -1,4 +1,5 @@
-"""A parameter used by ``F.linear`` or ``F.embedding`` outside a layer that owns it.
+"""A parameter used by an op that has a rule (``F.linear``, ``F.embedding``, a pick of its rows, a
+broadcast into the batch) outside a layer that owns it, or inside one without a rule.
 
 GPT-2 and nanoGPT tie the output head to the token embedding (Press & Wolf 2017, arXiv
 1608.05859) and write it as ``F.linear(h, self.wte.weight)``, outside any module call: no
@@ -55,6 +56,19 @@ layer on x (``rules/broadcast.py``), under the same conditions. A reshape or vie
 (``VIEWS``) is not itself a use: it is remembered (``record_view``) and its first real use
 decides (``use_views``): a product with the batch is recorded as above, anything else counts
 as a use of p where the view was made, exactly as before.
+
+**Ops of a layer without a rule.** A layer without a rule takes per-layer vmap, but the ops
+its forward applies to its parameters may have rules of their own. Mixtral's router is
+``F.linear(tokens, W)`` on the flattened (n·T, d) tokens, then a softmax and a top-k; its
+experts pick each token's weights from a 3-D parameter, ``W[expert_ids]`` (Hugging Face's
+batched experts). Where the op's batch operand has rows proved to be the batch's
+(``flat_rows.py``: the batch on dim 0, or flattened sample-major), ``F.linear`` inside such an
+owner is recorded as a functional Linear call, and a pick of a parameter's rows by such
+integer indices (``W[ids]``, ``index_select(W, 0, ids)``; outside its owners too) as a call of
+a ``ParameterRows`` layer (``rules/gather.py``: an embedding lookup in a table whose rows are
+tensors). The owner hands those parameters over, as it does a broadcast one, unless it also
+uses them otherwise (``settle_broadcast``: its vmap then covers every use). Indices whose rows
+are not proved the batch's (a position table picked by ``arange``) are no such call.
 
 Notation: n batch, x activations (n, ..., d) or indices (n, T), b backprops (n, ..., p),
 W (p, d), c bias (p,), V vocabulary, d width.
