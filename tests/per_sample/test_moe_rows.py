@@ -239,3 +239,39 @@ def test_a_table_picked_outside_its_owner_by_the_batch(n, select):
     assert_clipped_sums_agree(model, losses, x, y, C)
     assert_optimizer_matches_microbatch(model, losses, [(x, y), batch(1, seed=9)],
                                         max_grad_norm=C, method="bookkeeping")
+
+
+class Lookup(nn.Module):
+    """A layer without a rule whose forward looks its table up itself (not an Embedding
+    subclass): the lookup is recorded as an Embedding call inside its owner."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(11, D))
+
+    def forward(self, ids):  # (n, T)
+        return 2 * F.embedding(ids, self.weight, padding_idx=0)
+
+
+class LookedUp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lookup, self.head = Lookup(), nn.Linear(D, 11)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.lookup(ids)))
+
+
+@pytest.mark.parametrize("n", [1, 3, T])
+def test_a_lookup_inside_a_rule_less_layer_takes_the_embedding_rule(n):
+    torch.manual_seed(0)
+    model, (x, y) = LookedUp().double(), batch(n, seed=n)
+    x[0, 2] = 0  # a padding token: no gradient for row 0
+    routes = routes_of(model, x, y)
+    assert routes["F.embedding(lookup.weight, padding_idx=0) in its owner"] == "segment sum"
+    assert "lookup" not in routes, routes
+    assert_agree(model, losses, x, y, methods=("vmap", "einsum"))
+    assert_clipped_sums_agree(model, losses, x, y, C, check=False)
+    for mode in ("bookkeeping", "einsum"):
+        assert_optimizer_matches_microbatch(model, losses, [(x, y), batch(1, seed=9)],
+                                            max_grad_norm=C, method=mode, verify=False)

@@ -62,8 +62,9 @@ its forward applies to its parameters may have rules of their own. Mixtral's rou
 ``F.linear(tokens, W)`` on the flattened (n·T, d) tokens, then a softmax and a top-k; its
 experts pick each token's weights from a 3-D parameter, ``W[expert_ids]`` (Hugging Face's
 batched experts). Where the op's batch operand has rows proved to be the batch's
-(``flat_rows.py``: the batch on dim 0, or flattened sample-major), ``F.linear`` inside such an
-owner is recorded as a functional Linear call, and a pick of a parameter's rows by such
+(``flat_rows.py``: the batch on dim 0, or flattened sample-major), ``F.linear`` and
+``F.embedding`` inside such an owner are recorded as functional Linear and Embedding calls,
+and a pick of a parameter's rows by such
 integer indices (``W[ids]``, ``index_select(W, 0, ids)``; outside its owners too) as a call of
 a ``ParameterRows`` layer (``rules/gather.py``: an embedding lookup in a table whose rows are
 tensors). The owner hands those parameters over, as it does a broadcast one, unless it also
@@ -274,17 +275,28 @@ def functional_embedding(weight: nn.Parameter, padding_idx=None) -> nn.Embedding
 
 def record_embedding(tracker, args, kwargs, result, where: str, func=None) -> bool:
     """Record a functional ``F.embedding(x, W)`` of a tracked parameter W used outside its
-    owners (an Embedding subclass's lookup: module docstring) as an Embedding call."""
+    owners (an Embedding subclass's lookup: module docstring), or inside an owner without a
+    rule on indices proved the batch's, as an Embedding call."""
     values = embedding_arguments(args, kwargs)
     x, W = values.get("input"), values.get("weight")
-    if (not outside(tracker, where, W) or W.dim() != 2 or not isinstance(x, torch.Tensor)
+    if (id(W) not in tracker.owners or W.dim() != 2 or not isinstance(x, torch.Tensor)
             or x.is_floating_point() or values.get("max_norm") is not None
             or values.get("sparse") or values.get("scale_grad_by_freq")):
         return False  # an option whose gradient differs: uncovered, the exact fallback
+    inside = not outside(tracker, where, W)
+    if inside and not rule_less_owner(tracker, where, x, W):
+        return False
     pad = values.get("padding_idx")
-    path = f"F.embedding({tracker.names.get(id(W), 'a parameter')}, padding_idx={pad})"
-    return record_call(tracker, path, lambda: functional_embedding(W, pad), {"weight": W},
-                       (x,), result)
+    path = (f"F.embedding({tracker.names.get(id(W), 'a parameter')}, padding_idx={pad})"
+            f"{' in its owner' if inside else ''}")
+
+    def make():
+        layer = functional_embedding(W, pad)
+        if inside:
+            layer.takes_over, layer.owner = True, where
+        return layer
+
+    return record_inside(tracker, path, make, {"weight": W}, (x,), result, inside)
 
 
 def broadcast_into_batch(func, args, kwargs, p, result) -> bool:
