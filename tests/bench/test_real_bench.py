@@ -20,7 +20,7 @@ def test_threads_default_to_one_and_bad_values_are_refused(tmp_path, capsys):
 
 def test_main_leaves_the_thread_count_as_it_was(tmp_path, monkeypatch):
     seen = []
-    monkeypatch.setattr(real, "row", lambda name, repeats, device, sizes: seen.append(
+    monkeypatch.setattr(real, "row", lambda name, repeats, device, sizes, mode: seen.append(
         torch.get_num_threads()) or {"model": name, **dict.fromkeys(
             ("microbatch", "vmap", "einsum", "ghost", "bookkeeping"), "exact"),
             "opacus": "exact", "plain_ms": 1.0, "time_x": 1.0, "memory_x": 1.0})
@@ -65,3 +65,25 @@ def test_every_model_builds_at_base_or_says_why_not(monkeypatch):
     row = real.row("mixtral", 1, torch.device("cpu"), ("base",))
     assert row["cost_note_base"] == sizes.NO_BASE["mixtral"]
     assert math.isnan(row["time_x_base"]) and math.isnan(row["memory_x_base"])
+
+
+def test_mode_reaches_the_optimizer_and_the_first_step_is_measured(tmp_path, monkeypatch):
+    """``--mode`` is the DP optimizer's method for the cost columns (checked while parsing);
+    the first, self-checked step's peak is a column of its own, and the summary names both."""
+    out = ["--out", str(tmp_path / "real.csv")]
+    assert real.parse(out).mode == "auto"
+    with pytest.raises(SystemExit):
+        real.parse(["--mode", "ghostly", *out])
+    made = []
+    original = real.DPOptimizer
+    monkeypatch.setattr(real, "DPOptimizer", lambda *a, **k: made.append(k["method"]) or
+                        original(*a, **k))
+    cost = real.cost("gpt2", 1, torch.device("cpu"), "tiny", "bookkeeping")
+    assert made == ["bookkeeping"]
+    assert set(cost) == {"plain_ms", "time_x", "memory_x", "memory_first_x"}
+    assert cost["memory_first_x"] > 0 and cost["memory_x"] > 0
+    table = real.pd.DataFrame([{"model": "gpt2", **dict.fromkeys(
+        ("microbatch", "vmap", "einsum", "ghost", "bookkeeping"), "exact"), "opacus": "exact",
+        **cost}])
+    line = real.summary(table, "bookkeeping")
+    assert "mode bookkeeping" in line and "first step" in line and "worst" in line, line

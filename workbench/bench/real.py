@@ -11,9 +11,10 @@ side by side:
 - **Opacus 1.6's verdict** on the same batch: ``GradSampleModule`` (hooks) per-sample
   gradients against the same loop: exact / wrong / "raised: <error>";
 - **cost** (float32, n = 16): one DP-optimizer step in the default mode
-  (``method="auto"``: zero_grad, forward, backward, step) over one plain SGD step
-  (zero_grad, forward, backward, step): interleaved medians (``bench.timing``) and peak
-  allocated bytes (``bench.peak_memory``), at two sizes of each architecture
+  (``method="auto"``, or ``--mode``: zero_grad, forward, backward, step) over one plain SGD
+  step (zero_grad, forward, backward, step): interleaved medians (``bench.timing``) and peak
+  allocated bytes (``bench.peak_memory``) of a later step, and the peak of the first,
+  self-checked step (``memory_first_x``: the record probe's extra passes), at two sizes of each architecture
   (``realzoo/sizes.py``): **tiny** (the verdicts' models, T = 8), where a plain step is a
   few milliseconds of Python dispatch and the ratio measures the DP step's fixed per-call
   costs, and **base** (hidden 256, 2 layers, T = 64; images 32 x 32 at 4x the widths),
@@ -27,7 +28,7 @@ took 15-1060 ms (BERT 8-780 ms), which made single ratios of 0.2x-21x; with 1 th
 ms. ``--threads 0`` keeps PyTorch's default.
 
 Run: ``python -m workbench.bench real [--models gpt2 llama ...] [--repeats 5] [--threads 1]
-[--out PATH]``.
+[--mode bookkeeping] [--out PATH]``.
 """
 
 import argparse
@@ -42,7 +43,7 @@ import workbench as wb
 from workbench.bench import opacus_twin
 from workbench.bench.peak_memory import peak_bytes, tensor_bytes
 from workbench.bench.timing import device_name, time_interleaved
-from workbench.dpsgd import DPOptimizer
+from workbench.dpsgd import MODES, DPOptimizer
 from workbench.errors import WorkbenchError
 from workbench.outputs import output_file_arg
 from workbench.realzoo import PROBLEMS, sizes
@@ -107,9 +108,11 @@ def opacus_verdict(model, loss_fn, x, y, ref, size, rtol) -> str:
     return result.replace("refused: ", "raised: ").replace("crashed: ", "raised: ")
 
 
-def cost(name: str, repeats: int, device: torch.device, size: str = "tiny") -> dict:
-    """One default-mode DP step over one plain SGD step: time and peak memory, float32, at
-    ``size`` (``realzoo/sizes.py``); the columns of "base" end in ``_base``."""
+def cost(name: str, repeats: int, device: torch.device, size: str = "tiny",
+         mode: str = "auto") -> dict:
+    """One DP step in ``mode`` over one plain SGD step: time and peak memory, float32, at
+    ``size`` (``realzoo/sizes.py``), and the first (self-checked) DP step's peak; the columns
+    of "base" end in ``_base``."""
     with sizes.size(size):
         problem = PROBLEMS[name]
         x, y = (t.to(device) for t in problem.batch(TIME_N, T=sizes.TOKENS[size],
@@ -121,7 +124,7 @@ def cost(name: str, repeats: int, device: torch.device, size: str = "tiny") -> d
     dp_opt = DPOptimizer(torch.optim.SGD([p for p in dp_model.parameters() if p.requires_grad],
                                          lr=1e-3), dp_model,
                          noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=TIME_N,
-                         loss_reduction="sum")
+                         loss_reduction="sum", method=mode)
 
     def step(model, opt):
         def run():
@@ -132,27 +135,30 @@ def cost(name: str, repeats: int, device: torch.device, size: str = "tiny") -> d
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        step(dp_model, dp_opt)()  # the first, self-checked step is not the steady state
+        resident = tensor_bytes(plain_model, x, y)
+        first = peak_bytes(step(dp_model, dp_opt), device, resident)  # self-checked: not the
+        # steady state, timed apart
         times = time_interleaved({"plain": step(plain_model, plain_opt),
                                   "dp": step(dp_model, dp_opt)}, device, repeats=repeats)
-        resident = tensor_bytes(plain_model, x, y)
         peak = {k: peak_bytes(step(m, o), device, resident)
                 for k, (m, o) in {"plain": (plain_model, plain_opt),
                                   "dp": (dp_model, dp_opt)}.items()}
     dp_opt.detach()
     return {f"plain_ms{end}": 1e3 * times["plain"], f"time_x{end}": times["dp"] / times["plain"],
-            f"memory_x{end}": peak["dp"] / peak["plain"]}
+            f"memory_x{end}": peak["dp"] / peak["plain"],
+            f"memory_first_x{end}": first / peak["plain"]}
 
 
-def row(name: str, repeats: int, device: torch.device, sizes_=("tiny", "base")) -> dict:
+def row(name: str, repeats: int, device: torch.device, sizes_=("tiny", "base"),
+        mode: str = "auto") -> dict:
     out = {"model": name, **verdicts(name)}
     for size in sizes_:
         end = "" if size == "tiny" else f"_{size}"
         dp = (sizes.NO_BASE[name] if size == "base" and name in sizes.NO_BASE
-              else attempt(lambda s=size: cost(name, repeats, device, s)))
+              else attempt(lambda s=size: cost(name, repeats, device, s, mode)))
         out.update(dp if isinstance(dp, dict) else {
             f"time_x{end}": float("nan"), f"memory_x{end}": float("nan"),
-            f"cost_note{end}": dp})
+            f"memory_first_x{end}": float("nan"), f"cost_note{end}": dp})
     return out
 
 
@@ -167,6 +173,8 @@ def parse(argv):
                         help="intra-op CPU threads (0: PyTorch's default; see the docstring)")
     parser.add_argument("--sizes", nargs="+", default=list(sizes.SIZES), choices=sizes.SIZES,
                         help="the sizes the DP step's cost is measured at (realzoo/sizes.py)")
+    parser.add_argument("--mode", default="auto", choices=[*MODES, "auto"],
+                        help="the DP optimizer's method for the cost columns (default: auto)")
     parser.add_argument("--out", type=output_file_arg("--out"),
                         default=Path("bench-results/real.csv"), help="CSV of the table")
     args = parser.parse_args(argv)
@@ -190,10 +198,10 @@ def printable(table: pd.DataFrame) -> pd.DataFrame:
     for column in ("microbatch", "vmap", "einsum", "ghost", "bookkeeping", "opacus"):
         out[column] = out[column].map(brief)
     return out.round({c: 1 if c.startswith("plain_ms") else 2 for c in out
-                      if c.startswith(("plain_ms", "time_x", "memory_x"))})
+                      if c.startswith(("plain_ms", "time_x", "memory_x", "memory_first_x"))})
 
 
-def summary(table: pd.DataFrame) -> str:
+def summary(table: pd.DataFrame, mode: str = "auto") -> str:
     methods = ["microbatch", "vmap", "einsum", "ghost", "bookkeeping"]
     cells = table[methods].stack()
     count = {k: int(cells.str.startswith(k).sum()) for k in ("exact", "refused", "wrong",
@@ -204,12 +212,21 @@ def summary(table: pd.DataFrame) -> str:
         end = "" if size == "tiny" else f"_{size}"
         if f"time_x{end}" in table:
             t, m = table[f"time_x{end}"], table[f"memory_x{end}"]
-            costs.append(f"{size}: median {t.median():.2f}x time (worst {t.max():.2f}x, "
-                         f"{table['model'][t.idxmax()] if t.notna().any() else '-'}), median "
-                         f"{m.median():.2f}x memory")
+            first = table.get(f"memory_first_x{end}", pd.Series(dtype=float))
+            costs.append(f"{size}: median {t.median():.2f}x time ({worst(table, t)}), median "
+                         f"{m.median():.2f}x memory ({worst(table, m)}), first step "
+                         f"{first.median():.2f}x memory ({worst(table, first)})")
+    how = "default mode" if mode == "auto" else f"mode {mode}"
     return (f"workbench: {count['exact']} exact, {count['refused']} refused with a clear error, "
             f"{count['wrong']} wrong, {count['crashed']} unclear crashes of {len(cells)}; "
-            f"opacus: {opacus}; DP step over plain (default mode), {'; '.join(costs)}")
+            f"opacus: {opacus}; DP step over plain ({how}), {'; '.join(costs)}")
+
+
+def worst(table: pd.DataFrame, column: pd.Series) -> str:
+    """"worst <x>, <model>" of a cost column ("worst -" when it has no number)."""
+    if not column.notna().any():
+        return "worst -"
+    return f"worst {column.max():.2f}x, {table['model'][column.idxmax()]}"
 
 
 def main(argv=None):
@@ -220,7 +237,7 @@ def main(argv=None):
     try:
         rows = []
         for name in args.models:
-            rows.append(row(name, args.repeats, device, args.sizes))
+            rows.append(row(name, args.repeats, device, args.sizes, args.mode))
             print(f"{name}: done", flush=True)
         where = device_name(device)  # with the threads the table ran on
     finally:
@@ -230,7 +247,7 @@ def main(argv=None):
         print(f"\n{where}, DP step: n = {TIME_N}, T = {sizes.TOKENS['tiny']} (tiny) and "
               f"{sizes.TOKENS['base']} (base), float32; "
               f"verdicts: n = T = {VERDICT_N}, float64\n"
-              f"{printable(table).to_string(index=False)}\n\n{summary(table)}")
+              f"{printable(table).to_string(index=False)}\n\n{summary(table, args.mode)}")
     table.to_csv(args.out, index=False)
     print(f"wrote {args.out} (full verdicts and errors)")
     return 0
@@ -238,5 +255,5 @@ def main(argv=None):
 
 __all__ = [
     "attempt", "brief", "cost", "main", "opacus_verdict", "parse", "printable", "row", "short",
-    "summary", "verdicts",
+    "summary", "verdicts", "worst",
 ]
