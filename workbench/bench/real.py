@@ -14,8 +14,8 @@ side by side:
   (``method="auto"``, or ``--mode``: zero_grad, forward, backward, step) over one plain SGD
   step (zero_grad, forward, backward, step): interleaved medians (``bench.timing``) and peak
   allocated bytes (``bench.peak_memory``) of a later step, and the peak of the first,
-  self-checked step (``memory_first_x``: the record probe's extra passes), at two sizes of each architecture
-  (``realzoo/sizes.py``): **tiny** (the verdicts' models, T = 8), where a plain step is a
+  self-checked step (``memory_first_x``: the record probe's extra passes), at two sizes of
+  each architecture (``realzoo/sizes.py``): **tiny** (the verdicts' models, T = 8), where a plain step is a
   few milliseconds of Python dispatch and the ratio measures the DP step's fixed per-call
   costs, and **base** (hidden 256, 2 layers, T = 64; images 32 x 32 at 4x the widths),
   where arithmetic is what a step is made of (columns ``*_base``). ``--sizes`` picks.
