@@ -10,15 +10,15 @@ side by side:
   "refused: <error>" (a ``WorkbenchError`` naming what and why);
 - **Opacus 1.6's verdict** on the same batch: ``GradSampleModule`` (hooks) per-sample
   gradients against the same loop: exact / wrong / "raised: <error>";
-- **cost** (float32, n = 16): one DP-optimizer step in the default mode
-  (``method="auto"``, or ``--mode``: zero_grad, forward, backward, step) over one plain SGD
-  step (zero_grad, forward, backward, step): interleaved medians (``bench.timing``) and peak
-  allocated bytes (``bench.peak_memory``) of a later step, and the peak of the first,
-  self-checked step (``memory_first_x``: the record probe's extra passes), at two sizes of
-  each architecture (``realzoo/sizes.py``): **tiny** (the verdicts' models, T = 8), where a plain step is a
+- **cost** (float32, n = 16): one DP-optimizer step in the default mode (``method="auto"``,
+  or ``--mode``: zero_grad, forward, backward, step) over one plain SGD step (zero_grad,
+  forward, backward, step): interleaved medians (``bench.timing``) and peak allocated bytes
+  (``bench.peak_memory``) of a later step, and the peak of the first, self-checked step
+  (``memory_first_x``: the record probe's extra passes), at two sizes of each architecture
+  (``realzoo/sizes.py``): **tiny** (the verdicts' models, T = 8), where a plain step is a
   few milliseconds of Python dispatch and the ratio measures the DP step's fixed per-call
-  costs, and **base** (hidden 256, 2 layers, T = 64; images 32 x 32 at 4x the widths),
-  where arithmetic is what a step is made of (columns ``*_base``). ``--sizes`` picks.
+  costs, and **base** (hidden 256, 2 layers, T = 64; images 32 x 32 at 4x the widths), where
+  arithmetic is what a step is made of (columns ``*_base``). ``--sizes`` picks.
 
 **Threads.** On CPU the table runs with one intra-op thread (``--threads 1``, the default):
 the models are tiny (width 16-32, 16x16 images), so there is nothing for a second thread to
