@@ -467,4 +467,6 @@ __all__ = [
     "broadcast_into_batch", "delegates", "has_rule", "embedding_arguments",
     "functional_embedding", "functional_linear", "linear_arguments", "outside",
     "record_broadcast", "record_call", "record_embedding", "record_linear", "settle_broadcast",
+    "INDEX_DTYPES", "SELECTS", "ParameterRows", "gather_arguments", "record_gather",
+    "record_inside", "rule_less_owner",
 ]
