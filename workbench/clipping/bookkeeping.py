@@ -48,6 +48,7 @@ from workbench.per_sample.precision import in_full_precision
 from workbench.per_sample.recording import own_parameters
 from workbench.per_sample.sketch import RowSketch
 from workbench.per_sample.streaming import stream_backward
+from workbench.per_sample.tied import ParameterRows
 
 
 def bookkeeping_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm, check=True):
@@ -111,10 +112,12 @@ def materialise_call(layer, call, own: dict, shared: set, n: int) -> dict | None
 
 # layers whose rule needs no more temporary memory than the call's a and b (a matmul; the
 # normalised input times b; a convolution's per-sample weight gradients, chunked so that
-# their scratch is at most a and b: ``rules/conv_chunks.chunks``): exact types, a subclass may
-# change forward
+# their scratch is at most a and b: ``rules/conv_chunks.chunks``; the scatter-add of a
+# parameter's picked rows, ``rules/gather.py``: Mixtral's experts, whose b is each token's
+# k experts' weight rows, n T k p d numbers against the n E p d of g_i): exact types, a
+# subclass may change forward
 STREAMED = (nn.Linear, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.Conv1d, nn.Conv2d,
-            nn.Conv3d)
+            nn.Conv3d, ParameterRows)
 
 
 def smaller_materialised(layer, call, own: dict, shared: set, n: int) -> bool:
