@@ -36,6 +36,7 @@ import copy
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -224,9 +225,11 @@ def summary(table: pd.DataFrame, mode: str = "auto") -> str:
 
 def worst(table: pd.DataFrame, column: pd.Series) -> str:
     """"worst <x>, <model>" of a cost column ("worst -" when it has no number)."""
+    values = column.to_numpy(dtype=float)
     if not column.notna().any():
         return "worst -"
-    return f"worst {column.max():.2f}x, {table['model'][column.idxmax()]}"
+    at = int(np.nanargmax(values))  # by position: a table concatenated from halves repeats
+    return f"worst {values[at]:.2f}x, {table['model'].to_numpy()[at]}"  # its index
 
 
 def main(argv=None):
