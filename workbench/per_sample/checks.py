@@ -82,6 +82,28 @@ def sample_mixing_problem(module: nn.Module) -> str | None:
     return None
 
 
+def check_buffers_kept_from_batch(model: nn.Module, written) -> None:
+    """Raise SampleMixingError when the forward pass wrote a buffer from the batch's values
+    (``written(t)``: whether t was computed from, or written in place with, a tensor computed
+    from the model's inputs, ``derived.Taint.has``): a custom running mean
+    ``self.running_mean.mul_(0.9).add_(0.1 * h.mean(0))``, a buffer rebound to a statistic of
+    the batch. Its value is an unclipped, un-noised function of the records, kept in the model
+    the steps release and read by later steps, so no step's (ε, δ) covers it; the type check
+    above knows BatchNorm and InstanceNorm, this one any layer, by what it did."""
+    for name, buffer in model.named_buffers():
+        if written(buffer):
+            path, _, attr = name.rpartition(".")
+            layer = model.get_submodule(path)
+            raise SampleMixingError(
+                f"{type(layer).__name__} at {path or '<model>'} wrote its buffer {attr!r} from "
+                f"the batch during the forward pass: its value is a statistic of the records, "
+                f"kept in the model (and in its state_dict) with no clipping and no noise, so "
+                f"DP-SGD's guarantee does not cover it. Compute it from public data outside "
+                f"the private loop, or keep it fixed while training privately (write it only "
+                f"when not module.training), or replace the layer (wb.fix_model for "
+                f"BatchNorm-like layers)")
+
+
 def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """``{name: param}`` of trainable parameters, keyed like ``model.named_parameters()``.
 
@@ -124,6 +146,7 @@ def take(batch, index: slice):
 
 
 __all__ = [
-    "ModelCall", "batch_size", "check_batch", "check_losses", "check_no_sample_mixing", "forward",
+    "ModelCall", "batch_size", "check_batch", "check_buffers_kept_from_batch", "check_losses",
+    "check_no_sample_mixing", "forward",
     "sample_mixing_problem", "take", "trainable_parameters",
 ]

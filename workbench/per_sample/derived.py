@@ -67,6 +67,9 @@ ATTENTION = {"scaled_dot_product_attention"}  # D as attn_mask, args[3] (BEiT's,
 MEETS = frozenset(ELEMENTWISE | WEIGHTED | PRODUCTS | ATTENTION)
 MAX_NODES = 512  # a D whose graph is larger is not a parameter-only computation worth it
 WRITES = {"__setitem__"}  # in-place by another name than ``x.op_`` / ``x.__iop__``
+RUNNING_STATS = {"batch_norm", "instance_norm"}  # write their running_mean / running_var
+RUNNING_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training")  # the
+# sixth is instance_norm's use_input_stats: both mean "statistics of this batch, written back"
 
 
 class TaintRef(weakref.ref):
@@ -110,6 +113,12 @@ class Taint:
                 and (name in WRITES or name.startswith("__i")
                      or (name.endswith("_") and not name.endswith("__")))):
             refs[id(first)] = TaintRef(first)
+        if name in RUNNING_STATS:  # F.batch_norm / F.instance_norm updating running statistics
+            values = dict(zip(RUNNING_ARGS, args), **kwargs)  # from the batch, in C++
+            if values.get("training", values.get("use_input_stats")):
+                for key in ("running_mean", "running_var"):
+                    if isinstance(values.get(key), torch.Tensor):
+                        refs[id(values[key])] = TaintRef(values[key])
 
     def _holds(self, args, kwargs) -> bool:
         """A tainted tensor is among the arguments (one level into lists), checked by

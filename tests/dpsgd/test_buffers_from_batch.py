@@ -1,0 +1,123 @@
+"""A forward pass that writes a buffer from the batch's values is refused in private training.
+
+A custom running statistic (``self.running_mean.mul_(0.9).add_(0.1 * h.mean(0))``, a buffer
+rebound to a statistic of the batch, ``F.batch_norm`` called with ``training=True`` on the
+layer's own buffers) stores an unclipped, un-noised function of the records in the model that
+DP-SGD releases, and later steps read it: before this check the optimizer stepped on and the
+buffer held the data's mean, silently outside every (ε, δ). The type check knew BatchNorm and
+InstanceNorm only; this one knows any layer by what its forward did (``derived.Taint``:
+whether the written tensor was computed from the model's inputs). Buffers written without the
+batch's values (a step counter, a cache rebuilt from the input's shape) and statistics kept
+only outside training are fine; the functional API (no release) is unchanged.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import workbench as wb
+from tests.helpers import assert_optimizer_matches_microbatch
+from workbench.dpsgd import DPOptimizer
+from workbench.errors import SampleMixingError
+
+D = 4
+
+
+class Running(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.lin, self.how = nn.Linear(D, D), how
+        self.register_buffer("running_mean", torch.zeros(D))
+        self.register_buffer("running_var", torch.ones(D))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("positions", torch.arange(3))
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.how == "in place":
+            with torch.no_grad():
+                self.running_mean.mul_(0.9).add_(0.1 * h.mean(0))
+        elif self.how == "rebound":
+            self.running_mean = 0.9 * self.running_mean + 0.1 * h.detach().mean(0)
+        elif self.how == "lerp":
+            self.running_mean.lerp_(h.detach().mean(0), 0.1)
+        elif self.how == "batch_norm":  # F.batch_norm writes them in C++
+            F.batch_norm(h.detach(), self.running_mean, self.running_var, training=True)
+        elif self.how == "eval only" and not self.training:
+            self.running_mean.copy_(h.detach().mean(0))
+        elif self.how == "counters":  # no value of the batch: a count, a shape
+            self.steps += 1
+            self.positions = torch.arange(x.shape[0])
+        return h
+
+
+class Model(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.body, self.head = Running(how), nn.Linear(D, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)))
+
+
+def mse(out, y):
+    return (out - y).pow(2).sum(1)
+
+
+def problem(how, n=3):
+    torch.manual_seed(0)
+    model = Model(how).double()
+    g = torch.Generator().manual_seed(n)
+    return model, torch.randn(n, D, generator=g, dtype=torch.float64), \
+        torch.randn(n, 2, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("how", ["in place", "rebound", "lerp", "batch_norm"])
+@pytest.mark.parametrize("mode", ["bookkeeping", "einsum", "microbatch", "auto"])
+def test_a_buffer_written_from_the_batch_is_refused_before_any_step(how, mode):
+    model, x, y = problem(how)
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=1.0,
+                      max_grad_norm=1.0, expected_batch_size=3.0, method=mode)
+    try:
+        with pytest.raises(SampleMixingError, match=r"Running at body wrote its buffer "
+                                                    r"'running_mean' from the batch"):
+            opt.zero_grad()
+            mse(model(x), y).sum().backward()
+            opt.step()
+    finally:
+        opt.detach()
+    for k, p in model.named_parameters():  # no step was taken
+        assert torch.equal(p.detach(), before[k]), k
+
+
+def test_make_private_refuses_it_too():
+    model, x, y = problem("in place")
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=3)
+    model, opt, loader = wb.PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=data,
+        noise_multiplier=1.0, max_grad_norm=1.0)
+    with pytest.raises(SampleMixingError, match="running_mean"):
+        for xb, yb in loader:
+            if len(xb):
+                opt.zero_grad()
+                mse(model(xb), yb).sum().backward()
+                opt.step()
+
+
+@pytest.mark.parametrize("how", ["counters", "eval only"])
+def test_buffers_written_without_the_batch_values_train_as_before(how):
+    model, _, _ = problem(how)
+    batches = [problem(how, n)[1:] for n in (3, 1, 2)]
+    assert_optimizer_matches_microbatch(model, mse, batches, max_grad_norm=0.5,
+                                        method="bookkeeping")
+
+
+def test_the_functional_api_releases_nothing_and_is_unchanged():
+    """Per-sample gradients of a model keeping a running mean are what they are: exact."""
+    model, x, y = problem("in place")
+    want = wb.clipped_grad_sum(model, mse, x, y, 0.5, method="microbatch")
+    got = wb.clipped_grad_sum(model, mse, x, y, 0.5, method="bookkeeping")
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-12)
