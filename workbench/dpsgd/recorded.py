@@ -52,7 +52,7 @@ from workbench.dpsgd.skip_weights import AUTO, WeightGradSkipper
 from workbench.dpsgd.streamed import stream_call, streamed_gradients
 from workbench.errors import LossCouplingError, UnsupportedLayerError
 from workbench.per_sample import precision, selfcheck
-from workbench.per_sample.checks import ModelCall, check_buffers_kept_from_batch
+from workbench.per_sample.checks import ModelCall, state_written_from_batch
 from workbench.per_sample.derived import served_gradients
 from workbench.per_sample.fallback import exact_per_sample_gradients
 from workbench.per_sample.hooks import ActivationRecorder
@@ -191,7 +191,7 @@ class ModelRecorder:
             # the loss is not seen here: an output the model returns may be used there
             self.tracker.batch_free.exclude(tree_flatten(output)[0])
             self.tracker.__exit__(None, None, None)
-            check_buffers_kept_from_batch(self.model, self.tracker.derived.taint.has)
+            written = state_written_from_batch(self.model, self.tracker.derived.taint.has)
             missed = unseen(self.tracker, tree_flatten(output)[0])  # Function.apply's uses
             for key, where in (*self.tracker.uncovered.items(), *missed.items()):
                 self.uncovered.setdefault(key, set()).update(where)
@@ -210,6 +210,8 @@ class ModelRecorder:
                 split = split_outputs(output)
                 if split is not None and (split[2] or split[3]):  # a loss, upstream outputs
                     self.watch.model_losses = ModelLosses(split, inner)
+            if written is not None:  # raised last: the recorder is consistent
+                raise written
 
     def close(self) -> None:
         self.watch.close()

@@ -82,26 +82,30 @@ def sample_mixing_problem(module: nn.Module) -> str | None:
     return None
 
 
-def check_buffers_kept_from_batch(model: nn.Module, written) -> None:
-    """Raise SampleMixingError when the forward pass wrote a buffer from the batch's values
-    (``written(t)``: whether t was computed from, or written in place with, a tensor computed
-    from the model's inputs, ``derived.Taint.has``): a custom running mean
+def state_written_from_batch(model: nn.Module, written) -> SampleMixingError | None:
+    """The SampleMixingError for the first buffer or parameter the forward pass wrote from the
+    batch's values (``written(t)``: whether t was computed from, or written in place with, a
+    tensor computed from the model's inputs, ``derived.Taint.has``): a custom running mean
     ``self.running_mean.mul_(0.9).add_(0.1 * h.mean(0))``, a buffer rebound to a statistic of
-    the batch. Its value is an unclipped, un-noised function of the records, kept in the model
+    the batch, a data-dependent initialisation ``self.bias.copy_(-x.mean(0))`` (Glow's
+    ActNorm). Its value is an unclipped, un-noised function of the records, kept in the model
     the steps release and read by later steps, so no step's (ε, δ) covers it; the type check
-    above knows BatchNorm and InstanceNorm, this one any layer, by what it did."""
-    for name, buffer in model.named_buffers():
-        if written(buffer):
-            path, _, attr = name.rpartition(".")
-            layer = model.get_submodule(path)
-            raise SampleMixingError(
-                f"{type(layer).__name__} at {path or '<model>'} wrote its buffer {attr!r} from "
-                f"the batch during the forward pass: its value is a statistic of the records, "
-                f"kept in the model (and in its state_dict) with no clipping and no noise, so "
-                f"DP-SGD's guarantee does not cover it. Compute it from public data outside "
-                f"the private loop, or keep it fixed while training privately (write it only "
-                f"when not module.training), or replace the layer (wb.fix_model for "
-                f"BatchNorm-like layers)")
+    above knows BatchNorm and InstanceNorm, this one any layer, by what it did. (A write
+    through ``.data``, a new tensor object, is not seen.)"""
+    for path, module in model.named_modules():
+        for kind, table in (("buffer", module._buffers), ("parameter", module._parameters)):
+            for attr, t in table.items():
+                if t is not None and written(t):
+                    return SampleMixingError(
+                        f"{type(module).__name__} at {path or '<model>'} wrote its {kind} "
+                        f"{attr!r} from the batch during the forward pass: its value is a "
+                        f"statistic of the records, kept in the model (and in its state_dict) "
+                        f"with no clipping and no noise, so DP-SGD's guarantee does not cover "
+                        f"it. Compute it from public data outside the private loop, or keep it "
+                        f"fixed while training privately (write it only when not "
+                        f"module.training), or replace the layer (wb.fix_model for "
+                        f"BatchNorm-like layers)")
+    return None
 
 
 def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -146,7 +150,7 @@ def take(batch, index: slice):
 
 
 __all__ = [
-    "ModelCall", "batch_size", "check_batch", "check_buffers_kept_from_batch", "check_losses",
-    "check_no_sample_mixing", "forward",
+    "ModelCall", "batch_size", "check_batch", "check_losses", "check_no_sample_mixing",
+    "forward", "state_written_from_batch",
     "sample_mixing_problem", "take", "trainable_parameters",
 ]
