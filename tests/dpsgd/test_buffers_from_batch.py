@@ -46,6 +46,10 @@ class Running(nn.Module):
             self.running_mean.lerp_(h.detach().mean(0), 0.1)
         elif self.how == "batch_norm":  # F.batch_norm writes them in C++
             F.batch_norm(h.detach(), self.running_mean, self.running_var, training=True)
+        elif self.how == "through data":  # an alias of the buffer: another tensor object
+            self.running_mean.data.mul_(0.9).add_(0.1 * h.detach().mean(0))
+        elif self.how == "data init through data":
+            self.lin.bias.data.copy_(-h.detach().mean(0))
         elif self.how == "data init":  # Glow's ActNorm: a parameter set from the batch
             with torch.no_grad():
                 self.lin.bias.copy_(-h.mean(0))
@@ -82,7 +86,9 @@ WRITTEN = {"in place": "Running at body wrote its buffer 'running_mean'",
            "rebound": "Running at body wrote its buffer 'running_mean'",
            "lerp": "Running at body wrote its buffer 'running_mean'",
            "batch_norm": "Running at body wrote its buffer 'running_mean'",
-           "data init": "Linear at body.lin wrote its parameter 'bias'"}
+           "through data": "Running at body wrote its buffer 'running_mean'",
+           "data init": "Linear at body.lin wrote its parameter 'bias'",
+           "data init through data": "Linear at body.lin wrote its parameter 'bias'"}
 
 
 @pytest.mark.parametrize("how", list(WRITTEN))

@@ -52,7 +52,7 @@ from workbench.dpsgd.skip_weights import AUTO, WeightGradSkipper
 from workbench.dpsgd.streamed import stream_call, streamed_gradients
 from workbench.errors import LossCouplingError, UnsupportedLayerError
 from workbench.per_sample import precision, selfcheck
-from workbench.per_sample.checks import ModelCall, state_written_from_batch
+from workbench.per_sample.checks import ModelCall, buffer_ids, state_written_from_batch
 from workbench.per_sample.derived import served_gradients
 from workbench.per_sample.fallback import exact_per_sample_gradients
 from workbench.per_sample.hooks import ActivationRecorder
@@ -132,6 +132,7 @@ class ModelRecorder:
         self.watch = LossWatch(loss_reduction, criterion)
         self.watch.paused = self.paused  # its coupling test must not reach the recording hooks
         self._depth, self._tracking, self._rng, self._roots = 0, False, None, 0
+        self._buffers_before: set[int] = set()  # buffer ids at the forward pass's start
         self._amp = None  # the autocast dtype of the forward pass running (precision.py)
         self._handles = [model.register_forward_pre_hook(quiet(self._enter),  # uses.quiet
                                                           with_kwargs=True),
@@ -173,6 +174,7 @@ class ModelRecorder:
             if torch.is_grad_enabled():  # a loss computed inside the model (model_loss.py)
                 self._inner = InnerLosses(FUNCTIONAL)
                 push_bottom(self._inner)
+            self._buffers_before = buffer_ids(self.model)  # state_written_from_batch
             self.tracker.__enter__()
             self.tracker.start(call_leaves(args, kwargs))  # the batch: its taint and rows
             self._tracking = True
@@ -191,7 +193,9 @@ class ModelRecorder:
             # the loss is not seen here: an output the model returns may be used there
             self.tracker.batch_free.exclude(tree_flatten(output)[0])
             self.tracker.__exit__(None, None, None)
-            written = state_written_from_batch(self.model, self.tracker.derived.taint.has)
+            taint = self.tracker.derived.taint
+            written = state_written_from_batch(self.model, taint.has, taint.wrote,
+                                               self._buffers_before)
             missed = unseen(self.tracker, tree_flatten(output)[0])  # Function.apply's uses
             for key, where in (*self.tracker.uncovered.items(), *missed.items()):
                 self.uncovered.setdefault(key, set()).update(where)

@@ -82,7 +82,13 @@ def sample_mixing_problem(module: nn.Module) -> str | None:
     return None
 
 
-def state_written_from_batch(model: nn.Module, written) -> SampleMixingError | None:
+def buffer_ids(model: nn.Module) -> set[int]:
+    """ids of the model's buffers now (before a forward pass: ``state_written_from_batch``)."""
+    return {id(b) for m in model.modules() for b in m._buffers.values() if b is not None}
+
+
+def state_written_from_batch(model: nn.Module, written, aliased=lambda t: False,
+                             before=frozenset()) -> SampleMixingError | None:
     """The SampleMixingError for the first buffer or parameter the forward pass wrote from the
     batch's values (``written(t)``: whether t was computed from, or written in place with, a
     tensor computed from the model's inputs, ``derived.Taint.has``): a custom running mean
@@ -90,12 +96,16 @@ def state_written_from_batch(model: nn.Module, written) -> SampleMixingError | N
     the batch, a data-dependent initialisation ``self.bias.copy_(-x.mean(0))`` (Glow's
     ActNorm). Its value is an unclipped, un-noised function of the records, kept in the model
     the steps release and read by later steps, so no step's (ε, δ) covers it; the type check
-    above knows BatchNorm and InstanceNorm, this one any layer, by what it did. (A write
-    through ``.data``, a new tensor object, is not seen.)"""
+    above knows BatchNorm and InstanceNorm, this one any layer, by what it did. A write
+    through an alias (``self.running_mean.data.mul_(...)``: another tensor object, its
+    storage the buffer's) is found by storage (``aliased``), for the parameters and the
+    buffers that existed before the pass (``before``: ids; a buffer made during the pass may
+    sit where a freed activation was)."""
     for path, module in model.named_modules():
         for kind, table in (("buffer", module._buffers), ("parameter", module._parameters)):
             for attr, t in table.items():
-                if t is not None and written(t):
+                if t is not None and (written(t) or (
+                        (kind == "parameter" or id(t) in before) and aliased(t))):
                     return SampleMixingError(
                         f"{type(module).__name__} at {path or '<model>'} wrote its {kind} "
                         f"{attr!r} from the batch during the forward pass: its value is a "
@@ -150,7 +160,7 @@ def take(batch, index: slice):
 
 
 __all__ = [
-    "ModelCall", "batch_size", "check_batch", "check_losses", "check_no_sample_mixing",
-    "forward", "state_written_from_batch",
+    "ModelCall", "batch_size", "buffer_ids", "check_batch", "check_losses",
+    "check_no_sample_mixing", "forward", "state_written_from_batch",
     "sample_mixing_problem", "take", "trainable_parameters",
 ]

@@ -84,6 +84,17 @@ class Taint:
 
     def __init__(self):
         self.refs: dict[int, weakref.ref] = {}
+        self.storages: set[int] = set()  # data pointers of storages written in place from the
+        # batch: a write through an alias (``buffer.data.mul_(...)``) reaches the buffer there
+
+    def wrote(self, t) -> bool:
+        """t's storage was written in place from the batch during the pass (through t itself
+        or through any tensor sharing it: ``.data``, a view)."""
+        return bool(self.storages) and _storage(t) in self.storages
+
+    def _written(self, t: torch.Tensor) -> None:
+        self.refs[id(t)] = TaintRef(t)
+        self.storages.add(_storage(t))
 
     def seed(self, tensors) -> None:
         for t in tensors:
@@ -109,16 +120,16 @@ class Taint:
         elif isinstance(result, torch.Tensor):
             refs[id(result)] = TaintRef(result)
         first = args[0] if args else None
-        if (isinstance(first, torch.Tensor) and first is not result
-                and (name in WRITES or name.startswith("__i")
+        if (isinstance(first, torch.Tensor)  # written: tainted, its storage noted (also when
+                and (name in WRITES or name.startswith("__i")  # the op returns it, x.add_(a))
                      or (name.endswith("_") and not name.endswith("__")))):
-            refs[id(first)] = TaintRef(first)
+            self._written(first)
         if name in RUNNING_STATS:  # F.batch_norm / F.instance_norm updating running statistics
             values = dict(zip(RUNNING_ARGS, args), **kwargs)  # from the batch, in C++
             if values.get("training", values.get("use_input_stats")):
                 for key in ("running_mean", "running_var"):
                     if isinstance(values.get(key), torch.Tensor):
-                        refs[id(values[key])] = TaintRef(values[key])
+                        self._written(values[key])
 
     def _holds(self, args, kwargs) -> bool:
         """A tainted tensor is among the arguments (one level into lists), checked by
@@ -158,6 +169,14 @@ class Taint:
         else:
             self.seed(leaves(output))
         return True
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    """The data pointer of t's storage (None for a tensor without one: meta, sparse)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _flat(args):
