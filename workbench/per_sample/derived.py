@@ -90,11 +90,13 @@ class Taint:
     def wrote(self, t) -> bool:
         """t's storage was written in place from the batch during the pass (through t itself
         or through any tensor sharing it: ``.data``, a view)."""
-        return bool(self.storages) and _storage(t) in self.storages
+        return bool(self.storages) and _storage(t) in self.storages  # None is never added
 
     def _written(self, t: torch.Tensor) -> None:
         self.refs[id(t)] = TaintRef(t)
-        self.storages.add(_storage(t))
+        ptr = _storage(t)
+        if ptr:  # not an empty or storage-less tensor (0, None): those share no data
+            self.storages.add(ptr)
 
     def seed(self, tensors) -> None:
         for t in tensors:
@@ -172,9 +174,10 @@ class Taint:
 
 
 def _storage(t: torch.Tensor) -> int | None:
-    """The data pointer of t's storage (None for a tensor without one: meta, sparse)."""
+    """The data pointer of t's storage: None for a tensor without one (meta, sparse) or with
+    an empty one (0 for every empty storage, so no tensor is matched by it)."""
     try:
-        return t.untyped_storage().data_ptr()
+        return t.untyped_storage().data_ptr() or None
     except (RuntimeError, NotImplementedError):
         return None
 
