@@ -142,3 +142,25 @@ def test_the_functional_api_releases_nothing_and_is_unchanged():
     got = wb.clipped_grad_sum(model, mse, x, y, 0.5, method="bookkeeping")
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-12)
+
+
+class Converted(nn.Module):
+    """A buffer converted to the input's dtype and device, ``self.P.to(x)`` (peft's BOFT): the
+    same tensor when nothing changes, and nothing of x goes into it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.register_buffer("P", torch.eye(D), persistent=False)
+
+    def forward(self, x):
+        return self.lin(x) @ self.P.to(x)
+
+
+def test_a_buffer_returned_by_a_no_op_conversion_is_not_written():
+    torch.manual_seed(0)
+    model = nn.Sequential(Converted(), nn.Linear(D, 2)).double()
+    model[0].P = model[0].P.double()
+    batches = [problem("counters", n)[1:] for n in (3, 1)]
+    assert_optimizer_matches_microbatch(model, mse, batches, max_grad_norm=0.5,
+                                        method="bookkeeping")

@@ -109,12 +109,16 @@ class Taint:
 
     def spread(self, name: str, ids, args, kwargs, result) -> None:
         """After an op: its result is tainted when an argument is; an in-place op (``x.add_``,
-        ``x += a``, ``x[k] = a``) taints its first argument, which it wrote."""
+        ``x += a``, ``x[k] = a``) taints its first argument, which it wrote. A result that is
+        an argument itself, not written (``buffer.to(x)`` when x's dtype and device are the
+        buffer's already: peft's BOFT permutation), keeps its own state: nothing of x went
+        into it."""
         refs = self.refs
         if refs.keys().isdisjoint(ids) or not self._holds(args, kwargs):
             return  # none, or only a freed tensor's id reused
         if type(result) is torch.Tensor:
-            refs[id(result)] = TaintRef(result)
+            if not any(result is a for a in args):
+                refs[id(result)] = TaintRef(result)
         elif type(result) in (list, tuple):
             for t in result:
                 if isinstance(t, torch.Tensor):
