@@ -50,6 +50,8 @@ class Running(nn.Module):
             self.running_mean.data.mul_(0.9).add_(0.1 * h.detach().mean(0))
         elif self.how == "data init through data":
             self.lin.bias.data.copy_(-h.detach().mean(0))
+        elif self.how == "out":  # an op told to write its result there
+            torch.add(0.9 * self.running_mean, 0.1 * h.detach().mean(0), out=self.running_mean)
         elif self.how == "data init":  # Glow's ActNorm: a parameter set from the batch
             with torch.no_grad():
                 self.lin.bias.copy_(-h.mean(0))
@@ -87,6 +89,7 @@ WRITTEN = {"in place": "Running at body wrote its buffer 'running_mean'",
            "lerp": "Running at body wrote its buffer 'running_mean'",
            "batch_norm": "Running at body wrote its buffer 'running_mean'",
            "through data": "Running at body wrote its buffer 'running_mean'",
+           "out": "Running at body wrote its buffer 'running_mean'",
            "data init": "Linear at body.lin wrote its parameter 'bias'",
            "data init through data": "Linear at body.lin wrote its parameter 'bias'"}
 

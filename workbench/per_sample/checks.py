@@ -101,11 +101,12 @@ def state_written_from_batch(model: nn.Module, written, aliased=lambda t: False,
     storage the buffer's) is found by storage (``aliased``), for the parameters and the
     buffers that existed before the pass (``before``: ids; a buffer made during the pass may
     sit where a freed activation was)."""
-    for path, module in model.named_modules():
+    for module in model.modules():  # names only for the one found: this runs every pass
         for kind, table in (("buffer", module._buffers), ("parameter", module._parameters)):
             for attr, t in table.items():
                 if t is not None and (written(t) or (
                         (kind == "parameter" or id(t) in before) and aliased(t))):
+                    path = next(p for p, m in model.named_modules() if m is module)
                     return SampleMixingError(
                         f"{type(module).__name__} at {path or '<model>'} wrote its {kind} "
                         f"{attr!r} from the batch during the forward pass: its value is a "

@@ -130,6 +130,10 @@ class Taint:
                 and (name in WRITES or name.startswith("__i")  # the op returns it, x.add_(a))
                      or (name.endswith("_") and not name.endswith("__")))):
             self._written(first)
+        out = kwargs.get("out") if kwargs else None  # torch.add(a, b, out=buffer): written
+        for t in (out if type(out) in (list, tuple) else (out,)):
+            if isinstance(t, torch.Tensor):
+                self._written(t)
         if name in RUNNING_STATS:  # F.batch_norm / F.instance_norm updating running statistics
             values = dict(zip(RUNNING_ARGS, args), **kwargs)  # from the batch, in C++
             if values.get("training", values.get("use_input_stats")):

@@ -183,13 +183,17 @@ def record_linear(tracker, args, kwargs, result, where: str, func=None) -> bool:
     names = [tracker.names.get(id(p), "a parameter") for p in (W, c) if p is not None]
     path = f"F.linear({', '.join(names)}){' in its owner' if inside else ''}"
 
-    def make():
-        layer = functional_linear(W, c)
-        if inside:  # handed over by its rule-less owner (Mixtral's router)
-            layer.takes_over, layer.owner = True, where
-        return layer
+    return record_inside(tracker, path, lambda: handed_over(functional_linear(W, c), inside,
+                                                            where),
+                         {"weight": W, "bias": c}, (x,), result, inside)
 
-    return record_inside(tracker, path, make, {"weight": W, "bias": c}, (x,), result, inside)
+
+def handed_over(layer: nn.Module, inside: bool, where: str) -> nn.Module:
+    """A functional layer whose parameters its rule-less owner at ``where`` hands over
+    (Mixtral's router), marked as ``BroadcastParameter`` marks itself; as it is otherwise."""
+    if inside:
+        layer.takes_over, layer.owner = True, where
+    return layer
 
 
 def rule_less_owner(tracker, where: str, x, *params) -> bool:
@@ -197,6 +201,8 @@ def rule_less_owner(tracker, where: str, x, *params) -> bool:
     skipped), on rows ``x`` proved to be the batch's (``flat_rows.py``: the batch on dim 0,
     or flattened sample-major): the op can be recorded as a call of its own rule's functional
     layer, and the owner, run by vmap for its other parameters, hands these over."""
+    if tracker.stack and where == tracker.stack[-1] and tracker._inside_rule():
+        return False  # the usual case, every nn.Linear's own F.linear: cached per layer
     owner = tracker.recorder.layers.get(where)
     return (owner is not None and not has_rule(owner)
             and all(where in tracker.owners[id(p)] for p in params if p is not None)
@@ -289,14 +295,9 @@ def record_embedding(tracker, args, kwargs, result, where: str, func=None) -> bo
     pad = values.get("padding_idx")
     path = (f"F.embedding({tracker.names.get(id(W), 'a parameter')}, padding_idx={pad})"
             f"{' in its owner' if inside else ''}")
-
-    def make():
-        layer = functional_embedding(W, pad)
-        if inside:
-            layer.takes_over, layer.owner = True, where
-        return layer
-
-    return record_inside(tracker, path, make, {"weight": W}, (x,), result, inside)
+    return record_inside(tracker, path,
+                         lambda: handed_over(functional_embedding(W, pad), inside, where),
+                         {"weight": W}, (x,), result, inside)
 
 
 def broadcast_into_batch(func, args, kwargs, p, result) -> bool:
@@ -467,6 +468,6 @@ __all__ = [
     "broadcast_into_batch", "delegates", "has_rule", "embedding_arguments",
     "functional_embedding", "functional_linear", "linear_arguments", "outside",
     "record_broadcast", "record_call", "record_embedding", "record_linear", "settle_broadcast",
-    "INDEX_DTYPES", "SELECTS", "ParameterRows", "gather_arguments", "record_gather",
+    "INDEX_DTYPES", "SELECTS", "ParameterRows", "gather_arguments", "handed_over", "record_gather",
     "record_inside", "rule_less_owner",
 ]

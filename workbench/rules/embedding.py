@@ -119,22 +119,24 @@ def embedding_norm_sampler(layer, activations, backprops):
     x = x.reshape(n, -1)  # (n, T)
     b = backprops.reshape(n, -1, d)  # (n, T, d), read only: no (n, T, d) scratch below
     step = max(1, -(-n // NORM_CHUNKS))
-    parts = [_chunk_squares(layer, x[s:s + step], b[s:s + step]) for s in range(0, n, step)]
+    pad = layer.padding_idx
+    parts = [segment_squares(x[s:s + step], b[s:s + step], pad) for s in range(0, n, step)]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 NORM_CHUNKS = 4
 
 
-def _chunk_squares(layer, x, b):
-    """(k,) ||g_i||² of k samples: indices x (k, T), backprops b (k, T, d)."""
+def segment_squares(x, b, padding_idx=None):
+    """(k,) ||g_i||² of k samples: indices x (k, T), backprops b (k, T, d); tokens equal to
+    ``padding_idx`` add nothing (``rules/gather.py`` uses it with none)."""
     d = b.shape[-1]
     rep, run = repeated(x)  # (k, T), (k, T)
-    skip = rep if layer.padding_idx is None else rep | (x == layer.padding_idx)  # pad: no term
+    skip = rep if padding_idx is None else rep | (x == padding_idx)  # pad: no term
     tokens = torch.linalg.vector_norm(b, dim=-1).square_()  # (k, T) ||b_it||², one reduction
     squares = tokens.masked_fill_(skip, 0.0).sum(1)  # (k,) tokens of unique indices
-    if layer.padding_idx is not None:
-        rep = rep & (x != layer.padding_idx)
+    if padding_idx is not None:
+        rep = rep & (x != padding_idx)
     i, t = rep.nonzero(as_tuple=True)  # the K tokens of repeated (non-padding) indices
     if len(i):
         keys, slot = torch.unique(i * x.shape[1] + run[i, t], return_inverse=True)
@@ -196,5 +198,5 @@ RULE = register_rule(LayerRule(
 __all__ = [
     "CHUNK_SAMPLES", "NORM_CHUNKS", "RULE", "SEGMENT_SUM", "check_embedding",
     "embedding_grad_sampler", "embedding_norm_sampler", "embedding_reweighted",
-    "embedding_route", "embedding_weight_grads", "repeated", "token_rows",
+    "embedding_route", "embedding_weight_grads", "repeated", "segment_squares", "token_rows",
 ]

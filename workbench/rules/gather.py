@@ -30,14 +30,8 @@ import torch
 
 from workbench.per_sample.memory import zeros_per_sample
 from workbench.per_sample.tied import ParameterRows
-from workbench.rules._rule import LayerRule, Route, register_rule
-from workbench.rules.embedding import _chunk_squares
-
-
-class _Rows:
-    """What ``embedding._chunk_squares`` reads of an Embedding: no padding index."""
-
-    padding_idx = None
+from workbench.rules._rule import LayerRule, register_rule
+from workbench.rules.embedding import SEGMENT_SUM, segment_squares
 
 
 def rows_of(layer, activations, backprops):
@@ -61,11 +55,7 @@ def gather_grad_sampler(layer, activations, backprops):
 
 def gather_norm_sampler(layer, activations, backprops):
     x, b = rows_of(layer, activations, backprops)
-    return _chunk_squares(_Rows, x, b)  # (n,) ||g_i||², repeats summed first
-
-
-SEGMENT_SUM = Route("segment sum", lambda layer, call: call.backprops[0].numel(),
-                    flops=lambda layer, call: call.backprops[0].numel())
+    return segment_squares(x, b)  # (n,) ||g_i||², repeats summed first
 
 
 def gather_route(layer, activations):
