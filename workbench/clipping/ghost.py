@@ -82,8 +82,8 @@ def record_batch(model, loss_fn, inputs, targets, check=False, norms_only=False)
     rec = record_forward(model, loss_fn, inputs, targets, covered=_covered)
     warn_fallbacks(rec, _covered)
     sig = selfcheck.known(model, rec, check, *((NORM_CHECK, ()) if norms_only else ()))
-    rec.probe = selfcheck.probe_sketch(rec, selfcheck.probe(
-        rec, model, loss_fn, inputs, targets)) if sig else None  # 3 numbers per parameter
+    rec.probe = selfcheck.probe_sketch(rec, model, loss_fn, inputs, targets) if sig \
+        else None  # 3 numbers per parameter
     if sig is not None and rec.random:  # the record probe, run when the norms are known
         rec.replay = lambda: replay_probe(rec, model, loss_fn, inputs, targets)
     rec.signature = sig

@@ -94,9 +94,9 @@ from workbench.dpsgd.distributed import (
     all_reduce,
     check_timeout_minutes,
 )
+from workbench.dpsgd.path_check import PathCheck
 from workbench.dpsgd.privatise import MODES, gaussian_noise
 from workbench.dpsgd.recorded import ModelRecorder, distributed_run
-from workbench.errors import UnattributedGradientError
 from workbench.methods import OPTIMIZER_ALIASES
 from workbench.per_sample import precision, selfcheck
 from workbench.per_sample.checks import check_no_sample_mixing
@@ -170,7 +170,7 @@ class DPOptimizer(Optimizer):
         self._drop_handles.append(other_optimizers.guard(self))  # nor a second optimizer's step
         self.verify = True  # each new call signature; "always"; False: see verify_next_step()
         self._verify_next = False
-        self._zeroed, self._released = False, {}  # is .grad this step's own? (_check_path)
+        self._zeroed, self._released = False, {}  # is .grad this step's own? (_path_check_applies)
         self.all_reduce_timeout_minutes = DEFAULT_TIMEOUT_MINUTES  # make_private may set it
         self._sums: dict[int, torch.Tensor] = {}
         self._modes: dict = {}  # mode_key -> the mode "auto" chose for that layout
@@ -322,7 +322,7 @@ class DPOptimizer(Optimizer):
         check = "always" if self.verify == "always" or self._verify_next else self.verify
         self.recorder.watch.check = check is not False
         self.recorder.watch.close()  # the loop's loss calls are in: the probes' are not
-        norms, factors, modes, replays, paths = [], [], [], [], {}
+        norms, factors, modes, replays, paths = [], [], [], [], None
         skipped, seen, tol, unchecked, compare = [], 0, 0.0, set(), False
         try:
             with self.recorder.paused():  # the samplers may call the layers themselves
@@ -334,12 +334,17 @@ class DPOptimizer(Optimizer):
                         mode = self._auto_mode(rec)
                     modes.append(mode)
                     tol = max(tol, selfcheck.TOLERANCE.get(precision.compared_dtype(rec), 1e-3))
-                    if self.recorder.comparing:  # before clipping frees the backprops; every
-                        # pass of the step (.grad is their sum), not only the checked ones
-                        for key, g in self.recorder.path_gradient(rec, exact).items():
-                            paths[key] = g if key not in paths else paths[key] + g
-                        unchecked |= self.recorder.unchecked(rec)
+                    if self.recorder.comparing and not compare:  # once per step
                         compare = True
+                        if self._path_check_applies():
+                            several = self.recorder.passes > 1  # .grad is their sum
+                            paths = PathCheck(self.recorder.params, hold=several,
+                                              free=not several)
+                    if paths is not None:  # before clipping frees the backprops; every pass
+                        # of the step, not only the checked ones
+                        for key, g in self.recorder.path_gradients(rec, exact):
+                            paths.add(key, g)  # compared and let go (path_check.py)
+                        unchecked |= self.recorder.unchecked(rec)
                     users = None if self.user_level is None else self.user_level.batch(rec)
                     row = None if rec.signature is None else RowSketch(
                         {id(p): p for p in rec.params.values()})  # record n - 1's part
@@ -358,8 +363,10 @@ class DPOptimizer(Optimizer):
             for rec, norm, row in replays:
                 if torch.isfinite(norm):  # a non-finite record is left out, not compared
                     self._verify(rec, norm, row)
-            if compare and not skipped:  # Σ_i g_i with a NaN record in it proves nothing
-                self._check_path(paths, tol, unchecked)
+            if paths is not None and not skipped:  # Σ_i g_i with a NaN record proves nothing
+                tol = max(tol, selfcheck.TOLERANCE.get(
+                    next(iter(self.recorder.params.values())).dtype, 1e-3))
+                paths.verdict(tol, unchecked)
         except Exception:
             self._sums = {}  # nothing of a refused batch is kept for a later step
             self.recorder.clear()
@@ -398,49 +405,20 @@ class DPOptimizer(Optimizer):
         selfcheck.compare_rows(rec, row, ref)
         selfcheck.remember(self.recorder.model, rec.signature, dict(rec.fallback))
 
-    def _check_path(self, paths: dict, tol: float, unchecked=frozenset()) -> None:
-        """The user's ``.grad`` must be Σ_i g_i: what flowed through the model's output, to
-        ``tol`` (the dtype the batches were computed in: autocast's, ``precision.py``);
-        ``unchecked``: ids of parameters whose ``.grad`` is partial (``skip_weights.py``)."""
+    def _path_check_applies(self) -> bool:
+        """Whether the user's ``.grad`` is this step's Σ_i g_i to compare (``path_check.py``,
+        to ``tol``: the dtype the batches were computed in, autocast's, ``precision.py``):
+        not where it is all-reduced, holds an earlier step's, or a GradScaler overflowed.
+        Asked before the path gradients are computed: the check lets each ``.grad`` go once
+        compared (``step()`` replaces it with the private one; a refused step leaves it
+        None)."""
         if distributed_run(self.model) or not (self._zeroed or all(
                 p.grad is not self._released.get(id(p)) for p in self.recorder.params.values())):
-            return  # .grad is all-reduced, or holds an earlier step's: not this batch's sum
-        if self._amp_scale() is not None and not all(
-                p.grad is None or bool(torch.isfinite(p.grad).all())
-                for p in self.recorder.params.values()):
-            return  # a GradScaler's overflow: its inf check lowers the scale (module docstring)
-        pairs = {}
-        for name, p in self.recorder.params.items():
-            if id(p) in unchecked:
-                continue
-            user = torch.zeros_like(p) if p.grad is None else p.grad.detach()
-            pairs[name] = (user, paths.get(id(p), torch.zeros_like(p)).to(user.dtype))
-        if not pairs:
-            return
-        # .grad rescaled as a whole after backward (clip_grad_norm_, an unscale_) is
-        # harmless here (DP-SGD never reads it): compare with the best common factor
-        dot = sum(float((u.double() * o.double()).sum()) for u, o in pairs.values())
-        sq = sum(float(o.double().pow(2).sum()) for _, o in pairs.values())
-        alpha = dot / sq if sq > 0 else 1.0
-        diffs = [(float((u.double() - alpha * o.double()).norm()), name)
-                 for name, (u, o) in pairs.items()]
-        total = sum(d * d for d, _ in diffs)
-        scale = max(max(float(u.double().norm()), abs(alpha) * float(o.double().norm()))
-                    for u, o in pairs.values())
-        tol = max(tol, selfcheck.TOLERANCE.get(next(iter(self.recorder.params.values())).dtype,
-                                                1e-3))
-        if total ** 0.5 <= tol * scale + 1e-12:
-            return
-        worst = [name for d, name in sorted(diffs, reverse=True)[:3] if d > 0]
-        raise UnattributedGradientError(
-            f"the gradient of the loss in .grad differs from the sum of the per-record "
-            f"gradients by {total ** 0.5:.3g} (relative {total ** 0.5 / max(scale, 1e-300):.3g})"
-            f", mostly in {', '.join(worst)}: a term of the loss reaches these parameters "
-            f"outside the model's output (an L2 penalty lambda * ||theta||^2, a loss reading a "
-            f"parameter directly), and DP-SGD can neither clip it per record nor drop it "
-            f"silently. For an L2 penalty use the optimizer's weight_decay (= 2 lambda for "
-            f"SGD; data-independent, it is applied outside the noise); move any other "
-            f"parameter-dependent term into the model's forward")
+            return False  # .grad is all-reduced, or holds an earlier step's
+        return self._amp_scale() is None or all(
+            p.grad is None or bool(torch.isfinite(p.grad).all())
+            for p in self.recorder.params.values())  # an overflow: the scaler's inf check
+        # lowers the scale (module docstring)
 
     def noise_std(self) -> float:
         """σ C: the standard deviation of the noise on each coordinate of the clipped sum."""
@@ -489,29 +467,30 @@ class DPOptimizer(Optimizer):
     def _noised_means(self, std: float) -> tuple[int, list]:
         """p.grad = (Σ_i c_i g_i + N(0, σ²C² I)) / B for every trainable parameter, on one
         process: ``privatise.noised_mean`` bit for bit (the noise drawn parameter by
-        parameter in the same order; the sum added and B divided by ``torch._foreach_*``,
-        one call for all parameters, elementwise the same operations). (d, [||Σ_i c_i g_i||
+        parameter in the same order, the sum added to it and B divided, elementwise the same
+        operations). Each parameter's sum is let go once added: the sums and the noise
+        (each the model's size) overlap by one parameter, not whole. (d, [||Σ_i c_i g_i||
         per parameter reached]) for the signal."""
-        B, noised, sums, d = self.expected_batch_size, [], [], 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                if not p.requires_grad:
-                    continue
+        B, d = self.expected_batch_size, 0
+        params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        sums = {}
+        for p in params:
+            s = self._sums.pop(id(p), None)
+            if s is not None:  # detach and cast only when needed: each is an op
+                s = s.detach() if s.requires_grad else s
+                sums[id(p)] = s if s.dtype == p.dtype else s.to(p.dtype)
+        with torch.no_grad():
+            norms = list(torch._foreach_norm(list(sums.values()))) if sums else []  # ||s||
+            for p in params:
                 d += p.numel()
                 noise = gaussian_noise(p, std, self.generator)  # fresh: ours to write
-                s = self._sums.get(id(p))
-                if s is not None:  # detach and cast only when needed: each is an op
-                    s = s.detach() if s.requires_grad else s
-                    noised.append(noise)
-                    sums.append(s if s.dtype == p.dtype else s.to(p.dtype))
+                s = sums.pop(id(p), None)
+                if s is not None:
+                    noise.add_(s)
+                    del s  # the last reference: freed before the next noise is drawn
                 p.grad = noise
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.requires_grad]
-        with torch.no_grad():
-            norms = list(torch._foreach_norm(sums)) if sums else []  # ||s|| each
-            if sums:
-                torch._foreach_add_(noised, sums)
-            if grads:
-                torch._foreach_div_(grads, B)
+            if params:
+                torch._foreach_div_([p.grad for p in params], B)
         return d, norms
 
     def step(self, closure=None):

@@ -22,12 +22,13 @@ samples: each is clipped on its own. Every batch whose call signature (n symboli
 one sample, or, with randomness (dropout), against the record probe that replays the batch's
 random state with the other records substituted (``per_sample.selfcheck``). A loss term
 reaching the parameters outside the model's output (an L2 penalty) is found by
-``path_gradient``: the user's ``.grad`` must equal Σ_i g_i (the optimizer compares).
+``path_gradients``: the user's ``.grad`` must equal Σ_i g_i (the optimizer compares).
 
 Notation: n batch size, b_out gradient of the loss w.r.t. the model's output, g_i per-sample
 gradient.
 """
 
+import collections
 import warnings
 from contextlib import ExitStack, contextmanager
 from functools import partial
@@ -129,6 +130,7 @@ class ModelRecorder:
         self.tracker.derived.clock = lambda: self.root_rec.generation  # as rec.generation
         self.uncovered: dict[int, set[str]] = {}
         self.comparing = False  # batches(): some backward pass of the step is checked
+        self.passes = 0  # batches(): the step's backward passes
         self.watch = LossWatch(loss_reduction, criterion)
         self.watch.paused = self.paused  # its coupling test must not reach the recording hooks
         self._depth, self._tracking, self._rng, self._roots = 0, False, None, 0
@@ -318,9 +320,9 @@ class ModelRecorder:
             rec.signature = selfcheck.known(self.model, rec, check, extra=("optimizer",))
             rec.probe = None
             if rec.signature is not None:
-                rec.probe = selfcheck.probe_sketch(rec, selfcheck.probe(
+                rec.probe = selfcheck.probe_sketch(
                     rec, self.model, dot_loss_of(root), _inputs(root, rec.n),
-                    root.backprops))  # g_i
+                    root.backprops)  # g_i, as 3 numbers per parameter
                 if rec.random and rec.rng is not None:  # for the record probe, after clipping
                     b = root.backprops
                     row = tuple(t[-1:].clone() for t in b) if isinstance(b, tuple) \
@@ -330,6 +332,7 @@ class ModelRecorder:
         # .grad sums every backward pass since the last step: where one pass is checked
         # (a new signature), the path gradient of each is needed, known before any is clipped
         self.comparing = any(rec.signature is not None for _, _, rec in prepared)
+        self.passes = len(prepared)
         for gen, mine, rec in prepared:
             f0 = _uniform(rec.factors)
             streamed, self._stream_paths = streamed_gradients(
@@ -359,28 +362,43 @@ class ModelRecorder:
                              generation=gen, factors=f,
                              feeds=loss_reach([e.node for r in roots for e in r.capture_edges()]))
 
-    def path_gradient(self, rec: Recording, exact: dict) -> dict:
-        """{id(param): Σ_i g_i} as the user's backward pass computed it (before the factors
-        f_i): every gradient that flows through the model's output. Call before clipping
-        (book-keeping frees the backprops)."""
+    def path_gradients(self, rec: Recording, exact: dict):
+        """(id(param), Σ_i g_i) once per parameter, as the user's backward pass computed it
+        (before the factors f_i): every gradient that flows through the model's output; each
+        as soon as its last call is in, so the caller can compare it and let it go
+        (``path_check.py``). Call before clipping (book-keeping frees the backprops)."""
         f = rec.factors
         c = torch.where(f != 0, 1 / torch.where(f != 0, f, 1), 0)  # (n,) undo f_i
-        sums: dict = {}
         tapped = self.tapped_paths()
+        plan = []
         for path, layer, call in rec.calls():
             if path in tapped:  # autograd computed no weight gradient there
                 continue
             own = [p for _, p in rec.own(layer)]
             if own:
-                for key, g in reweighted_weight_grads(layer, call, c, own).items():
-                    sums[key] = g if key not in sums else sums[key] + g
+                plan.append((layer, call, own))
+        exact = {key: g for key, g in exact.items()  # streamed from a tapped call: autograd
+                 if not self._stream_paths.get(key, set()) & tapped}  # computed no .grad
+        left = collections.Counter(id(p) for _, _, own in plan for p in own)
+        left.update(iter(exact))  # contributions still to come, per parameter
+        sums: dict = {}
+
+        def done(keys):
+            for key in keys:
+                left[key] -= 1
+                if left[key] == 0 and key in sums:
+                    yield key, sums.pop(key)
+
+        for layer, call, own in plan:
+            for key, g in reweighted_weight_grads(layer, call, c, own).items():
+                sums[key] = g if key not in sums else sums[key] + g
+            yield from done(id(p) for p in own)
         with torch.no_grad():
             for key, g in exact.items():
-                if self._stream_paths.get(key, set()) & tapped:
-                    continue  # streamed from a tapped call: autograd computed no .grad there
                 s = torch.tensordot(c.to(g.dtype), g, dims=1)
                 sums[key] = s if key not in sums else sums[key] + s
-        return sums
+                yield from done((key,))
+        yield from sums.items()  # a parameter of a call that returned none for it
 
     def tapped_paths(self) -> set[str]:
         """The paths of the calls autograd computed no weight gradient for: the tapped layers

@@ -114,6 +114,46 @@ def remember(model, sig, marks: dict) -> None:
 
 def probe(rec: Recording, model, loss_fn, inputs, targets) -> dict[str, torch.Tensor]:
     """Sample i = n - 1 alone: mark layers whose dim 0 is not the batch; return exact g_i."""
+    loss = _probe_loss(rec, model, loss_fn, inputs, targets)
+    params = list(rec.params.values())
+    grads = torch.autograd.grad(loss.sum(), params, allow_unused=True)
+    return {name: torch.zeros_like(p) if g is None else g
+            for (name, p), g in zip(rec.params.items(), grads)}
+
+
+def probe_sketch(rec: Recording, model, loss_fn, inputs, targets) -> RowSketch:
+    """``probe``'s g_i as a sketch (``sketch.py``: 3 numbers per parameter, all the norm and
+    vector checks need), each parameter's gradient sketched as the backward pass produces it
+    and let go: a hook on the parameter hands autograd back a zero that takes no memory
+    (stride 0). The model-sized g_i is never held, neither through the batch's backward pass
+    (it added one model's worth to the peak of ghost's and book-keeping's first call) nor at
+    the probe's own end, where the batch's recording, backprops and ``.grad`` are alive."""
+    loss = _probe_loss(rec, model, loss_fn, inputs, targets)
+    params = {id(p): p for p in rec.params.values()}
+    out = RowSketch(params)
+
+    def sketched(key):
+        def hook(g):
+            out.add(key, g)
+            return torch.zeros((), dtype=g.dtype, device=g.device).expand(g.shape)
+        return hook
+
+    with torch._C.DisableTorchFunction():  # hooks are not uses of the parameters
+        handles = [p.register_hook(sketched(key)) for key, p in params.items()]
+    try:
+        torch.autograd.grad(loss.sum(), list(params.values()), allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    for key in params:
+        if key not in out.dots:  # not reached: g_i = 0 there, compared as such
+            out.add_zero(key)
+    return out
+
+
+def _probe_loss(rec: Recording, model, loss_fn, inputs, targets) -> torch.Tensor:
+    """Sample i = n - 1's loss alone (1,), its layers' calls compared with the batch's: a
+    layer whose dim 0 is not the batch is marked (``rec.mark``)."""
     i = rec.n - 1
     rows = slice(i, i + 1)
     devices = [rec.device] if rec.device.type == "cuda" else []
@@ -154,10 +194,7 @@ def probe(rec: Recording, model, loss_fn, inputs, targets) -> dict[str, torch.Te
                     rec.mark(layer, path, f"is called on shape {tuple(s_big)} for n = {rec.n} "
                                           f"samples and {tuple(s_one)} for one: dim 0 is not "
                                           f"the batch")
-    params = list(rec.params.values())
-    grads = torch.autograd.grad(loss.sum(), params, allow_unused=True)
-    return {name: torch.zeros_like(p) if g is None else g
-            for (name, p), g in zip(rec.params.items(), grads)}
+    return loss
 
 
 def treatment(call) -> tuple:
@@ -264,17 +301,11 @@ def compare(rec: Recording, got: dict, ref: dict, what: str) -> None:
         f"method='vmap' or 'microbatch' are exact for models whose samples do not mix")
 
 
-def probe_sketch(rec: Recording, ref: dict) -> RowSketch:
-    """The probe's exact g_i ({name: tensor}) as a sketch (``sketch.py``): 3 numbers per
-    parameter, all the norm and vector checks need, so the model-sized g_i is not held
-    through the batch's backward pass (it added one model's worth of memory to the peak of
-    ghost's and book-keeping's first call)."""
-    return sketch.of({id(p): p for p in rec.params.values()},
-                     {id(rec.params[k]): g for k, g in ref.items()})
-
-
 def as_sketch(rec: Recording, exact) -> RowSketch:
-    return exact if isinstance(exact, RowSketch) else probe_sketch(rec, exact)
+    """An exact g_i ({name: tensor}, the record probe's) as a sketch; a sketch unchanged."""
+    return exact if isinstance(exact, RowSketch) else sketch.of(
+        {id(p): p for p in rec.params.values()},
+        {id(rec.params[k]): g for k, g in exact.items()})
 
 
 def compare_norm(rec: Recording, got: torch.Tensor, exact) -> None:

@@ -62,6 +62,13 @@ class RowSketch:
         else:
             self.dots[key], self.squares[key] = dots, square
 
+    def add_zero(self, key) -> None:
+        """A parameter whose part is zero (the backward pass never reached it)."""
+        if key in self.order and key not in self.dots:
+            p = self.params[key]
+            self.dots[key] = torch.zeros(PROJECTIONS, dtype=torch.float64, device=p.device)
+            self.squares[key] = torch.zeros((), dtype=torch.float64, device=p.device)
+
     def _project(self, key, g: torch.Tensor):
         gen = torch.Generator(device=g.device).manual_seed(SEED + 7919 * self.order[key])
         dots = torch.zeros(PROJECTIONS, dtype=torch.float64, device=g.device)
