@@ -356,6 +356,7 @@ class LossWatch:
                 gen = torch.Generator().manual_seed(0)  # not the global RNG: the run's stays
                 terms = [(gk[n - 1] * torch.randn(gk[n - 1].shape, generator=gen, dtype=gk.dtype)
                           .to(gk.device)).sum() for gk in g if gk is not None and gk.requires_grad]
+                del g  # only row n - 1 is read: the rest of ∂L/∂o is not held through h
                 if not terms:  # ∂L/∂o does not depend on o: nothing couples through o
                     self.checked.add(key)
                     return
