@@ -202,3 +202,14 @@ def test_the_sketched_probe_is_the_whole_probe_sketched():
     assert all(v == 0.0 for v in unused)
     assert all(p.grad is None for p in model.parameters())  # the hooks left nothing behind
     assert all(not p._backward_hooks for p in model.parameters())
+
+
+def test_a_tied_parameter_is_compared_once_and_a_late_part_is_an_error():
+    p = nn.Parameter(torch.randn(5, dtype=torch.float64))
+    o = torch.randn(5, dtype=torch.float64)
+    p.grad = o.clone()
+    check = PathCheck({"emb.weight": p, "head.weight": p})  # one tensor, two names
+    check.add(id(p), o)
+    check.verdict(TOL64)
+    with pytest.raises(RuntimeError, match="emb.weight arrived after"):
+        check.add(id(p), o)

@@ -77,8 +77,10 @@ class PathCheck:
     it), so the clipped sums that follow do not sit beside it."""
 
     def __init__(self, params: dict, hold: bool = False, free: bool = False):
-        self.params = params
-        self.names = {id(p): name for name, p in params.items()}
+        self.names = {}  # id -> name, each parameter once (a tied one under its first name)
+        for name, p in params.items():
+            self.names.setdefault(id(p), name)
+        self.params = {key: params[name] for key, name in self.names.items()}
         self.hold, self.free, self.held, self.stats = hold, free, {}, {}
 
     def add(self, key: int, g: torch.Tensor) -> None:
@@ -86,13 +88,17 @@ class PathCheck:
             return
         if self.hold:
             self.held[key] = g if key not in self.held else self.held[key] + g
+        elif key in self.stats:  # compared (and maybe let go) already: a part would be lost
+            raise RuntimeError(f"internal error: a second part of the path gradient of "
+                               f"{self.names[key]} arrived after it was compared; please "
+                               f"report it")
         else:
             self._compare(key, g)
 
     def _compare(self, key: int, g: torch.Tensor) -> None:
-        p = self.params[self.names[key]]
+        p = self.params[key]
         user = None if p.grad is None else p.grad.detach()
-        self.stats[self.names[key]] = stats(user, g if user is None else g.to(user.dtype))
+        self.stats[key] = stats(user, g if user is None else g.to(user.dtype))
         if self.free:
             p.grad = None
 
@@ -102,13 +108,13 @@ class PathCheck:
         for key in list(self.held):
             self._compare(key, self.held.pop(key))
         rows = {}
-        for name, p in self.params.items():
-            if id(p) in unchecked:
+        for key, p in self.params.items():
+            if key in unchecked:
                 continue
-            if name not in self.stats:  # no path reached it: Σ_i g_i = 0
+            if key not in self.stats:  # no path reached it: Σ_i g_i = 0
                 uu = 0.0 if p.grad is None else float(p.grad.detach().double().pow(2).sum())
-                self.stats[name] = (uu, 0.0, 0.0, uu)
-            rows[name] = self.stats[name]
+                self.stats[key] = (uu, 0.0, 0.0, uu)
+            rows[self.names[key]] = self.stats[key]
         if not rows:
             return
         curvature = sum(oo for _, _, oo, _ in rows.values())
