@@ -10,7 +10,10 @@ silently outside every (ε, δ). The type check knew BatchNorm and InstanceNorm 
 knows any layer by what its forward did (``derived.Taint``: whether the written tensor was
 computed from the model's inputs). Buffers written without the batch's values (a step counter,
 a cache rebuilt from the input's shape) and statistics kept only outside training are fine;
-the functional API (no release) is unchanged.
+the functional API (no release) is unchanged. A parameter rebound to a new ``nn.Parameter``
+made from the batch, and ``t.data = v`` with v from the batch, were stepped on silently until
+2026-11-29 (the new parameter is another tensor object, made where no mode sees it): now
+``nn.Parameter`` taints what it wraps during a tracked pass (``derived.follow_parameters``).
 """
 
 import pytest
@@ -60,6 +63,19 @@ class Running(nn.Module):
         elif self.how == "counters":  # no value of the batch: a count, a shape
             self.steps += 1
             self.positions = torch.arange(x.shape[0])
+        elif self.how == "parameter rebound":  # a new Parameter on the statistic's storage
+            self.shift = nn.Parameter(h.detach().mean(0), requires_grad=False)
+        elif self.how == "parameter registered":
+            self.register_parameter("shift", nn.Parameter(h.detach().mean(0).clone(),
+                                                          requires_grad=False))
+        elif self.how == "data set":  # .data = v: v's storage under the buffer
+            self.running_mean.data = h.detach().mean(0)
+        elif self.how == "parameter data set":
+            self.lin.bias.data = -h.detach().mean(0)
+        elif self.how == "fresh parameter":  # made during the pass, not from the batch
+            self.shift = nn.Parameter(torch.zeros(x.shape[1], dtype=x.dtype),
+                                      requires_grad=False)
+            self.running_var.data = torch.ones(D, dtype=x.dtype)
         return h
 
 
@@ -91,7 +107,11 @@ WRITTEN = {"in place": "Running at body wrote its buffer 'running_mean'",
            "through data": "Running at body wrote its buffer 'running_mean'",
            "out": "Running at body wrote its buffer 'running_mean'",
            "data init": "Linear at body.lin wrote its parameter 'bias'",
-           "data init through data": "Linear at body.lin wrote its parameter 'bias'"}
+           "data init through data": "Linear at body.lin wrote its parameter 'bias'",
+           "parameter rebound": "Running at body wrote its parameter 'shift'",
+           "parameter registered": "Running at body wrote its parameter 'shift'",
+           "data set": "Running at body wrote its buffer 'running_mean'",
+           "parameter data set": "Linear at body.lin wrote its parameter 'bias'"}
 
 
 @pytest.mark.parametrize("how", list(WRITTEN))
@@ -130,7 +150,7 @@ def test_make_private_refuses_it_too():
         opt.detach()
 
 
-@pytest.mark.parametrize("how", ["counters", "eval only"])
+@pytest.mark.parametrize("how", ["counters", "eval only", "fresh parameter"])
 def test_buffers_written_without_the_batch_values_train_as_before(how):
     model, _, _ = problem(how)
     batches = [problem(how, n)[1:] for n in (3, 1, 2)]

@@ -66,7 +66,8 @@ ATTENTION = {"scaled_dot_product_attention"}  # D as attn_mask, args[3] (BEiT's,
 # relative position bias on the SDPA path); without dropout, which Eq. (1) would draw again
 MEETS = frozenset(ELEMENTWISE | WEIGHTED | PRODUCTS | ATTENTION)
 MAX_NODES = 512  # a D whose graph is larger is not a parameter-only computation worth it
-WRITES = {"__setitem__"}  # in-place by another name than ``x.op_`` / ``x.__iop__``
+WRITES = {"__setitem__", "__set__"}  # in-place by another name than ``x.op_`` / ``x.__iop__``
+# (``__set__``: ``t.data = v``, which puts v's storage under t, tainted when v is)
 RUNNING_STATS = {"batch_norm", "instance_norm"}  # write their running_mean / running_var
 RUNNING_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training")  # the
 # sixth is instance_norm's use_input_stats: both mean "statistics of this batch, written back"
@@ -128,8 +129,9 @@ class Taint:
         first = args[0] if args else None
         if (isinstance(first, torch.Tensor)  # written: tainted, its storage noted (also when
                 and (name in WRITES or name.startswith("__i")  # the op returns it, x.add_(a))
-                     or (name.endswith("_") and not name.endswith("__")))):
-            self._written(first)
+                     or (name.endswith("_") and not name.endswith("__")))
+                and (name != "__set__" or _storage(first) == _storage(args[-1]))):  # .data =
+            self._written(first)  # (not .grad =, whose storage is not the tensor's)
         out = kwargs.get("out") if kwargs else None  # torch.add(a, b, out=buffer): written
         for t in (out if type(out) in (list, tuple) else (out,)):
             if isinstance(t, torch.Tensor):
@@ -179,6 +181,36 @@ class Taint:
         else:
             self.seed(leaves(output))
         return True
+
+
+_PARAMETER_NEW = torch.nn.Parameter.__new__
+_FOLLOWING: list = []  # the Derived of each tracked forward pass running (nested: the probe's)
+
+
+def _parameter_new(cls, data=None, requires_grad=True):
+    """``nn.Parameter(t)`` while a forward pass is tracked: the new parameter (another tensor
+    object on t's storage, made in C++ where no mode sees it) is tainted when t is, so a
+    parameter rebound to a statistic of the batch (``self.shift = nn.Parameter(x.mean(0))``)
+    is found by the state check (``checks.state_written_from_batch``)."""
+    p = _PARAMETER_NEW(cls, data, requires_grad)
+    if data is not None:
+        for derived in _FOLLOWING:
+            if derived.taint.has(data):
+                derived.taint.refs[id(p)] = TaintRef(p)
+    return p
+
+
+def follow_parameters(derived, on: bool) -> None:
+    """Taint parameters made from tainted tensors during ``derived``'s forward passes (``on``)
+    or stop; ``nn.Parameter.__new__`` is the original whenever no pass is followed."""
+    if on:
+        _FOLLOWING.append(derived)
+        torch.nn.Parameter.__new__ = staticmethod(_parameter_new)
+        return
+    if derived in _FOLLOWING:
+        _FOLLOWING.remove(derived)
+    if not _FOLLOWING:
+        torch.nn.Parameter.__new__ = _PARAMETER_NEW
 
 
 def _storage(t: torch.Tensor) -> int | None:
@@ -547,5 +579,6 @@ def _prehook(m: Meeting, derived: Derived, recorder):
     return run
 
 
-__all__ = ["MEETS", "Derived", "Meeting", "Taint", "TaintRef", "graph_nodes", "meeting_operands",
-           "parameters_below", "positional", "reached", "ruled", "served_gradients"]
+__all__ = ["MEETS", "Derived", "Meeting", "Taint", "TaintRef", "follow_parameters", "graph_nodes",
+           "meeting_operands", "parameters_below", "positional", "reached", "ruled",
+           "served_gradients"]

@@ -39,7 +39,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from workbench.per_sample.broadcast import ADDS, REWRITES, BatchFree
-from workbench.per_sample.derived import Derived
+from workbench.per_sample.derived import Derived, follow_parameters
 from workbench.per_sample.flat_rows import FOLLOWED, FlatRows, in_place
 from workbench.per_sample.leaves import leaves
 from workbench.per_sample.registry import find_grad_sampler
@@ -151,9 +151,11 @@ class UseTracker(TorchFunctionMode):
         self.flat_rows = self.recorder.flat_rows = FlatRows(self._tainted)
         with torch._C.DisableTorchFunction():
             self._states = generator_states()
+        follow_parameters(self.derived, True)  # nn.Parameter(batch statistic): tainted
         return super().__enter__()
 
     def __exit__(self, *exc):
+        follow_parameters(self.derived, False)
         super().__exit__(*exc)
         if not self.random:  # a draw under any name (SDPA's dropout_p, a fused kernel)
             with torch._C.DisableTorchFunction():
