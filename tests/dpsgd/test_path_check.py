@@ -116,8 +116,9 @@ def test_first_checked_step_holds_one_parameter_beside_grad_not_models():
     Σ_i g_i, the probe's whole g_i, and the noise beside all the sums: 4.94x a plain step (2.0
     MiB of parameters, n = 8). Now each parameter is compared in 128 KiB chunks as its Σ_i g_i
     is complete, its ``.grad`` then let go, the probe's g_i sketched as it arrives and each
-    sum freed once noised: 1.57x (the second step: 1.49x, the sums beside the noise of the
-    one big weight)."""
+    sum freed once noised: 1.57x; and since the default skips the weight gradients from the
+    first step (``skip_weights.py``; the smallest layer's kept there), 1.49x, the second
+    step's (the clipped sums beside the noise of the one big weight)."""
     x, y = torch.randn(8, 1024), torch.randint(0, 8, (8,))
     loss = nn.CrossEntropyLoss(reduction="sum")
     plain_m, dp_m = _mlp(), _mlp()
@@ -139,7 +140,7 @@ def test_first_checked_step_holds_one_parameter_beside_grad_not_models():
         step(plain_m, plain_opt)()
         plain = peak_bytes(step(plain_m, plain_opt), cpu, resident)
     assert all(p.grad is not None for p in dp_m.parameters())  # the private gradient
-    assert first <= 1.65 * plain, f"first step {first / plain:.2f}x a plain step"
+    assert first <= 1.55 * plain, f"first step {first / plain:.2f}x a plain step"
 
 
 def test_the_first_step_still_refuses_a_penalty_and_a_rescaled_grad_passes():

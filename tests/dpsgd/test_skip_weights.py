@@ -54,8 +54,9 @@ def train(skip, mode, steps=3, penalty=0.0, dropout=0.0, accumulate=1):
             if penalty:
                 loss = loss + penalty * model.fc.weight.pow(2).sum()
             loss.backward()
-            if skip or (skip is None and k):  # its own weight gradient was skipped, its
-                # uses outside are not (the default: from the second step)
+            if skip or skip is None:  # its own weight gradient was skipped, its uses
+                # outside are not (the default: from the first step; it keeps the smallest
+                # layer's there, the LayerNorm)
                 assert model.fc.weight.grad is None or penalty
                 assert model.emb.weight.grad is not None  # the tied head's use
         assert all(p.requires_grad for p in model.parameters())
@@ -136,13 +137,16 @@ def test_grad_scaler_is_refused_not_misread():
     opt.detach()
 
 
-def default_loop(steps, scaler=None):
-    """The default optimizer (skip_weight_grads not set) on the Linear model: whether
-    fc's .grad was kept before each step, and whether every .grad is set after it."""
-    model = nn.Sequential(nn.Linear(3, 2)).double()
+def default_loop(steps, scaler=None, skip=None):
+    """The default optimizer (skip_weight_grads not set) on two Linear layers: whether the
+    bigger one's .grad was kept before each step (the smaller one's is kept at the first step,
+    for a GradScaler's inf check), and whether every .grad is set after it."""
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double()
     opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=0.5,
                       max_grad_norm=1.0, expected_batch_size=4,
                       generator=torch.Generator().manual_seed(0))
+    if skip is not None:
+        opt.skip_weight_grads = skip
     kept, after = [], []
     for k in range(steps):
         opt.zero_grad()
@@ -150,6 +154,8 @@ def default_loop(steps, scaler=None):
                                  .manual_seed(k))).sum(1).mean()
         (loss if scaler is None else scaler.scale(loss)).backward()
         kept.append(model[0].weight.grad is not None)
+        assert k or skip is not None or model[2].weight.grad is not None  # the smallest
+        # layer, at the first step
         if scaler is None:
             opt.step()
         else:
@@ -160,21 +166,89 @@ def default_loop(steps, scaler=None):
     return kept, after, [p.detach().clone() for p in model.parameters()]
 
 
-def test_default_skips_from_the_second_step_and_step_sets_every_grad():
+def test_default_skips_from_the_first_step_and_step_sets_every_grad():
     # the .grad contract: before step() no non-private gradient of a recorded layer is kept
-    # (from the second step: the first one shows whether a GradScaler reads .grad); after
-    # step() every parameter holds the private one
+    # (from the first step, but for the smallest layer there: a GradScaler's inf check needs
+    # one .grad); after step() every parameter holds the private one
     kept, after, _ = default_loop(3)
-    assert kept == [True, False, False] and all(after)
+    assert kept == [False, False, False] and all(after)
 
 
-def test_default_never_skips_under_a_grad_scaler_from_the_first_step():
+def test_default_stops_skipping_under_a_grad_scaler_from_the_first_step():
+    """The scaler's first inf check runs on the smallest layer's .grad (scaler.update() finds
+    it); from the second step it sees every .grad. The updates equal skipping off, bit for
+    bit: nothing DP-SGD computes reads the skipped gradients."""
+    torch.manual_seed(0)
+    kept, after, params = default_loop(3, torch.amp.GradScaler("cpu", init_scale=4.0))
+    assert kept == [False, True, True] and all(after)
+    torch.manual_seed(0)
+    _, _, off = default_loop(3, torch.amp.GradScaler("cpu", init_scale=4.0), skip=False)
+    assert all(torch.equal(a, b) for a, b in zip(params, off))
+
+
+def test_a_grad_scaler_first_seen_at_a_later_step_is_refused():
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=0.5,
+                      max_grad_norm=1.0, expected_batch_size=4)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    opt.zero_grad()
+    model(x).sum(1).mean().backward()
+    opt.step()
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
-    kept, after, _ = default_loop(3, scaler)
-    assert kept == [True, True, True] and all(after)  # its inf check sees every .grad
+    opt.zero_grad()
+    scaler.scale(model(x).sum(1).mean()).backward()
+    with pytest.raises(ValueError, match="skip_weight_grads"):
+        scaler.step(opt)
+    opt.detach()
 
 
 def test_default_updates_equal_skipping_off_bitwise():
     default = train(None, "bookkeeping", steps=4)
     for a, b in zip(train(False, "bookkeeping", steps=4), default):
         assert torch.equal(a, b)
+
+
+def _hooked(kind):
+    """A layer whose weight a pre-hook computes from other parameters, outside its forward."""
+    torch.manual_seed(0)
+    first = nn.Linear(4, 5)
+    if kind == "weight_norm":
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.nn.utils.weight_norm is deprecated
+            first = torch.nn.utils.weight_norm(first)
+    else:
+        from torch.nn.utils import prune
+        prune.random_unstructured(first, "weight", amount=0.4)
+    return nn.Sequential(first, nn.Tanh(), nn.Linear(5, 3)).double()
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "prune"])
+@pytest.mark.parametrize("skip", [None, True])
+@pytest.mark.parametrize("mode", ["bookkeeping", "einsum"])
+def test_a_weight_a_pre_hook_computes_is_exact_with_the_check_off(kind, skip, mode):
+    """The skipper's pre-hook runs after the layer's own: the weight they compute from
+    weight_g/weight_v (or weight_orig and the mask) keeps its graph and its use is seen. Run
+    first, with skip_weight_grads = True and verify off, weight_g/weight_v came out 100% off,
+    silently (the default skips from the first step, so it was the default's case too)."""
+    import workbench as wb
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(5, 4, generator=g, dtype=torch.float64), \
+        torch.randn(5, 3, generator=g, dtype=torch.float64)
+    mse = lambda out, t: (out - t).pow(2).sum(1)  # noqa: E731
+    ref = wb.clipped_grad_sum(_hooked(kind), mse, x, y, 0.5, method="microbatch")
+    model = _hooked(kind)
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
+                      max_grad_norm=0.5, expected_batch_size=1.0, method=mode,
+                      loss_reduction="sum")
+    opt.verify = False
+    if skip is not None:
+        opt.skip_weight_grads = skip
+    for _ in range(2):
+        opt.zero_grad()
+        mse(model(x), y).sum().backward()
+        opt.step()
+        for k, p in model.named_parameters():
+            assert torch.allclose(p.grad, ref[k], rtol=1e-9, atol=1e-12), k
+    opt.detach()

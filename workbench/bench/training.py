@@ -9,7 +9,7 @@ Zoo models (``--models imdb_embedding ...``) step on ``models.example_batch``. `
 ghost`` adds Opacus' own loop in those modes (``bench.opacus_twin``), same model and batch.
 ``--models tiny_gpt``: the character GPT at T = 128 (``bench.gpt``'s model and batch).
 Each MODE column runs the optimizer as ``make_private`` returns it, so with
-``DPOptimizer.skip_weight_grads`` at its default (from the second step the user's backward
+``DPOptimizer.skip_weight_grads`` at its default (from the first step the user's backward
 skips the weight gradients the DP step recomputes, ``dpsgd/skip_weights.py``);
 ``--keep-weight-grads`` adds MODE+grads with it off (autograd's weight gradients computed too);
 ``--memory`` the peak allocated bytes of one step over plain's (``bench.peak_memory``).

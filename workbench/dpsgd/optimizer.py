@@ -48,14 +48,15 @@ even when an inf was found (skipping it would depend on the data). ``torch.autoc
 (bfloat16, float16): norms, clip factors and sums are computed in float32, the self-check
 replays the recorded autocast state (``per_sample/precision.py``).
 
-**Skipping the weight gradients** (``skip_weight_grads``, on by default from the second
+**Skipping the weight gradients** (``skip_weight_grads``, on by default from the first
 step; ``skip_weights.py``): the user's backward pass computes no unclipped weight gradient of
 the recorded leaf layers (every mode recomputes their clipped sum from the recording; Bu et
 al. 2023, arXiv 2210.00038, §3), the same updates bit for bit. The ``.grad`` contract: before
 ``step()`` no non-private gradient is kept for those layers; after ``step()`` every parameter
-holds the private one. What reads ``.grad`` before the step: a GradScaler (the first step
-runs unskipped; a scaler seen there turns skipping off for the run, one seen later is
-refused), ``clip_grad_norm_`` (harmless: DP-SGD never reads ``.grad``, it clips per record),
+holds the private one. What reads ``.grad`` before the step: a GradScaler (the default's first
+step keeps the weight gradients of one layer, the smallest, for its inf check to run on; a
+scaler seen there turns skipping off for the run, one seen later is refused),
+``clip_grad_norm_`` (harmless: DP-SGD never reads ``.grad``, it clips per record),
 DDP and autocast (skipping is off under both), the path check below (it leaves the skipped
 calls out of Σ_i g_i too). ``skip_weight_grads = False`` restores the ordinary ``.grad``
 (``bench training --skip-weight-grads`` measures the gain).
@@ -264,10 +265,12 @@ class DPOptimizer(Optimizer):
         terms outside their calls, e.g. a tied head's use); after ``step()``, every parameter
         holds the private one. Any other gradient taken through those passes
         (``torch.autograd.grad`` w.r.t. the parameters) lacks their part too. The default
-        starts at the second step and stays off once a ``GradScaler`` steps the optimizer
-        (its inf check reads ``.grad``); ``True`` starts at once and refuses a GradScaler at
-        the step; ``False``: ``.grad`` before ``step()`` is the ordinary gradient. Off under
-        DDP and autocast (the ordinary path runs)."""
+        starts at the first step, where it keeps one layer's (the smallest's) weight
+        gradients, and stays off once a ``GradScaler`` steps the optimizer (its inf check
+        reads ``.grad``; the first step's kept layer is what it checks there); ``True``
+        starts at once and refuses a GradScaler at the step; ``False``: ``.grad`` before
+        ``step()`` is the ordinary gradient. Off under DDP and autocast (the ordinary path
+        runs)."""
         return self.recorder.skip_weight_grads is not False
 
     @skip_weight_grads.setter
@@ -521,14 +524,16 @@ class DPOptimizer(Optimizer):
                 "(for x, y in loader: ...), which discards the unfinished batch")
         self._fresh_chunk = False
         if self._amp_scale() is not None:
-            if self.recorder.skipper.tapped:
+            if self.recorder.skipper.tapped and (self.recorder.skip_weight_grads is True
+                                                 or self.recorder.warm):
                 self.recorder.clear()
                 raise ValueError("skip_weight_grads with a GradScaler: the scaler's inf check "
                                  "reads .grad, which the skipped weight gradients leave empty "
-                                 "(the default skips from the second step on unless the first "
-                                 "step had the scaler); set optimizer.skip_weight_grads = "
-                                 "False, or step through the scaler from the first step")
-            self.recorder.scaler_seen = True  # the default skips nothing from now on
+                                 "(the default skips nothing once the first step had the "
+                                 "scaler); set optimizer.skip_weight_grads = False, or step "
+                                 "through the scaler from the first step")
+            self.recorder.scaler_seen = True  # the default skips nothing from now on (its
+            # first step kept one layer's .grad for the scaler's inf check: skip_weights.py)
         self.accumulate_clipped_sum(self._amp_scale())
         self.recorder.warm = True  # a step taken: the default skips from the next one
         if self.expect_more:

@@ -139,8 +139,9 @@ class ModelRecorder:
         self._handles = [model.register_forward_pre_hook(quiet(self._enter),  # uses.quiet
                                                           with_kwargs=True),
                          model.register_forward_hook(quiet(self._exit), always_call=True)]
-        # skip_weights.py: True, False or AUTO (the default: from the second step on, while
-        # no GradScaler was seen: ``warm``); armed by zero_grad() until the step (clear)
+        # skip_weights.py: True, False or AUTO (the default: from the first step, one layer
+        # kept at the first, ``warm``, until a GradScaler is seen); armed by zero_grad() until
+        # the step (clear)
         self.skip_weight_grads, self.armed, self._fast = AUTO, False, False
         self.warm, self.scaler_seen = False, False
         self.skipper = WeightGradSkipper(self.layers, {id(p) for p in self.params.values()},
@@ -169,7 +170,11 @@ class ModelRecorder:
             device = next(iter(self.params.values())).device
             self._rng, self._amp = rng_state(device), precision.state(device)
             skip = self.skip_weight_grads is True or (self.skip_weight_grads is AUTO
-                                                      and self.warm and not self.scaler_seen)
+                                                      and not self.scaler_seen)
+            # the default's first step keeps one layer's .grad: a GradScaler's inf check
+            # needs one to run on (skip_weights.py)
+            self.skipper.kept = (self.skipper.smallest() if self.skip_weight_grads is AUTO
+                                 and not self.warm else None)
             self._fast = (skip and self.armed and torch.is_grad_enabled()
                           and self._amp is None and not distributed_run(self.wrapped))
             self._roots = len(self.root_rec.calls[ROOT])

@@ -10,7 +10,13 @@ it with the noised clipped sum. This module keeps autograd from computing it:
 
 - a forward pre-hook on each recorded leaf layer turns ``requires_grad`` off for its
   parameters in the optimizer, for the duration of that layer's forward only (restored by a
-  forward hook that runs also when the forward raises, before the user sees the output);
+  forward hook that runs also when the forward raises, before the user sees the output). It
+  runs after the layer's own pre-hooks (those registered before the optimizer): an old-style
+  ``weight_norm``'s or pruning's computes the weight from other parameters there, outside
+  the forward, and that use must keep its graph and be seen (it makes them fallback
+  parameters). Run first, it hid it: with ``skip_weight_grads = True`` and the check off,
+  ``weight_g``/``weight_v``'s clipped sums came out 100% off and the layer's other
+  parameters' 15-23%, silently;
 - the same forward hook passes the output through ``Tap``, an identity whose extra input is a
   scalar that requires grad: the output still requires grad (the first layer's too, whose
   input does not), so the recorder's tensor hooks catch b, and the backward pass continues to
@@ -34,11 +40,14 @@ as usual).
 What the user's ``.grad`` then holds (the contract, on by default): before ``step()``, for a
 tapped parameter only the gradient of terms outside the tapped calls (an L2 penalty, a tied
 head's ``F.linear``), no non-private gradient of the layer's own calls; after ``step()``,
-the private one. ``recorded.path_gradient`` leaves the tapped calls out accordingly, so the
+the private one. ``recorded.path_gradients`` leaves the tapped calls out accordingly, so the
 ``.grad`` check still finds such terms. Off where ``.grad`` itself matters: under
 ``torch.distributed`` / DDP (its all-reduce runs on ``.grad``), under autocast, with a
-GradScaler (its inf check reads ``.grad``: the default skips from the second step only, and
-never once a scaler stepped; ``skip_weight_grads = True`` refuses one at the step), and
+GradScaler (its inf check reads ``.grad``: the default skips nothing once a scaler stepped,
+and at its first step, before a scaler can have been seen, leaves one layer untapped, the
+one with the fewest parameters, so that a scaler stepping there has a ``.grad`` to check and
+``scaler.update()`` an inf check to read; a scaler seen later is refused, as with
+``skip_weight_grads = True``), and
 inside the optimizer's own checks (the recorder paused). The bit-identical updates are the
 reason it can be the default: nothing DP-SGD computes reads the skipped gradients.
 
@@ -99,6 +108,8 @@ class WeightGradSkipper:
                            if p.requires_grad and id(p) in params]
                     for path, layer in layers.items() if tappable(layer)}
         self.layers = layers
+        self.kept = None  # a path not tapped (the default's first step: ``smallest``)
+        self._smallest = ...
         self._off: dict[str, list] = {}
         self._dummy: dict = {}  # device -> a scalar that requires grad
         self._handles = []
@@ -112,20 +123,27 @@ class WeightGradSkipper:
                 if own:
                     layer = self.layers[path]
                     self._handles += [
-                        layer.register_forward_pre_hook(quiet(self._pre(path)), prepend=True),
+                        layer.register_forward_pre_hook(quiet(self._pre(path))),
                         layer.register_forward_hook(self._post(path), prepend=True,
                                                     always_call=True)]
         elif not on:
             self.close()
 
+    def smallest(self):
+        """The path of the tappable layer with the fewest parameters to skip (None if none)."""
+        if self._smallest is ...:
+            sizes = {path: sum(p.numel() for p in own) for path, own in self.own.items() if own}
+            self._smallest = min(sizes, key=sizes.get) if sizes else None
+        return self._smallest
+
     def _pre(self, path):
         def pre_hook(module, args):
-            if path in self._off or not self.active() or saving_hooks():
+            if path in self._off or not self.active() or saving_hooks() or path == self.kept:
                 return  # under checkpointing the recomputation must save what the forward did
             if path in self.spared or (path not in self.tapped and self.batch_free(args)):
                 self.spared.add(path)  # a call without the batch, and every later call of its
                 return  # path in this step (one tapped earlier: this one tapped too): every
-                # call of a path is tapped, or none, as ``recorded.path_gradient`` assumes
+                # call of a path is tapped, or none, as ``recorded.path_gradients`` assumes
             own = [p for p in self.own[path] if p.requires_grad]
             for p in own:
                 p.requires_grad_(False)
