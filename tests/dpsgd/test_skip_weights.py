@@ -252,3 +252,26 @@ def test_a_weight_a_pre_hook_computes_is_exact_with_the_check_off(kind, skip, mo
         for k, p in model.named_parameters():
             assert torch.allclose(p.grad, ref[k], rtol=1e-9, atol=1e-12), k
     opt.detach()
+
+
+@pytest.mark.parametrize("skip", [None, True])
+def test_a_pre_hook_added_after_the_optimizer_still_sees_its_parameters(skip):
+    """A pre-hook the user registers after making the optimizer, which reads the layer's
+    weight into a loss term (an L2 penalty by hook): the skipper's pre-hook is moved after it
+    at each forward pass, so the term keeps its graph and the path check refuses it. Run
+    before it, the term had no gradient and was dropped silently."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=0.0,
+                      max_grad_norm=1.0, expected_batch_size=4)
+    if skip is not None:
+        opt.skip_weight_grads = skip
+    terms = []
+    model[0].register_forward_pre_hook(lambda m, args: terms.append(m.weight.pow(2).sum()))
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    opt.zero_grad()
+    ((model(x) - y).pow(2).sum(1).mean() + 0.1 * terms[-1]).backward()
+    assert terms[-1].requires_grad
+    with pytest.raises(UnattributedGradientError, match="0.weight"):
+        opt.step()
+    opt.detach()

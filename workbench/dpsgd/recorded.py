@@ -177,6 +177,8 @@ class ModelRecorder:
                                  and not self.warm else None)
             self._fast = (skip and self.armed and torch.is_grad_enabled()
                           and self._amp is None and not distributed_run(self.wrapped))
+            if self._fast:
+                self.skipper.keep_last()  # after any pre-hook a user added since
             self._roots = len(self.root_rec.calls[ROOT])
             if torch.is_grad_enabled():  # a loss computed inside the model (model_loss.py)
                 self._inner = InnerLosses(FUNCTIONAL)

@@ -11,12 +11,13 @@ it with the noised clipped sum. This module keeps autograd from computing it:
 - a forward pre-hook on each recorded leaf layer turns ``requires_grad`` off for its
   parameters in the optimizer, for the duration of that layer's forward only (restored by a
   forward hook that runs also when the forward raises, before the user sees the output). It
-  runs after the layer's own pre-hooks (those registered before the optimizer): an old-style
-  ``weight_norm``'s or pruning's computes the weight from other parameters there, outside
-  the forward, and that use must keep its graph and be seen (it makes them fallback
-  parameters). Run first, it hid it: with ``skip_weight_grads = True`` and the check off,
-  ``weight_g``/``weight_v``'s clipped sums came out 100% off and the layer's other
-  parameters' 15-23%, silently;
+  runs after the layer's other pre-hooks (``keep_last``, also for one registered later):
+  an old-style ``weight_norm``'s or pruning's computes the weight from other parameters
+  there, outside the forward, and that use must keep its graph and be seen (it makes them
+  fallback parameters); a user's hook reading the weight into a loss term likewise. Run
+  first, it hid them: with ``skip_weight_grads = True`` and the check off, ``weight_g``/
+  ``weight_v``'s clipped sums came out 100% off and the layer's other parameters' 15-23%,
+  and the hook's loss term was dropped, silently;
 - the same forward hook passes the output through ``Tap``, an identity whose extra input is a
   scalar that requires grad: the output still requires grad (the first layer's too, whose
   input does not), so the recorder's tensor hooks catch b, and the backward pass continues to
@@ -109,6 +110,7 @@ class WeightGradSkipper:
                     for path, layer in layers.items() if tappable(layer)}
         self.layers = layers
         self.kept = None  # a path not tapped (the default's first step: ``smallest``)
+        self._last: dict[str, int] = {}  # path -> the id of its pre-hook, kept last
         self._smallest = ...
         self._off: dict[str, list] = {}
         self._dummy: dict = {}  # device -> a scalar that requires grad
@@ -122,12 +124,21 @@ class WeightGradSkipper:
             for path, own in self.own.items():
                 if own:
                     layer = self.layers[path]
-                    self._handles += [
-                        layer.register_forward_pre_hook(quiet(self._pre(path))),
-                        layer.register_forward_hook(self._post(path), prepend=True,
-                                                    always_call=True)]
+                    pre = layer.register_forward_pre_hook(quiet(self._pre(path)))
+                    self._last[path] = pre.id
+                    self._handles += [pre, layer.register_forward_hook(
+                        self._post(path), prepend=True, always_call=True)]
         elif not on:
             self.close()
+
+    def keep_last(self) -> None:
+        """Move each layer's pre-hook after any pre-hook registered since (a user's, after the
+        optimizer was made): it must run after every other (module docstring). Called at the
+        start of each recorded forward pass; a dict lookup per layer when nothing moved."""
+        for path, hook_id in self._last.items():
+            hooks = self.layers[path]._forward_pre_hooks
+            if len(hooks) > 1 and next(reversed(hooks)) != hook_id and hook_id in hooks:
+                hooks.move_to_end(hook_id)
 
     def smallest(self):
         """The path of the tappable layer with the fewest parameters to skip (None if none)."""
@@ -193,6 +204,7 @@ class WeightGradSkipper:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._last.clear()
 
 
 __all__ = ["AUTO", "Tap", "WeightGradSkipper", "saving_hooks", "tappable"]
