@@ -49,56 +49,46 @@ def _paths(params, seed=1):
     return {id(p): torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params.values()}
 
 
+def _checked(k, grad=lambda o: o.clone(), arrive=None, **options):
+    """k parameters whose .grad is ``grad(Σ_i g_i)``, each path gradient added (those in
+    ``arrive``: all by default) to a PathCheck(``options``): (params, check)."""
+    params = _params(k)
+    paths = _paths(params)
+    for p in params.values():
+        p.grad = grad(paths[id(p)])
+    check = PathCheck(params, **options)
+    for key in list(paths)[:arrive]:
+        check.add(key, paths[key])
+    return params, check
+
+
 @pytest.mark.parametrize("hold", [False, True])
 def test_a_rescaled_grad_passes_in_float64_over_many_parameters(hold):
     """.grad = 0.37 Σ_i g_i (clip_grad_norm_ after backward) over 400 float64 parameters, to
     1e-13: within float64's tolerance of 1e-7 relative. An expansion Σ ||u||² - 2α⟨u, o⟩ +
     α²||o||² would subtract numbers 1e16 times the result."""
-    params, paths = _params(400), None
-    paths = _paths(params)
-    for p in params.values():
-        o = paths[id(p)]
-        p.grad = 0.37 * o * (1 + 1e-13 * torch.randn_like(o))
-    check = PathCheck(params, hold=hold)
-    for key, g in paths.items():
-        check.add(key, g)
+    _, check = _checked(400, lambda o: 0.37 * o * (1 + 1e-13 * torch.randn_like(o)), hold=hold)
     check.verdict(TOL64)  # no error
 
 
 @pytest.mark.parametrize("hold", [False, True])
 def test_a_term_outside_the_output_is_named(hold):
-    params = _params(50)
-    paths = _paths(params)
-    for p in params.values():
-        p.grad = 0.37 * paths[id(p)]
+    params, check = _checked(50, lambda o: 0.37 * o, hold=hold, arrive=0)
     params["p17"].grad = params["p17"].grad + 1e-4 * params["p17"].detach()  # an L2 penalty
-    check = PathCheck(params, hold=hold)
-    for key, g in paths.items():
+    for key, g in _paths(params).items():  # the same Σ_i g_i, added after
         check.add(key, g)
     with pytest.raises(UnattributedGradientError, match=r"mostly in p17"):
         check.verdict(TOL64)
 
 
 def test_a_parameter_no_path_reached_is_compared_with_zero():
-    params = _params(3)
-    paths = _paths(params)
-    for p in params.values():
-        p.grad = paths[id(p)].clone()
-    check = PathCheck(params)
-    for key in list(paths)[:2]:  # p2's path gradient never arrives: Σ_i g_i = 0 there
-        check.add(key, paths[key])
+    _, check = _checked(3, arrive=2)  # p2's path gradient never arrives: Σ_i g_i = 0 there
     with pytest.raises(UnattributedGradientError, match="p2"):
         check.verdict(TOL64)
 
 
 def test_free_lets_each_compared_grad_go_and_keeps_the_verdict():
-    params = _params(4)
-    paths = _paths(params)
-    for p in params.values():
-        p.grad = paths[id(p)].clone()
-    check = PathCheck(params, free=True)
-    for key, g in paths.items():
-        check.add(key, g)
+    params, check = _checked(4, free=True)
     assert all(p.grad is None for p in params.values())
     check.verdict(TOL64)
 
