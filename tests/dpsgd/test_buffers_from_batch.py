@@ -187,3 +187,25 @@ def test_a_buffer_returned_by_a_no_op_conversion_is_not_written():
     batches = [problem("counters", n)[1:] for n in (3, 1)]
     assert_optimizer_matches_microbatch(model, mse, batches, max_grad_norm=0.5,
                                         method="bookkeeping")
+
+
+def test_nn_parameter_is_itself_again_after_each_pass_and_a_refusal():
+    """``nn.Parameter.__new__`` passes the taint on only while a pass is tracked: after the
+    pass, and after a refused one, the class holds its own ``__new__`` again (the same
+    staticmethod object), and parameters made outside a pass are plain."""
+    original = nn.Parameter.__dict__["__new__"]
+    for how in ("counters", "parameter rebound"):
+        model, x, y = problem(how)
+        opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                          noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=3.0,
+                          loss_reduction="sum")
+        opt.zero_grad()
+        try:
+            mse(model(x), y).sum().backward()
+            opt.step()
+        except SampleMixingError:
+            assert how == "parameter rebound"
+        finally:
+            opt.detach()
+        assert nn.Parameter.__dict__["__new__"] is original
+    assert type(nn.Parameter(torch.zeros(2))) is nn.Parameter

@@ -184,6 +184,7 @@ class Taint:
 
 
 _PARAMETER_NEW = torch.nn.Parameter.__new__
+_PARAMETER_NEW_ENTRY = torch.nn.Parameter.__dict__["__new__"]  # the staticmethod, restored as is
 _FOLLOWING: list = []  # the Derived of each tracked forward pass running (nested: the probe's)
 
 
@@ -210,7 +211,7 @@ def follow_parameters(derived, on: bool) -> None:
     if derived in _FOLLOWING:
         _FOLLOWING.remove(derived)
     if not _FOLLOWING:
-        torch.nn.Parameter.__new__ = _PARAMETER_NEW
+        torch.nn.Parameter.__new__ = _PARAMETER_NEW_ENTRY
 
 
 def _storage(t: torch.Tensor) -> int | None:
