@@ -206,7 +206,8 @@ def follow_parameters(derived, on: bool) -> None:
     or stop; ``nn.Parameter.__new__`` is the original whenever no pass is followed."""
     if on:
         _FOLLOWING.append(derived)
-        torch.nn.Parameter.__new__ = staticmethod(_parameter_new)
+        if len(_FOLLOWING) == 1:  # nested passes (the probe's) share the one patch
+            torch.nn.Parameter.__new__ = staticmethod(_parameter_new)
         return
     if derived in _FOLLOWING:
         _FOLLOWING.remove(derived)
