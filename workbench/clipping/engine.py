@@ -42,6 +42,7 @@ from workbench.clipping.grouped import Grouped
 from workbench.clipping.nonfinite import bad_records, finite_values, masked, refuse_nonfinite
 from workbench.clipping.users import user_factors, user_squares_from_grads, user_squares_ghost
 from workbench.methods import CLIP_METHODS, MATERIALISING
+from workbench.per_sample import state_replay
 from workbench.per_sample.einsum import sample_call
 from workbench.per_sample.functional import layer_vmap_grad_sampler
 from workbench.per_sample.microbatch import layer_microbatch_grad_sampler
@@ -89,7 +90,16 @@ def reweighted_weight_grads(layer, call, c, own: list, ok=None) -> dict:
     """{id(param): Σ_i c_i g_i} for ``own`` parameters of one call, by one weight gradient
     from the call's stored inputs (the backward pass has freed the graph). ``ok`` (n,), when
     some records are non-finite: the others' backprops are masked to 0 and the stored inputs'
-    NaN and inf entries replaced by 0, so no 0 · NaN enters the weight gradient."""
+    NaN and inf entries replaced by 0, so no 0 · NaN enters the weight gradient. A
+    parametrized layer's weight is read as the pass computed it, not computed again
+    (``state_replay.read_only_parametrizations``)."""
+    if "parametrizations" in layer._modules:
+        with state_replay.read_only_parametrizations(layer):
+            return _reweighted(layer, call, c, own, ok)
+    return _reweighted(layer, call, c, own, ok)
+
+
+def _reweighted(layer, call, c, own: list, ok) -> dict:
     b = call.backprops
     chunked = fast_reweighted(layer)  # the rule weights b itself: no c ⊙ b copy (rules/)
     if chunked is not None and isinstance(b, torch.Tensor):

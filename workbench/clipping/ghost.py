@@ -49,7 +49,7 @@ from torch.nn.utils.parametrize import is_parametrized
 from workbench.clipping import cross
 from workbench.clipping.flat import many_sample_squares, norm_dtype
 from workbench.clipping.registry import find_norm_sampler
-from workbench.per_sample import precision, selfcheck
+from workbench.per_sample import precision, selfcheck, state_replay
 from workbench.per_sample.checks import check_losses, forward
 from workbench.per_sample.einsum import (
     fallback_gradients,
@@ -289,7 +289,7 @@ def rerun_losses(rec: Recording, model, loss_fn, inputs, targets) -> torch.Tenso
     same dropout masks; the caller's own random state is left as the first pass left it)
     and the same autocast state, so ∇ Σ_i c_i ℓ_i is the clipped sum of the norms' g_i."""
     with replayed(rec.rng, rec.device), precision.replayed(rec.autocast, rec.device), \
-            torch.enable_grad():
+            torch.enable_grad(), state_replay.replayed(rec.state):
         losses = loss_fn(forward(model, inputs), targets)
     check_losses(losses, rec.n)
     return losses

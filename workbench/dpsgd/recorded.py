@@ -52,7 +52,7 @@ from workbench.dpsgd.model_loss import (
 from workbench.dpsgd.skip_weights import AUTO, WeightGradSkipper
 from workbench.dpsgd.streamed import stream_call, streamed_gradients
 from workbench.errors import LossCouplingError, UnsupportedLayerError
-from workbench.per_sample import precision, selfcheck
+from workbench.per_sample import precision, selfcheck, state_replay
 from workbench.per_sample.checks import ModelCall, buffer_ids, state_written_from_batch
 from workbench.per_sample.derived import served_gradients
 from workbench.per_sample.fallback import exact_per_sample_gradients
@@ -71,6 +71,7 @@ from workbench.per_sample.recording import (
     parameter_names,
     rng_state,
 )
+from workbench.per_sample.state_replay import PassLog
 from workbench.per_sample.unseen import unseen
 from workbench.per_sample.uses import UseTracker, quiet
 
@@ -137,7 +138,7 @@ class ModelRecorder:
         self._buffers_before: set[int] = set()  # buffer ids at the forward pass's start
         self._amp = None  # the autocast dtype of the forward pass running (precision.py)
         self._handles = [model.register_forward_pre_hook(quiet(self._enter),  # uses.quiet
-                                                          with_kwargs=True),
+                                                          with_kwargs=True, prepend=True),
                          model.register_forward_hook(quiet(self._exit), always_call=True)]
         # skip_weights.py: True, False or AUTO (the default: from the first step, one layer
         # kept at the first, ``warm``, until a GradScaler is seen); armed by zero_grad() until
@@ -184,6 +185,7 @@ class ModelRecorder:
                 self._inner = InnerLosses(FUNCTIONAL)
                 push_bottom(self._inner)
             self._buffers_before = buffer_ids(self.model)  # state_written_from_batch
+            self.tracker.state = PassLog(self.model)  # what the pass reads: re-runs replay it
             self.tracker.__enter__()
             self.tracker.start(call_leaves(args, kwargs))  # the batch: its taint and rows
             self._tracking = True
@@ -202,6 +204,8 @@ class ModelRecorder:
             # the loss is not seen here: an output the model returns may be used there
             self.tracker.batch_free.exclude(tree_flatten(output)[0])
             self.tracker.__exit__(None, None, None)
+            log, self.tracker.state = self.tracker.state, None
+            log.close()
             taint = self.tracker.derived.taint
             written = state_written_from_batch(self.model, taint.has, taint.wrote,
                                                self._buffers_before)
@@ -215,6 +219,7 @@ class ModelRecorder:
                                         self.layer_rec)
             if recorded:  # this forward pass's call: its random state
                 roots[-1].rng, roots[-1].amp = self._rng, self._amp  # replayed by the checks
+                roots[-1].state = log  # and the model's state as the pass read it
                 roots[-1].keys = output_keys(output)  # which outputs (model_loss.py)
                 shape = roots[-1].outputs[0][0]
                 self._n = shape[0] if len(shape) else None  # streaming: dim 0 must be n
@@ -324,6 +329,7 @@ class ModelRecorder:
             root = mine[0]
             rec.rng = getattr(root, "rng", None)
             rec.autocast = getattr(root, "amp", None)
+            rec.state = getattr(root, "state", None)
             rec.signature = selfcheck.known(self.model, rec, check, extra=("optimizer",))
             rec.probe = None
             if rec.signature is not None:
@@ -458,7 +464,7 @@ class ModelRecorder:
                 f". Restructure the forward pass, or compute per-sample gradients with "
                 f"wb.clipped_grad_sum(model, loss_fn, x, y, C, method=...)")
         replay = (rec.rng, rec.device) if rec.random and rec.rng is not None else None
-        with precision.replayed(rec.autocast, rec.device):  # the model as it was run
+        with precision.replayed(rec.autocast, rec.device), state_replay.replayed(rec.state):
             grads = exact_per_sample_gradients(self.model, dot_loss_of(root),
                                                _inputs(root, rec.n), root.backprops, names,
                                                reasons, replay)

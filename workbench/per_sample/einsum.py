@@ -25,7 +25,7 @@ import warnings
 import torch
 
 from workbench.errors import PerSampleCheckError
-from workbench.per_sample import selfcheck
+from workbench.per_sample import selfcheck, state_replay
 from workbench.per_sample.derived import served_gradients
 from workbench.per_sample.fallback import exact_per_sample_gradients
 from workbench.per_sample.functional import layer_vmap_grad_sampler
@@ -70,6 +70,13 @@ def sample_layer(layer, call, keep=None) -> dict[str, torch.Tensor]:
 def sample_call(layer, call, keep=None) -> dict[str, torch.Tensor]:
     """``sample_layer`` for a caller that runs under ``full_precision`` and ``no_grad``
     already (``clipping.engine.materialise``: once for all calls, not once per call)."""
+    if "parametrizations" in layer._modules:  # its weight read as the pass computed it
+        with state_replay.read_only_parametrizations(layer):
+            return _sample_call(layer, call, keep)
+    return _sample_call(layer, call, keep)
+
+
+def _sample_call(layer, call, keep) -> dict[str, torch.Tensor]:
     sampler = find_grad_sampler(layer)
     if sampler is None:  # torch.func transforms ignore the outer no_grad
         grads = layer_vmap_grad_sampler(layer, call.args, call.kwargs, call.backprops,
@@ -122,8 +129,9 @@ def fallback_gradients(rec: Recording, model, loss_fn, inputs, targets):
     served = served_gradients(rec)  # computed from parameters alone (derived.py)
     names = [name for name in rec.fallback_names() if id(rec.params[name]) not in served]
     reasons = sorted({why for key, why in rec.fallback.items() if key not in served})
-    grads = exact_per_sample_gradients(model, loss_fn, inputs, targets, names, reasons,
-                                       replay_of(rec))
+    with state_replay.replayed(rec.state):  # the model's state as the pass read it
+        grads = exact_per_sample_gradients(model, loss_fn, inputs, targets, names, reasons,
+                                           replay_of(rec))
     return {**served, **{id(rec.params[name]): g for name, g in grads.items()}}
 
 

@@ -23,20 +23,27 @@ from workbench.per_sample.checks import (
 )
 from workbench.per_sample.hooks import output_tensors
 from workbench.per_sample.memory import zeros_per_sample
+from workbench.per_sample.state_replay import Snapshot
 
 
 def microbatch_per_sample_gradients(model, loss_fn, inputs, targets, names=None):
     """``{name: Tensor(n, *param.shape)}`` by one backward pass per sample.
 
     A parameter that sample i does not reach gets a zero gradient for that sample.
-    Dropout and other randomness in the model make each pass draw its own noise.
+    Dropout and other randomness in the model make each pass draw its own noise. Each pass
+    starts from the model's state as the call found it (``state_replay.Snapshot``: a forward
+    that writes a buffer or rebinds an attribute, a power iteration, a call counter), so
+    after the call the model holds what one pass left, as a batched pass would.
     ``names``: only these trainable parameters.
     """
     n = check_batch(inputs, targets)
     params = {k: p for k, p in trainable_parameters(model).items()
               if names is None or k in names}
     grads = {name: zeros_per_sample((n, *p.shape), like=p) for name, p in params.items()}
+    state = Snapshot(model)  # what a forward pass that writes the model's state reads
     for i in range(n):
+        if i:
+            state.rewind()  # as record 0 read it, not as records 0..i-1 left it
         rows = slice(i, i + 1)
         loss = loss_fn(forward(model, take(inputs, rows)), take(targets, rows))  # (1,)
         check_losses(loss, 1)

@@ -47,6 +47,7 @@ from workbench.per_sample.fallback import redraws
 from workbench.per_sample.hooks import ActivationRecorder
 from workbench.per_sample.leaves import call_leaves, leaves
 from workbench.per_sample.registry import find_grad_sampler, find_sampler_check, layer_type
+from workbench.per_sample.state_replay import PassLog
 from workbench.per_sample.structure import model_tables
 from workbench.per_sample.tied import delegates
 from workbench.per_sample.unseen import unseen
@@ -232,6 +233,7 @@ class Recording:
     probe: object = None  # selfcheck.probe_sketch: micro-batching's g_i of one sample (sketched)
     signature: tuple | None = None  # selfcheck: the call signature this recording verifies
     rng: tuple | None = None  # selfcheck.rng_state before the forward pass (record_probe)
+    state: object = None  # state_replay.PassLog: the model's state the forward pass read
     replay: object = None  # () -> exact g_i of the record probe (random models, when checked)
     factors: torch.Tensor | None = None  # (n,) f_i applied to record i's backprops (loss.py)
     autocast: torch.dtype | None = None  # the forward pass's autocast dtype (precision.py)
@@ -307,9 +309,15 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
     rng = rng_state(p0.device)
     with ActivationRecorder(layers) as recorder:
         tracker = UseTracker(owners, recorder, names)
+        with torch._C.DisableTorchFunction():
+            log = PassLog(model)  # the state the pass reads, for re-runs
+        tracker.state = log
         with tracker:
             tracker.start(leaves((inputs, targets)))  # the batch: what it touches, its rows
             outputs = forward(model, inputs)
+            tracker.state = None
+            with torch._C.DisableTorchFunction():
+                log.close()
             tracker.in_loss = True
             losses = loss_fn(outputs, targets)  # (n,)
         check_losses(losses, n)
@@ -320,7 +328,8 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
     uncovered = {**tracker.uncovered, **unseen(tracker, [losses])}  # disjoint (unseen.py)
     return new_recording(n, layers, recorder, params, uncovered, every_call,
                          losses=losses, random=tracker.random, lowered=tracker.lowered, rng=rng,
-                         autocast=precision.state(p0.device), feeds=loss_reach([losses]))
+                         autocast=precision.state(p0.device), feeds=loss_reach([losses]),
+                         state=log)
 
 
 def loss_reach(roots):

@@ -42,7 +42,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from workbench.errors import PerSampleCheckError
-from workbench.per_sample import precision, sketch
+from workbench.per_sample import precision, sketch, state_replay
 from workbench.per_sample.checks import check_losses, forward, take
 from workbench.per_sample.fallback import replayed
 from workbench.per_sample.hooks import ActivationRecorder
@@ -158,7 +158,8 @@ def _probe_loss(rec: Recording, model, loss_fn, inputs, targets) -> torch.Tensor
     rows = slice(i, i + 1)
     devices = [rec.device] if rec.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), ActivationRecorder(rec.layers) as small, \
-            precision.replayed(rec.autocast, rec.device):  # the batch's autocast state
+            precision.replayed(rec.autocast, rec.device), \
+            state_replay.replayed(rec.state):  # the batch's autocast state and model state
         tracker = UseTracker(owners_of(rec.layers, model), small, parameter_names(model))
         with tracker:  # the same functional and batch-free calls as the batch's (uses.py)
             x1, y1 = take(inputs, rows), take(targets, rows)
@@ -251,7 +252,7 @@ def record_probe(rec: Recording, model, args, kwargs, loss_of_record) -> dict:
     i = rec.n - 1
     args, kwargs = substituted((args, kwargs), i, rec.n)
     with replayed(rec.rng, rec.device), torch.enable_grad(), \
-            precision.replayed(rec.autocast, rec.device):
+            precision.replayed(rec.autocast, rec.device), state_replay.replayed(rec.state):
         loss = loss_of_record(model(*args, **kwargs))
     params = list(rec.params.values())
     grads = torch.autograd.grad(loss, params, allow_unused=True)

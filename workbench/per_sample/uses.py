@@ -134,6 +134,7 @@ class UseTracker(TorchFunctionMode):
         self.random = False
         self.lowered = None  # the narrowest float dtype a wider float was cast to (precision.py)
         self.in_loss = False  # set while loss_fn runs: a use there is the loss's own
+        self.state = None  # state_replay.PassLog of the pass, when its owner keeps one
         self.batch_free = BatchFree()
         self.covered: set[int] = set()  # ids of parameters used inside an owner (tied.py)
         self.seen: set[int] = set()  # ids of parameters any differentiable op took (unseen.py)
@@ -178,6 +179,8 @@ class UseTracker(TorchFunctionMode):
                 args, kwargs, pending = self.derived.rewrite(
                     func, args, kwargs, self._followed,
                     lambda p: func not in FUNCTIONAL and self._where() not in self.owners[id(p)])
+        if self.state is not None:  # the model's state before the op writes it (state_replay)
+            self.state.before(func, args, kwargs)
         result = func(*args, **kwargs)  # the op itself: the modes below this one see it
         with torch._C.DisableTorchFunction():  # this mode's own reads of it: no mode's ops
             if pending is not None:

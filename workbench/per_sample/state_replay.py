@@ -1,0 +1,279 @@
+"""The model's state as a forward pass read it, for every route that runs the forward again.
+
+Every exact twin re-runs the model after the batch's pass: the self-check's probe (one record
+alone, or the batch with the others substituted), the whole-model fallback (vmap, replayed
+rows, micro-batching), ghost clipping's second pass. Each assumes the re-run computes what the
+batch's pass computed. A forward pass that writes the model's state without the batch's values
+breaks that: the old ``torch.nn.utils.spectral_norm`` advances its power iteration
+(``weight_u``, ``weight_v``) in place at each training-mode call, a layer counts its calls in
+a buffer, a scale kept as an attribute is rebound. Re-run after the pass, the forward reads
+what the pass left, not what it read: until 2026-11-29 the fallback's clipped sums of a
+spectral-normed layer were 12-40% off with the self-check off, silently, and the self-check
+refused such models with a message that blamed the rules. (A write *from* the batch's values
+is refused outright: ``checks.state_written_from_batch``.)
+
+Invariant: **a re-run reads the state the batch's pass read, and leaves the state the pass
+left.** One mechanism keeps it for every re-run:
+
+* ``PassLog`` (opened at each recorded forward pass's start, by the use tracker of the
+  optimizer's pass and of ``recording.record``) keeps every module's attribute bindings as the
+  pass found them (identities: cheap) and, copy on write, the value of each buffer, tensor
+  attribute or parameter just before the pass first writes it in place: the tracker calls
+  ``before`` ahead of every op that writes its first argument (``x.op_``, ``x += a``,
+  ``x[k] = a``, ``t.data = v``) or an ``out=`` tensor, matched by storage, so a write through
+  ``.data`` or a view is caught as well. A write no mode sees (C++, torch-function dispatch
+  off) still moves the tensor's version counter: such a tensor is ``unseen``, and a re-run
+  that would read it is refused with its name, never run on a wrong state.
+* ``replayed(log)`` around a re-run: the pass's starting bindings are put back, and each
+  tensor the pass wrote is replaced, where the model binds it, by a copy of the value the pass
+  read; after the re-run (also when it raises) the post-pass bindings are restored. The
+  tensors the pass left are never written, so the batch's autograd graph and the re-run's
+  (whose backward pass may come after, as ghost clipping's does) each keep the values they
+  saved. A parameter written in place (it cannot be swapped: the gradients are taken with
+  respect to it) has its values put back through ``.data``.
+* micro-batching runs one forward per record: ``Snapshot.rewind`` puts the state back before
+  each (``microbatch.py``), so record i does not read what records 0..i-1 wrote.
+
+Not covered: state outside the model (globals, closures) and Python containers mutated in
+place (a list a forward appends to).
+"""
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from workbench.errors import UnsupportedLayerError
+
+_MODULE_KEYS = frozenset(nn.Module().__dict__)  # torch's own: hook tables, _parameters, ...
+_IN_PLACE_DUNDERS = frozenset(
+    f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and",
+                            "or", "xor", "lshift", "rshift", "matmul"))
+_WRITES = frozenset({"__setitem__", "__set__"}) | _IN_PLACE_DUNDERS
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # meta, sparse: no storage of their own
+        return None
+    return ptr or None
+
+
+def _bindings(m: nn.Module) -> tuple:
+    d = m.__dict__
+    return ({k: v for k, v in d.items() if k not in _MODULE_KEYS}, dict(d["_buffers"]),
+            dict(d["_parameters"]))
+
+
+def _computed(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.grad_fn is not None
+
+
+def _rebind(m: nn.Module, bindings: tuple, keep_computed: bool = False) -> None:
+    """Put ``m``'s attribute, buffer and parameter bindings back to ``bindings``.
+    ``keep_computed``: an attribute bound to a tensor computed with a graph (the old
+    ``weight_norm``'s ``weight``, set by its pre-hook at every call) keeps the re-run's, equal
+    in value (the re-run read the pass's state) and with its graph alive, which the batch's
+    backward pass has freed (a per-layer re-run differentiates through it)."""
+    attrs, buffers, params = bindings
+    d = m.__dict__
+    for k in [k for k in d if k not in _MODULE_KEYS and k not in attrs]:
+        del d[k]  # added since
+    for k, v in attrs.items():
+        now = d.get(k, attrs)
+        if now is not v and not (keep_computed and _computed(now) and _computed(v)):
+            d[k] = v
+    for table, saved in ((d["_buffers"], buffers), (d["_parameters"], params)):
+        if table.keys() != saved.keys() or any(table[k] is not v for k, v in saved.items()):
+            table.clear()
+            table.update(saved)
+
+
+def _tensor_attributes(m: nn.Module):
+    """(table, key, tensor) of ``m``'s tensor attributes and buffers (not its parameters)."""
+    d = m.__dict__
+    for k, v in d.items():
+        if isinstance(v, torch.Tensor) and k not in _MODULE_KEYS:
+            yield d, k, v
+    for k, v in d["_buffers"].items():
+        if v is not None:
+            yield d["_buffers"], k, v
+
+
+def _usable(t: torch.Tensor) -> bool:
+    """Not a tensor that escaped a torch.func transform (a forward run under vmap that bound a
+    batched tensor to an attribute): every read of it raises; it is no state a pass reads."""
+    return not torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+def _put(t: torch.Tensor, value: torch.Tensor) -> None:
+    """t's values := value, through ``.data`` (its version counter does not move)."""
+    with torch.no_grad():
+        data = t.data
+        if data.shape == value.shape and data.dtype == value.dtype and \
+                data.device == value.device:
+            data.copy_(value)
+        else:  # ``t.data = v`` changed its shape or dtype during the pass
+            t.data = value.clone()
+
+
+class Snapshot:
+    """The model's state now: every module's bindings, and (``values``) a copy of every buffer
+    and tensor attribute; ``rewind()`` puts them back."""
+
+    def __init__(self, model: nn.Module, values: bool = True):
+        self.modules = [(m, _bindings(m)) for m in model.modules()]
+        self.values = []
+        if values:
+            seen = set()
+            for m, _ in self.modules:
+                for _, _, t in _tensor_attributes(m):
+                    if id(t) not in seen and _usable(t):
+                        seen.add(id(t))
+                        self.values.append((t, t.detach().clone()))
+
+    def rewind(self, keep_computed: bool = False) -> None:
+        for m, b in self.modules:
+            _rebind(m, b, keep_computed)
+        for t, v in self.values:
+            _put(t, v)
+
+
+class PassLog:
+    """One recorded forward pass: the state it started from (bindings; values copied on first
+    write), and what it wrote where no mode saw it (``unseen``)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.storages: dict[int, list] = {}  # storage -> [(name, tensor)] of the model's state
+        self.versions: dict[int, tuple] = {}  # id -> (name, tensor, version at start)
+        self.places: dict[int, list] = {}  # id(t) -> [(table, key)] binding a tensor
+        self.start = Snapshot.__new__(Snapshot)  # the bindings; one walk for all (every pass)
+        self.start.modules, self.start.values = [], []
+        for path, m in model.named_modules():
+            d = m.__dict__
+            attrs = {}
+            for k, v in d.items():
+                if k not in _MODULE_KEYS:
+                    attrs[k] = v
+                    if isinstance(v, torch.Tensor):
+                        self._track(path, d, k, v)
+            buffers, params = d["_buffers"], d["_parameters"]
+            self.start.modules.append((m, (attrs, dict(buffers), dict(params))))
+            for k, v in buffers.items():
+                if v is not None:
+                    self._track(path, buffers, k, v)
+            for k, v in params.items():
+                if v is not None:
+                    self._track(path, None, k, v)
+        self.saved: dict[int, tuple] = {}  # id(t) -> (name, t, value before the first write)
+        self.unseen: list[str] = []
+
+    def _track(self, path: str, table, key: str, t: torch.Tensor) -> None:
+        if not _usable(t):
+            return
+        if table is not None:
+            self.places.setdefault(id(t), []).append((table, key))
+        if id(t) in self.versions:
+            return
+        name = f"{path}.{key}" if path else key
+        ptr = _storage(t)
+        if ptr is not None:
+            self.storages.setdefault(ptr, []).append((name, t))
+        self.versions[id(t)] = (name, t, t._version)
+
+    def before(self, func, args, kwargs) -> None:
+        """Ahead of an op: copy what it is about to write, if that is the model's state."""
+        name = getattr(func, "__name__", "")
+        if (name in _WRITES or (name.endswith("_") and not name.endswith("__"))) and args \
+                and isinstance(args[0], torch.Tensor):
+            self._save(args[0])
+        out = kwargs.get("out") if kwargs else None
+        for t in (out if type(out) in (list, tuple) else (out,)):
+            if isinstance(t, torch.Tensor):
+                self._save(t)
+
+    def _save(self, t: torch.Tensor) -> None:
+        with torch._C.DisableTorchFunction():  # its own reads are no op of the pass
+            self._save_quietly(t)
+
+    def _save_quietly(self, t: torch.Tensor) -> None:
+        for name, s in self.storages.get(_storage(t), ()):
+            if id(s) not in self.saved:
+                self.saved[id(s)] = (name, s, s.detach().clone())
+                if s._version != self.versions[id(s)][2]:  # written unseen before this write
+                    self.unseen.append(name)
+
+    def close(self) -> None:
+        """The pass ended: which state tensors changed without ``before`` seeing it."""
+        self.unseen += [name for name, t, v in self.versions.values()
+                        if t._version != v and id(t) not in self.saved]
+        self.storages, self.versions = {}, {}  # only during the pass
+
+    def replayable(self) -> None:
+        if self.unseen:
+            raise UnsupportedLayerError(
+                f"the forward pass wrote {', '.join(self.unseen[:3])} in place where the "
+                f"workbench could not see the write (inside C++ or with torch-function "
+                f"dispatch off), so the value it read there is lost, and an exact twin that "
+                f"runs the forward again (the self-check, the whole-model fallback) would read "
+                f"another one. Keep that state fixed during private training (write it only "
+                f"when not module.training), or compute it outside the forward pass")
+
+
+@contextmanager
+def replayed(log: PassLog | None):
+    """Inside: the model's state as the pass ``log`` found it; after: as the pass left it
+    (also when the re-run raises). ``None``: no pass logged, nothing changed."""
+    if log is None:
+        yield
+        return
+    log.replayable()
+    after = Snapshot(log.model, values=False)
+    params = [(t, t.detach().clone()) for _, t, _ in log.saved.values()
+              if id(t) not in log.places]  # a parameter written in place in the pass
+    try:
+        with torch._C.DisableTorchFunction():
+            log.start.rewind()
+            for _, t, value in log.saved.values():
+                places = log.places.get(id(t))
+                if places is None:
+                    _put(t, value)
+                for table, key in places or ():
+                    if table.get(key) is t:  # a copy of the value read, bound in t's place
+                        table[key] = value.clone()
+        yield
+    finally:
+        with torch._C.DisableTorchFunction():
+            after.rewind(keep_computed=True)
+            for t, value in params:
+                _put(t, value)
+
+
+@contextmanager
+def read_only_parametrizations(layer: nn.Module):
+    """Inside: reading a parametrized tensor of ``layer`` (``layer.weight`` under
+    ``torch.nn.utils.parametrize``) computes it once (``parametrize.cached``) with its
+    parametrizations in eval mode. A rule reads ``layer.weight`` after the pass (its shape, its
+    ``requires_grad``), and in training mode each read of a spectral-normed weight ran a power
+    iteration, writing ``_u`` and ``_v`` again: the model's state drifted by one iteration per
+    rule call, and the weight read was not the one the forward used. In eval mode the
+    parametrization computes from ``_u`` and ``_v`` as the pass left them, which is the weight
+    the pass computed last, and writes nothing."""
+    plist = layer._modules.get("parametrizations")
+    if plist is None:
+        yield
+        return
+    modes = [(m, m.training) for m in plist.modules()]
+    for m, _ in modes:
+        m.training = False
+    try:
+        with torch.nn.utils.parametrize.cached():
+            yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+__all__ = ["PassLog", "Snapshot", "read_only_parametrizations", "replayed"]
