@@ -1,7 +1,15 @@
 """The exact fallbacks under dropout (``per_sample/fallback.py``): a parameter computed from the
 whole model, or a layer without a rule holding a Dropout, gets each record's gradient with
 the masks the batch drew (the batch's forward replayed), in every mode and the functional
-API, against a float64 twin with the same masks; no sampler or sample-mixing error."""
+API, against a float64 twin with the same masks; no sampler or sample-mixing error.
+
+A layer without a rule that draws by a functional call (``F.dropout(h, 0.3, self.training)``,
+``torch.randn_like``) has no Dropout module to find by type: until 2026-11-29 the per-layer
+vmap re-ran it with fresh masks (clipped sums 109% off with the self-check off). Each such
+layer's call is now watched for a default generator advancing (``hooks.draws``). And a loop
+that calls ``model.eval()`` between backward and ``step()`` had the step's decisions and
+re-runs read the eval mode (the fallback replayed the batch without its masks, 72% off): they
+read the modes the pass ran in now (``state_replay.modes``, ``replayed``)."""
 
 import warnings
 
@@ -11,6 +19,7 @@ from torch import nn
 
 import workbench as wb
 from tests.dpsgd.test_invariant import ALL_MODES, TOL, C, D, K, N, batch, released
+from workbench.dpsgd import DPOptimizer
 
 
 class RootWithDropout(nn.Module):
@@ -40,6 +49,39 @@ class ReadOutside(nn.Module):
         return self.l2(self.d(torch.tanh(h)))
 
 
+class DrawsFunctionally(nn.Module):
+    """A layer without a rule drawing through functional calls: no Dropout module inside."""
+
+    def __init__(self, noise=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.W, self.noise = nn.Parameter(torch.randn(8, 8) / 3), noise
+
+    def forward(self, h):
+        h = torch.tanh(h @ self.W)
+        if self.noise:  # noise injection, active in training only
+            return h + 0.3 * torch.randn_like(h) * h if self.training else h
+        return nn.functional.dropout(h, 0.3, self.training)
+
+
+class Functional(nn.Module):
+    def __init__(self, noise=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.cell, self.l2 = nn.Linear(D, 8), DrawsFunctionally(noise), nn.Linear(8, K)
+
+    def forward(self, x):
+        return self.l2(self.cell(torch.tanh(self.l1(x))))
+
+
+class Noisy(Functional):
+    def __init__(self):
+        super().__init__(noise=True)
+
+
+MAKES = [RootWithDropout, ReadOutside, Functional, Noisy]
+
+
 def twin_with_masks(model, x, y, seed):
     """Σ_i clip_C(∇ℓ_i) with the masks of one batch pass drawn from ``seed``."""
     torch.manual_seed(seed)
@@ -52,7 +94,7 @@ def twin_with_masks(model, x, y, seed):
     return ref
 
 
-@pytest.mark.parametrize("make", [RootWithDropout, ReadOutside])
+@pytest.mark.parametrize("make", MAKES)
 @pytest.mark.parametrize("mode", ALL_MODES)
 def test_fallback_parameters_are_exact_with_the_batch_masks(make, mode):
     x, y = batch()
@@ -65,7 +107,7 @@ def test_fallback_parameters_are_exact_with_the_batch_masks(make, mode):
     assert float((got - ref).norm()) <= TOL * float(ref.norm()), mode
 
 
-@pytest.mark.parametrize("make", [RootWithDropout, ReadOutside])
+@pytest.mark.parametrize("make", MAKES)
 @pytest.mark.parametrize("method", ["einsum", "ghost"])
 def test_functional_api_fallback_is_exact_with_the_batch_masks(make, method):
     x, y = batch()
@@ -87,3 +129,33 @@ def test_functional_api_fallback_is_exact_with_the_batch_masks(make, method):
     ref = torch.stack([torch.cat([t.flatten() for t in torch.autograd.grad(
         losses[i], list(model.parameters()), retain_graph=True)]).norm() for i in range(N)])
     assert torch.allclose(norms, ref, rtol=TOL, atol=0)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("make", MAKES)
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_eval_between_backward_and_step_changes_nothing(make, mode, verify):
+    """The loop switches the model to eval mode after backward and steps there (a validation
+    pass that forgot ``model.train()``, or one run before stepping): the step is the batch's,
+    with its masks, not refused."""
+    x, y = batch()
+    model = make().double()
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
+                      max_grad_norm=C, expected_batch_size=1.0, method=mode,
+                      loss_reduction="sum")
+    opt.verify = verify
+    try:
+        torch.manual_seed(11)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+        model.eval()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.step()
+    finally:
+        opt.detach()
+    assert not any(m.training for m in model.modules())  # the loop's mode is left as it is
+    model.train()
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    ref = twin_with_masks(model, x, y, 11)
+    assert float((got - ref).norm()) <= TOL * float(ref.norm()), mode

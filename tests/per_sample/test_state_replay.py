@@ -236,3 +236,79 @@ def test_snapshot_rewinds_bindings_and_values():
     assert model[0][0].scale == 1.5
     snap.rewind()
     assert model[0][0].scale == 1.0
+
+
+class Temperature(nn.Module):  # reads a buffer that the loop anneals
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.register_buffer("t", torch.ones(()))
+
+    def forward(self, x):
+        return self.lin(x) / self.t
+
+
+def _tempered():
+    torch.manual_seed(0)
+    return nn.Sequential(Temperature(), nn.Tanh(), nn.Linear(D, 2)).double()
+
+
+@pytest.mark.parametrize("where", ["between backward and step", "after step"])
+def test_state_written_after_the_pass_is_refused_when_rerun(where):
+    """A loop that writes state between the pass and ``step()``: the value the pass read is
+    gone, so a re-run (here the first step's self-check) is refused by name, nothing stepped;
+    written after ``step()`` (the fix the message names), every step is exact."""
+    model, twin = _tempered(), _tempered()
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
+                      max_grad_norm=C, expected_batch_size=1.0, loss_reduction="sum")
+    gen = torch.Generator().manual_seed(5)
+    try:
+        for _ in range(2):
+            x = torch.randn(4, D, generator=gen, dtype=torch.float64)
+            y = torch.randint(0, 2, (4,), generator=gen)
+            want = reference(twin, x, y)
+            opt.zero_grad()
+            loss_fn(model(x), y).sum().backward()
+            if where == "between backward and step":
+                with torch.no_grad():
+                    model[0].t.mul_(1.5)
+                with pytest.raises(UnsupportedLayerError, match=r"0\.t was written in place "
+                                                                r"after the forward pass"):
+                    opt.step()
+                assert opt._sums == {}  # nothing of the refused batch kept
+                return
+            opt.step()
+            for k, p in model.named_parameters():
+                torch.testing.assert_close(p.grad, want[k], rtol=1e-10, atol=1e-12)
+            with torch.no_grad():
+                model[0].t.mul_(1.5)
+                twin[0].t.mul_(1.5)
+    finally:
+        opt.detach()
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_backward_passes_per_step(kind, verify):
+    """Gradient accumulation: each pass's re-runs read that pass's state (the second pass
+    wrote over the first's), and .grad sums both passes' clipped sums."""
+    model, twin = make(kind), make(kind)
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
+                      max_grad_norm=C, expected_batch_size=1.0, loss_reduction="sum")
+    opt.verify = verify
+    gen = torch.Generator().manual_seed(3)
+    try:
+        for _ in range(2):
+            opt.zero_grad()
+            want = {}
+            for n in (4, 3):
+                x = torch.randn(n, D, generator=gen, dtype=torch.float64)
+                y = torch.randint(0, 2, (n,), generator=gen)
+                for k, g in reference(twin, x, y).items():
+                    want[k] = want[k] + g if k in want else g
+                loss_fn(model(x), y).sum().backward()
+            opt.step()
+            for k, p in model.named_parameters():
+                torch.testing.assert_close(p.grad, want[k], rtol=1e-10, atol=1e-12)
+    finally:
+        opt.detach()

@@ -99,7 +99,7 @@ from workbench.dpsgd.path_check import PathCheck
 from workbench.dpsgd.privatise import MODES, gaussian_noise
 from workbench.dpsgd.recorded import ModelRecorder, distributed_run
 from workbench.methods import OPTIMIZER_ALIASES
-from workbench.per_sample import precision, selfcheck
+from workbench.per_sample import precision, selfcheck, state_replay
 from workbench.per_sample.checks import check_no_sample_mixing
 from workbench.per_sample.sketch import RowSketch
 
@@ -345,14 +345,16 @@ class DPOptimizer(Optimizer):
                                               free=not several)
                     if paths is not None:  # before clipping frees the backprops; every pass
                         # of the step, not only the checked ones
-                        for key, g in self.recorder.path_gradients(rec, exact):
-                            paths.add(key, g)  # compared and let go (path_check.py)
+                        with state_replay.modes(rec.state):
+                            for key, g in self.recorder.path_gradients(rec, exact):
+                                paths.add(key, g)  # compared and let go (path_check.py)
                         unchecked |= self.recorder.unchecked(rec)
                     users = None if self.user_level is None else self.user_level.batch(rec)
                     row = None if rec.signature is None else RowSketch(
                         {id(p): p for p in rec.params.values()})  # record n - 1's part
-                    sums, norm, c = clipped_sum(rec, C, mode, group_of, exact=exact,
-                                                users=users, row=row)  # users: user_level.py
+                    with state_replay.modes(rec.state):  # the modes the pass ran in
+                        sums, norm, c = clipped_sum(rec, C, mode, group_of, exact=exact,
+                                                    users=users, row=row)  # user_level.py
                     if rec.signature is not None:
                         replays.append((rec, norm[rec.n - 1].detach(), row))
                     skipped += [seen + i for i in skip_nonfinite(norm)]  # masked by the engine

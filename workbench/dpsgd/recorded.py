@@ -325,8 +325,9 @@ class ModelRecorder:
             mine = [c for c in roots if c.generation == gen]
             if len(mine) > 1:
                 raise several_calls(mine)
-            rec = self._recording(gen, mine, loss_reduction, scale)
             root = mine[0]
+            with state_replay.modes(getattr(root, "state", None)):  # as the pass ran
+                rec = self._recording(gen, mine, loss_reduction, scale)
             rec.rng = getattr(root, "rng", None)
             rec.autocast = getattr(root, "amp", None)
             rec.state = getattr(root, "state", None)

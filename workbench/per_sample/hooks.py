@@ -77,7 +77,8 @@ from workbench.per_sample.broadcast import BROADCASTABLE
 from workbench.per_sample.flat_rows import as_batch, passed_on, rule_less_rows, unflattened
 from workbench.per_sample.leaves import call_leaves
 from workbench.per_sample.positional import as_positional
-from workbench.per_sample.registry import called_with_more
+from workbench.per_sample.registry import called_with_more, find_grad_sampler
+from workbench.per_sample.uses import advanced, generator_states
 from workbench.per_sample.views import capture_edge, watched
 
 
@@ -374,6 +375,9 @@ class ActivationRecorder:
     outputs_of: object = None  # (output) -> (tensors, is_tuple); default ``tensor_outputs``
     before: dict[str, tuple] = field(default_factory=dict)  # path -> ``state_of`` the layer
     # before its first recorded call: what a re-run of its calls must find (``changed``)
+    drew: set = field(default_factory=set)  # paths of layers without a rule whose call drew
+    # random numbers (a default generator advanced during it: ``draws``)
+    _draw_from: dict = field(default_factory=dict)  # path -> generator states at the call
     _handles: list = field(default_factory=list)
     _pending: bool = False
 
@@ -397,6 +401,9 @@ class ActivationRecorder:
             stack.append(path)
             if path not in before and self.recording:
                 before[path] = state_of(module)
+            if self.recording and path not in self.drew and find_grad_sampler(module) is None:
+                with torch._C.DisableTorchFunction():  # the layer's draws: ``draws``
+                    self._draw_from[path] = generator_states()
             if len(args) > 1 or kwargs:  # before its forward runs: the uses inside it
                 # (tied.py's takeovers) see the rule the whole pass will use
                 called_with_more(module, *as_positional(module, args, kwargs))
@@ -426,6 +433,8 @@ class ActivationRecorder:
                 stack.pop()
             if not self.recording:
                 return None
+            if path in self._draw_from:
+                self.draws(path)
             fed = None
             with torch._C.DisableTorchFunction():  # uses.quiet: its calls are not uses
                 if torch._C._current_graph_task_id() != -1 and self._recomputation(path):
@@ -444,6 +453,19 @@ class ActivationRecorder:
             return output if fed or copied else None
 
         return hook
+
+    def draws(self, path: str) -> None:
+        """A layer without a rule: did a default generator advance during its call (F.dropout
+        with a fixed rate, ``torch.rand``, a fused kernel's dropout: by any name)? The
+        per-layer vmap would draw other numbers than the batch did, so its parameters take
+        the whole-model fallback with the batch's random state replayed
+        (``recording.new_recording``). ``fallback.redraws`` finds a Dropout module inside a
+        layer by its type; this finds every draw by its effect: a layer drawing by a
+        functional call was re-run with fresh masks, its clipped sums 109% off with the check
+        off, until 2026-11-29."""
+        with torch._C.DisableTorchFunction():
+            if advanced(self._draw_from.pop(path)):
+                self.drew.add(path)
 
     def _recomputation(self, path: str) -> bool:
         """A layer's forward run inside a backward pass: activation checkpointing recomputing
@@ -595,6 +617,8 @@ class ActivationRecorder:
         self.untracked.clear()
         self.recomputed.clear()
         self.before.clear()
+        self.drew.clear()
+        self._draw_from.clear()
 
     def changed(self, among=None) -> dict[str, list[str]]:
         """{path: what changed}: the layers (those ``among(layer)`` holds for, if given)

@@ -349,6 +349,11 @@ def loss_reach(roots):
     return feeds
 
 
+DREW = ("has no per-layer rule and drew random numbers during its call (a default generator "
+        "advanced: functional dropout, torch.rand...; the per-layer vmap would draw others): "
+        "computed from the whole model with the batch's random state replayed")
+
+
 def new_recording(n: int, layers, recorder, params, uncovered, calls, **fields) -> Recording:
     """The one constructor of a Recording (``record`` above, the optimizer's
     ``dpsgd/recorded.py``): the fallback decided for the parameters used outside their layer
@@ -363,7 +368,8 @@ def new_recording(n: int, layers, recorder, params, uncovered, calls, **fields) 
             # getattr would ask nn.Module.__getattr__, which builds an error for each layer
             for q in layer.parameters(recurse=False):  # a functional linear's bias too
                 rec.taken[id(q)] = layer
-        problem = batch_problem(layer, call, n) or (rec.random and redraws(layer))
+        problem = batch_problem(layer, call, n) or (rec.random and redraws(layer)) or (
+            path in recorder.drew and DREW)
         if problem and (rec.feeds is None or rec.feeds(call)):
             rec.mark(layer, path, problem)
     if recorder.untracked:

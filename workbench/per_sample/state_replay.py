@@ -63,7 +63,7 @@ def _storage(t: torch.Tensor) -> int | None:
 def _bindings(m: nn.Module) -> tuple:
     d = m.__dict__
     return ({k: v for k, v in d.items() if k not in _MODULE_KEYS}, dict(d["_buffers"]),
-            dict(d["_parameters"]))
+            dict(d["_parameters"]), d["training"])
 
 
 def _computed(t) -> bool:
@@ -71,13 +71,16 @@ def _computed(t) -> bool:
 
 
 def _rebind(m: nn.Module, bindings: tuple, keep_computed: bool = False) -> None:
-    """Put ``m``'s attribute, buffer and parameter bindings back to ``bindings``.
+    """Put ``m``'s attribute, buffer and parameter bindings and its training flag back to
+    ``bindings``.
     ``keep_computed``: an attribute bound to a tensor computed with a graph (the old
     ``weight_norm``'s ``weight``, set by its pre-hook at every call) keeps the re-run's, equal
     in value (the re-run read the pass's state) and with its graph alive, which the batch's
     backward pass has freed (a per-layer re-run differentiates through it)."""
-    attrs, buffers, params = bindings
+    attrs, buffers, params, training = bindings
     d = m.__dict__
+    d["training"] = training  # the pass's mode: a loop's model.eval() before step() would
+    # otherwise re-run it without its dropout (72% off with the check off, until 2026-11-29)
     for k in [k for k in d if k not in _MODULE_KEYS and k not in attrs]:
         del d[k]  # added since
     for k, v in attrs.items():
@@ -160,7 +163,8 @@ class PassLog:
                     if isinstance(v, torch.Tensor):
                         self._track(path, d, k, v)
             buffers, params = d["_buffers"], d["_parameters"]
-            self.start.modules.append((m, (attrs, dict(buffers), dict(params))))
+            self.start.modules.append((m, (attrs, dict(buffers), dict(params),
+                                           d["training"])))
             for k, v in buffers.items():
                 if v is not None:
                     self._track(path, buffers, k, v)
@@ -169,6 +173,7 @@ class PassLog:
                     self._track(path, None, k, v)
         self.saved: dict[int, tuple] = {}  # id(t) -> (name, t, value before the first write)
         self.unseen: list[str] = []
+        self.ended: list = []  # (name, t, version) at the pass's end, of those not saved
 
     def _track(self, path: str, table, key: str, t: torch.Tensor) -> None:
         if not _usable(t):
@@ -209,9 +214,21 @@ class PassLog:
         """The pass ended: which state tensors changed without ``before`` seeing it."""
         self.unseen += [name for name, t, v in self.versions.values()
                         if t._version != v and id(t) not in self.saved]
+        self.ended = [(name, t, t._version) for name, t, _ in self.versions.values()
+                      if id(t) not in self.saved]  # what a re-run reads as the pass left it
         self.storages, self.versions = {}, {}  # only during the pass
 
     def replayable(self) -> None:
+        later = [name for name, t, v in self.ended if t._version != v]
+        if later:  # the loop (or a backward hook) wrote it after the pass: the value the
+            # pass read is gone, and a re-run would read the new one
+            raise UnsupportedLayerError(
+                f"{', '.join(later[:3])} {'was' if len(later) == 1 else 'were'} written in "
+                f"place after the forward pass that the step clips (between the forward pass "
+                f"and optimizer.step(): in the loop or in a backward hook), so an exact twin "
+                f"that runs the forward again (the self-check, the whole-model fallback, "
+                f"ghost clipping's second pass) would read another value than the batch's "
+                f"pass did. Write it after optimizer.step(), or inside the forward pass")
         if self.unseen:
             raise UnsupportedLayerError(
                 f"the forward pass wrote {', '.join(self.unseen[:3])} in place where the "
@@ -252,6 +269,29 @@ def replayed(log: PassLog | None):
 
 
 @contextmanager
+def modes(log: PassLog | None):
+    """Inside: every module in the training mode the pass ``log`` ran in; after: as before.
+    What a step decides after the pass (a rule-less layer holding dropout takes the replayed
+    fallback: ``fallback.redraws``; a layer re-run) must read the pass's modes, not the ones
+    a loop set since (``model.eval()`` before ``optimizer.step()``: the fallback re-ran the
+    batch without its dropout masks, 72% off with the check off, until 2026-11-29)."""
+    if log is None:
+        yield
+        return
+    changed = [(m, m.training) for m, b in log.start.modules if m.training != b[3]]
+    if not changed:
+        yield
+        return
+    for m, b in log.start.modules:
+        m.training = b[3]
+    try:
+        yield
+    finally:
+        for m, mode in changed:
+            m.training = mode
+
+
+@contextmanager
 def read_only_parametrizations(layer: nn.Module):
     """Inside: reading a parametrized tensor of ``layer`` (``layer.weight`` under
     ``torch.nn.utils.parametrize``) computes it once (``parametrize.cached``) with its
@@ -276,4 +316,4 @@ def read_only_parametrizations(layer: nn.Module):
             m.training = mode
 
 
-__all__ = ["PassLog", "Snapshot", "read_only_parametrizations", "replayed"]
+__all__ = ["PassLog", "Snapshot", "modes", "read_only_parametrizations", "replayed"]
