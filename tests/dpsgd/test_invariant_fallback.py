@@ -159,3 +159,83 @@ def test_eval_between_backward_and_step_changes_nothing(make, mode, verify):
     got = torch.cat([p.grad.flatten() for p in model.parameters()])
     ref = twin_with_masks(model, x, y, 11)
     assert float((got - ref).norm()) <= TOL * float(ref.norm()), mode
+
+
+class OwnGenerator(nn.Module):
+    """Draws its dropout mask from its own ``torch.Generator`` (``generator=``), in a layer
+    without a rule (``cell``) or after a parameter read outside its layer (``outside``)."""
+
+    def __init__(self, where):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2, self.where = nn.Linear(D, 8), nn.Linear(8, K), where
+        self.W = nn.Parameter(torch.randn(8, 8) / 3) if where == "cell" else None
+        self.g = torch.Generator().manual_seed(7)
+
+    def forward(self, x):
+        if self.where == "cell":
+            h = torch.tanh(torch.tanh(self.l1(x)) @ self.W)  # the root's own parameter: no rule
+        else:
+            h = torch.tanh(self.l1(x) + 0.5 * torch.tanh(x @ self.l1.weight.T))
+        keep = torch.bernoulli(torch.full_like(h, 0.7), generator=self.g)
+        return self.l2(h * keep / 0.7)
+
+
+def twin_with_generator(model, x, y, state):
+    """Σ_i clip_C(∇ℓ_i) with the masks one batch pass draws from ``model.g`` at ``state``;
+    also the generator's state that one pass leaves."""
+    model.g.set_state(state)
+    losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+    left = model.g.get_state()
+    params, ref = list(model.parameters()), 0
+    for i in range(x.shape[0]):
+        g = torch.cat([t.flatten() for t in torch.autograd.grad(losses[i], params,
+                                                                retain_graph=True)])
+        ref = ref + min(1.0, C / float(g.norm())) * g
+    return ref, left
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("where", ["cell", "outside"])
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_a_models_own_generator_is_replayed(where, mode, verify):
+    """The re-runs draw the pass's numbers from the model's own generator, and leave it as
+    one pass does (28-50% off with the check off, and refused with it on, until
+    2026-11-29)."""
+    x, y = batch()
+    model = OwnGenerator(where).double()
+    state = model.g.get_state()
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
+                      max_grad_norm=C, expected_batch_size=1.0, method=mode,
+                      loss_reduction="sum")
+    opt.verify = verify
+    try:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.step()
+    finally:
+        opt.detach()
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    left = model.g.get_state()
+    ref, one_pass = twin_with_generator(model, x, y, state)
+    assert float((got - ref).norm()) <= TOL * float(ref.norm()), mode
+    assert torch.equal(left, one_pass)
+
+
+@pytest.mark.parametrize("where", ["cell", "outside"])
+@pytest.mark.parametrize("method", ["einsum", "ghost", "bookkeeping"])
+def test_functional_api_replays_a_models_own_generator(where, method):
+    x, y = batch()
+    model = OwnGenerator(where).double()
+    state = model.g.get_state()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = wb.clipped_grad_sum(model, lambda o, t: nn.functional.cross_entropy(
+            o, t, reduction="none"), x, y, C, method=method)
+    got = torch.cat([got[k].flatten() for k, _ in model.named_parameters()])
+    left = model.g.get_state()
+    ref, one_pass = twin_with_generator(model, x, y, state)
+    assert float((got - ref).norm()) <= TOL * float(ref.norm()), method
+    assert torch.equal(left, one_pass)

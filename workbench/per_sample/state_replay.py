@@ -34,6 +34,11 @@ left.** One mechanism keeps it for every re-run:
 * micro-batching runs one forward per record: ``Snapshot.rewind`` puts the state back before
   each (``microbatch.py``), so record i does not read what records 0..i-1 wrote.
 
+A ``torch.Generator`` the forward draws from by ``generator=`` (a layer's own noise source) is
+state too: its state before the pass's first draw from it is kept and set again for each
+re-run, and the state the pass left is restored after (the default generators are replayed by
+``fallback.replayed``).
+
 Not covered: state outside the model (globals, closures) and Python containers mutated in
 place (a list a forward appends to).
 """
@@ -174,6 +179,9 @@ class PassLog:
         self.saved: dict[int, tuple] = {}  # id(t) -> (name, t, value before the first write)
         self.unseen: list[str] = []
         self.ended: list = []  # (name, t, version) at the pass's end, of those not saved
+        self.generators: dict[int, tuple] = {}  # id -> (a torch.Generator the pass drew from
+        # by ``generator=``, its state before the first draw): the default generators are
+        # replayed by ``fallback.replayed``, these here
 
     def _track(self, path: str, table, key: str, t: torch.Tensor) -> None:
         if not _usable(t):
@@ -194,10 +202,15 @@ class PassLog:
         if (name in _WRITES or (name.endswith("_") and not name.endswith("__"))) and args \
                 and isinstance(args[0], torch.Tensor):
             self._save(args[0])
-        out = kwargs.get("out") if kwargs else None
+        if not kwargs:
+            return
+        out = kwargs.get("out")
         for t in (out if type(out) in (list, tuple) else (out,)):
             if isinstance(t, torch.Tensor):
                 self._save(t)
+        g = kwargs.get("generator")
+        if isinstance(g, torch.Generator) and id(g) not in self.generators:
+            self.generators[id(g)] = (g, g.get_state())  # before its first draw of the pass
 
     def _save(self, t: torch.Tensor) -> None:
         with torch._C.DisableTorchFunction():  # its own reads are no op of the pass
@@ -250,8 +263,11 @@ def replayed(log: PassLog | None):
     after = Snapshot(log.model, values=False)
     params = [(t, t.detach().clone()) for _, t, _ in log.saved.values()
               if id(t) not in log.places]  # a parameter written in place in the pass
+    drawn = [(g, g.get_state()) for g, _ in log.generators.values()]
     try:
         with torch._C.DisableTorchFunction():
+            for g, state in log.generators.values():  # the numbers the pass drew
+                g.set_state(state)
             log.start.rewind()
             for _, t, value in log.saved.values():
                 places = log.places.get(id(t))
@@ -266,6 +282,8 @@ def replayed(log: PassLog | None):
             after.rewind(keep_computed=True)
             for t, value in params:
                 _put(t, value)
+            for g, state in drawn:  # as the pass left them: the loop's next draws unchanged
+                g.set_state(state)
 
 
 @contextmanager

@@ -181,6 +181,8 @@ class UseTracker(TorchFunctionMode):
                     lambda p: func not in FUNCTIONAL and self._where() not in self.owners[id(p)])
         if self.state is not None:  # the model's state before the op writes it (state_replay)
             self.state.before(func, args, kwargs)
+        if kwargs and isinstance(kwargs.get("generator"), torch.Generator) and self.stack:
+            self._drew_from_own_generator()
         result = func(*args, **kwargs)  # the op itself: the modes below this one see it
         with torch._C.DisableTorchFunction():  # this mode's own reads of it: no mode's ops
             if pending is not None:
@@ -189,6 +191,18 @@ class UseTracker(TorchFunctionMode):
                     self.seen.add(id(p))  # outside its layer (the fallback if the meeting
                     self._count(p, self._where())  # cannot give it)
             return self._after(func, args, kwargs, result)
+
+    def _drew_from_own_generator(self) -> None:
+        """A draw from a ``torch.Generator`` of the model's (``generator=``) inside layers
+        without a rule: their calls would draw other numbers when re-run alone (per-layer
+        vmap), which ``hooks.draws`` (the default generators) does not see: they take the
+        replayed fallback (``recording.DREW``), which sets the generator back
+        (``state_replay``). 28% off with the check off until 2026-11-29."""
+        layers = self.recorder.layers
+        for path in self.stack:
+            layer = layers.get(path)
+            if layer is not None and find_grad_sampler(layer) is None:
+                self.recorder.drew.add(path)
 
     def start(self, inputs) -> None:
         """A forward pass begins on ``inputs``, the model's tensors: each taints what it
