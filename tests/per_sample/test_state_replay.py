@@ -312,3 +312,34 @@ def test_two_backward_passes_per_step(kind, verify):
                 torch.testing.assert_close(p.grad, want[k], rtol=1e-10, atol=1e-12)
     finally:
         opt.detach()
+
+
+def test_a_buffer_written_between_backward_and_step_is_warned_once():
+    """A running loss kept in a model buffer by the loop (``loss_avg.mul_().add_(loss)``): a
+    function of the records in the released model, which no taint follows after the forward
+    pass; warned by name, once, and the step (no re-run: the check off) is still exact."""
+    model, twin = _tempered(), _tempered()
+    model.register_buffer("loss_avg", torch.zeros((), dtype=torch.float64))
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
+                      max_grad_norm=C, expected_batch_size=1.0, loss_reduction="sum")
+    opt.verify = False
+    gen = torch.Generator().manual_seed(5)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                x = torch.randn(4, D, generator=gen, dtype=torch.float64)
+                y = torch.randint(0, 2, (4,), generator=gen)
+                want = reference(twin, x, y)
+                opt.zero_grad()
+                loss = loss_fn(model(x), y).sum()
+                loss.backward()
+                with torch.no_grad():
+                    model.loss_avg.mul_(0.9).add_(0.1 * loss.detach())
+                opt.step()
+                for k, p in model.named_parameters():
+                    torch.testing.assert_close(p.grad, want[k], rtol=1e-10, atol=1e-12)
+    finally:
+        opt.detach()
+    mine = [w for w in caught if "'loss_avg' was written in place between" in str(w.message)]
+    assert len(mine) == 1, [str(w.message)[:80] for w in caught]

@@ -136,6 +136,7 @@ class ModelRecorder:
         self.watch.paused = self.paused  # its coupling test must not reach the recording hooks
         self._depth, self._tracking, self._rng, self._roots = 0, False, None, 0
         self._buffers_before: set[int] = set()  # buffer ids at the forward pass's start
+        self._warned_after: set[str] = set()  # state written after a pass: warned once
         self._amp = None  # the autocast dtype of the forward pass running (precision.py)
         self._handles = [model.register_forward_pre_hook(quiet(self._enter),  # uses.quiet
                                                           with_kwargs=True, prepend=True),
@@ -343,6 +344,8 @@ class ModelRecorder:
                         else b[-1:].clone()
                     rec.replay = (root.args, root.kwargs, row, getattr(root, "keys", None))
             prepared.append((gen, mine, rec))
+        if prepared and prepared[-1][2].state is not None:  # after the step's last pass:
+            self._written_after(prepared[-1][2].state)  # the loop's (a later pass's are not)
         # .grad sums every backward pass since the last step: where one pass is checked
         # (a new signature), the path gradient of each is needed, known before any is clipped
         self.comparing = any(rec.signature is not None for _, _, rec in prepared)
@@ -444,6 +447,26 @@ class ModelRecorder:
 
         with self.paused():
             return selfcheck.record_probe(rec, self.model, args, kwargs, loss_of_record)
+
+    def _written_after(self, log) -> None:
+        """Warn, once per buffer, that the loop wrote the model's state between the forward
+        pass and ``step()``: legitimate for a counter, but a running loss or a statistic of
+        the outputs or labels kept there (``model.loss_avg.mul_(0.9).add_(0.1 * loss)``) is a
+        function of the records in the released model, un-noised. No taint follows the loop
+        after the forward pass, so this cannot tell the two apart (the forward pass's own
+        writes from the batch are refused: ``checks.state_written_from_batch``)."""
+        for name in log.written_after():
+            if name in self._warned_after:
+                continue
+            self._warned_after.add(name)
+            warnings.warn(
+                f"the model's {name!r} was written in place between the forward pass and "
+                f"optimizer.step() (in the loop or in a backward hook). If its value comes "
+                f"from the batch (a running loss, a statistic of the outputs or labels), it is "
+                f"a function of the records kept in the model that DP-SGD releases, with no "
+                f"clipping and no noise, outside the (epsilon, delta) the accountant reports: "
+                f"keep such statistics outside the model (a Python variable), or compute them "
+                f"from public data", stacklevel=7)
 
     def _exact(self, rec: Recording, roots) -> dict:
         names = rec.fallback_names()

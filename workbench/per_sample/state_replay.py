@@ -227,12 +227,18 @@ class PassLog:
         """The pass ended: which state tensors changed without ``before`` seeing it."""
         self.unseen += [name for name, t, v in self.versions.values()
                         if t._version != v and id(t) not in self.saved]
-        self.ended = [(name, t, t._version) for name, t, _ in self.versions.values()
-                      if id(t) not in self.saved]  # what a re-run reads as the pass left it
+        self.ended = [(name, t, t._version) for name, t, _ in self.versions.values()]
         self.storages, self.versions = {}, {}  # only during the pass
 
+    def written_after(self, parameters: bool = False) -> list[str]:
+        """Names of the tensors of the model's state written in place since the pass ended
+        (buffers and tensor attributes; ``parameters`` too)."""
+        return [name for name, t, v in self.ended if t._version != v
+                and (parameters or id(t) in self.places)]
+
     def replayable(self) -> None:
-        later = [name for name, t, v in self.ended if t._version != v]
+        later = [name for name, t, v in self.ended if t._version != v
+                 and id(t) not in self.saved]  # a re-run reads a copy of those (replayed)
         if later:  # the loop (or a backward hook) wrote it after the pass: the value the
             # pass read is gone, and a re-run would read the new one
             raise UnsupportedLayerError(
