@@ -64,7 +64,13 @@ def group_norm_grad_sampler(layer, activations, backprops):
 
 
 def instance_norm_grad_sampler(layer, activations, backprops):
-    a_hat = F.instance_norm(activations[0], eps=layer.eps)  # per sample, per channel
+    a = activations[0]  # (n, C, *positions): â per sample and channel over its positions,
+    # which is a LayerNorm over the flattened positions (the same biased variance and eps);
+    # CPU's layer_norm kernel takes about 0.6 of instance_norm's time (which runs batch_norm
+    # on (1, n C, ...)): measured at n = 256, C = 256, L = 64, one thread, 5.1 ms against 8.5
+    positions = a.shape[2:].numel()
+    a_hat = torch.layer_norm(a.flatten(2), (positions,), None, None, layer.eps,
+                             torch.backends.cudnn.enabled).view_as(a)
     return _affine_grads(layer, a_hat, backprops, channel_dim=True)
 
 
