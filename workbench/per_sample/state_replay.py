@@ -39,6 +39,11 @@ state too: its state before the pass's first draw from it is kept and set again 
 re-run, and the state the pass left is restored after (the default generators are replayed by
 ``fallback.replayed``).
 
+The training modes are state as well: a re-run, and every decision the step makes after the
+pass, uses the modes the pass ran in (``modes``; a loop's ``model.eval()`` before ``step()``).
+State the loop writes in place after the pass (``PassLog.ended``: version counters) cannot be
+read as the pass read it: a re-run that needs it is refused by name (``replayable``).
+
 Not covered: state outside the model (globals, closures) and Python containers mutated in
 place (a list a forward appends to).
 """
