@@ -73,6 +73,14 @@ RUNNING_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "train
 # sixth is instance_norm's use_input_stats: both mean "statistics of this batch, written back"
 
 
+def writes_first(name: str) -> bool:
+    """The op named ``name`` writes its first argument in place: ``x.op_``, ``x += a``
+    (``__iop__``), ``x[k] = a``, ``t.data = v`` (the taint here, ``state_replay``'s copy on
+    write)."""
+    return name in WRITES or name.startswith("__i") or (name.endswith("_")
+                                                          and not name.endswith("__"))
+
+
 class TaintRef(weakref.ref):
     """The taint's weak reference: identity only (``owned.py`` does not count it as a reader)."""
 
@@ -128,8 +136,7 @@ class Taint:
             refs[id(result)] = TaintRef(result)
         first = args[0] if args else None
         if (isinstance(first, torch.Tensor)  # written: tainted, its storage noted (also when
-                and (name in WRITES or name.startswith("__i")  # the op returns it, x.add_(a))
-                     or (name.endswith("_") and not name.endswith("__")))
+                and writes_first(name)  # the op returns it, x.add_(a))
                 and (name != "__set__" or _storage(first) == _storage(args[-1]))):  # .data =
             self._written(first)  # (not .grad =, whose storage is not the tensor's)
         out = kwargs.get("out") if kwargs else None  # torch.add(a, b, out=buffer): written

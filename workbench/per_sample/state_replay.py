@@ -54,20 +54,8 @@ import torch
 from torch import nn
 
 from workbench.errors import UnsupportedLayerError
-
-_MODULE_KEYS = frozenset(nn.Module().__dict__)  # torch's own: hook tables, _parameters, ...
-_IN_PLACE_DUNDERS = frozenset(
-    f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and",
-                            "or", "xor", "lshift", "rshift", "matmul"))
-_WRITES = frozenset({"__setitem__", "__set__"}) | _IN_PLACE_DUNDERS
-
-
-def _storage(t: torch.Tensor) -> int | None:
-    try:
-        ptr = t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # meta, sparse: no storage of their own
-        return None
-    return ptr or None
+from workbench.per_sample.derived import _storage, writes_first
+from workbench.per_sample.hooks import _MODULE_KEYS  # torch's own slots: hook tables, ...
 
 
 def _bindings(m: nn.Module) -> tuple:
@@ -203,9 +191,8 @@ class PassLog:
 
     def before(self, func, args, kwargs) -> None:
         """Ahead of an op: copy what it is about to write, if that is the model's state."""
-        name = getattr(func, "__name__", "")
-        if (name in _WRITES or (name.endswith("_") and not name.endswith("__"))) and args \
-                and isinstance(args[0], torch.Tensor):
+        if args and isinstance(args[0], torch.Tensor) and \
+                writes_first(getattr(func, "__name__", "")):
             self._save(args[0])
         if not kwargs:
             return
