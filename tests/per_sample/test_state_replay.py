@@ -343,3 +343,53 @@ def test_a_buffer_written_between_backward_and_step_is_warned_once():
         opt.detach()
     mine = [w for w in caught if "'loss_avg' was written in place between" in str(w.message)]
     assert len(mine) == 1, [str(w.message)[:80] for w in caught]
+
+
+class ReadOutside(nn.Module):  # lin.weight read outside lin: the whole-model fallback re-runs
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.head = nn.Linear(D, 6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.lin(x) + 0.5 * torch.tanh(x @ self.lin.weight.T)))
+
+
+@pytest.mark.parametrize("how", ["through .data", "under no_grad"])
+@pytest.mark.parametrize("verify", [True, False])
+def test_parameters_written_after_the_pass_are_refused_at_a_later_step(how, verify):
+    """Weight decay by hand between backward and ``step()`` re-ran the fallback at other
+    weights than the batch's: through ``.data`` (no version counter moves) 5% off with the
+    check off, silently, until 2026-11-29. A clean first step is exact; the second, with the
+    write, is refused by name and keeps nothing."""
+    model, twin = ReadOutside().double(), ReadOutside().double()
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
+                      max_grad_norm=C, expected_batch_size=1.0, loss_reduction="sum")
+    opt.verify = verify
+    gen = torch.Generator().manual_seed(5)
+    try:
+        for step in range(2):
+            x = torch.randn(4, D, generator=gen, dtype=torch.float64)
+            y = torch.randint(0, 2, (4,), generator=gen)
+            want = reference(twin, x, y)
+            opt.zero_grad()
+            loss_fn(model(x), y).sum().backward()
+            if step == 0:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # the fallback's cost warning
+                    opt.step()
+                for k, p in model.named_parameters():
+                    torch.testing.assert_close(p.grad, want[k], rtol=1e-10, atol=1e-12)
+                continue
+            for p in model.parameters():  # decoupled weight decay, by hand, before step()
+                if how == "through .data":
+                    p.data.mul_(0.9)
+                else:
+                    with torch.no_grad():
+                        p.mul_(0.9)
+            with pytest.raises(UnsupportedLayerError, match=r"lin\.weight.*written in place "
+                                                            r"after the forward pass"):
+                opt.step()
+            assert opt._sums == {}
+    finally:
+        opt.detach()

@@ -137,6 +137,7 @@ class ModelRecorder:
         self._depth, self._tracking, self._rng, self._roots = 0, False, None, 0
         self._buffers_before: set[int] = set()  # buffer ids at the forward pass's start
         self._warned_after: set[str] = set()  # state written after a pass: warned once
+        self._fallback_seen = False  # a step re-ran the whole model (``_exact``)
         self._amp = None  # the autocast dtype of the forward pass running (precision.py)
         self._handles = [model.register_forward_pre_hook(quiet(self._enter),  # uses.quiet
                                                           with_kwargs=True, prepend=True),
@@ -207,6 +208,8 @@ class ModelRecorder:
             self.tracker.__exit__(None, None, None)
             log, self.tracker.state = self.tracker.state, None
             log.close()
+            if not self.warm or self._fallback_seen:  # a re-run likely at this step:
+                log.fingerprint()  # a write after the pass through .data must show
             taint = self.tracker.derived.taint
             written = state_written_from_batch(self.model, taint.has, taint.wrote,
                                                self._buffers_before)
@@ -476,6 +479,7 @@ class ModelRecorder:
         names = [name for name in names if id(self.params[name]) not in served]
         if not names:
             return served
+        self._fallback_seen = True  # the next passes' state is fingerprinted (PassLog)
         reasons = sorted({why for key, why in rec.fallback.items() if key not in served})
         root = roots[0]
         problem = batch_problem(self.model, root, rec.n) if len(roots) == 1 else None

@@ -119,6 +119,23 @@ def _put(t: torch.Tensor, value: torch.Tensor) -> None:
             t.data = value.clone()
 
 
+def _sums(tensors) -> torch.Tensor:
+    """(k, 2) float64: Σ t and ||t|| of each tensor (two numbers each, so a write that keeps
+    the sum, a swap of two entries aside, still shows), accumulated in float64 without a copy."""
+    if not tensors:
+        return torch.zeros(0, 2, dtype=torch.float64)
+    rows = []
+    for t in tensors:
+        t = t.detach()
+        if t.is_complex():
+            t = torch.view_as_real(t)
+        elif not t.is_floating_point():  # an index or mask buffer: small, copied
+            t = t.double()
+        rows.append(torch.stack([t.sum(dtype=torch.float64),
+                                 torch.linalg.vector_norm(t, dtype=torch.float64)]))
+    return torch.stack(rows)
+
+
 class Snapshot:
     """The model's state now: every module's bindings, and (``values``) a copy of every buffer
     and tensor attribute; ``rewind()`` puts them back."""
@@ -171,7 +188,8 @@ class PassLog:
                     self._track(path, None, k, v)
         self.saved: dict[int, tuple] = {}  # id(t) -> (name, t, value before the first write)
         self.unseen: list[str] = []
-        self.ended: list = []  # (name, t, version) at the pass's end, of those not saved
+        self.ended: list = []  # (name, t, version) at the pass's end
+        self.sums = None  # ``fingerprint``: ([(name, t)], their sums at the pass's end)
         self.generators: dict[int, tuple] = {}  # id -> (a torch.Generator the pass drew from
         # by ``generator=``, its state before the first draw): the default generators are
         # replayed by ``fallback.replayed``, these here
@@ -222,6 +240,15 @@ class PassLog:
         self.ended = [(name, t, t._version) for name, t, _ in self.versions.values()]
         self.storages, self.versions = {}, {}  # only during the pass
 
+    def fingerprint(self) -> None:
+        """Sums of every state tensor the pass did not write (float64, no copy), to find a
+        write after the pass that moves no version counter: ``p.data.mul_(0.9)``, weight
+        decay by hand between backward and ``step()``, re-ran the fallback at other weights
+        than the batch's (5% off with the check off, until 2026-11-29). One read of the model
+        per pass: taken where a re-run is likely (the caller's choice)."""
+        kept = [(name, t) for name, t, _ in self.ended if id(t) not in self.saved]
+        self.sums = (kept, _sums([t for _, t in kept]))
+
     def written_after(self, parameters: bool = False) -> list[str]:
         """Names of the tensors of the model's state written in place since the pass ended
         (buffers and tensor attributes; ``parameters`` too)."""
@@ -231,6 +258,13 @@ class PassLog:
     def replayable(self) -> None:
         later = [name for name, t, v in self.ended if t._version != v
                  and id(t) not in self.saved]  # a re-run reads a copy of those (replayed)
+        if not later and self.sums is not None:  # also through .data: sums differ
+            kept, before = self.sums
+            with torch._C.DisableTorchFunction():
+                now = _sums([t for _, t in kept])
+            same = (now == before) | (now.isnan() & before.isnan())  # a NaN parameter
+            if not bool(same.all()):  # is no write (the non-finite policy refuses it)
+                later = [name for (name, _), row in zip(kept, same) if not bool(row.all())]
         if later:  # the loop (or a backward hook) wrote it after the pass: the value the
             # pass read is gone, and a re-run would read the new one
             raise UnsupportedLayerError(
