@@ -315,11 +315,11 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
         with tracker:
             tracker.start(leaves((inputs, targets)))  # the batch: what it touches, its rows
             outputs = forward(model, inputs)
-            tracker.state = None
-            with torch._C.DisableTorchFunction():
-                log.close()
             tracker.in_loss = True
             losses = loss_fn(outputs, targets)  # (n,)
+            tracker.state = None  # the loss's draws from its own generator too (re-runs
+            with torch._C.DisableTorchFunction():  # call loss_fn again: rerun_losses, the
+                log.close()  # record probe, the replayed fallback)
         check_losses(losses, n)
         tracker.derived.settle([losses], n, recorder)
     check_recorded(layers, recorder)
