@@ -58,6 +58,7 @@ from torch.nn.modules.loss import _Loss
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from workbench.dpsgd.backward_calls import ENTRY_POINTS, backward_call, objective
 from workbench.dpsgd.batches import batch_size
 from workbench.dpsgd.lifetime import Weak, push_bottom, reaches, sweep, weak_attribute
 from workbench.dpsgd.lifetime import remove as _remove
@@ -94,6 +95,10 @@ class LossWatch:
         self._before_mode = None  # BeforeForward, on the stack while ``before`` follows calls
         self.paused = contextlib.nullcontext  # the recorder's pause (recorded.py sets it)
         self.roots: list = []  # the model's outputs with gradient: a loss must read them
+        self.second_order: list = []  # weak references to torch.autograd.grad results with
+        # create_graph=True from this window's outputs (backward_calls.py)
+        self.parameter_ids: set[int] = set()  # the model's trainable parameters (recorded.py):
+        # a backward pass into none of them is no pass of the step (backward_calls.py)
         self._resume = False  # following paused by a forward pass without gradient
         weakref.finalize(self, _remove, self._handles_box)
 
@@ -339,6 +344,23 @@ class LossWatch:
             f"then scale with the realised batch size n, a statistic of which other records "
             f"were sampled, so the sensitivity is no longer max_grad_norm. Fix: {fix}")
 
+    def second_order_use(self, loss) -> None:
+        """Before ``loss.backward()``: LossCouplingError if the loss reads a gradient taken
+        with ``create_graph=True`` from this window's outputs (``backward_calls.py``)."""
+        nodes = {g.grad_fn for g in (ref() for ref in self.second_order) if g is not None}
+        if not nodes or not _reads(loss, nodes):
+            return
+        raise LossCouplingError(
+            "the loss reads a gradient taken with torch.autograd.grad(..., create_graph=True) "
+            "from the private model's outputs (a gradient penalty, an input-gradient "
+            "regulariser, a physics-informed residual, a meta-learning step): the "
+            "parameters' gradient then has second-order terms that no record's gradient at "
+            "the model's outputs carries, so the optimizer would clip and release a gradient "
+            "that is not the loss's. DP-SGD of such a loss needs each record's exact "
+            "gradient: compute it with wb.per_sample_gradients(..., method='microbatch') and "
+            "clip it yourself, or take the input gradient without create_graph=True (FGSM) "
+            "and train on its detached result")
+
     def coupling(self, loss) -> None:
         """Before ``loss.backward()``: LossCouplingError if record i's ∂L/∂o_i moves with any
         other record's output (the second derivative test of the module docstring)."""
@@ -441,6 +463,22 @@ class LossWatch:
         return f0
 
 
+def _reads(loss: torch.Tensor, nodes: set) -> bool:
+    """Is one of the autograd ``nodes`` in ``loss``'s graph? The whole graph, walked once
+    (``lifetime.reaches`` stops at a limit and answers yes: here that would refuse a large
+    model's loss whenever a second-order gradient lives anywhere)."""
+    todo, seen = [loss.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        if fn in nodes:
+            return True
+        seen.add(fn)
+        todo.extend(next_fn for next_fn, _ in fn.next_functions)
+    return False
+
+
 #: functional loss -> (its nn module, the keyword arguments the module takes)
 FUNCTIONAL = {
     F.cross_entropy: (nn.CrossEntropyLoss, ("weight", "ignore_index", "reduction",
@@ -455,7 +493,7 @@ FUNCTIONAL = {
                                                                 "pos_weight")),
     F.kl_div: (nn.KLDivLoss, ("reduction", "log_target")),
 }
-BACKWARD = (torch.Tensor.backward, torch.autograd.backward)
+BACKWARD = (torch.Tensor.backward, torch.autograd.backward)  # the entry points writing .grad
 
 
 class LossFunctions(TorchFunctionMode):
@@ -476,19 +514,8 @@ class LossFunctions(TorchFunctionMode):
         watch = self.watch
         if watch is None or watch._busy:
             return func(*args, **kwargs)
-        if func in BACKWARD:
-            loss = args[0] if args else kwargs.get("tensors", kwargs.get("self"))
-            loss = loss if isinstance(loss, torch.Tensor) else None
-            if loss is not None and reaches(loss, watch.roots):  # this model's loss only
-                try:
-                    watch.attribute(loss)
-                    watch.statistics(loss)
-                    watch.reduction(loss)
-                    watch.coupling(loss)
-                except Exception:
-                    watch.close()  # the refused pass's window ends with it
-                    raise
-            return func(*args, **kwargs)
+        if func in ENTRY_POINTS:
+            return self._backward(watch, func, args, kwargs)
         reduction = None
         if func in FUNCTIONAL and watch._depth == 0:
             cls, names = FUNCTIONAL[func]
@@ -508,6 +535,59 @@ class LossFunctions(TorchFunctionMode):
                 else:
                     watch.scale.after(func, args, kwargs, out)
         return out
+
+
+    def _backward(self, watch: LossWatch, func, args, kwargs):
+        """A backward pass requested by any entry point (``backward_calls.py``): a training
+        pass from this model's outputs is checked on the objective it differentiates before
+        it runs; a pass into inputs alone runs unrecorded; a second-order one is refused."""
+        call = backward_call(func, args, kwargs)
+        mine = [(t, v) for t, v in call.roots
+                if isinstance(t, torch.Tensor) and t.requires_grad and reaches(t, watch.roots)]
+        if not mine:  # not this model's loss
+            return func(*args, **kwargs)
+        kind = call.kind(watch.parameter_ids)
+        if kind in ("aside", "second order"):  # no pass of the step: unrecorded
+            with watch.paused():
+                try:
+                    result = func(*args, **kwargs)
+                except RuntimeError as err:
+                    if "not have been used in the graph" not in str(err) or not any(
+                            id(t) in watch.parameter_ids for t in call.inputs or ()):
+                        raise
+                    raise RuntimeError(
+                        "torch.autograd.grad from the private model's outputs into its "
+                        "parameters: the optimizer keeps autograd from computing the weight "
+                        "gradients of the layers it records (it computes them clipped at "
+                        "step(); skip_weight_grads), so the graph does not reach those "
+                        "weights. For training, call loss.backward() and let step() write "
+                        "every parameter's gradient; to read the ordinary gradient aside "
+                        "(a log), set optimizer.skip_weight_grads = False first") from err
+            if kind == "second order":  # a loss reading these is refused at its backward
+                watch.second_order = [r for r in watch.second_order if r() is not None] + [
+                    weakref.ref(g) for g in tree_flatten(result)[0]
+                    if isinstance(g, torch.Tensor) and g.grad_fn is not None]
+            return result
+        try:
+            if kind == "restricted":
+                raise RuntimeError(
+                    "backward(inputs=...) naming the private model's parameters: the "
+                    "optimizer reads every layer's backprops from the whole backward pass of "
+                    "the loss and computes each parameter's private gradient itself; a pass "
+                    "restricted to some inputs runs only part of the graph (the optimizer "
+                    "keeps autograd from computing the weight gradients it discards, so "
+                    "whole layers' backprops would be missing). Call loss.backward() with no "
+                    "inputs= and let step() write every parameter's gradient")
+            loss = objective(mine, lambda f, *a: self.__torch_function__(f, (), a, {}))
+            watch.second_order_use(loss)
+            watch.attribute(loss)
+            watch.statistics(loss)
+            watch.reduction(loss)
+            watch.coupling(loss)
+        except Exception:
+            watch.close()  # the refused pass's window ends with it
+            raise
+        return func(*args, **kwargs)
 
 
 class BeforeForward(TorchFunctionMode):

@@ -154,6 +154,7 @@ class ModelRecorder:
         # book-keeping's streaming in the user's backward pass (streamed.py): the last
         # forward pass's n, {path: own parameters}, {id(param): paths of its streamed g_i}
         self._n, self._own, self._ids = None, {}, {id(p) for p in self.params.values()}
+        self.watch.parameter_ids = self._ids
         self._stream_paths: dict[int, set[str]] = {}
         self.layer_rec.on_complete = lambda call: stream_call(self, call)
 

@@ -113,6 +113,12 @@ def quiet(hook):
 
 
 CASTS = frozenset({"to", "float", "half", "bfloat16", "type", "type_as"})
+QUERIES = frozenset({  # methods answering a question about a tensor's layout with no tensor:
+    # no parameter use, no write, no draw; the use tracker lets them through unseen (HF code
+    # asks x.size() and x.dim() at every layer; half the ops of a LayerNorm's record())
+    "dim", "ndimension", "size", "__len__", "numel", "nelement", "stride", "is_contiguous",
+    "element_size", "is_floating_point", "is_complex", "get_device", "storage_offset",
+    "data_ptr"})
 
 
 class UseTracker(TorchFunctionMode):
@@ -169,6 +175,15 @@ class UseTracker(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in QUERIES:  # x.dim(), len(x), x.shape: a fact about a tensor, not a use
+            return func(*args, **kwargs)
+        if name == "__get__":  # an attribute: x.shape, x.dtype (no use) or x.T, x.data (one)
+            result = func(*args, **kwargs)
+            if isinstance(result, torch.Tensor) or type(result) in (list, tuple):
+                with torch._C.DisableTorchFunction():
+                    return self._after(func, args, kwargs, result)
+            return result
         if (func in REWRITES and self.batch_free.watched and torch.is_grad_enabled()
                 and self.recorder.recording):
             args, kwargs = self.batch_free.rewrite(func, args, kwargs)  # T5's bias in SDPA
@@ -208,8 +223,9 @@ class UseTracker(TorchFunctionMode):
         """A forward pass begins on ``inputs``, the model's tensors: each taints what it
         touches (``derived.py``) and carries the batch on dim 0, one row per sample
         (``flat_rows.py``: the rows a reshape may then flatten)."""
-        self.derived.start(inputs)
-        self.flat_rows.seed(inputs)
+        with torch._C.DisableTorchFunction():  # the tracker's own reads: no op of the pass
+            self.derived.start(inputs)
+            self.flat_rows.seed(inputs)
 
     def _inside_rule(self) -> bool:
         """The op runs inside the forward of a recorded layer with a rule (BiT's standardised
