@@ -1,6 +1,6 @@
 """``hooks.attach`` / ``detach``: the recorder's hooks without RemovableHandle objects behave as
 ``register_forward_pre_hook(with_kwargs=True)`` + ``register_forward_hook(with_kwargs=True,
-always_call=True)``
+always_call=True, prepend=True)``
 and leave the user's own hooks as they were."""
 
 import pytest
@@ -17,7 +17,7 @@ def test_attach_runs_like_registered_hooks_and_detach_leaves_the_users_hooks():
                     lambda m, a, k, o: seen.append(("post", tuple(k))))
     assert key not in (user.id,)
     layer(torch.randn(4, 3))
-    assert seen == [("pre", ()), "user", ("post", ())]
+    assert seen == [("pre", ()), ("post", ()), "user"]  # prepended: forward's own output
     detach(layer, key)
     seen.clear()
     layer(torch.randn(4, 3))

@@ -94,6 +94,7 @@ class LossWatch:
         self.before = BatchStatistics()  # the same, from the loader's batch to the forward pass
         self._before_mode = None  # BeforeForward, on the stack while ``before`` follows calls
         self.paused = contextlib.nullcontext  # the recorder's pause (recorded.py sets it)
+        self.before_backward = lambda: None  # the recorder's gradient hooks moved last
         self.roots: list = []  # the model's outputs with gradient: a loss must read them
         self.second_order: list = []  # weak references to torch.autograd.grad results with
         # create_graph=True from this window's outputs (backward_calls.py)
@@ -587,6 +588,7 @@ class LossFunctions(TorchFunctionMode):
         except Exception:
             watch.close()  # the refused pass's window ends with it
             raise
+        watch.before_backward()  # b read after the loop's own hooks on the outputs
         return func(*args, **kwargs)
 
 

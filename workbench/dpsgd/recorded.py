@@ -134,6 +134,7 @@ class ModelRecorder:
         self.passes = 0  # batches(): the step's backward passes
         self.watch = LossWatch(loss_reduction, criterion)
         self.watch.paused = self.paused  # its coupling test must not reach the recording hooks
+        self.watch.before_backward = self._hooks_last
         self._depth, self._tracking, self._rng, self._roots = 0, False, None, 0
         self._buffers_before: set[int] = set()  # buffer ids at the forward pass's start
         self._warned_after: set[str] = set()  # state written after a pass: warned once
@@ -235,6 +236,47 @@ class ModelRecorder:
                     self.watch.model_losses = ModelLosses(split, inner)
             if written is not None:  # raised last: the recorder is consistent
                 raise written
+
+    def _hooks_last(self) -> None:
+        """Before the loop's backward pass: every layer output's gradient hook after the hooks
+        the loop or a user's forward hook put on the same tensor (``hooks_last``), and the
+        model output's where the twins that re-run the model need it (``_root_hooks``)."""
+        ours = {h.id for rec in (self.layer_rec, self.root_rec)
+                for calls in rec.calls.values() for c in calls for h in c.handles}
+        self._root_hooks(ours)
+        self.layer_rec.hooks_last()
+
+    def _root_hooks(self, ours: set) -> None:
+        """The model's output's b (``f_i b_i``) seeds the exact twins, which run the model
+        again (whole-model fallback, record probe): hooks the forward pass put on that output
+        (a head's forward hook's ``o.register_hook``) run again there, the loop's (``out.
+        register_hook`` after the pass) do not. So b is read before the former (first in the
+        chain) and after the latter (last); both on one output: refused, no seed serves."""
+        for calls in self.root_rec.calls.values():
+            for call in calls:
+                for handle in call.handles:
+                    table = handle.hooks_dict_ref()
+                    if table is None or handle.id not in table or len(table) < 2:
+                        continue
+                    keys = list(table)
+                    at = keys.index(handle.id)
+                    inside = [k for k in keys[:at] if k not in ours]
+                    loop = [k for k in keys[at + 1:] if k not in ours]
+                    if inside and loop:
+                        raise RuntimeError(
+                            "the model's output carries tensor hooks registered inside its "
+                            "forward pass (a forward hook's o.register_hook) and by the loop "
+                            "after it (out.register_hook): the optimizer's exact twins run the "
+                            "model again, which registers the former anew but not the latter, "
+                            "so no recorded gradient of the output can seed them. Register "
+                            "the loop's hook inside the model (a forward hook), or remove one")
+                    if inside:  # first: the raw ∂L/∂o, the twin's forward re-applies them
+                        hooks = dict(table)
+                        table.clear()
+                        table[handle.id] = hooks.pop(handle.id)
+                        table.update(hooks)
+                    elif loop:  # last: after the loop's hooks, which no twin re-applies
+                        table[handle.id] = table.pop(handle.id)
 
     def close(self) -> None:
         self.watch.close()

@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_map
 from workbench.errors import UnsupportedLayerError, WorkbenchError
 from workbench.per_sample import precision
 from workbench.per_sample.checks import check_batch, check_losses, trainable_parameters
-from workbench.per_sample.hooks import output_tensors
+from workbench.per_sample.hooks import bare, output_tensors
 from workbench.per_sample.microbatch import layer_microbatch_grad_sampler
 
 
@@ -175,7 +175,8 @@ def _layer_vmap(layer, args, kwargs, backprops, flat=False):
 
     def grads_of_one(a, kw, b):
         def output(p):
-            out = functional_call(layer, p, tree_map(one, a), tree_map(one, kw))
+            with bare(layer):  # forward on the recorded inputs: no hook of its own twice
+                out = functional_call(layer, p, tree_map(one, a), tree_map(one, kw))
             return tuple(output_tensors(out)) if isinstance(out, (tuple, list)) else out
 
         out, pullback = vjp(output, params)

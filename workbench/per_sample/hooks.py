@@ -106,6 +106,8 @@ class LayerCall:
     tainted: bool | None = None  # an input computed from the model's inputs (derived.Taint;
     # None: not known, no use tracker ran)
     repeated: list | None = None  # per Tensor leaf: its rows one row repeated (drop_inputs)
+    after: dict | None = None  # capture="edges": output k -> [b] read by a hook registered
+    # after the user's own on that output (``ActivationRecorder.hooked``), else None
 
     @property
     def edge(self) -> GradientEdge:
@@ -333,19 +335,53 @@ def _own_changes(m: nn.Module, before: tuple) -> list[str]:
 
 def attach(module: nn.Module, pre_hook, hook) -> tuple:
     """``module.register_forward_pre_hook(pre_hook, with_kwargs=True)`` and
-    ``module.register_forward_hook(hook, with_kwargs=True, always_call=True)`` in one,
-    without the two ``RemovableHandle`` objects
+    ``module.register_forward_hook(hook, with_kwargs=True, always_call=True, prepend=True)``
+    in one, without the two ``RemovableHandle`` objects
     (a fixed cost of every ``record``: ~5 µs a layer): the same entries in the module's hook
     tables, under a key drawn from torch's own counter (so no user hook's key is taken).
-    Returns ``(module, key)`` for ``detach``."""
+    Returns ``(module, key)`` for ``detach``.
+
+    The forward hook runs before the user's forward hooks (``prepend``): it records the
+    output the layer's ``forward`` returned, whose gradient b its rule reads, not one a
+    user's hook computed from it (``o * 2``, a fake quantisation): b is then taken where
+    forward's own output is, upstream of the hook's op, and the rule's (a, b) are forward's.
+    Recorded after them, the hook's op sat between the rule's output and its b (30-33% off
+    with the check off, until 2026-11-29)."""
     key = RemovableHandle.next_id
     RemovableHandle.next_id += 1
     module._forward_pre_hooks[key] = pre_hook
     module._forward_pre_hooks_with_kwargs[key] = True
     module._forward_hooks[key] = hook
+    module._forward_hooks.move_to_end(key, last=False)
     module._forward_hooks_with_kwargs[key] = True
     module._forward_hooks_always_called[key] = True
     return module, key
+
+
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                "_backward_hooks", "_backward_pre_hooks")
+
+
+@contextmanager
+def bare(layer: nn.Module):
+    """``layer``'s own module hooks off inside (its submodules' stay): a re-run of one
+    recorded call alone (per-layer vmap) runs ``forward`` on the inputs it was recorded with,
+    which its pre-hooks already produced, and returns the output whose gradient b is (``attach``);
+    called through ``__call__`` with its hooks, a user's pre-hook scaling the input ran twice
+    (32% off with the check off, until 2026-11-29) and a forward hook's tensor hook scaled b a
+    second time (16%)."""
+    d = layer.__dict__  # not setattr: a module's own __setattr__ may intervene
+    saved = {name: d[name] for name in _HOOK_TABLES if name in d}
+    if not any(saved.values()):
+        yield layer
+        return
+    for name, table in saved.items():
+        d[name] = type(table)()
+    try:
+        yield layer
+    finally:
+        d.update(saved)
 
 
 def detach(module: nn.Module, key: int) -> None:
@@ -380,6 +416,8 @@ class ActivationRecorder:
     _draw_from: dict = field(default_factory=dict)  # path -> generator states at the call
     _handles: list = field(default_factory=list)
     _pending: bool = False
+    _by_edge: dict = field(default_factory=dict)  # capture="edges": (id(node), nr) -> (call
+    # ref, output index), for ``hooked``
 
     def __enter__(self):
         for path, layer in self.layers.items():
@@ -524,6 +562,10 @@ class ActivationRecorder:
         if torch.is_autocast_enabled(device.type):  # precision.state(device) is not None
             call.widen_to = precision.layer_dtype(layer)
         self.calls.setdefault(path, []).append(call)
+        if self.capture == "edges":
+            for k, (e, v) in enumerate(captured):
+                if v is None:
+                    self._by_edge[(id(e.node), e.output_nr)] = (weakref.ref(call), k)
         if self.capture == "hooks":
             call.handles = [t.register_hook(self._grad_hook(call, k)) for k, t in
                             enumerate(tensors)]
@@ -547,6 +589,21 @@ class ActivationRecorder:
             self.layers[path] = layer
         self.calls.setdefault(path, [])
         return self.layers[path]
+
+    def hooks_last(self) -> None:
+        """Before a backward pass: each recorded output's gradient hook moved after the hooks
+        registered on the same tensor since (a loop's ``out.register_hook(lambda g: 2 * g)``,
+        a user's forward hook scaling the gradient there): b is read as it flows into the
+        layer, after them. Before them, b missed their factor while the layers below
+        received it (33% off with the check off, until 2026-11-29)."""
+        for calls in self.calls.values():
+            for call in calls:
+                for handle in call.handles:
+                    table = handle.hooks_dict_ref()
+                    if table is not None and len(table) > 1 and handle.id in table \
+                            and next(reversed(table)) != handle.id:
+                        table[handle.id] = table.pop(handle.id)  # not move_to_end: autograd
+                        # runs the hooks in the dict's own order, which only this changes
 
     def redirect(self, call: LayerCall, edges: list[GradientEdge]) -> None:
         """capture="hooks": read the call's b at ``edges``, one per meeting
@@ -608,6 +665,7 @@ class ActivationRecorder:
 
     def clear(self) -> None:
         """Forget the recorded calls (their activations and backprops), keep the hooks."""
+        self._by_edge = {}
         for calls in self.calls.values():
             for call in calls:  # drop the activations, the graph edges and the gradients now
                 call.args, call.kwargs, call.edges, call.grads = (), {}, [], []
@@ -657,10 +715,32 @@ class ActivationRecorder:
         k = 0
         for call in calls:
             m = len(call.capture_edges())
-            call.set_backprops(grads[k:k + m])
+            got = grads[k:k + m]
+            if call.after:  # read after the user's own hooks on those outputs (``hooked``)
+                got = [call.after[i][0] if i in call.after else g for i, g in enumerate(got)]
+            call.set_backprops(got)
             k += m
         return list(grads[k:])
 
+    def hooked(self, t: torch.Tensor) -> None:
+        """capture="edges": the forward pass or the loss registered a tensor hook of its own on
+        ``t``. If t is a recorded output, b is read by one more hook registered after it (each
+        time, so it stays last): autograd captures an edge's gradient before the node's
+        tensor hooks when the pass continues below the node (PyTorch's rule), so b missed
+        their factor while the layers below received it (a forward hook's
+        ``o.register_hook(lambda g: 0.5 * g)``: 100% off, until 2026-11-29)."""
+        node = t.grad_fn
+        found = self._by_edge.get((id(node), t.output_nr)) if node is not None else None
+        call = found[0]() if found is not None else None
+        if call is None or call.meet is not None or call.edges[found[1]].node is not node:
+            return  # not an output read at its own node (a meeting's b is read elsewhere)
+        k = found[1]
+        call.after = call.after or {}
+        if k in call.after:
+            call.after[k][1].remove()  # registered again below: after the new hook
+        box = [None, None]
+        box[1] = t.register_hook(lambda g: box.__setitem__(0, g))
+        call.after[k] = box
 
 __all__ = [
     "ActivationRecorder", "LayerCall", "attach", "changed_state", "copy_leaves", "detach",

@@ -178,6 +178,12 @@ class UseTracker(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in QUERIES:  # x.dim(), len(x), x.shape: a fact about a tensor, not a use
             return func(*args, **kwargs)
+        if name == "register_hook":  # a tensor hook of the user's: b is read after it
+            result = func(*args, **kwargs)
+            if args and isinstance(args[0], torch.Tensor) and self.recorder.capture == "edges":
+                with torch._C.DisableTorchFunction():
+                    self.recorder.hooked(args[0])
+            return result
         if name == "__get__":  # an attribute: x.shape, x.dtype (no use) or x.T, x.data (one)
             result = func(*args, **kwargs)
             if isinstance(result, torch.Tensor) or type(result) in (list, tuple):
