@@ -177,3 +177,24 @@ def test_output_hooks_from_the_model_and_the_loop_together_are_refused():
     m = hooked("scale_gradient on 3")
     with pytest.raises(RuntimeError, match="registered inside its forward pass"):
         step(m, "auto", True, out_hook=lambda g: 2 * g, steps=1)
+
+
+def test_a_global_forward_hook_is_warned_once(monkeypatch):
+    """A global module forward hook runs before the recording's on every layer: an output it
+    replaced would be read as the layer's own. Warned once; the loss window's own global
+    hooks (observers) are not."""
+    from torch.nn.modules import module as module_hooks
+
+    from workbench.per_sample import hooks
+    monkeypatch.setattr(hooks, "_WARNED_GLOBAL", [])
+    handle = module_hooks.register_module_forward_hook(lambda mod, a, o: None)
+    try:
+        with pytest.warns(UserWarning, match="global module forward hook"):
+            wb.per_sample_gradients(model(), losses, X, Y, method="einsum")
+    finally:
+        handle.remove()
+    import warnings
+    monkeypatch.setattr(hooks, "_WARNED_GLOBAL", [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(model(), "auto", True)  # the loss window's global hooks: no warning

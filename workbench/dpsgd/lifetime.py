@@ -32,6 +32,8 @@ class Weak:
     """A global hook calling ``watch.<name>`` while the watch lives, nothing after; run with
     torch-function dispatch off (``uses.quiet``): its own tensor calls are not the loop's."""
 
+    observer = True  # returns what the watch's hook returns: None (hooks._warn_global_hooks)
+
     def __init__(self, watch, name: str):
         self.ref, self.name = weakref.ref(watch), name
 

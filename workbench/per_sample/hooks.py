@@ -62,6 +62,7 @@ Nothing is left behind: ``ActivationRecorder`` is a context manager that removes
 on exit, also when the forward or backward pass raises.
 """
 
+import warnings
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -69,6 +70,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
+from torch.nn.modules import module as module_hooks
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.hooks import RemovableHandle
 
@@ -358,6 +360,27 @@ def attach(module: nn.Module, pre_hook, hook) -> tuple:
     return module, key
 
 
+_WARNED_GLOBAL: list = []
+
+
+def _warn_global_hooks() -> None:
+    """A global module forward hook (``register_module_forward_hook``) runs before every
+    module's own, the recording's included, so an output it replaces (``o * 2``) is read as
+    the layer's: its rule's (a, b) no longer match (92% off with the check off, measured
+    2026-11-29). Observers returning None are harmless; warned once per process."""
+    if _WARNED_GLOBAL or all(getattr(h, "observer", False)
+                             for h in module_hooks._global_forward_hooks.values()):
+        return  # the loss window's own (an ``observer``): it returns None
+    _WARNED_GLOBAL.append(True)
+    warnings.warn(
+        "a global module forward hook is registered (torch.nn.modules.module."
+        "register_module_forward_hook): it runs before the recording's hook on every layer, "
+        "so an output it replaces is read as the layer's own and the per-sample gradients "
+        "are wrong (silently with the self-check off). A hook returning None (an observer) "
+        "is harmless; one returning a new output must be a forward hook of the module "
+        "(module.register_forward_hook) or part of its forward", stacklevel=2)
+
+
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
                 "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
                 "_backward_hooks", "_backward_pre_hooks")
@@ -453,6 +476,8 @@ class ActivationRecorder:
         stack = self.stack
 
         def hook(module, args, kwargs, output):
+            if module_hooks._global_forward_hooks and self.recording:
+                _warn_global_hooks()
             copied, leaves = False, None
             if self.recording and path:
                 with torch._C.DisableTorchFunction():  # a mode's property reads cost ~80 µs
