@@ -98,10 +98,11 @@ def push_bottom(mode) -> None:
         torch._C._push_on_torch_function_stack(other)
 
 
-def reaches(t: torch.Tensor, roots: list) -> bool:
+def reaches(t: torch.Tensor, roots: list, limit: int | None = LIMIT) -> bool:
     """Is ``t`` computed from one of ``roots`` (the model's outputs)? A walk of t's autograd
-    graph down to the roots' nodes (a loss is a few nodes above the outputs); past ``LIMIT``
-    nodes, taken as connected (the window's checks then run, as before)."""
+    graph down to the roots' nodes (a loss is a few nodes above the outputs); past ``limit``
+    nodes, taken as connected (the window's checks then run, as before); ``limit=None``:
+    the whole graph."""
     if any(t is r for r in roots):
         return True
     nodes = {r.grad_fn for r in roots if r.grad_fn is not None}
@@ -113,7 +114,7 @@ def reaches(t: torch.Tensor, roots: list) -> bool:
         if fn in nodes:
             return True
         seen.add(fn)
-        if len(seen) > LIMIT:
+        if limit is not None and len(seen) > limit:
             return True
         todo.extend(f for f, _ in fn.next_functions)
     return False

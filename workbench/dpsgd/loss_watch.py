@@ -348,9 +348,9 @@ class LossWatch:
     def second_order_use(self, loss) -> None:
         """Before ``loss.backward()``: LossCouplingError if the loss reads a gradient taken
         with ``create_graph=True`` from this window's outputs (``backward_calls.py``)."""
-        nodes = {g.grad_fn for g in (ref() for ref in self.second_order) if g is not None}
-        if not nodes or not _reads(loss, nodes):
-            return
+        found = [g for g in (ref() for ref in self.second_order) if g is not None]
+        if not found or not reaches(loss, found, limit=None):  # the whole graph: a limit's
+            return  # "yes" would refuse a large model's loss whenever such a gradient lives
         raise LossCouplingError(
             "the loss reads a gradient taken with torch.autograd.grad(..., create_graph=True) "
             "from the private model's outputs (a gradient penalty, an input-gradient "
@@ -462,22 +462,6 @@ class LossWatch:
                     f"gradients cannot be rescaled to their own losses; use reduction='sum' "
                     f"(and loss_reduction='sum') or one loss")
         return f0
-
-
-def _reads(loss: torch.Tensor, nodes: set) -> bool:
-    """Is one of the autograd ``nodes`` in ``loss``'s graph? The whole graph, walked once
-    (``lifetime.reaches`` stops at a limit and answers yes: here that would refuse a large
-    model's loss whenever a second-order gradient lives anywhere)."""
-    todo, seen = [loss.grad_fn], set()
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        if fn in nodes:
-            return True
-        seen.add(fn)
-        todo.extend(next_fn for next_fn, _ in fn.next_functions)
-    return False
 
 
 #: functional loss -> (its nn module, the keyword arguments the module takes)
