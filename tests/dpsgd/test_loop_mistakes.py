@@ -183,3 +183,81 @@ def test_live_tensors_stay_flat_over_many_steps(mode):
         if step in (10, 59):
             counts.append(live_tensors())
     assert counts[1] <= counts[0], counts  # nothing accumulates from step to step
+
+
+@pytest.mark.parametrize("change", ["add_param_group", "params edited", "per-group C"])
+def test_parameter_groups_changed_after_the_optimizer_are_refused(change):
+    """The recorder clips the parameters the optimizer was made over: an added group was
+    never trained (its .grad dropped), a removed parameter still counted in every clip and
+    kept its non-private .grad, per-group C met a group without one (a bare KeyError)."""
+    model = mlp()
+    first, last = list(model[0].parameters()), list(model[2].parameters())
+    if change == "per-group C":
+        sgd = torch.optim.SGD([{"params": first[:1]}, {"params": first[1:]}], lr=0.0)
+        opt = DPOptimizer(sgd, model, noise_multiplier=0.0, max_grad_norm=[0.3, 0.3],
+                          expected_batch_size=10.0)
+    else:
+        opt = optimizer(model, "auto", params=first if change == "add_param_group" else None)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # parameters outside the optimizer: warned
+            if change == "params edited":
+                opt.param_groups[0]["params"] = opt.param_groups[0]["params"][:2]
+            else:
+                opt.add_param_group({"params": last})
+            x, y = data(6, 1)
+            opt.zero_grad()
+            CE(model(x), y).mean().backward()
+            with pytest.raises(RuntimeError, match="parameter groups changed"):
+                opt.step()
+    finally:
+        opt.detach()
+
+
+def test_parameters_moved_between_groups_step_exactly():
+    """The same parameters in other groups (a group split): the step reads them as they are."""
+    model, x, y = mlp(), *data(6, 1)
+    opt = optimizer(model, "auto", C=0.3, B=1.0, loss_reduction="sum")
+    try:
+        group = opt.param_groups[0]
+        params = group["params"]
+        group["params"] = params[:2]
+        opt.add_param_group({"params": params[2:]})
+        opt.zero_grad()
+        CE(model(x), y).sum().backward()
+        opt.step()
+        got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    finally:
+        opt.detach()
+    ref = wb.clipped_grad_sum(mlp(), CE, x, y, max_grad_norm=0.3, method="microbatch")
+    ref = torch.cat([g.flatten() for g in ref.values()])
+    assert relative_error(got, ref) < 1e-9
+
+
+@pytest.mark.parametrize("mode", ["einsum", "bookkeeping", "auto"])
+def test_a_copy_of_the_private_model_is_a_plain_model(mode):
+    """copy.deepcopy (an EMA teacher, AveragedModel): the copy carries inert hooks, not the
+    optimizer (a bare KeyError '_defaults' before) nor its recorder (whose closures would
+    have recorded the copy's passes into the original's step)."""
+    import copy
+    import io
+
+    from torch.optim.swa_utils import AveragedModel
+
+    model, x, y = mlp(), *data(6, 1)
+    opt = optimizer(model, mode, C=0.3, B=1.0, loss_reduction="sum")
+    try:
+        opt.zero_grad()
+        CE(model(x), y).sum().backward()
+        twin = copy.deepcopy(model)
+        AveragedModel(model)
+        twin.train()
+        CE(twin(x * 2), y).sum().backward()  # the copy's own pass: plain autograd
+        assert all(p.grad is not None for p in twin.parameters())
+        opt.step()
+        got = torch.cat([p.grad.flatten() for p in model.parameters()])
+        torch.save(model, io.BytesIO())  # a pickled private model: inert hooks too
+    finally:
+        opt.detach()
+    ref = wb.clipped_grad_sum(mlp(), CE, x, y, max_grad_norm=0.3, method="microbatch")
+    assert relative_error(got, torch.cat([g.flatten() for g in ref.values()])) < 1e-9

@@ -198,3 +198,44 @@ def test_a_global_forward_hook_is_warned_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         step(model(), "auto", True)  # the loss window's global hooks: no warning
+
+
+@pytest.mark.parametrize("kind", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_gradient_hook_on_a_parameter_is_warned_once(kind):
+    """The optimizer computes each record's gradient from activations and backprops: a
+    parameter's own gradient hook (a pruning mask) acts on nothing it releases."""
+    import warnings
+    m = model()
+    mask = torch.ones_like(m[0].weight)
+    mask[0] = 0
+    getattr(m[0].weight, kind)((lambda g: g * mask) if kind == "register_hook"
+                               else (lambda p: None))
+    with pytest.warns(UserWarning, match="parameter 0.weight has a gradient hook"):
+        step(m, "auto", False, steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(model(), "auto", True)  # none of its own: the optimizer's hooks are not the user's
+
+
+@pytest.mark.parametrize("mode", ["einsum", "bookkeeping", "auto"])
+def test_two_optimizers_on_one_models_parts_are_not_user_hooks(mode):
+    """Each optimizer's gradient hooks on the model's output are a recording's, not a user's
+    (``recorded._root_hooks`` knows any recorder's): the backward pass runs, and the first
+    part steps clipped on its own (the second then finds its parameters written by that
+    step after its pass: refused by name, ``state_replay``)."""
+    m = model()
+    ref = reference(m)
+    parts = [["0.weight", "0.bias"], ["2.w", "3.weight", "3.bias"]]
+    opts = [DPOptimizer(torch.optim.SGD([dict(m.named_parameters())[k] for k in names], lr=0.0),
+                        m, noise_multiplier=0.0, max_grad_norm=C, expected_batch_size=1.0,
+                        method=mode, loss_reduction="sum") for names in parts]
+    try:
+        for opt in opts:
+            opt.zero_grad()
+        F.cross_entropy(m(X), Y, reduction="sum").backward()
+        opts[0].step()
+        got = {k: p.grad for k, p in m.named_parameters()}
+        assert worst(got, clipped({k: ref[k] for k in parts[0]})) <= TOL
+    finally:
+        for opt in opts:
+            opt.detach()

@@ -127,10 +127,12 @@ def drop_gradients(params) -> list:
     """Hooks that drop each of ``params``' gradients as soon as backward accumulates it: a
     trainable parameter outside the optimizer never holds a non-private ``.grad``, not even
     between ``backward()`` and ``step()``. Returns the handles (removed by ``detach``)."""
+    from workbench.per_sample.hooks import OwnHook  # a copy of the model gets inert ones
+
     def drop(p):
         p.grad = None
 
-    return [p.register_post_accumulate_grad_hook(drop) for p in params]
+    return [p.register_post_accumulate_grad_hook(OwnHook(drop)) for p in params]
 
 
 def check_inputs_private(calls) -> None:

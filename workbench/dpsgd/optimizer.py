@@ -101,6 +101,7 @@ from workbench.dpsgd.recorded import ModelRecorder, distributed_run
 from workbench.methods import OPTIMIZER_ALIASES
 from workbench.per_sample import precision, selfcheck, state_replay
 from workbench.per_sample.checks import check_no_sample_mixing
+from workbench.per_sample.hooks import OwnHook
 from workbench.per_sample.sketch import RowSketch
 
 AUTO = Default("auto")  # the method= default, told apart from an explicit "auto"
@@ -138,6 +139,11 @@ def mode_key(rec) -> tuple:
                 tuple(sorted(rec.fallback)), tuple(sorted(rec.taken)))
 
 
+def _group_ids(groups) -> list:
+    """The parameters of each group, by identity and in order."""
+    return [tuple(id(p) for p in g["params"]) for g in groups]
+
+
 class DPOptimizer(Optimizer):
     """Wraps ``optimizer``; records ``model``'s layer calls; steps with DP-SGD gradients."""
 
@@ -164,9 +170,10 @@ class DPOptimizer(Optimizer):
         self._batch_token, self._fresh_chunk = None, False  # see begin_chunk
         self.model = model
         self.recorder = ModelRecorder(model, self.param_groups, loss_reduction, criterion)
+        self._groups = _group_ids(self.param_groups)  # what the recorder clips: _check_groups
         self.guard = loop.ThreadGuard()
         self._guard_handle = self.recorder.model.register_forward_pre_hook(
-            self._enter_forward, prepend=True)  # before the recorder's hooks record anything
+            OwnHook(self._enter_forward), prepend=True)  # before the recorder's hooks record
         self._drop_handles = loop.drop_gradients(self.recorder.outside)  # no non-private .grad
         self._drop_handles.append(other_optimizers.guard(self))  # nor a second optimizer's step
         self.verify = True  # each new call signature; "always"; False: see verify_next_step()
@@ -515,6 +522,7 @@ class DPOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_groups()
         self.recorder.check_step()  # a fresh backward since the last step, same model
         loop.check_inputs_private(self.recorder.root_rec.all_calls())
         if self.expect_more and not self._fresh_chunk:
@@ -548,6 +556,28 @@ class DPOptimizer(Optimizer):
             self.on_step(self.noise_multiplier)
         self.original_optimizer.step()
         return loss
+
+    def _check_groups(self) -> None:
+        """The parameters are the ones the optimizer was made over (they may move between
+        groups, or a group be split, as long as each group has its C: the step reads the
+        groups as they are). The recorder clips
+        the parameters it was given (and, with one C per group, by their groups): a group
+        added later (``add_param_group``) was never trained (its .grad dropped as a
+        parameter outside the optimizer), a parameter taken out of a group still counted in
+        every record's clip and kept its non-private .grad, and per-group C met a group it
+        had no C for (a bare KeyError), until 2026-11-29."""
+        now = _group_ids(self.param_groups)
+        per_group = isinstance(self.max_grad_norm, list)  # one C per group: as many groups
+        if (per_group and len(now) != len(self.max_grad_norm)) or sorted(
+                i for g in now for i in g) != sorted(i for g in self._groups for i in g):
+            raise RuntimeError(
+                "the optimizer's parameter groups changed after the DPOptimizer was made (a "
+                "group added with add_param_group, a group's params edited, or with one "
+                "max_grad_norm per group, a group without its C): it records, "
+                "clips and noises the parameters it was made over, so the changed groups "
+                "would be trained wrong or not at all. Create the DPOptimizer (or call "
+                "make_private) over the optimizer with all its groups; a group's lr and "
+                "other options may change freely")
 
     def _mark_released(self) -> None:
         """The .grad tensors now held: a later backward adding into them is not fresh."""

@@ -56,7 +56,7 @@ from workbench.per_sample import precision, selfcheck, state_replay
 from workbench.per_sample.checks import ModelCall, buffer_ids, state_written_from_batch
 from workbench.per_sample.derived import served_gradients
 from workbench.per_sample.fallback import exact_per_sample_gradients
-from workbench.per_sample.hooks import ActivationRecorder
+from workbench.per_sample.hooks import ActivationRecorder, OwnHook
 from workbench.per_sample.leaves import call_leaves
 from workbench.per_sample.owned import sole_holders
 from workbench.per_sample.recording import (
@@ -138,11 +138,13 @@ class ModelRecorder:
         self._depth, self._tracking, self._rng, self._roots = 0, False, None, 0
         self._buffers_before: set[int] = set()  # buffer ids at the forward pass's start
         self._warned_after: set[str] = set()  # state written after a pass: warned once
+        self._warned_hooks: set[str] = set()  # parameters with a gradient hook: warned once
         self._fallback_seen = False  # a step re-ran the whole model (``_exact``)
         self._amp = None  # the autocast dtype of the forward pass running (precision.py)
-        self._handles = [model.register_forward_pre_hook(quiet(self._enter),  # uses.quiet
+        self._handles = [model.register_forward_pre_hook(OwnHook(quiet(self._enter)),  # uses.quiet
                                                           with_kwargs=True, prepend=True),
-                         model.register_forward_hook(quiet(self._exit), always_call=True)]
+                         model.register_forward_hook(OwnHook(quiet(self._exit)),
+                                                     always_call=True)]
         # skip_weights.py: True, False or AUTO (the default: from the first step, one layer
         # kept at the first, ``warm``, until a GradScaler is seen); armed by zero_grad() until
         # the step (clear)
@@ -241,12 +243,10 @@ class ModelRecorder:
         """Before the loop's backward pass: every layer output's gradient hook after the hooks
         the loop or a user's forward hook put on the same tensor (``hooks_last``), and the
         model output's where the twins that re-run the model need it (``_root_hooks``)."""
-        ours = {h.id for rec in (self.layer_rec, self.root_rec)
-                for calls in rec.calls.values() for c in calls for h in c.handles}
-        self._root_hooks(ours)
+        self._root_hooks()
         self.layer_rec.hooks_last()
 
-    def _root_hooks(self, ours: set) -> None:
+    def _root_hooks(self) -> None:
         """The model's output's b (``f_i b_i``) seeds the exact twins, which run the model
         again (whole-model fallback, record probe): hooks the forward pass put on that output
         (a head's forward hook's ``o.register_hook``) run again there, the loop's (``out.
@@ -260,6 +260,8 @@ class ModelRecorder:
                         continue
                     keys = list(table)
                     at = keys.index(handle.id)
+                    ours = {k for k, hook in table.items()  # any recording's (two optimizers
+                            if getattr(hook, "workbench", False)}  # on one model's parts)
                     inside = [k for k in keys[:at] if k not in ours]
                     loop = [k for k in keys[at + 1:] if k not in ours]
                     if inside and loop:
@@ -308,11 +310,38 @@ class ModelRecorder:
         if keep_pending:
             self.watch.pending = pending
 
+    def _gradient_hooks(self) -> None:
+        """Warn, once per parameter, of a gradient hook on a trainable parameter
+        (``p.register_hook``, ``register_post_accumulate_grad_hook``): the optimizer computes
+        each record's gradient from the layers' activations and backprops and writes
+        ``.grad`` at ``step()``, so no such hook acts on what is released. A pruning mask
+        applied there was dropped silently with the check off (the masked weights moved);
+        with it on, the self-check's twin, which runs the hook, disagreed with no word of
+        why. Legitimate for an observer, so a warning."""
+        for name, p in self.params.items():
+            if name in self._warned_hooks:
+                continue
+            hooks = [*(p._backward_hooks or {}).values(),
+                     *(getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()]
+            if any(not getattr(h, "workbench", False) for h in hooks):
+                self._warned_hooks.add(name)
+                warnings.warn(
+                    f"parameter {name} has a gradient hook (register_hook or "
+                    f"register_post_accumulate_grad_hook): DP-SGD computes each record's "
+                    f"gradient from the layers' activations and backprops and writes .grad "
+                    f"at step(), so the hook acts on nothing the optimizer releases. A hook "
+                    f"changing the gradient (a pruning mask, a clamp) has no effect on the "
+                    f"update, and the self-check, whose twin runs it, then fails. Mask the "
+                    f"weights after step(), or prune with torch.nn.utils.prune (a "
+                    f"reparametrisation the optimizer follows); an observer sees only the "
+                    f"non-private gradient, if any", stacklevel=6)  # the loop's step()
+
     def check_step(self) -> None:
         """A fresh backward pass since the last step, into the model made private; or an
         empty batch of the engine's loader (n = 0, announced by ``loss_watch.watched``) that
         the loop did not run through the model (many models, Hugging Face's among them,
         cannot take n = 0): its step adds the noise to a zero sum, as DP-SGD must."""
+        self._gradient_hooks()
         if self._structure() != self.snapshot:
             raise RuntimeError("the model's layers or trainable parameters changed after "
                                "make_private (a layer added, replaced or unfrozen): their "

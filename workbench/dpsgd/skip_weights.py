@@ -60,6 +60,7 @@ from torch import nn
 from torch.nn.utils.parametrize import is_parametrized
 from torch.utils._pytree import tree_map
 
+from workbench.per_sample.hooks import OwnHook
 from workbench.per_sample.registry import find_grad_rule
 from workbench.per_sample.uses import quiet
 
@@ -124,10 +125,10 @@ class WeightGradSkipper:
             for path, own in self.own.items():
                 if own:
                     layer = self.layers[path]
-                    pre = layer.register_forward_pre_hook(quiet(self._pre(path)))
+                    pre = layer.register_forward_pre_hook(OwnHook(quiet(self._pre(path))))
                     self._last[path] = pre.id
                     self._handles += [pre, layer.register_forward_hook(
-                        self._post(path), prepend=True, always_call=True)]
+                        OwnHook(self._post(path)), prepend=True, always_call=True)]
         elif not on:
             self.close()
 

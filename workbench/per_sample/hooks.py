@@ -335,6 +335,38 @@ def _own_changes(m: nn.Module, before: tuple) -> list[str]:
     return names
 
 
+def _inert(*args, **kwargs) -> None:
+    return None
+
+
+def _make_inert():
+    return _inert
+
+
+class OwnHook:
+    """A hook the workbench puts on a user's module or parameter. A copy of the module
+    (``copy.deepcopy``: an EMA teacher, ``torch.optim.swa_utils.AveragedModel``, an
+    evaluation copy; or a pickled model) gets an inert hook instead: deep-copied as it was,
+    a bound method's copy took the DP optimizer with it (a bare ``KeyError: '_defaults'``)
+    and a closure's copy was the recorder's own, recording the copy's passes into the
+    original's step, until 2026-11-29."""
+
+    __slots__ = ("fn",)
+    workbench = True  # the workbench's own, not a user's hook (recorded._gradient_hooks)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        return _inert
+
+    def __reduce__(self):
+        return _make_inert, ()
+
+
 def attach(module: nn.Module, pre_hook, hook) -> tuple:
     """``module.register_forward_pre_hook(pre_hook, with_kwargs=True)`` and
     ``module.register_forward_hook(hook, with_kwargs=True, always_call=True, prepend=True)``
@@ -351,9 +383,9 @@ def attach(module: nn.Module, pre_hook, hook) -> tuple:
     with the check off, until 2026-11-29)."""
     key = RemovableHandle.next_id
     RemovableHandle.next_id += 1
-    module._forward_pre_hooks[key] = pre_hook
+    module._forward_pre_hooks[key] = OwnHook(pre_hook)
     module._forward_pre_hooks_with_kwargs[key] = True
-    module._forward_hooks[key] = hook
+    module._forward_hooks[key] = OwnHook(hook)
     module._forward_hooks.move_to_end(key, last=False)
     module._forward_hooks_with_kwargs[key] = True
     module._forward_hooks_always_called[key] = True
@@ -673,6 +705,7 @@ class ActivationRecorder:
             if self.on_complete is not None and all(g is not None for g in call.grads):
                 self.on_complete(call)  # every output's b is in: the call may be streamed
 
+        store.workbench = True  # a recording's own, any recorder's (recorded._root_hooks)
         return store
 
     def _finished(self) -> None:
@@ -768,7 +801,7 @@ class ActivationRecorder:
         call.after[k] = box
 
 __all__ = [
-    "ActivationRecorder", "LayerCall", "attach", "changed_state", "copy_leaves", "detach",
-    "drop_inputs", "leaf_outputs", "odd_output", "output_tensors", "state_of",
+    "ActivationRecorder", "LayerCall", "OwnHook", "attach", "changed_state", "copy_leaves",
+    "detach", "drop_inputs", "leaf_outputs", "odd_output", "output_tensors", "state_of",
     "tensor_outputs",
 ]
