@@ -164,3 +164,59 @@ def test_full_batch_is_never_below_the_exact_gaussian(sigma, steps):
             assert exact - 1e-9 <= eps, (accountant, delta, eps, exact)
             if accountant != "rdp":  # RDP's conversion is loose at large δ (0.19 for 0)
                 assert eps <= exact + 0.02, (accountant, delta, eps, exact)
+
+
+def test_prv_refuses_a_delta_below_its_fft_floor():
+    """Was (q = 1, σ = 5, T = 10): a lower bound above the exact ε from δ ≈ 7e-15, inf at
+    1e-16, a bare ZeroDivisionError at 5e-324. As the PLD accountant: refused below 1e-10."""
+    for delta in (1e-13, 1e-16, 5e-324):
+        with pytest.raises(ValueError, match="PRV accountant's FFT round-off"):
+            A.epsilon(1.0, 5.0, 10, delta, "prv")
+    assert A.epsilon(1.0, 5.0, 10, 1e-10, "prv") > 0
+
+
+@pytest.mark.parametrize("accountant", ACCOUNTANTS)
+def test_calibration_to_a_tiny_target_is_a_named_error(accountant):
+    """Was: a bare ZeroDivisionError in the starting guess (ε ≈ 1e-16: the two roots
+    cancelled), and with PLD a "please report this case" RuntimeError at 1e-12."""
+    for target in (1e-16, 1e-12):
+        with pytest.raises(ValueError, match="target_epsilon|noise calibration"):
+            A.get_noise_multiplier(target, 1e-5, 0.01, steps=100, accountant=accountant)
+
+
+def test_pld_refines_a_narrow_group_only_as_far_as_a_wide_one_fits():
+    """Was: "discretization=1e-06 would need 3.47e+07 grid points" for the default 1e-4 (the
+    narrow group's refinement applied to the wide group). Each group alone, and the pair,
+    are upper bounds of RDP's size or below."""
+    history = [(20.0, 1e-4, 1000), (0.3, 0.5, 10)]
+    both = A.history_epsilon(history, 1e-5, "pld")
+    wide = A.history_epsilon(history[1:], 1e-5, "pld")
+    assert wide <= both <= A.history_epsilon(history, 1e-5, "rdp")
+    assert both <= wide * 1.001 + 1e-3  # the narrow group adds almost nothing
+
+
+def test_engine_bounds_before_any_step_are_zero():
+    """Was: 'inf <= epsilon <= inf (1 steps; no noise)': no step read as one step without
+    noise. Nothing released: 0 <= ε <= 0, as get_epsilon's 0."""
+    import warnings
+
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import workbench as wb
+
+    for poisson in (True, False):
+        model = nn.Linear(5, 2)
+        engine = wb.PrivacyEngine()
+        loader = DataLoader(TensorDataset(torch.randn(100, 5), torch.randint(0, 2, (100,))),
+                            batch_size=10)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(),
+                                                                        lr=0.1),
+                                data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+                                poisson_sampling=poisson)
+        bounds = engine.epsilon_bounds(1e-5)
+        assert (bounds.lower, bounds.upper, bounds.steps) == (0.0, 0.0, 0)
+        assert engine.get_epsilon(1e-5) == 0.0

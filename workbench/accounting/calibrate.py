@@ -90,8 +90,11 @@ def steps_from_epochs(epochs, sample_rate, per_epoch=None):
 def _initial_sigma(target_epsilon, target_delta, q, steps):
     """σ0 of Eq. (2)."""
     log_inv_delta = math.log(1 / target_delta)
-    sqrt_rho = math.sqrt(log_inv_delta + target_epsilon) - math.sqrt(log_inv_delta)
-    return 1 / math.sqrt(math.log1p(2 * sqrt_rho**2 / (steps * q**2)))
+    sqrt_rho = target_epsilon / (math.sqrt(log_inv_delta + target_epsilon)  # the difference
+                                 + math.sqrt(log_inv_delta))  # of the two roots, no cancelling
+    x = math.log1p(2 * sqrt_rho**2 / (steps * q**2))
+    return 1 / math.sqrt(x) if x > 0 else SIGMA_MAX  # a target too small to start from below:
+    # the search reports it unreachable (a bare ZeroDivisionError until 2026-11-29)
 
 
 def get_noise_multiplier(target_epsilon, target_delta, sample_rate, steps=None, epochs=None,
@@ -208,9 +211,10 @@ def _bracket(eps, target, sigma, tau):
         if hi > SIGMA_MAX:
             raise ValueError(
                 f"target_epsilon={target} is unreachable: even noise_multiplier={SIGMA_MAX:g} "
-                f"gives epsilon={eps(SIGMA_MAX):.4g}. With RDP, epsilon has a floor set by "
-                f"delta and the largest order; raise target_epsilon or target_delta, or pass "
-                f"orders with larger values."
+                f"gives epsilon={eps(SIGMA_MAX):.4g}. Every accountant has a floor: with RDP "
+                f"set by delta and the largest order (pass orders with larger values), with "
+                f"PRV its eps_error (pass a smaller one), with PLD its grid; or raise "
+                f"target_epsilon or target_delta."
             )
         e_hi, factor = eps(hi), factor**2
         if e_hi <= target:
@@ -249,7 +253,7 @@ def _solve(eps, target, tau, rtol, sigma0):
         e = eps(1 / x)
         f = e - target - aim
         if e > target:
-            x_lo, f_lo = x, f
+            x_lo, f_lo, e_lo = x, f, e
             if side == -1:
                 f_hi /= 2  # Illinois: halve the stale end's weight
             side = -1
@@ -258,7 +262,14 @@ def _solve(eps, target, tau, rtol, sigma0):
             if side == 1:
                 f_lo /= 2
             side = 1
-    raise RuntimeError("noise calibration did not converge; please report this case")
+    raise ValueError(  # a "please report this case" RuntimeError until 2026-11-29 (PLD at
+        # target_epsilon = 1e-12: ε(σ) falls from above the target to 0 inside the bracket)
+        f"noise calibration found no noise_multiplier with epsilon in [{1 - (tau or 0):g} x "
+        f"target, target] = [{(1 - (tau or 0)) * target:.4g}, {target:.4g}] in "
+        f"{_MAX_EVALS} evaluations: epsilon falls from {e_lo:.4g} at noise_multiplier="
+        f"{1 / x_lo:.6g} to {e_hi:.4g} at {1 / x_hi:.6g} (the accountant's resolution at so "
+        f"small a target). noise_multiplier={1 / x_hi:.6g} meets the target with room to "
+        f"spare; pass a larger epsilon_tolerance, rtol=..., or accountant='rdp'")
 
 
 __all__ = [

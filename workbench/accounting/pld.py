@@ -50,12 +50,15 @@ AUTO_GRID_POINTS = 2**20
 PLD_MIN_DELTA = 1e-10
 
 
-def check_pld_delta(delta):
-    """δ >= PLD_MIN_DELTA for the PLD accountant, else an error pointing to RDP."""
+def check_pld_delta(delta, accountant: str = "PLD"):
+    """δ >= PLD_MIN_DELTA for the accountants composing by FFT (PLD, PRV), else an error
+    pointing to RDP. PRV had no floor until 2026-11-29: at q = 1, σ = 5, T = 10 its lower
+    bound came out above the exact ε from δ ≈ 7e-15, every bound was inf at 1e-16, and
+    δ = 5e-324 raised a bare ZeroDivisionError."""
     if delta < PLD_MIN_DELTA:
         raise ValueError(
-            f"delta={delta!r} is below {PLD_MIN_DELTA:g}, where the PLD accountant's FFT "
-            f"round-off would dominate delta; use accountant='rdp' (valid at any delta)"
+            f"delta={delta!r} is below {PLD_MIN_DELTA:g}, where the {accountant} accountant's "
+            f"FFT round-off would dominate delta; use accountant='rdp' (valid at any delta)"
         )
     return delta
 

@@ -40,9 +40,9 @@ import torch
 
 from workbench.accounting import get_noise_multiplier, steps_from_epochs
 from workbench.accounting.accountant import make_accountant
-from workbench.accounting.bounds import epsilon_bounds
+from workbench.accounting.bounds import EpsilonBounds, epsilon_bounds
 from workbench.accounting.calibrate import steps_per_epoch
-from workbench.checks import check_count
+from workbench.checks import check_count, check_delta
 from workbench.deprecation import keyword
 from workbench.dpsgd import distributed
 from workbench.dpsgd.adaptive import AdaptiveClipDPOptimizer, AdaptiveClipping
@@ -277,10 +277,15 @@ class PrivacyEngine:
         if len(sigmas) > 1:
             raise ValueError("epsilon_bounds needs one noise multiplier for the whole run; "
                              "this run used a schedule: use get_epsilon (Poisson accounting)")
-        sigma = sigmas.pop() if sigmas else 0.0
         q, steps = self.sample_rate, len(self.accountant)
         T = self.steps_per_epoch or steps_per_epoch(q)
         sampler = self.sampler or "poisson"
+        if not sigmas:  # no step released: nothing to bound but 0 (as get_epsilon). Read
+            # as σ = 0 over one step until 2026-11-29, which gave inf <= epsilon <= inf
+            check_delta(delta)
+            return EpsilonBounds(sampler, 0.0, 0.0, "no step taken", "no step taken",
+                                 delta, 0)
+        sigma = sigmas.pop()
 
         def bounds(epochs):
             return epsilon_bounds(sampler, sample_rate=q, noise_multiplier=sigma,

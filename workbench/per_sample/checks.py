@@ -4,6 +4,7 @@ Each check raises a specific exception that names the argument (or module path),
 received and the fix, before any expensive work starts.
 """
 
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -12,7 +13,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.utils._pytree import tree_map
 
-from workbench.errors import LossShapeError, SampleMixingError
+from workbench.errors import LossShapeError, SampleMixingError, WorkbenchError
 
 
 def batch_size(inputs) -> int:
@@ -142,6 +143,33 @@ def forward(model: nn.Module, inputs):
     return model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)
 
 
+ALONE_ERRORS = (RuntimeError, ValueError, IndexError, TypeError)
+
+
+@contextmanager
+def alone(kinds=ALONE_ERRORS):
+    """Around the model and the loss run on one record (or a few) taken from the batch: the
+    exact twins (micro-batching, the self-check's probe) run every record on its own. A model
+    or loss that cannot (``x1, x2 = x.chunk(2)``, ``x[:k]`` padded back to n, a reshape to a
+    fixed batch, a loss needing two records) computes a record's result from its position or
+    the batch's size: it couples the records. The raw error it raised alone (an unpacking
+    error, a batch-size mismatch) said nothing of that, until 2026-11-29."""
+    try:
+        yield
+    except kinds as err:  # method='vmap': not RuntimeError, its own limits' (functional.py)
+        if isinstance(err, WorkbenchError):
+            raise
+        raise SampleMixingError(
+            f"the model and loss cannot run on one record alone ({type(err).__name__}: "
+            f"{str(err).splitlines()[0][:160]}), which every exact per-record gradient "
+            f"does: their computation depends on the batch's size or on the records' "
+            f"positions in it (x.chunk(2), x[:k], a reshape to a fixed batch size, a loss "
+            f"over pairs of records), so record i's gradient is not a function of record i "
+            f"and DP-SGD's per-record clipping does not bound its influence. Make the model "
+            f"and loss treat each record on its own (a pair as one record: stack it along "
+            f"dim 1)") from err
+
+
 def take(batch, index: slice):
     """Rows ``index`` of a Tensor, or of each Tensor in a tuple/list (None stays None), or of
     each Tensor with n rows in a ModelCall."""
@@ -162,6 +190,6 @@ def take(batch, index: slice):
 
 __all__ = [
     "ModelCall", "batch_size", "buffer_ids", "check_batch", "check_losses",
-    "check_no_sample_mixing", "forward", "state_written_from_batch",
+    "alone", "check_no_sample_mixing", "forward", "state_written_from_batch",
     "sample_mixing_problem", "take", "trainable_parameters",
 ]

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_map
 
 from workbench.errors import UnsupportedLayerError, WorkbenchError
 from workbench.per_sample import precision
-from workbench.per_sample.checks import check_batch, check_losses, trainable_parameters
+from workbench.per_sample.checks import alone, check_batch, check_losses, trainable_parameters
 from workbench.per_sample.hooks import bare, output_tensors
 from workbench.per_sample.microbatch import layer_microbatch_grad_sampler
 
@@ -105,7 +105,8 @@ def vmap_or_explain(model, loss_fn, inputs, targets):
     says what in the model vmap cannot run, and what to use instead."""
     check_vmappable(model)
     try:
-        return vmap_per_sample_gradients(model, loss_fn, inputs, targets)
+        with alone((ValueError, IndexError, TypeError)):  # a model needing its batch
+            return vmap_per_sample_gradients(model, loss_fn, inputs, targets)
     except WorkbenchError:
         raise
     except (RuntimeError, NotImplementedError) as error:

@@ -15,6 +15,7 @@ Notation: n batch size, θ trainable parameters, ℓ the per-sample loss.
 import torch
 
 from workbench.per_sample.checks import (
+    alone,
     check_batch,
     check_losses,
     forward,
@@ -45,7 +46,8 @@ def microbatch_per_sample_gradients(model, loss_fn, inputs, targets, names=None)
         if i:
             state.rewind()  # as record 0 read it, not as records 0..i-1 left it
         rows = slice(i, i + 1)
-        loss = loss_fn(forward(model, take(inputs, rows)), take(targets, rows))  # (1,)
+        with alone():  # a model or loss that cannot: a clear refusal
+            loss = loss_fn(forward(model, take(inputs, rows)), take(targets, rows))  # (1,)
         check_losses(loss, 1)
         g_i = torch.autograd.grad(loss.sum(), list(params.values()), allow_unused=True)
         for name, g in zip(params, g_i):

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_map
 
 from workbench.errors import PerSampleCheckError
 from workbench.per_sample import precision, sketch, state_replay
-from workbench.per_sample.checks import check_losses, forward, take
+from workbench.per_sample.checks import alone, check_losses, forward, take
 from workbench.per_sample.fallback import replayed
 from workbench.per_sample.hooks import ActivationRecorder
 from workbench.per_sample.leaves import leaves
@@ -164,9 +164,10 @@ def _probe_loss(rec: Recording, model, loss_fn, inputs, targets) -> torch.Tensor
         with tracker:  # the same functional and batch-free calls as the batch's (uses.py)
             x1, y1 = take(inputs, rows), take(targets, rows)
             tracker.start(leaves((x1, y1)))  # its taint and rows, as the batch's
-            out = forward(model, x1)
-            tracker.in_loss = True
-            loss = loss_fn(out, y1)  # (1,)
+            with alone():  # a model or loss that cannot: a clear refusal
+                out = forward(model, x1)
+                tracker.in_loss = True
+                loss = loss_fn(out, y1)  # (1,)
     check_losses(loss, 1)
     # calls whose output reaches the loss, in both passes (recording.loss_reach): one that
     # does not (DoRA's adapter on eye(d), detached) adds nothing to g_i and proves nothing

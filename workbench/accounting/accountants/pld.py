@@ -25,9 +25,11 @@ from workbench.accounting.accountants.rdp import rdp_curve, rdp_epsilon
 from workbench.accounting.compose import compose, self_compose_many
 from workbench.accounting.pld import (
     AUTO_GRID_POINTS,
+    MAX_GRID_POINTS,
     check_pld_delta,
     epsilon_for_delta,
     grid_step,
+    loss_range,
     sgm_pld,
 )
 from workbench.accounting.registry import register_accountant
@@ -48,6 +50,11 @@ def pld_epsilon(history, delta, discretization=PLD_DISCRETIZATION, max_refine=MA
     eps = 0.0
     for d in DIRECTIONS:  # each direction on one grid shared by all its groups
         h_d = min(grid_step(h, q, s, d, max_refine) for s, q, _ in history)
+        fits = max((hi - lo) / MAX_GRID_POINTS for lo, hi in  # the finest step at which
+                   (loss_range(q, s, d) for s, q, _ in history))  # every group's grid fits
+        h_d = min(h, max(h_d, fits))  # a narrow group's refinement, not past a wide group's
+        # limit (until 2026-11-29 the refined step was refused for the wide group, the
+        # message blaming the discretization the user had not chosen)
         pld = compose([(sgm_pld(q, s, h_d, d), t) for s, q, t in history])
         eps = max(eps, epsilon_for_delta(pld, delta))
     return min(eps, rdp_epsilon(history, delta))  # two upper bounds: the smaller holds

@@ -44,7 +44,14 @@ import numpy as np
 from workbench.accounting.accountant import Accountant
 from workbench.accounting.compose import compose, self_compose_many
 from workbench.accounting.noise_range import accounted_history
-from workbench.accounting.pld import DiscretePLD, _g, _g_inv, _normal_masses, epsilon_for_delta
+from workbench.accounting.pld import (
+    DiscretePLD,
+    _g,
+    _g_inv,
+    _normal_masses,
+    check_pld_delta,
+    epsilon_for_delta,
+)
 from workbench.accounting.registry import register_accountant
 from workbench.checks import check_delta, check_positive
 
@@ -161,7 +168,7 @@ def _composed(history, h, L, direction):
 
 def _check_errors(delta, eps_error, delta_error):
     """(δ, ε_err, δ_err) validated; δ_err defaults to δ / 1000 and must be below δ."""
-    delta = check_delta(delta)
+    delta = check_pld_delta(check_delta(delta), "PRV")
     eps_error = check_positive(eps_error, "eps_error")
     delta_error = delta * DELTA_ERROR_RATIO if delta_error is None else check_positive(
         delta_error, "delta_error")
