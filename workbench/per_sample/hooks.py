@@ -677,7 +677,11 @@ class ActivationRecorder:
         store = self._grad_hook(call, k)  # no edge in the closure: a reference from the
         # node's hook back to the node would be a cycle the GC cannot see
         if not unless_stored:
-            return lambda grad_outputs: store(grad_outputs[nr])
+            def at_node(grad_outputs):
+                store(grad_outputs[nr])
+
+            at_node.workbench = True  # a recording's own (recorded._root_hooks)
+            return at_node
         ref = weakref.ref(call)
 
         def fallback(grad_outputs):  # only when the output's own hook stored nothing in
@@ -686,6 +690,7 @@ class ActivationRecorder:
             if held is not None and held.stored_at.get(k) != self.generation:
                 store(grad_outputs[nr])
 
+        fallback.workbench = True
         return fallback
 
     def _grad_hook(self, call: LayerCall, k: int):
@@ -797,7 +802,12 @@ class ActivationRecorder:
         if k in call.after:
             call.after[k][1].remove()  # registered again below: after the new hook
         box = [None, None]
-        box[1] = t.register_hook(lambda g: box.__setitem__(0, g))
+
+        def read(g):
+            box[0] = g
+
+        read.workbench = True
+        box[1] = t.register_hook(read)
         call.after[k] = box
 
 __all__ = [
