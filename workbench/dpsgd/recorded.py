@@ -318,11 +318,11 @@ class ModelRecorder:
         applied there was dropped silently with the check off (the masked weights moved);
         with it on, the self-check's twin, which runs the hook, disagreed with no word of
         why. Legitimate for an observer, so a warning."""
-        for name, p in self.params.items():
-            if name in self._warned_hooks:
-                continue
-            hooks = [*(p._backward_hooks or {}).values(),
-                     *(getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()]
+        with torch._C.DisableTorchFunction():  # attribute reads: no mode on the stack sees
+            found = [(name, [*(p._backward_hooks or {}).values(),  # them (the loss window's
+                             *(p._post_accumulate_grad_hooks or {}).values()])  # is still on)
+                     for name, p in self.params.items() if name not in self._warned_hooks]
+        for name, hooks in found:
             if any(not getattr(h, "workbench", False) for h in hooks):
                 self._warned_hooks.add(name)
                 warnings.warn(
