@@ -521,11 +521,12 @@ class LossFunctions(TorchFunctionMode):
                     watch.scale.after(func, args, kwargs, out)
         return out
 
-
     def _backward(self, watch: LossWatch, func, args, kwargs):
         """A backward pass requested by any entry point (``backward_calls.py``): a training
         pass from this model's outputs is checked on the objective it differentiates before
-        it runs; a pass into inputs alone runs unrecorded; a second-order one is refused."""
+        it runs; one writing no parameter's .grad runs unrecorded (a second-order one's
+        results remembered: a loss reading them is refused); one restricted to some
+        parameters is refused."""
         call = backward_call(func, args, kwargs)
         mine = [(t, v) for t, v in call.roots
                 if isinstance(t, torch.Tensor) and t.requires_grad and reaches(t, watch.roots)]
