@@ -220,3 +220,22 @@ def test_engine_bounds_before_any_step_are_zero():
         bounds = engine.epsilon_bounds(1e-5)
         assert (bounds.lower, bounds.upper, bounds.steps) == (0.0, 0.0, 0)
         assert engine.get_epsilon(1e-5) == 0.0
+
+
+@pytest.mark.parametrize("q", [1e-10, 1e-8, 1e-4, 0.5])
+@pytest.mark.parametrize("sigma", [0.7, 1.0, 100.0])
+def test_integer_order_rdp_is_exact_however_small(q, sigma):
+    """Against a 60-digit sum of Eq. (2). Was: at q = 1e-8, σ = 1 order 4 was 5% low and order
+    2 42% high (the k = 0, 1 terms cancelled against 1 in float64); at q = 1e-10, σ = 100
+    order 2 was 1.6e7 times too high."""
+    import mpmath as mp
+
+    mp.mp.dps = 60
+    orders = [2, 3, 4, 16, 128]
+    got = A.compute_rdp(q, sigma, 1, orders)
+    for a, g in zip(orders, got):
+        qq, s = mp.mpf(q), mp.mpf(sigma)
+        total = mp.fsum(mp.binomial(a, k) * (1 - qq) ** (a - k) * qq ** k
+                        * mp.e ** (mp.mpf(k * k - k) / (2 * s * s)) for k in range(a + 1))
+        want = float(mp.log(total) / (a - 1))
+        assert abs(g - want) <= 1e-10 * want, (a, g, want)

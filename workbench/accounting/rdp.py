@@ -36,10 +36,13 @@ the terms shrink only like i^-(α+2), and it takes ~1,500.
 Every sum runs in log space (a signed log-sum-exp), vectorised over orders. Edge cases: q = 0 gives
 0, q = 1 the Gaussian mechanism α / (2σ²), σ = 0 gives inf. T steps give T ε(α).
 
-Accuracy: log A_α is right to about 1e-15 absolute (float64 rounding of A_α near 1), so a
-per-step RDP below ~1e-10 (tiny q, large σ) has a relative error up to ~1e-5; against
-quadrature and Opacus the agreement is ~1e-10 relative in the usual range. Neither is visible
-in ε.
+Accuracy: integer orders sum A_α - 1 (Eq. (2) less its binomial sum, every term >= 0), so
+they are right to ~1e-12 relative however small the RDP (against 60-digit sums over q from
+1e-10 to 1 - 1e-6, σ from 0.3 to 100, orders 2 to 1024; summing Eq. (2) itself had cancelled
+to 5% low at q = 1e-8, order 4). Fractional orders: log A_α right to about 1e-15 absolute
+(float64 rounding of A_α near 1), so a per-step RDP below ~1e-10 (tiny q, large σ) has a
+relative error up to ~1e-5; against quadrature and Opacus the agreement is ~1e-10 relative in
+the usual range.
 
 Notation: q sample rate, σ noise multiplier, α order, T steps, Φ standard normal CDF.
 """
@@ -110,23 +113,34 @@ def _log_factorial(n):
 
 
 def _log_a_int(q, sigma, alphas):
-    """log A_α for integer α, Eq. (2): one segmented log-sum-exp over all (α, k) pairs."""
+    """log A_α for integer α >= 2, Eq. (2) less its binomial sum (which is 1):
+
+        A_α - 1 = Σ_{k=2..α} C(α, k) (1 - q)^(α-k) q^k (exp((k² - k) / (2σ²)) - 1),
+
+    every term >= 0 (k = 0, 1 add nothing), one segmented log-sum-exp over all (α, k) pairs,
+    then log A_α = log(1 + (A_α - 1)). Summing Eq. (2) itself cancelled the k = 0, 1 terms
+    against 1 in float64: at q = 1e-8, σ = 1 the RDP of order 4 came out 5% low, of order 2
+    42% high (until 2026-11-29)."""
     if alphas.size == 0:
         return alphas
     n = alphas.astype(np.int64)
-    starts = np.concatenate(([0], np.cumsum(n + 1)[:-1]))  # first term of each order
-    seg = np.repeat(np.arange(n.size), n + 1)  # (Σ(α+1),) order of each term
-    k = np.arange(seg.size) - starts[seg]  # 0..α within each order
+    starts = np.concatenate(([0], np.cumsum(n - 1)[:-1]))  # first term (k = 2) of each order
+    seg = np.repeat(np.arange(n.size), n - 1)  # (Σ(α-1),) order of each term
+    k = np.arange(seg.size) - starts[seg] + 2  # 2..α within each order
     a = n[seg]
     lf = _log_factorial(int(n.max()))
+    c = (k * k - k) / (2 * sigma**2)  # > 0
+    log_expm1 = np.where(c > 1.0, c + np.log1p(-np.exp(-np.minimum(c, 700.0))),
+                         np.log(np.expm1(np.minimum(c, 1.0))))
     log_t = (
         lf[a] - lf[k] - lf[a - k]  # log C(α, k)
         + (a - k) * np.log1p(-q) + k * np.log(q)
-        + (k * k - k) / (2 * sigma**2)
-    )  # Eq. (2)
+        + log_expm1
+    )
     m = np.maximum.reduceat(log_t, starts)
     scaled = np.exp(np.maximum(log_t - m[seg], -700.0))  # clip: no denormals, error < 1e-300
-    return m + np.log(np.add.reduceat(scaled, starts))
+    log_a_minus_1 = m + np.log(np.add.reduceat(scaled, starts))
+    return np.logaddexp(0.0, log_a_minus_1)  # log(1 + (A - 1)), accurate for tiny A - 1
 
 
 def _terms_frac(q, sigma, z0, a, i):
