@@ -570,10 +570,10 @@ class LossFunctions(TorchFunctionMode):
             watch.statistics(loss)
             watch.reduction(loss)
             watch.coupling(loss)
+            watch.before_backward()  # b read after the loop's own hooks on the outputs
         except Exception:
             watch.close()  # the refused pass's window ends with it
             raise
-        watch.before_backward()  # b read after the loop's own hooks on the outputs
         return func(*args, **kwargs)
 
 
