@@ -22,7 +22,8 @@ MOVED = {"workbench.models_gpt", "workbench.corpus", "workbench.lm_training",
 EXPECTED = {
     "workbench": [
         "GRAD_SAMPLERS", "LossCouplingError", "LossShapeError", "METHODS", "NonFiniteGradientError",
-        "PerSampleCheckError", "PrivacyEngine", "SampleMixingError", "UnattributedGradientError",
+        "PerSampleCheckError", "PrivacyEngine", "RecordCountError", "SampleMixingError",
+        "UnattributedGradientError",
         "UnsupportedLayerError", "WorkbenchError", "accounting", "audit", "bench",
         "clipped_grad_sum", "clipping", "data", "dpsgd", "fix_model", "ghost_routes", "layers",
         "lm", "methods", "models", "per_sample", "per_sample_grad_norms", "per_sample_gradients",

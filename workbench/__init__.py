@@ -34,6 +34,7 @@ from workbench.errors import (
     LossShapeError,
     NonFiniteGradientError,
     PerSampleCheckError,
+    RecordCountError,
     SampleMixingError,
     UnattributedGradientError,
     UnsupportedLayerError,
@@ -69,7 +70,8 @@ __all__ = [
     "register_norm_sampler", "train", "validate_model",
     # the errors
     "LossCouplingError", "LossShapeError", "NonFiniteGradientError", "PerSampleCheckError",
-    "SampleMixingError", "UnattributedGradientError", "UnsupportedLayerError", "WorkbenchError",
+    "RecordCountError", "SampleMixingError", "UnattributedGradientError",
+    "UnsupportedLayerError", "WorkbenchError",
 ]
 
 

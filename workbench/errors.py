@@ -40,7 +40,14 @@ class NonFiniteGradientError(WorkbenchError, ValueError):
     """A record's per-sample gradient holds NaN or inf where no clipped sum can be made of it."""
 
 
+class RecordCountError(WorkbenchError, RuntimeError):
+    """The rows one step clipped are not the records the private loader sampled for it (a
+    batch forwarded twice, a record's views concatenated, two loader batches in one step):
+    a record would count more than once, its influence above C."""
+
+
 __all__ = [
     "LossCouplingError", "LossShapeError", "NonFiniteGradientError", "PerSampleCheckError",
-    "SampleMixingError", "UnattributedGradientError", "UnsupportedLayerError", "WorkbenchError",
+    "RecordCountError", "SampleMixingError", "UnattributedGradientError",
+    "UnsupportedLayerError", "WorkbenchError",
 ]

@@ -261,3 +261,100 @@ def test_a_copy_of_the_private_model_is_a_plain_model(mode):
         opt.detach()
     ref = wb.clipped_grad_sum(mlp(), CE, x, y, max_grad_norm=0.3, method="microbatch")
     assert relative_error(got, torch.cat([g.flatten() for g in ref.values()])) < 1e-9
+
+
+# One row per record the loader sampled (loss_watch.count_records): until 2026-11-29 each of
+# these ran silently, every row clipped as a record of its own, a record's influence 2C.
+
+def _private(**kw):
+    torch.manual_seed(0)
+    x, y = data(64, 3)
+    model = mlp()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    return PrivacyEngine().make_private(
+        module=model, optimizer=sgd, data_loader=DataLoader(TensorDataset(x, y), batch_size=16),
+        noise_multiplier=1.0, max_grad_norm=1.0, **kw)
+
+
+def _forward_twice(model, opt, x, y):
+    nn.CrossEntropyLoss()(model(x), y).backward()
+    nn.CrossEntropyLoss()(model(x), y).backward()
+
+
+def _two_views(model, opt, x, y):
+    views = torch.cat([x, x + 0.1 * torch.randn_like(x)])
+    nn.CrossEntropyLoss()(model(views), torch.cat([y, y])).backward()
+
+
+def _reshaped(model, opt, x, y):  # each record of 6 features read as two rows of 3, padded
+    rows = nn.functional.pad(x.reshape(-1, 3), (0, 3))
+    nn.CrossEntropyLoss()(model(rows), y.repeat_interleave(2)).backward()
+
+
+@pytest.mark.parametrize("mistake", [_forward_twice, _two_views, _reshaped])
+def test_more_rows_than_the_loader_sampled_are_refused(mistake):
+    model, opt, loader = _private()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(wb.errors.RecordCountError, match="rows as records"):
+        for x, y in loader:
+            if len(x) == 0:
+                continue
+            opt.zero_grad()
+            mistake(model, opt, x, y)
+            opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_accumulating_two_loader_batches_into_one_step_is_refused():
+    model, opt, loader = _private()
+    with pytest.raises(wb.errors.RecordCountError, match="2 batches") as info:
+        for i, (x, y) in enumerate(loader):
+            nn.CrossEntropyLoss()(model(x), y).backward()
+            if i % 2 == 1:
+                opt.step()
+                opt.zero_grad()
+    assert "max_physical_batch_size" in str(info.value)
+
+
+def _retained(model, opt, x, y):  # two loss terms of one forward pass
+    out = model(x)
+    nn.CrossEntropyLoss()(out, y).backward(retain_graph=True)
+    (0.1 * nn.CrossEntropyLoss()(out, y)).backward()
+
+
+def _halves(model, opt, x, y):  # the user's own micro-batches of the loader's batch
+    k = len(x) // 2
+    nn.CrossEntropyLoss(reduction="sum")(model(x[:k]), y[:k]).backward()
+    nn.CrossEntropyLoss(reduction="sum")(model(x[k:]), y[k:]).backward()
+
+
+def _evaluated_first(model, opt, x, y):
+    with torch.no_grad():
+        model(x)
+    nn.CrossEntropyLoss()(model(x), y).backward()
+
+
+def _filtered(model, opt, x, y):  # fewer rows than records: harmless
+    keep = y != 0
+    nn.CrossEntropyLoss()(model(x[keep]), y[keep]).backward()
+
+
+@pytest.mark.parametrize("loop", [_retained, _halves, _evaluated_first, _filtered])
+def test_one_row_per_sampled_record_steps(loop):
+    model, opt, loader = _private(**({"loss_reduction": "sum"} if loop is _halves else {}))
+    for _ in range(2):
+        for x, y in loader:
+            opt.zero_grad()
+            loop(model, opt, x, y)
+            opt.step()
+
+
+def test_virtual_steps_count_each_chunk_against_itself():
+    model, opt, loader = _private(max_physical_batch_size=4)
+    steps = 0
+    for x, y in loader:
+        opt.zero_grad()
+        nn.CrossEntropyLoss()(model(x), y).backward()
+        opt.step()
+        steps += 1
+    assert steps > len(loader)  # several chunks a batch

@@ -88,8 +88,10 @@ def record_streamed(model, loss_fn, inputs, targets, check):
         else:
             materialised.update(grads)
 
-    stream_backward(rec.recorder.all_calls(), rec.losses.sum(), on_call,
-                    derived=rec.recorder.derived)
+    alone = selfcheck.alone_params(rec, rec.signature)
+    selfcheck.keep_batch_grads(rec, alone, stream_backward(
+        rec.recorder.all_calls(), rec.losses.sum(), on_call, derived=rec.recorder.derived,
+        params=alone))
     for call in rec.recorder.all_calls():
         call.backprops = kept.get(id(call))
     rec.exact = fallback_gradients(rec, model, loss_fn, inputs, targets)

@@ -94,7 +94,9 @@ def record(model, loss_fn, inputs, targets, retain_graph: bool, check=False) -> 
     """Forward, then one backward pass collecting every call's backprops (book-keeping keeps
     them for its clipped sum), and ``exact`` (the fallback parameters' per-sample gradients)."""
     rec = record_batch(model, loss_fn, inputs, targets, check)
-    rec.recorder.backward(rec.losses.sum(), retain_graph=retain_graph)
+    alone = selfcheck.alone_params(rec, rec.signature)
+    selfcheck.keep_batch_grads(rec, alone, rec.recorder.backward(
+        rec.losses.sum(), retain_graph=retain_graph, params=alone))
     rec.exact = fallback_gradients(rec, model, loss_fn, inputs, targets)
     return rec
 
@@ -113,8 +115,10 @@ def record_norms(model, loss_fn, inputs, targets, check=False):
         norms.add_call(layer_of[id(call)], call)
         drop_inputs(call)  # a: normed; the second pass runs the forward again
 
-    stream_backward(rec.recorder.all_calls(), rec.losses.sum(), on_call,
-                    derived=rec.recorder.derived)
+    alone = selfcheck.alone_params(rec, rec.signature)
+    selfcheck.keep_batch_grads(rec, alone, stream_backward(
+        rec.recorder.all_calls(), rec.losses.sum(), on_call, derived=rec.recorder.derived,
+        params=alone))
     rec.exact = fallback_gradients(rec, model, loss_fn, inputs, targets)
     squares, materialised = norms.result(rec.exact)
     zeros = torch.zeros(rec.n, dtype=torch.float64, device=rec.device)

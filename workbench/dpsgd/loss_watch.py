@@ -65,7 +65,7 @@ from workbench.dpsgd.lifetime import remove as _remove
 from workbench.dpsgd.loss_terms import BatchStatistics
 from workbench.dpsgd.model_loss import name_of
 from workbench.dpsgd.record_reduction import RecordReduction
-from workbench.errors import LossCouplingError
+from workbench.errors import LossCouplingError, RecordCountError
 from workbench.per_sample.loss import check_separable, record_factors, reduction_of
 from workbench.per_sample.selfcheck import TOLERANCE, symbolic
 
@@ -91,6 +91,9 @@ class LossWatch:
         self.scale = RecordReduction()  # sum or mean over the records (record_reduction.py)
         self.model_losses = None  # model_loss.ModelLosses: scalars the model computed
         self.announced = None  # n of the batch the engine's loader handed out, until its step
+        self.serial = 0  # batches the engine's loader handed out so far
+        self.used: dict[int, int] = {}  # serial -> n of each such batch a training forward
+        # pass ran on since the last step (``count_records``)
         self.before = BatchStatistics()  # the same, from the loader's batch to the forward pass
         self._before_mode = None  # BeforeForward, on the stack while ``before`` follows calls
         self.paused = contextlib.nullcontext  # the recorder's pause (recorded.py sets it)
@@ -144,6 +147,7 @@ class LossWatch:
         data until the model's forward pass (``forward_begins``)."""
         self.batch_ends()
         self.announced = n  # an empty batch may step without a forward pass (recorded.py)
+        self.serial += 1
         self._follow(n)
 
     def follow(self) -> None:
@@ -183,6 +187,8 @@ class LossWatch:
         if not torch.is_grad_enabled():
             self._resume = following
             return
+        if self.announced is not None:  # a training pass on the loader's latest batch
+            self.used[self.serial] = self.announced
         first = next((t for t in tree_flatten(inputs)[0]
                       if isinstance(t, torch.Tensor) and t.dim()), None)
         if first is not None:
@@ -206,6 +212,36 @@ class LossWatch:
             self._before_mode = BeforeForward.following = BeforeForward(self.before)
             push_bottom(self._before_mode)
         self._resume = False
+
+    def count_records(self, rows: int) -> None:
+        """At ``step()``: ``rows``, the rows its backward passes clipped as records (Σ n),
+        against the records the engine's loader handed out for it. DP-SGD's sensitivity C
+        holds when each sampled record is one row of one pass; the step refuses
+        (``RecordCountError``) the rows of two loader batches (gradient accumulation over
+        Poisson batches: a record drawn in both counts twice, and the accountant charges one
+        step at q) and more rows than the batch held (the batch forwarded twice, a record's
+        augmented views concatenated along dim 0, a record reshaped into several rows before
+        the model: each clipped as a record, one record's influence up to k C). Fewer rows
+        (records filtered out) are harmless. Without the engine's loader nothing is known."""
+        used, self.used = self.used, {}
+        if len(used) > 1:
+            raise RecordCountError(
+                f"one step() took the gradients of {len(used)} batches the private loader "
+                f"handed out (gradient accumulation over loader batches): each is a Poisson "
+                f"sample of its own, so a record drawn in two of them counts twice (influence "
+                f"2 x max_grad_norm), and the accountant charges one step at q for a step over "
+                f"{len(used)} samples. Call step() after every batch, or, to bound memory, pass "
+                f"max_physical_batch_size to make_private: it splits each logical batch into "
+                f"chunks that the optimizer accumulates into one noisy step")
+        if used and rows > sum(used.values()):
+            raise RecordCountError(
+                f"the step's backward passes clipped {rows} rows as records, but the private "
+                f"loader handed out {sum(used.values())} records for it: each row is clipped "
+                f"as a record of its own, so a record behind several rows (the batch forwarded "
+                f"twice, a record's augmented views concatenated along dim 0, a record "
+                f"reshaped into several rows before the model) has an influence of several "
+                f"times max_grad_norm. Forward each record once; keep a record's views in "
+                f"that record (stack them along dim 1 and average their losses inside it)")
 
     def batch_ends(self) -> None:
         """The loader's pass ended (or was abandoned): nothing more to follow."""

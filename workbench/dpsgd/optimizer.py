@@ -334,6 +334,7 @@ class DPOptimizer(Optimizer):
         self.recorder.watch.close()  # the loop's loss calls are in: the probes' are not
         norms, factors, modes, replays, paths = [], [], [], [], None
         skipped, seen, tol, unchecked, compare = [], 0, 0.0, set(), False
+        why = {}  # id(param) -> why its g_i come from the whole-model fallback
         try:
             with self.recorder.paused():  # the samplers may call the layers themselves
                 for rec, exact in self.recorder.batches(self.loss_reduction, check, scale):
@@ -356,6 +357,7 @@ class DPOptimizer(Optimizer):
                             for key, g in self.recorder.path_gradients(rec, exact):
                                 paths.add(key, g)  # compared and let go (path_check.py)
                         unchecked |= self.recorder.unchecked(rec)
+                        why.update(rec.fallback)
                     users = None if self.user_level is None else self.user_level.batch(rec)
                     row = None if rec.signature is None else RowSketch(
                         {id(p): p for p in rec.params.values()})  # record n - 1's part
@@ -370,6 +372,9 @@ class DPOptimizer(Optimizer):
                         self._sums[key] = s if key not in self._sums else self._sums[key] + s
                     norms.append(norm.detach())
                     factors.append(c.detach())
+            self.recorder.watch.count_records(seen)  # one row per record the loader drew
+            late = bool(self.recorder.skipper.late)  # a tapped layer called off the rows:
+            # its .grad cannot be compared at this step (skip_weights.py), at the next it can
             self.recorder.clear(keep_pending=True)  # the checks' extra passes: on freed memory
             self.recorder.watch.probe()
             for rec, norm, row in replays:
@@ -378,13 +383,14 @@ class DPOptimizer(Optimizer):
             if paths is not None and not skipped:  # Σ_i g_i with a NaN record proves nothing
                 tol = max(tol, selfcheck.TOLERANCE.get(
                     next(iter(self.recorder.params.values())).dtype, 1e-3))
-                paths.verdict(tol, unchecked)
+                paths.verdict(tol, unchecked, why)
         except Exception:
             self._sums = {}  # nothing of a refused batch is kept for a later step
             self.recorder.clear()
             raise
         # a check a non-finite record kept from running waits for the next batch
-        self._verify_next = bool(skipped) and bool(replays or compare)
+        self._verify_next = (bool(skipped) and bool(replays or compare)) or (
+            late and self.verify is not False)
         self.last = {"norms": torch.cat(norms) if norms else torch.zeros(0),
                      "clip_factors": torch.cat(factors) if factors else torch.zeros(0),
                      "mode": modes[-1] if modes else None,  # the mode "auto" chose

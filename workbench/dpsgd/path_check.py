@@ -35,7 +35,9 @@ import math
 
 import torch
 
-from workbench.errors import UnattributedGradientError
+from workbench.errors import SampleMixingError, UnattributedGradientError
+from workbench.per_sample.fallback import alone_differs
+from workbench.per_sample.recording import NOT_THE_BATCH
 
 CHUNK = 1 << 14  # entries per float64 chunk (128 KiB each for u and o)
 
@@ -102,9 +104,13 @@ class PathCheck:
         if self.free:
             p.grad = None
 
-    def verdict(self, tol: float, unchecked=frozenset()) -> None:
+    def verdict(self, tol: float, unchecked=frozenset(), fallback=None) -> None:
         """Raise ``UnattributedGradientError`` when no common factor α brings ``.grad``
-        within ``tol`` of Σ_i g_i; ``unchecked``: ids of parameters not compared."""
+        within ``tol`` of Σ_i g_i; ``unchecked``: ids of parameters not compared;
+        ``fallback``: {id: why} of the parameters whose g_i the whole-model fallback computed,
+        one record alone: where the parameter most off is one whose layer was called off the
+        batch's rows, the record alone is not the record in the batch
+        (``SampleMixingError``)."""
         for key in list(self.held):
             self._compare(key, self.held.pop(key))
         rows = {}
@@ -128,6 +134,11 @@ class PathCheck:
         if total <= tol * scale + 1e-12:
             return
         worst = [name for d, name in sorted(diffs, reverse=True)[:3] if d > 0]
+        first = next((key for key, name in self.names.items() if name == worst[0]), None)
+        why = (fallback or {}).get(first)
+        if why is not None and NOT_THE_BATCH in why:  # the largest part: computed alone
+            raise SampleMixingError(alone_differs(total, total / max(scale, 1e-300), worst,
+                                                  why))
         raise UnattributedGradientError(
             f"the gradient of the loss in .grad differs from the sum of the per-record "
             f"gradients by {total:.3g} (relative {total / max(scale, 1e-300):.3g}), mostly "

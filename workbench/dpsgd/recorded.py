@@ -152,11 +152,13 @@ class ModelRecorder:
         self.warm, self.scaler_seen = False, False
         self.skipper = WeightGradSkipper(self.layers, {id(p) for p in self.params.values()},
                                          lambda: self._fast and self.layer_rec.recording,
-                                         lambda args: self.tracker.derived.taint.none_of(args))
+                                         lambda args: self.tracker.derived.taint.none_of(args),
+                                         self._off_rows)
         self.skipper.attach(True)
         # book-keeping's streaming in the user's backward pass (streamed.py): the last
         # forward pass's n, {path: own parameters}, {id(param): paths of its streamed g_i}
         self._n, self._own, self._ids = None, {}, {id(p) for p in self.params.values()}
+        self._rows: set[int] = set()  # dim 0 of the forward pass's inputs (_off_rows)
         self.watch.parameter_ids = self._ids
         self._stream_paths: dict[int, set[str]] = {}
         self.layer_rec.on_complete = lambda call: stream_call(self, call)
@@ -193,7 +195,10 @@ class ModelRecorder:
             self._buffers_before = buffer_ids(self.model)  # state_written_from_batch
             self.tracker.state = PassLog(self.model)  # what the pass reads: re-runs replay it
             self.tracker.__enter__()
-            self.tracker.start(call_leaves(args, kwargs))  # the batch: its taint and rows
+            leaves = call_leaves(args, kwargs)
+            self.tracker.start(leaves)  # the batch: its taint and rows
+            self._rows = {t.shape[0] for t in leaves  # dim 0 of the model's inputs
+                          if isinstance(t, torch.Tensor) and t.dim() >= 1}
             self._tracking = True
 
     def _exit(self, module, args, output):
@@ -238,6 +243,16 @@ class ModelRecorder:
                     self.watch.model_losses = ModelLosses(split, inner)
             if written is not None:  # raised last: the recorder is consistent
                 raise written
+
+    def _off_rows(self, args) -> bool:
+        """A call (its first tensor argument) whose dim 0 is neither the batch's rows (dim 0
+        of one of the model's inputs) nor batch-flattened rows proved from them
+        (``flat_rows.py``): ``b(x[:k])``. Not tapped (``skip_weights.py``)."""
+        a = next((t for t in args if isinstance(t, torch.Tensor)), None)
+        if a is None or a.dim() == 0 or a.shape[0] in self._rows:
+            return False
+        tag = self.tracker.flat_rows.of(a)
+        return tag is None or tag[0] not in self._rows
 
     def _hooks_last(self) -> None:
         """Before the loop's backward pass: every layer output's gradient hook after the hooks

@@ -32,7 +32,12 @@ Only *leaf* layers (no submodules) that are not parametrised and have a grad rul
 tapped, and only in calls on the batch (a call on a tensor computed from parameters alone,
 DeBERTa's ``pos_proj`` on its relative embeddings, keeps its weight's graph edge: its
 per-sample gradient is taken where its output meets the batch, ``per_sample/derived.py``,
-which follows that edge): every use of their parameters inside their forward is their own
+which follows that edge), nor in calls whose dim 0 is not the batch's rows (``b(x[:k])``, a
+layer on a slice of the batch: its parameters take the whole-model fallback, which computes
+each record alone, and only autograd's gradient of the batch can show that a record alone is
+not the record in the batch, through the optimizer's path check; a layer tapped in a call on
+the rows and then called off them in the same pass is tapped no more from the next step on,
+whose check then runs): every use of their parameters inside their forward is their own
 call, so the use tracker (``per_sample.uses``) sees the same uses either way; uses outside the
 layer's forward keep ``requires_grad``; and their output is one Tensor (a rule-less layer's
 may hold a Tensor that must not start requiring grad: autograd computes its weight gradients
@@ -101,11 +106,18 @@ class WeightGradSkipper:
     parameters in ``params`` (ids) while ``active()`` is true; ``tapped``: the paths tapped
     since the last ``clear``."""
 
-    def __init__(self, layers: dict, params: set[int], active, batch_free=lambda args: False):
+    def __init__(self, layers: dict, params: set[int], active, batch_free=lambda args: False,
+                 off_rows=lambda args: False):
         self.active, self.tapped, self.spared = active, set(), set()
         self.batch_free = batch_free  # (args) -> a call without the batch: not tapped (its
         # parameters' per-sample gradients come from where its output meets the batch,
         # per_sample/derived.py, which follows the graph to them)
+        self.off_rows = off_rows  # (args) -> a call whose dim 0 is not the batch's rows: not
+        # tapped (its parameters take the whole-model fallback, whose Σ_i g_i the path check
+        # must compare with autograd's gradient of the batch: module docstring)
+        self.never: set[str] = set()  # paths once called off the batch's rows after being
+        # tapped in the same pass: never tapped again
+        self.late: set[str] = set()  # such paths of this step: their check waits a step
         self.own = {path: [p for p in layer.parameters(recurse=False)
                            if p.requires_grad and id(p) in params]
                     for path, layer in layers.items() if tappable(layer)}
@@ -152,10 +164,15 @@ class WeightGradSkipper:
         def pre_hook(module, args):
             if path in self._off or not self.active() or saving_hooks() or path == self.kept:
                 return  # under checkpointing the recomputation must save what the forward did
-            if path in self.spared or (path not in self.tapped and self.batch_free(args)):
-                self.spared.add(path)  # a call without the batch, and every later call of its
-                return  # path in this step (one tapped earlier: this one tapped too): every
-                # call of a path is tapped, or none, as ``recorded.path_gradients`` assumes
+            if path not in self.tapped:
+                if path in self.spared or path in self.never or self.batch_free(args) \
+                        or self.off_rows(args):
+                    self.spared.add(path)  # and every later call of its path in this step:
+                    return  # every call of a path is tapped, or none, as
+                    # ``recorded.path_gradients`` assumes
+            elif self.off_rows(args):  # tapped earlier in this pass: tapped again, as said;
+                self.never.add(path)  # from the next step on, not tapped
+                self.late.add(path)
             own = [p for p in self.own[path] if p.requires_grad]
             for p in own:
                 p.requires_grad_(False)
@@ -199,7 +216,7 @@ class WeightGradSkipper:
         return Tap.apply(dummy, t)
 
     def clear(self) -> None:
-        self.tapped, self.spared = set(), set()
+        self.tapped, self.spared, self.late = set(), set(), set()
 
     def close(self) -> None:
         for handle in self._handles:

@@ -132,7 +132,9 @@ def fallback_gradients(rec: Recording, model, loss_fn, inputs, targets):
     with state_replay.replayed(rec.state):  # the model's state as the pass read it
         grads = exact_per_sample_gradients(model, loss_fn, inputs, targets, names, reasons,
                                            replay_of(rec))
-    return {**served, **{id(rec.params[name]): g for name, g in grads.items()}}
+    exact = {**served, **{id(rec.params[name]): g for name, g in grads.items()}}
+    selfcheck.compare_alone(rec, exact)  # on a checked call (``alone_params``)
+    return exact
 
 
 def replay_probe(rec: Recording, model, loss_fn, inputs, targets) -> dict:
@@ -152,7 +154,9 @@ def einsum_per_sample_gradients(model, loss_fn, inputs, targets, strict=False, c
     warn_fallbacks(rec)
     sig = selfcheck.known(model, rec, check)
     ref = selfcheck.probe(rec, model, loss_fn, inputs, targets) if sig else None
-    rec.recorder.backward(rec.losses.sum())
+    alone = selfcheck.alone_params(rec, sig)
+    selfcheck.keep_batch_grads(rec, alone, rec.recorder.backward(rec.losses.sum(),
+                                                                 params=alone))
     by_param = rule_gradients(rec)
     by_param.update(fallback_gradients(rec, model, loss_fn, inputs, targets))
     n = rec.n

@@ -130,4 +130,18 @@ def warn_once(model, names, why: str) -> None:
                       f"for these parameters", stacklevel=5)
 
 
-__all__ = ["exact_per_sample_gradients", "warn_once"]
+def alone_differs(total: float, rel: float, names, why: str) -> str:
+    """The words of a failed comparison of the fallback's Σ_i g_i, each record run alone, with
+    the batch's own gradient (``selfcheck.compare_alone``, the optimizer's path check):
+    ``names`` the parameters off, ``why`` the reason their layer took the fallback."""
+    return (f"the gradient of the loss over the batch differs from the sum of the per-record "
+            f"gradients by {total:.3g} (relative {rel:.3g}), mostly in {', '.join(names)}, "
+            f"whose per-record gradients come from the model run on one record at a time "
+            f"because {why}: the model treats a record differently in the batch than alone, "
+            f"so a record's gradient depends on which records Poisson sampling put beside it "
+            f"and where (a layer applied to a fixed slice of the batch, x[:k], or to rows "
+            f"picked by position), and clipping it bounds nothing. Apply the layer to every "
+            f"record and choose by each record's own data (torch.where on a per-record mask)")
+
+
+__all__ = ["alone_differs", "exact_per_sample_gradients", "warn_once"]

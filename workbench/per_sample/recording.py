@@ -181,12 +181,15 @@ def checked_shapes(layer, call) -> list[torch.Size]:
                      if isinstance(t, torch.Tensor)]
 
 
+NOT_THE_BATCH = "dim 0 is not the batch"  # batch_problem's words (dpsgd/path_check.py)
+
+
 def batch_problem(layer, call, n: int) -> str | None:
     """Why a call does not carry the batch on dim 0 (by shape, or by what its inputs were
     computed from), or None."""
     for shape in checked_shapes(layer, call):
         if len(shape) == 0 or shape[0] != n:
-            return (f"is called on a tensor of shape {tuple(shape)}: dim 0 is not the batch "
+            return (f"is called on a tensor of shape {tuple(shape)}: {NOT_THE_BATCH} "
                     f"(n = {n})")
     return rows_not_samples(layer, call, n)
 
@@ -240,6 +243,8 @@ class Recording:
     taken: dict = field(default_factory=dict)  # id(param) -> the BroadcastParameter layer
     # that takes it over from its rule-less owner (tied.py, rules/broadcast.py)
     feeds: object = None  # (call) -> whether its output reaches the loss (``loss_reach``)
+    batch_grads: dict = field(default_factory=dict)  # id(param) -> the batch's own gradient
+    # of a fallback parameter, on a checked call (``selfcheck.compare_alone``)
 
     def calls(self):
         """(path, layer, call) for every call whose output reached the loss."""
@@ -447,9 +452,9 @@ def note_uncovered(rec: Recording, uncovered: dict[int, set[str]]) -> None:
 
 
 __all__ = [
-    "FUSED", "Recording", "batch_problem", "check_layers", "check_recorded", "checked_shapes",
-    "derived_of_ruleless", "layers_with_parameters", "loss_reach", "note_uncovered",
-    "odd_outputs",
+    "FUSED", "NOT_THE_BATCH", "Recording", "batch_problem", "check_layers", "check_recorded",
+    "checked_shapes", "derived_of_ruleless", "layers_with_parameters", "loss_reach",
+    "note_uncovered", "odd_outputs",
     "own_parameters", "owners_of", "parameter_names", "record", "rng_state",
     "rows_not_samples", "stale_views", "stateful", "tables",
 ]

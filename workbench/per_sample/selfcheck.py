@@ -41,14 +41,15 @@ import weakref
 import torch
 from torch.utils._pytree import tree_map
 
-from workbench.errors import PerSampleCheckError
+from workbench.errors import PerSampleCheckError, SampleMixingError
 from workbench.per_sample import precision, sketch, state_replay
 from workbench.per_sample.checks import alone, check_losses, forward, take
-from workbench.per_sample.fallback import replayed
+from workbench.per_sample.fallback import alone_differs, replayed
 from workbench.per_sample.hooks import ActivationRecorder
 from workbench.per_sample.leaves import leaves
 from workbench.per_sample.loss import substitute
 from workbench.per_sample.recording import (
+    NOT_THE_BATCH,
     Recording,
     checked_shapes,
     loss_reach,
@@ -310,6 +311,61 @@ def as_sketch(rec: Recording, exact) -> RowSketch:
         {id(rec.params[k]): g for k, g in exact.items()})
 
 
+def alone_params(rec: Recording, checked) -> list:
+    """The parameters whose g_i the whole-model fallback computes because their layer was
+    called off the batch's rows (``recording.batch_problem``), each once, when this call is
+    checked (``checked``: its signature, or None): the backward pass of the batch also returns
+    their gradient, for ``compare_alone``. (Other fallback parameters are the probe's: a
+    record alone meets them as in the batch, unless the model mixes records, which the probe
+    sees; and a lookup's ``scale_grad_by_freq`` makes the batch's backward no sum of the
+    records' gradients at all.)"""
+    if not checked or not rec.fallback:
+        return []
+    seen = {}
+    for p in rec.params.values():
+        if NOT_THE_BATCH in rec.fallback.get(id(p), ""):
+            seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def keep_batch_grads(rec: Recording, params: list, grads) -> None:
+    rec.batch_grads = {id(p): g for p, g in zip(params, grads)}
+
+
+def compare_alone(rec: Recording, exact: dict) -> None:
+    """The fallback's Σ_i g_i (``exact``: {id: (n, *shape)}) against the batch's own
+    gradient of each such parameter (``rec.batch_grads``, from the same backward pass as the
+    rules' backprops). The fallback runs each record alone (or the batch again, for random
+    models); the probe compares one record with the same twin, so it cannot see a model that
+    treats a record differently in the batch than alone (``b(x[:k])``: records 0..k-1 get
+    b's gradient in the batch, none alone). The sum over the batch can: it is the one
+    gradient of every record in its place."""
+    if not rec.batch_grads:
+        return
+    tol = TOLERANCE.get(precision.compared_dtype(rec), 1e-3)
+    names = {}
+    for name, p in rec.params.items():
+        names.setdefault(id(p), name)
+    diffs, scale = [], 0.0
+    for key, batch in rec.batch_grads.items():
+        g = exact.get(key)
+        if g is None:
+            continue
+        total = g.sum(0).to(torch.float64)
+        ref = torch.zeros_like(total) if batch is None else batch.to(torch.float64)
+        diffs.append((float((total - ref).norm()), key))
+        scale = max(scale, float(total.norm()), float(ref.norm()))
+    rec.batch_grads = {}
+    off = math.sqrt(sum(d * d for d, _ in diffs))
+    atol = 1e-12 if rec.dtype == torch.float64 else 1e-6
+    if off <= tol * scale + atol:
+        return
+    worst = [key for d, key in sorted(diffs, key=lambda t: -t[0])[:3] if d > 0]
+    raise SampleMixingError(alone_differs(off, off / max(scale, 1e-300),
+                                          [names[key] for key in worst],
+                                          rec.fallback[worst[0]]))
+
+
 def compare_norm(rec: Recording, got: torch.Tensor, exact) -> None:
     """The fast ||g_i|| of the probed sample against the exact ||g_i|| (a number, or the
     exact g_i itself as a dict, from the record probe)."""
@@ -362,7 +418,8 @@ def compare_rows(rec: Recording, fast: RowSketch, exact) -> None:
 
 
 __all__ = [
-    "CHECKS", "NORM_CHUNK", "TOLERANCE", "as_sketch", "check_option", "compare", "compare_norm",
-    "compare_rows", "known", "probe", "probe_sketch", "record_probe", "remember", "replayed",
-    "signature", "substituted", "symbolic", "treatment",
+    "CHECKS", "NORM_CHUNK", "TOLERANCE", "alone_params", "as_sketch", "check_option", "compare",
+    "compare_alone", "compare_norm", "compare_rows", "keep_batch_grads", "known", "probe",
+    "probe_sketch", "record_probe", "remember", "replayed", "signature", "substituted",
+    "symbolic", "treatment",
 ]

@@ -71,9 +71,10 @@ def frontier(calls) -> tuple[list, list]:
 
 
 def stream_backward(calls, total_loss: torch.Tensor, on_call, retain_graph: bool = False,
-                    derived=None):
+                    derived=None, params=()) -> list:
     """One backward pass of ``total_loss``; ``on_call(call)`` for every call that received a
-    gradient, with ``call.backprops`` set, which is set back to None right after."""
+    gradient, with ``call.backprops`` set, which is set back to None right after. Returns
+    the gradient of ``total_loss`` with respect to each of ``params`` (None where unused)."""
     passed, captured = frontier(calls)
     handles = []
 
@@ -99,8 +100,10 @@ def stream_backward(calls, total_loss: torch.Tensor, on_call, retain_graph: bool
                 handles.append(edge.node.register_prehook(prehook(call, k, edge.output_nr)))
         edges = [e for call in captured for e in call.capture_edges()]
         extra = derived.edges() if derived is not None else []  # their hooks run (derived.py)
-        grads = torch.autograd.grad(total_loss, [*edges, *extra], allow_unused=True,
-                                    retain_graph=retain_graph) if edges or extra else ()
+        grads = torch.autograd.grad(total_loss, [*edges, *params, *extra], allow_unused=True,
+                                    retain_graph=retain_graph) \
+            if edges or extra or params else ()
+        wanted = list(grads[len(edges):len(edges) + len(params)]) if grads else []
         grads = grads[:len(edges)]
     finally:
         for handle in handles:
@@ -113,6 +116,7 @@ def stream_backward(calls, total_loss: torch.Tensor, on_call, retain_graph: bool
     for call in passed:  # not handed over: an output the loss never reached (node never ran)
         if any(g is _ARRIVED for g in call.grads):
             hand_over(call, [None if g is _ARRIVED else g for g in call.grads])
+    return wanted
 
 
 __all__ = ["frontier", "reaches", "stream_backward"]
