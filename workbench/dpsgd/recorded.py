@@ -136,6 +136,7 @@ class ModelRecorder:
         self.watch.paused = self.paused  # its coupling test must not reach the recording hooks
         self.watch.before_backward = self._hooks_last
         self._depth, self._tracking, self._rng, self._roots = 0, False, None, 0
+        self._nested: list[int] = []  # depths of the model's calls of itself (``_enter``)
         self._buffers_before: set[int] = set()  # buffer ids at the forward pass's start
         self._warned_after: set[str] = set()  # state written after a pass: warned once
         self._warned_hooks: set[str] = set()  # parameters with a gradient hook: warned once
@@ -173,6 +174,12 @@ class ModelRecorder:
     def _enter(self, module, args, kwargs):
         if self._depth == 0 and self.layer_rec.recording:  # before anything changes: may raise
             self.watch.forward_begins((args,))  # statistics of the batch before it: loss_watch
+        if self._depth >= 1 and self.root_rec.recording:  # the forward calls the model itself
+            # (self(h, depth - 1)): part of this pass, as self.forward(...) would be, not a
+            # pass of its own (its input computed from the model's parameters was refused as
+            # an encoder outside the model until 2026-11-29); its layers are recorded as ever
+            self.root_rec.recording = False
+            self._nested.append(self._depth)
         self._depth += 1
         if self._depth == 1 and self.layer_rec.recording:
             self.watch.close()  # a new forward pass: the loss window of the last one ends
@@ -203,6 +210,9 @@ class ModelRecorder:
 
     def _exit(self, module, args, output):
         self._depth -= 1
+        if self._nested and self._nested[-1] == self._depth:  # the nested call ends (the
+            self._nested.pop()  # root recorder's own hook, which runs first, skipped it)
+            self.root_rec.recording = True
         if self._depth == 0:
             self._fast = False
             self.watch.forward_ends()  # an evaluation pass paused the batch follower
