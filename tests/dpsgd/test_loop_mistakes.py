@@ -390,3 +390,18 @@ def test_a_model_calling_itself_is_one_pass(mode, verify):
                 assert relative_error(p.grad * 10.0, expected[name]) < 1e-9, name
     finally:
         opt.detach()
+
+
+def test_a_batch_dropped_by_zero_grad_counts_for_no_step():
+    """A NaN-loss guard: the batch's backward pass is discarded with zero_grad(), and the
+    next batch's step is that batch's alone."""
+    model, opt, loader = _private()
+    steps = 0
+    for i, (x, y) in enumerate(loader):
+        opt.zero_grad()
+        nn.CrossEntropyLoss()(model(x), y).backward()
+        if i % 3 == 0:
+            continue  # dropped: the next zero_grad() discards it
+        opt.step()
+        steps += 1
+    assert steps > 0

@@ -301,6 +301,7 @@ class DPOptimizer(Optimizer):
         with self.recorder.watch.unfollowed():  # .grad of the parameters: not the batch's data
             self.original_optimizer.zero_grad(set_to_none=set_to_none)
         self.recorder.clear()
+        self.recorder.watch.used = {}  # the passes it drops count for no step (count_records)
         self.recorder.armed = True  # skip_weight_grads: this step's forward passes
         self._zeroed = True
         self.recorder.watch.follow()  # batch statistics from here to the forward pass
@@ -387,6 +388,7 @@ class DPOptimizer(Optimizer):
         except Exception:
             self._sums = {}  # nothing of a refused batch is kept for a later step
             self.recorder.clear()
+            self.recorder.watch.used = {}  # nor counted for it (count_records)
             raise
         # a check a non-finite record kept from running waits for the next batch
         self._verify_next = (bool(skipped) and bool(replays or compare)) or (
