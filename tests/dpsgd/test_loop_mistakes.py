@@ -405,3 +405,33 @@ def test_a_batch_dropped_by_zero_grad_counts_for_no_step():
         opt.step()
         steps += 1
     assert steps > 0
+
+
+def test_a_copy_of_a_model_made_private_by_the_engine_is_a_plain_model():
+    """make_private notes its optimizer on every layer (attached.py): the note was copied
+    with the layer, optimizer and all (KeyError '_defaults' until 2026-11-29)."""
+    import copy
+    import io
+
+    from torch.optim.swa_utils import AveragedModel
+
+    model, opt, loader = _private()
+    teacher = AveragedModel(model)
+    twin = copy.deepcopy(model)
+    torch.save(model, io.BytesIO())
+    for x, y in loader:
+        opt.zero_grad()
+        nn.CrossEntropyLoss()(model(x), y).backward()
+        opt.step()
+        teacher.update_parameters(model)
+        nn.CrossEntropyLoss()(twin(x), y).backward()  # plain autograd on the copy
+    assert all(p.grad is not None for p in twin.parameters())
+    again = PrivacyEngine().make_private(  # the copy made private on its own: no warning
+        module=twin, optimizer=torch.optim.SGD(twin.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(*data(8, 1)), batch_size=4),
+        noise_multiplier=1.0, max_grad_norm=1.0)
+    again[1].detach()
+    x, y = data(5, 4)  # the original optimizer still records its own model
+    opt.zero_grad()
+    nn.CrossEntropyLoss()(model(x), y).backward()
+    opt.step()

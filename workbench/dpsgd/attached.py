@@ -23,6 +23,23 @@ from torch import nn
 ATTRIBUTE = "_workbench_dp_optimizer"  # on each layer: (DPOptimizer, PrivacyEngine, model)
 
 
+class Attached(tuple):
+    """(DPOptimizer, PrivacyEngine, model), as noted on a layer; a copy of the layer
+    (``copy.deepcopy``: an EMA teacher, ``AveragedModel``) or a pickle of it is attached to
+    nothing, as every hook the workbench puts on it is inert there (``hooks.OwnHook``): the
+    copy is a plain model. (Copied, the optimizer failed with a bare ``KeyError:
+    '_defaults'`` until 2026-11-29.)"""
+
+    def __deepcopy__(self, memo):
+        return NOTHING
+
+    def __reduce__(self):
+        return tuple, (tuple(NOTHING),)
+
+
+NOTHING = (None, None, None)
+
+
 def owning_layers(model: nn.Module) -> list[nn.Module]:
     """The submodules that own parameters directly: the ones the recorder hooks."""
     return [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
@@ -32,7 +49,7 @@ def detach_earlier(model: nn.Module, engine, keep=None) -> None:
     """Detach every earlier DPOptimizer recording a layer of ``model`` (but ``keep``)."""
     earlier = {}
     for layer in owning_layers(model):
-        optimizer, owner, its_model = layer.__dict__.get(ATTRIBUTE, (None, None, None))
+        optimizer, owner, its_model = layer.__dict__.get(ATTRIBUTE, NOTHING)
         if optimizer is not None and optimizer is not keep:
             earlier[id(optimizer)] = (optimizer, owner, its_model)
     for optimizer, owner, its_model in earlier.values():
@@ -71,7 +88,7 @@ def _which(model, its_model) -> str:
 def remember(model: nn.Module, optimizer, engine) -> None:
     """Note on each of ``model``'s layers that ``optimizer`` (of ``engine``) records it."""
     for layer in owning_layers(model):
-        layer.__dict__[ATTRIBUTE] = (optimizer, engine, model)
+        layer.__dict__[ATTRIBUTE] = Attached((optimizer, engine, model))
 
 
-__all__ = ["ATTRIBUTE", "detach_earlier", "owning_layers", "remember"]
+__all__ = ["ATTRIBUTE", "Attached", "NOTHING", "detach_earlier", "owning_layers", "remember"]
