@@ -435,3 +435,22 @@ def test_a_copy_of_a_model_made_private_by_the_engine_is_a_plain_model():
     opt.zero_grad()
     nn.CrossEntropyLoss()(model(x), y).backward()
     opt.step()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_empty_batch_after_a_full_one_steps_on_noise(mode):
+    """A Poisson batch of n = 0 run through the model after one of n = 3 (a loop with its own
+    sampler): a ZeroDivisionError in the batch-statistics follower until 2026-11-29."""
+    model = mlp()
+    opt = optimizer(model, mode, sigma=1.0, loss_reduction="sum",
+                    generator=torch.Generator().manual_seed(0))
+    try:
+        for n in (3, 0, 0, 2):
+            x, y = data(n, n)
+            opt.zero_grad()
+            nn.CrossEntropyLoss(reduction="sum")(model(x), y).backward()
+            opt.step()
+            assert all(p.grad is not None and torch.isfinite(p.grad).all() and p.grad.any()
+                       for p in model.parameters())  # the noise, at least
+    finally:
+        opt.detach()

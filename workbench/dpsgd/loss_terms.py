@@ -108,7 +108,8 @@ class BatchStatistics:
         self.stats = {k: v for k, v in self.stats.items() if v[1].endswith(kept)}
         self.reductions = {k: v for k, v in self.reductions.items() if v[1].endswith(kept)}
         self.numbers = {v: w for v, w in self.numbers.items() if w.endswith(kept)}
-        self.n, self.on, self.rows = n, n >= 2, {r for r in self.rows if r and r % n == 0} | {n}
+        self.n, self.on = n, n >= 2  # an empty batch (n = 0) follows nothing, keeps no rows
+        self.rows = {r for r in self.rows if r and n and r % n == 0} | {n}
 
     def _find(self, table, t):
         entry = table.get(id(t))
