@@ -30,6 +30,8 @@ EXPECTED = {  # the check each must fail (it may fail others too)
     "nan_record_full_weight": "sensitivity",
     "noise_seed_with_a_period": "noise is fresh",
     "noise_scaled_by_realised_batch": "noise variance",
+    "noise_shared_by_two_coordinates": "noise variance",  # every direction: passed before
+    "no_noise_on_an_empty_batch": "empty batch (n=0)",  # no batch was empty before
 }
 
 
@@ -171,3 +173,28 @@ def test_dim_outside_the_design_is_an_error(dim):
     count (10^6) would need 8 TB, so the audit refuses it by name instead of running out."""
     with pytest.raises(ValueError, match=rf"dim must be an integer in \[2, {MAX_DIM}\]"):
         audit_dp_step(ZOO[CORRECT](C, SIGMA, B), dim, B, C, SIGMA, trials=20)
+
+
+def test_a_step_that_raises_on_an_empty_batch_fails_that_row_by_name():
+    def factory(C, sigma, B, generator=None):
+        def step(G):
+            if G.shape[0] == 0:
+                raise RuntimeError("no records")
+            return (_clip_rows(G, C).sum(0) + _noise(G.shape[1], sigma * C, generator, G)) / B
+        return step
+
+    result = audit(factory, trials=20)
+    row = result.table.set_index("check").loc["empty batch (n=0)"]
+    assert not row["passed"] and "raised RuntimeError" in row["meaning"]
+    assert result.table["passed"].sum() == len(result.table) - 1  # that row alone
+
+
+def test_the_every_direction_bound_never_alarms_on_gaussian_noise():
+    from workbench.audit.mechanism_noise import direction_p
+
+    rng = np.random.default_rng(0)
+    for m, d in [(2800, 64), (70, 64), (152, 32)]:
+        assert min(direction_p(rng.standard_normal((m, d))) for _ in range(20)) > 0.1
+    H = rng.standard_normal((2800, 64))
+    H[:, 1] = H[:, 0]  # one direction without noise
+    assert direction_p(H) < 1e-100

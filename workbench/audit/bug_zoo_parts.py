@@ -5,7 +5,8 @@ most coordinates, records and calls, which is why a first design of ``audit_dp_s
 several of them pass: one huge record spread over every coordinate was the only one per-layer
 clipping moved (too little to see at a few trials: 60 trials on 32 coordinates passed it), no
 designed record had its mass on the parameter a norm leaves out, none held a NaN, and the noise
-checks pooled every coordinate and looked one call back. Each step differs from the claim of
+checks pooled every coordinate and looked one call back; later, none of the checks looked at
+the noise across coordinates (two sharing one draw) and no designed batch was empty. Each step differs from the claim of
 Abadi et al. 2016 (arXiv 1607.00133), Algorithm 1,
 
     step(G) = (Σ_i min(1, C / ||g_i||) g_i + N(0, σ² C² I)) / B,
@@ -99,6 +100,29 @@ def noise_scaled_by_realised_batch(C, sigma, B, generator=None):
     return step
 
 
+def noise_shared_by_two_coordinates(C, sigma, B, generator=None):
+    """Bug: coordinate 1 reuses coordinate 0's noise draw (an index slip in a noise buffer,
+    two parameters aliasing one noise tensor): every coordinate's noise has the claimed law,
+    but y_0 - y_1 carries none, so the difference of their clipped sums is released exactly
+    (ε = ∞ in that direction)."""
+    def step(G):
+        noise = _noise(G.shape[1], sigma * C, generator, G)
+        noise[1] = noise[0]
+        return (_clip_rows(G, C).sum(0) + noise) / B
+    return step
+
+
+def no_noise_on_an_empty_batch(C, sigma, B, generator=None):
+    """Bug: an empty batch returns zeros (``if not batch: return`` before the noise): under
+    Poisson sampling whether a batch is empty depends on the records, and an update of
+    exactly zero says that none of them was drawn."""
+    def step(G):
+        if G.shape[0] == 0:
+            return torch.zeros(G.shape[1], dtype=G.dtype)
+        return (_clip_rows(G, C).sum(0) + _noise(G.shape[1], sigma * C, generator, G)) / B
+    return step
+
+
 PARTS = {
     "per_layer_clipping": per_layer_clipping,
     "norm_leaves_out_a_parameter": norm_leaves_out_a_parameter,
@@ -107,6 +131,8 @@ PARTS = {
     "nan_record_full_weight": nan_record_full_weight,
     "noise_seed_with_a_period": noise_seed_with_a_period,
     "noise_scaled_by_realised_batch": noise_scaled_by_realised_batch,
+    "noise_shared_by_two_coordinates": noise_shared_by_two_coordinates,
+    "no_noise_on_an_empty_batch": no_noise_on_an_empty_batch,
 }
 """name -> factory (C, σ, B, generator) -> step_fn; each must fail ``audit_dp_step``."""
 

@@ -10,7 +10,8 @@ fresh at every call. ``audit_dp_step`` feeds designed batches (a huge sample, a 
 zero one, a one-coordinate outlier, aligned moderate ones; the same minus the huge sample;
 a small batch n = 2; samples on one coordinate with norms from C/2 to 8C, straddling C; an
 outlier of norm 30C on every coordinate in turn; copies of one dense record of norm 100C; the
-designed batch plus a record holding a NaN) ``trials`` times each and tests those two
+designed batch plus a record holding a NaN; an empty batch, n = 0, which Poisson sampling
+draws and whose step must still be noise) ``trials`` times each and tests those two
 equations with scipy.stats.
 
 The mean checks combine two tests (Bonferroni, each at half the row's level): the largest |t|
@@ -23,7 +24,7 @@ output must not move by more than C/B (the "sensitivity" row), as a record given
 because its norm is NaN would.
 
 Significance: the audit's false-alarm probability is at most ``alpha`` at every allowed
-``trials`` (>= 20): Bonferroni, alpha/8 per row and split inside each row; each test's null
+``trials`` (>= 20): Bonferroni, alpha/9 per row and split inside each row; each test's null
 distribution is exact for Gaussian noise (t(T-1), F and χ² for means and variances, Beta for
 the cosine of two noise vectors, Kolmogorov-Smirnov on Helmert-decorrelated residuals for the
 shape), except the lag-1 check's normal approximation to a correlation over batches·d·(T-1)
@@ -70,6 +71,7 @@ from workbench.checks import (
 )
 from workbench.viz.audit import plot_noise_histogram
 
+EMPTY = "empty batch (n=0)"
 _CHECKS = {
     "mean · designed batch": "E[step(G)] = Σ clip_C(g_i)/B with huge, tiny, zero, outlier and "
     "aligned samples, a 30C outlier on every coordinate and copies of a dense 100C record; "
@@ -83,11 +85,17 @@ _CHECKS = {
     "sensitivity": "||E[step(A)] - E[step(A')]|| <= C/B for neighbours A, A' (one-sided): the "
     "huge sample removed, and a record holding a NaN added (raising or returning NaN is "
     "accepted as loud); cannot see sensitivity excess below the noise floor s·sqrt(2χ²_d/T)",
-    "noise variance": "Σ(r - r̄)²/s² ~ χ² overall, per batch and per coordinate: noise std is "
-    "σC/B everywhere (two-sided); catches noise missing from or doubled on some parameters",
+    "noise variance": "Σ(r - r̄)²/s² ~ χ² overall, per batch and per coordinate, and the "
+    "extreme singular values of the decorrelated residuals (every direction): noise std is "
+    "σC/B everywhere (two-sided); catches noise missing from or doubled on some parameters, "
+    "or missing in a direction across them (two coordinates given the same noise)",
     "noise is Gaussian": "Kolmogorov-Smirnov of the Helmert-decorrelated residuals / s against "
     "N(0, 1) (exact null: iid N(0, 1) under the claim); cannot see non-Gaussian noise whose "
     "CDF is within ~2/sqrt(batches·d·T) of the normal's",
+    EMPTY: "an empty Poisson batch (n = 0) still steps: E[step] = 0 and Σ y²/s² ~ χ²(T·d), "
+    "noise alone of the claimed std; catches a step that returns exact zeros or skips the "
+    "noise when no record was drawn, or raises there (a loop would skip the step: whether "
+    "a batch is empty depends on the records, so either tells)",
     "noise is fresh": "lag-1 correlation of consecutive calls' noise = 0, and no two calls' "
     "noise vectors alike (cosine, exact Beta null) or equal: catches reuse at any lag; "
     "cannot see noise that is merely predictable",
@@ -175,8 +183,9 @@ def audit_dp_step(step_fn, dim: int, batch_size: float, max_grad_norm: float,
                   generator: torch.Generator | None = None) -> MechanismAudit:
     """Test ``step_fn(G) == (Σ_i clip_C(g_i) + N(0, σ²C² I)) / batch_size`` in distribution.
 
-    Runs ``step_fn`` 7·trials times on designed batches (``design_batches`` and
-    ``nan_record_batch``; G is float64). p-values are compared with alpha/8, each row's parts
+    Runs ``step_fn`` 8·trials times on designed batches (``design_batches``,
+    ``nan_record_batch`` and an empty one; G is float64). p-values are compared with alpha/9
+    (one share per row of the table), each row's parts
     sharing it; 'sensitivity' reports a bound instead (p_value NaN). With noise_multiplier = 0
     the mean checks become exact (tolerance 1e-6·C/B, for float32 steps) and the noise checks
     require zero noise. The step's own randomness is its own; ``generator`` only designs G.
@@ -208,6 +217,7 @@ def audit_dp_step(step_fn, dim: int, batch_size: float, max_grad_norm: float,
         p = min(1.0, len(ps) * min(p for _, p in ps))
         rows.append(_row(name, max(z for z, _ in ps), p, a, p >= a))
     rows.append(_sensitivity_row(step_fn, batches, ybars, C, B, s, tol, T, a, resid))
+    rows.append(_empty_row(step_fn, dim, s, tol, T, a, resid))
     R = np.stack(resid)  # (batches, T, dim)
     rows += _noise_rows(R, np.concatenate(noise), s, tol, T, a)
     z = R.ravel() / (s if s > 0 else max(R.std(), tol))
@@ -235,6 +245,28 @@ def _sensitivity_row(step_fn, batches, ybars, C, B, s, tol, T, a, resid):
         moved = max(moved, np.linalg.norm(Y.mean(0) - ybars[A]))
         resid.append(Y - Y.mean(0))
     return _row("sensitivity", moved, np.nan, bound, moved <= bound)
+
+
+def _empty_row(step_fn, dim, s, tol, T, a, resid):
+    """The empty batch: mean 0 (``_mean_p``) and, the mean known, Σ y²/s² ~ χ²(T·d) over its
+    calls (two-sided; Bonferroni with the mean). A step that raises fails the row, named.
+    Its residuals join the noise checks."""
+    G = torch.zeros(0, dim, dtype=torch.float64)
+    try:
+        Y = _run(step_fn, G, T, dim)
+    except Exception as err:  # noqa: BLE001  (reported in the row, not raised)
+        row = _row(EMPTY, float("nan"), 0.0, a, False)
+        row["meaning"] = f"the step raised {type(err).__name__} on G of shape (0, {dim}): " \
+                         f"{str(err)[:200]}. " + row["meaning"]
+        return row
+    z, p = _mean_p(Y, np.zeros(dim), s, tol)
+    if s > 0:
+        x = float((Y ** 2).sum()) / s ** 2
+        dof = T * dim
+        p_var = min(1.0, 2 * min(stats.chi2.cdf(x, dof), stats.chi2.sf(x, dof)))
+        p = min(1.0, 2 * min(p, p_var))
+    resid.append(Y - Y.mean(0))
+    return _row(EMPTY, z, p, a, p >= a)
 
 
 def _noise_rows(R: np.ndarray, noise: np.ndarray, s: float, tol: float, T: int,
@@ -265,5 +297,5 @@ def _verdict(table, z, alpha, T, dim, sigma, batches, repeats, a):
     return MechanismAudit(verdict == "passed", table, z, alpha, T, verdict, res, need)
 
 
-__all__ = ["DENSE", "MAX_DIM", "MAX_REPEATS", "OUTLIERS", "MechanismAudit", "audit_dp_step",
+__all__ = ["DENSE", "EMPTY", "MAX_DIM", "MAX_REPEATS", "OUTLIERS", "MechanismAudit", "audit_dp_step",
            "boundary_norms", "design_batches", "expected_step", "helmert", "nan_record_batch"]

@@ -5,13 +5,14 @@ arXiv 1607.00133, Algorithm 1). The residuals r_t = y_t - ȳ of T calls on one b
 iid across coordinates and calls (up to the centring), so each statistic below has an exact
 null law. Each row splits its level a between its parts (Bonferroni):
 
-noise variance (a/2 pooled, a/4 per batch, a/4 per coordinate; two-sided χ² each)         (1)
+noise variance (two-sided χ² each, Bonferroni inside the row)                            (1)
 
     Σ r²/s² ~ χ²(k (T-1)) over all k = batches·d cells, over each batch's d, over each
     coordinate's batches. The pooled test is the most powerful against one wrong scale (1.1σ);
     the per-coordinate and per-batch ones see noise that is right on average but not in each
     part: one parameter group noised twice and another not at all, a frozen-then-unfrozen
-    parameter without noise, a noise scale that follows the realised batch size.
+    parameter without noise, a noise scale that follows the realised batch size. Weights:
+    a/2 pooled, a/4 per batch, a/8 per coordinate, a/8 every direction (3).
 
 noise is Gaussian: Kolmogorov-Smirnov of the Helmert contrasts / s against N(0, 1) (``helmert``).
 
@@ -27,8 +28,26 @@ noise is fresh (a/2 lag-1 correlation, a/2 repeats)                             
     one batch or on two) fails outright, at any d. A wrong mean shifts every n of its batch
     alike, so it can fail this part too (the mean rows say where).
 
+noise variance in every direction (a/8 of the row, inside (1))                          (3)
+
+    the per-coordinate rows cannot see noise that is right on every coordinate but missing
+    in a direction across them (the noise of two coordinates equal, z_1 = z_0, so y_0 - y_1
+    has none; noise projected off one direction and rescaled). Under the claim the Helmert
+    contrasts H / s (m = batches·(T-1) rows of d) are iid N(0, 1), and the extreme singular
+    values of such a Gaussian matrix obey (Davidson and Szarek 2001, Thm. II.13; Vershynin
+    2012, arXiv 1011.3027, Cor. 5.35), for every t >= 0,
+
+        P(s_min <= sqrt(m) - sqrt(d) - t) <= exp(-t²/2),   P(s_max >= sqrt(m) + sqrt(d) + t)
+        <= exp(-t²/2),
+
+    so each tail's t gives a p-value bound, exact in the sense of never liberal. A direction
+    without noise has s_min near 0: at the defaults (m ~ 2,800, d = 64) it fails with
+    p ~ e^-1000; a direction with half the variance has s_min ~ 0.71 sqrt(m), also far out.
+
 Notation: T calls per batch, d coordinates, s the claimed output noise std, r residuals.
 """
+
+import math
 
 import numpy as np
 from scipy import stats
@@ -54,7 +73,8 @@ def _chi2_p(x, dof):
 
 
 def variance_p(R: np.ndarray, s: float, T: int) -> tuple:
-    """(pooled ratio Σr²/(s² dof), combined p) of Eq. (1) for residuals R (batches, T, d)."""
+    """(pooled ratio Σr²/(s² dof), combined p) of Eq. (1) for residuals R (batches, T, d),
+    with the every-direction part of Eq. (3) (``direction_p``)."""
     sq = R ** 2 / s ** 2  # (batches, T, d)
     nb, _, d = R.shape
     dof = nb * d * (T - 1)
@@ -62,7 +82,20 @@ def variance_p(R: np.ndarray, s: float, T: int) -> tuple:
     p_pool = _chi2_p(pooled, dof)
     p_batch = _chi2_p(sq.sum(axis=(1, 2)), d * (T - 1)).min() * nb  # (batches,) -> min
     p_coord = _chi2_p(sq.sum(axis=(0, 1)), nb * (T - 1)).min() * d  # (d,) -> min
-    return pooled / dof, float(min(1.0, 2 * p_pool, 4 * p_batch, 4 * p_coord))
+    p_dir = direction_p(helmert(R).reshape(-1, d) / s)
+    return pooled / dof, float(min(1.0, 2 * p_pool, 4 * p_batch, 8 * p_coord, 8 * p_dir))
+
+
+def direction_p(H: np.ndarray) -> float:
+    """p of Eq. (3) for H (m, d), iid N(0, 1) rows under the claim: the Davidson-Szarek
+    bounds on its extreme singular values (m >= d)."""
+    m, d = H.shape
+    if m < d:
+        return 1.0
+    sv = np.linalg.svd(H, compute_uv=False)
+    lo = math.sqrt(m) - math.sqrt(d) - float(sv.min())  # the t of each tail, if positive
+    hi = float(sv.max()) - math.sqrt(m) - math.sqrt(d)
+    return min(1.0, 2 * min(math.exp(-t * t / 2) if t > 0 else 1.0 for t in (lo, hi)))
 
 
 def _cosines_max(X: np.ndarray) -> tuple:
@@ -99,4 +132,4 @@ def fresh_p(R: np.ndarray, noise: np.ndarray, T: int) -> tuple:
     return r, float(min(1.0, 2 * p_lag, 2 * p_rep))
 
 
-__all__ = ["BLOCK", "EXACT", "fresh_p", "helmert", "variance_p"]
+__all__ = ["BLOCK", "EXACT", "direction_p", "fresh_p", "helmert", "variance_p"]
