@@ -6,8 +6,8 @@ several of them pass: one huge record spread over every coordinate was the only 
 clipping moved (too little to see at a few trials: 60 trials on 32 coordinates passed it), no
 designed record had its mass on the parameter a norm leaves out, none held a NaN, and the noise
 checks pooled every coordinate and looked one call back; later, none of the checks looked at
-the noise across coordinates (two sharing one draw) and no designed batch was empty. Each step differs from the claim of
-Abadi et al. 2016 (arXiv 1607.00133), Algorithm 1,
+the noise across coordinates (two sharing one draw) and no designed batch was empty. Each
+step differs from the claim of Abadi et al. 2016 (arXiv 1607.00133), Algorithm 1,
 
     step(G) = (Σ_i min(1, C / ||g_i||) g_i + N(0, σ² C² I)) / B,
 

@@ -297,5 +297,6 @@ def _verdict(table, z, alpha, T, dim, sigma, batches, repeats, a):
     return MechanismAudit(verdict == "passed", table, z, alpha, T, verdict, res, need)
 
 
-__all__ = ["DENSE", "EMPTY", "MAX_DIM", "MAX_REPEATS", "OUTLIERS", "MechanismAudit", "audit_dp_step",
-           "boundary_norms", "design_batches", "expected_step", "helmert", "nan_record_batch"]
+__all__ = ["DENSE", "EMPTY", "MAX_DIM", "MAX_REPEATS", "OUTLIERS", "MechanismAudit",
+           "audit_dp_step", "boundary_norms", "design_batches", "expected_step", "helmert",
+           "nan_record_batch"]
