@@ -454,3 +454,52 @@ def test_an_empty_batch_after_a_full_one_steps_on_noise(mode):
                        for p in model.parameters())  # the noise, at least
     finally:
         opt.detach()
+
+
+class CentresOnSomeData(nn.Module):
+    """Mixes the records (centres over the batch) only on inputs with a large value, or once
+    ``on`` is set: the first step's verdict was reused for the same shapes until 2026-11-29,
+    the mixed step released without a check (a record's influence 1.5 C)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.on = nn.Linear(6, 8), nn.Linear(8, 3), False
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.on or float(x.abs().max()) > 4:
+            h = 5 * (h - h.mean(0, keepdim=True))
+        return self.b(h)
+
+
+@pytest.mark.parametrize("switch", ["data", "flag"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_branch_that_mixes_records_later_is_checked_again(mode, switch):
+    model = CentresOnSomeData().double()
+    x, y = data(6, 1)
+    opt = optimizer(model, mode, loss_reduction="sum")
+    try:
+        opt.zero_grad()
+        nn.CrossEntropyLoss(reduction="sum")(model(0.1 * x), y).backward()
+        opt.step()  # checked: no branch
+        if switch == "flag":
+            model.on = True
+        else:
+            x = 10 * x
+        opt.zero_grad()
+        nn.CrossEntropyLoss(reduction="sum")(model(x), y).backward()
+        with pytest.raises(wb.PerSampleCheckError):
+            opt.step()
+    finally:
+        opt.detach()
+
+
+def test_the_functional_api_checks_a_new_branch_again():
+    model = CentresOnSomeData().double()
+    x, y = data(6, 1)
+    wb.clipped_grad_sum(model, CE, x, y, 0.3, method="einsum")  # checked, no branch
+    wb.clipped_grad_sum(model, CE, x, y, 0.3, method="einsum")  # the verdict reused
+    model.on = True
+    with pytest.raises(wb.PerSampleCheckError):
+        wb.clipped_grad_sum(model, CE, x, y, 0.3, method="einsum")

@@ -244,6 +244,7 @@ class ModelRecorder:
                 roots[-1].rng, roots[-1].amp = self._rng, self._amp  # replayed by the checks
                 roots[-1].state = log  # and the model's state as the pass read it
                 roots[-1].keys = output_keys(output)  # which outputs (model_loss.py)
+                roots[-1].trace = self.tracker.trace  # its ops: the self-check's signature
                 shape = roots[-1].outputs[0][0]
                 self._n = shape[0] if len(shape) else None  # streaming: dim 0 must be n
                 self.watch.open(shape[0] if len(shape) else 1, self.root_rec.generation,
@@ -432,6 +433,7 @@ class ModelRecorder:
             rec.rng = getattr(root, "rng", None)
             rec.autocast = getattr(root, "amp", None)
             rec.state = getattr(root, "state", None)
+            rec.trace = getattr(root, "trace", 0)
             rec.signature = selfcheck.known(self.model, rec, check, extra=("optimizer",))
             rec.probe = None
             if rec.signature is not None:

@@ -243,6 +243,7 @@ class Recording:
     taken: dict = field(default_factory=dict)  # id(param) -> the BroadcastParameter layer
     # that takes it over from its rule-less owner (tied.py, rules/broadcast.py)
     feeds: object = None  # (call) -> whether its output reaches the loss (``loss_reach``)
+    trace: int = 0  # uses.UseTracker.trace of the forward pass: its ops (selfcheck.signature)
     batch_grads: dict = field(default_factory=dict)  # id(param) -> the batch's own gradient
     # of a fallback parameter, on a checked call (``selfcheck.compare_alone``)
 
@@ -333,6 +334,7 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
     uncovered = {**tracker.uncovered, **unseen(tracker, [losses])}  # disjoint (unseen.py)
     return new_recording(n, layers, recorder, params, uncovered, every_call,
                          losses=losses, random=tracker.random, lowered=tracker.lowered, rng=rng,
+                         trace=tracker.trace,
                          autocast=precision.state(p0.device), feeds=loss_reach([losses]),
                          state=log)
 

@@ -27,7 +27,9 @@ Both run the first time a model is seen with a given call signature: the shapes 
 recorded call with the batch size made symbolic (every dimension equal to n written "n"), so
 Poisson batches of varying n reuse one verdict, while a batch whose n equals another
 dimension of some call (T == n: T5's relative position bias on a (T, T) bucket matrix) is a
-new signature and is checked again. Later calls with the same signature reuse the verdict and
+new signature and is checked again; so is a pass whose ops differ (by name, in order: a branch
+that mixes records taken only on some data, or after a flag was set). Later calls with the same
+signature reuse the verdict and
 the probe's decisions. ``check="always"`` checks every call, ``check=False`` none (benchmarks
 only: on a model never checked before, a sequence-first layer with T == n then goes
 undetected).
@@ -82,11 +84,14 @@ def symbolic(shape, n: int) -> tuple:
 
 
 def signature(rec: Recording, extra=()) -> tuple:
-    """The verdict's key: every recorded call's checked shapes with n symbolic."""
+    """The verdict's key: every recorded call's checked shapes with n symbolic, and the
+    forward pass's ops in order (``rec.trace``): a model that takes another branch on other
+    data or after a flag changed (``if x.abs().max() > 4: h = h - h.mean(0)``) is checked
+    again, not released on the first branch's verdict (silent until 2026-11-29)."""
     calls = tuple((path, tuple(symbolic(s, rec.n) for s in checked_shapes(layer, call)))
                   for path, layer in rec.layers.items() for call in rec.recorder.calls[path]
                   if rec.generation is None or call.generation == rec.generation)
-    return calls, tuple(sorted(rec.fallback)), rec.dtype, extra
+    return calls, tuple(sorted(rec.fallback)), rec.dtype, rec.trace, extra
 
 
 def known(model, rec: Recording, check, extra=(), stronger=None) -> tuple | None:

@@ -149,6 +149,8 @@ class UseTracker(TorchFunctionMode):
         self.flat_rows = FlatRows()  # rows of a batch flattened to (n·T, ...) (flat_rows.py)
         self.derived = Derived(owners)  # parameter-only tensors meeting the batch (derived.py)
         self._ruled: dict[str, bool] = {}  # path -> the layer has a grad rule (_inside_rule)
+        self.trace = 0  # a hash of the names of the pass's ops in order: part of the
+        # self-check's call signature (``selfcheck.signature``)
 
     def __enter__(self):
         self.recorder.batch_free = self.batch_free
@@ -200,6 +202,9 @@ class UseTracker(TorchFunctionMode):
                 args, kwargs, pending = self.derived.rewrite(
                     func, args, kwargs, self._followed,
                     lambda p: func not in FUNCTIONAL and self._where() not in self.owners[id(p)])
+        self.trace = hash((self.trace, name))  # names only: an int argument may be n
+        # the computation, not only its layers' shapes: a branch taken on the data or a flag
+        # (h - h.mean(0) from step 2 on) is a new signature, checked again (selfcheck.py)
         if self.state is not None:  # the model's state before the op writes it (state_replay)
             self.state.before(func, args, kwargs)
         if kwargs and isinstance(kwargs.get("generator"), torch.Generator) and self.stack:
@@ -229,6 +234,7 @@ class UseTracker(TorchFunctionMode):
         """A forward pass begins on ``inputs``, the model's tensors: each taints what it
         touches (``derived.py``) and carries the batch on dim 0, one row per sample
         (``flat_rows.py``: the rows a reshape may then flatten)."""
+        self.trace = 0
         with torch._C.DisableTorchFunction():  # the tracker's own reads: no op of the pass
             self.derived.start(inputs)
             self.flat_rows.seed(inputs)
