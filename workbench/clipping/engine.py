@@ -67,12 +67,14 @@ def materialise(rec, mode: str, grads: Grouped | None = None) -> Grouped:
                 continue
             if mode == "einsum":
                 local = sample_call(layer, call, keep=own)  # under this function's wrappers
-            elif mode == "vmap":
-                local = layer_vmap_grad_sampler(layer, call.args, call.kwargs, call.backprops,
-                                                call.rows is not None)
-            else:
-                local = layer_microbatch_grad_sampler(layer, call.args, call.kwargs,
-                                                      call.backprops, call.rows is not None)
+            else:  # the layer re-run: a parametrization's state (spectral norm's power
+                # iteration, a counter) is read, not advanced once per record (until
+                # 2026-11-29 n more iterations each step, in these two modes only)
+                sampler = layer_vmap_grad_sampler if mode == "vmap" else \
+                    layer_microbatch_grad_sampler
+                with state_replay.read_only_parametrizations(layer, cache=False):
+                    local = sampler(layer, call.args, call.kwargs, call.backprops,
+                                    call.rows is not None)
             for name, g in local.items():
                 if name in own:
                     grads.put(id(own[name]), g)

@@ -344,10 +344,11 @@ def modes(log: PassLog | None):
 
 
 @contextmanager
-def read_only_parametrizations(layer: nn.Module):
+def read_only_parametrizations(layer: nn.Module, cache: bool = True):
     """Inside: reading a parametrized tensor of ``layer`` (``layer.weight`` under
-    ``torch.nn.utils.parametrize``) computes it once (``parametrize.cached``) with its
-    parametrizations in eval mode. A rule reads ``layer.weight`` after the pass (its shape, its
+    ``torch.nn.utils.parametrize``) computes it once (``parametrize.cached``; every time with
+    ``cache=False``: a per-layer vmap or micro-batching re-run differentiates it through the
+    parameters it substitutes) with its parametrizations in eval mode. A rule reads ``layer.weight`` after the pass (its shape, its
     ``requires_grad``), and in training mode each read of a spectral-normed weight ran a power
     iteration, writing ``_u`` and ``_v`` again: the model's state drifted by one iteration per
     rule call, and the weight read was not the one the forward used. In eval mode the
@@ -361,7 +362,10 @@ def read_only_parametrizations(layer: nn.Module):
     for m, _ in modes:
         m.training = False
     try:
-        with torch.nn.utils.parametrize.cached():
+        if cache:
+            with torch.nn.utils.parametrize.cached():
+                yield
+        else:
             yield
     finally:
         for m, mode in modes:
