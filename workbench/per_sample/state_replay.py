@@ -351,9 +351,9 @@ def read_only_parametrizations(layer: nn.Module, cache: bool = True):
     parameters it substitutes) with its parametrizations in eval mode. A rule reads
     ``layer.weight`` after the pass (its shape, its ``requires_grad``), and in training mode
     each read of a spectral-normed weight ran a power iteration, writing ``_u`` and ``_v``
-    again: the model's state drifted by one iteration per rule call, and the weight read was not the one the forward used. In eval mode the
-    parametrization computes from ``_u`` and ``_v`` as the pass left them, which is the weight
-    the pass computed last, and writes nothing."""
+    again: the model's state drifted by one iteration per rule call, and the weight read was not
+    the one the forward used. In eval mode the parametrization computes from ``_u`` and ``_v``
+    as the pass left them, which is the weight the pass computed last, and writes nothing."""
     plist = layer._modules.get("parametrizations")
     if plist is None:
         yield
