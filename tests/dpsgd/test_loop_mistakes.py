@@ -503,3 +503,43 @@ def test_the_functional_api_checks_a_new_branch_again():
     model.on = True
     with pytest.raises(wb.PerSampleCheckError):
         wb.clipped_grad_sum(model, CE, x, y, 0.3, method="einsum")
+
+
+def test_a_parameter_resized_in_place_after_the_optimizer_is_refused():
+    """Hugging Face's resize_token_embeddings on a tied weight resizes the same Parameter:
+    a raw autograd shape error in the probe until 2026-11-29."""
+    model = mlp()
+    opt = optimizer(model, "auto", loss_reduction="sum")
+    try:
+        x, y = data(4, 1)
+        opt.zero_grad()
+        CE(model(x), y).sum().backward()
+        opt.step()
+        with torch.no_grad():
+            model[2].weight.data = torch.randn(4, 8, dtype=torch.float64)  # one more class
+            model[2].bias.data = torch.zeros(4, dtype=torch.float64)
+        opt.zero_grad()
+        CE(model(x), y).sum().backward()
+        with pytest.raises(RuntimeError, match="resized in place"):
+            opt.step()
+    finally:
+        opt.detach()
+
+
+def test_a_dp_optimizer_over_a_dp_optimizer_is_refused_and_the_first_kept():
+    model, opt, loader = _private()
+    with pytest.raises(TypeError, match="already a DPOptimizer.*original_optimizer"):
+        PrivacyEngine().make_private(
+            module=model, optimizer=opt, data_loader=DataLoader(loader.dataset, batch_size=16),
+            noise_multiplier=1.0, max_grad_norm=1.0)
+    x, y = data(5, 2)
+    opt.zero_grad()  # the first still records its model
+    nn.CrossEntropyLoss()(model(x), y).backward()
+    opt.step()
+
+
+def test_a_model_compiled_before_the_optimizer_is_refused_by_name():
+    model = mlp()
+    compiled = torch.compile(model, backend="eager")
+    with pytest.raises(TypeError, match="torch.compile wrapper.*compile after"):
+        optimizer(compiled, "auto")

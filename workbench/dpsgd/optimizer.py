@@ -144,6 +144,25 @@ def _group_ids(groups) -> list:
     return [tuple(id(p) for p in g["params"]) for g in groups]
 
 
+def check_wrappable(optimizer, model) -> None:
+    """Refuse, by name, a DPOptimizer over a DPOptimizer (a notebook cell re-run with the
+    optimizer an earlier ``make_private`` returned: the new one stepped through the old, which
+    the new call had detached, and refused at the first ``zero_grad`` with advice to use the
+    optimizer the user was using) and a model compiled with ``torch.compile`` before (a bare
+    ``KeyError: 'training'`` from the recorder: the compiled wrapper forwards attribute reads
+    to the model it wraps)."""
+    if isinstance(optimizer, DPOptimizer):
+        raise TypeError("optimizer is already a DPOptimizer (returned by an earlier "
+                        "make_private or built over this model): wrap the torch optimizer "
+                        "itself, optimizer.original_optimizer, with the data loader you made "
+                        "(not the private one returned)")
+    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+        raise TypeError("the model is a torch.compile wrapper (OptimizedModule): the optimizer "
+                        "records the layers of an ordinary nn.Module. Make the model private "
+                        "first and compile after: model = torch.compile(model) on the module "
+                        "make_private returned (or pass model._orig_mod)")
+
+
 class DPOptimizer(Optimizer):
     """Wraps ``optimizer``; records ``model``'s layer calls; steps with DP-SGD gradients."""
 
@@ -154,6 +173,7 @@ class DPOptimizer(Optimizer):
                  method: str = AUTO, loss_reduction: str = "mean",
                  generator: torch.Generator | None = None, on_step=None, criterion=None,
                  **renamed):
+        check_wrappable(optimizer, model)  # before anything is built on either
         super().__init__(optimizer.param_groups, optimizer.defaults)  # creates the hook tables
         self.__dict__["original_optimizer"] = optimizer  # from now on the properties delegate
         # every setting is checked (the same checks as on a later assignment) before the
@@ -611,4 +631,4 @@ class DPOptimizer(Optimizer):
         self.original_optimizer.load_state_dict(state_dict)
 
 
-__all__ = ["AUTO", "DPOptimizer", "check_method"]
+__all__ = ["AUTO", "DPOptimizer", "check_method", "check_wrappable"]

@@ -370,7 +370,8 @@ class ModelRecorder:
         self._gradient_hooks()
         if self._structure() != self.snapshot:
             raise RuntimeError("the model's layers or trainable parameters changed after "
-                               "make_private (a layer added, replaced or unfrozen): their "
+                               "make_private (a layer added, replaced or unfrozen, a "
+                               "parameter resized in place: resize_token_embeddings): their "
                                "gradients would not be recorded. Call make_private again on "
                                "the changed model (with a new optimizer over its parameters)")
         scalar = next((c for c in self.root_rec.all_calls() if c.outputs and all(
@@ -605,8 +606,8 @@ class ModelRecorder:
 _ROOT_WALK = ("modules", "named_modules", "parameters", "named_parameters", "_named_members")
 
 
-def structure(model: nn.Module) -> tuple[list[int], list[int]]:
-    """``([id(m) for m in model.modules()], [id(p) for p in model.parameters() if
+def structure(model: nn.Module) -> tuple[list[int], list[tuple]]:
+    """``([id(m) for m in model.modules()], [(id(p), p.shape) for p in model.parameters() if
     p.requires_grad])``, read from each module's ``_modules`` and ``_parameters`` directly:
     checked every step (``check_step``), and ``named_modules`` builds every module's dotted
     name on the way. The same order and de-duplication (a shared module or parameter once, at
@@ -620,14 +621,15 @@ def structure(model: nn.Module) -> tuple[list[int], list[int]]:
         if type(m).named_modules is not nn.Module.named_modules or (m is model and any(
                 getattr(type(m), k) is not getattr(nn.Module, k) for k in _ROOT_WALK)):
             return [id(m) for m in model.modules()], [
-                id(p) for p in model.parameters() if p.requires_grad]
+                (id(p), p.shape) for p in model.parameters() if p.requires_grad]
         seen.add(id(m))
         mods.append(id(m))
         for p in m._parameters.values():
             if p is not None and id(p) not in seen_p:
                 seen_p.add(id(p))
                 if p.requires_grad:
-                    params.append(id(p))
+                    params.append((id(p), p.shape))  # resized in place (Hugging Face's
+                    # resize_token_embeddings on a tied weight): the same parameter, changed
         todo.extend(c for c in reversed(m._modules.values()) if c is not None)
     return mods, params
 
