@@ -405,3 +405,39 @@ def test_processes_saving_to_one_path_each_write_a_whole_file(tmp_path):
         weights.append(nn.Linear(200, 200).weight)
     assert any(torch.equal(state["model"]["weight"], w) for w in weights)
     assert not list(tmp_path.glob("*.partial"))
+
+
+@pytest.mark.parametrize("change", ["adaptive clip norm", "set by hand"])
+def test_resume_keeps_the_clip_norm_and_noise_the_run_had_moved_to(tmp_path, change):
+    """An adaptive C (its quantile estimate moves it every step) and a σ or C set on the
+    optimizer by hand: a resumed run came back with make_private's values until 2026-11-29
+    (C 5.0 instead of 2.47 after three adaptive steps)."""
+    def run():
+        torch.manual_seed(0)
+        train_set, _ = wb.data.load_digits()
+        model = wb.models.digits_mlp()
+        engine = wb.PrivacyEngine()
+        extra = ({"adaptive_clipping": wb.dpsgd.AdaptiveClipping(target_quantile=0.3,
+                                                                 learning_rate=0.5)}
+                 if change == "adaptive clip norm" else {})
+        model, opt, loader = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            data_loader=DataLoader(train_set, batch_size=128), noise_multiplier=1.0,
+            max_grad_norm=5.0, noise_generator=torch.Generator().manual_seed(1),
+            sampling_generator=torch.Generator().manual_seed(2), **extra)
+        return model, opt, loader, engine
+
+    model, opt, loader, engine = run()
+    steps(model, opt, loader, None, 3)
+    if change == "set by hand":
+        opt.max_grad_norm, opt.noise_multiplier = 2.0, 1.3
+    settings = (opt.max_grad_norm, opt.noise_multiplier)
+    assert settings != (5.0, 1.0)
+    save_checkpoint(tmp_path / "run.pt", model=model, optimizer=opt, engine=engine)
+    steps(model, opt, loader, None, 2)
+    model2, opt2, loader2, engine2 = run()
+    load_checkpoint(tmp_path / "run.pt", model=model2, optimizer=opt2, engine=engine2)
+    assert (opt2.max_grad_norm, opt2.noise_multiplier) == settings
+    steps(model2, opt2, loader2, None, 2)
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, model.state_dict()[k]), k
