@@ -201,6 +201,11 @@ def test_a_step_returning_nan_fails_its_sections_and_the_report_is_written(user,
     (["--model", "no_such_module_xyz:f", "--data", "x:y"], "could not be imported"),
     (["--model", "wb_user_code:nope", "--data", "wb_user_code:batch"], "has no attribute"),
     (["--provider", "wb_user_code:NUMBER"], "--provider 'wb_user_code:NUMBER' is a int"),
+    (["--provider", "wb_user_code:step", "--model", "wb_user_code:model", "--data",
+      "wb_user_code:batch"], "--provider 'wb_user_code:step' returned a function; "
+                             "provider(model, loss_fn, inputs, targets) must return"),
+    (["--provider", "wb_user_code:not_a_module", "--model", "wb_user_code:model", "--data",
+      "wb_user_code:batch"], "--provider 'wb_user_code:not_a_module' raised TypeError"),
     (["--step", "wb_user_code:short_step"], "returned (31,); it must return a Tensor of "
                                             "shape (32,)"),
     (["--loss", "mse", "--model", "wb_user_code:model", "--data", "wb_user_code:batch"],

@@ -20,7 +20,14 @@ from torch import nn
 from workbench.audit import cli_suite
 from workbench.audit.claim import load_claim
 from workbench.audit.claim_audit import audit_claim
-from workbench.audit.cli_inputs import InputError, check_out, load_callable, user_case, user_step
+from workbench.audit.cli_inputs import (
+    InputError,
+    check_out,
+    load_callable,
+    user_case,
+    user_provider,
+    user_step,
+)
 from workbench.audit.report import PARTS, SELF_CHECK, SUBJECT, section
 from workbench.audit.report_claim_kinds import influence_sections
 from workbench.audit.report_files import write_report
@@ -116,7 +123,8 @@ def inputs(args):
     loss_fn = _loss(args.loss)
     cases = ([user_case(args.model, args.data, loss_fn, args.loss)] if args.model
              else cli_suite.zoo_cases(args.quick))
-    providers = {spec: load_callable(spec, "--provider") for spec in args.provider}
+    providers = {spec: user_provider(spec, cases[0] if cases else None, loss_fn)
+                 for spec in args.provider}
     steps = {spec: user_step(spec, cli_suite.C, cli_suite.SIGMA, cli_suite.B, cli_suite.DIM)
              for spec in args.step}
     loader = load_callable(args.loader, "--loader") if args.loader else None

@@ -141,6 +141,34 @@ def user_step(spec: str, C: float, sigma: float, B: float, dim: int):
     return factory
 
 
+def user_provider(spec: str, case, loss_fn):
+    """The --provider callable, checked on the first audited ``case`` (name, model, inputs,
+    targets; None: not called) before the audit runs: ``provider(model, loss_fn, inputs,
+    targets)`` must return {parameter name: Tensor(n, *shape)}. (A wrong signature or return
+    type surfaced only in the report, after the whole suite ran, as "'function' object is not
+    iterable".) Wrong values are the audit's finding, not an input error."""
+    provider = load_callable(spec, "--provider")
+    if case is None:
+        return provider
+    _, model, x, y = case
+    got = _call(provider, spec, "--provider", model, loss_fn, x, y)
+    names = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    form = ("provider(model, loss_fn, inputs, targets) must return {parameter name: "
+            "Tensor(n, *parameter.shape)}, as wb.per_sample_gradients does")
+    if not isinstance(got, dict):
+        raise InputError(f"--provider {spec!r} returned {_kind(got)}; {form}")
+    for k, g in got.items():
+        if k not in names:
+            raise InputError(f"--provider {spec!r} returned a key {k!r} that is no trainable "
+                             f"parameter of the model ({', '.join(list(names)[:4])}, ...); "
+                             f"{form}")
+        want = (len(x), *names[k].shape)
+        if not isinstance(g, torch.Tensor) or tuple(g.shape) != want:
+            raise InputError(f"--provider {spec!r} returned {_kind(g)} for {k!r} on "
+                             f"{len(x)} records, not shape {want}; {form}")
+    return provider
+
+
 def check_out(out: Path) -> Path:
     """Create --out and prove it writable (``workbench.outputs``), before the audit spends
     minutes."""
@@ -151,5 +179,6 @@ def check_out(out: Path) -> Path:
 
 
 __all__ = [
-    "InputError", "Logits", "check_out", "has_logits", "load_callable", "user_case", "user_step",
+    "InputError", "Logits", "check_out", "has_logits", "load_callable", "user_case",
+    "user_provider", "user_step",
 ]
