@@ -122,3 +122,25 @@ def test_fix_model_keeps_dtype_device_mode_and_frozen_parameters():
     frozen = {name for name, p in fixed[2].named_parameters() if not p.requires_grad}
     original = {name for name, p in model[2].named_parameters() if not p.requires_grad}
     assert frozen == original == {"weight_hh_l0"}  # the DP layer keeps torch.nn's names
+
+
+def test_fix_model_replaces_a_layer_at_every_path_that_reaches_it():
+    """An alias attribute and a BatchNorm shared by two blocks: only the first path was
+    replaced until 2026-11-29, and the forward still ran the BatchNorm through the other."""
+    class Aliased(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+            self.norm = self.body[1]
+            shared = nn.BatchNorm1d(8)
+            self.a = nn.Sequential(nn.Linear(8, 8), shared)
+            self.b = nn.Sequential(nn.Linear(8, 8), shared)
+
+        def forward(self, x):
+            return self.b(self.a(self.norm(self.body[0](x))))
+
+    fixed = wb.fix_model(Aliased())
+    assert fixed.norm is fixed.body[1] and isinstance(fixed.norm, nn.GroupNorm)
+    assert fixed.a[1] is fixed.b[1] and isinstance(fixed.a[1], nn.GroupNorm)
+    assert wb.validate_model(fixed) == []
+    assert not any(isinstance(m, nn.BatchNorm1d) for m in fixed.modules())

@@ -157,12 +157,18 @@ def fix_model(model: nn.Module, num_groups: int | None = None) -> nn.Module:
     replacement = _replacement(model, num_groups)
     if replacement is not None:
         return _like(model, replacement)
-    for path, module in list(model.named_modules()):
-        replacement = _replacement(module, num_groups)
-        if replacement is not None:
-            replacement = _like(module, replacement)
-            parent_path, _, name = path.rpartition(".")
-            setattr(model.get_submodule(parent_path), name, replacement)
+    made: dict[int, nn.Module] = {}  # id(replaced) -> its one replacement: a module reached
+    # by several paths (an alias attribute, one BatchNorm shared by two blocks) is replaced
+    # at every one by the same new module, so the sharing stays (until 2026-11-29 only its
+    # first path was: the forward still ran the BatchNorm through the others)
+    for path, module in list(model.named_modules(remove_duplicate=False)):
+        if id(module) not in made:
+            replacement = _replacement(module, num_groups)
+            if replacement is None:
+                continue
+            made[id(module)] = _like(module, replacement)
+        parent_path, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent_path), name, made[id(module)])
     return model
 
 

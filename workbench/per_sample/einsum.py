@@ -154,10 +154,13 @@ def einsum_per_sample_gradients(model, loss_fn, inputs, targets, strict=False, c
     warn_fallbacks(rec)
     sig = selfcheck.known(model, rec, check)
     ref = selfcheck.probe(rec, model, loss_fn, inputs, targets) if sig else None
+    every = selfcheck.all_params(rec) if sig else []  # Σ_i g_i against the batch's own
+    batch = dict(zip(map(id, every), rec.recorder.backward(rec.losses.sum(), params=every)))
     alone = selfcheck.alone_params(rec, sig)
-    selfcheck.keep_batch_grads(rec, alone, rec.recorder.backward(rec.losses.sum(),
-                                                                 params=alone))
+    selfcheck.keep_batch_grads(rec, alone, [batch[id(p)] for p in alone])
     by_param = rule_gradients(rec)
+    if sig:  # every record, not only the probed one (a rule wrong for some rows)
+        selfcheck.compare_sums(rec, by_param, batch)
     by_param.update(fallback_gradients(rec, model, loss_fn, inputs, targets))
     n = rec.n
     grads = {name: by_param[id(p)] if id(p) in by_param

@@ -29,7 +29,9 @@ import warnings
 
 import torch
 from torch.func import functional_call, grad, vjp, vmap
-from torch.utils._pytree import tree_map
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 from workbench.errors import UnsupportedLayerError, WorkbenchError
 from workbench.per_sample import precision
@@ -78,14 +80,40 @@ def vmap_per_sample_gradients(model, loss_fn, inputs, targets, names=None):
     def loss_of_one(p, x, y):
         args = tuple(_one_sample(v) for v in x) if many else (_one_sample(x),)
         values = slot_values(model, {id(chosen[k]): v for k, v in p.items()})
-        out = functional_call(model, values, args, tie_weights=False)
-        loss = loss_fn(out, tree_map(_one_sample, y))  # (1,); tuple targets row by row
+        with _reparametrize_module(model, values, tie_weights=False):  # functional_call's
+            # swap, held over the loss too: a loss reading a parameter (an L2 term, a
+            # learned temperature) differentiates the swapped one (dropped until 2026-11-29)
+            out = model(*args)
+            with CapturedParameters(originals):  # one held in loss_fn's closure: refused
+                loss = loss_fn(out, tree_map(_one_sample, y))  # (1,); tuple targets by row
         check_losses(loss, 1)
         return loss.sum()
 
+    originals = {id(p): k for k, p in chosen.items()}
     in_dims = (None, 0, None if targets is None else 0)
     per_sample = vmap(grad(loss_of_one), in_dims=in_dims, randomness="different")
     return per_sample(params, tuple(inputs) if many else inputs, targets)
+
+
+class CapturedParameters(TorchFunctionMode):
+    """Around loss_fn under vmap: an op on a trainable parameter itself (not the swapped
+    value the module attribute holds during the call) is a parameter loss_fn captured before
+    (``w = model.head.weight``), whose gradient vmap cannot take: refused by name."""
+
+    def __init__(self, originals: dict):
+        super().__init__()
+        self.originals = originals
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        for a in tree_flatten((args, kwargs or {}))[0]:
+            if isinstance(a, torch.Tensor) and id(a) in self.originals:
+                raise UnsupportedLayerError(
+                    f"loss_fn reads the parameter {self.originals[id(a)]} through a reference "
+                    f"it holds itself: method='vmap' differentiates the parameters it swaps "
+                    f"into the model, and that reference is not one of them (its gradient "
+                    f"would be dropped). Read it through the model (model.<path>.weight) "
+                    f"inside loss_fn, or use method='einsum' or 'microbatch'")
+        return func(*args, **(kwargs or {}))
 
 
 def check_vmappable(model) -> None:

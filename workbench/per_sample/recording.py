@@ -244,6 +244,8 @@ class Recording:
     # that takes it over from its rule-less owner (tied.py, rules/broadcast.py)
     feeds: object = None  # (call) -> whether its output reaches the loss (``loss_reach``)
     trace: int = 0  # uses.UseTracker.trace of the forward pass: its ops (selfcheck.signature)
+    loss_parts: tuple | None = None  # (loss_fn, outputs, targets): the functional API's loss
+    # on halves of the batch, on a checked call (``selfcheck.check_separable``), then dropped
     batch_grads: dict = field(default_factory=dict)  # id(param) -> the batch's own gradient
     # of a fallback parameter, on a checked call (``selfcheck.compare_alone``)
 
@@ -334,7 +336,7 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
     uncovered = {**tracker.uncovered, **unseen(tracker, [losses])}  # disjoint (unseen.py)
     return new_recording(n, layers, recorder, params, uncovered, every_call,
                          losses=losses, random=tracker.random, lowered=tracker.lowered, rng=rng,
-                         trace=tracker.trace,
+                         trace=tracker.trace, loss_parts=(loss_fn, outputs, targets),
                          autocast=precision.state(p0.device), feeds=loss_reach([losses]),
                          state=log)
 

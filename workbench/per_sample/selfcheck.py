@@ -43,7 +43,7 @@ import weakref
 import torch
 from torch.utils._pytree import tree_map
 
-from workbench.errors import PerSampleCheckError, SampleMixingError
+from workbench.errors import LossCouplingError, PerSampleCheckError, SampleMixingError
 from workbench.per_sample import precision, sketch, state_replay
 from workbench.per_sample.checks import alone, check_losses, forward, take
 from workbench.per_sample.fallback import alone_differs, replayed
@@ -87,11 +87,14 @@ def signature(rec: Recording, extra=()) -> tuple:
     """The verdict's key: every recorded call's checked shapes with n symbolic, and the
     forward pass's ops in order (``rec.trace``): a model that takes another branch on other
     data or after a flag changed (``if x.abs().max() > 4: h = h - h.mean(0)``) is checked
-    again, not released on the first branch's verdict (silent until 2026-11-29)."""
+    again, not released on the first branch's verdict (silent until 2026-11-29). A batch of
+    one record has signatures of its own: its probe is the batch itself, so it verifies the
+    values (a wrong rule: unchecked at n = 1 until 2026-11-29, and Poisson sampling draws
+    such batches) but no layout, and its verdict serves no larger batch, nor theirs it."""
     calls = tuple((path, tuple(symbolic(s, rec.n) for s in checked_shapes(layer, call)))
                   for path, layer in rec.layers.items() for call in rec.recorder.calls[path]
                   if rec.generation is None or call.generation == rec.generation)
-    return calls, tuple(sorted(rec.fallback)), rec.dtype, rec.trace, extra
+    return calls, tuple(sorted(rec.fallback)), rec.dtype, rec.trace, rec.n == 1, extra
 
 
 def known(model, rec: Recording, check, extra=(), stronger=None) -> tuple | None:
@@ -100,8 +103,16 @@ def known(model, rec: Recording, check, extra=(), stronger=None) -> tuple | None
     of a check whose verdict implies this one's (a verified per-record vector implies its
     norm); a weaker check's verdict never stands in for a stronger one (ghost's norm check
     for book-keeping's sums, which read every per-sample vector)."""
-    if rec.n < 2:
+    parts, rec.loss_parts = rec.loss_parts, None  # held no longer than this decision
+    if rec.n < 1:
         return None
+    sig = _known(model, rec, check, extra, stronger)
+    if sig is not None and parts is not None:
+        check_separable(rec, *parts)
+    return sig
+
+
+def _known(model, rec: Recording, check, extra, stronger) -> tuple | None:
     sig = signature(rec, extra)
     verified = _VERIFIED.get(model, {})
     marks = verified.get(sig)
@@ -316,6 +327,51 @@ def as_sketch(rec: Recording, exact) -> RowSketch:
         {id(rec.params[k]): g for k, g in exact.items()})
 
 
+def check_separable(rec: Recording, loss_fn, outputs, targets) -> None:
+    """The functional API's loss_fn on each half of the batch gives the batch's own losses
+    for those records (under ``no_grad``, the outputs as the batch computed them): a loss
+    normalised or centred by a statistic of the batch (``/ y.abs().max()``, ``- out.mean(0)``)
+    changes for at least one half, whichever record holds the statistic. The probe compares
+    record n - 1 alone, and where that record holds the maximum it agreed (73% off, silently,
+    until 2026-11-29). Two calls of loss_fn on half the rows; none for n = 1."""
+    n = rec.n
+    if n < 2:
+        return
+    losses = rec.losses.detach()
+    tol = TOLERANCE.get(precision.compared_dtype(rec), 1e-3)
+    atol = 1e-12 if rec.dtype == torch.float64 else 1e-6
+    devices = [rec.device] if rec.device.type == "cuda" else []
+
+    def rows(t, part):
+        return t[part] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == n else t
+
+    worst, where = 0.0, None
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        for part in (slice(0, n // 2), slice(n // 2, n)):
+            try:
+                got = loss_fn(tree_map(lambda t, p=part: rows(t, p), outputs),
+                              tree_map(lambda t, p=part: rows(t, p), targets))
+            except Exception:  # noqa: BLE001  (outputs not batch-first: the probe's case)
+                return
+            want = losses[part]
+            if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+                return  # check_losses' business, at the probe
+            off = (got.to(want.dtype) - want).abs()
+            bad = off > tol * torch.maximum(got.abs().to(want.dtype), want.abs()) + atol
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0, 0]) + part.start
+                if float(off.max()) > worst:
+                    worst, where = float(off.max()), i
+    if where is not None:
+        raise LossCouplingError(
+            f"loss_fn couples the records: record {where}'s loss changes (by {worst:.3g}) when "
+            f"loss_fn sees half of the batch instead of all of it, so it reads a statistic of "
+            f"the batch (a normaliser such as y.abs().max() or mask.sum(), a mean or std over "
+            f"the records), and a record's gradient depends on which records were sampled "
+            f"beside it: per-record clipping bounds nothing. Normalise by constants of the "
+            f"data set or per record (over its own dims), and return one loss per record")
+
+
 def alone_params(rec: Recording, checked) -> list:
     """The parameters whose g_i the whole-model fallback computes because their layer was
     called off the batch's rows (``recording.batch_problem``), each once, when this call is
@@ -331,6 +387,48 @@ def alone_params(rec: Recording, checked) -> list:
         if NOT_THE_BATCH in rec.fallback.get(id(p), ""):
             seen.setdefault(id(p), p)
     return list(seen.values())
+
+
+def all_params(rec: Recording) -> list:
+    """Every trainable parameter of the recording, each once."""
+    return list({id(p): p for p in rec.params.values()}.values())
+
+
+def compare_sums(rec: Recording, grads: dict, batch: dict) -> None:
+    """Σ_i g_i of each parameter a rule computed (``grads``: {id: (n, *shape)}) against the
+    batch's own gradient from the same backward pass (``batch``: {id: Tensor or None}): the
+    probe compares record n - 1 alone, and a rule wrong only for other rows (an Embedding
+    rule that assigns a repeated token's rows instead of adding them, where record n - 1
+    repeats none) passed it (6% off, silently, until 2026-11-29). ``PerSampleCheckError``
+    naming the parameters."""
+    tol = TOLERANCE.get(precision.compared_dtype(rec), 1e-3)
+    atol = 1e-12 if rec.dtype == torch.float64 else 1e-6
+    names = {}
+    for name, p in rec.params.items():
+        names.setdefault(id(p), name)
+    off = []
+    overall = math.sqrt(sum(float(b.to(torch.float64).pow(2).sum()) for b in batch.values()
+                            if b is not None))  # a parameter whose true gradient is ~0
+    # (an InstanceNorm weight under a sum loss) is rounding noise at the model's scale
+    for key, g in grads.items():
+        if key not in batch:
+            continue
+        total = g.sum(0).to(torch.float64)
+        ref = torch.zeros_like(total) if batch[key] is None else batch[key].to(torch.float64)
+        diff = float((total - ref).norm())
+        scale = float(g.reshape(g.shape[0], -1).to(torch.float64).norm(dim=1).sum())  # the
+        # rounding of a sum of records that cancel (an InstanceNorm weight's) is theirs
+        if diff > tol * max(scale, float(ref.norm()), overall) + atol:
+            off.append((diff, names.get(key, "?")))
+    if off:
+        worst = ", ".join(name for _, name in sorted(off, reverse=True)[:3])
+        raise PerSampleCheckError(
+            f"self-check failed: the per-sample gradients of {worst} do not sum to the "
+            f"batch's own gradient (by {max(d for d, _ in off):.3g}), though record "
+            f"{rec.n - 1}'s matched its exact twin: the grad sampler of their layer is wrong "
+            f"for some other record (a rule that handles a case record {rec.n - 1} does not "
+            f"have: a repeated index, a padding row). Nothing was returned; check the rule "
+            f"against micro-batching with wb.audit.audit_gradients on a batch with such rows")
 
 
 def keep_batch_grads(rec: Recording, params: list, grads) -> None:
@@ -359,7 +457,8 @@ def compare_alone(rec: Recording, exact: dict) -> None:
         total = g.sum(0).to(torch.float64)
         ref = torch.zeros_like(total) if batch is None else batch.to(torch.float64)
         diffs.append((float((total - ref).norm()), key))
-        scale = max(scale, float(total.norm()), float(ref.norm()))
+        scale = max(scale, float(g.reshape(g.shape[0], -1).to(torch.float64).norm(dim=1).sum()),
+                    float(ref.norm()))
     rec.batch_grads = {}
     off = math.sqrt(sum(d * d for d, _ in diffs))
     atol = 1e-12 if rec.dtype == torch.float64 else 1e-6
@@ -423,7 +522,9 @@ def compare_rows(rec: Recording, fast: RowSketch, exact) -> None:
 
 
 __all__ = [
-    "CHECKS", "NORM_CHUNK", "TOLERANCE", "alone_params", "as_sketch", "check_option", "compare",
+    "CHECKS", "NORM_CHUNK", "TOLERANCE", "all_params", "alone_params", "as_sketch",
+    "check_option", "compare_sums",
+    "check_separable", "compare",
     "compare_alone", "compare_norm", "compare_rows", "keep_batch_grads", "known", "probe",
     "probe_sketch", "record_probe", "remember", "replayed", "signature", "substituted",
     "symbolic", "treatment",

@@ -1,0 +1,150 @@
+"""What the self-check sees beyond its probed record (found by a probe of the functional API,
+2026-11-29; each was silent before):
+
+- a batch of one record was never checked (``known`` skipped n < 2), and Poisson sampling
+  draws such batches: a rule off by 2x passed there in every method and in the optimizer;
+- the probe compares record n - 1 alone, so a loss normalised by a statistic held by that
+  record (``/ y.abs().max()``) agreed with it, and a rule wrong only for other rows too:
+  the loss now runs on each half of the batch (``selfcheck.check_separable``) and einsum's
+  per-sample gradients are summed against the batch's own gradient
+  (``selfcheck.compare_sums``);
+- ``method="vmap"`` dropped a loss term reading a parameter (an L2 term in loss_fn): the
+  parameters are swapped over the loss too.
+
+The reference: float64, one record at a time, clipped and summed."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import workbench as wb
+from workbench.dpsgd import DPOptimizer
+from workbench.errors import LossCouplingError, PerSampleCheckError
+
+C = 0.5
+
+
+class Scaled(nn.Module):
+    def __init__(self, d=4):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.randn(d)), nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return torch.tanh(x) * self.weight + self.bias
+
+
+class TwiceScaled(Scaled):  # its registered rule is off by 2 on the weight
+    pass
+
+
+class FirstRowWrong(Scaled):  # its registered rule is off on row 0 only
+    pass
+
+
+@wb.register_grad_sampler(TwiceScaled)
+def _twice(layer, activations, backprops):
+    a, b = activations[0], backprops
+    return {"weight": 2 * torch.tanh(a) * b, "bias": b}
+
+
+@wb.register_grad_sampler(FirstRowWrong)
+def _first_row(layer, activations, backprops):
+    a, b = activations[0], backprops
+    w = torch.tanh(a) * b
+    w = torch.cat([3 * w[:1], w[1:]])
+    return {"weight": w, "bias": b}
+
+
+def model(cls):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), cls(4), nn.Linear(4, 2)).double()
+
+
+def loss(out, y):
+    return (out - y).pow(2).sum(1)
+
+
+def data(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, 4, generator=g, dtype=torch.float64),
+            torch.randn(n, 2, generator=g, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("method", ["einsum", "ghost", "bookkeeping"])
+def test_a_wrong_rule_is_caught_in_a_batch_of_one(method):
+    x, y = data(1)
+    with pytest.raises(PerSampleCheckError):
+        wb.clipped_grad_sum(model(TwiceScaled), loss, x, y, C, method=method)
+
+
+@pytest.mark.parametrize("mode", ["einsum", "bookkeeping", "auto"])
+def test_the_optimizer_checks_a_batch_of_one(mode):
+    m = model(TwiceScaled)
+    opt = DPOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), m, noise_multiplier=0.0,
+                      max_grad_norm=C, expected_batch_size=1.0, method=mode,
+                      loss_reduction="sum")
+    try:
+        x, y = data(1)
+        opt.zero_grad()
+        loss(m(x), y).sum().backward()
+        with pytest.raises(PerSampleCheckError):
+            opt.step()
+    finally:
+        opt.detach()
+
+
+def test_a_batch_of_one_verdict_serves_no_larger_batch():
+    m = model(Scaled)  # the elementwise rule of its parent class: none, vmap
+    wb.clipped_grad_sum(m, loss, *data(1), C, method="einsum")
+    wb.clipped_grad_sum(m, loss, *data(6), C, method="einsum")  # checked afresh, passes
+
+
+def test_a_rule_wrong_for_a_row_the_probe_does_not_see_is_caught_by_the_sum():
+    with pytest.raises(PerSampleCheckError, match="do not sum to the batch's own gradient"):
+        wb.per_sample_gradients(model(FirstRowWrong), loss, *data(6), method="einsum")
+
+
+@pytest.mark.parametrize("where", [0, 5])
+@pytest.mark.parametrize("method", ["einsum", "ghost", "bookkeeping"])
+def test_a_loss_normalised_by_a_batch_statistic_is_refused_wherever_it_sits(method, where):
+    x, y = data(6)
+    y[where] = 10.0  # the maximum: in the probed record (5) or not (0)
+
+    def normalised(out, t):
+        return (out - t).pow(2).sum(1) / t.abs().max()
+
+    with pytest.raises(LossCouplingError, match="half of the batch"):
+        wb.clipped_grad_sum(model(Scaled), normalised, x, y, C, method=method)
+
+
+@pytest.mark.filterwarnings("ignore:per-sample gradients of 2.weight")  # micro-batched
+@pytest.mark.parametrize("method", ["microbatch", "vmap", "einsum", "ghost", "bookkeeping"])
+def test_a_loss_reading_a_parameter_is_exact_in_every_method(method):
+    m = model(Scaled)
+    x, y = data(5)
+
+    def with_l2(out, t):
+        return loss(out, t) + 0.1 * m[2].weight.pow(2).sum()
+
+    got = wb.clipped_grad_sum(m, with_l2, x, y, C, method=method)
+    params = list(m.parameters())
+    want = [torch.zeros_like(p) for p in params]
+    for i in range(5):
+        g = torch.autograd.grad(with_l2(m(x[i:i + 1]), y[i:i + 1]).sum(), params)
+        norm = torch.sqrt(sum((t ** 2).sum() for t in g))
+        for w, t in zip(want, g):
+            w += min(1.0, C / float(norm)) * t
+    for (name, _), w in zip(m.named_parameters(), want):
+        torch.testing.assert_close(got[name], w, rtol=1e-9, atol=1e-12)
+
+
+def test_vmap_refuses_a_parameter_the_loss_holds_itself():
+    m = model(Scaled)
+    held = m[2].weight  # captured: vmap cannot swap it
+
+    def with_l2(out, t):
+        return loss(out, t) + 0.1 * held.pow(2).sum()
+
+    with pytest.raises(wb.UnsupportedLayerError, match="2.weight through a reference"):
+        wb.per_sample_gradients(m, with_l2, *data(5), method="vmap")
