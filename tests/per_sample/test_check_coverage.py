@@ -147,3 +147,21 @@ def test_vmap_refuses_a_parameter_the_loss_holds_itself():
 
     with pytest.raises(wb.UnsupportedLayerError, match="2.weight through a reference"):
         wb.per_sample_gradients(m, with_l2, *data(5), method="vmap")
+
+
+class WrongAxisNorm(Scaled):  # its norm rule sums over the batch, returning (T,)
+    pass
+
+
+@wb.register_norm_sampler(WrongAxisNorm)
+def _wrong_axis(layer, activations, backprops):
+    return (torch.tanh(activations[0]) * backprops).sum(0).pow(2).sum(-1)
+
+
+@pytest.mark.parametrize("method", ["ghost", "bookkeeping"])
+def test_a_norm_rule_of_the_wrong_shape_is_named(method):
+    m = nn.Sequential(nn.Linear(4, 4), WrongAxisNorm(4), nn.Flatten(), nn.Linear(20, 2)).double()
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    with pytest.raises(PerSampleCheckError, match="norm sampler registered for WrongAxisNorm"):
+        wb.clipped_grad_sum(m, loss, x, torch.randn(3, 2, dtype=torch.float64), C,
+                            method=method)

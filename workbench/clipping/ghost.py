@@ -49,6 +49,7 @@ from torch.nn.utils.parametrize import is_parametrized
 from workbench.clipping import cross
 from workbench.clipping.flat import many_sample_squares, norm_dtype
 from workbench.clipping.registry import find_norm_sampler
+from workbench.errors import PerSampleCheckError
 from workbench.per_sample import precision, selfcheck, state_replay
 from workbench.per_sample.checks import check_losses, forward
 from workbench.per_sample.einsum import (
@@ -140,6 +141,20 @@ def verify_norms(model, rec: Recording, squares: torch.Tensor, remember: bool = 
     return ref
 
 
+def checked_norms(layer, value, n: int) -> torch.Tensor:
+    """A norm rule's result as float64 (n,), or ``PerSampleCheckError`` naming the layer: a
+    rule returning another shape ((T,), (n, T)) broadcast into a raw size error, or worse,
+    into the sum (until 2026-11-29), as a grad rule's wrong shape never could
+    (``einsum.check_shapes``)."""
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != (n,):
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise PerSampleCheckError(
+            f"the norm sampler registered for {type(layer).__name__} returned {got}, not the "
+            f"({n},) squared norms of the batch's {n} records: it sums over the wrong dims. "
+            f"Return Σ over the layer's parameters of ||g_i||², one number per record")
+    return value.double()
+
+
 def recorded_shared(rec: Recording) -> set[int]:
     """ids of rule parameters in more than one *recorded* call, known before the backward
     pass (``Recording.shared_ids`` counts the calls the loss reached, known after it)."""
@@ -211,7 +226,7 @@ class NormSum:
                     and not any(id(p) in self.shared for p in own.values())):
                 # float16 -> float32: squared norms above 256² fit
                 args, b = widen(call.args, torch.float32), widen(call.backprops, torch.float32)
-                value = sampler(layer, args, b).double()  # ghost norm, (n,)
+                value = checked_norms(layer, sampler(layer, args, b), self.rec.n)  # (n,)
                 if self.deferred:
                     self.ghost.append((layer, call, own, groups.pop(), value))
                     return
