@@ -165,3 +165,13 @@ def test_a_norm_rule_of_the_wrong_shape_is_named(method):
     with pytest.raises(PerSampleCheckError, match="norm sampler registered for WrongAxisNorm"):
         wb.clipped_grad_sum(m, loss, x, torch.randn(3, 2, dtype=torch.float64), C,
                             method=method)
+
+
+def test_a_forward_given_as_a_property_does_not_inherit_the_parents_rule():
+    from workbench.per_sample.registry import find_grad_sampler
+
+    class Doubled(nn.Linear):
+        forward = property(lambda self: lambda x: F.linear(x, 2 * self.weight, self.bias))
+
+    assert find_grad_sampler(Doubled(3, 2)) is None
+    assert find_grad_sampler(nn.Linear(3, 2)) is not None

@@ -160,8 +160,9 @@ def computes_like(kind: type, parent: type) -> bool:
     for cls in kind.__mro__:
         if cls is parent:
             return True
-        if any(callable(v) and k not in INHERITABLE for k, v in vars(cls).items()):
-            return False
+        if any((callable(v) or isinstance(v, (property, staticmethod, classmethod)))
+               and k not in INHERITABLE for k, v in vars(cls).items()):
+            return False  # a descriptor computes too (forward = property(...))
     return False
 
 
