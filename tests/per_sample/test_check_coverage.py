@@ -15,6 +15,7 @@ The reference: float64, one record at a time, clipped and summed."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import workbench as wb
