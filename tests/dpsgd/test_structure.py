@@ -14,7 +14,7 @@ from workbench.models import make_model
 
 def walk(model):
     return [id(m) for m in model.modules()], [
-        id(p) for p in model.parameters() if p.requires_grad]
+        (id(p), p.shape) for p in model.parameters() if p.requires_grad]  # a resize shows
 
 
 def shared():
