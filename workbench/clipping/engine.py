@@ -43,6 +43,7 @@ from workbench.clipping.nonfinite import bad_records, finite_values, masked, ref
 from workbench.clipping.users import user_factors, user_squares_from_grads, user_squares_ghost
 from workbench.methods import CLIP_METHODS, MATERIALISING
 from workbench.per_sample import state_replay
+from workbench.per_sample.checks import dense
 from workbench.per_sample.einsum import sample_call
 from workbench.per_sample.functional import layer_vmap_grad_sampler
 from workbench.per_sample.microbatch import layer_microbatch_grad_sampler
@@ -116,7 +117,7 @@ def _reweighted(layer, call, c, own: list, ok) -> dict:
             grads = fast(layer, call, weighted[0], own, ok)  # None: not for these options
         if grads is not None:
             return grads
-    detach = lambda t: t.detach() if isinstance(t, torch.Tensor) else t  # noqa: E731
+    detach = lambda t: dense(t.detach()) if isinstance(t, torch.Tensor) else t  # noqa: E731
     if call.rows is not None:  # batch-flattened rows (flat_rows.py): (n, T, ...) back to the
         # (n·T, ...) the layer was called on (a router's forward reshapes its input itself)
         detach = lambda t: t.detach().flatten(0, 1) if isinstance(t, torch.Tensor) else t  # noqa: E731

@@ -170,6 +170,17 @@ def alone(kinds=ALONE_ERRORS):
             f"dim 1)") from err
 
 
+def dense(t):
+    """``t`` in the default (contiguous) memory format when it is a 4-D or 5-D Tensor in
+    another (channels_last): a layer re-run on its recorded input, which requires no grad,
+    met PyTorch 2.13's CPU GroupNorm backward on such an input, which crashes the process
+    (a segmentation fault, timm's ``GroupNorm1Act`` in a channels_last model, until
+    2026-11-29). The values are the same; only their layout changes."""
+    if isinstance(t, torch.Tensor) and t.dim() in (4, 5) and not t.is_contiguous():
+        return t.contiguous()
+    return t
+
+
 def take(batch, index: slice):
     """Rows ``index`` of a Tensor, or of each Tensor in a tuple/list (None stays None), or of
     each Tensor with n rows in a ModelCall."""
@@ -189,7 +200,7 @@ def take(batch, index: slice):
 
 
 __all__ = [
-    "ModelCall", "batch_size", "buffer_ids", "check_batch", "check_losses",
+    "ModelCall", "batch_size", "buffer_ids", "check_batch", "check_losses", "dense",
     "alone", "check_no_sample_mixing", "forward", "state_written_from_batch",
     "sample_mixing_problem", "take", "trainable_parameters",
 ]

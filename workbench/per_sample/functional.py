@@ -35,7 +35,13 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from workbench.errors import UnsupportedLayerError, WorkbenchError
 from workbench.per_sample import precision
-from workbench.per_sample.checks import alone, check_batch, check_losses, trainable_parameters
+from workbench.per_sample.checks import (
+    alone,
+    check_batch,
+    check_losses,
+    dense,
+    trainable_parameters,
+)
 from workbench.per_sample.hooks import bare, output_tensors
 from workbench.per_sample.microbatch import layer_microbatch_grad_sampler
 
@@ -217,6 +223,7 @@ def _layer_vmap(layer, args, kwargs, backprops, flat=False):
     def batched(x):
         return 0 if isinstance(x, torch.Tensor) else None
 
+    args, kwargs = tree_map(dense, (args, kwargs))  # re-run on a default layout (checks.py)
     in_dims = (tree_map(batched, args), tree_map(batched, kwargs), 0)
     return vmap(grads_of_one, in_dims=in_dims, randomness="different")(args, kwargs, backprops)
 

@@ -18,6 +18,7 @@ from workbench.per_sample.checks import (
     alone,
     check_batch,
     check_losses,
+    dense,
     forward,
     take,
     trainable_parameters,
@@ -68,7 +69,8 @@ def layer_microbatch_grad_sampler(layer, args, kwargs, backprops, flat: bool = F
     grads = {name: zeros_per_sample((n, *p.shape), like=p) for name, p in own.items()}
 
     def row(t, i):
-        return (t[i] if flat else t[i:i + 1]).detach() if isinstance(t, torch.Tensor) else t
+        return dense((t[i] if flat else t[i:i + 1]).detach()) if isinstance(t, torch.Tensor) \
+            else t
 
     for i in range(n):
         args_i = tuple(row(t, i) for t in args)
