@@ -176,3 +176,80 @@ def test_a_forward_given_as_a_property_does_not_inherit_the_parents_rule():
 
     assert find_grad_sampler(Doubled(3, 2)) is None
     assert find_grad_sampler(nn.Linear(3, 2)) is not None
+
+
+class TupleNorm(nn.Module):  # IBert's IntLayerNorm in float mode: no rule, (x, scale)
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(8))
+        self.bias = nn.Parameter(0.1 * torch.randn(8))
+
+    def forward(self, x):
+        y = x - x.mean(axis=2, keepdim=True)
+        var = torch.mean(y ** 2, axis=2, keepdim=True)
+        return y / torch.sqrt(1e-5 + var) * self.weight + self.bias, None
+
+
+class TupleLinear(nn.Module):  # IBert's QuantLinear in float mode: F.linear by keyword
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(0.3 * torch.randn(8, 8))
+        self.bias = nn.Parameter(0.1 * torch.randn(8))
+
+    def forward(self, x):
+        return F.linear(x, weight=self.weight, bias=self.bias), None
+
+
+class TupleEmbedding(nn.Module):  # IBert's QuantEmbedding in float mode
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(32, 8))
+
+    def forward(self, ids):
+        return F.embedding(ids, weight=self.weight), None
+
+
+class IBertLike(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e, self.n, self.q, self.h = TupleEmbedding(), TupleNorm(), TupleLinear(), \
+            nn.Linear(8, 3)
+
+    def forward(self, ids):
+        x = self.n(self.e(ids)[0])[0]
+        return self.h(torch.tanh(self.q(x)[0]).mean(1))
+
+
+@pytest.mark.parametrize("method", ["einsum", "ghost", "bookkeeping"])
+def test_a_functional_layer_only_the_probe_records_is_not_a_crash(method):
+    """The probe's one-record pass recorded the F.linear inside TupleLinear as a layer of
+    its own, which the batch's pass had not: a bare KeyError in every mode with the check on
+    until 2026-11-29 (the probe's recorder shared the batch's table of layers)."""
+    torch.manual_seed(0)
+    m = IBertLike().double()
+    x = torch.randint(0, 32, (5, 5), generator=torch.Generator().manual_seed(2))
+    y = torch.randint(0, 3, (5,), generator=torch.Generator().manual_seed(3))
+
+    def loss(out, t):
+        return F.cross_entropy(out, t, reduction="none")
+
+    want = wb.clipped_grad_sum(m, loss, x, y, C, method="microbatch")
+    got = wb.clipped_grad_sum(m, loss, x, y, C, method=method, check="always")
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-12)
+    opt = DPOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), m, noise_multiplier=0.0,
+                      max_grad_norm=C, expected_batch_size=1.0, method=method.replace(
+                          "ghost", "auto"), loss_reduction="sum")
+    try:
+        for step, n in enumerate((3, 1, 5, 2)):  # Poisson sizes: a new signature each
+            g = torch.Generator().manual_seed(100 + step)
+            x, y = torch.randint(2, 32, (n, 5), generator=g), torch.randint(0, 3, (n,),
+                                                                          generator=g)
+            want = wb.clipped_grad_sum(m, loss, x, y, C, method="microbatch")
+            opt.zero_grad()
+            loss(m(x), y).sum().backward()
+            opt.step()
+            for k, p in m.named_parameters():
+                torch.testing.assert_close(p.grad, want[k], rtol=1e-9, atol=1e-12)
+    finally:
+        opt.detach()

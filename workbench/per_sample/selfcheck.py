@@ -174,7 +174,7 @@ def _probe_loss(rec: Recording, model, loss_fn, inputs, targets) -> torch.Tensor
     i = rec.n - 1
     rows = slice(i, i + 1)
     devices = [rec.device] if rec.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), ActivationRecorder(rec.layers) as small, \
+    with torch.random.fork_rng(devices=devices), ActivationRecorder(dict(rec.layers)) as small, \
             precision.replayed(rec.autocast, rec.device), \
             state_replay.replayed(rec.state):  # the batch's autocast state and model state
         tracker = UseTracker(owners_of(rec.layers, model), small, parameter_names(model))
