@@ -51,7 +51,7 @@ from workbench.per_sample.state_replay import PassLog
 from workbench.per_sample.structure import model_tables
 from workbench.per_sample.tied import delegates
 from workbench.per_sample.unseen import unseen
-from workbench.per_sample.uses import UseTracker
+from workbench.per_sample.uses import UseTracker, advanced, generator_states
 from workbench.per_sample.views import stale
 
 
@@ -324,7 +324,11 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
             tracker.start(leaves((inputs, targets)))  # the batch: what it touches, its rows
             outputs = forward(model, inputs)
             tracker.in_loss = True
+            with torch._C.DisableTorchFunction():
+                drawn = generator_states()  # a random loss is not run on halves (selfcheck)
             losses = loss_fn(outputs, targets)  # (n,)
+            with torch._C.DisableTorchFunction():
+                random_loss = advanced(drawn) or tracker.loss_drew
             tracker.state = None  # the loss's draws from its own generator too (re-runs
             with torch._C.DisableTorchFunction():  # call loss_fn again: rerun_losses, the
                 log.close()  # record probe, the replayed fallback)
@@ -336,7 +340,8 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
     uncovered = {**tracker.uncovered, **unseen(tracker, [losses])}  # disjoint (unseen.py)
     return new_recording(n, layers, recorder, params, uncovered, every_call,
                          losses=losses, random=tracker.random, lowered=tracker.lowered, rng=rng,
-                         trace=tracker.trace, loss_parts=(loss_fn, outputs, targets),
+                         trace=tracker.trace,
+                         loss_parts=None if random_loss else (loss_fn, outputs, targets),
                          autocast=precision.state(p0.device), feeds=loss_reach([losses]),
                          state=log)
 

@@ -140,6 +140,7 @@ class UseTracker(TorchFunctionMode):
         self.random = False
         self.lowered = None  # the narrowest float dtype a wider float was cast to (precision.py)
         self.in_loss = False  # set while loss_fn runs: a use there is the loss's own
+        self.loss_drew = False  # loss_fn drew from a generator of its own
         self.state = None  # state_replay.PassLog of the pass, when its owner keeps one
         self.batch_free = BatchFree()
         self.covered: set[int] = set()  # ids of parameters used inside an owner (tied.py)
@@ -207,8 +208,11 @@ class UseTracker(TorchFunctionMode):
         # (h - h.mean(0) from step 2 on) is a new signature, checked again (selfcheck.py)
         if self.state is not None:  # the model's state before the op writes it (state_replay)
             self.state.before(func, args, kwargs)
-        if kwargs and isinstance(kwargs.get("generator"), torch.Generator) and self.stack:
-            self._drew_from_own_generator()
+        if kwargs and isinstance(kwargs.get("generator"), torch.Generator):
+            if self.in_loss:
+                self.loss_drew = True  # a random loss: no halves check (selfcheck.py)
+            elif self.stack:
+                self._drew_from_own_generator()
         result = func(*args, **kwargs)  # the op itself: the modes below this one see it
         with torch._C.DisableTorchFunction():  # this mode's own reads of it: no mode's ops
             if pending is not None:
