@@ -253,3 +253,47 @@ def test_a_functional_layer_only_the_probe_records_is_not_a_crash(method):
                 torch.testing.assert_close(p.grad, want[k], rtol=1e-9, atol=1e-12)
     finally:
         opt.detach()
+
+
+class DetachedMax(nn.Module):
+    """Scales its features by their largest magnitude over the whole batch, detached: the
+    probe's record alone agreed where that record held the maximum (silent until 2026-11-29;
+    HF's Nystromformer does this in its pseudo-inverse)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h / h.abs().max().detach())
+
+
+def last_holds_the_maximum(n=6):
+    x, y = data(n)
+    x[-1] = 20.0  # record n - 1, the probed one, holds the batch's maximum
+    return x, y
+
+
+@pytest.mark.parametrize("method", ["einsum", "ghost", "bookkeeping"])
+def test_a_detached_batch_statistic_in_the_forward_is_refused(method):
+    with pytest.raises(wb.SampleMixingError, match="couples the records"):
+        wb.clipped_grad_sum(DetachedMax().double(), loss, *last_holds_the_maximum(), C,
+                            method=method)
+
+
+@pytest.mark.parametrize("mode", ["microbatch", "vmap", "einsum", "bookkeeping", "auto"])
+def test_the_optimizer_refuses_a_detached_batch_statistic(mode):
+    m = DetachedMax().double()
+    opt = DPOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), m, noise_multiplier=0.0,
+                      max_grad_norm=C, expected_batch_size=1.0, method=mode,
+                      loss_reduction="sum")
+    try:
+        x, y = last_holds_the_maximum()
+        opt.zero_grad()
+        loss(m(x), y).sum().backward()
+        with pytest.raises(wb.SampleMixingError, match="couples the records"):
+            opt.step()
+    finally:
+        opt.detach()

@@ -244,8 +244,9 @@ class Recording:
     # that takes it over from its rule-less owner (tied.py, rules/broadcast.py)
     feeds: object = None  # (call) -> whether its output reaches the loss (``loss_reach``)
     trace: int = 0  # uses.UseTracker.trace of the forward pass: its ops (selfcheck.signature)
-    loss_parts: tuple | None = None  # (loss_fn, outputs, targets): the functional API's loss
-    # on halves of the batch, on a checked call (``selfcheck.check_separable``), then dropped
+    loss_parts: tuple | None = None  # (loss_fn or None for a random loss, outputs, targets,
+    # inputs): the functional API's model and loss on halves of the batch, on a checked call
+    # (``selfcheck.check_model_halves``, ``check_separable``), then dropped
     batch_grads: dict = field(default_factory=dict)  # id(param) -> the batch's own gradient
     # of a fallback parameter, on a checked call (``selfcheck.compare_alone``)
 
@@ -341,7 +342,8 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
     return new_recording(n, layers, recorder, params, uncovered, every_call,
                          losses=losses, random=tracker.random, lowered=tracker.lowered, rng=rng,
                          trace=tracker.trace,
-                         loss_parts=None if random_loss else (loss_fn, outputs, targets),
+                         loss_parts=(None if random_loss else loss_fn, outputs, targets,
+                                     inputs),
                          autocast=precision.state(p0.device), feeds=loss_reach([losses]),
                          state=log)
 

@@ -41,7 +41,7 @@ import math
 import weakref
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from workbench.errors import LossCouplingError, PerSampleCheckError, SampleMixingError
 from workbench.per_sample import precision, sketch, state_replay
@@ -108,7 +108,10 @@ def known(model, rec: Recording, check, extra=(), stronger=None) -> tuple | None
         return None
     sig = _known(model, rec, check, extra, stronger)
     if sig is not None and parts is not None:
-        check_separable(rec, *parts)
+        loss_fn, outputs, targets, inputs = parts
+        check_model_halves(rec, model, inputs, outputs)
+        if loss_fn is not None:  # None: a loss that drew random numbers
+            check_separable(rec, loss_fn, outputs, targets)
     return sig
 
 
@@ -374,6 +377,60 @@ def check_separable(rec: Recording, loss_fn, outputs, targets) -> None:
             f"data set or per record (over its own dims), and return one loss per record")
 
 
+def check_model_halves(rec: Recording, model, inputs, outputs=None) -> None:
+    """The model on each half of the batch gives the batch's own outputs for those records
+    (under ``no_grad``, with the model's state as the pass read it; ``outputs``: the batch's,
+    else computed again): a forward that reads a statistic of the whole batch, even a
+    detached one (``h / h.abs().max().detach()``, Nystromformer's pseudo-inverse scaled by a
+    max over the batch), changes for the half without it, whichever record holds it. The probe
+    compares record n - 1 alone, and where that record held the maximum it agreed (5-60% off,
+    silently, until 2026-11-29). A model drawing random numbers is left to the record probe
+    (the halves would draw others)."""
+    n = rec.n
+    if n < 2 or rec.random:
+        return
+    tol = TOLERANCE.get(precision.compared_dtype(rec), 1e-3)
+    atol = 1e-12 if rec.dtype == torch.float64 else 1e-6
+    devices = [rec.device] if rec.device.type == "cuda" else []
+
+    def rows(t, part):
+        return t[part] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == n else t
+
+    def tensors(out):
+        return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
+                and t.is_floating_point()]
+
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        if outputs is None:
+            with state_replay.replayed(rec.state):
+                outputs = forward(model, inputs)
+        full = tensors(outputs)
+        for part in (slice(0, n // 2), slice(n // 2, n)):
+            with state_replay.replayed(rec.state):
+                try:
+                    half = tensors(forward(model, take(inputs, part)))
+                except Exception:  # noqa: BLE001  (the probe's and alone()'s to explain)
+                    return
+            if len(half) != len(full):
+                return
+            for f, h in zip(full, half):
+                if f.dim() == 0 or f.shape[0] != n or h.shape != f[part].shape:
+                    continue  # not batch-first: nothing to compare by rows
+                want = f[part].to(torch.float64)
+                off = (h.to(torch.float64) - want).abs()
+                if bool((off > tol * torch.maximum(h.abs().to(torch.float64), want.abs())
+                         + atol * max(1.0, float(want.abs().max()))).any()):
+                    raise SampleMixingError(
+                        f"the model couples the records: its outputs for records "
+                        f"{part.start}..{part.stop - 1} change (by {float(off.max()):.3g}) when "
+                        f"it runs on those records alone instead of the whole batch of {n}, "
+                        f"so its forward reads a statistic of the batch (a max, mean or norm "
+                        f"over the records, detached or not: x / x.abs().max()), or branches "
+                        f"on one, and a record's gradient depends on which records were "
+                        f"sampled beside it. Compute such statistics per record (over its own "
+                        f"dims) or from constants of the data set")
+
+
 def alone_params(rec: Recording, checked) -> list:
     """The parameters whose g_i the whole-model fallback computes because their layer was
     called off the batch's rows (``recording.batch_problem``), each once, when this call is
@@ -525,7 +582,7 @@ def compare_rows(rec: Recording, fast: RowSketch, exact) -> None:
 
 __all__ = [
     "CHECKS", "NORM_CHUNK", "TOLERANCE", "all_params", "alone_params", "as_sketch",
-    "check_option", "compare_sums",
+    "check_model_halves", "check_option", "compare_sums",
     "check_separable", "compare",
     "compare_alone", "compare_norm", "compare_rows", "keep_batch_grads", "known", "probe",
     "probe_sketch", "record_probe", "remember", "replayed", "signature", "substituted",
