@@ -436,6 +436,10 @@ class DPOptimizer(Optimizer):
         """Record n - 1's ||g_i||, then its contribution as the clipped sum added it (``row``:
         parameter by parameter, ``per_sample/sketch.py``), against its exact twin; then the
         verdict is remembered."""
+        if rec.halves is not None:  # the model on each half of the batch (selfcheck.py)
+            inputs, rec.halves = rec.halves, None
+            with self.recorder.paused():
+                selfcheck.check_model_halves(rec, self.model, inputs)
         if rec.replay is not None:  # randomness: the record probe (selfcheck.py)
             ref = selfcheck.as_sketch(rec, self.recorder.replay_probe(rec, *rec.replay))
         else:

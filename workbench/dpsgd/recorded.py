@@ -438,7 +438,8 @@ class ModelRecorder:
             rec.signature = selfcheck.known(self.model, rec, check, extra=("optimizer",))
             rec.probe = None
             if rec.signature is not None:
-                selfcheck.check_model_halves(rec, self.model, _inputs(root, rec.n))
+                rec.halves = _inputs(root, rec.n)  # the model on each half: at the step's
+                # checks, once the recording's memory is freed (optimizer._verify)
                 rec.probe = selfcheck.probe_sketch(
                     rec, self.model, dot_loss_of(root), _inputs(root, rec.n),
                     root.backprops)  # g_i, as 3 numbers per parameter

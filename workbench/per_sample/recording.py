@@ -247,6 +247,7 @@ class Recording:
     loss_parts: tuple | None = None  # (loss_fn or None for a random loss, outputs, targets,
     # inputs): the functional API's model and loss on halves of the batch, on a checked call
     # (``selfcheck.check_model_halves``, ``check_separable``), then dropped
+    halves: object = None  # the optimizer's: the batch's inputs, for check_model_halves
     batch_grads: dict = field(default_factory=dict)  # id(param) -> the batch's own gradient
     # of a fallback parameter, on a checked call (``selfcheck.compare_alone``)
 
