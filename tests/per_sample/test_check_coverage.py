@@ -257,8 +257,8 @@ def test_a_functional_layer_only_the_probe_records_is_not_a_crash(method):
 
 class DetachedMax(nn.Module):
     """Scales its features by their largest magnitude over the whole batch, detached: the
-    probe's record alone agreed where that record held the maximum (silent until 2026-11-29;
-    HF's Nystromformer does this in its pseudo-inverse)."""
+    probe's record alone agreed where that record held the maximum (silent until
+    2026-11-29)."""
 
     def __init__(self):
         super().__init__()

@@ -381,11 +381,13 @@ def check_model_halves(rec: Recording, model, inputs, outputs=None) -> None:
     """The model on each half of the batch gives the batch's own outputs for those records
     (under ``no_grad``, with the model's state as the pass read it; ``outputs``: the batch's,
     else computed again): a forward that reads a statistic of the whole batch, even a
-    detached one (``h / h.abs().max().detach()``, Nystromformer's pseudo-inverse scaled by a
-    max over the batch), changes for the half without it, whichever record holds it. The probe
-    compares record n - 1 alone, and where that record held the maximum it agreed (5-60% off,
-    silently, until 2026-11-29). A model drawing random numbers is left to the record probe
-    (the halves would draw others)."""
+    detached one (``h / h.abs().max().detach()``), changes for the half without it, whichever
+    record holds it. The probe compares record n - 1 alone, and where that record held the
+    maximum it agreed (5-60% off, silently, until 2026-11-29). A model drawing random numbers
+    is left to the record probe (the halves would draw others). Not seen: a statistic whose
+    effect on the outputs vanishes but whose gradient does not (HF Nystromformer's
+    pseudo-inverse, started from a max over the batch, converges to outputs equal to 2e-15
+    while each record's loss sends gradient to the argmax record's keys)."""
     n = rec.n
     if n < 2 or rec.random:
         return
