@@ -297,3 +297,16 @@ def test_the_optimizer_refuses_a_detached_batch_statistic(mode):
             opt.step()
     finally:
         opt.detach()
+
+
+@pytest.mark.parametrize("case", ["empty", "lengths"])
+@pytest.mark.parametrize("method", ["microbatch", "vmap", "einsum"])
+def test_argument_errors_are_named_in_every_method(method, case):
+    """method='vmap' read them as a model needing its batch (a SampleMixingError) until
+    2026-11-29."""
+    x, y = (torch.zeros(0, 4), torch.zeros(0, 2)) if case == "empty" else \
+        (torch.zeros(4, 4), torch.zeros(3, 2))
+    m = nn.Linear(4, 2)
+    with pytest.raises(ValueError, match="empty batch|different batch sizes") as info:
+        wb.per_sample_gradients(m, loss, x, y, method=method)
+    assert not isinstance(info.value, wb.SampleMixingError)

@@ -138,6 +138,8 @@ def vmap_or_explain(model, loss_fn, inputs, targets):
     """``vmap_per_sample_gradients``, turning torch.func's internal errors into one that
     says what in the model vmap cannot run, and what to use instead."""
     check_vmappable(model)
+    check_batch(inputs, targets)  # the arguments' own errors, before alone() reads any
+    # error as the model's need for its batch (a misleading SampleMixingError until 2026-11-29)
     try:
         with alone((ValueError, IndexError, TypeError)):  # a model needing its batch
             return vmap_per_sample_gradients(model, loss_fn, inputs, targets)
