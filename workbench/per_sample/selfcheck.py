@@ -462,6 +462,30 @@ def all_params(rec: Recording) -> list:
     return list({id(p): p for p in rec.params.values()}.values())
 
 
+def sums_against_batch(grads: dict, batch: dict) -> list:
+    """[(||Σ_i g_i - batch||, Σ_i ||g_i||, ||batch||, key)] in float64 for each key of
+    ``grads`` ({id: (n, *shape)}) that ``batch`` ({id: Tensor or None}) holds: the one
+    comparison ``compare_sums`` and ``compare_alone`` judge (Σ_i ||g_i|| is the rounding
+    scale of a sum of records that cancel, an InstanceNorm weight's)."""
+    out = []
+    for key, g in grads.items():
+        if key not in batch:
+            continue
+        total = g.sum(0).to(torch.float64)
+        ref = torch.zeros_like(total) if batch[key] is None else batch[key].to(torch.float64)
+        out.append((float((total - ref).norm()),
+                    float(g.reshape(g.shape[0], -1).to(torch.float64).norm(dim=1).sum()),
+                    float(ref.norm()), key))
+    return out
+
+
+def _names(rec: Recording) -> dict:
+    names = {}
+    for name, p in rec.params.items():
+        names.setdefault(id(p), name)
+    return names
+
+
 def compare_sums(rec: Recording, grads: dict, batch: dict) -> None:
     """Σ_i g_i of each parameter a rule computed (``grads``: {id: (n, *shape)}) against the
     batch's own gradient from the same backward pass (``batch``: {id: Tensor or None}): the
@@ -471,23 +495,12 @@ def compare_sums(rec: Recording, grads: dict, batch: dict) -> None:
     naming the parameters."""
     tol = TOLERANCE.get(precision.compared_dtype(rec), 1e-3)
     atol = 1e-12 if rec.dtype == torch.float64 else 1e-6
-    names = {}
-    for name, p in rec.params.items():
-        names.setdefault(id(p), name)
-    off = []
+    names = _names(rec)
     overall = math.sqrt(sum(float(b.to(torch.float64).pow(2).sum()) for b in batch.values()
                             if b is not None))  # a parameter whose true gradient is ~0
     # (an InstanceNorm weight under a sum loss) is rounding noise at the model's scale
-    for key, g in grads.items():
-        if key not in batch:
-            continue
-        total = g.sum(0).to(torch.float64)
-        ref = torch.zeros_like(total) if batch[key] is None else batch[key].to(torch.float64)
-        diff = float((total - ref).norm())
-        scale = float(g.reshape(g.shape[0], -1).to(torch.float64).norm(dim=1).sum())  # the
-        # rounding of a sum of records that cancel (an InstanceNorm weight's) is theirs
-        if diff > tol * max(scale, float(ref.norm()), overall) + atol:
-            off.append((diff, names.get(key, "?")))
+    off = [(diff, names.get(key, "?")) for diff, scale, ref, key in sums_against_batch(grads, batch)
+           if diff > tol * max(scale, ref, overall) + atol]
     if off:
         worst = ", ".join(name for _, name in sorted(off, reverse=True)[:3])
         raise PerSampleCheckError(
@@ -514,19 +527,11 @@ def compare_alone(rec: Recording, exact: dict) -> None:
     if not rec.batch_grads:
         return
     tol = TOLERANCE.get(precision.compared_dtype(rec), 1e-3)
-    names = {}
-    for name, p in rec.params.items():
-        names.setdefault(id(p), name)
-    diffs, scale = [], 0.0
-    for key, batch in rec.batch_grads.items():
-        g = exact.get(key)
-        if g is None:
-            continue
-        total = g.sum(0).to(torch.float64)
-        ref = torch.zeros_like(total) if batch is None else batch.to(torch.float64)
-        diffs.append((float((total - ref).norm()), key))
-        scale = max(scale, float(g.reshape(g.shape[0], -1).to(torch.float64).norm(dim=1).sum()),
-                    float(ref.norm()))
+    names = _names(rec)
+    rows = sums_against_batch({k: exact[k] for k in rec.batch_grads if k in exact},
+                              rec.batch_grads)
+    diffs = [(diff, key) for diff, _, _, key in rows]
+    scale = max((max(s_, r) for _, s_, r, _ in rows), default=0.0)
     rec.batch_grads = {}
     off = math.sqrt(sum(d * d for d, _ in diffs))
     atol = 1e-12 if rec.dtype == torch.float64 else 1e-6
@@ -595,5 +600,6 @@ __all__ = [
     "check_separable", "compare",
     "compare_alone", "compare_norm", "compare_rows", "keep_batch_grads", "known", "probe",
     "probe_sketch", "record_probe", "remember", "replayed", "signature", "substituted",
+    "sums_against_batch",
     "symbolic", "treatment",
 ]
