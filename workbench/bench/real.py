@@ -71,11 +71,12 @@ def attempt(fn):
         return "crashed: " + short(error)
 
 
-def verdicts(name: str) -> dict:
-    """{method: verdict} for the functional API and Opacus, float64."""
+def verdicts(name: str, device: torch.device = torch.device("cpu")) -> dict:
+    """{method: verdict} for the functional API and Opacus, float64, on ``device`` (the
+    reference loop too: on a GPU the table says whether the methods are exact there)."""
     problem = PROBLEMS[name]
-    model, loss_fn = problem.build(torch.float64), problem.loss_fn
-    x, y = problem.batch(VERDICT_N, T=T_CHECK)
+    model, loss_fn = problem.build(torch.float64).to(device), problem.loss_fn
+    x, y = (t.to(device) for t in problem.batch(VERDICT_N, T=T_CHECK))
     ref = attempt(lambda: one_at_a_time(model, loss_fn, x, y))
     if isinstance(ref, str):  # the model itself cannot run per sample (BatchNorm in eval: can)
         return {m: ref for m in ("microbatch", "vmap", "einsum", "ghost", "bookkeeping")}
@@ -152,7 +153,7 @@ def cost(name: str, repeats: int, device: torch.device, size: str = "tiny",
 
 def row(name: str, repeats: int, device: torch.device, sizes_=("tiny", "base"),
         mode: str = "auto") -> dict:
-    out = {"model": name, **verdicts(name)}
+    out = {"model": name, **verdicts(name, device)}
     for size in sizes_:
         end = "" if size == "tiny" else f"_{size}"
         dp = (sizes.NO_BASE[name] if size == "base" and name in sizes.NO_BASE
@@ -241,7 +242,8 @@ def main(argv=None):
         rows = []
         for name in args.models:
             rows.append(row(name, args.repeats, device, args.sizes, args.mode))
-            print(f"{name}: done", flush=True)
+            pd.DataFrame(rows).to_csv(args.out, index=False)  # so far: a run stopped early
+            print(f"{name}: done", flush=True)  # keeps the rows it finished
         where = device_name(device)  # with the threads the table ran on
     finally:
         torch.set_num_threads(threads)  # main() called from a notebook leaves it as it was
@@ -249,7 +251,7 @@ def main(argv=None):
     with pd.option_context("display.width", 250):
         print(f"\n{where}, DP step: n = {TIME_N}, T = {sizes.TOKENS['tiny']} (tiny) and "
               f"{sizes.TOKENS['base']} (base), float32; "
-              f"verdicts: n = T = {VERDICT_N}, float64\n"
+              f"verdicts: n = T = {VERDICT_N}, float64 on {device.type}\n"
               f"{printable(table).to_string(index=False)}\n\n{summary(table, args.mode)}")
     table.to_csv(args.out, index=False)
     print(f"wrote {args.out} (full verdicts and errors)")
