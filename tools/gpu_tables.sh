@@ -57,21 +57,34 @@ fi
 if [ -z "${QUICK:-}" ]; then
     mapfile -t NAMES < <($PY -c "from workbench.realzoo import PROBLEMS; print(*PROBLEMS, sep='\n')")
     [ -n "${REAL_MODELS:-}" ] && read -r -a NAMES <<< "$REAL_MODELS"  # a dry run's few
+    # REAL_ALONE: models run last, each in a process of its own (a CUDA device-side assert
+    # ends its process's CUDA: on an H200, 2026-11-30, OPT's took the rest of its half along)
+    read -r -a ALONE <<< "${REAL_ALONE:-}"
+    for a in "${ALONE[@]}"; do NAMES=("${NAMES[@]/$a}"); done
+    read -r -a NAMES <<< "${NAMES[*]}"
     HALF=$(( (${#NAMES[@]} + 1) / 2 ))
     part "${REAL_LIMIT:-300}" real_a real --device "$DEVICE" "${REAL[@]}" \
         --models "${NAMES[@]:0:$HALF}" --out "$OUT/real_a.csv" > /dev/null &
     part "${REAL_LIMIT:-300}" real_b real --device "$DEVICE" "${REAL[@]}" \
         --models "${NAMES[@]:$HALF}" --out "$OUT/real_b.csv" > /dev/null
     wait
+    PARTS=("$OUT/real_a.csv" "$OUT/real_b.csv")
+    for a in "${ALONE[@]}"; do
+        part 60 "real_$a" real --device "$DEVICE" "${REAL[@]}" --models "$a" \
+            --out "$OUT/real_$a.csv" > /dev/null
+        PARTS+=("$OUT/real_$a.csv")
+    done
     $PY -c "
 import sys, pandas as pd
 from workbench.bench import real
-parts = [pd.read_csv(f) for f in sys.argv[2:]]
+parts = [pd.read_csv(f) for f in sys.argv[2:] if __import__('os').path.exists(f)]
 table = pd.concat(parts, ignore_index=True)
 table.to_csv(sys.argv[1], index=False)
 print(real.printable(table).to_string(index=False)); print(real.summary(table))
-" "$OUT/real_$DEVICE.csv" "$OUT/real_a.csv" "$OUT/real_b.csv" 2>&1 | tee -a "$LOG"
-    rm -f "$OUT/real_a.csv" "$OUT/real_b.csv"
+" "$OUT/real_$DEVICE.csv" "${PARTS[@]}" 2>&1 | tee -a "$LOG"
+    rm -f "${PARTS[@]}"
 else
     part 60 real real --device "$DEVICE" "${REAL[@]}" --out "$OUT/real_$DEVICE.csv"
 fi
+# DIAG: a script of further checks to run last (its output in $OUT)
+if [ -n "${DIAG:-}" ]; then bash "$DIAG"; fi

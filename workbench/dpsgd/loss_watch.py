@@ -66,8 +66,9 @@ from workbench.dpsgd.loss_terms import BatchStatistics
 from workbench.dpsgd.model_loss import name_of
 from workbench.dpsgd.record_reduction import RecordReduction
 from workbench.errors import LossCouplingError, RecordCountError
+from workbench.per_sample import precision
 from workbench.per_sample.loss import check_separable, record_factors, reduction_of
-from workbench.per_sample.selfcheck import TOLERANCE, symbolic
+from workbench.per_sample.selfcheck import symbolic
 
 
 class LossWatch:
@@ -430,7 +431,7 @@ class LossWatch:
             if hk is not None:
                 own += float(hk[n - 1].double().norm()) ** 2
                 others += float(hk[:n - 1].double().norm()) ** 2
-        tol = TOLERANCE.get(loss.dtype, 1e-3)
+        tol = precision.tolerance_of(loss.dtype, loss.device)
         if others ** 0.5 > tol * max(own ** 0.5, 1e-12) + 1e-12:
             names = sorted({name for g_, _, name in self.calls if g_ == self.generation})
             seen = f" ({', '.join(names)})" if names else ""
@@ -480,7 +481,8 @@ class LossWatch:
         pending, self.pending = self.pending, []
         for key, criterion, z, rest, n, reduction in pending:
             if key not in self.checked:
-                check_separable(criterion, z, rest, n, reduction, TOLERANCE.get(z.dtype, 1e-3))
+                check_separable(criterion, z, rest, n, reduction,
+                                precision.tolerance_of(z.dtype, z.device))
                 self.checked.add(key)
 
     def factors(self, generation: int, n: int) -> torch.Tensor | None:

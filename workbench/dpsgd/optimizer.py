@@ -365,7 +365,7 @@ class DPOptimizer(Optimizer):
                     if mode == "auto":  # einsum or book-keeping, by clipping/auto.py's rule
                         mode = self._auto_mode(rec)
                     modes.append(mode)
-                    tol = max(tol, selfcheck.TOLERANCE.get(precision.compared_dtype(rec), 1e-3))
+                    tol = max(tol, precision.tolerance(rec))
                     if self.recorder.comparing and not compare:  # once per step
                         compare = True
                         if self._path_check_applies():
@@ -402,8 +402,8 @@ class DPOptimizer(Optimizer):
                 if torch.isfinite(norm):  # a non-finite record is left out, not compared
                     self._verify(rec, norm, row)
             if paths is not None and not skipped:  # Σ_i g_i with a NaN record proves nothing
-                tol = max(tol, selfcheck.TOLERANCE.get(
-                    next(iter(self.recorder.params.values())).dtype, 1e-3))
+                first = next(iter(self.recorder.params.values()))
+                tol = max(tol, precision.tolerance_of(first.dtype, first.device))
                 paths.verdict(tol, unchecked, why)
         except Exception:
             self._sums = {}  # nothing of a refused batch is kept for a later step

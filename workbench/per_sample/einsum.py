@@ -159,8 +159,7 @@ def einsum_per_sample_gradients(model, loss_fn, inputs, targets, strict=False, c
     alone = selfcheck.alone_params(rec, sig)
     selfcheck.keep_batch_grads(rec, alone, [batch[id(p)] for p in alone])
     by_param = rule_gradients(rec)
-    if sig:  # every record, not only the probed one (a rule wrong for some rows)
-        selfcheck.compare_sums(rec, by_param, batch)
+    by_rules = dict(by_param)
     by_param.update(fallback_gradients(rec, model, loss_fn, inputs, targets))
     n = rec.n
     grads = {name: by_param[id(p)] if id(p) in by_param
@@ -171,6 +170,9 @@ def einsum_per_sample_gradients(model, loss_fn, inputs, targets, strict=False, c
             ref = replay_probe(rec, model, loss_fn, inputs, targets)
         selfcheck.compare(rec, {k: g[n - 1] for k, g in grads.items()}, ref,
                           f"the per-sample gradient of sample {n - 1}")
+    if sig:  # then every record, not only the probed one (a rule wrong for some rows): its
+        selfcheck.compare_sums(rec, by_rules, batch)  # message says record n - 1 matched
+    if sig is not None:
         selfcheck.remember(model, sig, dict(rec.fallback))
     return grads
 

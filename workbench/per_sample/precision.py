@@ -125,6 +125,55 @@ def layer_dtype(layer) -> torch.dtype | None:
     return None
 
 
+# relative tolerance of the self-checks' comparisons: float64 methods agree to ~1e-13; float32
+# to ~1e-5; a wrong row, a missed use or a mixed batch is off by O(1). Under autocast the
+# tolerance is the autocast dtype's (bfloat16 rounds at 2^-8 per operation), and float32 work
+# that the device rounds to TF32's ten mantissa bits (``reduced_float32``) is compared as
+# float16 is: the same ten bits.
+TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-3, torch.float16: 5e-2,
+             torch.bfloat16: 5e-2}
+REDUCED_FLOAT32 = TOLERANCE[torch.float16]
+
+
+def reduced_float32(device) -> str | None:
+    """Why float32 products on ``device`` round coarser than float32, or None: CUDA's TF32
+    (ten mantissa bits, rounding ~5e-4 per product; PyTorch runs cuDNN convolutions in TF32 by
+    default, ``torch.backends.cudnn.allow_tf32``), or a float32 matmul precision below
+    "highest" (TF32 or bfloat16 inside float32 products, any device). Measured on an H200
+    (2026-11-30): the CIFAR-10 CNN's per-sample gradients off their exact twins by 3.2e-3
+    relative in float32 under the default flags, past float32's tolerance, no wrong rule."""
+    precision = torch.get_float32_matmul_precision()
+    if precision != "highest":
+        return f"torch.get_float32_matmul_precision() is {precision!r}"
+    if getattr(device, "type", device) == "cuda":
+        if torch.backends.cuda.matmul.allow_tf32:
+            return "torch.backends.cuda.matmul.allow_tf32 is True"
+        if torch.backends.cudnn.allow_tf32:
+            return ("torch.backends.cudnn.allow_tf32 is True, PyTorch's default: convolutions "
+                    "round to TF32")
+    return None
+
+
+def tolerance_of(dtype: torch.dtype, device=None) -> float:
+    """The relative tolerance of a comparison of ``dtype`` results computed on ``device``."""
+    if dtype == torch.float32 and device is not None and reduced_float32(device):
+        return REDUCED_FLOAT32
+    return TOLERANCE.get(dtype, TOLERANCE[torch.float32])
+
+
+def tolerance(rec) -> float:
+    """The relative tolerance of a check of the recording ``rec`` (``compared_dtype``, and the
+    device's TF32)."""
+    return tolerance_of(compared_dtype(rec), getattr(rec, "device", None))
+
+
+def described(rec) -> str:
+    """The precision a check of ``rec`` compared at, in words (for its error message)."""
+    dtype = compared_dtype(rec)
+    why = reduced_float32(getattr(rec, "device", None)) if dtype == torch.float32 else None
+    return f"{dtype}" if why is None else f"{dtype} at TF32's precision ({why})"
+
+
 def compared_dtype(rec) -> torch.dtype:
     """The dtype whose tolerance a check of ``rec`` uses: the autocast dtype of its forward
     pass if it ran under autocast, else the narrowest of the parameters' and any float dtype
@@ -140,6 +189,7 @@ def compared_dtype(rec) -> torch.dtype:
 
 
 __all__ = [
-    "autocast_on", "compared_dtype", "full_precision", "in_full_precision", "layer_dtype",
-    "replayed", "state", "widen",
+    "REDUCED_FLOAT32", "TOLERANCE", "autocast_on", "compared_dtype", "described",
+    "full_precision", "in_full_precision", "layer_dtype", "reduced_float32", "replayed", "state",
+    "tolerance", "tolerance_of", "widen",
 ]

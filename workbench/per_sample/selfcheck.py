@@ -61,11 +61,7 @@ from workbench.per_sample.recording import (
 from workbench.per_sample.sketch import RowSketch
 from workbench.per_sample.uses import UseTracker
 
-# relative tolerance of the comparison: float64 methods agree to ~1e-13; float32 to ~1e-5;
-# a wrong row, a missed use or a mixed batch is off by O(1). Under autocast the tolerance is the
-# autocast dtype's (precision.py: bfloat16 rounds at 2^-8 per operation)
-TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-3, torch.float16: 5e-2,
-             torch.bfloat16: 5e-2}
+TOLERANCE = precision.TOLERANCE  # by dtype; precision.tolerance(rec) adds the device's TF32
 CHECKS = (True, False, "always")
 
 _VERIFIED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {sig: marks}
@@ -300,7 +296,7 @@ def compare(rec: Recording, got: dict, ref: dict, what: str) -> None:
     """Raise PerSampleCheckError unless ``got`` (name -> tensor) equals ``ref``."""
     if not ref:
         return
-    tol = TOLERANCE.get(precision.compared_dtype(rec), 1e-3)
+    tol = precision.tolerance(rec)
     err = _norm(got[k] - ref[k] for k in ref)  # one difference alive at a time
     scale = max(float(_norm(ref.values())), float(_norm(got.values())))
     if not math.isfinite(float(_norm(ref.values()))) and \
@@ -315,7 +311,7 @@ def compare(rec: Recording, got: dict, ref: dict, what: str) -> None:
     raise PerSampleCheckError(
         f"self-check failed: {what} differs from the exact value by {float(err):.3g} "
         f"(relative {float(err) / max(scale, 1e-300):.3g}, tolerance {tol:g} for "
-        f"{precision.compared_dtype(rec)}); "
+        f"{precision.described(rec)}); "
         f"the largest differences are in {', '.join(worst)}. A grad/norm sampler registered "
         f"for their layer is wrong, or the model mixes samples outside any module (e.g. "
         f"x - x.mean(0)), or reads a parameter in a way no hook sees, or the loss couples "
@@ -343,7 +339,7 @@ def check_separable(rec: Recording, loss_fn, outputs, targets) -> None:
     if n < 2:
         return
     losses = rec.losses.detach()
-    tol = TOLERANCE.get(precision.compared_dtype(rec), 1e-3)
+    tol = precision.tolerance(rec)
     atol = 1e-12 if rec.dtype == torch.float64 else 1e-6
     devices = [rec.device] if rec.device.type == "cuda" else []
 
@@ -391,7 +387,7 @@ def check_model_halves(rec: Recording, model, inputs, outputs=None) -> None:
     n = rec.n
     if n < 2 or rec.random:
         return
-    tol = TOLERANCE.get(precision.compared_dtype(rec), 1e-3)
+    tol = precision.tolerance(rec)
     atol = 1e-12 if rec.dtype == torch.float64 else 1e-6
     devices = [rec.device] if rec.device.type == "cuda" else []
 
@@ -493,7 +489,7 @@ def compare_sums(rec: Recording, grads: dict, batch: dict) -> None:
     rule that assigns a repeated token's rows instead of adding them, where record n - 1
     repeats none) passed it (6% off, silently, until 2026-11-29). ``PerSampleCheckError``
     naming the parameters."""
-    tol = TOLERANCE.get(precision.compared_dtype(rec), 1e-3)
+    tol = precision.tolerance(rec)
     atol = 1e-12 if rec.dtype == torch.float64 else 1e-6
     names = _names(rec)
     overall = math.sqrt(sum(float(b.to(torch.float64).pow(2).sum()) for b in batch.values()
@@ -526,7 +522,7 @@ def compare_alone(rec: Recording, exact: dict) -> None:
     gradient of every record in its place."""
     if not rec.batch_grads:
         return
-    tol = TOLERANCE.get(precision.compared_dtype(rec), 1e-3)
+    tol = precision.tolerance(rec)
     names = _names(rec)
     rows = sums_against_batch({k: exact[k] for k in rec.batch_grads if k in exact},
                               rec.batch_grads)
@@ -546,7 +542,7 @@ def compare_alone(rec: Recording, exact: dict) -> None:
 def compare_norm(rec: Recording, got: torch.Tensor, exact) -> None:
     """The fast ||g_i|| of the probed sample against the exact ||g_i|| (a number, or the
     exact g_i itself as a dict, from the record probe)."""
-    tol = TOLERANCE.get(precision.compared_dtype(rec), 1e-3)
+    tol = precision.tolerance(rec)
     exact = as_sketch(rec, exact).norm if isinstance(exact, (dict, RowSketch)) \
         else float(exact)
     if not math.isfinite(exact) and not math.isfinite(float(got)):
@@ -557,7 +553,7 @@ def compare_norm(rec: Recording, got: torch.Tensor, exact) -> None:
     raise PerSampleCheckError(
         f"self-check failed: the per-sample gradient norm of sample {rec.n - 1} is "
         f"{float(got):.6g}, its exact twin gives {exact:.6g} (tolerance {tol:g} for "
-        f"{precision.compared_dtype(rec)}; the twin runs the sample alone, or, with "
+        f"{precision.described(rec)}; the twin runs the sample alone, or, with "
         f"randomness such as dropout, "
         f"the batch again with the same random state and the other samples replaced). A "
         f"norm or grad sampler registered for one of the layers is wrong, or the model "
@@ -572,7 +568,7 @@ def compare_rows(rec: Recording, fast: RowSketch, exact) -> None:
     parts, from the clipped sum's own code with c = e_i) against its exact twin (a sketch or
     {name: g_i}), parameter by parameter (``sketch.py``): the vector, not only its norm."""
     exact = as_sketch(rec, exact)
-    tol = TOLERANCE.get(precision.compared_dtype(rec), 1e-3)
+    tol = precision.tolerance(rec)
     atol = 1e-12 if rec.dtype == torch.float64 else 1e-6
     if not math.isfinite(exact.norm):
         return  # a non-finite record either way: clipping/nonfinite.py's policy handles it
@@ -584,7 +580,7 @@ def compare_rows(rec: Recording, fast: RowSketch, exact) -> None:
     raise PerSampleCheckError(
         f"self-check failed: the per-sample gradient of sample {rec.n - 1}, as the clipped "
         f"sum adds it, differs from its exact twin in {len(bad)} parameter(s): {worst} "
-        f"(tolerance {tol:g} for {precision.compared_dtype(rec)}, parameter by parameter). "
+        f"(tolerance {tol:g} for {precision.described(rec)}, parameter by parameter). "
         f"Its norm may still agree: the record's contribution to these parameters is not its "
         f"own gradient. A grad/norm sampler registered for their layer is wrong, or their "
         f"layer is called on rows that are not the batch's (a position table looked up on a "
