@@ -86,3 +86,9 @@ def test_float32_checks_still_catch_a_wrong_rule_at_the_widened_tolerance(flags)
     with pytest.raises(PerSampleCheckError, match="TF32"):
         wb.per_sample_gradients(model, lambda o, t: ((o - t) ** 2).sum(1), x, y,
                                 method="einsum")
+
+
+def test_the_message_names_the_fix(flags):
+    torch.backends.cudnn.allow_tf32 = True
+    words = precision.described(_Rec(torch.float32, CUDA))
+    assert "allow_tf32 = False" in words and "float32's" in words

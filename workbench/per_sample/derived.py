@@ -381,12 +381,12 @@ def meeting_operands(name, args, kwargs, taint: Taint, params: dict, skip,
 def parameters_below(node, params: dict) -> list | None:
     """The tracked parameters whose leaves the graph below ``node`` reaches; None when it is
     larger than ``MAX_NODES`` or reaches a leaf that is not one of them."""
-    seen, stack, found = set(), [node], {}
+    seen, stack, found = {}, [node], {}  # id -> node: held, so no id is reused (graph_nodes)
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         if len(seen) > MAX_NODES:
             return None
         var = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf
@@ -401,13 +401,19 @@ def parameters_below(node, params: dict) -> list | None:
 
 def graph_nodes(starts, stops=frozenset()):
     """Each autograd node the graph from ``starts`` (tensors, via their ``grad_fn``, or nodes)
-    reaches, once, without entering a node whose id is in ``stops``."""
-    seen, stack = set(), [getattr(t, "grad_fn", t) for t in starts]
+    reaches, once, without entering a node whose id is in ``stops``.
+
+    Every node met is held until the walk ends: ``next_functions`` hands out a node's Python
+    object anew once the last one died, and a dead object's id is reused, so a set of bare
+    ids took an unvisited node for a visited one and cut the walk short (torch 2.11: a
+    Swin-v2 attention call's output "did not reach the loss", its layer was not sent to the
+    fallback, and einsum crashed; the same code walked the whole graph under torch 2.13)."""
+    seen, stack = {}, [getattr(t, "grad_fn", t) for t in starts]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen or id(node) in stops:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         yield node
         stack.extend(f for f, _ in node.next_functions)
 

@@ -171,7 +171,11 @@ def described(rec) -> str:
     """The precision a check of ``rec`` compared at, in words (for its error message)."""
     dtype = compared_dtype(rec)
     why = reduced_float32(getattr(rec, "device", None)) if dtype == torch.float32 else None
-    return f"{dtype}" if why is None else f"{dtype} at TF32's precision ({why})"
+    return f"{dtype}" if why is None else (
+        f"{dtype} at TF32's precision ({why}; in a deep or ill-conditioned model TF32's "
+        f"rounding alone can pass this tolerance: with torch.backends.cudnn.allow_tf32 = "
+        f"False and torch.backends.cuda.matmul.allow_tf32 = False the check compares at "
+        f"float32's)")
 
 
 def compared_dtype(rec) -> torch.dtype:

@@ -360,7 +360,7 @@ def loss_reach(roots):
     def feeds(call) -> bool:
         nonlocal seen
         if seen is None:
-            seen = {id(node) for node in graph_nodes(roots)}
+            seen = {id(node): node for node in graph_nodes(roots)}  # held: ids stay theirs
         return any(e.node is not None and id(e.node) in seen for e in call.capture_edges())
 
     return feeds

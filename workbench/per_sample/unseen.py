@@ -44,12 +44,12 @@ def candidates(tracker) -> set[int]:
 def reached(roots, wanted: set[int]) -> set[int]:
     """The ids in ``wanted`` of leaf tensors whose gradient the tensors ``roots`` reach."""
     todo = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen, found = set(), set()
+    seen, found = {}, set()  # id -> node: held, so no id is reused (derived.graph_nodes)
     while todo and len(found) < len(wanted):
         node = todo.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf it feeds
         if variable is not None and id(variable) in wanted:
             found.add(id(variable))

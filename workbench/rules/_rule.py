@@ -29,6 +29,7 @@ memory model ask it instead of interpreting its name:
 Notation: n batch, g_i per-sample gradient, c_i clip factor, a activations, b backprops.
 """
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -80,12 +81,55 @@ def probe_forward(layer: nn.Module, *args) -> torch.Tensor:
     a layer returning anything else (IBert's ``QuantLinear``: a tuple (output, scale)) is no
     o = f(a) layer of any behaviour rule, so it raises TypeError, one of ``PROBE_ERRORS``
     (the probe's "does not match"). Every probe forward goes through here; a random draw inside
-    it leaves the global generators as they were (``registry.rng_kept``)."""
-    with rng_kept(layer):
-        out = layer.forward(*args)
+    it leaves the global generators as they were (``registry.rng_kept``).
+
+    A layer on a GPU is probed on its CPU twin (``cpu_twin``), the output moved back: a probe
+    input the layer does not fit raises on the CPU, where it is caught, but on CUDA an index
+    out of range is a device-side assert, which no ``except`` catches and which ends CUDA for
+    the whole process (measured on an H200, 2026-11-30: OPT's positional embedding, an
+    ``nn.Embedding`` subclass whose forward takes a mask, given a float probe)."""
+    twin = cpu_twin(layer)
+    if twin is not layer:
+        args = tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)
+    with rng_kept(twin):
+        out = twin.forward(*args)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{type(layer).__name__} returns a {type(out).__name__}, not a Tensor")
-    return out
+    return out if twin is layer else out.to(_device_of(layer))
+
+
+def _device_of(layer: nn.Module) -> torch.device:
+    """The device of the layer's first tensor off the CPU (CPU when it has none)."""
+    for t in (*layer.parameters(), *layer.buffers()):
+        if t.device.type != "cpu":
+            return t.device
+    return torch.device("cpu")
+
+
+def _off_cpu(tensors) -> bool:
+    return any(t.device.type != "cpu" for t in tensors)
+
+
+def cpu_twin(layer: nn.Module) -> nn.Module:
+    """``layer`` itself when its parameters and buffers are on the CPU, else a copy of it with
+    CPU copies of them (no second copy on the device: the copy's tensors are made on the CPU
+    directly). A layer that cannot be copied raises TypeError, a ``PROBE_ERRORS`` "does not
+    match": it takes the exact per-layer fallback rather than a probe on the device."""
+    tensors = [*layer.parameters(), *layer.buffers()]
+    if not _off_cpu(tensors):
+        return layer
+    try:
+        memo = {}
+        for t in tensors:
+            if id(t) not in memo:
+                memo[id(t)] = (nn.Parameter(t.detach().to("cpu", copy=True),
+                                            requires_grad=t.requires_grad)
+                               if isinstance(t, nn.Parameter) else t.detach().to("cpu", copy=True))
+        return copy.deepcopy(layer, memo)
+    except Exception as error:  # noqa: BLE001  (an attribute that cannot be copied, a meta
+        # tensor)
+        raise TypeError(f"{type(layer).__name__} cannot be copied to the CPU for its probe: "
+                        f"{type(error).__name__}: {error}") from error
 
 
 MATERIALISE = Route("materialise", own_gradient_size, materialises=True)
