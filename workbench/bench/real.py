@@ -196,7 +196,8 @@ def brief(cell) -> str:
 
 
 def printable(table: pd.DataFrame) -> pd.DataFrame:
-    out = table.drop(columns=[c for c in table if c.startswith("cost_note")]).copy()
+    out = table.drop(columns=[c for c in table
+                              if c.startswith("cost_note") or c == "device"]).copy()
     for column in ("microbatch", "vmap", "einsum", "ghost", "bookkeeping", "opacus"):
         out[column] = out[column].map(brief)
     return out.round({c: 1 if c.startswith("plain_ms") else 2 for c in out
@@ -248,6 +249,7 @@ def main(argv=None):
     finally:
         torch.set_num_threads(threads)  # main() called from a notebook leaves it as it was
     table = pd.DataFrame(rows)
+    table["device"] = where  # the CSV names its machine, as every bench CSV does
     with pd.option_context("display.width", 250):
         print(f"\n{where}, DP step: n = {TIME_N}, T = {sizes.TOKENS['tiny']} (tiny) and "
               f"{sizes.TOKENS['base']} (base), float32; "
