@@ -503,8 +503,10 @@ class Derived:
         self.taint = Taint()
         if not meetings:
             return
-        stops = {id(node) for m in meetings for node in m.nodes()}
+        held = [node for m in meetings for node in m.nodes()]  # alive while their ids are
+        stops = {id(node) for node in held}  # compared (graph_nodes: a dead node's id is reused)
         elsewhere = reached(roots, stops) | ruled(recorder)
+        del held
         for m in meetings:
             found = []
             for node in m.nodes():
