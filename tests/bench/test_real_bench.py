@@ -60,7 +60,7 @@ def test_every_model_builds_at_base_or_says_why_not(monkeypatch):
     with sizes.size("base"):
         sizes_config = sizes.scaled(config)
     assert sizes_config["num_heads"] * sizes_config["head_dim"] == 2 * sizes_config["hidden_size"]
-    monkeypatch.setattr(real, "verdicts", lambda name: {})
+    monkeypatch.setattr(real, "verdicts", lambda name, device=None: {})
     monkeypatch.setattr(real, "cost", lambda *a, **k: pytest.fail("cost measured at base"))
     row = real.row("mixtral", 1, torch.device("cpu"), ("base",))
     assert row["cost_note_base"] == sizes.NO_BASE["mixtral"]
