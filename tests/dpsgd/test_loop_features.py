@@ -331,3 +331,18 @@ def test_accumulation_with_a_one_record_micro_batch_is_exact():
             (token_mean(model(x[part]), y[part]).mean() / 2).backward()
 
     released(Net(p=0.0), loop, steps=(3,), record_loss=lambda out, y: token_mean(out, y) / 2)
+
+
+@pytest.mark.parametrize("method", ["microbatch", "einsum", "ghost", "bookkeeping"])
+def test_reentrant_checkpointing_is_refused_by_the_functional_api_too(method):
+    """The same error as the optimizer's, not PyTorch's bare RuntimeError from the nested
+    torch.autograd.grad (2026-11-30: a real Llama with gradient checkpointing,
+    use_reentrant=True)."""
+    model = Net(ckpt=True).double().train()
+    x, y = data(4, seed=3)
+    loss = lambda out, t: token_mean(out, t)  # noqa: E731
+    with pytest.raises(UnsupportedLayerError, match="use_reentrant=False"):
+        if method in ("microbatch", "einsum"):
+            wb.per_sample_gradients(model, loss, x, y, method=method)
+        else:
+            wb.clipped_grad_sum(model, loss, x, y, 1.0, method=method)

@@ -39,6 +39,7 @@ from workbench.clipping.snapshot import (
 from workbench.methods import CLIP_METHODS, NORM_METHODS
 from workbench.per_sample import per_sample_gradients
 from workbench.per_sample.checks import check_batch, check_no_sample_mixing
+from workbench.per_sample.hooks import refusing_reentrant
 from workbench.per_sample.selfcheck import check_option
 
 
@@ -53,6 +54,7 @@ def _nothing_trainable(model, inputs, targets) -> bool:
     return True
 
 
+@refusing_reentrant
 def per_sample_grad_norms(model, loss_fn, inputs, targets, method="ghost", check=True):
     """||g_i|| over all trainable parameters, Tensor(n,): NaN or inf for a record whose
     gradient holds NaN or inf (this finds the records ``clipped_grad_sum`` refuses).
@@ -82,6 +84,7 @@ def per_sample_grad_norms(model, loss_fn, inputs, targets, method="ghost", check
     return grad_norms(grads).to(dtype)
 
 
+@refusing_reentrant
 def clipped_grad_sum(model, loss_fn, inputs, targets, max_grad_norm, method="bookkeeping",
                      check=True):
     """{param_name: Σ_i min(1, C / ||g_i||) g_i} for the trainable parameters.

@@ -56,7 +56,7 @@ from workbench.per_sample import precision, selfcheck, state_replay
 from workbench.per_sample.checks import ModelCall, buffer_ids, state_written_from_batch
 from workbench.per_sample.derived import served_gradients
 from workbench.per_sample.fallback import exact_per_sample_gradients
-from workbench.per_sample.hooks import ActivationRecorder, OwnHook
+from workbench.per_sample.hooks import ActivationRecorder, OwnHook, reentrant_refused
 from workbench.per_sample.leaves import call_leaves
 from workbench.per_sample.owned import sole_holders
 from workbench.per_sample.recording import (
@@ -410,15 +410,7 @@ class ModelRecorder:
         ``check``: ``selfcheck``'s option (True: each new call signature). ``scale``: a
         GradScaler's scale, divided out of every recorded backprop."""
         if self.layer_rec.recomputed:
-            raise UnsupportedLayerError(
-                f"{', '.join(sorted(self.layer_rec.recomputed)[:3])} ran their forward again "
-                f"inside the backward pass and received their gradient through that "
-                f"recomputation: activation checkpointing with use_reentrant=True. Its nested "
-                f"backward pass cannot be recorded as the batch's, and the optimizer's checks "
-                f"(torch.autograd.grad) are refused by it. Use use_reentrant=False: "
-                f"torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or "
-                f"model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
-                f"{{'use_reentrant': False}}) (Hugging Face's default)")
+            raise reentrant_refused(self.layer_rec.recomputed)
         self.layer_rec.collect()
         self.root_rec.collect()
         check_recorded(self.layers, self.layer_rec)

@@ -13,11 +13,13 @@ from workbench.methods import PER_SAMPLE_METHODS as METHODS
 from workbench.per_sample.checks import check_batch, check_no_sample_mixing
 from workbench.per_sample.einsum import einsum_per_sample_gradients
 from workbench.per_sample.functional import vmap_or_explain
+from workbench.per_sample.hooks import refusing_reentrant
 from workbench.per_sample.microbatch import microbatch_per_sample_gradients
 from workbench.per_sample.registry import GRAD_SAMPLERS, register_grad_sampler
 from workbench.per_sample.selfcheck import check_option
 
 
+@refusing_reentrant
 def per_sample_gradients(model, loss_fn, inputs, targets, method="einsum", strict=False,
                          check=True):
     """Per-sample gradients ``{param_name: Tensor(n, *param.shape)}`` of trainable parameters.

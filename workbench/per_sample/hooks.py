@@ -62,6 +62,7 @@ Nothing is left behind: ``ActivationRecorder`` is a context manager that removes
 on exit, also when the forward or backward pass raises.
 """
 
+import functools
 import warnings
 import weakref
 from contextlib import contextmanager
@@ -74,6 +75,7 @@ from torch.nn.modules import module as module_hooks
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.hooks import RemovableHandle
 
+from workbench.errors import UnsupportedLayerError
 from workbench.per_sample import precision
 from workbench.per_sample.broadcast import BROADCASTABLE
 from workbench.per_sample.flat_rows import as_batch, passed_on, rule_less_rows, unflattened
@@ -810,8 +812,42 @@ class ActivationRecorder:
         box[1] = t.register_hook(read)
         call.after[k] = box
 
+
+REENTRANT_FIX = ("Use use_reentrant=False: torch.utils.checkpoint.checkpoint(..., "
+                 "use_reentrant=False), or model.gradient_checkpointing_enable("
+                 "gradient_checkpointing_kwargs={'use_reentrant': False}) (Hugging Face's "
+                 "default)")
+
+
+def reentrant_refused(layers) -> UnsupportedLayerError:
+    """The error for activation checkpointing with ``use_reentrant=True`` (``layers``: the
+    recomputed calls' paths, or empty when only PyTorch's own refusal names it)."""
+    which = (f"{', '.join(sorted(layers)[:3])} ran their forward again inside the backward "
+             f"pass and received their gradient through that recomputation: "
+             if layers else "the model runs ")
+    return UnsupportedLayerError(
+        f"{which}activation checkpointing with use_reentrant=True. Its nested backward pass "
+        f"cannot be recorded as the batch's, and the per-sample passes and checks "
+        f"(torch.autograd.grad) are refused by it. {REENTRANT_FIX}")
+
+
+def refusing_reentrant(fn):
+    """``fn`` (a public per-sample entry point) with PyTorch's refusal of reentrant
+    checkpointing inside ``torch.autograd.grad`` raised as ``reentrant_refused``: the same
+    words as the optimizer's (``dpsgd/recorded.py``), not a bare RuntimeError."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as error:
+            if "use_reentrant=True" not in str(error):
+                raise
+            raise reentrant_refused(()) from error
+
+    return run
+
 __all__ = [
     "ActivationRecorder", "LayerCall", "OwnHook", "attach", "changed_state", "copy_leaves",
-    "detach", "drop_inputs", "leaf_outputs", "odd_output", "output_tensors", "state_of",
-    "tensor_outputs",
+    "detach", "drop_inputs", "leaf_outputs", "odd_output", "output_tensors",
+    "reentrant_refused", "refusing_reentrant", "state_of", "tensor_outputs",
 ]
