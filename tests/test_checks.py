@@ -24,7 +24,7 @@ CASES = [
     (check_sample_rate, {"positive": True, "below_one": True}, [0.5], [0.0, 1.0]),
     (check_noise_multiplier, {}, [0.0, 1e-12, 1e6], [-1e-12]),
     (check_noise_multiplier, {"positive": True}, [1e-12], [0.0]),
-    (check_max_grad_norm, {}, [1e-12, 1e6], [0.0, -1.0]),
+    (check_max_grad_norm, {}, [1.01e-12, 1e-6, 1e6], [0.0, -1.0, 1e-12, 1e-26]),
     (check_delta, {}, [1e-300, 1 - 1e-12], [0.0, 1.0]),
     (check_delta, {"zero_ok": True}, [0.0], [1.0, -1e-12]),
     (check_epsilon, {}, [1e-12, 1e3], [0.0, -1.0]),

@@ -99,10 +99,20 @@ def check_noise_multiplier(noise_multiplier, name="noise_multiplier", *, positiv
     return check_real(noise_multiplier, name, 0.0, low_open=positive, note=note)
 
 
+MIN_CLIP_NORM = 1e-12
+"""The smallest C accepted. Below about 1e-19 a clipped record's float32 (or widened
+bfloat16/float16) squares underflow, its norm reads 0 or too small and it is released
+unclipped (measured 2026-11-30: C = 1e-26, a released sum 4.4-46 C from three records);
+above 1e-12 a record with ||g|| > C has squares in float32's normal range unless it spreads
+over more than 1e14 numbers."""
+
+
 def check_max_grad_norm(max_grad_norm, name="max_grad_norm"):
-    """C finite and > 0."""
-    return check_real(max_grad_norm, name, 0.0, low_open=True,
-                      note="the clip norm C, e.g. 1.0 or the median per-sample gradient norm")
+    """C finite and > MIN_CLIP_NORM (1e-12)."""
+    return check_real(max_grad_norm, name, MIN_CLIP_NORM, low_open=True,
+                      note="the clip norm C, e.g. 1.0 or the median per-sample gradient norm; "
+                           "below 1e-12 the squared norms underflow: scale the loss up "
+                           "instead")
 
 
 def check_delta(delta, name="delta", *, zero_ok=False):
@@ -189,7 +199,8 @@ def check_choice(value, name, choices):
 
 
 __all__ = [
-    "MAX_ORDER", "MAX_ORDER_SUM", "check_choice", "check_count", "check_delta", "check_epsilon",
-    "check_max_grad_norm", "check_noise_multiplier", "check_nonnegative", "check_orders",
-    "check_positive", "check_probability", "check_real", "check_sample_rate", "check_steps",
+    "MAX_ORDER", "MAX_ORDER_SUM", "MIN_CLIP_NORM", "check_choice", "check_count", "check_delta",
+    "check_epsilon", "check_max_grad_norm", "check_noise_multiplier", "check_nonnegative",
+    "check_orders", "check_positive", "check_probability", "check_real", "check_sample_rate",
+    "check_steps",
 ]

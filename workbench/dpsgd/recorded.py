@@ -53,7 +53,12 @@ from workbench.dpsgd.skip_weights import AUTO, WeightGradSkipper
 from workbench.dpsgd.streamed import stream_call, streamed_gradients
 from workbench.errors import LossCouplingError, UnsupportedLayerError
 from workbench.per_sample import precision, selfcheck, state_replay
-from workbench.per_sample.checks import ModelCall, buffer_ids, state_written_from_batch
+from workbench.per_sample.checks import (
+    ModelCall,
+    buffer_ids,
+    state_written_from_batch,
+    trainable_parameters,
+)
 from workbench.per_sample.derived import served_gradients
 from workbench.per_sample.fallback import exact_per_sample_gradients
 from workbench.per_sample.hooks import ActivationRecorder, OwnHook, reentrant_refused
@@ -105,7 +110,7 @@ class ModelRecorder:
         self.model = model
         self.layers = layers_with_parameters(model)
         check_layers(self.layers, strict=False)
-        trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        trainable = trainable_parameters(model)  # a complex parameter refused by name
         in_optimizer = {id(p) for g in param_groups for p in g["params"]}
         unknown = in_optimizer - {id(p) for p in trainable.values()}
         if unknown:

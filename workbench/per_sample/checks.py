@@ -13,7 +13,12 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.utils._pytree import tree_map
 
-from workbench.errors import LossShapeError, SampleMixingError, WorkbenchError
+from workbench.errors import (
+    LossShapeError,
+    SampleMixingError,
+    UnsupportedLayerError,
+    WorkbenchError,
+)
 
 
 def batch_size(inputs) -> int:
@@ -124,8 +129,19 @@ def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """``{name: param}`` of trainable parameters, keyed like ``model.named_parameters()``.
 
     A Parameter shared by two modules appears once, under its first name (as in PyTorch).
+    A complex one is refused by name: the rules, norms and checks are written for real
+    gradients (an einsum rule without the conjugate was 120% off; the optimizer's probe
+    raised PyTorch's "grad can be implicitly created only for real scalar outputs").
     """
-    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    for name, p in params.items():
+        if p.is_complex():
+            raise UnsupportedLayerError(
+                f"parameter {name} is complex ({p.dtype}): per-sample gradients, their norms "
+                f"and the clipped sum are defined here for real parameters only. Keep the "
+                f"real and imaginary parts as two real parameters (torch.view_as_real) and "
+                f"build the complex weight from them in forward")
+    return params
 
 
 class ModelCall(NamedTuple):

@@ -112,7 +112,6 @@ def quiet(hook):
     return run
 
 
-CASTS = frozenset({"to", "float", "half", "bfloat16", "type", "type_as"})
 QUERIES = frozenset({  # methods answering a question about a tensor's layout with no tensor:
     # no parameter use, no write, no draw; the use tracker lets them through unseen (HF code
     # asks x.size() and x.dim() at every layer; half the ops of a LayerNorm's record())
@@ -292,8 +291,8 @@ class UseTracker(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if not self.random and name in RANDOM_FUNCTIONS:
             self.random = _is_random(name, args, kwargs)
-        if name in CASTS or (kwargs and "dtype" in kwargs):  # softmax(x, dtype=float32) too
-            self._cast(args, result)
+        self._cast(args, result)  # every op: a cast, softmax(x, dtype=float32), and an op
+        # that autocast ran narrower (an autocast block opened inside the model's forward)
         ids = _argument_ids(args, kwargs)  # one scan, then C-level set tests
         if self.derived.taint.refs:
             self.derived.taint.spread(name, ids, args, kwargs, result)
@@ -324,13 +323,17 @@ class UseTracker(TorchFunctionMode):
         return result
 
     def _cast(self, args, result) -> None:
-        """A float tensor cast to a narrower float (Hugging Face's RMSNorm computes in
-        ``hidden_states.to(torch.float32)`` whatever the model's dtype; an op given a
-        narrower ``dtype=``, ``F.softmax(x, -1, dtype=torch.float32)``): the forward pass
-        computes partly in that precision, so its checks use its tolerance
-        (``precision.compared_dtype``), not the parameters' dtype's."""
-        x = args[0] if args else None
-        if (isinstance(x, torch.Tensor) and isinstance(result, torch.Tensor)
+        """An op whose float result is narrower than its float input (Hugging Face's RMSNorm
+        computes in ``hidden_states.to(torch.float32)`` whatever the model's dtype; an op
+        given a narrower ``dtype=``, ``F.softmax(x, -1, dtype=torch.float32)``; a Linear run
+        by an autocast block the model's forward opens itself, which the pre-hook's autocast
+        state does not see: a correct bfloat16 pass was refused at float32's tolerance until
+        2026-11-30): the forward pass computes partly in that precision, so its checks use
+        its tolerance (``precision.compared_dtype``), not the parameters' dtype's."""
+        if not isinstance(result, torch.Tensor) or not args:
+            return
+        x = args[0]
+        if (isinstance(x, torch.Tensor) and result.dtype is not x.dtype
                 and x.is_floating_point() and result.is_floating_point()
                 and result.dtype.itemsize < x.dtype.itemsize
                 and (self.lowered is None or result.dtype.itemsize < self.lowered.itemsize)):
