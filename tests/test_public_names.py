@@ -21,7 +21,8 @@ MOVED = {"workbench.models_gpt", "workbench.corpus", "workbench.lm_training",
 
 EXPECTED = {
     "workbench": [
-        "GRAD_SAMPLERS", "LossCouplingError", "LossShapeError", "METHODS", "NonFiniteGradientError",
+        "GRAD_SAMPLERS", "LoopError", "LossCouplingError", "LossShapeError", "METHODS",
+        "NonFiniteGradientError",
         "PerSampleCheckError", "PrivacyEngine", "RecordCountError", "SampleMixingError",
         "UnattributedGradientError",
         "UnsupportedLayerError", "WorkbenchError", "accounting", "audit", "bench",

@@ -30,6 +30,7 @@ from workbench.clipping import (
 )
 from workbench.dpsgd import PrivacyEngine, train
 from workbench.errors import (
+    LoopError,
     LossCouplingError,
     LossShapeError,
     NonFiniteGradientError,
@@ -69,8 +70,8 @@ __all__ = [
     "per_sample_grad_norms", "per_sample_gradients", "register_grad_sampler",
     "register_norm_sampler", "train", "validate_model",
     # the errors
-    "LossCouplingError", "LossShapeError", "NonFiniteGradientError", "PerSampleCheckError",
-    "RecordCountError", "SampleMixingError", "UnattributedGradientError",
+    "LoopError", "LossCouplingError", "LossShapeError", "NonFiniteGradientError",
+    "PerSampleCheckError", "RecordCountError", "SampleMixingError", "UnattributedGradientError",
     "UnsupportedLayerError", "WorkbenchError",
 ]
 

@@ -40,6 +40,12 @@ class NonFiniteGradientError(WorkbenchError, ValueError):
     """A record's per-sample gradient holds NaN or inf where no clipped sum can be made of it."""
 
 
+class LoopError(WorkbenchError, RuntimeError):
+    """The training loop's calls are not what the DP optimizer needs (a step without a fresh
+    backward pass into the model made private, a model changed after make_private, a step
+    in the middle of a logical batch): nothing is released."""
+
+
 class RecordCountError(WorkbenchError, RuntimeError):
     """The rows one step clipped are not the records the private loader sampled for it (a
     batch forwarded twice, a record's views concatenated, two loader batches in one step):
@@ -47,7 +53,7 @@ class RecordCountError(WorkbenchError, RuntimeError):
 
 
 __all__ = [
-    "LossCouplingError", "LossShapeError", "NonFiniteGradientError", "PerSampleCheckError",
-    "RecordCountError", "SampleMixingError", "UnattributedGradientError",
+    "LoopError", "LossCouplingError", "LossShapeError", "NonFiniteGradientError",
+    "PerSampleCheckError", "RecordCountError", "SampleMixingError", "UnattributedGradientError",
     "UnsupportedLayerError", "WorkbenchError",
 ]

@@ -54,7 +54,7 @@ def test_gradient_accumulation_clips_every_sample_on_its_own(mode, sizes, reduct
 def test_step_without_a_fresh_backward_is_an_error():
     model = mlp()
     opt = optimizer(model, "einsum")
-    with pytest.raises(RuntimeError, match=r"without a backward\(\).*zero_grad"):
+    with pytest.raises(wb.LoopError, match=r"without a backward\(\).*zero_grad"):
         opt.step()
     x, y = data(4, 0)
     opt.zero_grad()
@@ -88,7 +88,40 @@ def test_layer_replaced_after_make_private_is_an_error():
     x, y = data(4, 0)
     opt.zero_grad()
     CE(model(x), y).mean().backward()
-    with pytest.raises(RuntimeError, match="changed after make_private"):
+    with pytest.raises(wb.LoopError, match="changed after make_private"):
+        opt.step()
+
+
+def test_a_parameter_frozen_after_make_private_is_a_loop_error():
+    model = mlp()
+    opt = optimizer(model, "einsum")
+    model[0].bias.requires_grad_(False)
+    x, y = data(4, 0)
+    opt.zero_grad()
+    CE(model(x), y).mean().backward()
+    with pytest.raises(wb.LoopError, match="changed after make_private"):
+        opt.step()
+
+
+@pytest.mark.parametrize("mode", ["einsum", "bookkeeping"])
+def test_a_submodule_called_instead_of_the_private_model_is_named(mode):
+    """The loop calls the wrapped module (``model.hf(...)``) instead of the wrapper made
+    private: its layers ran, its output was never recorded (a probe, 2026-11-30: the message
+    said "without a backward()", though a backward had run)."""
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = mlp()
+
+        def forward(self, x):
+            return self.inner(x)
+
+    model = Wrapper()
+    opt = optimizer(model, mode)
+    x, y = data(4, 0)
+    opt.zero_grad()
+    CE(model.inner(x), y).mean().backward()
+    with pytest.raises(wb.LoopError, match=r"inner\.0 first.*submodule directly"):
         opt.step()
 
 

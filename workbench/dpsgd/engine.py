@@ -70,7 +70,7 @@ from workbench.dpsgd.user_level import (
     check_user_options,
     user_sample_rate,
 )
-from workbench.errors import SampleMixingError
+from workbench.errors import LoopError, SampleMixingError
 from workbench.validate import validate_model
 
 
@@ -247,7 +247,7 @@ class PrivacyEngine:
                                      accountant=self.accountant_name)
         out = self.make_private(data_loader=data_loader, noise_multiplier=sigma, **kwargs)
         if len(out[2]) != per_epoch or self.sample_rate != q:  # the plan is the loop's
-            raise RuntimeError(f"make_private_with_epsilon planned {per_epoch} steps per epoch "
+            raise LoopError(f"make_private_with_epsilon planned {per_epoch} steps per epoch "
                                f"at q = {q:.4g}, but the loader runs {len(out[2])} at q = "
                                f"{self.sample_rate:.4g}; please report this bug")
         return out

@@ -24,7 +24,7 @@ Notation: σ noise multiplier, C max_grad_norm, B = qN expected batch size.
 
 import threading
 
-from workbench.errors import WorkbenchError
+from workbench.errors import LoopError, WorkbenchError
 
 
 class ConcurrentUseError(WorkbenchError, RuntimeError):
@@ -118,7 +118,7 @@ def check_alive(optimizer, what: str) -> None:
     """Refuse a DPOptimizer that a later make_private detached from its model."""
     reason = optimizer.__dict__.get("_detached")
     if reason:
-        raise RuntimeError(f"optimizer.{what}() on a DPOptimizer that no longer records its "
+        raise LoopError(f"optimizer.{what}() on a DPOptimizer that no longer records its "
                            f"model: {reason}. Use the optimizer (and loader) returned by the "
                            f"latest make_private on this model")
 
@@ -145,7 +145,7 @@ def check_inputs_private(calls) -> None:
     for call in calls:
         args = tree_flatten((call.args, call.kwargs))[0]
         if any(isinstance(a, torch.Tensor) and a.grad_fn is not None for a in args):
-            raise RuntimeError(
+            raise LoopError(
                 "the private model's input was computed from trainable tensors outside it "
                 "(e.g. an encoder, embedding or learned prompt applied before model(x)): "
                 "backward() leaves their .grad unclipped and unnoised, a non-private gradient "

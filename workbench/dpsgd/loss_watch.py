@@ -65,7 +65,7 @@ from workbench.dpsgd.lifetime import remove as _remove
 from workbench.dpsgd.loss_terms import BatchStatistics
 from workbench.dpsgd.model_loss import name_of
 from workbench.dpsgd.record_reduction import RecordReduction
-from workbench.errors import LossCouplingError, RecordCountError
+from workbench.errors import LoopError, LossCouplingError, RecordCountError
 from workbench.per_sample import precision
 from workbench.per_sample.loss import check_separable, record_factors, reduction_of
 from workbench.per_sample.selfcheck import symbolic
@@ -579,7 +579,7 @@ class LossFunctions(TorchFunctionMode):
                     if "not have been used in the graph" not in str(err) or not any(
                             id(t) in watch.parameter_ids for t in call.inputs or ()):
                         raise
-                    raise RuntimeError(
+                    raise LoopError(
                         "torch.autograd.grad from the private model's outputs into its "
                         "parameters: the optimizer keeps autograd from computing the weight "
                         "gradients of the layers it records (it computes them clipped at "
@@ -594,7 +594,7 @@ class LossFunctions(TorchFunctionMode):
             return result
         try:
             if kind == "restricted":
-                raise RuntimeError(
+                raise LoopError(
                     "backward(inputs=...) naming the private model's parameters: the "
                     "optimizer reads every layer's backprops from the whole backward pass of "
                     "the loss and computes each parameter's private gradient itself; a pass "

@@ -98,6 +98,7 @@ from workbench.dpsgd.distributed import (
 from workbench.dpsgd.path_check import PathCheck
 from workbench.dpsgd.privatise import MODES, gaussian_noise
 from workbench.dpsgd.recorded import ModelRecorder, distributed_run
+from workbench.errors import LoopError
 from workbench.methods import OPTIMIZER_ALIASES
 from workbench.per_sample import precision, selfcheck, state_replay
 from workbench.per_sample.checks import check_no_sample_mixing
@@ -558,7 +559,7 @@ class DPOptimizer(Optimizer):
         self.recorder.check_step()  # a fresh backward since the last step, same model
         loop.check_inputs_private(self.recorder.root_rec.all_calls())
         if self.expect_more and not self._fresh_chunk:
-            raise RuntimeError(
+            raise LoopError(
                 "step() on a batch that did not come from the virtual-step loader while its "
                 "logical batch is unfinished (a loop over it was left before the batch's last "
                 "chunk): this step's samples would be mixed into that batch and no update "
@@ -602,7 +603,7 @@ class DPOptimizer(Optimizer):
         per_group = isinstance(self.max_grad_norm, list)  # one C per group: as many groups
         if (per_group and len(now) != len(self.max_grad_norm)) or sorted(
                 i for g in now for i in g) != sorted(i for g in self._groups for i in g):
-            raise RuntimeError(
+            raise LoopError(
                 "the optimizer's parameter groups changed after the DPOptimizer was made (a "
                 "group added with add_param_group, a group's params edited, or with one "
                 "max_grad_norm per group, a group without its C): it records, "

@@ -21,6 +21,8 @@ import weakref
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from workbench.errors import LoopError
+
 
 def _wraps(optimizer, dp) -> bool:
     return any(v is dp or v is dp.original_optimizer for v in vars(optimizer).values())
@@ -36,7 +38,7 @@ def check(dp, optimizer) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             if id(p) in names and p.grad is not None and released.get(id(p)) is not p.grad:
-                raise RuntimeError(
+                raise LoopError(
                     f"{type(optimizer).__name__}.step() over the private model's parameter "
                     f"{names[id(p)]!r}, whose .grad is its ordinary (unclipped, noiseless) "
                     f"gradient: that update would release the batch's exact gradient, with "

@@ -51,7 +51,7 @@ from workbench.dpsgd.model_loss import (
 )
 from workbench.dpsgd.skip_weights import AUTO, WeightGradSkipper
 from workbench.dpsgd.streamed import stream_call, streamed_gradients
-from workbench.errors import LossCouplingError, UnsupportedLayerError
+from workbench.errors import LoopError, LossCouplingError, UnsupportedLayerError
 from workbench.per_sample import precision, selfcheck, state_replay
 from workbench.per_sample.checks import (
     ModelCall,
@@ -296,7 +296,7 @@ class ModelRecorder:
                     inside = [k for k in keys[:at] if k not in ours]
                     loop = [k for k in keys[at + 1:] if k not in ours]
                     if inside and loop:
-                        raise RuntimeError(
+                        raise LoopError(
                             "the model's output carries tensor hooks registered inside its "
                             "forward pass (a forward hook's o.register_hook) and by the loop "
                             "after it (out.register_hook): the optimizer's exact twins run the "
@@ -374,7 +374,7 @@ class ModelRecorder:
         cannot take n = 0): its step adds the noise to a zero sum, as DP-SGD must."""
         self._gradient_hooks()
         if self._structure() != self.snapshot:
-            raise RuntimeError("the model's layers or trainable parameters changed after "
+            raise LoopError("the model's layers or trainable parameters changed after "
                                "make_private (a layer added, replaced or unfrozen, a "
                                "parameter resized in place: resize_token_embeddings): their "
                                "gradients would not be recorded. Call make_private again on "
@@ -391,6 +391,14 @@ class ModelRecorder:
                 f"computed from (dim 0 = the batch). Return them too (a Hugging Face model's "
                 f"ModelOutput as it is, with its logits), or return the logits and compute "
                 f"the loss after the model")
+        if not self.root_rec.all_calls() and self.layer_rec.all_calls():
+            ran = next(path for path, calls in self.layer_rec.calls.items() if calls)
+            raise LoopError(
+                f"the layers of the model made private ran ({ran or '<model>'} first), but not "
+                f"the model itself: the loop called a submodule directly (model.hf(...), "
+                f"model.base_model(...)), so the gradient at the private model's output, "
+                f"which the optimizer attributes to records, was never recorded. Call the "
+                f"model that was made private, or make_private the module the loop calls")
         if not any(any(g is not None for g in c.grads) for c in self.root_rec.all_calls()):
             if self.watch.announced == 0 and not self.root_rec.all_calls():
                 return  # an empty Poisson batch, not run through the model: Σ_i c_i g_i = 0
@@ -401,7 +409,7 @@ class ModelRecorder:
                     f"d loss / d output per record). Wrap the model so that it returns the "
                     f"tensor the loss reads, e.g. forward = lambda *a, **k: model(*a, **k)"
                     f"['logits'] in an nn.Module, and compute the loss from that")
-            raise RuntimeError("step() called without a backward() since the last step (or "
+            raise LoopError("step() called without a backward() since the last step (or "
                                "twice after one backward): each step needs its own "
                                "optimizer.zero_grad(), loss = criterion(model(x), y), "
                                "loss.backward(), then optimizer.step(). A step without fresh "

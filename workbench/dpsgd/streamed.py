@@ -27,6 +27,7 @@ Notation: n batch, a activations, b backprops, g_i per-sample gradient, f_i loss
 import torch
 
 from workbench.clipping.bookkeeping import STREAMED, materialise_call
+from workbench.errors import LoopError
 from workbench.per_sample.einsum import sample_layer
 from workbench.per_sample.precision import in_full_precision
 from workbench.per_sample.recording import batch_problem, own_parameters
@@ -68,7 +69,7 @@ def streamed_gradients(rec, gen: int, rescale) -> tuple[dict, dict]:
             if call.sampled is None or call.generation != gen:
                 continue
             if call.sampled is STALE:
-                raise RuntimeError(
+                raise LoopError(
                     f"{path or '<model>'} received a second gradient after the optimizer had "
                     f"used its first (two backward passes over one forward pass, "
                     f"retain_graph=True): each backward pass needs its own forward pass, "

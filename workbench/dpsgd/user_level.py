@@ -38,6 +38,7 @@ from workbench.checks import check_choice, check_count, check_sample_rate
 from workbench.clipping.users import BatchUsers
 from workbench.dpsgd.loss_watch import watched
 from workbench.dpsgd.sampling import PoissonBatchSampler, empty_like_batch, loader_options
+from workbench.errors import LoopError
 
 UNITS = ("record", "user")
 
@@ -145,13 +146,13 @@ class UserLevel:
     def batch(self, rec) -> BatchUsers:
         """The ``BatchUsers`` of this recorded batch, checked to be the loader's."""
         if self.ids is None or self.used:
-            raise RuntimeError(
+            raise LoopError(
                 "privacy_unit='user': this backward pass is not of a batch the user-level "
                 "loader handed out (or a second backward pass on one batch): each user's "
                 "records must be clipped together, so take exactly one forward/backward pass "
                 "per batch of the loader make_private returned, then step()")
         if rec.n != len(self.ids):
-            raise RuntimeError(f"privacy_unit='user': the recorded batch has {rec.n} records "
+            raise LoopError(f"privacy_unit='user': the recorded batch has {rec.n} records "
                                f"but the loader's batch had {len(self.ids)}; feed the whole "
                                f"batch, unchanged, to the model")
         self.used = True
