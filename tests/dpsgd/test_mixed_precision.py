@@ -217,3 +217,38 @@ def test_vmap_of_the_whole_model_under_autocast_works_or_says_why():
                 ref[k].norm())
         with pytest.raises(UnsupportedLayerError, match="autocast.*einsum"):
             clipped_grad_sum(mlp(), loss, x, y, C, method="vmap")  # LayerNorm on bfloat16
+
+
+def test_a_grad_scaler_overflowing_every_record_lowers_its_scale_and_goes_on():
+    """At a scale past float16's range every record's gradient is inf: the step releases
+    noise alone (each record's term 0, within C), warns, and scaler.update() halves the
+    scale until records come through (a probe, 2026-11-30: NonFiniteGradientError ended the
+    run at the scaler's first overflow)."""
+    import warnings
+
+    from workbench.clipping.nonfinite import NonFiniteRecordWarning
+
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
+    loss_fn = nn.CrossEntropyLoss(reduction="none")
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, 5, generator=g), torch.randint(0, 3, (6,), generator=g)
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
+                      max_grad_norm=0.5, expected_batch_size=6, loss_reduction="sum")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24)
+    dropped = []
+    for _ in range(12):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(model(x), y).sum()
+        scaler.scale(loss).backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            scaler.step(opt)
+        scaler.update()
+        dropped.append(opt.last["nonfinite"])
+        if opt.last["nonfinite"]:
+            assert any(issubclass(w.category, NonFiniteRecordWarning)
+                       and "GradScaler" in str(w.message) for w in caught)
+    assert dropped[0] == 6 and dropped[-1] == 0  # every record at 2^24; none once lowered
+    assert scaler.get_scale() < 2.0 ** 24

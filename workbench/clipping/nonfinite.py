@@ -88,12 +88,18 @@ def refuse_nonfinite(norms: torch.Tensor) -> None:
             f"optimizer.last['nonfinite'].)")
 
 
-def skip_nonfinite(norms: torch.Tensor) -> list[int]:
+def skip_nonfinite(norms: torch.Tensor, scaled: bool = False) -> list[int]:
     """The optimizer's policy for one batch: the indices of the non-finite records (their clip
-    factor is 0 and the engine has masked them); every record of n >= 2 non-finite raises."""
+    factor is 0 and the engine has masked them); every record of n >= 2 non-finite raises,
+    unless ``scaled``: a GradScaler's loss scale is in the gradients, and its overflow, not a
+    bug, is the usual reason every record is inf at once (its scale doubles every 2000 clean
+    steps until one overflows; measured 2026-11-30: scale 2^18 on a float16 autocast model
+    overflowed all 6 records). Then every record is left out, the step releases noise alone
+    (each record's term is 0, within C), and ``scaler.update()`` lowers the scale as usual;
+    raising would end the run at the scaler's first overflow."""
     bad = bad_records(norms)
     idx = indices(bad) if bad.any() else []
-    if len(idx) >= 2 and len(idx) == norms.numel():
+    if len(idx) >= 2 and len(idx) == norms.numel() and not scaled:
         raise NonFiniteGradientError(
             f"every one of the {len(idx)} records of this batch has a NaN or inf gradient: the "
             f"parameters are non-finite already, or a NaN spreads across the batch (a batch "
@@ -103,11 +109,13 @@ def skip_nonfinite(norms: torch.Tensor) -> list[int]:
     return idx
 
 
-def warn_skipped(idx: list[int], n: int) -> None:
+def warn_skipped(idx: list[int], n: int, scaled: bool = False) -> None:
     if idx:
+        why = ("; under a GradScaler this is most likely its loss scale overflowing, which "
+               "scaler.update() lowers" if scaled else "")
         warnings.warn(f"{len(idx)} of {n} records of this step have a NaN or inf gradient "
                       f"(indices {_listed(idx)}): they were left out of the clipped sum (clip "
-                      f"factor 0), counted in optimizer.last['nonfinite']; {FIX}",
+                      f"factor 0), counted in optimizer.last['nonfinite']{why}; {FIX}",
                       NonFiniteRecordWarning, stacklevel=4)
 
 

@@ -63,7 +63,9 @@ calls out of Σ_i g_i too). ``skip_weight_grads = False`` restores the ordinary 
 
 **Non-finite records** (a NaN or inf per-sample gradient) are left out of the sum, counted in
 ``last["nonfinite"]`` (indices in ``last["nonfinite_indices"]``) and warned about; a batch of
-n >= 2 records that are all non-finite raises (``clipping/nonfinite.py`` says why).
+n >= 2 records that are all non-finite raises (``clipping/nonfinite.py`` says why), except
+under a GradScaler, whose overflowing scale is the usual cause: the step then releases noise
+alone and ``scaler.update()`` lowers the scale.
 
 **Empty batches** still step: the clipped sum is zero and the noise is added; skipping would
 reveal that the batch was empty.
@@ -388,7 +390,8 @@ class DPOptimizer(Optimizer):
                                                     users=users, row=row)  # user_level.py
                     if rec.signature is not None:
                         replays.append((rec, norm[rec.n - 1].detach(), row))
-                    skipped += [seen + i for i in skip_nonfinite(norm)]  # masked by the engine
+                    skipped += [seen + i for i in skip_nonfinite(norm, scale is not None)]
+                    # masked by the engine; under a GradScaler an all-inf batch is its overflow
                     seen += rec.n
                     for key, s in sums.items():
                         self._sums[key] = s if key not in self._sums else self._sums[key] + s
@@ -418,7 +421,7 @@ class DPOptimizer(Optimizer):
                      "clip_factors": torch.cat(factors) if factors else torch.zeros(0),
                      "mode": modes[-1] if modes else None,  # the mode "auto" chose
                      "nonfinite": len(skipped), "nonfinite_indices": skipped}
-        warn_skipped(skipped, seen)
+        warn_skipped(skipped, seen, scale is not None)
 
     def _auto_mode(self, rec) -> str:
         """``choose_mode(rec)[0]``, remembered for the batch's layout (``mode_key``): the
