@@ -224,3 +224,16 @@ def test_functional_api_keeps_rows_chosen_by_their_own_data(method):
     flat = torch.cat([got[name].flatten() for name, _ in m.named_parameters()])
     ref = twin(m, lambda out, y: F.cross_entropy(out, y, reduction="sum"), X, Y)
     assert torch.allclose(flat, ref, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["microbatch", "vmap", "einsum"])
+def test_inputs_the_batch_cannot_take_either_keep_their_own_error(method):
+    """A float32 input to a float64 model fails alone and in the batch alike: the user sees
+    PyTorch's dtype error in every method, not a coupling refusal (microbatch) or "vmap cannot
+    run this model" (until 2026-11-30)."""
+    model = nn.Sequential(nn.Linear(4, 3)).double()
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    with pytest.raises(RuntimeError, match="dtype") as caught:
+        wb.per_sample_gradients(model, nn.CrossEntropyLoss(reduction="none"), x, y,
+                                method=method)
+    assert not isinstance(caught.value, wb.WorkbenchError)

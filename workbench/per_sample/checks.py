@@ -162,8 +162,21 @@ def forward(model: nn.Module, inputs):
 ALONE_ERRORS = (RuntimeError, ValueError, IndexError, TypeError)
 
 
+def batch_runs(model, loss_fn, inputs, targets) -> bool:
+    """Whether the model and the loss run on the whole batch (no grad). A record alone that
+    fails where the batch fails too (a float32 input to a float64 model, a wrong shape) failed
+    for the inputs' own reason, not for lack of the other records: its error is the user's to
+    see as it is, not a coupling refusal (a misleading SampleMixingError until 2026-11-30)."""
+    try:
+        with torch.no_grad():
+            loss_fn(forward(model, inputs), targets)
+    except Exception:  # noqa: BLE001  (any error: the batch does not run either)
+        return False
+    return True
+
+
 @contextmanager
-def alone(kinds=ALONE_ERRORS):
+def alone(kinds=ALONE_ERRORS, whole=None):
     """Around the model and the loss run on one record (or a few) taken from the batch: the
     exact twins (micro-batching, the self-check's probe) run every record on its own. A model
     or loss that cannot (``x1, x2 = x.chunk(2)``, ``x[:k]`` padded back to n, a reshape to a
@@ -173,8 +186,9 @@ def alone(kinds=ALONE_ERRORS):
     try:
         yield
     except kinds as err:  # method='vmap': not RuntimeError, its own limits' (functional.py)
-        if isinstance(err, WorkbenchError):
-            raise
+        if isinstance(err, WorkbenchError) or (whole is not None and not whole()):
+            raise  # ``whole``: () -> whether the batch runs (``batch_runs``); if not, the
+            # record's error is the inputs' own
         raise SampleMixingError(
             f"the model and loss cannot run on one record alone ({type(err).__name__}: "
             f"{str(err).splitlines()[0][:160]}), which every exact per-record gradient "
@@ -216,7 +230,7 @@ def take(batch, index: slice):
 
 
 __all__ = [
-    "ModelCall", "batch_size", "buffer_ids", "check_batch", "check_losses", "dense",
-    "alone", "check_no_sample_mixing", "forward", "state_written_from_batch",
+    "ModelCall", "batch_runs", "batch_size", "buffer_ids", "check_batch", "check_losses",
+    "dense", "alone", "check_no_sample_mixing", "forward", "state_written_from_batch",
     "sample_mixing_problem", "take", "trainable_parameters",
 ]

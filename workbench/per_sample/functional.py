@@ -37,6 +37,7 @@ from workbench.errors import UnsupportedLayerError, WorkbenchError
 from workbench.per_sample import precision
 from workbench.per_sample.checks import (
     alone,
+    batch_runs,
     check_batch,
     check_losses,
     dense,
@@ -141,11 +142,14 @@ def vmap_or_explain(model, loss_fn, inputs, targets):
     check_batch(inputs, targets)  # the arguments' own errors, before alone() reads any
     # error as the model's need for its batch (a misleading SampleMixingError until 2026-11-29)
     try:
-        with alone((ValueError, IndexError, TypeError)):  # a model needing its batch
+        with alone((ValueError, IndexError, TypeError),  # a model needing its batch
+                   whole=lambda: batch_runs(model, loss_fn, inputs, targets)):
             return vmap_per_sample_gradients(model, loss_fn, inputs, targets)
     except WorkbenchError:
         raise
     except (RuntimeError, NotImplementedError) as error:
+        if not batch_runs(model, loss_fn, inputs, targets):
+            raise  # the batch fails too: the inputs' own error, not vmap's (checks.py)
         p0 = next(model.parameters(), None)
         amp = None if p0 is None else precision.state(p0.device)
         if amp is not None:

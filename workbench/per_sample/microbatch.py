@@ -16,6 +16,7 @@ import torch
 
 from workbench.per_sample.checks import (
     alone,
+    batch_runs,
     check_batch,
     check_losses,
     dense,
@@ -43,11 +44,16 @@ def microbatch_per_sample_gradients(model, loss_fn, inputs, targets, names=None)
               if names is None or k in names}
     grads = {name: zeros_per_sample((n, *p.shape), like=p) for name, p in params.items()}
     state = Snapshot(model)  # what a forward pass that writes the model's state reads
+
+    def whole() -> bool:  # on a record's error only: does the batch run (checks.batch_runs)?
+        state.rewind()
+        return batch_runs(model, loss_fn, inputs, targets)
+
     for i in range(n):
         if i:
             state.rewind()  # as record 0 read it, not as records 0..i-1 left it
         rows = slice(i, i + 1)
-        with alone():  # a model or loss that cannot: a clear refusal
+        with alone(whole=whole):  # a model or loss that cannot: a clear refusal
             loss = loss_fn(forward(model, take(inputs, rows)), take(targets, rows))  # (1,)
         check_losses(loss, 1)
         g_i = torch.autograd.grad(loss.sum(), list(params.values()), allow_unused=True)
