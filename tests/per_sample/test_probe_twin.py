@@ -56,3 +56,28 @@ def test_the_twin_holds_cpu_copies_and_leaves_the_layer_alone(monkeypatch):
     with torch.no_grad():
         twin.weight.add_(1.0)
     assert not torch.equal(twin.weight, layer.weight)
+
+
+@pytest.mark.realmodels
+@pytest.mark.parametrize("name", ["bit", "timm_resnet_gn", "llama", "timm_convnext"])
+def test_every_behaviour_rule_decides_alike_on_the_twin(name, monkeypatch):
+    """The behaviour probes (affine layouts, a norm with its activation, a standardised
+    convolution; some swap the layer's parameters for probe values first) match the same
+    layers when run on the CPU twin as on the layer itself: on a GPU a layer keeps its fast
+    rule."""
+    import torch.nn as tnn
+
+    from workbench.realzoo import PROBLEMS
+    from workbench.rules import affine, linear, norm_activation, std_conv
+
+    def verdicts():
+        model = PROBLEMS[name].build(torch.float32)
+        return {path: (std_conv.std_conv_eps(m) if isinstance(m, tnn.modules.conv._ConvNd)
+                       else None, norm_activation.norm_activation(m), affine.layout_of(m),
+                       linear.is_transposed_linear(m))
+                for path, m in model.named_modules()}
+
+    direct = verdicts()
+    assert any(any(v is not None and v is not False for v in row) for row in direct.values())
+    monkeypatch.setattr(_rule, "_off_cpu", lambda tensors: True)
+    assert verdicts() == direct
