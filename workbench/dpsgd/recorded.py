@@ -379,7 +379,8 @@ class ModelRecorder:
                                "parameter resized in place: resize_token_embeddings): their "
                                "gradients would not be recorded. Call make_private again on "
                                "the changed model (with a new optimizer over its parameters)")
-        scalar = next((c for c in self.root_rec.all_calls() if c.outputs and all(
+        roots = self.root_rec.all_calls()  # the model's own calls this step, read once
+        scalar = next((c for c in roots if c.outputs and all(
             len(shape) == 0 for shape, _, _ in c.outputs)), None)
         if scalar is not None:
             keys = getattr(scalar, "keys", None)
@@ -391,7 +392,7 @@ class ModelRecorder:
                 f"computed from (dim 0 = the batch). Return them too (a Hugging Face model's "
                 f"ModelOutput as it is, with its logits), or return the logits and compute "
                 f"the loss after the model")
-        if not self.root_rec.all_calls() and self.layer_rec.all_calls():
+        if not roots and any(self.layer_rec.calls.values()):
             ran = next(path for path, calls in self.layer_rec.calls.items() if calls)
             raise LoopError(
                 f"the layers of the model made private ran ({ran or '<model>'} first), but not "
@@ -399,8 +400,8 @@ class ModelRecorder:
                 f"model.base_model(...)), so the gradient at the private model's output, "
                 f"which the optimizer attributes to records, was never recorded. Call the "
                 f"model that was made private, or make_private the module the loop calls")
-        if not any(any(g is not None for g in c.grads) for c in self.root_rec.all_calls()):
-            if self.watch.announced == 0 and not self.root_rec.all_calls():
+        if not any(any(g is not None for g in c.grads) for c in roots):
+            if self.watch.announced == 0 and not roots:
                 return  # an empty Poisson batch, not run through the model: Σ_i c_i g_i = 0
             if ROOT in self.root_rec.untracked:  # e.g. a dict or a Hugging Face ModelOutput
                 raise TypeError(
