@@ -259,6 +259,8 @@ class ModelRecorder:
                     self.watch.model_losses = ModelLosses(split, inner)
             if written is not None:  # raised last: the recorder is consistent
                 raise written
+            self.tracker.refuse_mixing(tree_flatten(output)[0])  # a statistic over the
+            # records that the outputs' gradient flows through (batch_reductions.py)
 
     def _off_rows(self, args) -> bool:
         """A call (its first tensor argument) whose dim 0 is neither the batch's rows (dim 0

@@ -38,8 +38,9 @@ batch-free output.
 import torch
 from torch.overrides import TorchFunctionMode
 
+from workbench.per_sample import batch_reductions
 from workbench.per_sample.broadcast import ADDS, REWRITES, BatchFree
-from workbench.per_sample.derived import Derived, follow_parameters
+from workbench.per_sample.derived import Derived, follow_parameters, graph_nodes
 from workbench.per_sample.flat_rows import FOLLOWED, FlatRows, in_place
 from workbench.per_sample.leaves import leaves
 from workbench.per_sample.registry import find_grad_sampler
@@ -151,6 +152,9 @@ class UseTracker(TorchFunctionMode):
         self._ruled: dict[str, bool] = {}  # path -> the layer has a grad rule (_inside_rule)
         self.trace = 0  # a hash of the names of the pass's ops in order: part of the
         # self-check's call signature (``selfcheck.signature``)
+        self.n = None  # dim 0 of the pass's first input (``start``)
+        self.reductions: list = []  # (node, what): statistics over the records with gradient
+        # (``batch_reductions.py``), refused if the outputs reach one (``refuse_mixing``)
 
     def __enter__(self):
         self.recorder.batch_free = self.batch_free
@@ -238,6 +242,9 @@ class UseTracker(TorchFunctionMode):
         touches (``derived.py``) and carries the batch on dim 0, one row per sample
         (``flat_rows.py``: the rows a reshape may then flatten)."""
         self.trace = 0
+        self.reductions = []
+        self.n = next((int(t.shape[0]) for t in inputs
+                       if isinstance(t, torch.Tensor) and t.dim()), None)
         with torch._C.DisableTorchFunction():  # the tracker's own reads: no op of the pass
             self.derived.start(inputs)
             self.flat_rows.seed(inputs)
@@ -299,6 +306,8 @@ class UseTracker(TorchFunctionMode):
         if torch.is_grad_enabled():
             if name in FOLLOWED or (self.flat_rows.tags and in_place(name)):
                 self.flat_rows.after(name, args, kwargs, result)
+            if name in batch_reductions.REDUCTIONS and not self.in_loss:
+                self._over_records(name, args, kwargs, result)
             watched = self.batch_free.watched
             if watched and not watched.keys().isdisjoint(ids):
                 self.batch_free.saw(func, args, kwargs, result, _differentiable)
@@ -321,6 +330,25 @@ class UseTracker(TorchFunctionMode):
                 for p in used:
                     self._count(p, where)
         return result
+
+    def _over_records(self, name, args, kwargs, result) -> None:
+        """A max, norm, std... over the records: noted with its node (``batch_reductions``)."""
+        node = batch_reductions.noted(result)
+        if node is not None and batch_reductions.over_records(
+                name, args, kwargs, self.flat_rows.of, self._tainted, self.n):
+            where = self._where()
+            where = f"called at {batch_reductions.caller()}" + (
+                "" if where.startswith("<") else f", inside layer {where!r}")
+            self.reductions.append((node, f"torch's {name} over dim 0 (the records) of a "
+                                          f"{tuple(args[0].shape)} tensor computed from the "
+                                          f"batch, {where}"))
+
+    def refuse_mixing(self, outputs) -> None:
+        """The forward pass ended with ``outputs`` (tensors): ``SampleMixingError`` if they
+        depend with gradient on a statistic over the records (``batch_reductions``)."""
+        notes, self.reductions = self.reductions, []
+        with torch._C.DisableTorchFunction():
+            batch_reductions.refuse_reached(notes, outputs, graph_nodes)
 
     def _cast(self, args, result) -> None:
         """An op whose float result is narrower than its float input (Hugging Face's RMSNorm
