@@ -328,7 +328,7 @@ def _reshaped(model, opt, x, y):  # each record of 6 features read as two rows o
 def test_more_rows_than_the_loader_sampled_are_refused(mistake):
     model, opt, loader = _private()
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(wb.errors.RecordCountError, match="rows as records"):
+    with pytest.raises(wb.errors.RecordCountError, match="rows as records|the same batch"):
         for x, y in loader:
             if len(x) == 0:
                 continue
@@ -576,3 +576,78 @@ def test_a_model_compiled_before_the_optimizer_is_refused_by_name():
     compiled = torch.compile(model, backend="eager")
     with pytest.raises(TypeError, match="torch.compile wrapper.*compile after"):
         optimizer(compiled, "auto")
+
+
+# --- a record's batch counted twice, or a batch's step skipped (probe of 2026-11-30) --------
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_the_same_batch_backwarded_twice_in_one_step_is_refused_without_the_loader(copy):
+    """DPOptimizer used directly (no loader tells the records apart): two backward passes
+    over equal inputs released 2 clip(g_i) per record, an influence of 2C, silently."""
+    torch.manual_seed(0)
+    model = mlp()
+    x, y = data(8, 1)
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=0.0,
+                      max_grad_norm=1.0, expected_batch_size=8)
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        opt.zero_grad()
+        nn.CrossEntropyLoss()(model(x), y).backward()
+        nn.CrossEntropyLoss()(model(x.clone() if copy else x), y).backward()
+        with pytest.raises(wb.errors.RecordCountError, match="the same batch"):
+            opt.step()
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        opt.zero_grad()  # two different batches in one step: allowed, each record once
+        nn.CrossEntropyLoss()(model(x[:4]), y[:4]).backward()
+        nn.CrossEntropyLoss()(model(x[4:]), y[4:]).backward()
+        opt.step()
+    finally:
+        opt.detach()
+
+
+@pytest.mark.parametrize("where", ["before the forward pass", "after the backward pass"])
+def test_a_batch_the_loop_skips_is_charged_with_a_warning(where):
+    """A loop skipping some batches' steps (an empty batch, a loss above a threshold, a
+    NaN guard): the accountant charged only the steps taken (28 of 40 batches), silently."""
+    torch.manual_seed(0)
+    x, y = data(64, 3)
+    model = mlp()
+    engine = PrivacyEngine()
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=16), noise_multiplier=1.0,
+        max_grad_norm=1.0)
+    drawn = taken = 0
+    with pytest.warns(UserWarning, match="had no step"):
+        for i, (xb, yb) in enumerate(loader):
+            drawn += 1
+            opt.zero_grad()
+            if i % 2 == 0 and where == "before the forward pass":
+                continue
+            nn.CrossEntropyLoss()(model(xb), yb).backward()
+            if i % 2 == 0:
+                continue  # dropped by the next zero_grad()
+            opt.step()
+            taken += 1
+    assert taken < drawn
+    assert sum(steps for _, _, steps in engine.accountant.history) == drawn
+
+
+def test_a_step_for_every_batch_charges_each_once_without_a_warning():
+    torch.manual_seed(0)
+    x, y = data(64, 3)
+    model = mlp()
+    engine = PrivacyEngine()
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=16), noise_multiplier=1.0,
+        max_grad_norm=1.0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="a batch the private loader")
+        for _ in range(2):
+            for xb, yb in loader:
+                opt.zero_grad()
+                if len(xb):
+                    nn.CrossEntropyLoss()(model(xb), yb).backward()
+                opt.step()
+    assert sum(steps for _, _, steps in engine.accountant.history) == 2 * len(loader)

@@ -165,6 +165,13 @@ class BatchStatistics:
             self.source[what] = int(x.shape[0])
             self._mark(self.reductions if x.requires_grad else self.stats, out, what)
 
+    def loss_reduced(self, out, what: str) -> None:
+        """A loss function or module reduced the records (its sum or mean, with gradient):
+        its detached copy is a statistic, as a ``sum`` op's (``L * (L.detach() < t)``: a
+        gate on the batch's loss, record i counted or not by the others' terms)."""
+        if self.on and isinstance(out, torch.Tensor) and out.requires_grad:
+            self._mark(self.reductions, out, f"the batch's loss {what}")
+
     def _number(self, out, what: str) -> None:
         values = out if isinstance(out, list) else [out]
         for v in tree_flatten(values)[0]:

@@ -95,6 +95,8 @@ class LossWatch:
         self.serial = 0  # batches the engine's loader handed out so far
         self.used: dict[int, int] = {}  # serial -> n of each such batch a training forward
         # pass ran on since the last step (``count_records``)
+        self.stepped = 0  # the last serial a step() was taken for (``batch_ends``)
+        self.on_skipped = lambda: None  # a handed-out batch had no step (the optimizer's)
         self.before = BatchStatistics()  # the same, from the loader's batch to the forward pass
         self._before_mode = None  # BeforeForward, on the stack while ``before`` follows calls
         self.paused = contextlib.nullcontext  # the recorder's pause (recorded.py sets it)
@@ -225,6 +227,8 @@ class LossWatch:
         the model: each clipped as a record, one record's influence up to k C). Fewer rows
         (records filtered out) are harmless. Without the engine's loader nothing is known."""
         used, self.used = self.used, {}
+        if self.announced is not None:  # this step is the handed-out batch's, empty or not
+            self.stepped = self.serial
         if len(used) > 1:
             raise RecordCountError(
                 f"one step() took the gradients of {len(used)} batches the private loader "
@@ -244,8 +248,17 @@ class LossWatch:
                 f"times max_grad_norm. Forward each record once; keep a record's views in "
                 f"that record (stack them along dim 1 and average their losses inside it)")
 
-    def batch_ends(self) -> None:
-        """The loader's pass ended (or was abandoned): nothing more to follow."""
+    def batch_ends(self, report: bool = True) -> None:
+        """The loader's pass ended (or was abandoned): nothing more to follow. A batch it
+        handed out that no step() was taken for (the loop skipped it: ``continue`` on an
+        empty batch, on a loss above a threshold; or left the pass) is reported to the
+        optimizer (``on_skipped``), which charges the accountant for it: the batch was
+        sampled, and whether its step was taken may depend on its records. ``report=False``:
+        a step that raised (its batch refused, not skipped by the loop), a detach."""
+        if self.announced is not None and self.serial > self.stepped:
+            self.stepped = self.serial
+            if report:
+                self.on_skipped()
         self.announced = None
         self._stop_before()
         self.before.reset(0)
@@ -360,6 +373,20 @@ class LossWatch:
             return
         kind, what = found
         declared = self.loss_reduction
+        if kind == "coupled":
+            names = sorted({name for g_, _, name in self.calls if g_ == self.generation})
+            seen = f" ({', '.join(names)})" if names else ""
+            raise LossCouplingError(
+                f"the loss{seen} passed to backward is not a sum of one term per record: it "
+                f"takes {what}, so whether and how much record i's term counts depends on "
+                f"the other records (a top-k or max of the records' losses, a clamp or a "
+                f"power of the batch's loss, outputs centred over the batch). Removing one "
+                f"record would then move the others' "
+                f"clipped gradients, so the sensitivity is no longer max_grad_norm (and the "
+                f"second-derivative test cannot see a piecewise-linear coupling). Fix: apply "
+                f"such a function to each record's own term before reducing "
+                f"(F.cross_entropy(o, y, reduction='none').clamp(max=t).mean()), and reduce "
+                f"the records only by a sum or a mean")
         if kind == "mixed":
             why = (f"adds terms that sum the records to terms that average them ({what}): "
                    f"no single factor makes every record's gradient its own")
@@ -459,7 +486,10 @@ class LossWatch:
         if self._depth or self._busy or not self._is_loss(module, output):
             return
         self._loss_call(module, args[0] if args else None, args[1:])
-        self.scale.loss_call(type(module).__name__, getattr(module, "reduction", None), output)
+        reduction = getattr(module, "reduction", None)
+        self.scale.loss_call(type(module).__name__, reduction, output)
+        if reduction in ("sum", "mean"):
+            self.stats.loss_reduced(output, f"{type(module).__name__}(reduction={reduction!r})")
 
     def _is_loss(self, module, output) -> bool:
         if isinstance(module, _Loss) or module is self.criterion:
@@ -555,6 +585,9 @@ class LossFunctions(TorchFunctionMode):
                 watch.stats.after(func, args, kwargs, out)  # read, never dispatched to
                 if reduction is not None:  # sum or mean over the records: the loss's kind
                     watch.scale.loss_call(f"F.{func.__name__}", reduction, out)
+                    if reduction in ("sum", "mean"):
+                        watch.stats.loss_reduced(
+                            out, f"F.{func.__name__}(reduction={reduction!r})")
                 else:
                     watch.scale.after(func, args, kwargs, out)
         return out
@@ -606,8 +639,8 @@ class LossFunctions(TorchFunctionMode):
             watch.second_order_use(loss)
             watch.attribute(loss)
             watch.statistics(loss)
-            watch.reduction(loss)
-            watch.coupling(loss)
+            watch.coupling(loss)  # a smooth coupling, measured, before ``reduction`` names
+            watch.reduction(loss)  # any non-linear one (record_reduction.py)
             watch.before_backward()  # b read after the loop's own hooks on the outputs
         except Exception:
             watch.close()  # the refused pass's window ends with it

@@ -193,6 +193,7 @@ class DPOptimizer(Optimizer):
         self._batch_token, self._fresh_chunk = None, False  # see begin_chunk
         self.model = model
         self.recorder = ModelRecorder(model, self.param_groups, loss_reduction, criterion)
+        self.recorder.watch.on_skipped = self._skipped_batch  # charged (LossWatch.batch_ends)
         self._groups = _group_ids(self.param_groups)  # what the recorder clips: _check_groups
         self.guard = loop.ThreadGuard()
         self._guard_handle = self.recorder.model.register_forward_pre_hook(
@@ -323,12 +324,32 @@ class DPOptimizer(Optimizer):
         self.guard.enter("optimizer.zero_grad()")
         with self.recorder.watch.unfollowed():  # .grad of the parameters: not the batch's data
             self.original_optimizer.zero_grad(set_to_none=set_to_none)
+        watch = self.recorder.watch
         self.recorder.clear()
-        self.recorder.watch.used = {}  # the passes it drops count for no step (count_records)
+        watch.used = {}  # the passes it drops count for no step (count_records); their
+        # batch, stepped for by none, is charged when the loader moves on (_skipped_batch)
         self.recorder.armed = True  # skip_weight_grads: this step's forward passes
         self._zeroed = True
-        self.recorder.watch.follow()  # batch statistics from here to the forward pass
+        watch.follow()  # batch statistics from here to the forward pass
         self.guard.release()
+
+    def _skipped_batch(self) -> None:
+        """The engine's loader handed out a batch no step() was taken for
+        (``LossWatch.batch_ends``): the loop skipped it before or after its backward pass
+        (``continue`` on an empty batch, on a non-finite loss or one above a threshold, its
+        gradients dropped by zero_grad()) or left the loader's pass. Charged to the
+        accountant as a step, with a warning: the accountant charged only the steps taken
+        until 2026-11-30 (28 of 40 batches where a loop skipped the empty ones)."""
+        warnings.warn(
+            "a batch the private loader handed out had no step(): the loop skipped it (an "
+            "empty batch, a non-finite loss or one above a threshold, its gradients dropped "
+            "by zero_grad()) or left the loader's pass. It is charged to the accountant as a "
+            "step (it was sampled), but a skip decided from the batch's records reveals them "
+            "beyond what the accountant covers: call step() for every batch (the optimizer "
+            "leaves a non-finite record out, and an empty batch releases noise alone)",
+            stacklevel=4)
+        if self.on_step is not None:
+            self.on_step(self.noise_multiplier)
 
     def begin_chunk(self, token, last: bool) -> None:
         """A virtual-step loader hands out a chunk of the logical batch ``token``; ``last``:
@@ -549,7 +570,7 @@ class DPOptimizer(Optimizer):
         finally:
             watch = self.recorder.watch  # the pass's loss window ends with its step, always
             watch.close()
-            watch.batch_ends()
+            watch.batch_ends(report=False)  # a step that raised refused its batch
             watch.follow()  # the next batch's statistics, from here to its forward pass
             self.guard.release()
 

@@ -32,7 +32,16 @@ and sums them under "sum". ``RecordReduction`` follows the loss window's operati
   accumulation steps) keeps the kind. The counts are matched by value, so a constant equal
   to this batch's n (B = qN when n = B) passes this step and is refused at a step whose n
   differs; a sum divided by n under "sum" is not told apart from a constant (a limit);
-- a sum of terms of different kinds is "mixed": no single factor makes both right.
+- a sum of terms of different kinds is "mixed": no single factor makes both right;
+- "coupled": a reduction over the records that weighs each record by the others (``PICKS``:
+  a max, a top-k, a median, a norm, a cumulative sum... of the records' terms), or any
+  operation on a loss of a kind other than the linear ones (``LINEAR``: adding terms,
+  scaling by what does not come from the outputs, reshaping, casting): ``L.clamp(max=t)``,
+  ``L ** 2``, ``1 / L``, ``torch.where(L > t, L, 0)``. Record i's gradient then depends on
+  the other records' terms through a piecewise-linear function the window's second-derivative
+  test cannot see (its second derivative vanishes almost everywhere): one record moved the
+  update by 1.5-2.4 C / B, silently, until 2026-11-30. (A gate computed from the detached
+  loss, ``L * (L.detach() < t)``, is a batch statistic: ``loss_terms.py``.)
 
 ``loss.backward()`` on a tensor whose kind is not ``loss_reduction`` raises
 ``LossCouplingError`` naming the term and the fix. A tensor without a kind (a loss module
@@ -55,6 +64,28 @@ MEANS = {"mean", "nanmean"}
 DIVIDE = {"div", "div_", "true_divide", "true_divide_", "__truediv__", "__itruediv__",
           "divide", "__div__", "__idiv__"}
 MULTIPLY = {"mul", "mul_", "__mul__", "__rmul__", "__imul__", "multiply"}
+#: reductions that, over the records, weigh each record's term by the others' -> position of
+#: ``dim`` among the positional arguments, and its default (None: every dim)
+PICKS = {"amax": (1, None), "amin": (1, None), "max": (1, None), "min": (1, None),
+         "aminmax": (1, None), "std": (1, None), "var": (1, None), "std_mean": (1, None),
+         "var_mean": (1, None), "norm": (2, None), "linalg_vector_norm": (2, None),
+         "logsumexp": (1, None), "prod": (1, None), "median": (1, None),
+         "nanmedian": (1, None), "quantile": (2, None), "nanquantile": (2, None),
+         "cumsum": (1, None), "cumprod": (1, None), "cummax": (1, None), "cummin": (1, None),
+         "logcumsumexp": (1, None), "softmax": (1, None), "log_softmax": (1, None),
+         "sort": (1, -1), "msort": (9, 0), "topk": (2, -1), "kthvalue": (2, -1),
+         "mode": (1, -1)}
+#: operations that keep a loss linear in the records' terms (``after``: a product or quotient
+#: only by what does not come from the model's outputs, the loss as numerator)
+LINEAR = (SUMS | MEANS | DIVIDE | MULTIPLY | {
+    "add", "add_", "__add__", "__radd__", "__iadd__", "sub", "sub_", "__sub__", "__rsub__",
+    "__isub__", "subtract", "rsub", "neg", "neg_", "__neg__", "negative", "__pos__", "positive",
+    "reshape", "reshape_as", "view", "view_as", "squeeze", "squeeze_", "unsqueeze",
+    "unsqueeze_", "flatten", "ravel", "expand", "expand_as", "clone", "contiguous", "to",
+    "float", "double", "half", "bfloat16", "type", "type_as", "cpu", "cuda", "stack", "cat",
+    "concat", "concatenate", "hstack", "vstack", "__getitem__", "select", "narrow", "unbind",
+    "split", "chunk", "t", "transpose", "permute", "movedim", "__get__", "requires_grad_",
+    "retain_grad", "register_hook", "backward", "detach", "detach_", "sum_to_size"})
 
 
 def _dims(args, kwargs, ndim: int) -> set[int]:
@@ -126,12 +157,23 @@ class RecordReduction:
             kind = "sum" if name in SUMS else "mean"
             self.mark(out, kind, f"{name}() over the records of a {tuple(x.shape)} tensor")
             return
+        if name in PICKS and x is not None and x.requires_grad and x.dim() \
+                and x.shape[0] % self.n == 0 and self.derived(x) and self._picks(name, args,
+                                                                                kwargs, x):
+            what = f"{name}() over the records of a {tuple(x.shape)} tensor"
+            for o in out if isinstance(out, (tuple, list)) else (out,):
+                self.mark(o, "coupled", what)
+            return
         found = [k for t in tensors for k in [self.find(t)] if k is not None]
         if not found:
             return
         kinds = {k for k, _ in found}
         kind, what = found[0]
-        if len(kinds) > 1:
+        if "coupled" in kinds:
+            kind, what = "coupled", next(w for k, w in found if k == "coupled")
+        elif not self._linear(name, args, tensors):
+            kind, what = "coupled", f"{name}() of {what}"
+        elif len(kinds) > 1:
             kind = "mixed"
             what = " and ".join(dict.fromkeys(w for _, w in found))
         elif len(args) > 1 and self.find(args[0]) is not None:
@@ -146,6 +188,30 @@ class RecordReduction:
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for o in outs:
             self.mark(o, kind, what)
+
+    def _picks(self, name, args, kwargs, x) -> bool:
+        """``name`` reduces over dim 0 of x (``PICKS``; ``torch.max(a, b)`` is elementwise)."""
+        at, default = PICKS[name]
+        dim = kwargs["dim"] if "dim" in kwargs else args[at] if len(args) > at else default
+        if isinstance(dim, torch.Tensor):
+            return False
+        if dim is None or isinstance(dim, bool):  # x.std(True): unbiased, every dim
+            return True
+        dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+        return any(isinstance(d, int) and d % x.dim() == 0 for d in dims)
+
+    def _linear(self, name, args, tensors) -> bool:
+        """``name`` keeps a loss linear in the records' terms: a ``LINEAR`` operation, and a
+        product (quotient: the loss its numerator) with one factor from the outputs."""
+        if name not in LINEAR:
+            return False
+        if name not in MULTIPLY and name not in DIVIDE:
+            return True
+        from_outputs = [t for t in tensors if t.requires_grad
+                        and (self.find(t) is not None or self.derived(t))]
+        if name in DIVIDE:
+            return all(t is args[0] for t in from_outputs)
+        return len(from_outputs) <= 1
 
     def check(self, loss, loss_reduction: str):
         """(kind, what) of ``loss`` when it is not ``loss_reduction``, else None."""

@@ -51,7 +51,12 @@ from workbench.dpsgd.model_loss import (
 )
 from workbench.dpsgd.skip_weights import AUTO, WeightGradSkipper
 from workbench.dpsgd.streamed import stream_call, streamed_gradients
-from workbench.errors import LoopError, LossCouplingError, UnsupportedLayerError
+from workbench.errors import (
+    LoopError,
+    LossCouplingError,
+    RecordCountError,
+    UnsupportedLayerError,
+)
 from workbench.per_sample import precision, selfcheck, state_replay
 from workbench.per_sample.checks import (
     ModelCall,
@@ -315,7 +320,7 @@ class ModelRecorder:
 
     def close(self) -> None:
         self.watch.close()
-        self.watch.batch_ends()
+        self.watch.batch_ends(report=False)
         self.skipper.close()
         for handle in self._handles:
             handle.remove()
@@ -431,6 +436,7 @@ class ModelRecorder:
         self.root_rec.collect()
         check_recorded(self.layers, self.layer_rec)
         roots = [c for c in self.root_rec.calls[ROOT] if c.backprops is not None]
+        refuse_repeated_batch(roots)
         prepared = []  # every backward pass's recording first: ``comparing`` below
         for gen in sorted({c.generation for c in roots}):
             mine = [c for c in roots if c.generation == gen]
@@ -673,6 +679,33 @@ def distributed_run(model) -> bool:
     import torch.distributed as dist
     wrapped = isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel))
     return wrapped or (dist.is_available() and dist.is_initialized())
+
+
+def refuse_repeated_batch(roots) -> None:
+    """RecordCountError if two backward passes of one step ran the model on the same inputs
+    (the same tensors, or equal ones: every tensor argument of the same shape and values):
+    each pass clips its records, so a batch backwarded twice adds 2 clip(g_i) per record, an
+    influence of 2 C (silent, without the engine's loader, until 2026-11-30; with it,
+    ``LossWatch.count_records`` counts the rows). Compared only when a step has several
+    passes; distinct batches accumulated into one step differ somewhere."""
+    if len({c.generation for c in roots}) < 2:
+        return
+    seen = []
+    for call in roots:
+        tensors = [t for t in call_leaves(call.args, call.kwargs) if isinstance(t, torch.Tensor)]
+        if not any(t.dim() and t.shape[0] for t in tensors):
+            continue
+        for gen, other in seen:
+            if gen != call.generation and len(other) == len(tensors) and all(
+                    a is b or (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+                               and torch.equal(a, b)) for a, b in zip(tensors, other)):
+                raise RecordCountError(
+                    "two backward passes of one step ran the model on the same batch (equal "
+                    "inputs): each pass clips its records, so every record of that batch adds "
+                    "two clipped gradients to the step, an influence of 2 x max_grad_norm. "
+                    "Compute the batch's losses in one forward pass and call backward once "
+                    "(loss = loss_a + loss_b), or call step() after each backward")
+        seen.append((call.generation, tensors))
 
 
 def _inputs(call, n: int):

@@ -1,0 +1,77 @@
+"""A loss that combines the records' terms other than by a sum or a mean
+(``dpsgd/record_reduction.py``, kind "coupled"): refused at ``loss.backward()``.
+
+Found by a probe (2026-11-30): a top-k or a max of the records' losses (online hard-example
+mining), a clamp of the batch's mean loss, a gate on the detached mean: each couples the
+records piecewise-linearly, so the window's second-derivative test saw nothing, and removing
+one record moved the noiseless update by 1.5-2.4 C / B. Their neighbours that keep the loss
+a sum of one term per record stay exact (a per-record clamp, a top-k over each record's
+classes, scaling, adding loss terms, a regulariser on the parameters)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.dpsgd.test_invariant import assert_invariant, batch, mlp, released
+from workbench.errors import LossCouplingError
+
+
+def ce(z, y):
+    return F.cross_entropy(z, y, reduction="none")
+
+
+COUPLED = {
+    "top-k of the records": lambda z, y: ce(z, y).topk(3).values.mean(),
+    "max of the records": lambda z, y: ce(z, y).max(),
+    "median of the records": lambda z, y: ce(z, y).median(),
+    "sorted records": lambda z, y: ce(z, y).sort().values[-2:].sum(),
+    "cumulative sum": lambda z, y: ce(z, y).cumsum(0).mean(),
+    "clamp of the mean": lambda z, y: F.cross_entropy(z, y).clamp(max=1.0),
+    "square of the mean": lambda z, y: F.cross_entropy(z, y) ** 2,
+    "reciprocal": lambda z, y: 1.0 / F.cross_entropy(z, y).clamp(min=0.1),
+    "gate on the mean": lambda z, y: F.cross_entropy(z, y) * (
+        F.cross_entropy(z, y).detach() < 1.0),
+    "where on the mean": lambda z, y: torch.where(
+        F.cross_entropy(z, y) > 10.0, 0.0 * F.cross_entropy(z, y), F.cross_entropy(z, y)),
+    "product of two means": lambda z, y: F.cross_entropy(z, y) * ce(z, y).mean(),
+}
+
+LINEAR = {  # name: (batch loss, record i's own loss, by sum)
+    "per-record clamp": (lambda z, y: ce(z, y).clamp(max=1.0).mean(),
+                         lambda z, y: ce(z, y).clamp(max=1.0).sum()),
+    "top-k over each record's classes": (
+        lambda z, y: z.topk(2, dim=1).values.sum(1).pow(2).mean(),
+        lambda z, y: z.topk(2, dim=1).values.sum(1).pow(2).sum()),
+    "scaled and shifted": (lambda z, y: 0.5 * F.cross_entropy(z, y) / 4 + 3.0,
+                           lambda z, y: 0.125 * ce(z, y).sum()),
+    "two terms": (lambda z, y: F.cross_entropy(z, y) + z.pow(2).sum(1).mean(),
+                  lambda z, y: (ce(z, y) + z.pow(2).sum(1)).sum()),
+    "stacked terms": (lambda z, y: torch.stack([F.cross_entropy(z, y),
+                                                z.pow(2).sum(1).mean()]).sum(),
+                      lambda z, y: (ce(z, y) + z.pow(2).sum(1)).sum()),
+}
+
+
+@pytest.mark.parametrize("mode", ["einsum", "bookkeeping", "auto"])
+@pytest.mark.parametrize("name", sorted(COUPLED))
+def test_losses_combining_records_non_linearly_are_refused(name, mode):
+    x, y = batch()
+    with pytest.raises(LossCouplingError, match="one term per record|statistic of the whole "
+                                                "batch|depend on the other records"):
+        released(mlp(), COUPLED[name], x, y, mode)
+
+
+@pytest.mark.parametrize("mode", ["einsum", "bookkeeping"])
+@pytest.mark.parametrize("name", sorted(LINEAR))
+def test_linear_combinations_stay_exact(name, mode):
+    x, y = batch()
+    loss, own = LINEAR[name]
+    assert_invariant(mlp, loss, own, x, y, mode)
+
+
+def test_the_message_names_the_operation():
+    x, y = batch()
+    with pytest.raises(LossCouplingError, match=r"topk\(\) over the records"):
+        released(mlp(), COUPLED["top-k of the records"], x, y, "einsum")
+    with pytest.raises(LossCouplingError, match=r"clamp\(\) of F.cross_entropy"):
+        released(mlp(), COUPLED["clamp of the mean"], x, y, "einsum")
