@@ -100,7 +100,7 @@ def test_count_noise_is_gaussian_with_sigma_b():
     (dict(max_grad_norm=[1.0]), ValueError, "one max_grad_norm for the whole model"),
     (dict(noise_multiplier=0.0), ValueError, "needs noise_multiplier > 0"),
     (dict(adaptive_clipping=AdaptiveClipping(count_noise_multiplier=0.1)), ValueError,
-     r"sigma_b > 1 / \(2 sigma\)"),
+     r"sigma_b > sigma / 2 = 0.5"),
     (dict(adaptive_clipping=0.5), TypeError, "must be a wb.dpsgd.AdaptiveClipping"),
 ])
 def test_invalid_combinations_are_refused(kwargs, error, match):
@@ -110,6 +110,21 @@ def test_invalid_combinations_are_refused(kwargs, error, match):
                 noise_multiplier=1.0, max_grad_norm=1.0, adaptive_clipping=AdaptiveClipping())
     with pytest.raises(error, match=match):
         wb.PrivacyEngine().make_private(**(args | kwargs))
+
+
+def test_noise_turned_off_after_make_private_is_refused_by_name():
+    """A ZeroDivisionError from Eq. (3) until 2026-11-30."""
+    model = nn.Linear(3, 1)
+    model, opt, loader = wb.PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(torch.randn(50, 3)), batch_size=25),
+        noise_multiplier=1.0, max_grad_norm=1.0, adaptive_clipping=AdaptiveClipping())
+    opt.noise_multiplier = 0.0
+    (x,) = next(iter(loader))
+    opt.zero_grad()
+    model(x).mean().backward()
+    with pytest.raises(ValueError, match="adaptive clipping needs noise_multiplier > 0"):
+        opt.step()
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -42,6 +42,7 @@ from workbench.accounting.bounds import batches_per_epoch
 from workbench.accounting.calibrate import get_noise_multiplier, steps_from_epochs
 from workbench.accounting.curve import epsilon_curve
 from workbench.accounting.gaussian import gaussian_epsilon
+from workbench.accounting.noise_range import accounted_sigma
 from workbench.accounting.pld import check_pld_delta, grid_step, loss_std
 from workbench.accounting.registry import ACCOUNTANTS
 from workbench.accounting.shuffle import shuffle_lower_curve
@@ -121,7 +122,10 @@ class BudgetResult:
 
 @lru_cache(maxsize=256)  # slider moves revisit the same settings
 def _shuffle_bracket(batches, sigma, epochs, delta):
-    """(lower, upper) arrays at the whole epochs ``epochs`` (a tuple), see the docstring."""
+    """(lower, upper) arrays at the whole epochs ``epochs`` (a tuple), see the docstring;
+    σ as every accountant computes with it (``noise_range.accounted_sigma``: a σ below
+    SIGMA_FLOOR is 0, ε = inf; it reached the shuffle bound raw, a NaN, until 2026-11-30)."""
+    sigma = accounted_sigma(sigma)
     upper = np.array([gaussian_epsilon(sigma, delta, e) for e in epochs])
     if sigma == 0:
         return upper, upper

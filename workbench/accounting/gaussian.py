@@ -40,7 +40,8 @@ def gaussian_delta(noise_multiplier, epsilon, steps=1):
     if sigma == 0:
         return 1.0
     a, b = 1 / (2 * sigma), epsilon * sigma
-    return float(max(ndtr(a - b) - np.exp(epsilon + log_ndtr(-a - b)), 0.0))  # Eq. (1)
+    with np.errstate(over="ignore"):  # e^ε past float range (a huge ε tried): δ's term is 0
+        return float(max(ndtr(a - b) - np.exp(epsilon + log_ndtr(-a - b)), 0.0))  # Eq. (1)
 
 
 def gaussian_epsilon(noise_multiplier, delta, steps=1):

@@ -19,6 +19,8 @@ The FFT's window cut (``compose.TAIL_MASS`` per side) and round-off could add ab
 Notation: p, q bin masses, L privacy loss, h loss grid step, E compositions, δ target delta.
 """
 
+import math
+
 import numpy as np
 
 from workbench.accounting.compose import compose, self_compose_many
@@ -35,19 +37,30 @@ SLACK = 1e-12  # added to δ before reading ε off a lower-bound PLD (see the do
 H_LOWER = 1e-4  # loss grid step of the lower bounds
 
 
+LOG_TINY = math.log(math.ulp(0.0))  # -744.4: log of the smallest positive double
+MAX_LOWER_BINS = 2 ** 20  # loss bins of one binned PLD: h is coarsened past it
+
+
 def binned_pld_down(log_p, log_q, h=H_LOWER):
     """DiscretePLD of bins with masses exp(log_p), exp(log_q), losses rounded down, Eq. (1).
 
-    Bins with q = 0 < p have infinite loss (mass at +inf); bins with p = 0 add nothing.
+    Bins with p = 0 add nothing. A bin with q = 0 < p is one whose q underflowed (the laws
+    here, mixtures of Gaussians, give every bin some mass): its loss is taken as log p -
+    LOG_TINY, below its true loss, so the bound stays a lower bound (it was put at +inf, an
+    infinite "lower bound" at σ = 0.01 where the upper bound is 5425, until 2026-11-30). Where
+    the losses span more than ``MAX_LOWER_BINS`` steps of h (small σ), h is coarsened to
+    fit: every h > 0 rounds down, so the bound stays sound, only looser (a 77 GiB array at
+    σ = 0.001 until then).
     """
     log_p, log_q = np.asarray(log_p, float), np.asarray(log_q, float)
-    live = np.isfinite(log_p)
-    inf_mass = float(np.exp(log_p[live & ~np.isfinite(log_q)]).sum())
-    keep = live & np.isfinite(log_q)
-    k = np.floor((log_p[keep] - log_q[keep]) / h).astype(np.int64)  # L rounded down
+    keep = np.isfinite(log_p)
+    loss = log_p[keep] - np.where(np.isfinite(log_q[keep]), log_q[keep], LOG_TINY)
+    span = float(loss.max() - loss.min()) if loss.size else 0.0
+    h = max(h, span / MAX_LOWER_BINS)
+    k = np.floor(loss / h).astype(np.int64)  # L rounded down
     lo = int(k.min())
     pmf = np.bincount(k - lo, weights=np.exp(log_p[keep]))
-    return DiscretePLD(h=h, offset=lo, pmf=pmf, inf_mass=inf_mass)
+    return DiscretePLD(h=h, offset=lo, pmf=pmf)
 
 
 def sgm_pld_down(q, sigma, h, direction):
@@ -119,6 +132,7 @@ def interval_log_masses(log_cdf, log_sf, edges):
 
 
 __all__ = [
-    "H_LOWER", "SLACK", "binned_pld_down", "interval_log_masses", "lower_epsilon", "lower_epsilons",
+    "H_LOWER", "LOG_TINY", "MAX_LOWER_BINS", "SLACK", "binned_pld_down", "interval_log_masses",
+    "lower_epsilon", "lower_epsilons",
     "poisson_lower_epsilon", "sgm_pld_down",
 ]

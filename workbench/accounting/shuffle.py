@@ -65,8 +65,10 @@ def max_log_cdf(y, T, sigma, m):
 
 
 def max_log_sf(y, T, sigma, m):
-    """log(1 - F_m(y)), Eq. (2), computed stably from the log CDF."""
-    return np.log(-np.expm1(max_log_cdf(y, T, sigma, m)))
+    """log(1 - F_m(y)), Eq. (2), computed stably from the log CDF (-inf where it underflows:
+    ``lower.binned_pld_down`` bounds such a bin's loss)."""
+    with np.errstate(divide="ignore"):
+        return np.log(-np.expm1(max_log_cdf(y, T, sigma, m)))
 
 
 def _edges(T, sigma):

@@ -87,7 +87,8 @@ def canary_scores(step_fn, dim, steps, sample_rate, max_grad_norm, included, dat
     pool = torch.cat([canaries, data])  # (k + data_size, d)
     total = torch.zeros(m, dtype=torch.float64)
     for _ in range(int(steps)):
-        take = torch.rand(len(pool), generator=generator) < q  # Poisson sampling
+        take = torch.rand(len(pool), generator=generator,  # Poisson sampling, in float64
+                          dtype=torch.float64) < q  # (dpsgd/sampling.py: float32 rounds q)
         y = step_fn(pool[take])
         if tuple(y.shape) != (dim,):
             raise ValueError(f"step_fn must return a Tensor of shape ({dim},); got "

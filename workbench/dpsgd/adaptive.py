@@ -18,7 +18,8 @@ are exactly one Gaussian query with noise multiplier σ where (their Thm. 1)    
 
 and the accountant charges the σ the user asked for, step by step, as without adaptation: the
 total release is what the claim says. σ_b defaults to B / 20 (their §3 suggestion); it must
-exceed 1 / (2σ), or no noise would be left for the gradient. C used for clipping and for the
+exceed σ / 2 ((2 σ_b)⁻² < σ⁻²), or no noise would be left for the gradient; σ must be > 0
+(the count's noise comes out of the gradient's). C used for clipping and for the
 noise σ_Δ C is the same C within a step; it changes only between logical steps.
 
 Clipping every record in one group (flat clipping) is required: per-layer clip norms would
@@ -64,11 +65,16 @@ def gradient_noise_multiplier(sigma: float, sigma_b: float) -> float:
     >>> round(gradient_noise_multiplier(1.0, 12.8), 5)
     1.00076
     """
+    if not sigma > 0:  # the optimizer's noise_multiplier, set to 0 after construction too
+        raise ValueError(f"adaptive clipping needs noise_multiplier > 0 (got {sigma!r}): the "
+                         f"count of unclipped records is released with noise taken out of "
+                         f"the gradient's (Eq. 3), and without noise there is none to share; "
+                         f"set noise_multiplier > 0, or train without adaptive_clipping")
     rest = sigma ** -2 - (2 * sigma_b) ** -2
     if rest <= 0:
         raise ValueError(f"adaptive clipping: count_noise_multiplier={sigma_b:g} is too small "
-                         f"for noise_multiplier={sigma:g}: Eq. (3) needs sigma_b > 1 / (2 sigma)"
-                         f" = {1 / (2 * sigma):.3g}; raise it (default: expected batch size / 20)")
+                         f"for noise_multiplier={sigma:g}: Eq. (3) needs sigma_b > sigma / 2"
+                         f" = {sigma / 2:.3g}; raise it (default: expected batch size / 20)")
     return rest ** -0.5
 
 

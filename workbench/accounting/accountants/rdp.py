@@ -16,6 +16,7 @@ import numpy as np
 
 from workbench.accounting.accountant import Accountant
 from workbench.accounting.convert import rdp_to_epsilon
+from workbench.accounting.noise_range import accounted_history
 from workbench.accounting.rdp import DEFAULT_ORDERS, rdp_one_step
 from workbench.accounting.registry import register_accountant
 from workbench.checks import check_delta, check_orders
@@ -68,10 +69,13 @@ class RDPAccountant(Accountant):
         instead give the conversion's floor, a positive ε for nothing spent.
         """
         delta = check_delta(delta)
-        if not any(q > 0 and t > 0 for _, q, t in self.history):
-            return 0.0, None
+        live = [(s, q, t) for s, q, t in accounted_history(self.history) if q > 0 and t > 0]
+        if not live:  # the groups ``get_epsilon`` counts (curve.history_epsilon): a group of
+            return 0.0, None  # no steps or no sampling adds nothing (0 x inf was a NaN)
+        if any(s == 0 for s, _, _ in live):
+            return float("inf"), None
         rdp = np.zeros_like(self.orders)
-        for sigma, q, t in self.history:
+        for sigma, q, t in live:
             rdp += t * rdp_one_step(q, sigma, self.orders)  # RDP adds up over steps
         return rdp_to_epsilon(self.orders, rdp, delta)
 
