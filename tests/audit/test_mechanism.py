@@ -34,6 +34,9 @@ EXPECTED = {
     "no_noise": "noise variance",
     "divide_by_realised_batch": "mean · small batch (n=2)",
     "laplace_noise": "noise is Gaussian",
+    "noise_clamped": "noise is Gaussian",  # the tails (a probe's, 2026-11-30)
+    "noise_skipped_once": "noise variance",  # each call's noise
+    "lone_record_unclipped": "mean · small batch (n=2)",  # its n = 1 batch
 }
 
 

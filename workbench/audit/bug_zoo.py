@@ -147,6 +147,37 @@ def laplace_noise(C, sigma, B, generator=None):
     return step
 
 
+def noise_clamped(C, sigma, B, generator=None):
+    """Bug: the noise clamped to ±3σC (a "safety" clamp on outliers): where a coordinate
+    hits the bound the release is the clipped sum plus a known constant, so it gives the
+    sum away (ε = ∞) while the variance is 97% of the claim's."""
+    def step(G):
+        z = _noise(G.shape[1], sigma * C, generator, G).clamp(-3 * sigma * C, 3 * sigma * C)
+        return (_clip_rows(G, C).sum(0) + z) / B
+    return step
+
+
+def noise_skipped_once(C, sigma, B, generator=None):
+    """Bug: no noise on the first call (a noise buffer created lazily, zero until the first
+    step has run): that one release is the exact clipped sum (ε = ∞)."""
+    calls = [0]
+
+    def step(G):
+        calls[0] += 1
+        z = _noise(G.shape[1], sigma * C, generator, G)
+        return (_clip_rows(G, C).sum(0) + (0 * z if calls[0] == 1 else z)) / B
+    return step
+
+
+def lone_record_unclipped(C, sigma, B, generator=None):
+    """Bug: a fast path for a batch of one record skips the clip (``if n == 1: return g``):
+    Poisson sampling draws such batches, and that record's influence is unbounded."""
+    def step(G):
+        total = G.sum(0) if G.shape[0] == 1 else _clip_rows(G, C).sum(0)
+        return (total + _noise(G.shape[1], sigma * C, generator, G)) / B
+    return step
+
+
 ZOO = {
     CORRECT: correct_step,
     "inverted_clip_factor": inverted_clip_factor,
@@ -161,12 +192,16 @@ ZOO = {
     "no_noise": no_noise,
     "divide_by_realised_batch": divide_by_realised_batch,
     "laplace_noise": laplace_noise,
+    "noise_clamped": noise_clamped,
+    "noise_skipped_once": noise_skipped_once,
+    "lone_record_unclipped": lone_record_unclipped,
 }
 
 
 __all__ = [
     "CORRECT", "ZOO", "clip_batch_gradient", "clip_norm_ten_percent_high", "clip_only_outliers",
-    "correct_step", "divide_by_realised_batch", "inverted_clip_factor", "laplace_noise", "no_noise",
-    "noise_for_mean_applied_to_sum", "noise_for_sum_applied_to_mean", "noise_reused_across_steps",
+    "correct_step", "divide_by_realised_batch", "inverted_clip_factor", "laplace_noise",
+    "lone_record_unclipped", "no_noise", "noise_clamped", "noise_for_mean_applied_to_sum",
+    "noise_for_sum_applied_to_mean", "noise_reused_across_steps", "noise_skipped_once",
     "noise_std_sigma_not_sigma_c", "per_coordinate_clipping",
 ]

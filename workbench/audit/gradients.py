@@ -34,6 +34,10 @@ from workbench.audit.result import AuditResult
 from workbench.clipping import clipped_grad_sum, per_sample_grad_norms
 from workbench.clipping.flat import clip_factors, grad_norms, weighted_sum
 from workbench.per_sample import METHODS, per_sample_gradients
+from workbench.per_sample.checks import forward
+from workbench.per_sample.leaves import leaves
+from workbench.per_sample.selfcheck import halves_differ
+from workbench.per_sample.uses import advanced, generator_states
 from workbench.viz.audit import plot_gradient_audit
 
 GHOST_METHODS = ("ghost", "bookkeeping")
@@ -239,6 +243,7 @@ def audit_gradients(model, loss_fn, inputs, targets, methods=("einsum", "vmap", 
     def make_model():
         return copy.deepcopy(model).to(dtype)
 
+    coupled = _coupling(make_model(), inputs, tol[0])  # before any method runs
     ref = per_sample_gradients(make_model(), loss_fn, inputs, targets, method=reference)
     if not ref:
         raise ValueError("model has no trainable parameters (requires_grad=True): nothing to audit")
@@ -246,7 +251,7 @@ def audit_gradients(model, loss_fn, inputs, targets, methods=("einsum", "vmap", 
     C = float(ref_norms.median()) or 1.0  # some samples clipped, some not
     ref_sum = weighted_sum(ref, clip_factors(ref_norms, C))  # {name: (*shape)}
     layers = _layer_types(model)
-    rows, per_sample = [], {}
+    rows, per_sample = ([] if coupled is None else [_failed_row("model", coupled, tol)]), {}
     for method in methods:
         try:
             if method in GHOST_METHODS:
@@ -267,6 +272,44 @@ def audit_gradients(model, loss_fn, inputs, targets, methods=("einsum", "vmap", 
     return GradientAudit(table=pd.DataFrame(rows),
                          per_sample_errors=pd.DataFrame(per_sample, index=pd.RangeIndex(n)),
                          reference=reference, dtype=dtype, tolerance=tol[0], max_grad_norm=C)
+
+
+def _coupling(model, inputs, tol: float) -> str | None:
+    """Why no per-sample gradient describes the model's training, or None: the model's
+    outputs for each half of the batch, run on that half alone, must be the batch's
+    (``selfcheck.halves_differ``). A model that centres or scales by a statistic of the
+    batch (x - x.mean(0)) has no per-record gradient: the reference runs each record alone,
+    and a method that does too (vmap) agreed with it, "passed", until 2026-11-30.
+    A forward pass drawing random numbers (dropout in training mode) is refused: every
+    method and the reference would draw other masks (each row failed, relative error ~1,
+    with no word of why)."""
+    n = next((int(t.shape[0]) for t in leaves(inputs)
+              if isinstance(t, torch.Tensor) and t.dim()), 0)
+    with torch.no_grad(), torch.random.fork_rng():
+        before = generator_states()
+        try:
+            forward(model, inputs)
+        except Exception:  # noqa: BLE001  (the methods' rows say why it cannot run)
+            return None
+        drew = advanced(before)
+    if drew:
+        raise ValueError(
+            "the model draws random numbers in its forward pass (dropout in training mode, "
+            "a random augmentation inside it): every method, and the reference, would draw "
+            "other numbers, so no per-sample gradient can be compared. Audit the model in "
+            "evaluation mode (model.eval()) or with its dropout probabilities set to 0")
+    if n < 2:
+        return None
+    found = halves_differ(model, inputs, n, tol, 1e-12 if tol < 1e-6 else 1e-6)
+    if found is None:
+        return None
+    part, off = found
+    return (f"the model couples the records: its outputs for records {part.start}.."
+            f"{part.stop - 1} change (their sums by up to {off:.3g}) when it runs on them "
+            f"alone instead of the whole batch of {n} (a statistic of the batch in its "
+            f"forward: x - x.mean(0), a BatchNorm in training mode), so no per-sample "
+            f"gradient is the gradient its training computes: the reference and any method "
+            f"that runs records alone agree with each other and with nothing else")
 
 
 def _builtin(method):

@@ -52,6 +52,7 @@ import torch
 from scipy import stats
 
 from workbench.audit.mechanism_design import (
+    ALONE,
     DENSE,
     OUTLIERS,
     boundary_norms,
@@ -59,7 +60,7 @@ from workbench.audit.mechanism_design import (
     expected_step,
     nan_record_batch,
 )
-from workbench.audit.mechanism_noise import fresh_p, helmert, variance_p
+from workbench.audit.mechanism_noise import fresh_p, helmert, tails_p, variance_p
 from workbench.audit.mechanism_power import TARGETS, resolution, resolved, trials_needed
 from workbench.audit.result import AuditResult
 from workbench.checks import (
@@ -81,17 +82,20 @@ _CHECKS = {
     "(straddling C); catches clipping to k·C for k >= ~1.03 (T=400, σ=1) and clipping only "
     "norms above k·C",
     "mean · neighbour (huge removed)": "same for n = B - 1; catches dividing by the realised n",
-    "mean · small batch (n=2)": "same for n = 2; catches dividing by n instead of B",
+    "mean · small batch (n=2)": "same for n = 2, and for one record of norm 5C alone (n = 1); "
+    "catches dividing by n instead of B, and a fast path that leaves a lone record unclipped",
     "sensitivity": "||E[step(A)] - E[step(A')]|| <= C/B for neighbours A, A' (one-sided): the "
     "huge sample removed, and a record holding a NaN added (raising or returning NaN is "
     "accepted as loud); cannot see sensitivity excess below the noise floor s·sqrt(2χ²_d/T)",
-    "noise variance": "Σ(r - r̄)²/s² ~ χ² overall, per batch and per coordinate, and the "
-    "extreme singular values of the decorrelated residuals (every direction): noise std is "
-    "σC/B everywhere (two-sided); catches noise missing from or doubled on some parameters, "
-    "or missing in a direction across them (two coordinates given the same noise)",
+    "noise variance": "Σ(r - r̄)²/s² ~ χ² overall, per batch and per coordinate, the "
+    "extreme singular values of the decorrelated residuals (every direction), and each "
+    "call's ||y - μ||²/s² ~ χ²(d) (lower tail): noise std is σC/B everywhere (two-sided); "
+    "catches noise missing from or doubled on some parameters, or missing in a direction "
+    "across them (two coordinates given the same noise), or skipped on some calls",
     "noise is Gaussian": "Kolmogorov-Smirnov of the Helmert-decorrelated residuals / s against "
-    "N(0, 1) (exact null: iid N(0, 1) under the claim); cannot see non-Gaussian noise whose "
-    "CDF is within ~2/sqrt(batches·d·T) of the normal's",
+    "N(0, 1) (exact null: iid N(0, 1) under the claim), and the share of |y - μ| beyond 3s "
+    "(exact binomial): catches noise clamped or truncated at ±3σC; cannot see non-Gaussian "
+    "noise whose CDF is within ~2/sqrt(batches·d·T) of the normal's",
     EMPTY: "an empty Poisson batch (n = 0) still steps: E[step] = 0 and Σ y²/s² ~ χ²(T·d), "
     "noise alone of the claimed std; catches a step that returns exact zeros or skips the "
     "noise when no record was drawn, or raises there (a loop would skip the step: whether "
@@ -144,7 +148,8 @@ class MechanismAudit(AuditResult):
 
 
 TARGETS_TEXT = ", ".join(f"{k} within {v:.0%}" for k, v in TARGETS.items())
-_ROW_OF = {OUTLIERS: "mean · designed batch", DENSE: "mean · designed batch"}  # reported there
+_ROW_OF = {OUTLIERS: "mean · designed batch", DENSE: "mean · designed batch",  # reported there
+           ALONE: "mean · small batch (n=2)"}
 MAX_REPEATS = 64  # copies of the clip-boundary and dense rows at most (2048 rows each)
 MAX_DIM = 2048  # the outlier-per-coordinate batch is (dim, dim): 32 MiB at this size
 
@@ -153,6 +158,10 @@ def _run(step_fn, G, trials, dim):
     out = []
     for _ in range(trials):
         y = step_fn(G.clone())
+        if not isinstance(y, torch.Tensor):  # a NumPy array or a list: a bare AttributeError
+            raise TypeError(f"step_fn must return a torch.Tensor of shape ({dim},) for G of "
+                            f"shape {tuple(G.shape)}; got {type(y).__name__} (wrap it: "
+                            f"torch.as_tensor(...))")
         if tuple(y.shape) != (dim,):
             raise ValueError(f"step_fn must return a Tensor of shape ({dim},) for G of shape "
                              f"{tuple(G.shape)}; got {tuple(y.shape)}")
@@ -276,12 +285,13 @@ def _noise_rows(R: np.ndarray, noise: np.ndarray, s: float, tol: float, T: int,
     if s == 0:  # the claim is "no noise": every residual must vanish
         ok = np.abs(R).max() <= tol
         return [_row(n, np.abs(R).max(), np.nan, tol, ok) for n in names]
-    ratio, p_var = variance_p(R, s, T)
+    ratio, p_var = variance_p(R, s, T, noise)
     rows = [_row(names[0], ratio, p_var, a, p_var >= a)]
     if R.std() <= tol:  # identical outputs on every call: not noise at all
         return rows + [_row(n, 0.0, 0.0, a, False) for n in names[1:]]
     ks = stats.kstest((helmert(R) / s).ravel(), "norm")  # iid N(0, 1) under the claim
-    rows.append(_row(names[1], ks.statistic, ks.pvalue, a, ks.pvalue >= a))
+    p_shape = min(1.0, 2 * ks.pvalue, 2 * tails_p(noise, s))  # the bulk, and the tails
+    rows.append(_row(names[1], ks.statistic, p_shape, a, p_shape >= a))
     r, p_fresh = fresh_p(R, noise, T)
     rows.append(_row(names[2], r, p_fresh, a, p_fresh >= a))
     return rows

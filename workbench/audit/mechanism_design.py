@@ -9,7 +9,9 @@ particular mistake moves that mean:
                          one (c = 1, no NaN), a 30C outlier on e_0, aligned 0.8C records on e_1
                          (their sum exceeds C: batch-level clipping shows); n = max(6, round(B))
     neighbour            the same without the huge record (n = B - 1: dividing by n shows)
-    small batch          two records, n = 2
+    small batch          two records, n = 2; and one record of norm 5C alone, n = 1 (a step
+                         whose fast path for a lone record skipped the clip passed until
+                         2026-11-30: no designed batch had n = 1)
     clip boundary        32 norms from C/2 to 8C on the last coordinate, ``repeats`` times
                          (clipping to κC moves it by Σ_k (min(r_k, κ) - 1)_+ C/B)
     outlier per coord.   30C e_j for every j: a norm that leaves out one parameter, or a
@@ -29,6 +31,7 @@ import torch
 _N_BOUNDARY = 32  # rows of the clip-boundary batch (times ``boundary_repeats``)
 OUTLIERS = "mean · outlier on every coordinate"  # reported in the designed batch's row
 DENSE = "mean · dense records"  # likewise
+ALONE = "mean · one record (n=1)"  # reported in the small batch's row
 
 
 def boundary_norms(repeats: int = 1) -> torch.Tensor:
@@ -59,6 +62,7 @@ def design_batches(dim: int, batch_size: float, C: float, generator=None,
     return {"mean · designed batch": G, "mean · neighbour (huge removed)": G[1:],
             "mean · small batch (n=2)": torch.stack([0.9 * C * e1, 0.5 * C * v / v.norm()]),
             "mean · clip boundary": boundary,
+            ALONE: (5 * C * v / v.norm())[None],  # (1, dim): one record, clipped to C
             OUTLIERS: 30 * C * torch.eye(dim, dtype=torch.float64),  # (dim, dim): each clipped
             DENSE: dense.expand(_N_BOUNDARY * boundary_repeats, dim).clone()}  # (32 r, dim)
 
@@ -76,5 +80,5 @@ def expected_step(G: torch.Tensor, C: float, batch_size: float) -> torch.Tensor:
     return (G * (C / G.norm(dim=1, keepdim=True)).clamp(max=1.0)).sum(0) / batch_size
 
 
-__all__ = ["DENSE", "OUTLIERS", "boundary_norms", "design_batches", "expected_step",
+__all__ = ["ALONE", "DENSE", "OUTLIERS", "boundary_norms", "design_batches", "expected_step",
            "nan_record_batch"]

@@ -66,11 +66,12 @@ def reduction_of(criterion, loss_reduction: str) -> str:
         return loss_reduction
     if reduction != loss_reduction:
         factor = "n" if reduction == "sum" else "1/n"
-        raise ValueError(f"{type(criterion).__name__} has reduction={reduction!r} but the DP "
-                         f"optimizer has loss_reduction={loss_reduction!r}: every per-sample "
-                         f"gradient would be scaled by {factor} before clipping, which silently "
-                         f"changes what max_grad_norm means; pass loss_reduction={reduction!r} "
-                         f"to make_private")
+        raise LossCouplingError(  # as the functional loss's mismatch (a ValueError too)
+            f"{type(criterion).__name__} has reduction={reduction!r} but the DP "
+            f"optimizer has loss_reduction={loss_reduction!r}: every per-sample "
+            f"gradient would be scaled by {factor} before clipping, which silently "
+            f"changes what max_grad_norm means; pass loss_reduction={reduction!r} "
+            f"to make_private")
     return reduction
 
 

@@ -380,20 +380,39 @@ def check_model_halves(rec: Recording, model, inputs, outputs=None) -> None:
     detached one (``h / h.abs().max().detach()``), changes for the half without it, whichever
     record holds it. The probe compares record n - 1 alone, and where that record held the
     maximum it agreed (5-60% off, silently, until 2026-11-29). A model drawing random numbers
-    is left to the record probe (the halves would draw others). Not seen: a statistic whose
-    effect on the outputs vanishes but whose gradient does not (HF Nystromformer's
-    pseudo-inverse, started from a max over the batch, converges to outputs equal to 2e-15
-    while each record's loss sends gradient to the argmax record's keys)."""
+    is left to the record probe (the halves would draw others). A statistic whose effect on
+    the outputs vanishes but whose gradient does not (HF Nystromformer's pseudo-inverse) is
+    the use tracker's (``batch_reductions.py``)."""
     n = rec.n
     if n < 2 or rec.random:
         return
-    tol = precision.tolerance(rec)
-    atol = 1e-12 if rec.dtype == torch.float64 else 1e-6
-    devices = [rec.device] if rec.device.type == "cuda" else []
+    found = halves_differ(model, inputs, n, precision.tolerance(rec),
+                          1e-12 if rec.dtype == torch.float64 else 1e-6,
+                          [rec.device] if rec.device.type == "cuda" else [], rec.state, outputs)
+    if found is not None:
+        part, off = found
+        raise SampleMixingError(
+            f"the model couples the records: its outputs for records "
+            f"{part.start}..{part.stop - 1} change (their sums by up to "
+            f"{off:.3g}) when it runs on those records alone instead of "
+            f"the whole batch of {n}, so its forward reads a statistic of the batch (a "
+            f"max, mean or norm over the records, detached or not: x / x.abs().max()), "
+            f"or branches on one, and a record's gradient depends on which records "
+            f"were sampled beside it. Compute such statistics per record (over its own "
+            f"dims) or from constants of the data set")
+
+
+def halves_differ(model, inputs, n: int, tol: float, atol: float, devices=(), state=None,
+                  outputs=None):
+    """(the half, the largest difference) where the model's outputs for a half of the n
+    records, run on that half alone, differ from the batch's, or None (also when the model
+    cannot run so, or its outputs are not batch-first). Under ``no_grad``, the random state
+    forked, the model's state ``state`` (``state_replay``) replayed; per row of each
+    batch-first floating output its sum, absolute sum and sum of squares are compared, so no
+    output (an LM's logits) is held past its pass. ``check_model_halves`` and
+    ``audit.audit_gradients`` ask it."""
 
     def rows(out, m) -> list:
-        """Per row of each batch-first floating output (m rows): its sum, absolute sum and
-        sum of squares, (m, 3) float64, so no output (an LM's logits) is held past its pass."""
         return [torch.stack([f.sum(1), f.abs().sum(1), f.pow(2).sum(1)], 1)
                 for t in tree_flatten(out)[0]
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim()
@@ -401,39 +420,31 @@ def check_model_halves(rec: Recording, model, inputs, outputs=None) -> None:
                 for f in [t.detach().reshape(m, -1).to(torch.float64)]]
 
     parts = (slice(0, n // 2), slice(n // 2, n))
-    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+    with torch.no_grad(), torch.random.fork_rng(devices=list(devices)):
         try:  # a model that cannot run so (a half of the wrong size, a forward hook
             # registering a tensor hook, which needs grad) is left to the probe to explain
             if outputs is None:
-                with state_replay.replayed(rec.state):
+                with state_replay.replayed(state):
                     full = rows(forward(model, inputs), n)
             else:
                 full = rows(outputs, n)
             halves = []
             for part in parts:
-                with state_replay.replayed(rec.state):
+                with state_replay.replayed(state):
                     halves.append(rows(forward(model, take(inputs, part)),
                                        part.stop - part.start))
         except Exception:  # noqa: BLE001
-            return
+            return None
     for part, half in zip(parts, halves):
         if len(half) != len(full):
-            return  # the outputs are not batch-first alike: nothing to compare by rows
+            return None  # the outputs are not batch-first alike: nothing to compare by rows
         for f, h in zip(full, half):
             want = f[part]
             off = (h - want).abs()
             scale = torch.stack([want[:, 1], want[:, 1], want[:, 2]], 1)  # |sum| <= abs sum
-            bad = off > tol * torch.maximum(scale, h.abs()) + atol
-            if bool(bad.any()):
-                raise SampleMixingError(
-                    f"the model couples the records: its outputs for records "
-                    f"{part.start}..{part.stop - 1} change (their sums by up to "
-                    f"{float(off.max()):.3g}) when it runs on those records alone instead of "
-                    f"the whole batch of {n}, so its forward reads a statistic of the batch (a "
-                    f"max, mean or norm over the records, detached or not: x / x.abs().max()), "
-                    f"or branches on one, and a record's gradient depends on which records "
-                    f"were sampled beside it. Compute such statistics per record (over its own "
-                    f"dims) or from constants of the data set")
+            if bool((off > tol * torch.maximum(scale, h.abs()) + atol).any()):
+                return part, float(off.max())
+    return None
 
 
 def alone_params(rec: Recording, checked) -> list:
@@ -592,7 +603,7 @@ def compare_rows(rec: Recording, fast: RowSketch, exact) -> None:
 
 __all__ = [
     "CHECKS", "NORM_CHUNK", "TOLERANCE", "all_params", "alone_params", "as_sketch",
-    "check_model_halves", "check_option", "compare_sums",
+    "check_model_halves", "check_option", "compare_sums", "halves_differ",
     "check_separable", "compare",
     "compare_alone", "compare_norm", "compare_rows", "keep_batch_grads", "known", "probe",
     "probe_sketch", "record_probe", "remember", "replayed", "signature", "substituted",
