@@ -38,7 +38,8 @@ def test_dp_step_without_noise_is_clipped_sum_over_expected_batch(monkeypatch):
     model, data = model_and_data()
     x, y = data.tensors
     q, N, C = 0.25, 40, 0.3
-    idx = (torch.rand(N, generator=torch.Generator().manual_seed(5)) < q).nonzero().squeeze(1)
+    draws = torch.rand(N, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    idx = (draws < q).nonzero().squeeze(1)  # the engine's sampler: float64 draws
     want = wb.clipped_grad_sum(model, sequence_cross_entropy, x[idx], y[idx], C,
                                method="microbatch")
     seen = {}

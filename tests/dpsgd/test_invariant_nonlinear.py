@@ -75,3 +75,29 @@ def test_the_message_names_the_operation():
         released(mlp(), COUPLED["top-k of the records"], x, y, "einsum")
     with pytest.raises(LossCouplingError, match=r"clamp\(\) of F.cross_entropy"):
         released(mlp(), COUPLED["clamp of the mean"], x, y, "einsum")
+
+
+def _stacked_topk(z, y):  # each record's own top-2 in a Python loop, then their mean
+    return torch.stack([z[i].topk(2).values.sum().pow(2) for i in range(len(z))]).mean()
+
+
+def _stacked_topk_own(z, y):
+    return torch.stack([z[i].topk(2).values.sum().pow(2) for i in range(len(z))]).sum()
+
+
+def _summed_max(z, y):  # Python's sum over each record's own max
+    return sum(z[i].max() for i in range(len(z))) / len(z)
+
+
+def _summed_max_own(z, y):
+    return sum(z[i].max() for i in range(len(z)))
+
+
+@pytest.mark.parametrize("mode", ["einsum", "bookkeeping"])
+@pytest.mark.parametrize("loss, own", [(_stacked_topk, _stacked_topk_own),
+                                       (_summed_max, _summed_max_own)])
+def test_a_records_own_values_taken_one_by_one_are_not_the_records(loss, own, mode):
+    """n = 4 records of 4 classes: a record's row z[i] has n entries; its top-k or max was
+    taken for one over the records (refused) until 2026-11-30."""
+    x, y = batch(n=4)
+    assert_invariant(mlp, loss, own, x, y, mode)

@@ -349,10 +349,11 @@ def test_accumulating_two_loader_batches_into_one_step_is_refused():
     assert "max_physical_batch_size" in str(info.value)
 
 
-def _retained(model, opt, x, y):  # two loss terms of one forward pass
+def _retained(model, opt, x, y):  # two loss terms of one forward pass, added
     out = model(x)
-    nn.CrossEntropyLoss()(out, y).backward(retain_graph=True)
-    (0.1 * nn.CrossEntropyLoss()(out, y)).backward()
+    (nn.CrossEntropyLoss()(out, y) + 0.1 * nn.CrossEntropyLoss()(out, y)).backward()
+    # (backwarded one by one, retain_graph=True, each call's b was the last pass's: 13% off;
+    # refused since 2026-11-30, test_two_backward_passes_through_one_forward_pass_are_refused)
 
 
 def _halves(model, opt, x, y):  # the user's own micro-batches of the loader's batch
@@ -651,3 +652,108 @@ def test_a_step_for_every_batch_charges_each_once_without_a_warning():
                     nn.CrossEntropyLoss()(model(xb), yb).backward()
                 opt.step()
     assert sum(steps for _, _, steps in engine.accountant.history) == 2 * len(loader)
+
+
+def test_the_clip_norm_cannot_change_inside_a_logical_batch():
+    """A clip-norm schedule stepped per chunk of a virtual step: the first chunk clipped to
+    C = 1, the noise at the last was sigma x 0.01, charged at sigma (silent until
+    2026-11-30). Between logical steps it may change."""
+    from workbench.dpsgd.schedulers import ExponentialSchedule
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 6, dtype=torch.float64) * 10, torch.randint(0, 3, (8,))
+    model = mlp()
+    model, opt, loader = PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=1.0,
+        max_grad_norm=1.0, max_physical_batch_size=2,
+        sampling_generator=torch.Generator().manual_seed(0))
+    schedule = ExponentialSchedule(opt, gamma=0.5, attribute="max_grad_norm")
+    with pytest.raises(wb.errors.LoopError, match="middle of a logical batch"):
+        for xb, yb in loader:
+            opt.zero_grad()
+            nn.CrossEntropyLoss()(model(xb), yb).backward()
+            opt.step()
+            schedule.step()  # per chunk: refused once a chunk is accumulated
+    for xb, yb in loader:  # stepped per logical step: fine
+        opt.zero_grad()
+        if len(xb):
+            nn.CrossEntropyLoss()(model(xb), yb).backward()
+        opt.step()
+        if not opt.expect_more:
+            schedule.step()
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), 0.0])
+def test_a_per_group_clip_norm_edited_in_place_is_checked(bad):
+    """opt.max_grad_norm[0] = -1.0 clipped with negative factors (the weights moved up the
+    gradient), silently, until 2026-11-30."""
+    model = mlp()
+    groups = [{"params": list(model[0].parameters())}, {"params": list(model[2].parameters())}]
+    opt = DPOptimizer(torch.optim.SGD(groups, lr=0.1), model, noise_multiplier=1.0,
+                      max_grad_norm=[1.0, 1.0], expected_batch_size=8)
+    try:
+        with pytest.raises(ValueError, match="max_grad_norm must be a finite number"):
+            opt.max_grad_norm[0] = bad
+        with pytest.raises(TypeError, match="one C per parameter group"):
+            opt.max_grad_norm.append(1.0)
+        opt.max_grad_norm[1] = 2.0
+        assert opt.max_grad_norm == [1.0, 2.0] and opt.clip_norm_total == 5 ** 0.5
+    finally:
+        opt.detach()
+
+
+@pytest.mark.parametrize("mode", ["microbatch", "vmap", "einsum", "bookkeeping"])
+def test_two_backward_passes_through_one_forward_pass_are_refused(mode):
+    """loss_a.backward(retain_graph=True); loss_b.backward(): each call's b was the last
+    pass's alone, 13% off, silently, in every mode (until 2026-11-30)."""
+    model = mlp()
+    x, y = data(6, 1)
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=0.0,
+                      max_grad_norm=1.0, expected_batch_size=6, method=mode)
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        opt.zero_grad()
+        z = model(x)
+        (0.5 * nn.CrossEntropyLoss()(z, y)).backward(retain_graph=True)
+        (0.5 * nn.CrossEntropyLoss()(z, y)).backward()
+        with pytest.raises(wb.errors.LoopError, match="second backward pass"):
+            opt.step()
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        opt.zero_grad()  # the losses added: one backward pass, fine
+        z = model(x)
+        (0.5 * nn.CrossEntropyLoss()(z, y) + 0.5 * nn.CrossEntropyLoss()(z, y)).backward()
+        opt.step()
+    finally:
+        opt.detach()
+
+
+def test_records_with_equal_features_in_batches_of_one_are_not_a_repeated_batch():
+    """Micro-batches of one record each, two of them with the same features (and other
+    labels): distinct records, accumulated into one step."""
+    model = mlp()
+    x, _ = data(4, 1)
+    x[1] = x[0]
+    y = torch.tensor([0, 2, 1, 0])
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=0.0,
+                      max_grad_norm=1.0, expected_batch_size=4)
+    try:
+        opt.zero_grad()
+        for i in range(4):
+            nn.CrossEntropyLoss()(model(x[i:i + 1]), y[i:i + 1]).backward()
+        opt.step()
+    finally:
+        opt.detach()
+
+
+def test_a_refused_adaptive_setting_leaves_no_hook_on_the_model():
+    from workbench.dpsgd import AdaptiveClipping
+
+    model = mlp()
+    with pytest.raises(ValueError, match="count_noise_multiplier"):
+        PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(*data(50, 2)), batch_size=10),
+            noise_multiplier=1.0, max_grad_norm=1.0, adaptive_clipping=AdaptiveClipping())
+    gc.collect()
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())

@@ -101,7 +101,7 @@ def test_a_second_backward_pass_over_a_streamed_call_is_refused():
     loss = nn.CrossEntropyLoss()(model(x), y)
     loss.backward(retain_graph=True)
     loss.backward()
-    with pytest.raises(RuntimeError, match="second gradient"):
+    with pytest.raises(RuntimeError, match="second backward pass"):
         opt.step()
 
 

@@ -173,3 +173,57 @@ def test_hf_nystromformer_is_refused(method, monkeypatch):
         with pytest.raises(wb.SampleMixingError, match="modeling_nystromformer.py"):
             wb.clipped_grad_sum(Ids(), lambda o, t: nn.functional.cross_entropy(
                 o, t, reduction="none"), ids, y, C, method=method)
+
+
+class Shifted(nn.Module):
+    """A global max subtracted before a softmax: shift-invariant, so no gradient flows
+    through the max (refused until the gradient was measured, 2026-11-30)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(torch.softmax(h - h.max(), -1))
+
+
+class TimeMajorPool(nn.Module):
+    """A max over dim 0 that is time, not the records (T == n here): never the batch's rows."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 2)
+
+    def forward(self, x):  # x (n, T, 4)
+        h = torch.tanh(self.a(x)).transpose(0, 1)  # (T, n, 6)
+        return self.b(h.max(dim=0).values)
+
+
+class LoopPool(TimeMajorPool):
+    """Each record's own positions pooled in a Python loop (a record of n valid rows)."""
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        valid = x.abs().sum(-1) > 0
+        return self.b(torch.stack([h[i][valid[i]].max(0).values for i in range(len(x))]))
+
+
+@pytest.mark.parametrize("make", [Shifted, TimeMajorPool, LoopPool])
+@pytest.mark.parametrize("method", ["einsum", "ghost", "bookkeeping"])
+def test_no_statistic_over_the_records_is_seen_where_there_is_none(make, method):
+    g = torch.Generator().manual_seed(3)
+    if make is Shifted:
+        x, y = data()
+    else:
+        x = torch.randn(4, 4, 4, generator=g, dtype=torch.float64)  # T == n == 4
+        x[2, 2:] = 0  # record 2: 2 valid rows
+        y = torch.randn(4, 2, generator=g, dtype=torch.float64)
+    m = make().double()
+    want = wb.clipped_grad_sum(m, loss, x, y, C, method="microbatch")
+    got = wb.clipped_grad_sum(m, loss, x, y, C, method=method, check="always")
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-12)
+    assert run_optimizer(make().double(), "auto", x, y)  # the optimizer too: no error

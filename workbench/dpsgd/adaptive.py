@@ -87,6 +87,13 @@ class AdaptiveClipDPOptimizer(DPOptimizer):
 
     def __init__(self, optimizer, model, *, adaptive: AdaptiveClipping, **kwargs):
         super().__init__(optimizer, model, **kwargs)
+        try:
+            self._check_adaptive(adaptive)
+        except Exception:  # refused after the recorder was attached: the model as it was
+            self.detach("make_private refused its settings")  # (its hooks stayed until
+            raise  # 2026-11-30, recording every later forward pass)
+
+    def _check_adaptive(self, adaptive: AdaptiveClipping) -> None:
         if isinstance(self.max_grad_norm, list):
             raise ValueError("adaptive clipping needs one max_grad_norm for the whole model "
                              "(flat clipping): per-layer clip norms would need one private "

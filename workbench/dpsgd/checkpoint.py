@@ -46,6 +46,7 @@ every rank exactly, save one file per rank (``f"run.rank{rank}.pt"``) and load e
 
 import copy
 import io
+import warnings
 
 import torch
 
@@ -93,6 +94,7 @@ def save_checkpoint(path, *, model, optimizer, engine=None, scheduler=None,
     """Write the run's state to ``path`` (module docstring: what, and what is refused)."""
     check_output_file(path, "save_checkpoint(path)")  # a folder, a file as parent: first
     not_mid_batch(optimizer, "save_checkpoint")
+    _warn_prefetched(optimizer)
     generators = run_generators(engine, optimizer, noise_generator, sampling_generator)
     buffer = io.BytesIO()
     torch.save({
@@ -107,6 +109,21 @@ def save_checkpoint(path, *, model, optimizer, engine=None, scheduler=None,
         "dp": dp_settings(optimizer),
     }, buffer)
     write_checkpoint_file(path, buffer.getvalue())
+
+
+def _warn_prefetched(optimizer) -> None:
+    """A save in the middle of a pass of the engine's loader with worker processes: they
+    prefetch, so the sampling generator has drawn batches no step has taken yet; the resumed
+    pass starts after them (those batches were neither released nor charged: privacy holds,
+    but the run is not the uninterrupted one; silent until 2026-11-30)."""
+    watch = getattr(getattr(optimizer, "recorder", None), "watch", None)
+    if watch is not None and watch.prefetch and watch.passing:
+        warnings.warn(
+            f"save_checkpoint in the middle of a pass of the private loader, which prefetches "
+            f"with num_workers={watch.prefetch}: its sampling generator has already drawn the "
+            f"next batches, so a resume from this file skips them (they were neither released "
+            f"nor charged) and does not continue the run bit for bit. Save at the end of a "
+            f"pass, or use num_workers=0, for an exact resume", stacklevel=3)
 
 
 DP_SETTINGS = ("noise_multiplier", "max_grad_norm")

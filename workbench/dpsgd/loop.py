@@ -52,6 +52,37 @@ class Checked:
         obj.__dict__[self.slot] = self.check(obj, value)
 
 
+class ClipNorms(list):
+    """``max_grad_norm`` per parameter group: an edit in place (``opt.max_grad_norm[0] =
+    -1.0``) is checked as an assignment is (a negative C clipped with factors -11.7 and
+    pushed the weights up the gradient, a NaN reached torch's normal(), silently or
+    obscurely, until 2026-11-30); its length stays one C per group. ``changed(self)``: the
+    optimizer's check that no logical batch is half accumulated."""
+
+    changed = staticmethod(lambda value: None)
+
+    def __setitem__(self, key, value):
+        from workbench.checks import check_max_grad_norm
+
+        if isinstance(key, slice):
+            raise TypeError("the per-group max_grad_norm takes one C per group: assign a new "
+                            "list, optimizer.max_grad_norm = [...], to change several")
+        new = ClipNorms(self)
+        list.__setitem__(new, key, check_max_grad_norm(value))
+        self.changed(new)
+        list.__setitem__(self, key, new[key])
+
+    def _fixed(self, *args, **kwargs):
+        raise TypeError("the per-group max_grad_norm holds one C per parameter group: its "
+                        "length cannot change; assign optimizer.max_grad_norm = [...] instead")
+
+    append = extend = insert = pop = remove = clear = sort = reverse = _fixed
+    __delitem__ = __iadd__ = __imul__ = _fixed
+
+    def __reduce__(self):  # copied, pickled and saved as the plain list (checkpoints)
+        return list, (list(self),)
+
+
 def check_verify(value):
     if value not in (True, "always", False) or isinstance(value, int) and value not in (0, 1):
         raise ValueError(f"verify must be True (verify every new call signature), 'always' "
@@ -155,7 +186,7 @@ def check_inputs_private(calls) -> None:
 
 
 __all__ = [
-    "Checked", "ConcurrentUseError", "ThreadGuard", "check_alive", "check_callback",
+    "Checked", "ClipNorms", "ConcurrentUseError", "ThreadGuard", "check_alive", "check_callback",
     "check_generator", "check_inputs_private", "check_loss_reduction", "check_verify",
     "drop_gradients",
 ]

@@ -97,6 +97,8 @@ class LossWatch:
         # pass ran on since the last step (``count_records``)
         self.stepped = 0  # the last serial a step() was taken for (``batch_ends``)
         self.on_skipped = lambda: None  # a handed-out batch had no step (the optimizer's)
+        self.prefetch = 0  # the engine loader's num_workers: its sampler runs ahead
+        self.passing = False  # a pass of the engine's loader is in progress (``watched``)
         self.before = BatchStatistics()  # the same, from the loader's batch to the forward pass
         self._before_mode = None  # BeforeForward, on the stack while ``before`` follows calls
         self.paused = contextlib.nullcontext  # the recorder's pause (recorded.py sets it)
@@ -216,6 +218,15 @@ class LossWatch:
             push_bottom(self._before_mode)
         self._resume = False
 
+    def drop_used(self) -> None:
+        """``zero_grad()`` drops the passes since the last step: a loader batch among them
+        that no step was taken for is reported (``on_skipped``), once."""
+        dropped = sorted(s for s in self.used if s > self.stepped)
+        self.used = {}
+        for serial in dropped:
+            self.stepped = max(self.stepped, serial)
+            self.on_skipped()
+
     def count_records(self, rows: int) -> None:
         """At ``step()``: ``rows``, the rows its backward passes clipped as records (Σ n),
         against the records the engine's loader handed out for it. DP-SGD's sensitivity C
@@ -255,7 +266,8 @@ class LossWatch:
         optimizer (``on_skipped``), which charges the accountant for it: the batch was
         sampled, and whether its step was taken may depend on its records. ``report=False``:
         a step that raised (its batch refused, not skipped by the loop), a detach."""
-        if self.announced is not None and self.serial > self.stepped:
+        if self.announced is not None and self.serial > self.stepped \
+                and self.serial not in self.used:  # a pass's gradients wait for a step
             self.stepped = self.serial
             if report:
                 self.on_skipped()
@@ -386,7 +398,10 @@ class LossWatch:
                 f"second-derivative test cannot see a piecewise-linear coupling). Fix: apply "
                 f"such a function to each record's own term before reducing "
                 f"(F.cross_entropy(o, y, reduction='none').clamp(max=t).mean()), and reduce "
-                f"the records only by a sum or a mean")
+                f"the records only by a sum or a mean. A guard on the batch's loss "
+                f"(torch.nan_to_num(loss), torch.where(loss.isfinite(), loss, 0)) zeroes every "
+                f"record's gradient when one record's is not finite: the optimizer leaves a "
+                f"non-finite record out by itself, so drop the guard")
         if kind == "mixed":
             why = (f"adds terms that sum the records to terms that average them ({what}): "
                    f"no single factor makes every record's gradient its own")
@@ -698,12 +713,18 @@ def watched(batches, watch: "LossWatch | None"):
     pass, at the next batch, when the pass ends, or when the optimizer is detached; a pass
     abandoned after handing out a batch (``next(iter(loader))``, a ``break``) leaves that
     batch followed until its forward pass."""
-    for batch in batches:
-        if watch is not None:
-            watch.batch_begins(batch_size(batch, "the loader's batch"))
-        yield batch
     if watch is not None:
-        watch.batch_ends()
+        watch.passing = True
+    try:
+        for batch in batches:
+            if watch is not None:
+                watch.batch_begins(batch_size(batch, "the loader's batch"))
+            yield batch
+        if watch is not None:
+            watch.batch_ends()
+    finally:  # ended, or closed (left and collected): no pass in progress
+        if watch is not None:
+            watch.passing = False
 
 
 __all__ = ["BACKWARD", "FUNCTIONAL", "BeforeForward", "LossFunctions", "LossWatch", "watched"]

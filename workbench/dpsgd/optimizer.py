@@ -257,14 +257,38 @@ class DPOptimizer(Optimizer):
         self.method = value
 
     def _check_clip_norms(self, max_grad_norm):
-        """One C (flat clipping), or one C per parameter group (per-layer clipping)."""
+        """One C (flat clipping), or one C per parameter group (per-layer clipping): a
+        ``ClipNorms`` list, whose in-place edits are checked too. Refused while a logical
+        batch is half accumulated (``_clip_norms_settled``)."""
         if isinstance(max_grad_norm, (list, tuple)):
             if len(max_grad_norm) != len(self.param_groups):
                 raise ValueError(f"max_grad_norm has {len(max_grad_norm)} values for "
                                  f"{len(self.param_groups)} parameter groups; give one C per "
                                  f"group (per-layer clipping) or a single number")
-            return [check_max_grad_norm(C) for C in max_grad_norm]
-        return check_max_grad_norm(max_grad_norm)
+            value = loop.ClipNorms(check_max_grad_norm(C) for C in max_grad_norm)
+            value.changed = self._clip_norms_settled
+        else:
+            value = check_max_grad_norm(max_grad_norm)
+        self._clip_norms_settled(value)
+        return value
+
+    def _clip_norms_settled(self, value) -> None:
+        """LoopError if C changes while a logical batch's chunks are half accumulated
+        (``max_physical_batch_size``): its chunks so far were clipped to the old C, and the
+        noise of its last chunk would be σ times the new one; a clip-norm schedule stepped
+        per chunk released a record clipped to 1 under noise 1e-6, charged at σ, until
+        2026-11-30."""
+        old = self.__dict__.get("_checked_max_grad_norm")
+        if self.__dict__.get("_sums") and old is not None and list(
+                old if isinstance(old, list) else [old]) != list(
+                value if isinstance(value, list) else [value]):
+            raise LoopError(
+                f"max_grad_norm changed from {old} to {value} in the middle of a logical batch "
+                f"(max_physical_batch_size: its earlier chunks are clipped to the old C, and "
+                f"the noise added at its last chunk would be sigma times the new one, so the "
+                f"release would not be the Gaussian mechanism the accountant charges). Change "
+                f"it between logical steps, when optimizer.expect_more is False (step a "
+                f"clip-norm schedule after the logical step)")
 
     @property
     def clip_norm_total(self) -> float:
@@ -326,8 +350,8 @@ class DPOptimizer(Optimizer):
             self.original_optimizer.zero_grad(set_to_none=set_to_none)
         watch = self.recorder.watch
         self.recorder.clear()
-        watch.used = {}  # the passes it drops count for no step (count_records); their
-        # batch, stepped for by none, is charged when the loader moves on (_skipped_batch)
+        watch.drop_used()  # the passes it drops count for no step (count_records); a loader
+        # batch among them is charged (_skipped_batch)
         self.recorder.armed = True  # skip_weight_grads: this step's forward passes
         self._zeroed = True
         watch.follow()  # batch statistics from here to the forward pass
@@ -343,11 +367,11 @@ class DPOptimizer(Optimizer):
         warnings.warn(
             "a batch the private loader handed out had no step(): the loop skipped it (an "
             "empty batch, a non-finite loss or one above a threshold, its gradients dropped "
-            "by zero_grad()) or left the loader's pass. It is charged to the accountant as a "
-            "step (it was sampled), but a skip decided from the batch's records reveals them "
-            "beyond what the accountant covers: call step() for every batch (the optimizer "
-            "leaves a non-finite record out, and an empty batch releases noise alone)",
-            stacklevel=4)
+            "by zero_grad()), peeked at it, or left the loader's pass. It is charged to the "
+            "accountant as a step (it was sampled); if the skip was decided from the batch's "
+            "records, that decision reveals them beyond what the accountant covers: call "
+            "step() for every batch (the optimizer leaves a non-finite record out, and an "
+            "empty batch releases noise alone)", stacklevel=4)
         if self.on_step is not None:
             self.on_step(self.noise_multiplier)
 

@@ -120,6 +120,7 @@ class RecordReduction:
         self.n, self.on, self.derived, self.declared = n, n >= 2, derived, declared
         self.kinds: dict[int, tuple] = {}  # id -> (weakref, kind, what)
         self.counts: set[float] = {float(n)}  # n, n·T, n·T·V, ...: counts of the batch
+        self.single: dict[int, tuple] = {}  # id -> (weakref, key): part of one record's row
 
     def find(self, t):
         entry = self.kinds.get(id(t)) if isinstance(t, torch.Tensor) else None
@@ -142,6 +143,33 @@ class RecordReduction:
                 c *= int(size)
                 self.counts.add(float(c))
 
+    def _one_row(self, t):
+        entry = self.single.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
+    def _rows(self, name, args, kwargs, x, tensors, out) -> bool:
+        """Follow the tensors that are one row of the records (``per[i]``, ``x.select(0,
+        i)``, ``x.unbind()``, and what is computed from one such row alone): a reduction of
+        one is no reduction over the records, whatever its length (a record's 8 positions
+        were taken for 8 records at n = 4 or 8 until 2026-11-30). True when ``out`` is one."""
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if x is not None and x.dim() and self.derived(x) and x.shape[0] % self.n == 0 and (
+                (name == "__getitem__" and len(args) > 1 and isinstance(
+                    args[1][0] if isinstance(args[1], tuple) and args[1] else args[1], int))
+                or (name == "select" and _dims(args, kwargs, x.dim()) == {0})
+                or name in ("unbind", "__iter__")):
+            for k, o in enumerate(outs):
+                if isinstance(o, torch.Tensor):
+                    self.single[id(o)] = (weakref.ref(o), (id(x), len(self.single), k))
+            return True
+        keys = {self._one_row(t) for t in tensors if self.derived(t) or self._one_row(t)}
+        if len(keys) == 1 and None not in keys:  # one row's values alone: still that row
+            for o in outs:
+                if isinstance(o, torch.Tensor):
+                    self.single[id(o)] = (weakref.ref(o), next(iter(keys)))
+            return True
+        return False
+
     def after(self, func, args, kwargs, out) -> None:
         """Follow one op of the window: ``out = func(*args, **kwargs)``."""
         if not self.on:
@@ -151,6 +179,8 @@ class RecordReduction:
             self._count(t)
         name = getattr(func, "__name__", "")
         x = tensors[0] if tensors and args and args[0] is tensors[0] else None
+        if self._rows(name, args, kwargs, x, tensors, out):
+            return  # one record's own values: no kind, no reduction over the records
         if (name in SUMS or name in MEANS) and x is not None and x.requires_grad and x.dim() \
                 and x.shape[0] % self.n == 0 and 0 in _dims(args, kwargs, x.dim()) \
                 and self.find(x) is None and self.derived(x):

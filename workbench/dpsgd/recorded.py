@@ -264,8 +264,8 @@ class ModelRecorder:
                     self.watch.model_losses = ModelLosses(split, inner)
             if written is not None:  # raised last: the recorder is consistent
                 raise written
-            self.tracker.refuse_mixing(tree_flatten(output)[0])  # a statistic over the
-            # records that the outputs' gradient flows through (batch_reductions.py)
+            self.tracker.refuse_mixing(tree_flatten(output)[0], self.paused)  # a statistic
+            # over the records the outputs' gradient flows through (batch_reductions.py)
 
     def _off_rows(self, args) -> bool:
         """A call (its first tensor argument) whose dim 0 is neither the batch's rows (dim 0
@@ -432,6 +432,17 @@ class ModelRecorder:
         GradScaler's scale, divided out of every recorded backprop."""
         if self.layer_rec.recomputed:
             raise reentrant_refused(self.layer_rec.recomputed)
+        again = sorted(self.layer_rec.again | self.root_rec.again)
+        if again:  # each call's b would be the last pass's alone (13% off, silent, in every
+            # mode until 2026-11-30)
+            raise LoopError(
+                f"a second backward pass ran through the same forward pass (loss.backward("
+                f"retain_graph=True) then another backward, reaching "
+                f"{', '.join(map(repr, again[:3]))}"
+                f"{' ...' if len(again) > 3 else ''}): each record's gradient is that of the "
+                f"sum of the losses, which the optimizer reads from one backward pass. Add the "
+                f"losses and call backward once (loss = loss_a + loss_b), or run a forward "
+                f"pass for each backward")
         self.layer_rec.collect()
         self.root_rec.collect()
         check_recorded(self.layers, self.layer_rec)
@@ -695,10 +706,14 @@ def refuse_repeated_batch(roots) -> None:
         tensors = [t for t in call_leaves(call.args, call.kwargs) if isinstance(t, torch.Tensor)]
         if not any(t.dim() and t.shape[0] for t in tensors):
             continue
+        rows = max(t.shape[0] for t in tensors if t.dim())
         for gen, other in seen:
-            if gen != call.generation and len(other) == len(tensors) and all(
-                    a is b or (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
-                               and torch.equal(a, b)) for a, b in zip(tensors, other)):
+            if gen != call.generation and len(other) == len(tensors) and (
+                    all(a is b for a, b in zip(tensors, other)) or rows >= 2 and all(
+                        a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+                        and torch.equal(a, b) for a, b in zip(tensors, other))):  # one
+                # record's features may repeat in a data set (with another label): equal
+                # values count only for batches of two or more rows
                 raise RecordCountError(
                     "two backward passes of one step ran the model on the same batch (equal "
                     "inputs): each pass clips its records, so every record of that batch adds "

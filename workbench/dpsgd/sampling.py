@@ -159,6 +159,8 @@ class DPDataLoader(DataLoader):
         self.watch = None  # the optimizer's LossWatch, set by make_private (loss_watch.watched)
 
     def __iter__(self):
+        if self.watch is not None:  # workers prefetch: the sampler runs ahead of the steps
+            self.watch.prefetch = self.num_workers if self.num_workers > 0 else 0
         return watched(super().__iter__(), self.watch)
 
     @classmethod

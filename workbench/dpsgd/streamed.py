@@ -27,20 +27,16 @@ Notation: n batch, a activations, b backprops, g_i per-sample gradient, f_i loss
 import torch
 
 from workbench.clipping.bookkeeping import STREAMED, materialise_call
-from workbench.errors import LoopError
 from workbench.per_sample.einsum import sample_layer
 from workbench.per_sample.precision import in_full_precision
 from workbench.per_sample.recording import batch_problem, own_parameters
-
-STALE = "stale"  # a streamed call that received another gradient (a second backward pass)
 
 
 def stream_call(recorder, call) -> None:
     """The tensor hook's hand-over (``hooks.ActivationRecorder.on_complete``): materialise
     ``call`` now when book-keeping's memory rule says so, else leave it to ``step()``."""
-    if call.sampled is not None:  # a's gone: this second gradient cannot be sampled
-        call.sampled = STALE
-        return
+    if call.sampled is not None:  # a second backward pass: refused at step() for every
+        return  # call alike (hooks.ActivationRecorder.again, recorded.batches)
     layer = recorder.layers.get(call.path)
     n = recorder._n
     if type(layer) not in STREAMED or call.meet is not None or n is None:
@@ -68,12 +64,6 @@ def streamed_gradients(rec, gen: int, rescale) -> tuple[dict, dict]:
         for call in calls:
             if call.sampled is None or call.generation != gen:
                 continue
-            if call.sampled is STALE:
-                raise LoopError(
-                    f"{path or '<model>'} received a second gradient after the optimizer had "
-                    f"used its first (two backward passes over one forward pass, "
-                    f"retain_graph=True): each backward pass needs its own forward pass, "
-                    f"or sum the losses and call backward() once")
             for key, g in call.sampled.items():
                 if key not in rec.fallback:
                     add(grads, paths, key, rescale(g), path)
@@ -104,4 +94,4 @@ def add(grads: dict, paths: dict, key: int, g: torch.Tensor, path: str) -> None:
     paths.setdefault(key, set()).add(path)
 
 
-__all__ = ["STALE", "merge", "stream_call", "streamed_gradients"]
+__all__ = ["merge", "stream_call", "streamed_gradients"]

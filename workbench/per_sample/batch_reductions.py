@@ -11,15 +11,18 @@ but every record's loss sends gradient through the max to the argmax record's ke
 record's clipped gradient carries the others' (1.9e-5 of the clipped sum, silently, in every
 method, until 2026-11-30).
 
-The use tracker (``uses.py``) notes each such reduction as it runs, with its autograd node
+The use tracker (``uses.py``) notes each such reduction as it runs, its result and input
 held; when the forward pass ends, ``refuse_reached`` walks the graph from the model's outputs
-and raises ``SampleMixingError`` naming the op and the layer if one was reached. Seen:
+and, for a reduction it reaches, measures the share of the gradient that flows through it,
+raising ``SampleMixingError`` naming the op and the layer above the pass's tolerance. Seen:
 
 - the non-linear reductions of ``REDUCTIONS`` (max, norm, std, logsumexp, ...) with no
   ``dim`` or a ``dim`` that includes 0;
 - of a tensor whose dim 0 holds two or more records: its rows followed from the inputs
-  (``flat_rows.py``: a batch flattened to (n·T, ...) too), or computed from the batch with
-  n rows.
+  (``flat_rows.py``: a batch flattened to (n·T, ...) too);
+- whose gradient is not zero: a statistic the outputs' gradient does not depend on (a
+  global max subtracted before a softmax, shift-invariant) is let through, measured at the
+  precision of the pass (``refuse_reached``).
 
 Not: linear ones (sum, mean): a sum over the records changes every record's outputs, or its
 gradient is zero too, and the in-model losses of Hugging Face reduce so (``model_loss.py``);
@@ -42,8 +45,11 @@ REDUCTIONS = {
 }
 
 
-def over_records(name: str, args, kwargs, rows_of, tainted, n: int | None) -> bool:
-    """``name(*args, **kwargs)`` reduces over dim 0 of a tensor holding two or more records."""
+def over_records(name: str, args, kwargs, rows_of) -> bool:
+    """``name(*args, **kwargs)`` reduces over dim 0 of a tensor holding two or more records:
+    its rows proved to be the batch's (``rows_of``, ``flat_rows.py``). A tensor whose dim 0
+    merely has n entries (time-major steps, ensemble members, a record's own positions) is
+    not taken for the records: a reduction over it raised at random n until 2026-11-30."""
     x = args[0] if args else None
     if not isinstance(x, torch.Tensor) or x.dim() == 0:
         return False
@@ -58,9 +64,7 @@ def over_records(name: str, args, kwargs, rows_of, tainted, n: int | None) -> bo
         if not any(isinstance(d, int) and d % x.dim() == 0 for d in dims):
             return False
     rows = rows_of(x)
-    if rows is not None:
-        return rows[0] >= 2
-    return n is not None and n >= 2 and x.shape[0] == n and tainted(x)
+    return rows is not None and rows[0] >= 2
 
 
 _HERE = os.path.dirname(os.path.dirname(__file__))
@@ -80,31 +84,57 @@ def caller() -> str:
 
 
 def noted(result):
-    """The autograd node of a reduction's result (its values: ``max(x, dim)`` returns values
-    and indices), or None when no gradient flows from it."""
+    """The tensor of a reduction's result that gradients flow through (its values: ``max(x,
+    dim)`` returns values and indices), or None when none does."""
     t = result[0] if isinstance(result, (tuple, list)) and result else result
-    return t.grad_fn if isinstance(t, torch.Tensor) and t.requires_grad else None
+    return t if isinstance(t, torch.Tensor) and t.requires_grad else None
 
 
-def refuse_reached(notes: list, outputs, graph_nodes) -> None:
-    """Raise ``SampleMixingError`` if the graph from ``outputs`` (tensors) reaches a noted
-    reduction's node. ``notes``: [(node, description)], the nodes held since the op (so their
-    ids are theirs: ``derived.graph_nodes``)."""
+def refuse_reached(notes: list, outputs, graph_nodes, paused, tolerance) -> None:
+    """Raise ``SampleMixingError`` if the outputs' gradient depends on a noted reduction.
+
+    ``notes``: [(result, x, description)], each reduction's result and the tensor it
+    reduced, held since the op (so their nodes' ids are theirs: ``derived.graph_nodes``).
+    A note whose node the graph from ``outputs`` (tensors) reaches is measured: with v a
+    fixed random direction over the outputs, the part of ∂⟨v, outputs⟩/∂x that flows through
+    the reduction, against all of it; above ``tolerance(x.dtype)`` it is refused. A
+    shift-invariant use (``h - h.max()`` before a softmax) gets 1e-16 of it in float64 and
+    passes; Nystromformer's start gets 1e-5. ``paused``: a context in which the recorders'
+    tensor hooks ignore these extra gradient passes."""
     if not notes:
         return
-    held = {id(node): (node, what) for node, what in notes}
+    held = {id(r.grad_fn): (r, x, what) for r, x, what in notes}
     starts = [t for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    for node in graph_nodes(starts):
-        hit = held.get(id(node))
-        if hit is not None and hit[0] is node:
-            raise SampleMixingError(
-                f"the model couples the records: {hit[1]}, and the model's output depends on "
-                f"it with gradient. Even where the outputs do not change with it (an "
-                f"iteration started from it converges: HF Nystromformer's pseudo-inverse), "
-                f"every record's loss sends gradient through it to the records that hold the "
-                f"statistic (the argmax), so a record's clipped gradient carries the others' "
-                f"and per-record clipping bounds nothing. Reduce over each record's own dims "
-                f"(dim >= 1, keepdim=True), as Nystromformer's 'exact' start does)")
+    reached = [hit for node in graph_nodes(starts)
+               for hit in [held.get(id(node))] if hit is not None and hit[0].grad_fn is node]
+    if not reached:
+        return
+    outs = [t for t in starts if t.is_floating_point()]
+    gen = torch.Generator().manual_seed(0)
+    v = [torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device) for t in outs]
+    for r, x, what in reached:
+        with paused(), torch.enable_grad():
+            g_r, g_x = torch.autograd.grad(outs, [r, x], grad_outputs=v, retain_graph=True,
+                                           allow_unused=True)
+            if g_r is None:
+                continue
+            (through,) = torch.autograd.grad(r, x, grad_outputs=g_r, retain_graph=True,
+                                             allow_unused=True)
+        if through is None:
+            continue
+        part = float(through.double().norm())
+        whole = float(g_x.double().norm()) if g_x is not None else 0.0
+        if part <= tolerance(x.dtype) * max(whole, part) or part == 0.0:
+            continue
+        raise SampleMixingError(
+            f"the model couples the records: {what}, and the outputs' gradient flows through "
+            f"it ({part / max(whole, 1e-300):.3g} of the gradient there). Even where the "
+            f"outputs do not change with it (an iteration started from it converges: HF "
+            f"Nystromformer's pseudo-inverse), every record's loss sends gradient through it "
+            f"to the records that hold the statistic (the argmax), so a record's clipped "
+            f"gradient carries the others' and per-record clipping bounds nothing. Reduce "
+            f"over each record's own dims (dim >= 1, keepdim=True), as Nystromformer's "
+            f"'exact' start does)")
 
 
 __all__ = ["REDUCTIONS", "caller", "noted", "over_records", "refuse_reached"]

@@ -22,7 +22,11 @@ from workbench.errors import (
 
 
 def batch_size(inputs) -> int:
-    """Size of dim 0 of ``inputs`` (a Tensor, or a tuple/list of Tensors batched alike)."""
+    """Size of dim 0 of ``inputs`` (a Tensor, or a tuple/list of Tensors batched alike), or
+    the n of a recorded ``ModelCall`` (the optimizer's whole-model fallback on a model called
+    with keywords: a TypeError until 2026-11-30)."""
+    if isinstance(inputs, ModelCall):
+        return inputs.n
     if isinstance(inputs, torch.Tensor):
         if inputs.dim() == 0:
             raise ValueError("inputs is a 0-dim tensor; the batch must be dim 0 of inputs, "

@@ -295,6 +295,9 @@ def odd_output(output) -> str:
     return f"{kind} (not a Tensor, nor a tuple of Tensors and None)"
 
 
+PAUSED = [0]  # recorders inside ``paused()``, process-wide: their gradient passes are none
+# of the user's
+
 _MODULE_KEYS = frozenset(nn.Module().__dict__)  # torch's own slots: hook dicts, _parameters...
 
 
@@ -470,6 +473,8 @@ class ActivationRecorder:
     # before its first recorded call: what a re-run of its calls must find (``changed``)
     drew: set = field(default_factory=set)  # paths of layers without a rule whose call drew
     # random numbers (a default generator advanced during it: ``draws``)
+    again: set = field(default_factory=set)  # paths of calls a second backward pass reached
+    # (capture="hooks": ``loss.backward(retain_graph=True)`` twice; refused by the optimizer)
     _draw_from: dict = field(default_factory=dict)  # path -> generator states at the call
     _handles: list = field(default_factory=list)
     _pending: bool = False
@@ -702,8 +707,10 @@ class ActivationRecorder:
 
         def store(grad):
             call = ref()
-            if call is None or not self.recording:  # paused: a check's own gradient pass
-                return
+            if call is None or not self.recording or PAUSED[0]:  # paused: a check's own
+                return  # gradient pass
+            if call.stored_at.get(k, self.generation) != self.generation:  # b_k of an earlier
+                self.again.add(call.path)  # backward pass would be overwritten: refused
             call.grads[k] = grad
             call.generation = call.stored_at[k] = self.generation
             if not self._pending:  # count this backward pass once it has finished
@@ -721,12 +728,18 @@ class ActivationRecorder:
 
     @contextmanager
     def paused(self):
-        """Record nothing inside (a sampler may call the layer itself, e.g. under vmap)."""
+        """Record nothing inside (a sampler may call the layer itself, e.g. under vmap). No
+        recorder stores a gradient meanwhile (``PAUSED``): a check's own backward pass (the
+        loss window's coupling test, a self-check's twin) is no backward pass of any
+        recording, also another optimizer's on the same model (whose hooks took one for a
+        second backward pass of the user's)."""
         self.recording = False
+        PAUSED[0] += 1
         try:
             yield self
         finally:
             self.recording = True
+            PAUSED[0] -= 1
 
     def clear(self) -> None:
         """Forget the recorded calls (their activations and backprops), keep the hooks."""
@@ -741,6 +754,7 @@ class ActivationRecorder:
         self.recomputed.clear()
         self.before.clear()
         self.drew.clear()
+        self.again.clear()
         self._draw_from.clear()
 
     def changed(self, among=None) -> dict[str, list[str]]:
@@ -847,7 +861,7 @@ def refusing_reentrant(fn):
     return run
 
 __all__ = [
-    "ActivationRecorder", "LayerCall", "OwnHook", "attach", "changed_state", "copy_leaves",
-    "detach", "drop_inputs", "leaf_outputs", "odd_output", "output_tensors",
+    "PAUSED", "ActivationRecorder", "LayerCall", "OwnHook", "attach", "changed_state",
+    "copy_leaves", "detach", "drop_inputs", "leaf_outputs", "odd_output", "output_tensors",
     "reentrant_refused", "refusing_reentrant", "state_of", "tensor_outputs",
 ]

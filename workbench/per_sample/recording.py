@@ -325,8 +325,9 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
         with tracker:
             tracker.start(leaves((inputs, targets)))  # the batch: what it touches, its rows
             outputs = forward(model, inputs)
-            tracker.refuse_mixing(leaves(outputs))  # a statistic over the records with
-            tracker.in_loss = True  # gradient (batch_reductions.py)
+            tracker.refuse_mixing(leaves(outputs), recorder.paused)  # a statistic over the
+            # records the outputs' gradient flows through (batch_reductions.py)
+            tracker.in_loss = True
             with torch._C.DisableTorchFunction():
                 drawn = generator_states()  # a random loss is not run on halves (selfcheck)
             losses = loss_fn(outputs, targets)  # (n,)

@@ -43,6 +43,7 @@ from workbench.per_sample.broadcast import ADDS, REWRITES, BatchFree
 from workbench.per_sample.derived import Derived, follow_parameters, graph_nodes
 from workbench.per_sample.flat_rows import FOLLOWED, FlatRows, in_place
 from workbench.per_sample.leaves import leaves
+from workbench.per_sample.precision import TOLERANCE
 from workbench.per_sample.registry import find_grad_sampler
 from workbench.per_sample.tied import FUNCTIONAL, settle_broadcast, use_views
 
@@ -152,9 +153,8 @@ class UseTracker(TorchFunctionMode):
         self._ruled: dict[str, bool] = {}  # path -> the layer has a grad rule (_inside_rule)
         self.trace = 0  # a hash of the names of the pass's ops in order: part of the
         # self-check's call signature (``selfcheck.signature``)
-        self.n = None  # dim 0 of the pass's first input (``start``)
-        self.reductions: list = []  # (node, what): statistics over the records with gradient
-        # (``batch_reductions.py``), refused if the outputs reach one (``refuse_mixing``)
+        self.reductions: list = []  # (result, x, what): statistics over the records with
+        # gradient (``batch_reductions.py``), measured where the outputs reach one
 
     def __enter__(self):
         self.recorder.batch_free = self.batch_free
@@ -243,8 +243,6 @@ class UseTracker(TorchFunctionMode):
         (``flat_rows.py``: the rows a reshape may then flatten)."""
         self.trace = 0
         self.reductions = []
-        self.n = next((int(t.shape[0]) for t in inputs
-                       if isinstance(t, torch.Tensor) and t.dim()), None)
         with torch._C.DisableTorchFunction():  # the tracker's own reads: no op of the pass
             self.derived.start(inputs)
             self.flat_rows.seed(inputs)
@@ -333,22 +331,25 @@ class UseTracker(TorchFunctionMode):
 
     def _over_records(self, name, args, kwargs, result) -> None:
         """A max, norm, std... over the records: noted with its node (``batch_reductions``)."""
-        node = batch_reductions.noted(result)
-        if node is not None and batch_reductions.over_records(
-                name, args, kwargs, self.flat_rows.of, self._tainted, self.n):
+        held = batch_reductions.noted(result)
+        if held is not None and batch_reductions.over_records(
+                name, args, kwargs, self.flat_rows.of):
             where = self._where()
             where = f"called at {batch_reductions.caller()}" + (
                 "" if where.startswith("<") else f", inside layer {where!r}")
-            self.reductions.append((node, f"torch's {name} over dim 0 (the records) of a "
-                                          f"{tuple(args[0].shape)} tensor computed from the "
-                                          f"batch, {where}"))
+            self.reductions.append((held, args[0],
+                                    f"torch's {name} over dim 0 (the records) of a "
+                                    f"{tuple(args[0].shape)} tensor computed from the batch, "
+                                    f"{where}"))
 
-    def refuse_mixing(self, outputs) -> None:
-        """The forward pass ended with ``outputs`` (tensors): ``SampleMixingError`` if they
-        depend with gradient on a statistic over the records (``batch_reductions``)."""
+    def refuse_mixing(self, outputs, paused) -> None:
+        """The forward pass ended with ``outputs`` (tensors): ``SampleMixingError`` if their
+        gradient depends on a statistic over the records (``batch_reductions``); ``paused``:
+        the recorders' pause, for the measuring gradient passes."""
         notes, self.reductions = self.reductions, []
         with torch._C.DisableTorchFunction():
-            batch_reductions.refuse_reached(notes, outputs, graph_nodes)
+            batch_reductions.refuse_reached(notes, outputs, graph_nodes, paused,
+                                            lambda dtype: TOLERANCE.get(dtype, 1e-3))
 
     def _cast(self, args, result) -> None:
         """An op whose float result is narrower than its float input (Hugging Face's RMSNorm
