@@ -96,6 +96,8 @@ class LossWatch:
         self.used: dict[int, int] = {}  # serial -> n of each such batch a training forward
         # pass ran on since the last step (``count_records``)
         self.stepped = 0  # the last serial a step() was taken for (``batch_ends``)
+        self.backwarded: set[int] = set()  # serials of handed-out batches a backward pass
+        # ran on since the last step or zero_grad(): their gradients wait for a step
         self.on_skipped = lambda: None  # a handed-out batch had no step (the optimizer's)
         self.prefetch = 0  # the engine loader's num_workers: its sampler runs ahead
         self.passing = False  # a pass of the engine's loader is in progress (``watched``)
@@ -219,10 +221,15 @@ class LossWatch:
         self._resume = False
 
     def drop_used(self) -> None:
-        """``zero_grad()`` drops the passes since the last step: a loader batch among them
-        that no step was taken for is reported (``on_skipped``), once."""
-        dropped = sorted(s for s in self.used if s > self.stepped)
-        self.used = {}
+        """``zero_grad()`` drops the passes since the last step: an earlier loader batch
+        whose backward pass it drops, with no step taken for it, is reported
+        (``on_skipped``), once; the batch still out is reported when the loader moves on
+        (``batch_ends``). A forward pass alone (a validation batch through the private
+        model with grad on) reports nothing: it was charged twice, its own step's and this,
+        in this session's first version."""
+        current = self.serial if self.announced is not None else None
+        dropped = sorted(s for s in self.backwarded if s > self.stepped and s != current)
+        self.used, self.backwarded = {}, set()
         for serial in dropped:
             self.stepped = max(self.stepped, serial)
             self.on_skipped()
@@ -237,7 +244,10 @@ class LossWatch:
         augmented views concatenated along dim 0, a record reshaped into several rows before
         the model: each clipped as a record, one record's influence up to k C). Fewer rows
         (records filtered out) are harmless. Without the engine's loader nothing is known."""
-        used, self.used = self.used, {}
+        used = {s: n for s, n in self.used.items() if s in self.backwarded}  # a batch only
+        # forwarded (then skipped) is in no step: counted as one, it made the next step
+        # "accumulate two batches" until 2026-11-30
+        self.used, self.backwarded = {}, set()
         if self.announced is not None:  # this step is the handed-out batch's, empty or not
             self.stepped = self.serial
         if len(used) > 1:
@@ -267,7 +277,7 @@ class LossWatch:
         sampled, and whether its step was taken may depend on its records. ``report=False``:
         a step that raised (its batch refused, not skipped by the loop), a detach."""
         if self.announced is not None and self.serial > self.stepped \
-                and self.serial not in self.used:  # a pass's gradients wait for a step
+                and self.serial not in self.backwarded:  # its gradients wait for a step
             self.stepped = self.serial
             if report:
                 self.on_skipped()
@@ -660,6 +670,8 @@ class LossFunctions(TorchFunctionMode):
         except Exception:
             watch.close()  # the refused pass's window ends with it
             raise
+        if watch.announced is not None:  # the handed-out batch's gradients wait for a step
+            watch.backwarded.add(watch.serial)
         return func(*args, **kwargs)
 
 

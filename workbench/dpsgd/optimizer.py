@@ -100,7 +100,7 @@ from workbench.dpsgd.distributed import (
 from workbench.dpsgd.path_check import PathCheck
 from workbench.dpsgd.privatise import MODES, gaussian_noise
 from workbench.dpsgd.recorded import ModelRecorder, distributed_run
-from workbench.errors import LoopError
+from workbench.errors import LoopError, NonFiniteGradientError
 from workbench.methods import OPTIMIZER_ALIASES
 from workbench.per_sample import precision, selfcheck, state_replay
 from workbench.per_sample.checks import check_no_sample_mixing
@@ -457,7 +457,8 @@ class DPOptimizer(Optimizer):
         except Exception:
             self._sums = {}  # nothing of a refused batch is kept for a later step
             self.recorder.clear()
-            self.recorder.watch.used = {}  # nor counted for it (count_records)
+            watch = self.recorder.watch  # nor counted for it (count_records), nor waiting
+            watch.used, watch.backwarded = {}, set()  # for a step (batch_ends may charge it)
             raise
         # a check a non-finite record kept from running waits for the next batch
         self._verify_next = (bool(skipped) and bool(replays or compare)) or (
@@ -589,12 +590,16 @@ class DPOptimizer(Optimizer):
     def step(self, closure=None):
         loop.check_alive(self, "step")
         self.guard.enter("optimizer.step()")
+        by_values = False
         try:
             return self._step(closure)
+        except NonFiniteGradientError:  # refused for its records' values: a loop that
+            by_values = True  # catches it and goes on has skipped the batch by its records:
+            raise  # charged (it was not, silently, until 2026-11-30)
         finally:
             watch = self.recorder.watch  # the pass's loss window ends with its step, always
             watch.close()
-            watch.batch_ends(report=False)  # a step that raised refused its batch
+            watch.batch_ends(report=by_values)  # another refusal is the loop's mistake
             watch.follow()  # the next batch's statistics, from here to its forward pass
             self.guard.release()
 

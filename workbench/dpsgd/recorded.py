@@ -693,34 +693,55 @@ def distributed_run(model) -> bool:
 
 
 def refuse_repeated_batch(roots) -> None:
-    """RecordCountError if two backward passes of one step ran the model on the same inputs
-    (the same tensors, or equal ones: every tensor argument of the same shape and values):
-    each pass clips its records, so a batch backwarded twice adds 2 clip(g_i) per record, an
-    influence of 2 C (silent, without the engine's loader, until 2026-11-30; with it,
-    ``LossWatch.count_records`` counts the rows). Compared only when a step has several
-    passes; distinct batches accumulated into one step differ somewhere."""
+    """RecordCountError if a backward pass of a step ran the model on records an earlier
+    pass of the step ran it on: the same tensors, or rows equal to the earlier pass's (every
+    tensor argument's row), all of them (the batch again, permuted, or a subset of it). Each
+    pass clips its records, so a record backwarded twice adds 2 clip(g_i), an influence of
+    2 C (silent, without the engine's loader, until 2026-11-30; with it,
+    ``LossWatch.count_records`` counts the rows). Some rows recurring: a warning (a data
+    set may hold a record's features twice). Compared only when a step has several passes;
+    values only for passes of two rows or more (a micro-batch of one record may repeat
+    another's features with another label)."""
     if len({c.generation for c in roots}) < 2:
         return
-    seen = []
+    seen: dict = {}  # row key -> generation
+    passes: list = []  # (generation, tensors)
     for call in roots:
         tensors = [t for t in call_leaves(call.args, call.kwargs) if isinstance(t, torch.Tensor)]
-        if not any(t.dim() and t.shape[0] for t in tensors):
+        rows = [t for t in tensors if t.dim() and t.shape[0]]
+        if not rows:
             continue
-        rows = max(t.shape[0] for t in tensors if t.dim())
-        for gen, other in seen:
-            if gen != call.generation and len(other) == len(tensors) and (
-                    all(a is b for a, b in zip(tensors, other)) or rows >= 2 and all(
-                        a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
-                        and torch.equal(a, b) for a, b in zip(tensors, other))):  # one
-                # record's features may repeat in a data set (with another label): equal
-                # values count only for batches of two or more rows
-                raise RecordCountError(
-                    "two backward passes of one step ran the model on the same batch (equal "
-                    "inputs): each pass clips its records, so every record of that batch adds "
-                    "two clipped gradients to the step, an influence of 2 x max_grad_norm. "
-                    "Compute the batch's losses in one forward pass and call backward once "
-                    "(loss = loss_a + loss_b), or call step() after each backward")
-        seen.append((call.generation, tensors))
+        n = rows[0].shape[0]
+        keys = _row_keys([t for t in rows if t.shape[0] == n], n)
+        earlier = [k for k in keys if k in seen and seen[k] != call.generation]
+        identical = any(gen != call.generation and len(other) == len(tensors)
+                        and all(a is b for a, b in zip(tensors, other)) for gen, other in passes)
+        if identical or (n >= 2 and len(earlier) == len(keys)):
+            raise RecordCountError(
+                f"two backward passes of one step ran the model on the same records (all "
+                f"{n} rows of a later pass equal rows of an earlier one: the same batch "
+                f"again, permuted, or part of it): each pass clips its records, so each "
+                f"record backwarded twice adds two clipped gradients to the step, an "
+                f"influence of 2 x max_grad_norm. Compute the batch's losses in one forward "
+                f"pass and call backward once (loss = loss_a + loss_b), or call step() after "
+                f"each backward")
+        if earlier and n >= 2:
+            warnings.warn(
+                f"{len(earlier)} of the {n} rows of a backward pass of this step equal rows "
+                f"of an earlier pass of the same step: if they are the same records, each "
+                f"adds two clipped gradients (an influence of 2 x max_grad_norm); forward "
+                f"each record once per step", stacklevel=6)
+        for k in keys:
+            seen.setdefault(k, call.generation)
+        passes.append((call.generation, tensors))
+
+
+def _row_keys(tensors, n: int) -> list:
+    """One hashable key per row: the bytes of the row of every tensor (n rows each)."""
+    with torch.no_grad():  # as bytes: any dtype (bfloat16 has no NumPy twin)
+        flat = [t.detach().reshape(n, -1).contiguous().view(torch.uint8).cpu().numpy()
+                for t in tensors]
+        return [b"".join(f[i].tobytes() for f in flat) for i in range(n)]
 
 
 def _inputs(call, n: int):

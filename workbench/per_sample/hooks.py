@@ -62,6 +62,7 @@ Nothing is left behind: ``ActivationRecorder`` is a context manager that removes
 on exit, also when the forward or backward pass raises.
 """
 
+import collections
 import functools
 import warnings
 import weakref
@@ -295,8 +296,8 @@ def odd_output(output) -> str:
     return f"{kind} (not a Tensor, nor a tuple of Tensors and None)"
 
 
-PAUSED = [0]  # recorders inside ``paused()``, process-wide: their gradient passes are none
-# of the user's
+PAUSED: collections.Counter = collections.Counter()  # id(layer) -> recorders of it inside
+# ``paused()``: their gradient passes are none of the user's, for any recorder of that layer
 
 _MODULE_KEYS = frozenset(nn.Module().__dict__)  # torch's own slots: hook dicts, _parameters...
 
@@ -707,10 +708,13 @@ class ActivationRecorder:
 
         def store(grad):
             call = ref()
-            if call is None or not self.recording or PAUSED[0]:  # paused: a check's own
-                return  # gradient pass
-            if call.stored_at.get(k, self.generation) != self.generation:  # b_k of an earlier
-                self.again.add(call.path)  # backward pass would be overwritten: refused
+            if call is None or not self.recording or (
+                    PAUSED and id(self.layers.get(call.path)) in PAUSED):  # paused: a check's
+                return  # own gradient pass (of this recorder, or another of the same layer)
+            if any(g != self.generation for g in call.stored_at.values()):  # an output of
+                self.again.add(call.path)  # this call had its b in an earlier backward pass
+                # (the same output: overwritten; another: two towers' losses backwarded one
+                # by one, the first pass's calls left out, silently): refused
             call.grads[k] = grad
             call.generation = call.stored_at[k] = self.generation
             if not self._pending:  # count this backward pass once it has finished
@@ -729,17 +733,22 @@ class ActivationRecorder:
     @contextmanager
     def paused(self):
         """Record nothing inside (a sampler may call the layer itself, e.g. under vmap). No
-        recorder stores a gradient meanwhile (``PAUSED``): a check's own backward pass (the
-        loss window's coupling test, a self-check's twin) is no backward pass of any
-        recording, also another optimizer's on the same model (whose hooks took one for a
-        second backward pass of the user's)."""
+        recorder of these layers stores a gradient meanwhile (``PAUSED``): a check's own
+        backward pass (the loss window's coupling test, a self-check's twin) is no backward
+        pass of any recording, also another optimizer's on the same model (whose hooks took
+        one for a second backward pass of the user's). Other models' recorders, in another
+        thread, record on."""
         self.recording = False
-        PAUSED[0] += 1
+        ids = [id(m) for m in self.layers.values()]
+        PAUSED.update(ids)
         try:
             yield self
         finally:
             self.recording = True
-            PAUSED[0] -= 1
+            for i in ids:
+                PAUSED[i] -= 1
+                if PAUSED[i] <= 0:
+                    del PAUSED[i]
 
     def clear(self) -> None:
         """Forget the recorded calls (their activations and backprops), keep the hooks."""
