@@ -610,14 +610,7 @@ def test_the_same_batch_backwarded_twice_in_one_step_is_refused_without_the_load
 def test_a_batch_the_loop_skips_is_charged_with_a_warning(where):
     """A loop skipping some batches' steps (an empty batch, a loss above a threshold, a
     NaN guard): the accountant charged only the steps taken (28 of 40 batches), silently."""
-    torch.manual_seed(0)
-    x, y = data(64, 3)
-    model = mlp()
-    engine = PrivacyEngine()
-    model, opt, loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=16), noise_multiplier=1.0,
-        max_grad_norm=1.0)
+    model, opt, loader, engine = _engine()
     drawn = taken = 0
     with pytest.warns(UserWarning, match="had no step"):
         for i, (xb, yb) in enumerate(loader):
@@ -635,14 +628,7 @@ def test_a_batch_the_loop_skips_is_charged_with_a_warning(where):
 
 
 def test_a_step_for_every_batch_charges_each_once_without_a_warning():
-    torch.manual_seed(0)
-    x, y = data(64, 3)
-    model = mlp()
-    engine = PrivacyEngine()
-    model, opt, loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=16), noise_multiplier=1.0,
-        max_grad_norm=1.0)
+    model, opt, loader, engine = _engine()
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="a batch the private loader")
         for _ in range(2):

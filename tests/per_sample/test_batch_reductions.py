@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import workbench as wb
+from tests.per_sample.test_check_coverage import DetachedMax
 from workbench.dpsgd import DPOptimizer
 
 C = 0.5
@@ -175,14 +176,10 @@ def test_hf_nystromformer_is_refused(method, monkeypatch):
                 o, t, reduction="none"), ids, y, C, method=method)
 
 
-class Shifted(nn.Module):
+class Shifted(DetachedMax):
     """A global max subtracted before a softmax: shift-invariant, so no gradient flows
-    through the max (refused until the gradient was measured, 2026-11-30)."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 2)
+    through the max (refused until the gradient was measured, 2026-11-30). (DetachedMax's
+    layers; its detached max is the halves check's.)"""
 
     def forward(self, x):
         h = self.a(x)

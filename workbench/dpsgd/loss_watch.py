@@ -396,8 +396,7 @@ class LossWatch:
         kind, what = found
         declared = self.loss_reduction
         if kind == "coupled":
-            names = sorted({name for g_, _, name in self.calls if g_ == self.generation})
-            seen = f" ({', '.join(names)})" if names else ""
+            seen = self._loss_names()
             raise LossCouplingError(
                 f"the loss{seen} passed to backward is not a sum of one term per record: it "
                 f"takes {what}, so whether and how much record i's term counts depends on "
@@ -433,6 +432,11 @@ class LossWatch:
             f"the loss passed to backward {why}. Each record's clipped contribution would "
             f"then scale with the realised batch size n, a statistic of which other records "
             f"were sampled, so the sensitivity is no longer max_grad_norm. Fix: {fix}")
+
+    def _loss_names(self) -> str:
+        """" (CrossEntropyLoss, ...)": the loss calls of this window, for a message."""
+        names = sorted({name for g_, _, name in self.calls if g_ == self.generation})
+        return f" ({', '.join(names)})" if names else ""
 
     def second_order_use(self, loss) -> None:
         """Before ``loss.backward()``: LossCouplingError if the loss reads a gradient taken
@@ -485,8 +489,7 @@ class LossWatch:
                 others += float(hk[:n - 1].double().norm()) ** 2
         tol = precision.tolerance_of(loss.dtype, loss.device)
         if others ** 0.5 > tol * max(own ** 0.5, 1e-12) + 1e-12:
-            names = sorted({name for g_, _, name in self.calls if g_ == self.generation})
-            seen = f" ({', '.join(names)})" if names else ""
+            seen = self._loss_names()
             raise LossCouplingError(
                 f"the loss{seen} computed after the model makes record {n - 1}'s gradient "
                 f"depend on "
