@@ -875,3 +875,93 @@ def test_a_step_refused_for_its_records_values_is_charged_when_the_loop_goes_on(
                 refused += 1
     assert refused > 0
     assert sum(steps for _, _, steps in engine.accountant.history) == drawn
+
+
+def test_records_sharing_features_with_other_labels_accumulate():
+    """Micro-batches of two rows repeating earlier rows' features (padding rows) with other
+    labels: distinct records, exact (refused by the inputs alone in this session's first
+    row check)."""
+    model = mlp()
+    x, _ = data(8, 1)
+    x[[1, 4, 5]] = 0.0  # padding rows
+    x[6:8] = x[2:4]  # a micro-batch repeating another's features
+    y = torch.tensor([0, 1, 2, 0, 1, 2, 1, 2])
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
+                      max_grad_norm=1.0, expected_batch_size=8, loss_reduction="sum")
+    try:
+        opt.zero_grad()
+        for k in range(0, 8, 2):
+            nn.CrossEntropyLoss(reduction="sum")(model(x[k:k + 2]), y[k:k + 2]).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            opt.step()
+    finally:
+        opt.detach()
+
+
+def test_a_tensor_kept_aside_and_backwarded_on_its_own_is_refused():
+    """self.aux = head(h) not returned, backwarded after the output's loss: that pass never
+    reaches the model's output; 0.82 off with verify=False, silently, until 2026-11-30."""
+
+    class Aside(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.h1, self.h2 = nn.Linear(6, 3), nn.Linear(6, 3)
+
+        def forward(self, x):
+            self.aux = self.h1(x)
+            return self.h2(x)
+
+    model = Aside().double()
+    x, y = data(6, 1)
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=0.0,
+                      max_grad_norm=1.0, expected_batch_size=6)
+    opt.verify = False
+    try:
+        opt.zero_grad()
+        out = model(x)
+        nn.CrossEntropyLoss()(out, y).backward()
+        nn.CrossEntropyLoss()(model.aux, y).backward()
+        with pytest.raises(wb.errors.LoopError, match="without going through"):
+            opt.step()
+    finally:
+        opt.detach()
+
+
+def test_the_runs_last_batch_backwarded_without_a_step_is_charged():
+    model, opt, loader, engine = _engine()
+    with pytest.warns(UserWarning, match="had no step"):
+        for i, (xb, yb) in enumerate(loader):
+            opt.zero_grad()
+            nn.CrossEntropyLoss()(model(xb), yb).backward()
+            if i == len(loader) - 1:
+                continue  # the last batch: no step
+            opt.step()
+    assert sum(steps for _, _, steps in engine.accountant.history) == len(loader)
+
+
+def test_a_refused_chunk_of_a_virtual_step_is_not_charged_twice():
+    torch.manual_seed(0)
+    x, y = data(40, 3)
+    model = mlp()
+    engine = PrivacyEngine()
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=10), noise_multiplier=1.0,
+        max_grad_norm=1.0, max_physical_batch_size=4,
+        sampling_generator=torch.Generator().manual_seed(0))
+    chunks = refused = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for xb, yb in loader:
+            chunks += 1
+            opt.zero_grad()
+            if len(xb):
+                bad = torch.full_like(xb, float("nan")) if chunks == 2 else xb
+                nn.CrossEntropyLoss()(model(bad), yb).backward()
+            try:
+                opt.step()
+            except wb.errors.NonFiniteGradientError:
+                refused += 1
+    assert refused == 1
+    assert sum(steps for _, _, steps in engine.accountant.history) == len(loader.loader)

@@ -269,15 +269,18 @@ class LossWatch:
                 f"times max_grad_norm. Forward each record once; keep a record's views in "
                 f"that record (stack them along dim 1 and average their losses inside it)")
 
-    def batch_ends(self, report: bool = True) -> None:
+    def batch_ends(self, report: bool = True, last: bool = False) -> None:
         """The loader's pass ended (or was abandoned): nothing more to follow. A batch it
         handed out that no step() was taken for (the loop skipped it: ``continue`` on an
         empty batch, on a loss above a threshold; or left the pass) is reported to the
         optimizer (``on_skipped``), which charges the accountant for it: the batch was
         sampled, and whether its step was taken may depend on its records. ``report=False``:
-        a step that raised (its batch refused, not skipped by the loop), a detach."""
+        a step that raised (its batch refused, not skipped by the loop), a detach; ``last``:
+        the loader's pass is over, no step will come for a batch still waiting."""
         if self.announced is not None and self.serial > self.stepped \
-                and self.serial not in self.backwarded:  # its gradients wait for a step
+                and (last or self.serial not in self.backwarded):  # its gradients wait for
+            # a step, unless the loader's pass is over (``last``: a backward then a break or
+            # continue on the run's last batch escaped the charge until 2026-11-30)
             self.stepped = self.serial
             if report:
                 self.on_skipped()
@@ -736,7 +739,7 @@ def watched(batches, watch: "LossWatch | None"):
                 watch.batch_begins(batch_size(batch, "the loader's batch"))
             yield batch
         if watch is not None:
-            watch.batch_ends()
+            watch.batch_ends(last=True)
     finally:  # ended, or closed (left and collected): no pass in progress
         if watch is not None:
             watch.passing = False

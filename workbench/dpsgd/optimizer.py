@@ -594,8 +594,10 @@ class DPOptimizer(Optimizer):
         try:
             return self._step(closure)
         except NonFiniteGradientError:  # refused for its records' values: a loop that
-            by_values = True  # catches it and goes on has skipped the batch by its records:
-            raise  # charged (it was not, silently, until 2026-11-30)
+            # catches it and goes on has skipped the batch by its records: charged (it was
+            # not, silently, until 2026-11-30), unless a later chunk of its logical batch
+            by_values = not self.expect_more  # will step (and charge) it
+            raise
         finally:
             watch = self.recorder.watch  # the pass's loss window ends with its step, always
             watch.close()

@@ -447,6 +447,15 @@ class ModelRecorder:
         self.root_rec.collect()
         check_recorded(self.layers, self.layer_rec)
         roots = [c for c in self.root_rec.calls[ROOT] if c.backprops is not None]
+        stray = stray_passes(roots, self.layer_rec)
+        if stray:
+            raise LoopError(
+                f"a backward pass reached {', '.join(map(repr, stray[:3]))}"
+                f"{' ...' if len(stray) > 3 else ''} without going through the private "
+                f"model's output (a tensor the model kept aside, such as self.aux = "
+                f"self.head(h), backwarded on its own): the optimizer reads each record's "
+                f"gradient from the backward pass through the model's output. Return every "
+                f"tensor the loss uses from forward() and call backward once on their loss")
         refuse_repeated_batch(roots)
         prepared = []  # every backward pass's recording first: ``comparing`` below
         for gen in sorted({c.generation for c in roots}):
@@ -694,14 +703,15 @@ def distributed_run(model) -> bool:
 
 def refuse_repeated_batch(roots) -> None:
     """RecordCountError if a backward pass of a step ran the model on records an earlier
-    pass of the step ran it on: the same tensors, or rows equal to the earlier pass's (every
-    tensor argument's row), all of them (the batch again, permuted, or a subset of it). Each
-    pass clips its records, so a record backwarded twice adds 2 clip(g_i), an influence of
-    2 C (silent, without the engine's loader, until 2026-11-30; with it,
-    ``LossWatch.count_records`` counts the rows). Some rows recurring: a warning (a data
-    set may hold a record's features twice). Compared only when a step has several passes;
-    values only for passes of two rows or more (a micro-batch of one record may repeat
-    another's features with another label)."""
+    pass of the step ran it on: the same tensors, or rows (two or more) that all equal rows
+    of an earlier pass in the inputs *and* in the gradient the loss sent back to the model's
+    output (the same records with the same labels: the batch again, permuted, or a part of
+    it). Each pass clips its records, so a record backwarded twice adds 2 clip(g_i), an
+    influence of 2 C (silent, without the engine's loader, until 2026-11-30; with it,
+    ``LossWatch.count_records`` counts the rows). Records whose features repeat with other
+    labels (padding rows, short texts, binary features) differ in that gradient: not
+    refused (they were, by the inputs alone, in this session's first version). Compared only
+    when a step has several passes."""
     if len({c.generation for c in roots}) < 2:
         return
     seen: dict = {}  # row key -> generation
@@ -712,28 +722,35 @@ def refuse_repeated_batch(roots) -> None:
         if not rows:
             continue
         n = rows[0].shape[0]
-        keys = _row_keys([t for t in rows if t.shape[0] == n], n)
-        earlier = [k for k in keys if k in seen and seen[k] != call.generation]
+        b = call.backprops if isinstance(call.backprops, tuple) else (call.backprops,)
+        keys = _row_keys([*(t for t in rows if t.shape[0] == n),
+                          *(_direction(t) for t in b if isinstance(t, torch.Tensor)
+                            and t.dim() and t.shape[0] == n)], n)
         identical = any(gen != call.generation and len(other) == len(tensors)
-                        and all(a is b for a, b in zip(tensors, other)) for gen, other in passes)
-        if identical or (n >= 2 and len(earlier) == len(keys)):
+                        and all(a is x for a, x in zip(tensors, other)) for gen, other in passes)
+        if identical or (n >= 2 and all(k in seen and seen[k] != call.generation
+                                        for k in keys)):
             raise RecordCountError(
                 f"two backward passes of one step ran the model on the same records (all "
-                f"{n} rows of a later pass equal rows of an earlier one: the same batch "
-                f"again, permuted, or part of it): each pass clips its records, so each "
-                f"record backwarded twice adds two clipped gradients to the step, an "
-                f"influence of 2 x max_grad_norm. Compute the batch's losses in one forward "
-                f"pass and call backward once (loss = loss_a + loss_b), or call step() after "
-                f"each backward")
-        if earlier and n >= 2:
-            warnings.warn(
-                f"{len(earlier)} of the {n} rows of a backward pass of this step equal rows "
-                f"of an earlier pass of the same step: if they are the same records, each "
-                f"adds two clipped gradients (an influence of 2 x max_grad_norm); forward "
-                f"each record once per step", stacklevel=6)
+                f"{n} rows of a later pass equal rows of an earlier one, inputs and loss "
+                f"alike: the same batch again, permuted, or part of it): each pass clips its "
+                f"records, so each record backwarded twice adds two clipped gradients to the "
+                f"step, an influence of 2 x max_grad_norm. Compute the batch's losses in one "
+                f"forward pass and call backward once (loss = loss_a + loss_b), or call "
+                f"step() after each backward")
         for k in keys:
             seen.setdefault(k, call.generation)
         passes.append((call.generation, tensors))
+
+
+def _direction(b: torch.Tensor) -> torch.Tensor:
+    """Each row's direction, to 4 digits: the loss's gradient at a record's output up to the
+    pass's mean factor (1/n differs between passes of different n), so a record with the
+    same features and another label (another gradient) is another record."""
+    with torch.no_grad():
+        rows = b.detach().reshape(b.shape[0], -1).double()
+        unit = rows / rows.norm(dim=1, keepdim=True).clamp_min(1e-300)
+        return torch.round(unit * 1e4).to(torch.int32)
 
 
 def _row_keys(tensors, n: int) -> list:
@@ -742,6 +759,17 @@ def _row_keys(tensors, n: int) -> list:
         flat = [t.detach().reshape(n, -1).contiguous().view(torch.uint8).cpu().numpy()
                 for t in tensors]
         return [b"".join(f[i].tobytes() for f in flat) for i in range(n)]
+
+
+def stray_passes(roots, layer_rec) -> list[str]:
+    """Paths of recorded calls whose gradient came in a backward pass that never reached the
+    model's output (a tensor the model kept aside, ``self.aux = self.head(h)``, backwarded on
+    its own): that pass is no pass through the model the optimizer can read per record
+    (0.82 off with verify=False, silently, until 2026-11-30)."""
+    gens = {c.generation for c in roots}
+    return sorted({path for path, calls in layer_rec.calls.items() for c in calls
+                   if (c.backprops is not None or c.sampled is not None)
+                   and c.generation not in gens})
 
 
 def _inputs(call, n: int):
