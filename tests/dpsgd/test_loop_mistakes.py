@@ -745,6 +745,14 @@ def test_a_refused_adaptive_setting_leaves_no_hook_on_the_model():
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
+def _unverified(model):
+    """σ = 0, B = 6, verify=False: what a refusal must hold without the self-check."""
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=0.0,
+                      max_grad_norm=1.0, expected_batch_size=6)
+    opt.verify = False
+    return opt
+
+
 def test_two_towers_backwarded_one_by_one_are_refused():
     """Two outputs of one forward pass, their losses backwarded one by one: no call got
     two gradients, but the first pass's calls were left out (a.weight released 0, 0.79 off
@@ -760,9 +768,7 @@ def test_two_towers_backwarded_one_by_one_are_refused():
 
     model = Towers().double()
     x, y = data(6, 1)
-    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=0.0,
-                      max_grad_norm=1.0, expected_batch_size=6)
-    opt.verify = False
+    opt = _unverified(model)
     try:
         opt.zero_grad()
         a, b = model(x)
@@ -857,22 +863,30 @@ def test_one_models_check_does_not_pause_another_models_recording():
             opt.detach()
 
 
-def test_a_step_refused_for_its_records_values_is_charged_when_the_loop_goes_on():
-    """Every record non-finite: NonFiniteGradientError; a loop that catches it and goes on
-    has skipped the batch by its records' values: charged (it was not until 2026-11-30)."""
-    model, opt, loader, engine = _engine(n=16)
-    drawn = refused = 0
+def _steps_catching_nonfinite(model, opt, loader, poisoned):
+    """Step every batch (NaN inputs where ``poisoned(k)``, k from 1), catching
+    NonFiniteGradientError: (batches, refused)."""
+    k = refused = 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for xb, yb in loader:
-            drawn += 1
+            k += 1
             opt.zero_grad()
             if len(xb):
-                nn.CrossEntropyLoss()(model(torch.full_like(xb, float("nan"))), yb).backward()
+                bad = torch.full_like(xb, float("nan")) if poisoned(k) else xb
+                nn.CrossEntropyLoss()(model(bad), yb).backward()
             try:
                 opt.step()
             except wb.errors.NonFiniteGradientError:
                 refused += 1
+    return k, refused
+
+
+def test_a_step_refused_for_its_records_values_is_charged_when_the_loop_goes_on():
+    """Every record non-finite: NonFiniteGradientError; a loop that catches it and goes on
+    has skipped the batch by its records' values: charged (it was not until 2026-11-30)."""
+    model, opt, loader, engine = _engine(n=16)
+    drawn, refused = _steps_catching_nonfinite(model, opt, loader, lambda k: True)
     assert refused > 0
     assert sum(steps for _, _, steps in engine.accountant.history) == drawn
 
@@ -914,9 +928,7 @@ def test_a_tensor_kept_aside_and_backwarded_on_its_own_is_refused():
 
     model = Aside().double()
     x, y = data(6, 1)
-    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=0.0,
-                      max_grad_norm=1.0, expected_batch_size=6)
-    opt.verify = False
+    opt = _unverified(model)
     try:
         opt.zero_grad()
         out = model(x)
@@ -950,18 +962,6 @@ def test_a_refused_chunk_of_a_virtual_step_is_not_charged_twice():
         data_loader=DataLoader(TensorDataset(x, y), batch_size=10), noise_multiplier=1.0,
         max_grad_norm=1.0, max_physical_batch_size=4,
         sampling_generator=torch.Generator().manual_seed(0))
-    chunks = refused = 0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for xb, yb in loader:
-            chunks += 1
-            opt.zero_grad()
-            if len(xb):
-                bad = torch.full_like(xb, float("nan")) if chunks == 2 else xb
-                nn.CrossEntropyLoss()(model(bad), yb).backward()
-            try:
-                opt.step()
-            except wb.errors.NonFiniteGradientError:
-                refused += 1
+    _, refused = _steps_catching_nonfinite(model, opt, loader, lambda k: k == 2)
     assert refused == 1
     assert sum(steps for _, _, steps in engine.accountant.history) == len(loader.loader)
