@@ -24,6 +24,7 @@ Notation: σ noise multiplier, C max_grad_norm, B = qN expected batch size.
 
 import threading
 
+from workbench.checks import check_max_grad_norm
 from workbench.errors import LoopError, WorkbenchError
 
 
@@ -62,8 +63,6 @@ class ClipNorms(list):
     changed = staticmethod(lambda value: None)
 
     def __setitem__(self, key, value):
-        from workbench.checks import check_max_grad_norm
-
         if isinstance(key, slice):
             raise TypeError("the per-group max_grad_norm takes one C per group: assign a new "
                             "list, optimizer.max_grad_norm = [...], to change several")

@@ -57,6 +57,7 @@ import weakref
 
 import torch
 
+from workbench.per_sample.batch_reductions import DIMS, reduces_dim0
 from workbench.per_sample.leaves import call_leaves
 
 SUMS = {"sum", "nansum"}
@@ -64,17 +65,9 @@ MEANS = {"mean", "nanmean"}
 DIVIDE = {"div", "div_", "true_divide", "true_divide_", "__truediv__", "__itruediv__",
           "divide", "__div__", "__idiv__"}
 MULTIPLY = {"mul", "mul_", "__mul__", "__rmul__", "__imul__", "multiply"}
-#: reductions that, over the records, weigh each record's term by the others' -> position of
-#: ``dim`` among the positional arguments, and its default (None: every dim)
-PICKS = {"amax": (1, None), "amin": (1, None), "max": (1, None), "min": (1, None),
-         "aminmax": (1, None), "std": (1, None), "var": (1, None), "std_mean": (1, None),
-         "var_mean": (1, None), "norm": (2, None), "linalg_vector_norm": (2, None),
-         "logsumexp": (1, None), "prod": (1, None), "median": (1, None),
-         "nanmedian": (1, None), "quantile": (2, None), "nanquantile": (2, None),
-         "cumsum": (1, None), "cumprod": (1, None), "cummax": (1, None), "cummin": (1, None),
-         "logcumsumexp": (1, None), "softmax": (1, None), "log_softmax": (1, None),
-         "sort": (1, -1), "msort": (9, 0), "topk": (2, -1), "kthvalue": (2, -1),
-         "mode": (1, -1)}
+#: reductions that, over the records, weigh each record's term by the others' (their ``dim``
+#: read by ``batch_reductions.reduces_dim0``, one table for the forward pass and the loss)
+PICKS = frozenset(DIMS)
 #: operations that keep a loss linear in the records' terms (``after``: a product or quotient
 #: only by what does not come from the model's outputs, the loss as numerator)
 LINEAR = (SUMS | MEANS | DIVIDE | MULTIPLY | {
@@ -162,7 +155,8 @@ class RecordReduction:
                 if isinstance(o, torch.Tensor):
                     self.single[id(o)] = (weakref.ref(o), (id(x), len(self.single), k))
             return True
-        keys = {self._one_row(t) for t in tensors if self.derived(t) or self._one_row(t)}
+        keys = {key for t in tensors for key in [self._one_row(t)]
+                if key is not None or self.derived(t)}
         if len(keys) == 1 and None not in keys:  # one row's values alone: still that row
             for o in outs:
                 if isinstance(o, torch.Tensor):
@@ -188,8 +182,8 @@ class RecordReduction:
             self.mark(out, kind, f"{name}() over the records of a {tuple(x.shape)} tensor")
             return
         if name in PICKS and x is not None and x.requires_grad and x.dim() \
-                and x.shape[0] % self.n == 0 and self.derived(x) and self._picks(name, args,
-                                                                                kwargs, x):
+                and x.shape[0] % self.n == 0 and self.derived(x) \
+                and reduces_dim0(name, args, kwargs, x):
             what = f"{name}() over the records of a {tuple(x.shape)} tensor"
             for o in out if isinstance(out, (tuple, list)) else (out,):
                 self.mark(o, "coupled", what)
@@ -218,17 +212,6 @@ class RecordReduction:
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for o in outs:
             self.mark(o, kind, what)
-
-    def _picks(self, name, args, kwargs, x) -> bool:
-        """``name`` reduces over dim 0 of x (``PICKS``; ``torch.max(a, b)`` is elementwise)."""
-        at, default = PICKS[name]
-        dim = kwargs["dim"] if "dim" in kwargs else args[at] if len(args) > at else default
-        if isinstance(dim, torch.Tensor):
-            return False
-        if dim is None or isinstance(dim, bool):  # x.std(True): unbiased, every dim
-            return True
-        dims = dim if isinstance(dim, (tuple, list)) else (dim,)
-        return any(isinstance(d, int) and d % x.dim() == 0 for d in dims)
 
     def _linear(self, name, args, tensors) -> bool:
         """``name`` keeps a loss linear in the records' terms: a ``LINEAR`` operation, and a

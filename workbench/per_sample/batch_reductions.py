@@ -37,12 +37,39 @@ import torch
 
 from workbench.errors import SampleMixingError
 
-# name -> position of ``dim`` among the positional arguments
-REDUCTIONS = {
-    "max": 1, "min": 1, "amax": 1, "amin": 1, "median": 1, "nanmedian": 1, "prod": 1,
-    "logsumexp": 1, "std": 1, "var": 1, "std_mean": 1, "var_mean": 1, "norm": 2,
-    "linalg_vector_norm": 2, "linalg_norm": 2, "quantile": 2, "nanquantile": 2,
+#: reductions -> (position of ``dim`` among the positional arguments, its default: None is
+#: every dim). One table for the forward pass's statistics (``REDUCTIONS``) and the loss
+#: window's reductions over the records (``dpsgd/record_reduction.py``: ``PICKS``).
+DIMS = {
+    "max": (1, None), "min": (1, None), "amax": (1, None), "amin": (1, None),
+    "aminmax": (1, None), "median": (1, None), "nanmedian": (1, None), "prod": (1, None),
+    "logsumexp": (1, None), "std": (1, None), "var": (1, None), "std_mean": (1, None),
+    "var_mean": (1, None), "norm": (2, None), "linalg_vector_norm": (2, None),
+    "linalg_norm": (2, None), "quantile": (2, None), "nanquantile": (2, None),
+    "cumsum": (1, None), "cumprod": (1, None), "cummax": (1, None), "cummin": (1, None),
+    "logcumsumexp": (1, None), "softmax": (1, None), "log_softmax": (1, None),
+    "sort": (1, -1), "msort": (9, 0), "topk": (2, -1), "kthvalue": (2, -1), "mode": (1, -1),
 }
+#: the non-linear statistics the use tracker notes in the forward pass (a softmax or a
+#: cumulative sum over the records changes every record's outputs: the halves check's)
+REDUCTIONS = frozenset({
+    "max", "min", "amax", "amin", "median", "nanmedian", "prod", "logsumexp", "std", "var",
+    "std_mean", "var_mean", "norm", "linalg_vector_norm", "linalg_norm", "quantile",
+    "nanquantile"})
+
+
+def reduces_dim0(name: str, args, kwargs, x: torch.Tensor) -> bool:
+    """``name(x, ...)`` (a ``DIMS`` reduction) reduces over x's dim 0: no ``dim`` where the
+    default is every dim, or a ``dim`` that includes 0; ``torch.max(a, b)`` is elementwise,
+    ``x.std(True)`` (unbiased) reduces every dim."""
+    at, default = DIMS[name]
+    dim = kwargs["dim"] if "dim" in kwargs else args[at] if len(args) > at else default
+    if isinstance(dim, torch.Tensor):
+        return False
+    if dim is None or isinstance(dim, bool):
+        return True
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    return any(isinstance(d, int) and d % x.dim() == 0 for d in dims)
 
 
 def over_records(name: str, args, kwargs, rows_of) -> bool:
@@ -51,18 +78,9 @@ def over_records(name: str, args, kwargs, rows_of) -> bool:
     merely has n entries (time-major steps, ensemble members, a record's own positions) is
     not taken for the records: a reduction over it raised at random n until 2026-11-30."""
     x = args[0] if args else None
-    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+    if not isinstance(x, torch.Tensor) or x.dim() == 0 or not reduces_dim0(name, args, kwargs,
+                                                                              x):
         return False
-    pos = REDUCTIONS[name]
-    dim = kwargs["dim"] if "dim" in kwargs else args[pos] if len(args) > pos else None
-    if isinstance(dim, torch.Tensor):  # torch.max(a, b): elementwise
-        return False
-    if isinstance(dim, bool):  # x.std(True): unbiased, over every dim
-        dim = None
-    if dim is not None:
-        dims = dim if isinstance(dim, (tuple, list)) else (dim,)
-        if not any(isinstance(d, int) and d % x.dim() == 0 for d in dims):
-            return False
     rows = rows_of(x)
     return rows is not None and rows[0] >= 2
 
@@ -100,7 +118,8 @@ def refuse_reached(notes: list, outputs, graph_nodes, paused, tolerance) -> None
     the reduction, against all of it; above ``tolerance(x.dtype)`` it is refused. A
     shift-invariant use (``h - h.max()`` before a softmax) gets 1e-16 of it in float64 and
     passes; Nystromformer's start gets 1e-5. ``paused``: a context in which the recorders'
-    tensor hooks ignore these extra gradient passes."""
+    tensor hooks ignore these extra gradient passes; ``tolerance(dtype, device)``: the
+    pass's (``precision.tolerance_of``: TF32 on a GPU rounds the products too)."""
     if not notes:
         return
     held = {id(r.grad_fn): (r, x, what) for r, x, what in notes}
@@ -124,7 +143,7 @@ def refuse_reached(notes: list, outputs, graph_nodes, paused, tolerance) -> None
             continue
         part = float(through.double().norm())
         whole = float(g_x.double().norm()) if g_x is not None else 0.0
-        if part <= tolerance(x.dtype) * max(whole, part) or part == 0.0:
+        if part <= tolerance(x.dtype, x.device) * max(whole, part) or part == 0.0:
             continue
         raise SampleMixingError(
             f"the model couples the records: {what}, and the outputs' gradient flows through "
@@ -137,4 +156,5 @@ def refuse_reached(notes: list, outputs, graph_nodes, paused, tolerance) -> None
             f"'exact' start does)")
 
 
-__all__ = ["REDUCTIONS", "caller", "noted", "over_records", "refuse_reached"]
+__all__ = ["DIMS", "REDUCTIONS", "caller", "noted", "over_records", "reduces_dim0",
+           "refuse_reached"]

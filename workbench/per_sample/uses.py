@@ -43,7 +43,7 @@ from workbench.per_sample.broadcast import ADDS, REWRITES, BatchFree
 from workbench.per_sample.derived import Derived, follow_parameters, graph_nodes
 from workbench.per_sample.flat_rows import FOLLOWED, FlatRows, in_place
 from workbench.per_sample.leaves import leaves
-from workbench.per_sample.precision import TOLERANCE
+from workbench.per_sample.precision import tolerance_of
 from workbench.per_sample.registry import find_grad_sampler
 from workbench.per_sample.tied import FUNCTIONAL, settle_broadcast, use_views
 
@@ -349,7 +349,7 @@ class UseTracker(TorchFunctionMode):
         notes, self.reductions = self.reductions, []
         with torch._C.DisableTorchFunction():
             batch_reductions.refuse_reached(notes, outputs, graph_nodes, paused,
-                                            lambda dtype: TOLERANCE.get(dtype, 1e-3))
+                                            tolerance_of)
 
     def _cast(self, args, result) -> None:
         """An op whose float result is narrower than its float input (Hugging Face's RMSNorm
