@@ -327,9 +327,55 @@ def test_the_layout_probe_runs_once_per_layer_and_weight_layout():
     probes = len(forwards)
     for _ in range(3):
         affine_grad_sampler(layer, (a,), b)
-    assert len(forwards) == probes + 3 * 2  # B(a) = o(w = 1) - o(w = 0), nothing else
-    layer.float()
-    assert layout_of(layer) == "last" and len(forwards) > probes + 6  # a new dtype: probed
+    assert len(forwards) == probes + 3 * 3  # B(a) = o(w = 1) - o(w = 0), and o near w
+    layer.float()  # (``still_affine``: the probe's verdict on the call's own input)
+    assert layout_of(layer) == "last" and len(forwards) > probes + 9  # a new dtype: probed
+
+
+class ClampedRMSNorm(nn.RMSNorm):  # affine on the probe's inputs, clamped on large ones
+    def forward(self, x):
+        return super().forward(x).clamp(-2.5, 2.5)
+
+
+class BranchOnData(nn.LayerNorm):  # w² where the input is large: the probe never gets there
+    def forward(self, x):
+        w = torch.where(x.abs() > 4, self.weight ** 2, self.weight)
+        return F.layer_norm(x, self.normalized_shape, None, None, self.eps) * w + self.bias
+
+
+@pytest.mark.parametrize("cls", [ClampedRMSNorm, BranchOnData])
+def test_a_rule_found_by_behaviour_is_checked_on_each_calls_input(cls):
+    """Each call reruns the layer near its own weight on its own input: a record beyond the
+    clamp or the branch (not the self-checked last one) was 3.7e-2 off, silently, in the
+    optimizer until 2026-11-30; the first call's batch is harmless, the second's is not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(cls(8), nn.Linear(8, 2)).double()  # weight 1: |o| = 1 on ±1 rows
+    g = torch.Generator().manual_seed(0)
+    calm = torch.randint(0, 2, (4, 3, 8), generator=g).double() * 2 - 1  # â = ±1
+    wild = calm.clone()
+    wild[0, 0, 0] = 40.0  # record 0 reaches the clamp / the branch; the last one does not
+    y = torch.randn(4, 3, 2, dtype=torch.float64)
+
+    def loss(o, t):
+        return ((o - t) ** 2).sum((1, 2))
+
+    wb.clipped_grad_sum(model, loss, calm, y, 1.0, method="ghost")
+    for method in ("einsum", "ghost", "bookkeeping"):
+        with pytest.raises(wb.UnsupportedLayerError, match="not on this batch"):
+            wb.clipped_grad_sum(model, loss, wild, y, 1.0, method=method)
+    opt = wb.dpsgd.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                               noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=4,
+                               loss_reduction="sum")
+    try:
+        opt.zero_grad()
+        loss(model(calm), y).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        loss(model(wild), y).sum().backward()
+        with pytest.raises(wb.UnsupportedLayerError, match="not on this batch"):
+            opt.step()
+    finally:
+        opt.detach()
 
 
 class GemmaRMSNormFloat32(GemmaRMSNorm):  # transformers' own: (1 + w) multiplied in float32
@@ -461,3 +507,26 @@ def test_kept_rule_answers_follow_every_change_of_the_tables():
     finally:
         GRAD_BEHAVIOURS.pop()
     assert find_grad_sampler(Doubled(2, 3)) is None
+
+
+class BiasTwice(nn.Linear):  # its bias in F.linear and broadcast once more
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias) + self.bias
+
+
+class MaskedBiasAgain(nn.Linear):  # and once more under a per-record mask
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias) + (x[..., :1] > 0) * self.bias
+
+
+@pytest.mark.parametrize("cls", [BiasTwice, MaskedBiasAgain])
+@pytest.mark.parametrize("check", [True, False])
+def test_a_parameter_taken_by_two_functional_calls_counts_both(cls, check):
+    """Two tied.py layers (the functional linear and a broadcast) take the same bias over
+    from its rule-less owner: the one kept last dropped the other's part (0.5 off with the
+    check off, a misleading PerSampleCheckError with it, until 2026-11-30)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Tanh(), cls(6, 6)).double()
+    x, y = torch.randn(4, 5, 6, dtype=torch.float64), torch.randn(4, 5, 6, dtype=torch.float64)
+    assert_agree(model, mse_per_sample, x, y, check=check)
+    assert_clipping_agrees(model, mse_per_sample, x, y)

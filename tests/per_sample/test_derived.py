@@ -263,7 +263,9 @@ def test_a_batch_statistic_is_not_a_parameter_only_tensor():
 
     model = Centred().double()
     x, y = batch(3, 0)
-    assert derived_names(model, x, y) == set()
+    with pytest.raises(wb.SampleMixingError, match="mean over dim 0"):  # measured at the
+        derived_names(model, x, y)  # forward's end (batch_reductions.LINEAR), before any
+    # meeting is looked for
 
 
 class AlsoInItsLayer(nn.Module):

@@ -151,9 +151,15 @@ def test_functional_api_refuses_rows_chosen_by_place(cls, method):
 
 def test_the_slow_twins_define_the_record_alone():
     """Micro-batching and whole-model vmap *are* the record alone (ARCHITECTURE, contract 2):
-    b's gradient is 0 for every record there, as the model gives it one record at a time."""
+    b's gradient is 0 for every record there, as the model gives it one record at a time.
+    A batch whose records interact has no record-alone answer that is the batch's, so by
+    default they refuse it (``selfcheck.check_alone``, 2026-11-30); ``check=False`` asks for
+    the record alone anyway."""
     for method in ("microbatch", "vmap"):
-        g = wb.per_sample_gradients(PrefixLayer().double(), losses, X, Y, method=method)
+        with pytest.raises(SampleMixingError, match="couples the records"):
+            wb.per_sample_gradients(PrefixLayer().double(), losses, X, Y, method=method)
+        g = wb.per_sample_gradients(PrefixLayer().double(), losses, X, Y, method=method,
+                                    check=False)
         assert float(g["b.weight"].abs().max()) == 0.0
 
 

@@ -16,7 +16,7 @@ from workbench.per_sample.functional import vmap_or_explain
 from workbench.per_sample.hooks import refusing_reentrant
 from workbench.per_sample.microbatch import microbatch_per_sample_gradients
 from workbench.per_sample.registry import GRAD_SAMPLERS, register_grad_sampler
-from workbench.per_sample.selfcheck import check_option
+from workbench.per_sample.selfcheck import check_alone, check_option
 
 
 @refusing_reentrant
@@ -33,10 +33,14 @@ def per_sample_gradients(model, loss_fn, inputs, targets, method="einsum", stric
         method: ``"microbatch"``, ``"vmap"`` or ``"einsum"``.
         strict: einsum only: raise for a layer without a grad sampler instead of falling
             back to vmap on that layer.
-        check: einsum only: ``True`` compares the result with micro-batching on one sample
+        check: einsum: ``True`` compares the result with micro-batching on one sample
             the first time a model is seen with a given call signature (``selfcheck.py``),
             ``"always"`` on every call, ``False`` never (benchmarks). A failed check raises
-            ``PerSampleCheckError``; nothing wrong is returned.
+            ``PerSampleCheckError``; nothing wrong is returned. microbatch and vmap (each
+            record alone): unless ``False``, every call first checks that the model and the
+            loss give each half of the batch what the whole batch gives it
+            (``selfcheck.check_alone``): a coupling raises, no record-alone answer is
+            returned for a batch whose records interact.
 
     einsum is exact on models that use a parameter outside its layer (a tied head), or whose
     layers do not carry the batch on dim 0 (a positional embedding on ``arange(T)``, a
@@ -64,6 +68,8 @@ def per_sample_gradients(model, loss_fn, inputs, targets, method="einsum", stric
     if not trainable:
         check_batch(inputs, targets)
         return {}  # nothing trainable: no per-sample gradients to compute
+    if check is not False:  # each record alone: the batch must not couple the records
+        check_alone(model, loss_fn, inputs, targets)
     if method == "microbatch":
         return microbatch_per_sample_gradients(model, loss_fn, inputs, targets)
     return vmap_or_explain(model, loss_fn, inputs, targets)  # "vmap" (einsum returned above)

@@ -24,10 +24,12 @@ raising ``SampleMixingError`` naming the op and the layer above the pass's toler
   global max subtracted before a softmax, shift-invariant) is let through, measured at the
   precision of the pass (``refuse_reached``).
 
-Not: linear ones (sum, mean): a sum over the records changes every record's outputs, or its
-gradient is zero too, and the in-model losses of Hugging Face reduce so (``model_loss.py``);
-nor a reduction whose result is detached or never reaches an output (no gradient flows, and
-the halves check sees what it changes).
+The linear ones (sum, mean: ``LINEAR``) too, measured only through the outputs with one row
+per record: the in-model losses of Hugging Face reduce over the records by design
+(``model_loss.py``), and a scalar output is no record's. The halves check sees a sum over the
+records in the outputs, but only on a checked call: a term whose factor a schedule raises
+later (0 or 1e-9, then 0.5) keeps the signature. Not: a reduction whose result is detached
+or never reaches an output (no gradient flows, and the halves check sees what it changes).
 """
 
 import os
@@ -50,20 +52,25 @@ DIMS = {
     "logcumsumexp": (1, None), "softmax": (1, None), "log_softmax": (1, None),
     "sort": (1, -1), "msort": (9, 0), "topk": (2, -1), "kthvalue": (2, -1), "mode": (1, -1),
 }
-#: the non-linear statistics the use tracker notes in the forward pass (a softmax or a
-#: cumulative sum over the records changes every record's outputs: the halves check's)
+#: the linear reductions (not in ``DIMS``: the loss window's sum and mean over the records
+#: are the loss's own reduction, no pick); the forward pass notes them too, measured on the
+#: outputs with one row per record only (``refuse_reached``)
+LINEAR = {"sum": (1, None), "mean": (1, None), "nansum": (1, None), "nanmean": (1, None)}
+#: the statistics the use tracker notes in the forward pass (a softmax or a cumulative sum
+#: over the records changes every record's outputs: the halves check's)
 REDUCTIONS = frozenset({
     "max", "min", "amax", "amin", "median", "nanmedian", "prod", "logsumexp", "std", "var",
     "std_mean", "var_mean", "norm", "linalg_vector_norm", "linalg_norm", "quantile",
-    "nanquantile"})
+    "nanquantile", *LINEAR})
 
 
 def reduces_dim0(name: str, args, kwargs, x: torch.Tensor) -> bool:
     """``name(x, ...)`` (a ``DIMS`` reduction) reduces over x's dim 0: no ``dim`` where the
     default is every dim, or a ``dim`` that includes 0; ``torch.max(a, b)`` is elementwise,
     ``x.std(True)`` (unbiased) reduces every dim."""
-    at, default = DIMS[name]
-    dim = kwargs["dim"] if "dim" in kwargs else args[at] if len(args) > at else default
+    at, default = DIMS[name] if name in DIMS else LINEAR[name]
+    dim = kwargs["dim"] if "dim" in kwargs else kwargs["axis"] if "axis" in kwargs else \
+        args[at] if len(args) > at else default  # axis=: NumPy's name, which torch takes
     if isinstance(dim, torch.Tensor):
         return False
     if dim is None or isinstance(dim, bool):
@@ -111,8 +118,11 @@ def noted(result):
 def refuse_reached(notes: list, outputs, graph_nodes, paused, tolerance) -> None:
     """Raise ``SampleMixingError`` if the outputs' gradient depends on a noted reduction.
 
-    ``notes``: [(result, x, description)], each reduction's result and the tensor it
-    reduced, held since the op (so their nodes' ids are theirs: ``derived.graph_nodes``).
+    ``notes``: [(result, x, description, n)], each reduction's result and the tensor it
+    reduced, held since the op (so their nodes' ids are theirs: ``derived.graph_nodes``),
+    and for a linear one (``LINEAR``) the records' count n: measured through the outputs with
+    n rows alone. A mixing term switched on by a schedule (``h + g * h.mean(0)``, g tiny at
+    the checked step, 0.5 later) was seen by no check after the first until 2026-11-30.
     A note whose node the graph from ``outputs`` (tensors) reaches is measured: with v a
     fixed random direction over the outputs, the part of ∂⟨v, outputs⟩/∂x that flows through
     the reduction, against all of it; above ``tolerance(x.dtype)`` it is refused. A
@@ -122,8 +132,18 @@ def refuse_reached(notes: list, outputs, graph_nodes, paused, tolerance) -> None
     pass's (``precision.tolerance_of``: TF32 on a GPU rounds the products too)."""
     if not notes:
         return
-    held = {id(r.grad_fn): (r, x, what) for r, x, what in notes}
     starts = [t for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    for n in {note[3] for note in notes}:  # None: a non-linear statistic, every output;
+        # n: a sum or mean over the records, the outputs with n rows only (a loss the model
+        # computes inside its forward is a mean over the records by design: model_loss.py)
+        mine = [t for t in starts if n is None or (t.dim() and t.shape[0] == n)]
+        _measure([note[:3] for note in notes if note[3] == n], mine, graph_nodes, paused,
+                 tolerance)
+
+
+def _measure(notes, starts, graph_nodes, paused, tolerance) -> None:
+    """``refuse_reached`` for the notes measured on the outputs ``starts``."""
+    held = {id(r.grad_fn): (r, x, what) for r, x, what in notes}
     reached = [hit for node in graph_nodes(starts)
                for hit in [held.get(id(node))] if hit is not None and hit[0].grad_fn is node]
     if not reached:
@@ -147,14 +167,14 @@ def refuse_reached(notes: list, outputs, graph_nodes, paused, tolerance) -> None
             continue
         raise SampleMixingError(
             f"the model couples the records: {what}, and the outputs' gradient flows through "
-            f"it ({part / max(whole, 1e-300):.3g} of the gradient there). Even where the "
-            f"outputs do not change with it (an iteration started from it converges: HF "
-            f"Nystromformer's pseudo-inverse), every record's loss sends gradient through it "
-            f"to the records that hold the statistic (the argmax), so a record's clipped "
-            f"gradient carries the others' and per-record clipping bounds nothing. Reduce "
-            f"over each record's own dims (dim >= 1, keepdim=True), as Nystromformer's "
-            f"'exact' start does)")
+            f"it ({part / max(whole, 1e-300):.3g} of the gradient there). Every record's "
+            f"loss then sends gradient through it to the other records (even where the "
+            f"outputs hardly change with it: an iteration started from it that converges, HF "
+            f"Nystromformer's pseudo-inverse; a term whose factor was small when the model "
+            f"was checked), so a record's clipped gradient carries the others' and per-record "
+            f"clipping bounds nothing. Reduce over each record's own dims (dim >= 1, "
+            f"keepdim=True), or use constants of the data set")
 
 
-__all__ = ["DIMS", "REDUCTIONS", "caller", "noted", "over_records", "reduces_dim0",
+__all__ = ["DIMS", "LINEAR", "REDUCTIONS", "caller", "noted", "over_records", "reduces_dim0",
            "refuse_reached"]

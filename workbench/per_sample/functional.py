@@ -128,11 +128,12 @@ def check_vmappable(model) -> None:
     for path, module in model.named_modules():
         if isinstance(module, torch.nn.Embedding) and (module.max_norm is not None
                                                         or module.sparse):
-            option = "max_norm" if module.max_norm is not None else "sparse=True"
+            option, why = ("max_norm", "it renormalises the weight in place") \
+                if module.max_norm is not None else \
+                ("sparse=True", "its sparse gradients have no batching rule")
             raise UnsupportedLayerError(
                 f"Embedding at {path or '<model>'} uses {option}, which torch.func.vmap cannot "
-                f"run (max_norm renormalises the weight in place; sparse gradients have no "
-                f"batching rule); use method='microbatch', or drop {option}")
+                f"run ({why}); use method='microbatch', or drop {option}")
 
 
 def vmap_or_explain(model, loss_fn, inputs, targets):

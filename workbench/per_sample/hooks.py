@@ -845,13 +845,20 @@ REENTRANT_FIX = ("Use use_reentrant=False: torch.utils.checkpoint.checkpoint(...
 def reentrant_refused(layers) -> UnsupportedLayerError:
     """The error for activation checkpointing with ``use_reentrant=True`` (``layers``: the
     recomputed calls' paths, or empty when only PyTorch's own refusal names it)."""
-    which = (f"{', '.join(sorted(layers)[:3])} ran their forward again inside the backward "
-             f"pass and received their gradient through that recomputation: "
-             if layers else "the model runs ")
+    if layers:
+        return UnsupportedLayerError(
+            f"{', '.join(sorted(layers)[:3])} ran their forward again inside the backward pass "
+            f"and received their gradient through that recomputation's own nested backward "
+            f"pass, which the optimizer cannot record as the batch's: activation checkpointing "
+            f"with use_reentrant=True, or a layer whose backward recomputes its inputs from "
+            f"its outputs (reversible residual layers: Reformer, RevNet). {REENTRANT_FIX}; "
+            f"a reversible model has no such switch: the functional API "
+            f"(wb.clipped_grad_sum, wb.per_sample_gradients) runs it exactly, the optimizer "
+            f"does not")
     return UnsupportedLayerError(
-        f"{which}activation checkpointing with use_reentrant=True. Its nested backward pass "
-        f"cannot be recorded as the batch's, and the per-sample passes and checks "
-        f"(torch.autograd.grad) are refused by it. {REENTRANT_FIX}")
+        f"the model runs activation checkpointing with use_reentrant=True. Its nested "
+        f"backward pass cannot be recorded as the batch's, and the per-sample passes and "
+        f"checks (torch.autograd.grad) are refused by it. {REENTRANT_FIX}")
 
 
 def refusing_reentrant(fn):

@@ -59,7 +59,8 @@ def microbatch_per_sample_gradients(model, loss_fn, inputs, targets, names=None)
         g_i = torch.autograd.grad(loss.sum(), list(params.values()), allow_unused=True)
         for name, g in zip(params, g_i):
             if g is not None:
-                grads[name][i] = g
+                grads[name][i] = g.to_dense() if g.is_sparse else g  # Embedding(sparse=True):
+                # a raw "copy_() between dense and sparse" error until 2026-11-30
     return grads
 
 
@@ -88,7 +89,7 @@ def layer_microbatch_grad_sampler(layer, args, kwargs, backprops, flat: bool = F
         g_i = torch.autograd.grad(outs, list(own.values()), b_i, allow_unused=True)
         for name, g in zip(own, g_i):
             if g is not None:
-                grads[name][i] = g
+                grads[name][i] = g.to_dense() if g.is_sparse else g
     return grads
 
 

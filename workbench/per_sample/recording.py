@@ -240,8 +240,8 @@ class Recording:
     replay: object = None  # () -> exact g_i of the record probe (random models, when checked)
     factors: torch.Tensor | None = None  # (n,) f_i applied to record i's backprops (loss.py)
     autocast: torch.dtype | None = None  # the forward pass's autocast dtype (precision.py)
-    taken: dict = field(default_factory=dict)  # id(param) -> the BroadcastParameter layer
-    # that takes it over from its rule-less owner (tied.py, rules/broadcast.py)
+    taken: dict = field(default_factory=dict)  # id(param) -> [the tied.py layers (a
+    # BroadcastParameter, a functional linear) that take it over from its rule-less owner]
     feeds: object = None  # (call) -> whether its output reaches the loss (``loss_reach``)
     trace: int = 0  # uses.UseTracker.trace of the forward pass: its ops (selfcheck.signature)
     loss_parts: tuple | None = None  # (loss_fn or None for a random loss, outputs, targets,
@@ -264,13 +264,14 @@ class Recording:
         ids, taken = self._ids(), self.taken
         return [(name, p) for name, p in self._owned(layer)
                 if id(p) in ids and id(p) not in self.fallback
-                and taken.get(id(p), layer) is layer]
+                and (id(p) not in taken or any(t is layer for t in taken[id(p)]))]
 
     def hands_over(self, layer) -> bool:
         """Every parameter of ``layer`` is taken over by a BroadcastParameter call (timm's
         ViT: the model owns cls_token and pos_embed): the layer has nothing to sample."""
         owned = self._owned(layer)
-        return bool(owned) and all(self.taken.get(id(p), layer) is not layer for _, p in owned)
+        return bool(owned) and all(id(p) in self.taken and not any(
+            t is layer for t in self.taken[id(p)]) for _, p in owned)
 
     def _owned(self, layer):
         cache = self.__dict__.setdefault("_own_cache", {})
@@ -386,7 +387,9 @@ def new_recording(n: int, layers, recorder, params, uncovered, calls, **fields) 
         if layer.__dict__.get("takes_over", False):  # tied.py's layers set it in __init__;
             # getattr would ask nn.Module.__getattr__, which builds an error for each layer
             for q in layer.parameters(recurse=False):  # a functional linear's bias too
-                rec.taken[id(q)] = layer
+                rec.taken.setdefault(id(q), []).append(layer)  # every one: a bias a
+                # functional linear and a broadcast both take (``o = F.linear(x, w, b) + b``)
+                # is in both their rules (its linear part dropped, 0.5 off, until 2026-11-30)
         problem = batch_problem(layer, call, n) or (rec.random and redraws(layer)) or (
             path in recorder.drew and DREW)
         if problem and (rec.feeds is None or rec.feeds(call)):

@@ -37,6 +37,7 @@ undetected).
 Notation: n batch size, i the probed sample, g_i exact per-sample gradient, ĝ_i fast one.
 """
 
+import contextlib
 import math
 import weakref
 
@@ -45,7 +46,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from workbench.errors import LossCouplingError, PerSampleCheckError, SampleMixingError
 from workbench.per_sample import precision, sketch, state_replay
-from workbench.per_sample.checks import alone, check_losses, forward, take
+from workbench.per_sample.checks import alone, check_batch, check_losses, forward, take
 from workbench.per_sample.fallback import alone_differs, replayed
 from workbench.per_sample.hooks import ActivationRecorder
 from workbench.per_sample.leaves import leaves
@@ -59,7 +60,7 @@ from workbench.per_sample.recording import (
     parameter_names,
 )
 from workbench.per_sample.sketch import RowSketch
-from workbench.per_sample.uses import UseTracker
+from workbench.per_sample.uses import UseTracker, advanced, generator_states
 
 TOLERANCE = precision.TOLERANCE  # by dtype; precision.tolerance(rec) adds the device's TF32
 CHECKS = (True, False, "always")
@@ -132,9 +133,20 @@ def probe(rec: Recording, model, loss_fn, inputs, targets) -> dict[str, torch.Te
     """Sample i = n - 1 alone: mark layers whose dim 0 is not the batch; return exact g_i."""
     loss = _probe_loss(rec, model, loss_fn, inputs, targets)
     params = list(rec.params.values())
-    grads = torch.autograd.grad(loss.sum(), params, allow_unused=True)
+    with exact_backward(rec):
+        grads = torch.autograd.grad(loss.sum(), params, allow_unused=True)
     return {name: torch.zeros_like(p) if g is None else g
             for (name, p), g in zip(rec.params.items(), grads)}
+
+
+def exact_backward(rec: Recording):
+    """The twin's backward pass without oneDNN where it ran under autocast on the CPU:
+    PyTorch's oneDNN bfloat16 convolution backward leaves the weight gradient of kernel taps
+    that see only padding unwritten (a 3x3 stride-2 convolution on a 1x1 input: timm's and
+    torchvision's ResNet-GN at 32x32), so the twin read NaN or 1e14 from leftover memory and
+    refused a right answer (2026-11-30; the rules compute in float32 with autocast off)."""
+    off = rec.autocast is not None and rec.device.type == "cpu"
+    return torch.backends.mkldnn.flags(enabled=False) if off else contextlib.nullcontext()
 
 
 def probe_sketch(rec: Recording, model, loss_fn, inputs, targets) -> RowSketch:
@@ -157,7 +169,8 @@ def probe_sketch(rec: Recording, model, loss_fn, inputs, targets) -> RowSketch:
     with torch._C.DisableTorchFunction():  # hooks are not uses of the parameters
         handles = [p.register_hook(sketched(key)) for key, p in params.items()]
     try:
-        torch.autograd.grad(loss.sum(), list(params.values()), allow_unused=True)
+        with exact_backward(rec):
+            torch.autograd.grad(loss.sum(), list(params.values()), allow_unused=True)
     finally:
         for handle in handles:
             handle.remove()
@@ -272,7 +285,8 @@ def record_probe(rec: Recording, model, args, kwargs, loss_of_record) -> dict:
             precision.replayed(rec.autocast, rec.device), state_replay.replayed(rec.state):
         loss = loss_of_record(model(*args, **kwargs))
     params = list(rec.params.values())
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    with exact_backward(rec):
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
     return {name: torch.zeros_like(p) if g is None else g
             for (name, p), g in zip(rec.params.items(), grads)}
 
@@ -335,19 +349,22 @@ def check_separable(rec: Recording, loss_fn, outputs, targets) -> None:
     changes for at least one half, whichever record holds the statistic. The probe compares
     record n - 1 alone, and where that record holds the maximum it agreed (73% off, silently,
     until 2026-11-29). Two calls of loss_fn on half the rows; none for n = 1."""
-    n = rec.n
+    separable(loss_fn, outputs, targets, rec.losses.detach(), rec.n, precision.tolerance(rec),
+              1e-12 if rec.dtype == torch.float64 else 1e-6,
+              [rec.device] if rec.device.type == "cuda" else [])
+
+
+def separable(loss_fn, outputs, targets, losses, n: int, tol: float, atol: float,
+              devices=()) -> None:
+    """``check_separable`` given the batch's ``losses`` (n,) and the tolerances."""
     if n < 2:
         return
-    losses = rec.losses.detach()
-    tol = precision.tolerance(rec)
-    atol = 1e-12 if rec.dtype == torch.float64 else 1e-6
-    devices = [rec.device] if rec.device.type == "cuda" else []
 
     def rows(t, part):
         return t[part] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == n else t
 
     worst, where = 0.0, None
-    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+    with torch.no_grad(), torch.random.fork_rng(devices=list(devices)):
         for part in (slice(0, n // 2), slice(n // 2, n)):
             try:
                 got = loss_fn(tree_map(lambda t, p=part: rows(t, p), outputs),
@@ -368,9 +385,10 @@ def check_separable(rec: Recording, loss_fn, outputs, targets) -> None:
             f"loss_fn couples the records: record {where}'s loss changes (by {worst:.3g}) when "
             f"loss_fn sees half of the batch instead of all of it, so it reads a statistic of "
             f"the batch (a normaliser such as y.abs().max() or mask.sum(), a mean or std over "
-            f"the records), and a record's gradient depends on which records were sampled "
-            f"beside it: per-record clipping bounds nothing. Normalise by constants of the "
-            f"data set or per record (over its own dims), and return one loss per record")
+            f"the records, a contrastive loss over the batch's pairs), and a record's gradient "
+            f"depends on which records were sampled beside it: per-record clipping bounds "
+            f"nothing. Normalise by constants of the data set or per record (over its own "
+            f"dims), and return one loss per record")
 
 
 def check_model_halves(rec: Recording, model, inputs, outputs=None) -> None:
@@ -390,16 +408,72 @@ def check_model_halves(rec: Recording, model, inputs, outputs=None) -> None:
                           1e-12 if rec.dtype == torch.float64 else 1e-6,
                           [rec.device] if rec.device.type == "cuda" else [], rec.state, outputs)
     if found is not None:
-        part, off = found
-        raise SampleMixingError(
-            f"the model couples the records: its outputs for records "
-            f"{part.start}..{part.stop - 1} change (their sums by up to "
-            f"{off:.3g}) when it runs on those records alone instead of "
-            f"the whole batch of {n}, so its forward reads a statistic of the batch (a "
-            f"max, mean or norm over the records, detached or not: x / x.abs().max()), "
-            f"or branches on one, and a record's gradient depends on which records "
-            f"were sampled beside it. Compute such statistics per record (over its own "
-            f"dims) or from constants of the data set")
+        raise halves_error(*found, n)
+
+
+def halves_error(part: slice, off: float, n: int) -> SampleMixingError:
+    return SampleMixingError(
+        f"the model couples the records: its outputs for records "
+        f"{part.start}..{part.stop - 1} change (their sums by up to "
+        f"{off:.3g}) when it runs on those records alone instead of "
+        f"the whole batch of {n}, so its forward reads a statistic of the batch (a "
+        f"max, mean or norm over the records, detached or not: x / x.abs().max()), "
+        f"or branches on one, and a record's gradient depends on which records "
+        f"were sampled beside it. Compute such statistics per record (over its own "
+        f"dims) or from constants of the data set")
+
+
+def check_alone(model, loss_fn, inputs, targets) -> None:
+    """Before ``method="microbatch"`` or ``"vmap"`` of the functional API, which take each
+    record's gradient from the record alone: the model on each half of the batch gives the
+    batch's outputs (``halves_differ``) and loss_fn on each half its losses (``separable``),
+    else ``SampleMixingError`` / ``LossCouplingError``. A contrastive loss over the batch
+    (CLIP's InfoNCE: a record alone has a 1 x 1 logit matrix and loss 0) or a forward that
+    reads the batch's variance (timm's EvoNorm2dB0 in training) gave a per-record answer
+    that is no record's gradient in the batch (zeros for CLIP; 5% off for EvoNorm), silently,
+    until 2026-11-30; einsum, ghost and book-keeping refused them. Three forward passes
+    without gradient and two calls of loss_fn; the model's buffers put back after; a model
+    drawing random numbers (dropout in training) is not compared (others would be drawn)."""
+    n = check_batch(inputs, targets)
+    p = next((q for q in model.parameters() if q.is_floating_point()), None)
+    if n < 2 or p is None:
+        return
+    devices = [p.device] if p.device.type == "cuda" else []
+    tol = precision.tolerance_of(p.dtype, p.device)
+    atol = 1e-12 if p.dtype == torch.float64 else 1e-6
+    kept = state_replay.Snapshot(model)
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            before = generator_states()
+            try:
+                outputs = forward(model, inputs)
+            except Exception:  # noqa: BLE001  (the method itself says what is wrong)
+                return
+            if advanced(before):
+                return
+            losses = loss_fn(outputs, targets)
+        if not isinstance(losses, torch.Tensor) or losses.shape != (n,):
+            return  # check_losses' business, in the method
+        found = halves_differ(model, inputs, n, tol, atol, devices, kept, outputs)  # each
+        # half from the state the batch started from (a spectral norm's power iteration,
+        # a counter: as micro-batching runs every record)
+        if found is not None:
+            raise halves_error(*found, n)
+        separable(loss_fn, outputs, targets, losses.detach(), n, tol, atol, devices)
+    finally:
+        kept.rewind()
+
+
+@contextlib.contextmanager
+def _from(state):
+    """A re-run from ``state``: a pass's log (``state_replay.replayed``), or a ``Snapshot``
+    of the model before any check ran (``check_alone``), put back first."""
+    if isinstance(state, state_replay.Snapshot):
+        state.rewind()
+        yield
+    else:
+        with state_replay.replayed(state):
+            yield
 
 
 def halves_differ(model, inputs, n: int, tol: float, atol: float, devices=(), state=None,
@@ -424,13 +498,13 @@ def halves_differ(model, inputs, n: int, tol: float, atol: float, devices=(), st
         try:  # a model that cannot run so (a half of the wrong size, a forward hook
             # registering a tensor hook, which needs grad) is left to the probe to explain
             if outputs is None:
-                with state_replay.replayed(state):
+                with _from(state):
                     full = rows(forward(model, inputs), n)
             else:
                 full = rows(outputs, n)
             halves = []
             for part in parts:
-                with state_replay.replayed(state):
+                with _from(state):
                     halves.append(rows(forward(model, take(inputs, part)),
                                        part.stop - part.start))
         except Exception:  # noqa: BLE001
@@ -507,7 +581,8 @@ def compare_sums(rec: Recording, grads: dict, batch: dict) -> None:
                             if b is not None))  # a parameter whose true gradient is ~0
     # (an InstanceNorm weight under a sum loss) is rounding noise at the model's scale
     off = [(diff, names.get(key, "?")) for diff, scale, ref, key in sums_against_batch(grads, batch)
-           if diff > tol * max(scale, ref, overall) + atol]
+           if diff > tol * max(scale, ref, overall) + atol]  # NaN: a non-finite record, whose
+    # policy (clipping/nonfinite.py) names it; not this check's
     if off:
         worst = ", ".join(name for _, name in sorted(off, reverse=True)[:3])
         raise PerSampleCheckError(
@@ -544,7 +619,8 @@ def compare_alone(rec: Recording, exact: dict) -> None:
     atol = 1e-12 if rec.dtype == torch.float64 else 1e-6
     if off <= tol * scale + atol:
         return
-    worst = [key for d, key in sorted(diffs, key=lambda t: -t[0])[:3] if d > 0]
+    worst = [key for d, key in sorted(diffs, key=lambda t: -t[0] if t[0] == t[0] else -math.inf)[:3]
+             if not d <= 0]  # NaN ranks first (a NaN left no name: an IndexError)
     raise SampleMixingError(alone_differs(off, off / max(scale, 1e-300),
                                           [names[key] for key in worst],
                                           rec.fallback[worst[0]]))

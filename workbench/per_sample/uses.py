@@ -38,6 +38,7 @@ batch-free output.
 import torch
 from torch.overrides import TorchFunctionMode
 
+from workbench.errors import UnsupportedLayerError
 from workbench.per_sample import batch_reductions
 from workbench.per_sample.broadcast import ADDS, REWRITES, BatchFree
 from workbench.per_sample.derived import Derived, follow_parameters, graph_nodes
@@ -122,6 +123,57 @@ QUERIES = frozenset({  # methods answering a question about a tensor's layout wi
     "data_ptr"})
 
 
+BY_FREQUENCY = frozenset({"embedding", "embedding_bag"})
+
+
+def by_frequency(name: str, where: str) -> UnsupportedLayerError:
+    """``F.embedding``/``F.embedding_bag`` with ``scale_grad_by_freq=True``, called anywhere
+    (an EmbeddingBag, a bare Parameter, an Embedding subclass passing it on): the backward
+    divides each token's gradient by its count in the *batch*, so the batch's gradient is no
+    sum of the records' own (ghost's clipped sum 0.13-0.16 off, silently, until 2026-11-30;
+    ``rules/embedding.check_embedding`` refused the plain ``nn.Embedding`` only)."""
+    return UnsupportedLayerError(
+        f"F.{name}(..., scale_grad_by_freq=True) in "
+        f"{repr(where) if where and not where.startswith('<') else where or 'the model'}: "
+        f"its backward divides each "
+        f"token's gradient by the token's count in the whole batch, so a record's gradient "
+        f"depends on the other records' tokens and no per-sample gradient is the batch's. "
+        f"Drop scale_grad_by_freq (or scale by frequencies of the data set, computed once)")
+
+
+MULTIPLIES = frozenset({"mul", "mul_", "__mul__", "__rmul__", "__imul__", "lerp", "lerp_",
+                        "addcmul", "addcmul_", "addcdiv", "addcdiv_", "div", "__truediv__"})
+
+
+def _gated_off(name: str, args, kwargs) -> bool:
+    """The op takes a factor of 0: a float 0.0 anywhere (``lerp(h, m, 0.0)``, ``add(h, m,
+    alpha=0.0)``, a NumPy float), an int 0 in a product (ints elsewhere are dims and sizes),
+    a 0-d tensor on the CPU that is 0 or False (a gate held in a buffer, ``torch.where``'s
+    condition). Part of the trace, so a term switched on by a schedule (``h + self.mix *
+    h.mean(0)``, ``mix`` 0.0 at the checked step, 0.5 from step 4: 0.18 off, silently, until
+    2026-11-30) is a new signature, checked again; a constant factor is one signature for
+    good. Not seen: a gate on a GPU (its value costs a host sync per op), or one that is
+    tiny rather than 0 at the checked step."""
+    for a in args:
+        if _zero(a, name):
+            return True
+    return any(_zero(v, "") for v in kwargs.values()) if kwargs else False
+
+
+def _zero(a, name: str) -> bool:
+    t = type(a)
+    if t is float or t is bool:
+        return not a
+    if t is int:
+        return a == 0 and name in MULTIPLIES
+    if isinstance(a, torch.Tensor):
+        return a.dim() == 0 and a.device.type == "cpu" and not a.requires_grad and not bool(a)
+    if isinstance(a, float) or (t.__module__ == "numpy" and getattr(a, "ndim", None) == 0
+                                and t.__name__.startswith(("float", "bool"))):
+        return not a
+    return False
+
+
 class UseTracker(TorchFunctionMode):
     """Records uncovered uses of trainable parameters and random functions.
 
@@ -199,6 +251,9 @@ class UseTracker(TorchFunctionMode):
         if (func in REWRITES and self.batch_free.watched and torch.is_grad_enabled()
                 and self.recorder.recording):
             args, kwargs = self.batch_free.rewrite(func, args, kwargs)  # T5's bias in SDPA
+        if name in BY_FREQUENCY and kwargs.get("scale_grad_by_freq") and \
+                torch.is_grad_enabled() and self.recorder.recording:
+            raise by_frequency(name, self._where())
         pending = None
         if (self.derived.taint.refs and not self.in_loss and torch.is_grad_enabled()
                 and self.recorder.recording and not self._inside_rule()):
@@ -206,9 +261,10 @@ class UseTracker(TorchFunctionMode):
                 args, kwargs, pending = self.derived.rewrite(
                     func, args, kwargs, self._followed,
                     lambda p: func not in FUNCTIONAL and self._where() not in self.owners[id(p)])
-        self.trace = hash((self.trace, name))  # names only: an int argument may be n
-        # the computation, not only its layers' shapes: a branch taken on the data or a flag
-        # (h - h.mean(0) from step 2 on) is a new signature, checked again (selfcheck.py)
+        self.trace = hash((self.trace, name, _gated_off(name, args, kwargs)))  # names: an
+        # int argument may be n. The computation, not only its layers' shapes: a branch taken
+        # on the data or a flag (h - h.mean(0) from step 2 on) is a new signature, checked
+        # again (selfcheck.py), and so is a term whose Python factor leaves zero
         if self.state is not None:  # the model's state before the op writes it (state_replay)
             self.state.before(func, args, kwargs)
         if kwargs and isinstance(kwargs.get("generator"), torch.Generator):
@@ -340,7 +396,9 @@ class UseTracker(TorchFunctionMode):
             self.reductions.append((held, args[0],
                                     f"torch's {name} over dim 0 (the records) of a "
                                     f"{tuple(args[0].shape)} tensor computed from the batch, "
-                                    f"{where}"))
+                                    f"{where}",
+                                    self.flat_rows.of(args[0])[0]
+                                    if name in batch_reductions.LINEAR else None))
 
     def refuse_mixing(self, outputs, paused) -> None:
         """The forward pass ended with ``outputs`` (tensors): ``SampleMixingError`` if their

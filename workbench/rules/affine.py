@@ -147,13 +147,52 @@ def layout_of(layer) -> str | None:
     return known[key]
 
 
+def still_affine(layer, a, A, B, layout: str) -> None:
+    """The probe's verdict on *this* call's input: the layer's own forward at a weight and
+    bias near its own (w + δ, β + ε) must be A + B ⊙ (w + δ) + β + ε row by row, else
+    ``UnsupportedLayerError``. The probe's inputs are a few random rows; a subclass that
+    clamps its output (``super().forward(x).clamp(-L, L)``) or branches on the data
+    (``where(x.abs() > 4, w², w)``) is affine on them and not on a batch that reaches the
+    clamp or the branch: b ⊙ B(a) was then the wrong gradient (3.7e-2 of the clipped sum,
+    silently, for the records the self-check does not compare, until 2026-11-30). One more
+    forward pass of the layer per call."""
+    w, bias = layer.weight.detach(), getattr(layer, "bias", None)
+    g = torch.Generator().manual_seed(2)
+    w2 = w + 0.1 * (w.abs() + 1) * torch.randn(w.shape, generator=g, dtype=w.dtype).to(w.device)
+    b2 = None if bias is None else bias.detach() + 0.1 * torch.randn(
+        bias.shape, generator=g, dtype=bias.dtype).to(bias.device)
+    out = run(layer, a, w2, b2)
+    if out.shape != A.shape or out.dtype != A.dtype:
+        worst = 0
+    else:  # out - (A + B ⊙ w' + β'), in out's own buffer: no activation-sized temporary
+        tol = TOLERANCE.get(compute_dtype(out), TOLERANCE.get(w.dtype, 1e-4))
+        n = out.shape[0] if out.dim() else 1
+        scale = torch.linalg.vector_norm(out.reshape(n, -1), dim=1)
+        out.sub_(A).addcmul_(B, aligned(w2, out, layout), value=-1)
+        if b2 is not None:
+            out.sub_(aligned(b2, out, layout))
+        diff = torch.linalg.vector_norm(out.reshape(n, -1), dim=1)
+        if bool((diff <= tol * (scale + diff) + 1e-30).all()):
+            return
+        worst = int((diff / scale.clamp_min(1e-300)).argmax())
+    raise UnsupportedLayerError(
+        f"{type(layer).__name__} computed o = A(a) + B(a) ⊙ weight + bias on the probe's "
+        f"inputs, so it took the elementwise-affine rule (rules/affine.py), but not on this "
+        f"batch (record {worst}: its forward clamps its output, or branches on the data or "
+        f"the weight's values, where the probe did not reach): its per-sample gradient is not "
+        f"b ⊙ B(a) here. Register a rule for it (wb.register_grad_sampler), or use "
+        f"method='vmap' or 'microbatch', which differentiate the layer as it runs")
+
+
 def affine_grad_sampler(layer, activations, backprops):
     layout, a = layout_of(layer), activations[0]
     shape = tuple(layer.weight.shape)
     out = {}
+    with torch.no_grad():
+        A, B = parts(layer, a.detach())
+        still_affine(layer, a.detach(), A, B, layout)
+    del A
     if layer.weight.requires_grad:
-        with torch.no_grad():
-            _, B = parts(layer, a.detach())
         out["weight"] = sum_to_parameter(backprops * B, layout, shape)  # Σ b ⊙ B(a)
     bias = getattr(layer, "bias", None)
     if bias is not None and bias.requires_grad:
@@ -196,5 +235,5 @@ RULE = register_rule(LayerRule("elementwise affine (o = A(a) + B(a) ⊙ w + β)"
 __all__ = [
     "RULE", "TOLERANCE", "affine_grad_sampler", "affine_layout", "aligned", "candidate",
     "layout_of", "parts", "probe_inputs", "row_wise", "rows_independent", "run",
-    "sum_to_parameter",
+    "still_affine", "sum_to_parameter",
 ]
