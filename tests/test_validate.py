@@ -144,3 +144,58 @@ def test_fix_model_replaces_a_layer_at_every_path_that_reaches_it():
     assert fixed.a[1] is fixed.b[1] and isinstance(fixed.a[1], nn.GroupNorm)
     assert wb.validate_model(fixed) == []
     assert not any(isinstance(m, nn.BatchNorm1d) for m in fixed.modules())
+
+
+class ScaledBatchNorm(nn.BatchNorm1d):  # a forward of its own: more than a batch norm
+    def forward(self, x):
+        return 2.0 * super().forward(x)
+
+
+class BatchNormThenAct(nn.BatchNorm1d):  # submodules of its own
+    def __init__(self, c):
+        super().__init__(c)
+        self.act = nn.ReLU()
+
+
+@pytest.mark.parametrize("cls", [ScaledBatchNorm, BatchNormThenAct])
+def test_fix_model_refuses_a_batch_norm_that_computes_more(cls):
+    """A GroupNorm in its place would drop what the subclass adds: timm's BatchNormAct2d lost
+    its activation in 27 of RegNetX-002's 44 norms, silently, until 2026-11-30."""
+    model = nn.Sequential(nn.Linear(4, 8), cls(8))
+    with pytest.raises(wb.UnsupportedLayerError, match="^1: .*computes more than"):
+        wb.fix_model(model)
+
+
+@pytest.mark.realmodels
+@pytest.mark.parametrize("act", ["relu", "silu", None])
+@pytest.mark.parametrize("cls", ["BatchNormAct2d", "SyncBatchNormAct"])
+def test_fix_model_keeps_timms_norm_activation(act, cls):
+    """timm's BatchNormAct2d is its batch norm, then drop, then act: a GroupNorm followed by
+    them, the same function as timm's GroupNormAct built from the same numbers."""
+    from workbench.realzoo.imports import import_timm
+
+    try:
+        norm_act = import_timm().layers.norm_act
+    except ImportError as err:
+        pytest.skip(f"timm is not installed: {err}")
+    torch.manual_seed(0)
+    bn = norm_act.BatchNormAct2d(16, act_layer=act, apply_act=act is not None)
+    with torch.no_grad():
+        bn.weight.normal_()
+        bn.bias.normal_()
+    model = nn.Sequential(nn.Conv2d(3, 16, 3), bn)
+    if cls == "SyncBatchNormAct":  # as DDP training converts it
+        model = norm_act.convert_sync_batchnorm(model)
+    assert type(model[1]).__name__ == cls
+    fixed = wb.fix_model(model)
+    gn = norm_act.GroupNormAct(16, 16, act_layer=act, apply_act=act is not None)
+    gn.load_state_dict({"weight": bn.weight.detach(), "bias": bn.bias.detach()})
+    x = torch.randn(2, 3, 8, 8)
+    h = fixed[0](x)
+    assert torch.allclose(fixed[1](h), gn(h), atol=1e-6)
+    assert not any(p.blocking for p in wb.validate_model(fixed))  # (timm's ReLU is in place)
+    assert {name for name, _ in fixed.named_parameters()} == {
+        "0.weight", "0.bias", "1.weight", "1.bias"}  # the names a state dict holds
+    x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    model = fixed.double()
+    wb.clipped_grad_sum(model, lambda o, t: o.pow(2).flatten(1).sum(1), x, None, 1.0)  # a rule

@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
+from workbench.errors import UnsupportedLayerError
 from workbench.layers import DP_REPLACEMENTS, dp_replacement
 from workbench.per_sample.checks import sample_mixing_problem
 from workbench.per_sample.registry import find_grad_sampler
@@ -115,6 +116,7 @@ def _replacement(module: nn.Module, num_groups=None) -> nn.Module | None:
     if type(module) in DP_REPLACEMENTS:
         return dp_replacement(module)  # raises UnsupportedLayerError for LSTM(proj_size > 0)
     if isinstance(module, _BatchNorm):
+        extra = _added_to_batch_norm(module)
         C = module.num_features
         G = math.gcd(32, C) if num_groups is None else num_groups
         if C % G:
@@ -124,13 +126,64 @@ def _replacement(module: nn.Module, num_groups=None) -> nn.Module | None:
         if module.affine:
             gn.weight.data.copy_(module.weight.data)
             gn.bias.data.copy_(module.bias.data)
-        return gn.to(device=module.weight.device if module.affine else None)
+        gn = gn.to(device=module.weight.device if module.affine else None)
+        if extra is None:
+            return gn
+        then = GroupNormThen(G, C, eps=module.eps, affine=module.affine)  # timm's norm-act:
+        then.load_state_dict(gn.state_dict())  # its drop, then its act, kept by name
+        for name in extra:
+            then.add_module(name, copy.deepcopy(getattr(module, name)))
+        return then
     if isinstance(module, _InstanceNorm) and module.track_running_stats:
         fixed = copy.deepcopy(module)
         fixed.track_running_stats = False
         fixed.running_mean = fixed.running_var = fixed.num_batches_tracked = None
         return fixed
     return None
+
+
+NORM_ACT = ("drop", "act")  # timm's BatchNormAct2d: batch_norm, then self.drop, self.act
+NORM_ACT_CLASSES = ("BatchNormAct2d", "SyncBatchNormAct")  # timm's, whose forward is that
+
+
+class GroupNormThen(nn.GroupNorm):
+    """A GroupNorm followed by the submodules it holds (``drop``, then ``act``), as timm's
+    GroupNormAct: what ``fix_model`` puts in place of timm's BatchNormAct2d, its parameters
+    keeping their names (``norm.weight``, not ``norm.0.weight``: a state dict or a parameter
+    group chosen by name still fits). Its per-sample rule is found by behaviour
+    (``rules/norm_activation.py``)."""
+
+    def forward(self, x):
+        x = super().forward(x)
+        for name in NORM_ACT:
+            if name in self._modules:
+                x = self._modules[name](x)
+        return x
+
+
+def _added_to_batch_norm(module: nn.Module) -> tuple[str, ...] | None:
+    """None for a BatchNorm that computes only torch's batch norm; the names of the modules
+    to run after a GroupNorm for timm's ``BatchNormAct2d`` (its forward: the batch norm, then
+    ``self.drop``, then ``self.act``; its ``SyncBatchNormAct`` likewise);
+    ``UnsupportedLayerError`` for any other subclass with
+    a forward or submodules of its own, which a GroupNorm alone would drop (timm's
+    BatchNormAct2d lost its activation, silently, in 27 of RegNetX-002's 44 norms until
+    2026-11-30: the fixed model computed another function)."""
+    owner = next(c for c in type(module).__mro__ if "forward" in c.__dict__)
+    children = tuple(name for name, _ in module.named_children())
+    if owner.__module__.startswith("torch.nn") and not children:
+        return None
+    if owner.__module__.startswith("timm.") and owner.__name__ in NORM_ACT_CLASSES \
+            and set(children) <= set(NORM_ACT):
+        return tuple(name for name in NORM_ACT if name in children)
+    own = [] if owner.__module__.startswith("torch.nn") else ["its own forward"]
+    own += [f"submodules {', '.join(children)}"] if children else []
+    raise UnsupportedLayerError(
+        f"{type(module).__name__} is a BatchNorm that computes more than torch's batch norm "
+        f"({' and '.join(own)}): a GroupNorm in its place would drop that, and fix_model "
+        f"changes no model's function silently. Build the model with a per-sample norm layer "
+        f"instead (timm: norm_layer='groupnorm', or GroupNormAct), or replace this layer by "
+        f"hand")
 
 
 def _like(original: nn.Module, replacement: nn.Module) -> nn.Module:
@@ -163,7 +216,10 @@ def fix_model(model: nn.Module, num_groups: int | None = None) -> nn.Module:
     # first path was: the forward still ran the BatchNorm through the others)
     for path, module in list(model.named_modules(remove_duplicate=False)):
         if id(module) not in made:
-            replacement = _replacement(module, num_groups)
+            try:
+                replacement = _replacement(module, num_groups)
+            except UnsupportedLayerError as err:
+                raise UnsupportedLayerError(f"{path or '<model>'}: {err}") from None
             if replacement is None:
                 continue
             made[id(module)] = _like(module, replacement)
