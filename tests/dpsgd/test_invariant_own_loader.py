@@ -148,8 +148,26 @@ def mixup(x, y):  # a shuffled batch partner (Zhang et al. 2018)
     return 0.7 * x + 0.3 * x[perm], y
 
 
+def numpy_order(n):
+    import numpy as np
+    return np.random.default_rng(0).permutation(n)
+
+
+def partner(index):  # mixup with the partner index spelled another way
+    return lambda x, y: (0.7 * x + 0.3 * x[index(len(x))], y)
+
+
 PARTNERS = {"mixup": mixup, "a rolled neighbour": lambda x, y: (x - x.roll(1, 0), y),
-            "a flipped partner": lambda x, y: (torch.cat([x, x.flip(0)], 1)[:, :D], y)}
+            "a flipped partner": lambda x, y: (torch.cat([x, x.flip(0)], 1)[:, :D], y),
+            # each spelling below passed silently until 2026-11-30 (0.27-0.58 of the step)
+            "a rolled arange": partner(lambda n: torch.roll(torch.arange(n), 1)),
+            "a NumPy permutation": partner(numpy_order),
+            "a NumPy permutation through from_numpy": partner(
+                lambda n: torch.from_numpy(numpy_order(n))),
+            "a NumPy permutation as a list": partner(lambda n: list(numpy_order(n))),
+            "randperm as a list": partner(lambda n: torch.randperm(n).tolist()),
+            "index_select by a tensor of a list": lambda x, y: (
+                x + x.index_select(0, torch.tensor(numpy_order(len(x)).tolist())), y)}
 
 
 @pytest.mark.parametrize("where", sorted(LOOPS))
@@ -165,6 +183,33 @@ def test_a_consistent_reordering_of_the_batch_is_accepted():
         return x[perm] * 2.0, y[perm]
 
     assert by_hand(shuffled) is not None and user_loader(shuffled) is not None
+
+
+def _own_rows(x, y):
+    n = len(x)
+    back = numpy_order(n)
+    there = x[back]
+    again = there[back.argsort()]  # the batch's own order again (NumPy's argsort)
+    perm = torch.randperm(n)
+    again = again + x[perm][perm.argsort()]  # (torch's, of an index the loop made)
+    rolled = x.roll(2, 0).roll(-2, 0)
+    picked = F.one_hot(y, K).double()[torch.arange(n), y].unsqueeze(1)  # each record's own
+    return x + again + rolled + picked, y
+
+
+REORDERED = {
+    "a NumPy-shuffled batch, consistently": lambda x, y: (
+        x[numpy_order(len(x))] * 2.0, y[numpy_order(len(x))]),
+    "orders that compose to the batch's own": _own_rows,
+    "a class weight per label": lambda x, y: (x * torch.linspace(0.5, 1.5, K,
+                                                                  dtype=x.dtype)[y, None], y),
+}
+
+
+@pytest.mark.parametrize("where", sorted(LOOPS))
+@pytest.mark.parametrize("case", sorted(REORDERED))
+def test_reorderings_that_keep_each_record_whole_are_accepted(case, where):
+    assert LOOPS[where](REORDERED[case]) is not None
 
 
 PAIRED_LOSSES = {  # piecewise linear: no second derivative across records
@@ -200,3 +245,57 @@ def test_the_follower_left_after_a_loop_reads_other_libraries_tensors_without_di
     x = data()[0][:B]
     call_for_per_sample_grads(other)(x).sum().backward()
     assert other[0].weight.grad_sample.shape == (B, 3, D)
+
+
+@pytest.mark.parametrize("spelling", ["randperm", "from_numpy"])
+def test_labels_reordered_after_the_forward_pass_like_its_input_are_accepted(spelling):
+    """``ce(model(x[perm]), y[perm])``: y[perm] is taken after the forward pass, whose output
+    carries no row order of its own; the order is the input's, so no partner."""
+    model = mlp()
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=0.0,
+                      max_grad_norm=1.0, expected_batch_size=B, loss_reduction="sum")
+    X, Y = data()
+    try:
+        for i in range(0, N, B):
+            perm = torch.randperm(B) if spelling == "randperm" else torch.from_numpy(
+                numpy_order(B))
+            opt.zero_grad()
+            x, y = X[i:i + B], Y[i:i + B]
+            ce(model(x[perm]), y[perm]).backward()
+            opt.step()
+    finally:
+        opt.detach()
+
+
+class IntLabels(Dataset):
+    """Python int labels: the loader's collate makes the batch's labels with torch.tensor."""
+
+    def __init__(self):
+        self.x, self.y = data()
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        return self.x[i], int(self.y[i])
+
+
+@pytest.mark.parametrize("where", ["before the forward pass", "in the loss"])
+def test_a_class_weight_looked_up_by_labels_made_in_the_collate_is_accepted(where):
+    """``w[y]`` with y made by torch.tensor (a fresh index of the window): a table's rows, no
+    partner order, whatever the labels' values."""
+    w = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64)
+    model = mlp()
+    loader = DataLoader(IntLabels(), batch_size=K)  # n = K: labels may be a permutation
+    model, opt, loader = wb.PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
+        noise_multiplier=0.0, max_grad_norm=1.0, loss_reduction="sum",
+        sampling_generator=torch.Generator().manual_seed(0))
+    for x, y in loader:
+        opt.zero_grad()
+        if where == "before the forward pass":
+            loss = ce(model(x * w[y].unsqueeze(1)), y)
+        else:
+            loss = (F.cross_entropy(model(x), y, reduction="none") * w[y]).sum()
+        loss.backward()
+        opt.step()

@@ -142,8 +142,33 @@ def test_optimizer_over_some_parameters_clips_those_and_clears_the_rest():
 
 def test_optimizer_with_a_foreign_parameter_is_an_error():
     model = mlp()
-    with pytest.raises(ValueError, match="not trainable parameters of the model"):
+    with pytest.raises(ValueError, match="not parameters of the model"):
         optimizer(model, "einsum", params=[*model.parameters(), nn.Parameter(torch.ones(2))])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_optimizer_over_all_parameters_of_a_partly_frozen_model_steps_the_rest(mode):
+    """SGD(model.parameters()) over a frozen first layer: refused until 2026-11-30, with the
+    advice to do exactly that; the frozen layer gets no gradient and no noise."""
+    model = mlp()
+    model[0].requires_grad_(False)
+    before = model[0].weight.detach().clone()
+    x, y = data(6, 1)
+    opt = optimizer(model, mode, sigma=1.0, generator=torch.Generator().manual_seed(0))
+    try:
+        opt.zero_grad()
+        CE(model(x), y).mean().backward()
+        opt.step()
+        assert model[0].weight.grad is None and torch.equal(model[0].weight, before)
+        expected = wb.clipped_grad_sum(model, CE, x, y, 0.3, method="microbatch")
+        assert model[2].weight.grad is not None and set(expected) == {"2.weight", "2.bias"}
+        model[0].requires_grad_(True)  # unfrozen after the optimizer: refused at step
+        opt.zero_grad()
+        CE(model(x), y).mean().backward()
+        with pytest.raises((ValueError, RuntimeError)):
+            opt.step()
+    finally:
+        opt.detach()
 
 
 def virtual_setup(n, batch_size, seed):
@@ -522,9 +547,52 @@ def test_a_branch_that_mixes_records_later_is_checked_again(mode, switch):
         else:
             x = 10 * x
         opt.zero_grad()
-        nn.CrossEntropyLoss(reduction="sum")(model(x), y).backward()
         with pytest.raises((wb.PerSampleCheckError, wb.SampleMixingError)):
+            nn.CrossEntropyLoss(reduction="sum")(model(x), y).backward()  # the forward's
+            opt.step()  # measured mean (batch_reductions.LINEAR), or the check again
+    finally:
+        opt.detach()
+
+
+class GatedMixing(nn.Module):
+    """A mixing term scaled by a Python factor, 0.0 at the checked step and switched on by a
+    schedule later: the same ops either way, so the first verdict was reused (0.18 / 0.54 off,
+    silently, until 2026-11-30)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.mix, self.kind = nn.Linear(6, 8), nn.Linear(8, 3), 0.0, kind
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.kind.endswith("mean"):
+            h = h + self.mix * h.mean(0, keepdim=True)
+        elif self.kind == "roll":
+            h = (1 - self.mix) * h + self.mix * h.roll(1, 0)
+        else:
+            h = torch.lerp(h, h.roll(1, 0), self.mix)
+        return self.b(h)
+
+
+@pytest.mark.parametrize("kind", ["mean", "tiny mean", "roll", "lerp"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_mixing_term_switched_on_later_is_checked_again(mode, kind):
+    model = GatedMixing(kind).double()
+    if kind == "tiny mean":  # below the check's tolerance, not 0: the same signature
+        model.mix = 1e-12
+    x, y = data(6, 1)
+    opt = optimizer(model, mode, loss_reduction="sum")
+    try:
+        for _ in range(2):  # checked once, then the verdict reused: mix = 0 is exact
+            opt.zero_grad()
+            nn.CrossEntropyLoss(reduction="sum")(model(x), y).backward()
             opt.step()
+        model.mix = 0.5
+        opt.zero_grad()
+        with pytest.raises((wb.PerSampleCheckError, wb.SampleMixingError)):
+            nn.CrossEntropyLoss(reduction="sum")(model(x), y).backward()  # the forward's
+            opt.step()  # measured mean (batch_reductions.LINEAR), or the check again
     finally:
         opt.detach()
 
@@ -940,6 +1008,81 @@ def test_a_tensor_kept_aside_and_backwarded_on_its_own_is_refused():
         opt.detach()
 
 
+class Aside(nn.Module):
+    """Keeps a head's output aside (``self.aux``) and returns another: a loss on ``aux`` is
+    outside what the loss window watches (the model's output)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.h1, self.h2 = nn.Linear(6, 8), nn.Linear(8, 3), nn.Linear(8, 3)
+        self.h3 = nn.Linear(3, 3)  # not called by forward
+
+    def forward(self, x):
+        z = torch.tanh(self.trunk(x))
+        self.aux = self.h1(z)
+        return self.h2(z)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("where", ["kept aside", "outside forward"])
+def test_a_loss_on_a_layer_outside_the_models_output_is_refused(where, verify):
+    """One backward pass of a loss on the output and on ``self.aux`` (or on
+    ``model.h3(model(x))``, a layer called outside forward): a PerSampleCheckError blaming
+    the rules at the checked step, and from a later step on a batch-mixing term on ``aux``
+    (``aux - aux.mean(0)``) passed silently (0.53 off) until 2026-11-30."""
+    model = Aside().double()
+    x, y = data(6, 1)
+    opt = optimizer(model, "auto") if verify else _unverified(model)
+    try:
+        for step in range(2):
+            opt.zero_grad()
+            out = model(x)
+            loss = nn.CrossEntropyLoss()(out, y)
+            if step == 0:  # the first step: the output's loss alone, checked, exact
+                loss.backward()
+                opt.step()
+                continue
+            side = model.aux if where == "kept aside" else model.h3(out)
+            loss = loss + nn.CrossEntropyLoss()(side, y)
+            with pytest.raises(wb.errors.LoopError, match="other than through the private"):
+                loss.backward()  # refused before it runs (LossWatch.internal)
+    finally:
+        opt.detach()
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_loss_on_a_feature_the_model_keeps_aside_is_refused(verify):
+    """``self.feat = z`` with ``head(z)`` returned: z reaches the output, but a loss term on
+    ``feat`` mixing the records (its batch mean) is outside what the loss window watches;
+    accepted from the second step on until 2026-11-30 (1.07x the step's own gradient)."""
+
+    class Feature(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.trunk, self.head = nn.Linear(6, 8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            self.feat = torch.tanh(self.trunk(x))
+            return self.head(self.feat)
+
+    model = Feature().double()
+    x, y = data(6, 1)
+    opt = optimizer(model, "auto") if verify else _unverified(model)
+    try:
+        opt.zero_grad()
+        nn.CrossEntropyLoss()(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        out = model(x)
+        term = ((model.feat - model.feat.mean(0)) ** 2).mean()
+        with pytest.raises(wb.errors.LoopError, match="the loss reads the output of 'trunk'"):
+            (nn.CrossEntropyLoss()(out, y) + term).backward()
+    finally:
+        opt.detach()
+
+
 def test_the_runs_last_batch_backwarded_without_a_step_is_charged():
     model, opt, loader, engine = _engine()
     with pytest.warns(UserWarning, match="had no step"):
@@ -965,3 +1108,115 @@ def test_a_refused_chunk_of_a_virtual_step_is_not_charged_twice():
     _, refused = _steps_catching_nonfinite(model, opt, loader, lambda k: k == 2)
     assert refused == 1
     assert sum(steps for _, _, steps in engine.accountant.history) == len(loader.loader)
+
+
+class NotBatchFirst(nn.Module):
+    def __init__(self, layout):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer, self.layout = nn.Linear(6, 3), layout
+
+    def forward(self, x):
+        o = self.layer(x).unsqueeze(1).expand(-1, 2, -1)  # (n, T = 2, 3)
+        return o.transpose(0, 1) if self.layout == "time-major" else o.reshape(-1, 3)
+
+
+@pytest.mark.parametrize("layout", ["time-major", "flattened"])
+def test_an_output_without_one_row_per_record_is_refused_by_what_it_is(layout):
+    """A time-major output was read as T records and the probe blamed a loss_fn the user
+    never passed ("shape (1,); got shape (2,)"); a flattened one failed in a record-alone
+    re-run: both now name the output's layout (2026-11-30)."""
+    model = NotBatchFirst(layout).double()
+    x, _ = data(4, 1)
+    opt = optimizer(model, "auto", loss_reduction="sum")
+    try:
+        opt.zero_grad()
+        model(x).pow(2).sum().backward()
+        with pytest.raises(wb.errors.LossShapeError, match="output has (2|8) rows on dim 0"):
+            opt.step()
+    finally:
+        opt.detach()
+
+
+def test_a_step_over_two_chunks_of_a_logical_batch_says_to_step_per_chunk():
+    """With max_physical_batch_size the loader hands out chunks; a step every second chunk
+    was told to "pass max_physical_batch_size", which it had (until 2026-11-30)."""
+    _, model, opt, loader = virtual_setup(64, 16, seed=3)
+    with pytest.raises(wb.errors.RecordCountError, match="step\\(\\) after every chunk"):
+        for k, (xb, yb) in enumerate(loader):
+            nn.CrossEntropyLoss()(model(xb), yb).backward()
+            if k % 2 == 1:
+                opt.step()
+                opt.zero_grad()
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0])
+def test_a_pass_on_substituted_parameters_is_refused_by_name_at_the_check(scale):
+    """torch.func.functional_call(model, {name: p * s}): the self-check re-runs model(x) on
+    the parameters themselves, another pass; a raw autograd error until 2026-11-30. With
+    verify=False the records' gradients follow the substitutes, exactly."""
+    model = mlp()
+    x, y = data(6, 1)
+
+    def run(inputs):
+        return torch.func.functional_call(
+            model, {k: v * scale for k, v in model.named_parameters()}, (inputs,))
+
+    opt = optimizer(model, "auto", loss_reduction="sum")
+    try:
+        opt.zero_grad()
+        CE(run(x), y).sum().backward()
+        with pytest.raises(wb.UnsupportedLayerError, match="replaced by other tensors"):
+            opt.step()
+    finally:
+        opt.detach()
+    opt = optimizer(model, "auto", loss_reduction="sum")
+    opt.verify = False
+    try:
+        opt.zero_grad()
+        CE(run(x), y).sum().backward()
+        opt.step()
+        per = [torch.autograd.grad(CE(run(x[i:i + 1]), y[i:i + 1]).sum(), model.parameters())
+               for i in range(6)]
+        norms = [torch.sqrt(sum(g.pow(2).sum() for g in row)) for row in per]
+        want = [sum(min(1.0, 0.3 / float(nrm)) * row[j] for row, nrm in zip(per, norms)) / 10.0
+                for j in range(4)]
+        assert all(relative_error(p.grad, w) <= 1e-9 for p, w in zip(model.parameters(), want))
+    finally:
+        opt.detach()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_grad_from_the_loops_backward_is_named_not_passed(bad):
+    """The path check compared .grad with Σ_i g_i through a common factor α: NaN in .grad
+    (PyTorch's CPU bfloat16 convolution backward leaves garbage there) made an IndexError,
+    inf passed as "within tolerance", until 2026-11-30."""
+    model = mlp()
+    x, y = data(6, 1)
+    opt = optimizer(model, "auto", loss_reduction="sum")
+    opt.skip_weight_grads = False  # every .grad as the loop's backward computed it
+    try:
+        opt.zero_grad()
+        CE(model(x), y).sum().backward()
+        with torch.no_grad():
+            model[0].weight.grad[0, 0] = bad
+        with pytest.raises(wb.errors.NonFiniteGradientError, match="0.weight holds NaN or inf"):
+            opt.step()
+    finally:
+        opt.detach()
+
+
+def test_the_twins_backward_under_cpu_autocast_runs_without_onednn():
+    """PyTorch's oneDNN bfloat16 convolution backward leaves the weight gradient of taps that
+    see only padding unwritten (3x3, stride 2, a 1x1 input): the twin read NaN or 1e14 there
+    and refused a right answer (timm's and torchvision's ResNet-GN under autocast)."""
+    from types import SimpleNamespace
+
+    from workbench.per_sample.selfcheck import exact_backward
+
+    cpu = SimpleNamespace(autocast=torch.bfloat16, device=torch.device("cpu"))
+    with exact_backward(cpu):
+        assert not torch.backends.mkldnn.enabled
+    assert torch.backends.mkldnn.enabled
+    with exact_backward(SimpleNamespace(autocast=None, device=torch.device("cpu"))):
+        assert torch.backends.mkldnn.enabled

@@ -92,6 +92,8 @@ class VirtualStepLoader:
         return len(self.loader)
 
     def __iter__(self):
+        if self.watch is not None:
+            self.watch.chunked = True  # a step over two chunks: said so (count_records)
         return watched(self._chunks(), self.watch)
 
     def _chunks(self):

@@ -74,7 +74,8 @@ def _dims(func, args, kwargs, ndim: int):
 class BatchStatistics:
     """The batch statistics of one loss window (module docstring)."""
 
-    def __init__(self):
+    def __init__(self, before: bool = False):
+        self.before = before  # the window from the loader's batch to the forward pass
         self.reset(0)
 
     def reset(self, n: int | None, outputs=()) -> None:
@@ -87,7 +88,7 @@ class BatchStatistics:
         self.numbers: dict[float, str] = {}  # Python numbers read from a statistic
         self.rows: set[int] = {n}  # row counts seen: n, n·T (the ordinary mean's constant)
         self.source: dict[str, int] = {}  # what -> rows of the reduced tensor (n unknown)
-        self.order = RowOrder()  # rows of two records combined (row_mixing.py)
+        self.order = RowOrder(self.before)  # rows of two records combined (row_mixing.py)
 
     def _batch(self, rows: int) -> bool:
         """A tensor of ``rows`` rows may hold the records (n·m rows; any, n not known yet)."""
@@ -160,7 +161,7 @@ class BatchStatistics:
             return
         x = tensors[0] if tensors and args and args[0] is tensors[0] else None
         if name in REDUCTIONS and x is not None and x.dim() and self._batch(x.shape[0]) \
-                and 0 in _dims(func, args, kwargs, x.dim()):
+                and 0 in _dims(func, args, kwargs, x.dim()) and not self.order.made(x):
             what = f"{name}() over the records of a {tuple(x.shape)} {x.dtype} tensor"
             self.source[what] = int(x.shape[0])
             self._mark(self.reductions if x.requires_grad else self.stats, out, what)

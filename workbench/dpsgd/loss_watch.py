@@ -67,6 +67,7 @@ from workbench.dpsgd.model_loss import name_of
 from workbench.dpsgd.record_reduction import RecordReduction
 from workbench.errors import LoopError, LossCouplingError, RecordCountError
 from workbench.per_sample import precision
+from workbench.per_sample.derived import graph_nodes
 from workbench.per_sample.loss import check_separable, record_factors, reduction_of
 from workbench.per_sample.selfcheck import symbolic
 
@@ -100,11 +101,15 @@ class LossWatch:
         # ran on since the last step or zero_grad(): their gradients wait for a step
         self.on_skipped = lambda: None  # a handed-out batch had no step (the optimizer's)
         self.prefetch = 0  # the engine loader's num_workers: its sampler runs ahead
+        self.chunked = False  # the engine's loader hands out chunks (max_physical_batch_size)
         self.passing = False  # a pass of the engine's loader is in progress (``watched``)
-        self.before = BatchStatistics()  # the same, from the loader's batch to the forward pass
+        self.before = BatchStatistics(before=True)  # the same, from the loader's batch to
+        # the forward pass
         self._before_mode = None  # BeforeForward, on the stack while ``before`` follows calls
         self.paused = contextlib.nullcontext  # the recorder's pause (recorded.py sets it)
         self.before_backward = lambda: None  # the recorder's gradient hooks moved last
+        self.inside = lambda: ({}, {})  # () -> the outputs of the recorded layer calls and
+        # of the model's calls awaiting their backward pass (the recorder's ``_awaiting``)
         self.roots: list = []  # the model's outputs with gradient: a loss must read them
         self.second_order: list = []  # weak references to torch.autograd.grad results with
         # create_graph=True from this window's outputs (backward_calls.py)
@@ -250,6 +255,14 @@ class LossWatch:
         self.used, self.backwarded = {}, set()
         if self.announced is not None:  # this step is the handed-out batch's, empty or not
             self.stepped = self.serial
+        if len(used) > 1 and self.chunked:
+            raise RecordCountError(
+                f"one step() took the gradients of {len(used)} chunks the private loader "
+                f"handed out: with max_physical_batch_size the loader hands out each logical "
+                f"batch in chunks, and the optimizer needs step() after every chunk (it adds "
+                f"a logical batch's chunks up and releases them once, with the noise, at its "
+                f"last chunk). Call optimizer.step() (and zero_grad()) after each chunk's "
+                f"backward pass")
         if len(used) > 1:
             raise RecordCountError(
                 f"one step() took the gradients of {len(used)} batches the private loader "
@@ -353,6 +366,33 @@ class LossWatch:
             f"weight=w) with the mean (made exact per record), or a per-record sum divided by "
             f"a constant (the batch size n, or a fixed number of positions per record) with "
             f"loss_reduction='mean'; scale targets by a constant of the data set")
+
+    def internal(self, loss) -> None:
+        """Before ``loss.backward()``: LoopError if the loss reaches a recorded layer's output
+        other than through the model's outputs (a feature the model keeps aside,
+        ``self.feat = z`` read by a term ``((feat - feat.mean(0)) ** 2).sum()``; a layer called
+        outside forward, ``model.head(model(x))``). Each record's gradient through it is its
+        own only if that term is a sum of per-record terms, which the loss window checks on
+        the model's outputs alone: a term on ``feat`` mixing the records passed silently
+        (1.07x the step's own gradient) from the second step on, until 2026-11-30. The walk
+        from the loss stops at the outputs: a few nodes for an ordinary loss."""
+        inside, outputs = self.inside()
+        if not inside:
+            return
+        stops = {id(t.grad_fn) for t in self.roots if t.grad_fn is not None} | set(outputs)
+        # (every model call's outputs: a loss over two calls, refused at the step by name)
+        reached = sorted({inside[id(node)][1] for node in graph_nodes([loss], stops)
+                          if id(node) in inside})
+        if reached:
+            raise LoopError(
+                f"the loss reads the output of {', '.join(map(repr, reached[:3]))}"
+                f"{' ...' if len(reached) > 3 else ''} other than through the private model's "
+                f"outputs: a tensor the model keeps aside (self.feat = z, self.aux = "
+                f"self.head(h)) or a layer called outside forward (model.head(model(x))). The "
+                f"optimizer checks how the loss combines the records on the model's outputs "
+                f"only, so a term on such a tensor could couple them unseen. Return every "
+                f"tensor the loss uses from forward() (a tuple or dict of outputs), with every "
+                f"layer the loss goes through called inside it")
 
     def attribute(self, loss) -> None:
         """Before ``loss.backward()``: each scalar the model computed inside its forward pass
@@ -669,6 +709,7 @@ class LossFunctions(TorchFunctionMode):
             loss = objective(mine, lambda f, *a: self.__torch_function__(f, (), a, {}))
             watch.second_order_use(loss)
             watch.attribute(loss)
+            watch.internal(loss)
             watch.statistics(loss)
             watch.coupling(loss)  # a smooth coupling, measured, before ``reduction`` names
             watch.reduction(loss)  # any non-linear one (record_reduction.py)

@@ -404,6 +404,7 @@ class DPOptimizer(Optimizer):
         norms, factors, modes, replays, paths = [], [], [], [], None
         skipped, seen, tol, unchecked, compare = [], 0, 0.0, set(), False
         why = {}  # id(param) -> why its g_i come from the whole-model fallback
+        cpu_amp = False  # a pass ran under autocast on the CPU (path_check's known cause)
         try:
             with self.recorder.paused():  # the samplers may call the layers themselves
                 for rec, exact in self.recorder.batches(self.loss_reduction, check, scale):
@@ -414,6 +415,7 @@ class DPOptimizer(Optimizer):
                         mode = self._auto_mode(rec)
                     modes.append(mode)
                     tol = max(tol, precision.tolerance(rec))
+                    cpu_amp = cpu_amp or (rec.autocast is not None and rec.device.type == "cpu")
                     if self.recorder.comparing and not compare:  # once per step
                         compare = True
                         if self._path_check_applies():
@@ -453,7 +455,7 @@ class DPOptimizer(Optimizer):
             if paths is not None and not skipped:  # Σ_i g_i with a NaN record proves nothing
                 first = next(iter(self.recorder.params.values()))
                 tol = max(tol, precision.tolerance_of(first.dtype, first.device))
-                paths.verdict(tol, unchecked, why)
+                paths.verdict(tol, unchecked, why, cpu_amp)
         except Exception:
             self._sums = {}  # nothing of a refused batch is kept for a later step
             self.recorder.clear()

@@ -35,7 +35,11 @@ import math
 
 import torch
 
-from workbench.errors import SampleMixingError, UnattributedGradientError
+from workbench.errors import (
+    NonFiniteGradientError,
+    SampleMixingError,
+    UnattributedGradientError,
+)
 from workbench.per_sample.fallback import alone_differs
 from workbench.per_sample.recording import NOT_THE_BATCH
 
@@ -104,13 +108,15 @@ class PathCheck:
         if self.free:
             p.grad = None
 
-    def verdict(self, tol: float, unchecked=frozenset(), fallback=None) -> None:
+    def verdict(self, tol: float, unchecked=frozenset(), fallback=None,
+                cpu_amp: bool = False) -> None:
         """Raise ``UnattributedGradientError`` when no common factor α brings ``.grad``
         within ``tol`` of Σ_i g_i; ``unchecked``: ids of parameters not compared;
         ``fallback``: {id: why} of the parameters whose g_i the whole-model fallback computed,
         one record alone: where the parameter most off is one whose layer was called off the
         batch's rows, the record alone is not the record in the batch
-        (``SampleMixingError``)."""
+        (``SampleMixingError``). ``cpu_amp``: a pass ran under autocast on the CPU, where
+        PyTorch's own backward is known to leave garbage in a convolution's .grad (said)."""
         for key in list(self.held):
             self._compare(key, self.held.pop(key))
         rows = {}
@@ -123,6 +129,19 @@ class PathCheck:
             rows[self.names[key]] = self.stats[key]
         if not rows:
             return
+        bad = [name for name, row in rows.items() if not all(map(math.isfinite, row))]
+        if bad:  # NaN or inf in .grad: α and every difference would be NaN, which compared
+            # as "within tolerance" (inf) or left no parameter to name (NaN: an IndexError)
+            # until 2026-11-30
+            raise NonFiniteGradientError(
+                f"the loss's gradient in .grad of {', '.join(bad[:3])}"
+                f"{' ...' if len(bad) > 3 else ''} holds NaN or inf after the backward pass, "
+                f"while the per-record gradients the optimizer computed are finite: the "
+                f"backward pass itself went wrong there. A known cause: PyTorch's CPU "
+                f"(oneDNN) bfloat16 convolution backward leaves the weight gradient of "
+                f"kernel taps that see only padding unwritten (a 3x3 stride-2 convolution on "
+                f"a 1x1 input, under torch.autocast('cpu', torch.bfloat16)); run that model "
+                f"in float32 on the CPU, or with torch.backends.mkldnn.flags(enabled=False)")
         curvature = sum(oo for _, _, oo, _ in rows.values())
         alpha = (sum(a * oo for _, a, oo, _ in rows.values()) / curvature
                  if curvature > 0 else 1.0)
@@ -147,7 +166,13 @@ class PathCheck:
             f"directly), and DP-SGD can neither clip it per record nor drop it silently. For "
             f"an L2 penalty use the optimizer's weight_decay (= 2 lambda for SGD; "
             f"data-independent, it is applied outside the noise); move any other "
-            f"parameter-dependent term into the model's forward")
+            f"parameter-dependent term into the model's forward" + (
+                ". This pass ran under torch.autocast on the CPU, where PyTorch's oneDNN "
+                "bfloat16 convolution backward leaves the weight gradient of kernel taps "
+                "that see only padding unwritten (a 3x3 stride-2 convolution on a 1x1 "
+                "input): if the loss has no such term, that is the cause (the per-record "
+                "gradients are computed in float32); run the model in float32, or under "
+                "torch.backends.mkldnn.flags(enabled=False)" if cpu_amp else ""))
 
 
 __all__ = ["CHUNK", "PathCheck", "stats"]

@@ -54,6 +54,7 @@ from workbench.dpsgd.streamed import stream_call, streamed_gradients
 from workbench.errors import (
     LoopError,
     LossCouplingError,
+    LossShapeError,
     RecordCountError,
     UnsupportedLayerError,
 )
@@ -117,11 +118,16 @@ class ModelRecorder:
         check_layers(self.layers, strict=False)
         trainable = trainable_parameters(model)  # a complex parameter refused by name
         in_optimizer = {id(p) for g in param_groups for p in g["params"]}
-        unknown = in_optimizer - {id(p) for p in trainable.values()}
+        frozen = {id(p) for p in model.parameters() if not p.requires_grad}  # the torch
+        # optimizer skips them (no .grad ever), so does the noise: SGD(model.parameters())
+        # over a frozen backbone is a usual loop (refused, advising that very call, until
+        # 2026-11-30); one unfrozen later is refused by the structure check at step
+        unknown = in_optimizer - {id(p) for p in trainable.values()} - frozen
         if unknown:
             raise ValueError(f"the optimizer holds {len(unknown)} parameter(s) that are not "
-                             f"trainable parameters of the model (frozen, or of another model); "
-                             f"build the optimizer from model.parameters() of this model")
+                             f"parameters of the model (of another model, or of a copy of "
+                             f"it made after the optimizer was built): build the optimizer "
+                             f"from model.parameters() of the model you make private")
         self.params = {k: p for k, p in trainable.items() if id(p) in in_optimizer}
         self.outside = [p for p in trainable.values() if id(p) not in in_optimizer]
         if self.outside:
@@ -132,6 +138,10 @@ class ModelRecorder:
                           f"backward computes it; "
                           f"set requires_grad=False to silence this", stacklevel=4)
         self.snapshot = self._structure()
+        self._slots = [(m._parameters, k, p, f"{path}.{k}" if path else k)  # where each
+                       for path, m in self.model.named_modules()  # parameter sits
+                       for k, p in m._parameters.items() if p is not None]
+        self._swapped: list[str] = []  # parameters a pass ran without (``_enter``)
         self.layer_rec = ActivationRecorder(self.layers, capture="hooks").__enter__()
         self.root_rec = ActivationRecorder({ROOT: model}, capture="hooks",
                                            outputs_of=model_outputs).__enter__()
@@ -145,6 +155,7 @@ class ModelRecorder:
         self.watch = LossWatch(loss_reduction, criterion)
         self.watch.paused = self.paused  # its coupling test must not reach the recording hooks
         self.watch.before_backward = self._hooks_last
+        self.watch.inside = self._awaiting
         self._depth, self._tracking, self._rng, self._roots = 0, False, None, 0
         self._nested: list[int] = []  # depths of the model's calls of itself (``_enter``)
         self._buffers_before: set[int] = set()  # buffer ids at the forward pass's start
@@ -214,6 +225,8 @@ class ModelRecorder:
             self.tracker.__enter__()
             leaves = call_leaves(args, kwargs)
             self.tracker.start(leaves)  # the batch: its taint and rows
+            self._swapped = [name for d, k, p, name in self._slots if d.get(k) is not p]  # e.g.
+            # torch.func.functional_call(model, {name: p * 2}): the re-runs use p itself
             self._rows = {t.shape[0] for t in leaves  # dim 0 of the model's inputs
                           if isinstance(t, torch.Tensor) and t.dim() >= 1}
             self._tracking = True
@@ -255,6 +268,7 @@ class ModelRecorder:
                 roots[-1].state = log  # and the model's state as the pass read it
                 roots[-1].keys = output_keys(output)  # which outputs (model_loss.py)
                 roots[-1].trace = self.tracker.trace  # its ops: the self-check's signature
+                roots[-1].swapped = self._swapped  # parameters the pass ran without
                 shape = roots[-1].outputs[0][0]
                 self._n = shape[0] if len(shape) else None  # streaming: dim 0 must be n
                 self.watch.open(shape[0] if len(shape) else 1, self.root_rec.generation,
@@ -347,6 +361,18 @@ class ModelRecorder:
         self.watch.clear()
         if keep_pending:
             self.watch.pending = pending
+
+    def _awaiting(self) -> tuple[dict, dict]:
+        """({id(node): (node, path)}, {id(node): node}): where the recorded layer calls, and
+        the model's own calls, still awaiting their backward pass read their backprops
+        (``LossWatch.internal``: a loss reaching a layer's other than through the model's
+        outputs, of this forward pass or an earlier one of the step, is refused)."""
+        layers = {id(e.node): (e.node, path) for path, calls in self.layer_rec.calls.items()
+                  for c in calls if c.backprops is None and c.sampled is None
+                  for e in c.capture_edges() if e.node is not None}
+        roots = {id(e.node): e.node for c in self.root_rec.calls[ROOT]
+                 if c.backprops is None for e in c.capture_edges() if e.node is not None}
+        return layers, roots
 
     def _gradient_hooks(self) -> None:
         """Warn, once per parameter, of a gradient hook on a trainable parameter
@@ -463,6 +489,9 @@ class ModelRecorder:
             if len(mine) > 1:
                 raise several_calls(mine)
             root = mine[0]
+            problem = output_rows_problem(root)
+            if problem:
+                raise LossShapeError(problem)
             with state_replay.modes(getattr(root, "state", None)):  # as the pass ran
                 rec = self._recording(gen, mine, loss_reduction, scale)
             rec.rng = getattr(root, "rng", None)
@@ -471,6 +500,16 @@ class ModelRecorder:
             rec.trace = getattr(root, "trace", 0)
             rec.signature = selfcheck.known(self.model, rec, check, extra=("optimizer",))
             rec.probe = None
+            if rec.signature is not None and getattr(root, "swapped", None):
+                raise UnsupportedLayerError(
+                    f"the model's forward pass ran with parameters replaced by other tensors "
+                    f"({', '.join(root.swapped[:3])}{' ...' if len(root.swapped) > 3 else ''}: "
+                    f"torch.func.functional_call(model, {{name: tensor}}), or a "
+                    f"reparametrisation outside torch.nn.utils.parametrize); the self-check "
+                    f"re-runs model(x) on its own parameters, which is not the pass you ran (a "
+                    f"raw autograd error until 2026-11-30). Make the substituted forward the "
+                    f"private model (a module whose forward calls functional_call), use "
+                    f"torch.nn.utils.parametrize, or pass verify=False")
             if rec.signature is not None:
                 rec.halves = _inputs(root, rec.n)  # the model on each half: at the step's
                 # checks, once the recording's memory is freed (optimizer._verify)
@@ -507,6 +546,7 @@ class ModelRecorder:
         mine = [(path, layer, c) for path, layer in self.layers.items()
                 for c in self.layer_rec.calls[path]  # as Recording.calls, and the streamed
                 if (c.backprops is not None or c.sampled is not None) and c.generation == gen]
+        feeds = loss_reach([e.node for r in roots for e in r.capture_edges()])
         memo: dict = {}  # one rescaled copy per tensor: calls often share one b (o = u + v)
         f0 = _uniform(f)  # one test (and host sync) per batch, not one per call
         calls = [c for _, _, c in mine if c.sampled is None] + list(roots)
@@ -516,7 +556,7 @@ class ModelRecorder:
         return new_recording(n, self.layers, self.layer_rec, self.params, self.uncovered,
                              mine, random=self.tracker.random, lowered=self.tracker.lowered,
                              generation=gen, factors=f,
-                             feeds=loss_reach([e.node for r in roots for e in r.capture_edges()]))
+                             feeds=feeds)
 
     def path_gradients(self, rec: Recording, exact: dict):
         """(id(param), Σ_i g_i) once per parameter, as the user's backward pass computed it
@@ -684,9 +724,13 @@ def several_calls(roots) -> LossCouplingError:
         f"together, which is wrong when the calls hold different records (a batch split in "
         f"two: each pair of records would share one clip, doubling the sensitivity), and it "
         f"cannot tell that from two views of the same records. Call the model once per "
-        f"backward pass: out = model(torch.cat([x1, x2])) for distinct records (then split "
-        f"the output for the loss), or one backward pass per call (gradient accumulation: "
-        f"each backward pass is clipped as its own batch)")
+        f"backward pass. Two views of each record (augmentations, SimCLR-style pairs): stack "
+        f"them per record, x = torch.stack([v1, v2], 1) of shape (n, 2, ...), and make the "
+        f"private model a wrapper whose forward runs the network on x.flatten(0, 1) and "
+        f"returns out.unflatten(0, x.shape[:2]): each record's views are then clipped as "
+        f"one (neither gradient accumulation nor torch.cat over dim 0 does that: each would "
+        f"clip every view as a record of its own, twice the sensitivity). Distinct records: "
+        f"out = model(torch.cat([x1, x2])), the output split for the loss")
 
 
 def _shape(call):
@@ -770,6 +814,35 @@ def stray_passes(roots, layer_rec) -> list[str]:
     return sorted({path for path, calls in layer_rec.calls.items() for c in calls
                    if (c.backprops is not None or c.sampled is not None)
                    and c.generation not in gens})
+
+
+def output_rows_problem(root) -> str | None:
+    """Why the model's output does not hold one row per record on dim 0 (its n rows against
+    the first input's), or None. The optimizer reads record i's gradient from row i of the
+    output's gradient: a time-major (T, n, ...) output was read as T records, and the probe
+    then blamed a loss_fn the user never passed (LossShapeError "shape (1,); got shape (2,)")
+    until 2026-11-30; a flattened (n·T, ...) one failed in a record-alone re-run."""
+    b = root.backprops
+    got = [g for g in (b if isinstance(b, tuple) else (b,)) if isinstance(g, torch.Tensor)]
+    if any(not g.dim() and bool(g.ne(0).any()) for g in got):
+        return ("the loss used a 0-dim output of the model (a value over the whole batch, e.g. "
+                "a reconstruction error summed over the records inside forward): the "
+                "optimizer reads each record's gradient from its rows of the model's outputs, "
+                "and a scalar has none (a raw IndexError until 2026-11-30). Return that term "
+                "per record, shape (n,), and sum it in the loss")
+    rows = {int(a.shape[0]) for a in call_leaves(root.args, root.kwargs)
+            if isinstance(a, torch.Tensor) and a.dim()}  # any input may be the batch: a
+    # conditioning time or mask of one row may come first
+    t = next((g for g in got if g.dim() and rows and g.shape[0] not in rows
+              and bool(g.ne(0).any())), None)  # an output the loss uses (others get zeros)
+    if t is None:
+        return None
+    return (f"the private model's output has {t.shape[0]} rows on dim 0 (shape "
+            f"{tuple(t.shape)}) but no input has that many (dim 0 of its inputs: "
+            f"{sorted(rows)}): the optimizer reads record i's gradient from row i of the "
+            f"output. Return the output batch-first, one row per record (a time-major "
+            f"(T, n, ...) output transposed to (n, T, ...); tokens as (n, T, V), not flattened "
+            f"to (n·T, V): flatten them in the loss)")
 
 
 def _inputs(call, n: int):

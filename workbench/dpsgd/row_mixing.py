@@ -21,57 +21,125 @@ Reordering a batch consistently (``x[π]``, ``y[π]``, π from ``randperm``) kee
 whole and is not one. (An order computed from the data, ``argsort``, is a statistic of the
 batch already: ``loss_terms.REDUCTIONS``.)
 
+An order is the tuple of source rows, read from the index's values, so every spelling of
+a partner index gives one: ``randperm``, ``torch.roll(torch.arange(n), 1)``, a NumPy
+permutation (``torch.from_numpy``, ``torch.tensor``), a Python list (``perm.tolist()``),
+orders composed (``x.roll(1, 0).roll(-1, 0)`` is the batch's own order again). Only the
+first spelling was followed until 2026-11-30: the others passed mixup silently (0.27-0.58 of
+the step). An index is an order only where it is a whole permutation of the rows it picks
+(``w[y]``, a class weight per label, picks a table's rows: no order); a tensor index only
+where the window made it (``FRESH``, or an op on such an index), or, before the forward
+pass, any (``torch.from_numpy`` makes its tensor without a torch function the window sees;
+so there a label tensor that happens to be a permutation of 0..n-1 picking the n rows of a
+table, n = K classes, is taken for a partner index: refused, never silent). Not in the loss
+window: the model's output carries no order, so ``y[perm]`` beside ``model(x[perm])`` (perm
+made before the window) would be taken for a partner of the output's rows.
+
 Notation: n rows, π a permutation (an index tensor over dim 0).
 """
 
+import operator
 import weakref
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 REORDER = {"__getitem__", "index_select", "roll", "flip", "take_along_dim", "randperm"}
+FRESH = {"randperm", "arange", "tensor", "as_tensor", "from_numpy", "asarray"}
+"""Ops whose 1-d integer output the window follows as a possible index (the loop made it)."""
 
 
-def _order(name: str, args, kwargs, key):
-    """The new row order ``name(*args)`` gives its first argument's rows, or None. An index
-    tensor reorders only when it is one (``key``: drawn by ``randperm``, or itself rolled):
-    ``z[torch.arange(n), y]`` picks each record's own entry."""
+def _values(index, fresh, m: int, whole: bool = False) -> list | None:
+    """An index's values as Python ints where it is a whole permutation of the m rows, else
+    None: a 1-d integer tensor the window saw made (``fresh``), or (``whole``: before the
+    forward pass) any such tensor (``torch.from_numpy`` makes one unseen: no torch function),
+    or a list or NumPy array of ints. Only a permutation: a lookup by labels (``w[y]``, the
+    labels made by ``torch.tensor`` in the loader's collate) picks a table's rows, not the
+    batch's, and a subset of the rows changes the row count (no partner row by row)."""
+    if isinstance(index, torch.Tensor):
+        if index.dim() != 1 or index.shape[0] != m or index.dtype == torch.bool \
+                or index.is_floating_point() or index.is_complex() \
+                or not (whole or fresh(index)):
+            return None
+        values = index.tolist()
+    elif isinstance(index, list) or (type(index).__module__ == "numpy"
+                                     and getattr(index, "ndim", None) == 1):
+        if len(index) != m:
+            return None
+        values = index.tolist() if not isinstance(index, list) else index
+        try:
+            values = [operator.index(v) for v in values if not isinstance(v, bool)]
+        except TypeError:
+            return None
+    else:
+        return None
+    return values if sorted(v % m if m else v for v in values) == list(range(m)) else None
+
+
+def _picked(rows: tuple | None, values: list, m: int):
+    """The source rows of ``t[values]`` for t of m rows in order ``rows`` (None: the batch's
+    own; ``values`` a permutation of them), None where that is the batch's own order again."""
+    base = rows if rows is not None else range(m)
+    out = tuple(base[v % m] for v in values)
+    return None if out == tuple(range(m)) else ("rows", out)
+
+
+def _order(name: str, args, kwargs, rows, m: int, fresh, whole: bool = False):
+    """The new row order ``name(*args)`` gives its first argument's m rows (in order
+    ``rows``): ("rows", source rows), None for the batch's own order, ``False`` for no
+    reordering (the first argument's order is kept). ``z[torch.arange(n), y]`` picks each
+    record's own entry: the batch's own order."""
+    index = None
     if name == "__getitem__" and len(args) > 1:
         index = args[1][0] if isinstance(args[1], tuple) and args[1] else args[1]
-        if isinstance(index, torch.Tensor) and key(index) is not None:
-            return key(index)
-    if name == "index_select" and len(args) > 2 and args[1] == 0:
-        return key(args[2])
-    if name == "take_along_dim" and kwargs.get("dim", args[2] if len(args) > 2 else None) == 0:
-        return key(args[1])
+    elif name == "index_select" and len(args) > 2 and args[1] == 0:
+        index = args[2]
+    elif name == "take_along_dim" and kwargs.get("dim", args[2] if len(args) > 2 else None) == 0:
+        index = args[1]
+    if index is not None:
+        values = _values(index, fresh, m, whole)
+        return False if values is None else _picked(rows, values, m)
     if name == "roll":
         dims = kwargs.get("dims", args[2] if len(args) > 2 else None)
-        if dims in (0, (0,), [0]):
-            return ("roll", str(kwargs.get("shifts", args[1] if len(args) > 1 else None)))
+        shifts = kwargs.get("shifts", args[1] if len(args) > 1 else None)
+        if dims in (0, (0,), [0]) and m:
+            k = shifts[0] if isinstance(shifts, (tuple, list)) else shifts
+            if isinstance(k, int):
+                return _picked(rows, [(i - k) % m for i in range(m)], m)
     if name == "flip":
         dims = kwargs.get("dims", args[1] if len(args) > 1 else None)
         if dims in (0, (0,), [0]):
-            return ("flip",)
-    return None
+            return _picked(rows, list(range(m - 1, -1, -1)), m)
+    return False
 
 
 class RowOrder:
     """The row orders of a window's data tensors (module docstring)."""
 
-    def __init__(self):
-        self.keys: dict[int, tuple] = {}  # id -> (weakref, key)
+    def __init__(self, whole: bool = False):
+        self.whole = whole  # before the forward pass: a whole permutation is an index too
+        self.keys: dict[int, tuple] = {}  # id -> (weakref, ("rows", source rows))
+        self.indices: dict[int, weakref.ref] = {}  # id -> weakref: indices the window made
 
     def key(self, t):
         entry = self.keys.get(id(t))
         return entry[1] if entry is not None and entry[0]() is t else None
 
+    def made(self, t) -> bool:
+        """t is an index the loop made (``FRESH``, or computed from such): no data, so its
+        ``argsort`` (a permutation inverted) is no statistic of the batch."""
+        ref = self.indices.get(id(t))
+        return ref is not None and ref() is t
+
     def after(self, name: str, args, kwargs, tensors, out, ours=None) -> str | None:
         """Follow ``out = name(*args, **kwargs)``; ``what`` when it mixes two records.
         ``ours(t)``: t is computed from the model's outputs (in the loss window), a record's
         own values although it carries gradient."""
-        if name == "randperm" and isinstance(out, torch.Tensor):
-            self.keys[id(out)] = (weakref.ref(out), ("index", id(out)))
-            return None
+        if isinstance(out, torch.Tensor) and out.dim() == 1 and not out.is_floating_point() \
+                and out.dtype != torch.bool and not out.is_complex() and (
+                    name in FRESH or (tensors and all(self.made(t) for t in tensors))):
+            self.indices[id(out)] = weakref.ref(out)  # an index the loop made, or one
+            return None  # computed from such (rolled, sliced, cast): not data
         first = tensors[0] if tensors else None  # torch.cat([a, b], 1): the list's first
         if first is None or not first.dim():
             return None
@@ -81,12 +149,18 @@ class RowOrder:
         if len(data) >= 2 and len(orders) > 1 and name not in REORDER:
             return (f"{name}() of rows of two different records (a batch partner, "
                     f"x[perm] or x.roll(k, 0), as in mixup) of a {tuple(first.shape)} tensor")
-        new = _order(name, args, kwargs, self.key)
-        key = new if new is not None else self.key(first)
-        if key is not None:
+        m = int(first.shape[0])
+        new = _order(name, args, kwargs, (self.key(first) or (None, None))[1], m, self.made,
+                     self.whole)
+        key = self.key(first) if new is False else new
+        if key is not None or new is None:
             for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == first.shape[0]:
-                    self.keys[id(t)] = (weakref.ref(t), key)
+                if isinstance(t, torch.Tensor) and t.dim() and (
+                        t.shape[0] == m or new not in (False, None)):
+                    if key is None:
+                        self.keys.pop(id(t), None)
+                    else:
+                        self.keys[id(t)] = (weakref.ref(t), key)
         return None
 
 
