@@ -167,7 +167,25 @@ PARTNERS = {"mixup": mixup, "a rolled neighbour": lambda x, y: (x - x.roll(1, 0)
             "a NumPy permutation as a list": partner(lambda n: list(numpy_order(n))),
             "randperm as a list": partner(lambda n: torch.randperm(n).tolist()),
             "index_select by a tensor of a list": lambda x, y: (
-                x + x.index_select(0, torch.tensor(numpy_order(len(x)).tolist())), y)}
+                x + x.index_select(0, torch.tensor(numpy_order(len(x)).tolist())), y),
+            # CutMix: a box of the partner pasted in place (silent until 2026-11-30)
+            "CutMix by item assignment": lambda x, y: (_cutmix(x, "setitem"), y),
+            "CutMix by copy_ into a view": lambda x, y: (_cutmix(x, "copy_"), y),
+            "CutMix by torch.where": lambda x, y: (_cutmix(x, "where"), y)}
+
+
+def _cutmix(x, how):
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    if how == "where":
+        box = torch.zeros(1, x.shape[1], dtype=torch.bool)
+        box[:, 1:3] = True
+        return torch.where(box, x[perm], x)
+    x = x.clone()
+    if how == "setitem":
+        x[:, 1:3] = x[perm, 1:3]
+    else:
+        x[:, 1:3].copy_(x[perm][:, 1:3])
+    return x
 
 
 @pytest.mark.parametrize("where", sorted(LOOPS))

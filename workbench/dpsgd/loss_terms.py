@@ -71,6 +71,20 @@ def _dims(func, args, kwargs, ndim: int):
     return {d % ndim for d in dims if isinstance(d, int)}
 
 
+def written(name: str, args, out) -> list:
+    """What ``name(*args)`` leaves holding its result: ``out``, and for a write in place
+    (``x[box] = x[perm][box]``: CutMix, ``x.copy_(...)``, ``x.add_(stat)``) the tensor written
+    and the base it views: ``__setitem__`` returns None, so CutMix's pasted batch carried no
+    mark into the model, silently, until 2026-11-30."""
+    found = [out]
+    if (name == "__setitem__" or (name.endswith("_") and not name.startswith("__"))) \
+            and args and isinstance(args[0], torch.Tensor):
+        found.append(args[0])
+        if args[0]._base is not None:
+            found.append(args[0]._base)
+    return found
+
+
 class BatchStatistics:
     """The batch statistics of one loss window (module docstring)."""
 
@@ -151,13 +165,13 @@ class BatchStatistics:
                 if not self._has(self.derived, tensors[0]):
                     self._number(out, what)
             else:
-                self._mark(self.stats, out, what)
+                self._mark(self.stats, written(name, args, out), what)
             return
         what = self.order.after(name, args, kwargs, tensors, out,
                                 lambda t: self._has(self.derived, t))
-        if what is not None and self._batch(tensors[0].shape[0]):
-            self.source[what] = int(tensors[0].shape[0])
-            self._mark(self.stats, out, what)
+        if what is not None and self._batch(max(t.shape[0] for t in tensors if t.dim())):
+            self.source[what] = max(int(t.shape[0]) for t in tensors if t.dim())
+            self._mark(self.stats, written(name, args, out), what)
             return
         x = tensors[0] if tensors and args and args[0] is tensors[0] else None
         if name in REDUCTIONS and x is not None and x.dim() and self._batch(x.shape[0]) \

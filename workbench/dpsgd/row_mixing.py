@@ -141,14 +141,21 @@ class RowOrder:
             self.indices[id(out)] = weakref.ref(out)  # an index the loop made, or one
             return None  # computed from such (rolled, sliced, cast): not data
         first = tensors[0] if tensors else None  # torch.cat([a, b], 1): the list's first
-        if first is None or not first.dim():
+        if first is None:
             return None
-        data = [t for t in tensors if (not t.requires_grad or (ours and ours(t))) and t.dim()
-                and t.shape[0] == first.shape[0] and t.shape[0] >= 2]
-        orders = {self.key(t) for t in data}
-        if len(data) >= 2 and len(orders) > 1 and name not in REORDER:
-            return (f"{name}() of rows of two different records (a batch partner, "
-                    f"x[perm] or x.roll(k, 0), as in mixup) of a {tuple(first.shape)} tensor")
+        if name not in REORDER:  # the data tensors of one row count in two orders: mixed
+            data = [t for t in tensors if (not t.requires_grad or (ours and ours(t)))
+                    and t.dim() and t.shape[0] >= 2]  # (``torch.where(mask, x[perm], x)``:
+            # the mask comes first, one row, so its rows were the only ones compared)
+            for rows in {t.shape[0] for t in data}:
+                same = [t for t in data if t.shape[0] == rows]
+                if len(same) >= 2 and len({self.key(t) for t in same}) > 1:
+                    shape = next(tuple(t.shape) for t in same if self.key(t) is not None)
+                    return (f"{name}() of rows of two different records (a batch partner, "
+                            f"x[perm] or x.roll(k, 0), as in mixup or CutMix) of a {shape} "
+                            f"tensor")
+        if not first.dim():
+            return None
         m = int(first.shape[0])
         new = _order(name, args, kwargs, (self.key(first) or (None, None))[1], m, self.made,
                      self.whole)
