@@ -171,7 +171,38 @@ PARTNERS = {"mixup": mixup, "a rolled neighbour": lambda x, y: (x - x.roll(1, 0)
             # CutMix: a box of the partner pasted in place (silent until 2026-11-30)
             "CutMix by item assignment": lambda x, y: (_cutmix(x, "setitem"), y),
             "CutMix by copy_ into a view": lambda x, y: (_cutmix(x, "copy_"), y),
-            "CutMix by torch.where": lambda x, y: (_cutmix(x, "where"), y)}
+            "CutMix by torch.where": lambda x, y: (_cutmix(x, "where"), y),
+            "mixup of one-hot labels written by scatter_": lambda x, y: (x, _onehot(y, mix=True))}
+
+
+def _onehot(y, mix=False, perm=None):
+    """One-hot rows written into zeros (a tensor of no record) by scatter_."""
+    y = y if perm is None else y[perm]
+    hot = torch.zeros(len(y), K, dtype=torch.float64).scatter_(1, y[:, None], 1.0)
+    if mix:
+        return 0.7 * hot + 0.3 * hot[torch.randperm(len(y))]
+    return hot
+
+
+def _shuffled_in_place(x, y):
+    perm = torch.randperm(len(x))
+    x, y = x.clone(), y.clone()
+    x[:] = x[perm]
+    y[:] = y[perm]
+    return x, y
+
+
+def _shuffled_masked_one_hot(x, y):
+    perm = torch.randperm(len(x))
+    keep = torch.rand(len(x), 1) > 0.1  # a mask of no record
+    return x[perm] * keep, _onehot(y, perm=perm)
+
+
+def _jittered_per_record(x, y):
+    x = x.clone()
+    for row in x:  # each record's own statistic, written into its own row
+        row.mul_(0.5).add_(0.5 * row.mean())
+    return x, y
 
 
 def _cutmix(x, how):
@@ -221,6 +252,10 @@ REORDERED = {
     "orders that compose to the batch's own": _own_rows,
     "a class weight per label": lambda x, y: (x * torch.linspace(0.5, 1.5, K,
                                                                   dtype=x.dtype)[y, None], y),
+    # refused by this session's first version of the in-place marks (the review's finds)
+    "a shuffle written in place": _shuffled_in_place,
+    "a shuffle, a fresh mask and one-hot labels by scatter_": _shuffled_masked_one_hot,
+    "a per-record jitter written in place": _jittered_per_record,
 }
 
 
@@ -317,3 +352,25 @@ def test_a_class_weight_looked_up_by_labels_made_in_the_collate_is_accepted(wher
             loss = (F.cross_entropy(model(x), y, reduction="none") * w[y]).sum()
         loss.backward()
         opt.step()
+
+
+def test_a_records_own_statistic_written_into_its_rows_is_accepted_when_its_dim_0_is_n():
+    """A record of shape (3, 4) in a batch of 3: ``r.mean()`` reduces r's dim 0, which has n
+    entries by coincidence, and the write into r marked the whole batch (r's base) until the
+    review's find: a base is marked only through a view over its rows."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(12, K)).double()
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=0.0,
+                      max_grad_norm=1.0, expected_batch_size=3, loss_reduction="sum")
+    g = torch.Generator().manual_seed(0)
+    try:
+        for _ in range(2):
+            opt.zero_grad()
+            x = torch.randn(3, 3, 4, dtype=torch.float64, generator=g)
+            y = torch.randint(0, K, (3,), generator=g)
+            for r in x:  # each image's own contrast, in place
+                r.mul_(0.5).add_(0.5 * r.mean())
+            ce(model(x), y).backward()
+            opt.step()
+    finally:
+        opt.detach()

@@ -79,9 +79,11 @@ def written(name: str, args, out) -> list:
     found = [out]
     if (name == "__setitem__" or (name.endswith("_") and not name.startswith("__"))) \
             and args and isinstance(args[0], torch.Tensor):
-        found.append(args[0])
-        if args[0]._base is not None:
-            found.append(args[0]._base)
+        t, base = args[0], args[0]._base
+        found.append(t)
+        if base is not None and t.dim() and base.dim() and t.shape[0] == base.shape[0] \
+                and t.stride(0) == base.stride(0):  # a view over the base's rows (a box of
+            found.append(base)  # every record), not one record's (``for r in x: r.add_``)
     return found
 
 

@@ -47,6 +47,25 @@ from torch.utils._pytree import tree_flatten
 REORDER = {"__getitem__", "index_select", "roll", "flip", "take_along_dim", "randperm"}
 FRESH = {"randperm", "arange", "tensor", "as_tensor", "from_numpy", "asarray"}
 """Ops whose 1-d integer output the window follows as a possible index (the loop made it)."""
+FREE = {"rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "bernoulli",
+        "zeros", "ones", "full", "empty", "zeros_like", "ones_like", "full_like", "empty_like",
+        "normal", "eye"}
+"""Ops whose output holds no record's data (noise, a mask, a zero buffer): no row order, so
+a per-record mask drawn for a shuffled batch (``x[perm] * (torch.rand(n, 1) > 0.1)``) or a
+one-hot written into zeros is no partner (both refused until 2026-11-30)."""
+
+
+def _whole(name: str, args) -> bool:
+    """``x[:] = v``, ``x[...] = v``, ``x.copy_(v)`` on a tensor that is no view: the write
+    replaces every value of x, so nothing of x's own rows stays beside v's."""
+    if not args or not isinstance(args[0], torch.Tensor) or args[0]._base is not None:
+        return False
+    if name == "copy_":
+        return True
+    if name != "__setitem__" or len(args) < 2:
+        return False
+    key = args[1] if isinstance(args[1], tuple) else (args[1],)
+    return all(k is Ellipsis or k == slice(None) for k in key)
 
 
 def _values(index, fresh, m: int, whole: bool = False) -> list | None:
@@ -120,10 +139,15 @@ class RowOrder:
         self.whole = whole  # before the forward pass: a whole permutation is an index too
         self.keys: dict[int, tuple] = {}  # id -> (weakref, ("rows", source rows))
         self.indices: dict[int, weakref.ref] = {}  # id -> weakref: indices the window made
+        self.free: dict[int, weakref.ref] = {}  # id -> weakref: tensors of no record (FREE)
 
     def key(self, t):
         entry = self.keys.get(id(t))
         return entry[1] if entry is not None and entry[0]() is t else None
+
+    def _free(self, t) -> bool:
+        ref = self.free.get(id(t))
+        return ref is not None and ref() is t
 
     def made(self, t) -> bool:
         """t is an index the loop made (``FRESH``, or computed from such): no data, so its
@@ -140,13 +164,34 @@ class RowOrder:
                     name in FRESH or (tensors and all(self.made(t) for t in tensors))):
             self.indices[id(out)] = weakref.ref(out)  # an index the loop made, or one
             return None  # computed from such (rolled, sliced, cast): not data
+        into = (name == "__setitem__" or (name.endswith("_") and not name.startswith("__"))) \
+            and bool(tensors) and self._free(tensors[0]) \
+            and not all(self._free(t) for t in tensors[1:])  # records' data written into a
+        if into:  # tensor of none (a one-hot by scatter_ into zeros): data now, in the
+            self.free.pop(id(tensors[0]), None)  # order of what was written
+        if name in FREE or (tensors and all(self._free(t) for t in tensors)):
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.free[id(t)] = weakref.ref(t)
+            return None
+        if _whole(name, args):  # x takes v's order, nothing of x's own is left
+            src = args[2] if name == "__setitem__" and len(args) > 2 else \
+                args[1] if len(args) > 1 else None
+            key = self.key(src) if isinstance(src, torch.Tensor) else None
+            if key is None:
+                self.keys.pop(id(args[0]), None)
+            else:
+                self.keys[id(args[0])] = (weakref.ref(args[0]), key)
+            return None
         first = tensors[0] if tensors else None  # torch.cat([a, b], 1): the list's first
         if first is None:
             return None
         if name not in REORDER:  # the data tensors of one row count in two orders: mixed
             data = [t for t in tensors if (not t.requires_grad or (ours and ours(t)))
-                    and t.dim() and t.shape[0] >= 2]  # (``torch.where(mask, x[perm], x)``:
-            # the mask comes first, one row, so its rows were the only ones compared)
+                    and t.dim() and t.shape[0] >= 2 and not self._free(t)
+                    and not (into and t is tensors[0])]
+            # (``where(mask, x[perm], x)``: the mask comes first, one row, so its rows were
+            # the only ones compared)
             for rows in {t.shape[0] for t in data}:
                 same = [t for t in data if t.shape[0] == rows]
                 if len(same) >= 2 and len({self.key(t) for t in same}) > 1:
@@ -154,6 +199,11 @@ class RowOrder:
                     return (f"{name}() of rows of two different records (a batch partner, "
                             f"x[perm] or x.roll(k, 0), as in mixup or CutMix) of a {shape} "
                             f"tensor")
+            if into:
+                keys = {self.key(t) for t in data if t.shape[0] == tensors[0].shape[0]}
+                if len(keys) == 1 and None not in keys:
+                    self.keys[id(tensors[0])] = (weakref.ref(tensors[0]), keys.pop())
+                return None
         if not first.dim():
             return None
         m = int(first.shape[0])
