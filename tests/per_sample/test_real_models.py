@@ -201,3 +201,40 @@ def test_prompt_tuning_takes_the_embedding_rule_not_the_fallback(n):
     routes = quiet(wb.ghost_routes, model, loss_fn, x, y)
     assert len(routes) == 1 and routes["type"].iloc[0] == "Embedding", routes
     assert not routes["route"].str.contains("fallback|vmap").any(), routes
+
+
+
+def test_mixtral_router_logits_returned_and_unread_are_no_records():
+    """``output_router_logits=True`` returns (n·T, E) router logits beside the logits; a loss
+    on the logits alone was refused with "loss_fn must return one loss per sample, shape
+    (1,); got shape (5,)" (the probe's record alone summed the unread output's T rows) until
+    2026-11-30. The output the loss does not read adds nothing to the probe's sum."""
+    name = "mixtral"
+    hf, rtol = model_of(name).hf, PROBLEMS[name].rtol
+    params = dict(hf.named_parameters())
+
+    def run(ids):
+        return hf(input_ids=ids, output_router_logits=True)
+
+    def loss_fn(out, y):
+        return PROBLEMS[name].loss_fn(out.logits, y)
+
+    opt = quiet(DPOptimizer, torch.optim.SGD(params.values(), lr=0.0), hf,
+                noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=4.0,
+                loss_reduction="sum")
+    try:
+        for step, n in enumerate((3, T)):
+            x, y = PROBLEMS[name].batch(n, T=T, seed=20 + step)
+            rows = [quiet(torch.autograd.grad, loss_fn(run(x[i:i + 1]), y[i:i + 1]).sum(),
+                          list(params.values()), allow_unused=True) for i in range(n)]
+            ref = {k: torch.stack([torch.zeros_like(p) if r[j] is None else r[j] for r in rows])
+                   for j, (k, p) in enumerate(params.items())}
+            opt.max_grad_norm = C = float(norms_of(ref).median())
+            want = clipped_sum(ref, C)
+            opt.zero_grad()
+            loss_fn(run(x), y).sum().backward()
+            quiet(opt.step)
+            for k, p in params.items():
+                assert_close(p.grad * 4.0, want[k], scale(ref), f"{name} step {step} {k}", rtol)
+    finally:
+        opt.detach()
