@@ -95,12 +95,7 @@ def dot_loss(outputs, backprops, keys=None) -> torch.Tensor:
     per-record tensors, not the loss it computed from them)."""
     outs = select(outputs, keys)  # None elements skipped, as the recorded b (hooks.py)
     bs = backprops if isinstance(backprops, (tuple, list)) else (backprops,)
-    pairs = list(zip(outs, bs))
-    read = [(o, b) for o, b in pairs if not isinstance(b, torch.Tensor) or bool(b.any())]
-    # an output the loss did not read adds nothing: Mixtral's router logits, (n·T, E) rows,
-    # not one per record, made the record alone's sum T long (a misleading LossShapeError
-    # until 2026-11-30); with none read (a record whose gradient is 0), the first, as zeros
-    return sum((o * b).reshape(len(o), -1).sum(1) for o, b in (read or pairs[:1]))
+    return sum((o * b).reshape(len(o), -1).sum(1) for o, b in zip(outs, bs))  # (n,) o too
 
 
 def dot_loss_of(call):
