@@ -50,37 +50,30 @@ def libraries():
         if importlib.util.find_spec(name) is None:
             pytest.skip(f"{name} is not installed: pip install '.[realmodels]'")
 
-
 def quiet(fn, *args, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return fn(*args, **kwargs)
 
-
 @functools.lru_cache(maxsize=None)
 def model_of(name):
     return quiet(PROBLEMS[name].build)
-
 
 def batches(name):
     """Two batches per size: n ≠ T, then n = T (images: two sizes)."""
     sizes = (2, 3) if name in IMAGE else (3, T)
     return [PROBLEMS[name].batch(n, T=T, seed=s) for n in sizes for s in (0, 1)]
 
-
 def assert_close(got, want, size, what, rtol):  # rtol: the problem's (FLOAT32_INSIDE)
     assert error(got, want, size, rtol) <= 1, f"{what}: error {float((got - want).norm()):.2e}"
-
 
 def refused(name, method):
     rule = REFUSED.get(name, {})
     return rule.get("all") or rule.get(method)
 
-
 def expect_error(word, fn, *args, **kwargs):
     with pytest.raises(WorkbenchError, match=word):
         quiet(fn, *args, **kwargs)
-
 
 @pytest.mark.parametrize("name", NAMES)
 def test_functional_api_is_exact_or_refused(name):
@@ -113,9 +106,7 @@ def test_functional_api_is_exact_or_refused(name):
             for k in want:
                 assert_close(got[k], want[k], size, f"{name} clipped sum {method} {k}", rtol)
 
-
 STEPS = (3, T, 4, T)  # Poisson-like batch sizes, n = T from the second step on
-
 
 # T5's relative position bias (an Embedding on a (query, key) bucket matrix, permuted) is
 # exact at n = T only because the optimizer re-probes every new call signature
@@ -128,7 +119,6 @@ def test_dp_optimizer_is_exact_every_step_or_refused(name, mode):
         expect_error(word, optimizer_steps, name, mode)
     else:
         optimizer_steps(name, mode)
-
 
 def optimizer_steps(name, mode):
     """Steps of Poisson-like sizes; each step's p.grad against the clipped reference."""
@@ -153,9 +143,7 @@ def optimizer_steps(name, mode):
     finally:
         opt.detach()
 
-
 TRANSFORMERS = [n for n in NAMES if PROBLEMS[n].kind != "image" and not refused(n, "all")]
-
 
 @pytest.mark.parametrize("name", TRANSFORMERS)
 def test_ghost_routes_take_no_vmap_route_on_transformers(name):
@@ -164,7 +152,6 @@ def test_ghost_routes_take_no_vmap_route_on_transformers(name):
     routes = quiet(wb.ghost_routes, model, loss_fn, x, y)
     slow = set(routes[routes["route"].str.contains("vmap")]["type"])
     assert slow == VMAP_ROUTES.get(name, set()), routes[routes["route"].str.contains("vmap")]
-
 
 def test_opt_flattened_mlp_takes_its_rules_not_the_whole_model_fallback():
     """OPT's decoder runs final_layer_norm, fc1 and fc2 on ``h.reshape(-1, d)``: the rows are
@@ -176,7 +163,6 @@ def test_opt_flattened_mlp_takes_its_rules_not_the_whole_model_fallback():
         mlp = routes[routes["layer"].str.contains(r"layers\.\d+\.(fc1|fc2|final_layer_norm)$")]
         assert len(mlp) == 3, routes
         assert not routes["route"].str.contains("fallback|vmap").any(), routes
-
 
 @pytest.mark.parametrize("n", [3, T])  # n = T: the bucket matrix (T, T) looks batch-first
 def test_t5_relative_bias_takes_the_embedding_rule_not_the_fallback(n):
@@ -190,7 +176,6 @@ def test_t5_relative_bias_takes_the_embedding_rule_not_the_fallback(n):
     assert len(bias) == 2 and set(bias["route"]) == {"segment sum"}, bias
     assert not routes["route"].str.contains("fallback").any(), routes
 
-
 @pytest.mark.parametrize("n", [3, T])
 def test_prompt_tuning_takes_the_embedding_rule_not_the_fallback(n):
     """PEFT's virtual tokens, computed once without the batch, ``repeat``-ed to it and
@@ -201,3 +186,38 @@ def test_prompt_tuning_takes_the_embedding_rule_not_the_fallback(n):
     routes = quiet(wb.ghost_routes, model, loss_fn, x, y)
     assert len(routes) == 1 and routes["type"].iloc[0] == "Embedding", routes
     assert not routes["route"].str.contains("fallback|vmap").any(), routes
+
+def test_mixtral_router_logits_returned_and_unread_are_no_records():
+    """``output_router_logits=True`` returns (n·T, E) router logits beside the logits; a loss
+    on the logits alone was refused with "loss_fn must return one loss per sample, shape
+    (1,); got shape (5,)" (the probe's record alone summed the unread output's T rows) until
+    2026-11-30. The output the loss does not read adds nothing to the probe's sum."""
+    name = "mixtral"
+    hf, rtol = model_of(name).hf, PROBLEMS[name].rtol
+    params = dict(hf.named_parameters())
+
+    def run(ids):
+        return hf(input_ids=ids, output_router_logits=True)
+
+    def loss_fn(out, y):
+        return PROBLEMS[name].loss_fn(out.logits, y)
+
+    opt = quiet(DPOptimizer, torch.optim.SGD(params.values(), lr=0.0), hf,
+                noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=4.0,
+                loss_reduction="sum")
+    try:
+        for step, n in enumerate((3, T)):
+            x, y = PROBLEMS[name].batch(n, T=T, seed=20 + step)
+            rows = [quiet(torch.autograd.grad, loss_fn(run(x[i:i + 1]), y[i:i + 1]).sum(),
+                          list(params.values()), allow_unused=True) for i in range(n)]
+            ref = {k: torch.stack([torch.zeros_like(p) if r[j] is None else r[j] for r in rows])
+                   for j, (k, p) in enumerate(params.items())}
+            opt.max_grad_norm = C = float(norms_of(ref).median())
+            want = clipped_sum(ref, C)
+            opt.zero_grad()
+            loss_fn(run(x), y).sum().backward()
+            quiet(opt.step)
+            for k, p in params.items():
+                assert_close(p.grad * 4.0, want[k], scale(ref), f"{name} step {step} {k}", rtol)
+    finally:
+        opt.detach()

@@ -89,19 +89,35 @@ from workbench.per_sample.uses import UseTracker, quiet
 ROOT = "<model>"
 
 
-def dot_loss(outputs, backprops, keys=None) -> torch.Tensor:
+def dot_loss(outputs, backprops, keys=None, read=None) -> torch.Tensor:
     """(n,): ⟨o_i, b_i⟩ per sample, whose gradient w.r.t. θ is the per-sample gradient;
     ``keys``: the recorded call's outputs (``model_loss.output_keys``: a ``ModelOutput``'s
-    per-record tensors, not the loss it computed from them)."""
+    per-record tensors, not the loss it computed from them); ``read``: per output, whether
+    the loss read it (``dot_loss_of``), an output it did not adding nothing."""
     outs = select(outputs, keys)  # None elements skipped, as the recorded b (hooks.py)
     bs = backprops if isinstance(backprops, (tuple, list)) else (backprops,)
-    return sum((o * b).reshape(len(o), -1).sum(1) for o, b in zip(outs, bs))  # (n,) o too
+    pairs = [(o, b) for j, (o, b) in enumerate(zip(outs, bs)) if read is None or read[j]]
+    return sum((o * b).reshape(len(o), -1).sum(1) for o, b in pairs)  # (n,) o too
 
 
 def dot_loss_of(call):
-    """``dot_loss`` for the outputs of the recorded model call ``call``."""
+    """``dot_loss`` for the outputs of the recorded model call ``call``, leaving out those
+    the loss did not read (a recorded gradient of zeros): Mixtral's returned router logits,
+    (n·T, E) rows, not one per record, made a record alone's sum T long, and a loss on the
+    logits alone was refused as "loss_fn must return one loss per sample" (until
+    2026-11-30). Decided here, on the recorded tensors, not inside ``dot_loss``: it runs
+    under ``torch.func.vmap``, where a test of the data is refused."""
     keys = getattr(call, "keys", None)
-    return dot_loss if keys is None else partial(dot_loss, keys=keys)
+    b = getattr(call, "backprops", None)
+    bs = b if isinstance(b, (tuple, list)) else (b,)
+    read = None
+    if len(bs) > 1 and all(isinstance(t, torch.Tensor) for t in bs):
+        flags = tuple(bool(t.any()) for t in bs)
+        if any(flags) and not all(flags):
+            read = flags
+    if keys is None and read is None:
+        return dot_loss
+    return partial(dot_loss, keys=keys, read=read)
 
 
 class ModelRecorder:
