@@ -172,7 +172,34 @@ PARTNERS = {"mixup": mixup, "a rolled neighbour": lambda x, y: (x - x.roll(1, 0)
             "CutMix by item assignment": lambda x, y: (_cutmix(x, "setitem"), y),
             "CutMix by copy_ into a view": lambda x, y: (_cutmix(x, "copy_"), y),
             "CutMix by torch.where": lambda x, y: (_cutmix(x, "where"), y),
-            "mixup of one-hot labels written by scatter_": lambda x, y: (x, _onehot(y, mix=True))}
+            "mixup of one-hot labels written by scatter_": lambda x, y: (x, _onehot(y, mix=True)),
+            # partners that are no permutation, each silent until 2026-11-30
+            "a partner drawn per record by randint": partner(
+                lambda n: torch.randint(0, n, (n,), generator=torch.Generator().manual_seed(1))),
+            "a partner drawn by multinomial": partner(lambda n: torch.multinomial(
+                torch.ones(n), n, replacement=True, generator=torch.Generator().manual_seed(1))),
+            "half-batch mixup by chunk": lambda x, y: _halves(x, y, "chunk"),
+            "half-batch mixup by split": lambda x, y: _halves(x, y, "split"),
+            "half-batch mixup by slices": lambda x, y: _halves(x, y, "slices"),
+            "half-batch mixup by narrow": lambda x, y: _halves(x, y, "narrow"),
+            "neighbours' differences by slices": lambda x, y: (
+                torch.cat([x[:1], x[1:] - x[:-1]]), y),
+            "a roll spelled by cat": lambda x, y: (
+                0.7 * x + 0.3 * torch.cat([x[1:], x[:1]]), y)}
+
+
+def _halves(x, y, how):
+    """Mixup of the batch's two halves (each record with the one h rows on)."""
+    h = len(x) // 2
+    if how == "chunk":
+        a, b = x.chunk(2)
+    elif how == "split":
+        a, b = torch.split(x, h)
+    elif how == "narrow":
+        a, b = x.narrow(0, 0, h), x.narrow(0, h, h)
+    else:
+        a, b = x[:h], x[h:2 * h]
+    return torch.cat([0.7 * a + 0.3 * b, 0.7 * b + 0.3 * a]), y
 
 
 def _onehot(y, mix=False, perm=None):
@@ -256,7 +283,20 @@ REORDERED = {
     "a shuffle written in place": _shuffled_in_place,
     "a shuffle, a fresh mask and one-hot labels by scatter_": _shuffled_masked_one_hot,
     "a per-record jitter written in place": _jittered_per_record,
+    # beside this session's slices and drawn partners (2026-11-30)
+    "a bootstrap resample, consistently": lambda x, y: _resampled(x, y),
+    "the batch halved and joined again": lambda x, y: (
+        torch.cat([x.chunk(2)[0] * 2.0, x.chunk(2)[1]]), torch.cat(y.chunk(2))),
+    "the batch truncated": lambda x, y: (x[:6] * 1.5, y[:6]),
+    "a coin drawn per record": lambda x, y: (
+        x * torch.randint(0, 2, (len(x),))[:, None], y),
+    "features sliced and joined": lambda x, y: (torch.cat([x[:, :2], 2 * x[:, 2:]], 1), y),
 }
+
+
+def _resampled(x, y):
+    idx = torch.randint(0, len(x), (len(x),), generator=torch.Generator().manual_seed(2))
+    return x[idx] * 2.0, y[idx]
 
 
 @pytest.mark.parametrize("where", sorted(LOOPS))
@@ -271,6 +311,12 @@ PAIRED_LOSSES = {  # piecewise linear: no second derivative across records
     "L1 to the rolled neighbour": lambda o, y: (o - o.roll(1, 0)).abs().sum(),
     "mixed soft labels": lambda o, y: F.cross_entropy(
         o, 0.7 * F.one_hot(y, K).double() + 0.3 * F.one_hot(y, K).double().roll(1, 0),
+        reduction="sum"),
+    # silent until 2026-11-30: neighbours by slices, a label partner drawn per record
+    "L1 between neighbours by slices": lambda o, y: (o[1:] - o[:-1]).abs().sum(),
+    "labels of a drawn partner, mixed": lambda o, y: F.cross_entropy(
+        o, 0.7 * F.one_hot(y, K).double()
+        + 0.3 * F.one_hot(y, K).double()[torch.randint(0, len(y), (len(y),))],
         reduction="sum"),
 }
 

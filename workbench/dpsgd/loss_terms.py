@@ -121,7 +121,8 @@ class BatchStatistics:
         for size in (1, *shape[1:]):
             m *= int(size)
             valid.add(n * m)
-        kept = tuple(w for w, r in self.source.items() if r in valid)
+        kept = tuple(w for w, r in self.source.items()
+                     if (r & valid if isinstance(r, frozenset) else r in valid))
         self.stats = {k: v for k, v in self.stats.items() if v[1].endswith(kept)}
         self.reductions = {k: v for k, v in self.reductions.items() if v[1].endswith(kept)}
         self.numbers = {v: w for v, w in self.numbers.items() if w.endswith(kept)}
@@ -171,8 +172,10 @@ class BatchStatistics:
             return
         what = self.order.after(name, args, kwargs, tensors, out,
                                 lambda t: self._has(self.derived, t))
-        if what is not None and self._batch(max(t.shape[0] for t in tensors if t.dim())):
-            self.source[what] = max(int(t.shape[0]) for t in tensors if t.dim())
+        rows = (self.order.records or {max(int(t.shape[0]) for t in tensors if t.dim())}) \
+            if what is not None else ()  # (slices of a batch: every row count on the way)
+        if what is not None and any(self._batch(r) for r in rows):
+            self.source[what] = frozenset(rows)
             self._mark(self.stats, written(name, args, out), what)
             return
         x = tensors[0] if tensors and args and args[0] is tensors[0] else None

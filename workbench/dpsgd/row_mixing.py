@@ -35,6 +35,14 @@ table, n = K classes, is taken for a partner index: refused, never silent). Not 
 window: the model's output carries no order, so ``y[perm]`` beside ``model(x[perm])`` (perm
 made before the window) would be taken for a partner of the output's rows.
 
+A partner need not come from a permutation: one drawn per record with repeats
+(``x[torch.randint(0, n, (n,))]``, ``torch.multinomial``), the batch's halves
+(``a, b = x.chunk(2)``, ``x[:h]`` with ``x[h:]``, ``narrow``, ``split``), neighbours by
+slices (``x[1:] - x[:-1]``) or a roll spelled by ``torch.cat([x[1:], x[:1]])``: each passed
+silently until 2026-11-30. A slice's rows are kept relative to the tensor it was cut from
+(its *base*) and compared only with other slices of that base: a batch cut by hand from a
+data set (``X[i:i + b]``) is the batch, not a partner of every fresh b rows beside it.
+
 Notation: n rows, π a permutation (an index tensor over dim 0).
 """
 
@@ -44,7 +52,17 @@ import weakref
 import torch
 from torch.utils._pytree import tree_flatten
 
-REORDER = {"__getitem__", "index_select", "roll", "flip", "take_along_dim", "randperm"}
+REORDER = {"__getitem__", "index_select", "roll", "flip", "take_along_dim", "randperm",
+           "narrow"}
+CATS = {"cat", "concat", "concatenate"}
+"""Over dim 0 these join rows (no row holds two records'), the result taking the pieces'
+orders in turn; over another dim they combine rows, like any op."""
+SPLITS = {"chunk", "split", "tensor_split", "split_with_sizes", "unsafe_split",
+          "unsafe_chunk"}
+"""Ops returning consecutive pieces of the rows (``x.chunk(2)``: half-batch mixup's halves)."""
+DRAWN = {"randint", "multinomial"}
+"""Ops drawing a random index, repeats allowed: a partner drawn per record
+(``x[torch.randint(0, n, (n,))]``) is one though no permutation."""
 FRESH = {"randperm", "arange", "tensor", "as_tensor", "from_numpy", "asarray"}
 """Ops whose 1-d integer output the window follows as a possible index (the loop made it)."""
 FREE = {"rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "bernoulli",
@@ -68,13 +86,23 @@ def _whole(name: str, args) -> bool:
     return all(k is Ellipsis or k == slice(None) for k in key)
 
 
-def _values(index, fresh, m: int, whole: bool = False) -> list | None:
+def _values(index, fresh, m: int, whole: bool = False, drawn=None) -> list | None:
     """An index's values as Python ints where it is a whole permutation of the m rows, else
     None: a 1-d integer tensor the window saw made (``fresh``), or (``whole``: before the
     forward pass) any such tensor (``torch.from_numpy`` makes one unseen: no torch function),
     or a list or NumPy array of ints. Only a permutation: a lookup by labels (``w[y]``, the
     labels made by ``torch.tensor`` in the loader's collate) picks a table's rows, not the
-    batch's, and a subset of the rows changes the row count (no partner row by row)."""
+    batch's, and a subset of the rows changes the row count (no partner row by row). A
+    slice of the rows is their range; an index the window saw drawn at random (``drawn``:
+    ``randint``, ``multinomial``) any values within the rows, repeats and a subset too (a
+    partner drawn per record passed mixup silently until 2026-11-30)."""
+    if isinstance(index, slice):
+        return list(range(m)[index]) if m else None
+    if isinstance(index, torch.Tensor) and drawn is not None and drawn(index) \
+            and index.dim() == 1 and len(index) and not index.is_floating_point() \
+            and index.dtype != torch.bool and not index.is_complex():
+        values = index.tolist()
+        return values if all(-m <= v < m for v in values) else None
     if isinstance(index, torch.Tensor):
         if index.dim() != 1 or index.shape[0] != m or index.dtype == torch.bool \
                 or index.is_floating_point() or index.is_complex() \
@@ -95,20 +123,33 @@ def _values(index, fresh, m: int, whole: bool = False) -> list | None:
     return values if sorted(v % m if m else v for v in values) == list(range(m)) else None
 
 
-def _picked(rows: tuple | None, values: list, m: int):
-    """The source rows of ``t[values]`` for t of m rows in order ``rows`` (None: the batch's
-    own; ``values`` a permutation of them), None where that is the batch's own order again."""
-    base = rows if rows is not None else range(m)
-    out = tuple(base[v % m] for v in values)
-    return None if out == tuple(range(m)) else ("rows", out)
+def _positions(values: list):
+    """The rows picked, None where they are all of them in order."""
+    out = tuple(values)
+    return None if out == tuple(range(len(out))) else out
 
 
-def _order(name: str, args, kwargs, rows, m: int, fresh, whole: bool = False):
-    """The new row order ``name(*args)`` gives its first argument's m rows (in order
-    ``rows``): ("rows", source rows), None for the batch's own order, ``False`` for no
-    reordering (the first argument's order is kept). ``z[torch.arange(n), y]`` picks each
-    record's own entry: the batch's own order."""
+def _key(rows: tuple):
+    """("rows", rows), None for the batch's own order (rows 0, 1, ..., in order)."""
+    return None if rows == tuple(range(len(rows))) else ("rows", rows)
+
+
+def _dim0(name: str, args, kwargs, default=0) -> bool:
+    """The op works on dim 0 (``cat``'s, ``chunk``'s, ``narrow``'s ``dim``)."""
+    at = {"narrow": 1, "cat": 1, "concat": 1, "concatenate": 1}.get(name, 2)
+    dim = kwargs.get("dim", kwargs.get("axis", args[at] if len(args) > at else default))
+    return dim == 0
+
+
+def _order(name: str, args, kwargs, rows, m: int, fresh, whole: bool = False, drawn=None):
+    """The rows of its first argument's m rows that ``name(*args)`` takes, in turn
+    (positions), None for all of them in order, ``False`` for no reordering (the first
+    argument's order is kept). ``z[torch.arange(n), y]`` picks each record's own entry:
+    the batch's own order. (``rows``: unused, the caller composes.)"""
     index = None
+    if name == "narrow" and _dim0(name, args, kwargs) and len(args) > 3 \
+            and isinstance(args[2], int) and isinstance(args[3], int):
+        index = slice(args[2] % m if m else 0, (args[2] % m if m else 0) + args[3])
     if name == "__getitem__" and len(args) > 1:
         index = args[1][0] if isinstance(args[1], tuple) and args[1] else args[1]
     elif name == "index_select" and len(args) > 2 and args[1] == 0:
@@ -116,19 +157,22 @@ def _order(name: str, args, kwargs, rows, m: int, fresh, whole: bool = False):
     elif name == "take_along_dim" and kwargs.get("dim", args[2] if len(args) > 2 else None) == 0:
         index = args[1]
     if index is not None:
-        values = _values(index, fresh, m, whole)
-        return False if values is None else _picked(rows, values, m)
+        values = _values(index, fresh, m, whole, drawn)
+        if values is None:
+            return False
+        positions = tuple(v % m for v in values)
+        return None if positions == tuple(range(m)) else positions
     if name == "roll":
         dims = kwargs.get("dims", args[2] if len(args) > 2 else None)
         shifts = kwargs.get("shifts", args[1] if len(args) > 1 else None)
         if dims in (0, (0,), [0]) and m:
             k = shifts[0] if isinstance(shifts, (tuple, list)) else shifts
             if isinstance(k, int):
-                return _picked(rows, [(i - k) % m for i in range(m)], m)
+                return _positions([(i - k) % m for i in range(m)])
     if name == "flip":
         dims = kwargs.get("dims", args[1] if len(args) > 1 else None)
         if dims in (0, (0,), [0]):
-            return _picked(rows, list(range(m - 1, -1, -1)), m)
+            return _positions(list(range(m - 1, -1, -1)))
     return False
 
 
@@ -138,8 +182,10 @@ class RowOrder:
     def __init__(self, whole: bool = False):
         self.whole = whole  # before the forward pass: a whole permutation is an index too
         self.keys: dict[int, tuple] = {}  # id -> (weakref, ("rows", source rows))
-        self.indices: dict[int, weakref.ref] = {}  # id -> weakref: indices the window made
+        self.indices: dict[int, tuple] = {}  # id -> (weakref, drawn): indices the window made
         self.free: dict[int, weakref.ref] = {}  # id -> weakref: tensors of no record (FREE)
+        self.bases: dict[int, torch.Tensor] = {}  # id -> a tensor slices were cut from
+        self.records = frozenset()  # the row counts of the records the last mix combined
 
     def key(self, t):
         entry = self.keys.get(id(t))
@@ -150,10 +196,14 @@ class RowOrder:
         return ref is not None and ref() is t
 
     def made(self, t) -> bool:
-        """t is an index the loop made (``FRESH``, or computed from such): no data, so its
-        ``argsort`` (a permutation inverted) is no statistic of the batch."""
-        ref = self.indices.get(id(t))
-        return ref is not None and ref() is t
+        """t is an index the loop made (``FRESH``, ``DRAWN``, or computed from such): no
+        data, so its ``argsort`` (a permutation inverted) is no statistic of the batch."""
+        entry = self.indices.get(id(t))
+        return entry is not None and entry[0]() is t
+
+    def drawn(self, t) -> bool:
+        """t is an index the loop drew at random (``DRAWN``, or computed from such)."""
+        return self.made(t) and self.indices[id(t)][1]
 
     def after(self, name: str, args, kwargs, tensors, out, ours=None) -> str | None:
         """Follow ``out = name(*args, **kwargs)``; ``what`` when it mixes two records.
@@ -161,9 +211,16 @@ class RowOrder:
         own values although it carries gradient."""
         if isinstance(out, torch.Tensor) and out.dim() == 1 and not out.is_floating_point() \
                 and out.dtype != torch.bool and not out.is_complex() and (
-                    name in FRESH or (tensors and all(self.made(t) for t in tensors))):
-            self.indices[id(out)] = weakref.ref(out)  # an index the loop made, or one
-            return None  # computed from such (rolled, sliced, cast): not data
+                    name in FRESH or name in DRAWN
+                    or (tensors and all(self.made(t) for t in tensors))):
+            drawn = name in DRAWN or any(self.drawn(t) for t in tensors)
+            self.indices[id(out)] = (weakref.ref(out), drawn)  # an index the loop made, or
+            if name in DRAWN:  # one computed from such (rolled, sliced, cast): not data;
+                self.free[id(out)] = weakref.ref(out)  # drawn, a coin per record too
+            return None
+        if name in SPLITS and tensors and tensors[0].dim() and _dim0(name, args, kwargs):
+            self._pieces(tensors[0], out)
+            return None
         into = (name == "__setitem__" or (name.endswith("_") and not name.startswith("__"))) \
             and bool(tensors) and self._free(tensors[0]) \
             and not all(self._free(t) for t in tensors[1:])  # records' data written into a
@@ -186,7 +243,8 @@ class RowOrder:
         first = tensors[0] if tensors else None  # torch.cat([a, b], 1): the list's first
         if first is None:
             return None
-        if name not in REORDER:  # the data tensors of one row count in two orders: mixed
+        joins = name in CATS and _dim0(name, args, kwargs)
+        if name not in REORDER and not joins:  # data of one row count in two orders: mixed
             data = [t for t in tensors if (not t.requires_grad or (ours and ours(t)))
                     and t.dim() and t.shape[0] >= 2 and not self._free(t)
                     and not (into and t is tensors[0])]
@@ -194,11 +252,13 @@ class RowOrder:
             # the only ones compared)
             for rows in {t.shape[0] for t in data}:
                 same = [t for t in data if t.shape[0] == rows]
-                if len(same) >= 2 and len({self.key(t) for t in same}) > 1:
+                if len(same) >= 2 and self._mixed(same):
+                    self.records = self._mixed(same)
                     shape = next(tuple(t.shape) for t in same if self.key(t) is not None)
                     return (f"{name}() of rows of two different records (a batch partner, "
-                            f"x[perm] or x.roll(k, 0), as in mixup or CutMix) of a {shape} "
-                            f"tensor")
+                            f"x[perm], x.roll(k, 0), x[torch.randint(0, n, (n,))] or another "
+                            f"slice of the batch, x[:h] beside x[h:], as in mixup or CutMix) "
+                            f"of a {shape} tensor")
             if into:
                 keys = {self.key(t) for t in data if t.shape[0] == tensors[0].shape[0]}
                 if len(keys) == 1 and None not in keys:
@@ -207,18 +267,96 @@ class RowOrder:
         if not first.dim():
             return None
         m = int(first.shape[0])
-        new = _order(name, args, kwargs, (self.key(first) or (None, None))[1], m, self.made,
-                     self.whole)
-        key = self.key(first) if new is False else new
-        if key is not None or new is None:
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor) and t.dim() and (
-                        t.shape[0] == m or new not in (False, None)):
-                    if key is None:
-                        self.keys.pop(id(t), None)
-                    else:
-                        self.keys[id(t)] = (weakref.ref(t), key)
+        if joins:
+            self._joined(args[0] if args else kwargs.get("tensors", ()), out)
+            return None
+        new = _order(name, args, kwargs, None, m, self.made, self.whole, self.drawn)
+        # (positions in first's rows: a slice, a permutation, a drawn partner)
+        key = self.key(first) if new in (False, None) else self._sub(first, new)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.dim() and (
+                    t.shape[0] == m or new not in (False, None)):
+                self._set(t, key)
         return None
 
+    def _set(self, t, key) -> None:
+        if key is None:
+            self.keys.pop(id(t), None)
+        else:
+            self.keys[id(t)] = (weakref.ref(t), key)
 
-__all__ = ["REORDER", "RowOrder"]
+    def _sub(self, t, positions) -> tuple | None:
+        """The key of t's rows at ``positions``. A key is ("rows", source rows) of the batch
+        (a permutation, a drawn partner: compared with every tensor of that row count), or
+        ("of", id(base), rows of base, source rows) for rows a slice picked from ``base``
+        (compared only with the base's other slices: ``X[i:i + b]``, a batch cut from a data
+        set by hand, is no partner of a fresh b rows, but ``x[:h]`` is one of ``x[h:]``)."""
+        key = self.key(t)
+        if key is None:
+            if not isinstance(positions, tuple) or len(positions) == t.shape[0]:
+                return _key(positions)  # a permutation of t: of the batch
+            self.bases[id(t)] = t  # kept: its id names it while the window lasts
+            return ("of", id(t), int(t.shape[0]), positions,
+                    frozenset({int(t.shape[0]), len(positions)}))
+        if key[0] == "rows":
+            return _key(tuple(key[1][i] for i in positions))
+        rows = tuple(key[3][i] for i in positions)
+        return _key(rows) if sorted(rows) == list(range(key[2])) else \
+            (*key[:3], rows, key[4] | {len(rows)})  # (every row count on the way: a
+        # batch cut from a data set by hand, X[i:i + b], then halved, has b among them)
+
+    def _mixed(self, same) -> frozenset:
+        """Tensors of one row count holding rows of different records: two orders of the
+        batch, or two different slices of one base; the row counts the records may have
+        been seen in (the tensors', and for slices every one from the base's on:
+        ``BatchStatistics.settle`` keeps a statistic over n·m rows only), else empty."""
+        batch = {k if k is None or k[0] == "rows" else None for k in map(self.key, same)}
+        if len(batch) > 1:
+            return frozenset({int(same[0].shape[0])})
+        slices: dict[int, set] = {}
+        sizes: dict[int, frozenset] = {}
+        for k in map(self.key, same):
+            if k is not None and k[0] == "of":
+                slices.setdefault(k[1], set()).add(k[3])
+                sizes[k[1]] = sizes.get(k[1], frozenset()) | k[4]
+        return next((sizes[base] for base, rows in slices.items() if len(rows) > 1),
+                    frozenset())
+
+    def _pieces(self, t, out) -> None:
+        """``t.chunk(k)``, ``t.split(s)``: each piece its consecutive rows of t, so
+        half-batch mixup (``a, b = x.chunk(2); 0.7 * a + 0.3 * b``) pairs two records
+        (silent until 2026-11-30)."""
+        start = 0
+        for piece in out if isinstance(out, (tuple, list)) else ():
+            if isinstance(piece, torch.Tensor) and piece.dim():
+                k = int(piece.shape[0])
+                self._set(piece, self._sub(t, tuple(range(start, start + k))))
+                start += k
+
+    def _joined(self, pieces, out) -> None:
+        """``torch.cat(pieces)`` over dim 0: the pieces' rows in turn (``torch.cat([x[1:],
+        x[:1]])`` is ``x.roll(-1, 0)``); pieces of two bases (two batches joined, noise
+        beside data) or none reordered: no order."""
+        pieces = [t for t in pieces if isinstance(t, torch.Tensor)] \
+            if isinstance(pieces, (tuple, list)) else []
+        if not isinstance(out, torch.Tensor) or not out.dim() or not pieces \
+                or any(self._free(t) or not t.dim() for t in pieces) \
+                or all(self.key(t) is None for t in pieces):
+            if isinstance(out, torch.Tensor):
+                self._set(out, None)
+            return
+        keys = [self.key(t) for t in pieces]
+        bases = {("rows",) if k is None or k[0] == "rows" else k[:3] for k in keys}
+        sizes = frozenset().union(*(k[4] for k in keys if k is not None and k[0] == "of"))
+        if len(bases) != 1 or any(k is None for k in keys) and bases != {("rows",)}:
+            self._set(out, None)
+            return
+        base = bases.pop()
+        rows = tuple(r for t, k in zip(pieces, keys)
+                     for r in (range(int(t.shape[0])) if k is None
+                               else k[1] if k[0] == "rows" else k[3]))
+        self._set(out, _key(rows) if base == ("rows",) or sorted(rows) == list(
+            range(base[2])) else (*base, rows, sizes | {len(rows)}))
+
+
+__all__ = ["DRAWN", "REORDER", "SPLITS", "RowOrder"]
