@@ -62,7 +62,9 @@ from workbench.per_sample import precision, selfcheck, state_replay
 from workbench.per_sample.checks import (
     ModelCall,
     buffer_ids,
+    norms_mixing,
     state_written_from_batch,
+    statistics_layers,
     trainable_parameters,
 )
 from workbench.per_sample.derived import served_gradients
@@ -131,6 +133,7 @@ class ModelRecorder:
             model = model.module
         self.model = model
         self.layers = layers_with_parameters(model)
+        self.norms = statistics_layers(model)  # frozen statistics: checked every pass
         check_layers(self.layers, strict=False)
         trainable = trainable_parameters(model)  # a complex parameter refused by name
         in_optimizer = {id(p) for g in param_groups for p in g["params"]}
@@ -209,8 +212,17 @@ class ModelRecorder:
             return structure(self.model)
 
     def _enter(self, module, args, kwargs):
-        if self._depth == 0 and self.layer_rec.recording:  # before anything changes: may raise
-            self.watch.forward_begins((args,))  # statistics of the batch before it: loss_watch
+        if self._depth == 0:  # before anything changes: may raise
+            try:
+                mixing = norms_mixing(self.norms)  # a norm put back in training mode, before
+                if mixing is not None:  # its running statistics are written from the batch
+                    raise mixing  # (without gradient too: an evaluation in training mode
+                    # writes them into the released model)
+                if self.layer_rec.recording:  # statistics of the batch before it: loss_watch
+                    self.watch.forward_begins((args,))
+            except BaseException:  # _exit (always_call) runs after a pre-hook that raised:
+                self._depth += 1  # the depth was left at -1, every later pass nested, until
+                raise  # 2026-11-30
         if self._depth >= 1 and self.root_rec.recording:  # the forward calls the model itself
             # (self(h, depth - 1)): part of this pass, as self.forward(...) would be, not a
             # pass of its own (its input computed from the model's parameters was refused as

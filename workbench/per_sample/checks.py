@@ -83,13 +83,46 @@ def check_no_sample_mixing(model: nn.Module) -> None:
 
 def sample_mixing_problem(module: nn.Module) -> str | None:
     """Why ``module`` mixes samples (and the fix), or None when it does not."""
-    if isinstance(module, _BatchNorm):  # includes SyncBatchNorm
-        return ("mixes samples (it normalises with batch statistics), so per-sample gradients "
-                "are undefined; use wb.fix_model(model) to replace it with GroupNorm")
-    if isinstance(module, _InstanceNorm) and module.track_running_stats:
+    if isinstance(module, _BatchNorm) and not frozen_statistics(module):  # SyncBatchNorm too
+        return ("mixes samples (in training mode, or without running statistics, it "
+                "normalises with the batch's statistics and writes them into its running "
+                "statistics), so per-sample gradients are undefined; use wb.fix_model(model) "
+                "to replace it with GroupNorm, or keep it in eval mode with the running "
+                "statistics it has (module.eval(): a per-channel affine map then, e.g. "
+                "statistics from public pre-training)")
+    if isinstance(module, _InstanceNorm) and module.track_running_stats:  # (its rule
+        # normalises by each record's own statistics, not by running ones in eval mode)
         return ("has track_running_stats=True, so its running statistics mix samples; "
                 "use track_running_stats=False or wb.fix_model(model)")
     return None
+
+
+def statistics_layers(model: nn.Module) -> list:
+    """(path, module) of the model's BatchNorm layers: accepted with frozen statistics, so
+    checked at every pass (``norms_mixing``)."""
+    return [(path, m) for path, m in model.named_modules() if isinstance(m, _BatchNorm)]
+
+
+def norms_mixing(norms) -> SampleMixingError | None:
+    """The SampleMixingError for the first of ``norms`` (``statistics_layers``) that mixes
+    samples now: one put back in training mode after the optimizer was made with its
+    statistics frozen (``model.train()`` in the loop) normalises by the batch."""
+    for path, module in norms:
+        problem = sample_mixing_problem(module)
+        if problem:
+            return SampleMixingError(f"{type(module).__name__} at {path or '<model>'} "
+                                     f"{problem}")
+    return None
+
+
+def frozen_statistics(module: nn.Module) -> bool:
+    """A BatchNorm that normalises with its fixed running statistics (eval
+    mode, both present): (x - μ) / σ · γ + β per channel, each record alone, nothing written
+    (refused by type, in any mode, until 2026-11-30: freezing a pre-trained model's batch
+    statistics is the usual way to fine-tune it privately). Checked again at every pass
+    (``model.train()`` turns it back into a batch statistic)."""
+    return not module.training and getattr(module, "running_mean", None) is not None \
+        and getattr(module, "running_var", None) is not None
 
 
 def buffer_ids(model: nn.Module) -> set[int]:
@@ -236,5 +269,6 @@ def take(batch, index: slice):
 __all__ = [
     "ModelCall", "batch_runs", "batch_size", "buffer_ids", "check_batch", "check_losses",
     "dense", "alone", "check_no_sample_mixing", "forward", "state_written_from_batch",
-    "sample_mixing_problem", "take", "trainable_parameters",
+    "sample_mixing_problem", "take", "trainable_parameters", "frozen_statistics",
+    "norms_mixing", "statistics_layers",
 ]
