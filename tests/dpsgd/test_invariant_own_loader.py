@@ -420,3 +420,84 @@ def test_a_records_own_statistic_written_into_its_rows_is_accepted_when_its_dim_
             opt.step()
     finally:
         opt.detach()
+
+
+def _bare(model, steps):
+    """A bare DPOptimizer, ``steps(opt)`` running the loop: each step's data made in it."""
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=0.0,
+                      max_grad_norm=1.0, expected_batch_size=B, loss_reduction="sum")
+    try:
+        steps(opt)
+    finally:
+        opt.detach()
+    return model
+
+
+def _nanogpt_batches(opt):  # windows of a token stream stacked, block size == batch size
+    V, T = 11, B
+    stream = torch.randint(0, V, (400,), generator=torch.Generator().manual_seed(0))
+    model = opt.model
+    for _ in range(2):
+        ix = torch.randint(len(stream) - T - 1, (B,))
+        x = torch.stack([stream[i:i + T] for i in ix])
+        y = torch.stack([stream[i + 1:i + 1 + T] for i in ix])
+        opt.zero_grad()
+        F.cross_entropy(model(x).reshape(-1, V), y.reshape(-1), reduction="sum").backward()
+        opt.step()
+
+
+def _record_deltas(opt):  # each record's own differences over its T == n rows
+    X, Y = torch.randn(3 * B, B + 1, 2, dtype=torch.float64), data()[1]
+    for i in range(0, 3 * B, B):
+        x = torch.stack([torch.cat([r[:1], r[1:] - r[:-1]]) for r in X[i:i + B]])
+        opt.zero_grad()
+        ce(opt.model(x), Y[i:i + B]).backward()
+        opt.step()
+
+
+def _schedule_tables(opt):  # DDPM: a time step drawn per record, two entries of one table
+    Tn = 100
+    ac = torch.cumprod(1 - torch.linspace(1e-4, 0.02, Tn, dtype=torch.float64), 0)
+    bank = torch.randn(50, D, dtype=torch.float64)  # and two draws from a noise bank
+    X = data()[0]
+    for i in range(0, N, B):
+        x0 = X[i:i + B]
+        t = torch.randint(1, Tn, (len(x0),))
+        a_t, a_prev = ac[t][:, None], ac[t - 1][:, None]
+        noise = bank[torch.randint(0, 50, (len(x0),))] \
+            - bank[torch.randint(0, 50, (len(x0),))] + torch.randn_like(x0)
+        xt = a_t.sqrt() * x0 + (1 - a_t).sqrt() * noise
+        opt.zero_grad()
+        ((opt.model(xt)[:, :1] - noise[:, :1]) ** 2 * a_prev / a_t).sum().backward()
+        opt.step()
+
+
+TABLE_LOOPS = {  # refused by the first version of the slices and draws (the review's finds)
+    "nanoGPT's stacked windows of a token stream": (
+        lambda: nn.Sequential(nn.Embedding(11, 4), nn.Linear(4, 11)).double(), _nanogpt_batches),
+    "each record's own deltas": (
+        lambda: nn.Sequential(nn.Flatten(), nn.Linear(2 * (B + 1), K)).double(), _record_deltas),
+    "diffusion schedule and noise bank draws": (mlp, _schedule_tables),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TABLE_LOOPS))
+def test_slices_of_a_stream_or_a_record_and_draws_from_tables_are_accepted(case):
+    build, steps = TABLE_LOOPS[case]
+    torch.manual_seed(0)
+    assert _bare(build(), steps) is not None
+
+
+def test_a_partner_of_labels_cut_by_hand_after_the_forward_pass_is_refused():
+    """Zhang et al.'s mixup criterion, the labels cut from the data set after the forward
+    pass: the first version of the slices let the cut's key hide the partner's order."""
+    def steps(opt):
+        X, Y = data()
+        opt.zero_grad()
+        o = opt.model(X[:B])
+        y = Y[:B]
+        perm = torch.randperm(B, generator=torch.Generator().manual_seed(0))
+        (0.7 * ce(o, y) + 0.3 * ce(o, y[perm])).backward()
+
+    with pytest.raises(LossCouplingError, match="two different records"):
+        _bare(mlp(), steps)

@@ -778,6 +778,7 @@ def watched(batches, watch: "LossWatch | None"):
         for batch in batches:
             if watch is not None:
                 watch.batch_begins(batch_size(batch, "the loader's batch"))
+                watch.before.order.handed(batch)  # its rows are the records'
             yield batch
         if watch is not None:
             watch.batch_ends(last=True)

@@ -42,6 +42,15 @@ slices (``x[1:] - x[:-1]``) or a roll spelled by ``torch.cat([x[1:], x[:1]])``: 
 silently until 2026-11-30. A slice's rows are kept relative to the tensor it was cut from
 (its *base*) and compared only with other slices of that base: a batch cut by hand from a
 data set (``X[i:i + b]``) is the batch, not a partner of every fresh b rows beside it.
+What is no partner (a review's finds, 2026-11-30): a draw of k values from another range
+than range(k) picks a table's rows (a diffusion schedule ``alphas[t]`` beside
+``alphas[t - 1]``, a noise bank, negatives from an embedding table), and a partner draw
+picks a partner only in a tensor made in the window or handed out by the engine's loader
+(``seen``; a table made before it is none, K == n classes or not); a stack over dim 0
+joins (nanoGPT's windows of a token stream, stacked); one record's own tensor (``x[i]``,
+``for r in x``) has no records on dim 0, so its slices pair none (a record's own deltas).
+Left: a draw of k values from range(k) into a table of k rows made in the same window is
+taken for a partner (refused, never silent).
 
 Notation: n rows, π a permutation (an index tensor over dim 0).
 """
@@ -62,7 +71,28 @@ SPLITS = {"chunk", "split", "tensor_split", "split_with_sizes", "unsafe_split",
 """Ops returning consecutive pieces of the rows (``x.chunk(2)``: half-batch mixup's halves)."""
 DRAWN = {"randint", "multinomial"}
 """Ops drawing a random index, repeats allowed: a partner drawn per record
-(``x[torch.randint(0, n, (n,))]``) is one though no permutation."""
+(``x[torch.randint(0, n, (n,))]``: k values from range(k), ``_partner_draw``) is one though
+no permutation; a draw of k values from another range picks a table's rows (a diffusion
+schedule ``alphas[t]``, a noise bank, negatives from an embedding table)."""
+KEEPS_VALUES = {"to", "long", "int", "cpu", "cuda", "clone", "detach", "contiguous", "type",
+                "view", "reshape", "flatten", "squeeze"}
+"""Ops whose 1-d integer output holds its input's values: a partner draw stays one."""
+STACKS = {"stack"}
+"""Over dim 0 a stack makes each piece one row (nanoGPT's ``torch.stack([data[i:i + T] for i
+in ix])``): no row holds two pieces' rows."""
+
+
+def _partner_draw(name: str, args, kwargs, out) -> bool:
+    """``torch.randint(0, k, (k,))`` or ``torch.multinomial(w, k)`` with k weights: k values
+    drawn from range(k), a partner row per row of a k-row batch."""
+    k = int(out.shape[0])
+    if name == "randint":
+        ints = [a for a in args if isinstance(a, int) and not isinstance(a, bool)]
+        low = kwargs.get("low", ints[0] if len(ints) >= 2 else 0)
+        high = kwargs.get("high", ints[-1] if ints else None)
+        return low == 0 and high == k
+    w = args[0] if args else kwargs.get("input")
+    return isinstance(w, torch.Tensor) and w.dim() == 1 and int(w.shape[0]) == k
 FRESH = {"randperm", "arange", "tensor", "as_tensor", "from_numpy", "asarray"}
 """Ops whose 1-d integer output the window follows as a possible index (the loop made it)."""
 FREE = {"rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "bernoulli",
@@ -99,7 +129,7 @@ def _values(index, fresh, m: int, whole: bool = False, drawn=None) -> list | Non
     if isinstance(index, slice):
         return list(range(m)[index]) if m else None
     if isinstance(index, torch.Tensor) and drawn is not None and drawn(index) \
-            and index.dim() == 1 and len(index) and not index.is_floating_point() \
+            and index.dim() == 1 and len(index) == m and not index.is_floating_point() \
             and index.dtype != torch.bool and not index.is_complex():
         values = index.tolist()
         return values if all(-m <= v < m for v in values) else None
@@ -134,9 +164,16 @@ def _key(rows: tuple):
     return None if rows == tuple(range(len(rows))) else ("rows", rows)
 
 
+def _int_first(key) -> bool:
+    """An item key whose dim-0 part is an int: ``x[i]``, ``x[i, :, 2]``."""
+    first = key[0] if isinstance(key, tuple) and key else key
+    return isinstance(first, int) and not isinstance(first, bool)
+
+
 def _dim0(name: str, args, kwargs, default=0) -> bool:
     """The op works on dim 0 (``cat``'s, ``chunk``'s, ``narrow``'s ``dim``)."""
-    at = {"narrow": 1, "cat": 1, "concat": 1, "concatenate": 1}.get(name, 2)
+    at = {"narrow": 1, "cat": 1, "concat": 1, "concatenate": 1, "stack": 1,
+          "unbind": 1}.get(name, 2)
     dim = kwargs.get("dim", kwargs.get("axis", args[at] if len(args) > at else default))
     return dim == 0
 
@@ -185,6 +222,11 @@ class RowOrder:
         self.indices: dict[int, tuple] = {}  # id -> (weakref, drawn): indices the window made
         self.free: dict[int, weakref.ref] = {}  # id -> weakref: tensors of no record (FREE)
         self.bases: dict[int, torch.Tensor] = {}  # id -> a tensor slices were cut from
+        self.seen: dict[int, weakref.ref] = {}  # id -> weakref: made in the window (or the
+        # engine's batch): a partner draw picks its rows, a table's made before it are no
+        # batch (``alphas[t]``, K == n classes)
+        self.inner: dict[int, weakref.ref] = {}  # id -> weakref: one record's (x[i]): its
+        # dim 0 holds no records, slicing it pairs none (a record's own deltas)
         self.records = frozenset()  # the row counts of the records the last mix combined
 
     def key(self, t):
@@ -209,14 +251,24 @@ class RowOrder:
         """Follow ``out = name(*args, **kwargs)``; ``what`` when it mixes two records.
         ``ours(t)``: t is computed from the model's outputs (in the loss window), a record's
         own values although it carries gradient."""
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.dim():
+                self.seen[id(t)] = weakref.ref(t)
         if isinstance(out, torch.Tensor) and out.dim() == 1 and not out.is_floating_point() \
                 and out.dtype != torch.bool and not out.is_complex() and (
                     name in FRESH or name in DRAWN
                     or (tensors and all(self.made(t) for t in tensors))):
-            drawn = name in DRAWN or any(self.drawn(t) for t in tensors)
+            drawn = _partner_draw(name, args, kwargs, out) if name in DRAWN else (
+                name in KEEPS_VALUES and any(self.drawn(t) for t in tensors))
             self.indices[id(out)] = (weakref.ref(out), drawn)  # an index the loop made, or
             if name in DRAWN:  # one computed from such (rolled, sliced, cast): not data;
                 self.free[id(out)] = weakref.ref(out)  # drawn, a coin per record too
+            return None
+        if (name == "unbind" or name == "__iter__") and tensors and tensors[0].dim() \
+                and _dim0(name, args, kwargs, 0):  # a record each (``for r in x``)
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.inner[id(t)] = weakref.ref(t)
             return None
         if name in SPLITS and tensors and tensors[0].dim() and _dim0(name, args, kwargs):
             self._pieces(tensors[0], out)
@@ -243,7 +295,7 @@ class RowOrder:
         first = tensors[0] if tensors else None  # torch.cat([a, b], 1): the list's first
         if first is None:
             return None
-        joins = name in CATS and _dim0(name, args, kwargs)
+        joins = (name in CATS or name in STACKS) and _dim0(name, args, kwargs)
         if name not in REORDER and not joins:  # data of one row count in two orders: mixed
             data = [t for t in tensors if (not t.requires_grad or (ours and ours(t)))
                     and t.dim() and t.shape[0] >= 2 and not self._free(t)
@@ -268,9 +320,24 @@ class RowOrder:
             return None
         m = int(first.shape[0])
         if joins:
-            self._joined(args[0] if args else kwargs.get("tensors", ()), out)
+            if name in STACKS:
+                if isinstance(out, torch.Tensor):
+                    self._set(out, None)
+            else:
+                self._joined(args[0] if args else kwargs.get("tensors", ()), out)
             return None
-        new = _order(name, args, kwargs, None, m, self.made, self.whole, self.drawn)
+        if self._inner(first):  # one record's own rows: reordered or sliced, still its own
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.dim():
+                    self.inner[id(t)] = weakref.ref(t)
+            return None
+        if name == "__getitem__" and len(args) > 1 and _int_first(args[1]):
+            for t in tree_flatten(out)[0]:  # x[i]: one record's
+                if isinstance(t, torch.Tensor):
+                    self.inner[id(t)] = weakref.ref(t)
+        batch = self._seen(first) or bool(ours and ours(first))  # rows a draw may pair
+        new = _order(name, args, kwargs, None, m, self.made, self.whole,
+                     self.drawn if batch else None)
         # (positions in first's rows: a slice, a permutation, a drawn partner)
         key = self.key(first) if new in (False, None) else self._sub(first, new)
         for t in tree_flatten(out)[0]:
@@ -278,6 +345,20 @@ class RowOrder:
                     t.shape[0] == m or new not in (False, None)):
                 self._set(t, key)
         return None
+
+    def handed(self, batch) -> None:
+        """The engine loader's batch, handed out before the window: the batch's tensors."""
+        for t in tree_flatten(batch)[0]:
+            if isinstance(t, torch.Tensor) and t.dim():
+                self.seen[id(t)] = weakref.ref(t)
+
+    def _seen(self, t) -> bool:
+        ref = self.seen.get(id(t))
+        return ref is not None and ref() is t
+
+    def _inner(self, t) -> bool:
+        ref = self.inner.get(id(t))
+        return ref is not None and ref() is t
 
     def _set(self, t, key) -> None:
         if key is None:
@@ -300,6 +381,8 @@ class RowOrder:
                     frozenset({int(t.shape[0]), len(positions)}))
         if key[0] == "rows":
             return _key(tuple(key[1][i] for i in positions))
+        if sorted(positions) == list(range(int(t.shape[0]))):  # a permutation of a batch cut
+            return _key(positions)  # from a data set: of the batch, as the batch's own
         rows = tuple(key[3][i] for i in positions)
         return _key(rows) if sorted(rows) == list(range(key[2])) else \
             (*key[:3], rows, key[4] | {len(rows)})  # (every row count on the way: a
@@ -359,4 +442,4 @@ class RowOrder:
             range(base[2])) else (*base, rows, sizes | {len(rows)}))
 
 
-__all__ = ["DRAWN", "REORDER", "SPLITS", "RowOrder"]
+__all__ = ["DRAWN", "REORDER", "SPLITS", "STACKS", "RowOrder"]
