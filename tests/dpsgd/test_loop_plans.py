@@ -90,6 +90,80 @@ def test_epsilon_target_is_met_by_the_steps_the_loader_runs(N, B, drop_last, poi
             epochs=done, delta=1e-3, batches_per_epoch=T).lower)
 
 
+def _shuffled(loader_kwargs=None, N=40, B=4):
+    engine, model = PrivacyEngine(), net()
+    loader = DataLoader(dataset(N), batch_size=B, shuffle=True, **(loader_kwargs or {}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", wb.dpsgd.engine.PrivacyAccountingWarning)
+        model, opt, same = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=loader, noise_multiplier=0.8, max_grad_norm=1.0,
+            poisson_sampling=False)
+    assert same is loader  # returned as it is
+    return engine, model, opt, loader
+
+
+def _bracket(engine, epochs, T, done=None):
+    def at(e):
+        return wb.accounting.epsilon_bounds("shuffle", sample_rate=engine.sample_rate,
+                                            noise_multiplier=0.8, epochs=e, delta=1e-5,
+                                            batches_per_epoch=T)
+    return at(epochs).upper, (at(done).lower if done else 0.0)
+
+
+LOOPS = {  # steps (each a list of batches); passes begun and completed, given T = len(loader)
+    "a fresh pass per step": (lambda loader: [[next(iter(loader))] for _ in range(len(loader))],
+                              lambda T: T, lambda T: 0),
+    "two batches a step": (lambda loader: [list(pair) for _ in range(2)
+                                           for pair in zip(*[iter(loader)] * 2)],
+                           lambda T: 2, lambda T: 1),  # (steps // T: one epoch of T steps)
+    "a break half-way through each of two epochs": (
+        lambda loader: [[b] for _ in range(2) for i, b in zip(range(len(loader) // 2), loader)],
+        lambda T: 2, lambda T: 0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LOOPS))
+def test_the_shuffled_bracket_counts_the_passes_the_loop_began(case):
+    """ceil(steps / len(loader)) epochs were charged until 2026-11-30: one batch per fresh
+    pass (next(iter(loader))), ten steps, was bracketed by one epoch's [.., 11.0] for a true
+    ε of 14.5 (the probe's, N = 100, B = 10, σ = 0.5); two batches a step, by one epoch for
+    two."""
+    engine, model, opt, loader = _shuffled()
+    T = len(loader)
+    take, begun, done = LOOPS[case]
+    for step in take(loader):
+        opt.zero_grad()
+        for x, y in step:
+            CE(model(x), y).backward()
+        opt.step()
+    bounds = engine.epsilon_bounds(1e-5)
+    upper, lower = _bracket(engine, begun(T), T, done(T))
+    assert bounds.upper == upper and bounds.upper > _bracket(engine, 1, T)[0]
+    assert bounds.lower == min(lower, upper)
+
+
+def test_an_epoch_as_planned_is_bracketed_as_before():
+    engine, model, opt, loader = _shuffled()
+    run(model, opt, loader, epochs=2)
+    upper, lower = _bracket(engine, 2, len(loader), 2)
+    bounds = engine.epsilon_bounds(1e-5)
+    assert (bounds.upper, bounds.lower) == (upper, lower)
+    _shuffled()  # make_private again on the same loader (a re-run cell): accepted
+
+
+@pytest.mark.parametrize("sampler", ["replacement", "num_samples"])
+def test_a_shuffled_pass_drawing_a_record_twice_is_refused(sampler):
+    data = dataset(40)
+    kw = {"replacement": True} if sampler == "replacement" else {"num_samples": 120}
+    engine, model = PrivacyEngine(), net()
+    with pytest.raises(ValueError, match="RandomSampler draws.*each record once"):
+        engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                            data_loader=DataLoader(data, batch_size=4, sampler=torch.utils.data
+                                                   .RandomSampler(data, **kw)),
+                            noise_multiplier=0.8, max_grad_norm=1.0, poisson_sampling=False)
+
+
 # --- 3. q in (0, 1], checked before anything changes ------------------------------------------
 
 @pytest.mark.parametrize("poisson", [True, False])

@@ -59,7 +59,9 @@ from workbench.dpsgd.optimizer import AUTO, DPOptimizer
 from workbench.dpsgd.sampling import (
     DPDataLoader,
     check_dataset,
+    check_once_per_pass,
     check_own_sampler,
+    count_passes,
     loader_sample_rate,
 )
 from workbench.dpsgd.secure import SecureGenerator
@@ -122,6 +124,7 @@ class PrivacyEngine:
         self.sample_rate = self.dataset_size = None
         self.sampler = None  # "poisson" or "shuffle" (poisson_sampling=False)
         self.steps_per_epoch = None  # the loader's steps per epoch (epsilon_bounds)
+        self.passes = None  # sampling.PassCounter of a shuffled loader (epsilon_bounds)
         self.privacy_unit = "record"  # "user" after make_private(privacy_unit="user")
         self.noise_generator = self.sampling_generator = None  # make_private's (checkpoints)
 
@@ -196,6 +199,7 @@ class PrivacyEngine:
             loader = DPDataLoader.from_data_loader(data_loader, generator=sampling_generator)
         else:
             check_own_sampler(data_loader)  # q = batch_size / N: batches from the whole set
+            check_once_per_pass(data_loader, N)  # each record once a pass (the bracket's)
             loader_sample_rate(data_loader, N, _world())  # q <= 1, before the warning
             warn_shuffle()
             loader = data_loader
@@ -217,6 +221,8 @@ class PrivacyEngine:
         self.sample_rate, self.dataset_size = q, N
         self.sampler = "poisson" if poisson_sampling else "shuffle"
         self.steps_per_epoch = _epoch(poisson_sampling, q, data_loader)
+        self.passes = None if poisson_sampling or ids is not None else \
+            count_passes(data_loader)  # the user's own loader: its passes, for the bracket
         self.noise_generator, self.sampling_generator = noise_generator, sampling_generator
         if max_physical_batch_size is not None:
             loader = VirtualStepLoader(loader, dp_optimizer, max_physical_batch_size)
@@ -296,6 +302,11 @@ class PrivacyEngine:
         if sampler == "poisson":
             return bounds(max(steps, 1) / T)
         begun, done = max(1, math.ceil(steps / T)), steps // T
+        if self.passes is not None and self.passes.begun:  # the passes the loop really
+            # began: one batch per fresh pass (next(iter(loader))), two batches a step, a
+            # break in each epoch; each pass holds a record once (check_once_per_pass)
+            begun = max(begun, self.passes.begun)
+            done = min(done, self.passes.completed)
         upper = bounds(begun)
         if done == begun:
             return upper
