@@ -185,7 +185,12 @@ PARTNERS = {"mixup": mixup, "a rolled neighbour": lambda x, y: (x - x.roll(1, 0)
             "neighbours' differences by slices": lambda x, y: (
                 torch.cat([x[:1], x[1:] - x[:-1]]), y),
             "a roll spelled by cat": lambda x, y: (
-                0.7 * x + 0.3 * torch.cat([x[1:], x[:1]]), y)}
+                0.7 * x + 0.3 * torch.cat([x[1:], x[:1]]), y),
+            "every record paired with record 0": lambda x, y: (x + 0.3 * x[0], y),
+            "record 0 broadcast by expand_as": lambda x, y: (
+                0.5 * (x + x[0].expand_as(x)), y),
+            "neighbours' differences by torch.diff": lambda x, y: (
+                torch.cat([x[:1], torch.diff(x, dim=0)]), y)}
 
 
 def _halves(x, y, how):
@@ -291,7 +296,14 @@ REORDERED = {
     "a coin drawn per record": lambda x, y: (
         x * torch.randint(0, 2, (len(x),))[:, None], y),
     "features sliced and joined": lambda x, y: (torch.cat([x[:, :2], 2 * x[:, 2:]], 1), y),
+    "differences over features": lambda x, y: (torch.cat([x[:, :1], torch.diff(x, dim=1)], 1),
+                                               y),
+    "each record less its own first feature": lambda x, y: (
+        torch.stack([r - r[0] for r in x]), y),
+    "a data set statistic's row": lambda x, y: (x - DATASET_STATS[0], y),
+    "a record's row, zeros like it": lambda x, y: (x + x[0].new_zeros(x.shape), y),
 }
+DATASET_STATS = torch.linspace(-1, 1, 3 * D, dtype=torch.float64).reshape(3, D)
 
 
 def _resampled(x, y):

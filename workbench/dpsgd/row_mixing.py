@@ -97,7 +97,7 @@ FRESH = {"randperm", "arange", "tensor", "as_tensor", "from_numpy", "asarray"}
 """Ops whose 1-d integer output the window follows as a possible index (the loop made it)."""
 FREE = {"rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "bernoulli",
         "zeros", "ones", "full", "empty", "zeros_like", "ones_like", "full_like", "empty_like",
-        "normal", "eye"}
+        "normal", "eye", "new_zeros", "new_ones", "new_full", "new_empty"}
 """Ops whose output holds no record's data (noise, a mask, a zero buffer): no row order, so
 a per-record mask drawn for a shuffled batch (``x[perm] * (torch.rand(n, 1) > 0.1)``) or a
 one-hot written into zeros is no partner (both refused until 2026-11-30)."""
@@ -225,6 +225,7 @@ class RowOrder:
         self.seen: dict[int, weakref.ref] = {}  # id -> weakref: made in the window (or the
         # engine's batch): a partner draw picks its rows, a table's made before it are no
         # batch (``alphas[t]``, K == n classes)
+        self.one: dict[int, tuple] = {}  # id -> (weakref, rows): x[i] of a batch of rows
         self.inner: dict[int, weakref.ref] = {}  # id -> weakref: one record's (x[i]): its
         # dim 0 holds no records, slicing it pairs none (a record's own deltas)
         self.records = frozenset()  # the row counts of the records the last mix combined
@@ -300,6 +301,9 @@ class RowOrder:
             data = [t for t in tensors if (not t.requires_grad or (ours and ours(t)))
                     and t.dim() and t.shape[0] >= 2 and not self._free(t)
                     and not (into and t is tensors[0])]
+            mixed = self._broadcast(name, args, kwargs, tensors, data, into)
+            if mixed is not None:
+                return mixed
             # (``where(mask, x[perm], x)``: the mask comes first, one row, so its rows were
             # the only ones compared)
             for rows in {t.shape[0] for t in data}:
@@ -327,14 +331,20 @@ class RowOrder:
                 self._joined(args[0] if args else kwargs.get("tensors", ()), out)
             return None
         if self._inner(first):  # one record's own rows: reordered or sliced, still its own
+            rows = self._one(first)
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and t.dim():
                     self.inner[id(t)] = weakref.ref(t)
+                    if rows is not None:
+                        self.one[id(t)] = (weakref.ref(t), rows)
             return None
         if name == "__getitem__" and len(args) > 1 and _int_first(args[1]):
+            batch = m >= 2 and (self._seen(first) or bool(ours and ours(first)))
             for t in tree_flatten(out)[0]:  # x[i]: one record's
                 if isinstance(t, torch.Tensor):
                     self.inner[id(t)] = weakref.ref(t)
+                    if batch:  # of a batch made in the window: record i's row
+                        self.one[id(t)] = (weakref.ref(t), m)
         batch = self._seen(first) or bool(ours and ours(first))  # rows a draw may pair
         new = _order(name, args, kwargs, None, m, self.made, self.whole,
                      self.drawn if batch else None)
@@ -356,9 +366,34 @@ class RowOrder:
         ref = self.seen.get(id(t))
         return ref is not None and ref() is t
 
+    def _one(self, t):
+        """The rows of the batch t is one record's row of (``x[i]``), else None."""
+        entry = self.one.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
     def _inner(self, t) -> bool:
         ref = self.inner.get(id(t))
         return ref is not None and ref() is t
+
+    def _broadcast(self, name, args, kwargs, tensors, data, into) -> str | None:
+        """Rows of the batch combined with one record's row (``x + 0.3 * x[0]``: every
+        record paired with record 0) or differences of neighbours (``torch.diff(x, dim=0)``),
+        each silent until 2026-11-30: ``what``, the records' row counts in ``records``."""
+        whole = [t for t in data if not self._inner(t)]
+        if name == "diff" and tensors and tensors[0] in whole:
+            dim = kwargs.get("dim", args[2] if len(args) > 2 else -1)
+            if isinstance(dim, int) and dim % tensors[0].dim() == 0:
+                self.records = frozenset({int(tensors[0].shape[0])})
+                return (f"diff() over dim 0 of a {tuple(tensors[0].shape)} tensor: rows of "
+                        f"two different records (neighbours) combined")
+        rows = [self._one(t) for t in tensors if self._one(t) is not None
+                and not (into and t is tensors[0])]
+        if rows and whole:
+            self.records = frozenset({*rows, *(int(t.shape[0]) for t in whole)})
+            return (f"{name}() of rows of two different records: one record's row (x[i]) "
+                    f"with the rows of the batch, a {tuple(whole[0].shape)} tensor, every "
+                    f"record paired with record i (x + c * x[0])")
+        return None
 
     def _set(self, t, key) -> None:
         if key is None:
