@@ -40,6 +40,10 @@ class NonFiniteGradientError(WorkbenchError, ValueError):
     """A record's per-sample gradient holds NaN or inf where no clipped sum can be made of it."""
 
 
+class NonFiniteStepError(WorkbenchError, ValueError):
+    """A step under audit returned NaN or inf: no audit of it can mean anything."""
+
+
 class LoopError(WorkbenchError, RuntimeError):
     """The training loop's calls are not what the DP optimizer needs (a step without a fresh
     backward pass into the model made private, a model changed after make_private, a step
@@ -54,6 +58,6 @@ class RecordCountError(WorkbenchError, RuntimeError):
 
 __all__ = [
     "LoopError", "LossCouplingError", "LossShapeError", "NonFiniteGradientError",
-    "PerSampleCheckError", "RecordCountError", "SampleMixingError", "UnattributedGradientError",
-    "UnsupportedLayerError", "WorkbenchError",
+    "NonFiniteStepError", "PerSampleCheckError", "RecordCountError", "SampleMixingError",
+    "UnattributedGradientError", "UnsupportedLayerError", "WorkbenchError",
 ]

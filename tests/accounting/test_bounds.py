@@ -65,7 +65,7 @@ def test_no_noise_is_infinite_epsilon_and_str_names_the_methods():
     (dict(sampler="shuffle", epochs=1.5), r"epochs must be a positive integer \(with "
                                           r"sampler='shuffle' each epoch is one pass"),
     (dict(q=0.0), r"sample_rate must be in \(0, 1\] \(q = B / N"),
-    (dict(delta=1e-12), "below 1e-10"),
+    (dict(delta=1e-12), r"below 1e-10.*accounting.epsilon\(\.\.\., accountant='rdp'\)"),
     (dict(sigma=math.nan), "noise_multiplier must be"),
 ])
 def test_bad_arguments(kwargs, match):
@@ -101,3 +101,15 @@ def test_batches_per_epoch_is_the_loaders_own(sampler):
     with pytest.raises(ValueError, match="batches_per_epoch"):
         epsilon_bounds(sampler, sample_rate=0.3, noise_multiplier=1.0, epochs=2, delta=1e-5,
                        batches_per_epoch=2.5)
+
+
+@pytest.mark.parametrize("sampler", ["shuffle", "deterministic"])
+def test_the_fixed_size_brackets_hold_below_the_pld_floor(sampler):
+    """Closed forms and quadrature, no FFT: refused below δ = 1e-10 until 2026-11-30, with
+    advice (accountant='rdp') this function does not take. Deterministic batches are the
+    Gaussian mechanism over the passes, exactly."""
+    from workbench.accounting import gaussian_epsilon
+    for delta in (1e-12, 1e-30):
+        b = bounds(sampler, q=0.01, sigma=1.0, epochs=2, delta=delta)
+        assert 0 < b.lower <= b.upper
+        assert b.upper == pytest.approx(gaussian_epsilon(1.0 / math.sqrt(2), delta), rel=1e-9)

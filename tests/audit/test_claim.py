@@ -159,3 +159,84 @@ def test_loader_needs_a_claim_and_json_claims_load(tmp_path, capsys):
     claim = load_claim(path)
     assert isinstance(claim, Claim) and claim.q == 0.05 and claim.total_steps == 40
     assert Claim.from_file(EXAMPLES / "mnist_example.yaml").total_steps == 60 * 234
+
+
+# --- the claim's premises: each field used or refused, the bracket under the claim's own
+# relation, the sampler at the claim's q (the wrong-DP-steps probe's finds, 2026-11-30) ------
+
+def _row(result, element):
+    return result.table.set_index("element").loc[element]
+
+
+def test_batch_size_beside_sample_rate_and_steps_beside_epochs_are_refused():
+    for extra in ({"sample_rate": 0.001}, {"epochs": 3.0}):
+        with pytest.raises(ClaimError, match="not both"):
+            validate({**VALID, **extra})
+
+
+@pytest.mark.parametrize("sampler", ["deterministic", "shuffle"])
+def test_a_substitution_claim_on_fixed_batches_is_judged_at_sensitivity_2c(sampler):
+    """Replacing a record moves its batch's sum by up to 2C: the add/remove bracket
+    "supported" ε 4.89 for a true 11.0 (deterministic batches, σ = 1, one pass)."""
+    from workbench import accounting
+    claim = {**VALID, "neighbouring": "substitution", "sampler": sampler, "epochs": 1.0,
+             "noise_multiplier": 1.0}
+    claim.pop("steps")
+    add_remove = accounting.epsilon_bounds(sampler, sample_rate=0.05, noise_multiplier=1.0,
+                                           epochs=1, delta=1e-5)
+    truth = accounting.epsilon_bounds(sampler, sample_rate=0.05, noise_multiplier=0.5,
+                                      epochs=1, delta=1e-5).upper
+    result = audit_claim(validate({**claim, "epsilon": 1.001 * add_remove.upper}),
+                         step=bug_zoo.correct_step, trials=50)
+    row = _row(result, "ε")
+    assert row["verdict"] != SUPPORTED and "sensitivity 2C" in row["finding"]
+    if sampler == "deterministic":
+        assert row["verdict"] == REFUTED
+    honest = audit_claim(validate({**claim, "epsilon": 1.001 * truth}),
+                         step=bug_zoo.correct_step, trials=50)
+    assert _row(honest, "ε")["verdict"] == SUPPORTED
+
+
+def _weighted_loader(dataset):
+    import torch
+    from torch.utils.data import DataLoader, WeightedRandomSampler
+    N = len(dataset)
+    w = torch.ones(N)
+    w[: N // 10] = 30.0  # rare records up-weighted, drawn many times a pass
+    return DataLoader(dataset, batch_size=N // 20, sampler=WeightedRandomSampler(
+        w, num_samples=N, replacement=True, generator=torch.Generator().manual_seed(0)))
+
+
+def _shuffled_loader(dataset):
+    import torch
+    from torch.utils.data import DataLoader
+    return DataLoader(dataset, batch_size=len(dataset) // 20, shuffle=True,
+                      generator=torch.Generator().manual_seed(0))
+
+
+def test_a_shuffle_claim_needs_a_loader_that_holds_each_record_once_a_pass():
+    """A loader that is not Poisson was taken as support for any fixed-size claim: a
+    weighted sampler drawing rare records ~30 times a pass "supported" a shuffle ε."""
+    claim = validate({**VALID, "sampler": "shuffle", "epsilon": 100.0})
+    weighted = audit_claim(claim, step=bug_zoo.correct_step, loader=_weighted_loader,
+                           trials=50)
+    assert _row(weighted, "sampler")["verdict"] == REFUTED
+    assert "more than once" in _row(weighted, "sampler")["finding"]
+    assert _row(weighted, "ε")["verdict"] != SUPPORTED and not weighted.passed
+    shuffled = audit_claim(claim, step=bug_zoo.correct_step, loader=_shuffled_loader,
+                           trials=50)
+    assert _row(shuffled, "sampler")["verdict"] == SUPPORTED
+
+
+def test_a_poisson_claim_above_half_is_audited_at_its_own_rate():
+    """The loader audit ran at min(q, 0.5): a correct Poisson loader at q = 0.6 was refuted."""
+    import torch
+
+    from workbench.dpsgd.sampling import DPDataLoader
+
+    def loader(dataset):
+        return DPDataLoader(dataset, sample_rate=0.6, generator=torch.Generator().manual_seed(3))
+
+    claim = validate({**VALID, "batch_size": 600, "noise_multiplier": 4.0, "epsilon": 1e3})
+    result = audit_claim(claim, step=bug_zoo.correct_step, loader=loader, trials=50)
+    assert _row(result, "sampler")["verdict"] == SUPPORTED

@@ -147,3 +147,60 @@ def test_clip_boundary_batch_straddles_c():
 def test_too_few_trials_is_an_error():
     with pytest.raises(ValueError, match="trials must be an integer >= 20"):
         audit_dp_step(ZOO[CORRECT](C, SIGMA, B), DIM, B, C, SIGMA, trials=19)
+
+
+@pytest.mark.parametrize("k", [4.0])
+def test_noise_clamped_beyond_three_sigma_is_flagged_by_its_atoms(k):
+    """A clamp at ±4σC passed every check until 2026-11-30 (the tail count tests z = 3 only,
+    and Kolmogorov-Smirnov on the Helmert mixtures is blind to it): the ~8 values of 128,000
+    piled at the bound are an atom no continuous law has (``mechanism_noise.atoms_p``)."""
+    from workbench.audit.bug_zoo import _clip_rows, _noise
+
+    def clamped(C, sigma, B, generator=None):
+        def step(G):
+            z = _noise(G.shape[1], sigma * C, generator, G).clamp(-k * sigma * C, k * sigma * C)
+            return (_clip_rows(G, C).sum(0) + z) / B
+        return step
+
+    result = audit_dp_step(clamped(C, SIGMA, B, torch.Generator().manual_seed(1)), 32, B, C,
+                           SIGMA, trials=4000, generator=torch.Generator().manual_seed(0))
+    table = result.table.set_index("check")
+    assert not table.loc["noise is Gaussian", "passed"], table
+
+
+def test_the_atom_test_passes_continuous_noise_in_any_float_and_skips_a_grid():
+    from workbench.audit.mechanism_noise import atoms_p
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        z = rng.standard_normal((4000, 32))
+        assert atoms_p(z, 1.0) > 1e-3
+        assert atoms_p((z + 3.0).astype(np.float32).astype(np.float64) - 3.0, 1.0) > 1e-3
+    grid = torch.tensor(rng.standard_normal((4000, 32)) + 1.0).bfloat16().double().numpy() - 1
+    assert atoms_p(grid, 1.0) == 1.0  # every value on a grid: not tested
+    assert atoms_p(rng.standard_normal((4000, 32)).clip(-4, 4), 1.0) < 1e-10
+
+
+def test_a_step_returning_nan_raises_a_named_error_and_an_empty_batch_nan_fails_its_row():
+    """A raw LinAlgError (an SVD of NaN residuals) until 2026-11-30."""
+    from workbench.errors import NonFiniteStepError
+
+    def on_empty(G):  # divides by the realised n: NaN on the empty batch only
+        return G.clamp(-1, 1).sum(0) / G.shape[0]
+
+    result = audit_dp_step(on_empty, 8, B, C, 0.0, trials=20)
+    table = result.table.set_index("check")
+    assert not table.loc["empty batch (n=0)", "passed"]
+    assert "NonFiniteStepError" in table.loc["empty batch (n=0)", "meaning"]
+    with pytest.raises(NonFiniteStepError, match="non-finite"):
+        audit_dp_step(lambda G: torch.full((8,), float("nan"), dtype=G.dtype), 8, B, C, 0.0,
+                      trials=20)
+
+
+def test_an_opacus_style_clip_factor_is_exact_at_sigma_0():
+    """C / (norm + 1e-6) over-clips by 1e-6 relative: harmless, and within a tolerance per
+    row summed (the clip boundary batch sums ~20 rows: it failed until 2026-11-30)."""
+    def step(G):
+        c = (C / (G.norm(dim=1, keepdim=True) + 1e-6)).clamp(max=1.0)
+        return (c * G).sum(0) / B
+
+    assert audit_dp_step(step, 16, B, C, 0.0, trials=20).passed

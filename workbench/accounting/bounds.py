@@ -122,7 +122,16 @@ def epsilon_bounds(sampler, *, sample_rate, noise_multiplier, epochs, delta,
     if sampler != "poisson":
         epochs = float(check_count(epochs, "epochs", note=f"with sampler={sampler!r} each "
                                    f"epoch is one pass over the data"))
-    delta = check_pld_delta(check_delta(delta))
+    delta = check_delta(delta)
+    if sampler == "poisson":  # (the fixed-size brackets are closed forms and quadrature:
+        # refused below the PLD's floor too, pointing to an option this function lacks,
+        # until 2026-11-30)
+        try:
+            check_pld_delta(delta, "Poisson bracket's PLD")
+        except ValueError as err:
+            raise ValueError(f"{str(err).split('; use')[0]}; for an upper bound at this "
+                             f"delta use accounting.epsilon(..., accountant='rdp') (valid at "
+                             f"any delta)") from None
     T = _batches(q, batches_per_epoch)
     epochs = int(epochs) if sampler != "poisson" else epochs
     computed = accounted_sigma(sigma)  # noise_range.py: pessimistic outside its range

@@ -159,6 +159,12 @@ def validate(data: dict, src: str = "the claim") -> Claim:
         missing.append("steps or epochs")
     if missing:
         raise ClaimError(f"{src}: missing field(s) {', '.join(missing)}")
+    for one, other in (("sample_rate", "batch_size"), ("steps", "epochs")):
+        if one in data and other in data:  # the second was dropped silently until
+            # 2026-11-30: batch_size 256 of 60000 beside sample_rate 0.001, ε 1.15 for 2.59
+            raise ClaimError(f"{src}: give {one} or {other}, not both ({one} {data[one]!r}, "
+                             f"{other} {data[other]!r}): each fixes the other, and the audit "
+                             f"cannot tell which one the run used")
     out = {"unit": _choice(data, "unit", tuple(UNITS), src, "record", ""),
            "neighbouring": _choice(data, "neighbouring", tuple(NEIGHBOURING), src),
            "sampler": _choice(data, "sampler", tuple(accounting.SAMPLERS), src),

@@ -24,7 +24,7 @@ A claim is never "supported" by an element no evidence checked: that row says "n
 and why; what only the claimant can know (pretraining) is "stated".
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pandas as pd
 import torch
@@ -36,7 +36,7 @@ from workbench.audit.influence import audit_record_influence
 from workbench.audit.influence_steps import influence_pool, step_released_sum
 from workbench.audit.mechanism import audit_dp_step
 from workbench.audit.result import AuditResult
-from workbench.audit.sampling import audit_sampling
+from workbench.audit.sampling import audit_sampling, repeats_in_a_pass
 from workbench.audit.sampling_users import audit_user_sampling, example_user_ids
 
 SUPPORTED, REFUTED, INCONCLUSIVE, NOT_CHECKED, STATED = (
@@ -123,17 +123,29 @@ def _loader_row(claim, loader, seed):
         return _row("sampler", claim.sampler, "none", "pass --loader module:make_loader to "
                     "audit the data loader", NOT_CHECKED), None, claim.sampler
     N = min(claim.dataset_size, LOADER_N)
+    if claim.q >= 1:  # every batch the whole set: nothing to test
+        return _row("sampler", claim.sampler, "--loader", "q = 1: every batch holds every "
+                    "record, whatever the sampler", INCONCLUSIVE), None, claim.sampler
+    # at the claim's own q: capped at 0.5 until 2026-11-30, a correct Poisson loader at
+    # q = 0.6 or 0.9 was refuted by the test's expectations for q = 0.5
     if claim.unit == "user":  # make_loader(dataset, user_ids): N users of 1-3 records each
-        result = audit_user_sampling(loader, example_user_ids(N, seed), min(claim.q, 0.5),
-                                     epochs=4)
+        result = audit_user_sampling(loader, example_user_ids(N, seed), claim.q, epochs=4)
     else:
-        result = audit_sampling(loader, N, min(claim.q, 0.5), epochs=4)
-    if claim.sampler == "poisson":
-        verdict, used = (SUPPORTED, "poisson") if result.passed else (REFUTED, "shuffle")
-    else:  # a fixed-size claim: a loader that is not Poisson is consistent with it
-        verdict, used = (INCONCLUSIVE if result.passed else SUPPORTED), claim.sampler
+        result = audit_sampling(loader, N, claim.q, epochs=4)
+    summary = result.summary
+    if result.passed:  # Poisson: the claim's if it says so (a fixed-size claim: unknown)
+        verdict, used = (SUPPORTED, "poisson") if claim.sampler == "poisson" else \
+            (INCONCLUSIVE, claim.sampler)
+        return _row("sampler", claim.sampler, f"--loader: sampling audit on {N} indices",
+                    summary, verdict), result, used
+    # not Poisson: fixed-size batches only if no pass draws a record twice; else no bracket
+    repeats = None if claim.unit == "user" else repeats_in_a_pass(loader, N)
+    summary += f"; {repeats}" if repeats else "; no record twice in a pass"
+    fixed = "shuffle" if claim.sampler == "poisson" else claim.sampler
+    verdict = REFUTED if claim.sampler == "poisson" or repeats else SUPPORTED
+    used = None if repeats else fixed
     return _row("sampler", claim.sampler, f"--loader: sampling audit on {N} indices",
-                result.summary, verdict), result, used
+                summary, verdict), result, used
 
 
 def _epsilon_row(claim, sampler, figures):
@@ -153,6 +165,14 @@ def _epsilon_row(claim, sampler, figures):
     b = bracket(claim, sampler)
     why = ("" if sampler == claim.sampler else
            "the loader is not Poisson, so the Poisson ε does not apply; ")
+    if claim.neighbouring == "substitution":  # one record replaced moves its batch's sum by
+        # up to 2C: the bracket's upper bound (sensitivity C) at σ / 2; its lower bound (a
+        # record replaced by one of zero gradient is a substitution) stands. The add/remove
+        # bracket "supported" 4.89 for a true 11.0 until 2026-11-30
+        doubled = bracket(claim, sampler, sensitivity=2.0)  # (deterministic batches: a
+        b = doubled if sampler == "deterministic" else replace(b, upper=doubled.upper)
+        # Gaussian mechanism per pass, exact at σ / 2 both ways)
+        why += "substitution: sensitivity 2C, the upper bound at σ / 2; "
     verdict = REFUTED if eps < b.lower else SUPPORTED if eps >= b.upper else INCONCLUSIVE
     return _row("ε", f"{eps:g}", f"the {sampler} bracket (accounting.epsilon_bounds)",
                 f"{why}{b.lower:.4g} <= ε <= {b.upper:.4g}", verdict)
@@ -189,7 +209,12 @@ def audit_claim(claim, *, step=None, step_name: str = "", loader=None, trials: i
     if sampling is not None:
         evidence.append(("Claim · sampler: sampling audit of --loader", sampling))
     figures = epsilon_figures(claim)
-    rows.append(_epsilon_row(claim, sampler, figures))
+    if sampler is None:  # the loader draws a record twice a pass (_loader_row):
+        rows.append(_row("ε", f"{claim.epsilon:g}", "none", "the loader draws a record "
+                         "more than once a pass, so no fixed-size bracket applies",
+                         INCONCLUSIVE))
+    else:
+        rows.append(_epsilon_row(claim, sampler, figures))
     rows.append(_row("δ", f"{claim.delta:g}", "dataset_size",
                      f"δ < 1/N = {1 / claim.dataset_size:.3g}", SUPPORTED))
     runs = claim.tuning_runs

@@ -97,15 +97,16 @@ def compare_libraries(q, sigma, steps, delta) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def bracket(claim, sampler: str):
+def bracket(claim, sampler: str, sensitivity: float = 1.0):
     """``accounting.epsilon_bounds`` for ``sampler`` at the claim's q, σ, epochs (rounded up
-    to whole passes), δ and tuning runs (as epochs)."""
+    to whole passes), δ and tuning runs (as epochs); ``sensitivity``: of one batch's sum in
+    units of C (2 for substitution: the noise multiplier is then σ / 2)."""
     epochs = claim.total_epochs * claim.tuning_runs
     if sampler != "poisson":
         epochs = max(1, round(epochs + 0.4999))
     return accounting.epsilon_bounds(sampler, sample_rate=claim.q,
-                                     noise_multiplier=claim.noise_multiplier, epochs=epochs,
-                                     delta=claim.delta)
+                                     noise_multiplier=claim.noise_multiplier / sensitivity,
+                                     epochs=epochs, delta=claim.delta)
 
 
 __all__ = [

@@ -44,6 +44,7 @@ from workbench.audit.report_suites import (
     check_clipping,
 )
 from workbench.audit.result import Crashed
+from workbench.errors import NonFiniteStepError
 from workbench.methods import CLIP_METHODS
 
 METHODS = tuple(m for m in CLIP_METHODS if m != "microbatch")  # each against microbatch
@@ -117,10 +118,6 @@ def _guarded(fn, *args, **kwargs):
         return fn(*args, **kwargs)
     except Exception as err:  # noqa: BLE001  (the step under audit failed: a finding)
         return Crashed(err)
-
-
-class NonFiniteStepError(ValueError):
-    """A step under audit returned NaN or inf: no audit of it can mean anything."""
 
 
 def _finite(factory, name: str):

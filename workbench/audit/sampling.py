@@ -175,4 +175,23 @@ def audit_sampling(make_loader, dataset_size, sample_rate, *, epochs=4, signific
     return SamplingAudit(passed, table, significance, len(rows), summary)
 
 
-__all__ = ["IndexDataset", "SamplingAudit", "audit_sampling"]
+def repeats_in_a_pass(make_loader, dataset_size, *, epochs=3) -> str | None:
+    """What breaks the fixed-size bracket's premise in ``make_loader(dataset)``'s passes (a
+    record drawn twice in one pass: a ``WeightedRandomSampler``, ``replacement=True``,
+    ``num_samples`` above N), or None. The Poisson test alone says only "not Poisson", which
+    a shuffle claim took as support until 2026-11-30 (a weighted loader drawing rare records
+    ~33 times a pass "supported" ε 15.8 for ~57-212)."""
+    N = check_count(dataset_size, "dataset_size", 2, 10**7)
+    loader = make_loader(IndexDataset(N))
+    for epoch in range(check_count(epochs, "epochs", 1, 10**4)):
+        seen = np.zeros(N, dtype=np.int64)
+        for batch in loader:
+            np.add.at(seen, _indices(batch, N), 1)
+        if seen.max() > 1:
+            return (f"pass {epoch + 1} drew {int((seen > 1).sum())} of {N} indices more than "
+                    f"once (up to {int(seen.max())} times): a fixed-size bracket assumes each "
+                    f"record at most once a pass")
+    return None
+
+
+__all__ = ["IndexDataset", "SamplingAudit", "audit_sampling", "repeats_in_a_pass"]
