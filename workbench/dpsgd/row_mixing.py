@@ -389,7 +389,8 @@ class RowOrder:
         rows = [self._one(t) for t in tensors if self._one(t) is not None
                 and not (into and t is tensors[0])]
         if rows and whole:
-            self.records = frozenset({*rows, *(int(t.shape[0]) for t in whole)})
+            self.records = frozenset(rows)  # the rows x[i] was one of: the records if
+            # they are n (a time-major output's out[t] beside y[:, t] is no record's row)
             return (f"{name}() of rows of two different records: one record's row (x[i]) "
                     f"with the rows of the batch, a {tuple(whole[0].shape)} tensor, every "
                     f"record paired with record i (x + c * x[0])")
