@@ -101,8 +101,10 @@ _CHECKS = {
     "across them (two coordinates given the same noise), or skipped on some calls",
     "noise is Gaussian": "Kolmogorov-Smirnov of the Helmert-decorrelated residuals / s against "
     "N(0, 1) (exact null: iid N(0, 1) under the claim), and the share of |y - μ| beyond 3s "
-    "(exact binomial): catches noise clamped or truncated at ±3σC; cannot see non-Gaussian "
-    "noise whose CDF is within ~2/sqrt(batches·d·T) of the normal's",
+    "(exact binomial), and the most values beyond 3s in one window of width 1e-5 s (a "
+    "clamp's atom at its bound): catches noise clamped at ±3-4σC or truncated at ±3σC; "
+    "cannot see a clamp or truncation beyond ~4.5σC at this size, nor non-Gaussian noise "
+    "whose CDF is within ~2/sqrt(batches·d·T) of the normal's",
     EMPTY: "an empty Poisson batch (n = 0) still steps: E[step] = 0 and Σ y²/s² ~ χ²(T·d), "
     "noise alone of the claimed std; catches a step that returns exact zeros or skips the "
     "noise when no record was drawn, or raises there (a loop would skip the step: whether "
