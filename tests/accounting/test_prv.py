@@ -102,3 +102,15 @@ def test_upper_end_is_above_dp_accountings_optimistic_epsilon(sigma, q, steps, d
     low = optimistic.self_compose(steps).get_epsilon_for_delta(delta)  # never above the truth
     b = prv_epsilon_bounds([(sigma, q, steps)], delta)
     assert b.upper >= low  # upper >= truth >= optimistic: never below the true ε
+
+
+def test_the_stated_interval_holds_the_truth_where_the_fft_round_off_is_near_delta():
+    """q = 1e-5, σ = 0.6, T = 300,000 at δ = 1e-10: ~1.5M grid points whose FFT round-off
+    adds ~1e-10 of mass; the interval stated was [1.42, 1.44] for a true ε at most 0.93
+    (dp_accounting's pessimistic PLD) until 2026-11-30 (the accounting probe's U4)."""
+    from dp_accounting.pld import privacy_loss_distribution as P
+    truth_at_most = P.from_gaussian_mechanism(
+        0.6, sampling_prob=1e-5, pessimistic_estimate=True,
+        value_discretization_interval=1e-3).self_compose(300_000).get_epsilon_for_delta(1e-10)
+    b = prv_epsilon_bounds([(0.6, 1e-5, 300_000)], 1e-10)
+    assert b.lower <= truth_at_most
