@@ -186,9 +186,6 @@ PARTNERS = {"mixup": mixup, "a rolled neighbour": lambda x, y: (x - x.roll(1, 0)
                 torch.cat([x[:1], x[1:] - x[:-1]]), y),
             "a roll spelled by cat": lambda x, y: (
                 0.7 * x + 0.3 * torch.cat([x[1:], x[:1]]), y),
-            "every record paired with record 0": lambda x, y: (x + 0.3 * x[0], y),
-            "record 0 broadcast by expand_as": lambda x, y: (
-                0.5 * (x + x[0].expand_as(x)), y),
             "neighbours' differences by torch.diff": lambda x, y: (
                 torch.cat([x[:1], torch.diff(x, dim=0)]), y)}
 

@@ -157,10 +157,13 @@ def test_batch_statistics_are_still_refused_everywhere(case):
 
 
 def test_a_timm_resnet_with_frozen_batchnorm_is_exact_in_the_default_mode():
-    """The real-architecture table's BatchNorm ResNet, refused in training mode there, in
-    eval mode here: its statistics frozen, every parameter's clipped sum exact."""
+    """The real-architecture table's BatchNorm ResNet (built in eval mode, as fine-tuned):
+    its statistics frozen, every parameter's clipped sum exact; in training mode refused."""
     problem = PROBLEMS["timm_resnet_bn"]
-    model = quiet(problem.build).eval()
+    model = quiet(problem.build)
+    with pytest.raises(SampleMixingError, match="BatchNorm2d"):
+        DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), quiet(problem.build).train(),
+                    noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=4.0)
     x, y = problem.batch(3)
     C = 1.0
     want = wb.clipped_grad_sum(model, problem.loss_fn, x, y, C, method="microbatch")

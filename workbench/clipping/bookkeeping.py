@@ -119,7 +119,8 @@ def materialise_call(layer, call, own: dict, shared: set, n: int) -> dict | None
 # k experts' weight rows, n T k p d numbers against the n E p d of g_i): exact types, a
 # subclass may change forward
 STREAMED = (nn.Linear, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.Conv1d, nn.Conv2d,
-            nn.Conv3d, ParameterRows)
+            nn.Conv3d, ParameterRows, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+# (BatchNorm: with frozen statistics only, checked at every pass before a rule runs)
 
 
 def smaller_materialised(layer, call, own: dict, shared: set, n: int) -> bool:

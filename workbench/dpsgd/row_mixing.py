@@ -225,7 +225,6 @@ class RowOrder:
         self.seen: dict[int, weakref.ref] = {}  # id -> weakref: made in the window (or the
         # engine's batch): a partner draw picks its rows, a table's made before it are no
         # batch (``alphas[t]``, K == n classes)
-        self.one: dict[int, tuple] = {}  # id -> (weakref, rows): x[i] of a batch of rows
         self.inner: dict[int, weakref.ref] = {}  # id -> weakref: one record's (x[i]): its
         # dim 0 holds no records, slicing it pairs none (a record's own deltas)
         self.records = frozenset()  # the row counts of the records the last mix combined
@@ -331,20 +330,15 @@ class RowOrder:
                 self._joined(args[0] if args else kwargs.get("tensors", ()), out)
             return None
         if self._inner(first):  # one record's own rows: reordered or sliced, still its own
-            rows = self._one(first)
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and t.dim():
                     self.inner[id(t)] = weakref.ref(t)
-                    if rows is not None:
-                        self.one[id(t)] = (weakref.ref(t), rows)
             return None
         if name == "__getitem__" and len(args) > 1 and _int_first(args[1]):
-            batch = m >= 2 and (self._seen(first) or bool(ours and ours(first)))
-            for t in tree_flatten(out)[0]:  # x[i]: one record's
-                if isinstance(t, torch.Tensor):
-                    self.inner[id(t)] = weakref.ref(t)
-                    if batch:  # of a batch made in the window: record i's row
-                        self.one[id(t)] = (weakref.ref(t), m)
+            for t in tree_flatten(out)[0]:  # x[i]: one record's (a row of a batch is not
+                if isinstance(t, torch.Tensor):  # told from a table's row: x + c * x[0] is
+                    self.inner[id(t)] = weakref.ref(t)  # left; refusing it refused every
+                    # per-record loop, out[i] = aug(x[i]), ce(o[i], y[i], weight=w): a review)
         batch = self._seen(first) or bool(ours and ours(first))  # rows a draw may pair
         new = _order(name, args, kwargs, None, m, self.made, self.whole,
                      self.drawn if batch else None)
@@ -366,34 +360,20 @@ class RowOrder:
         ref = self.seen.get(id(t))
         return ref is not None and ref() is t
 
-    def _one(self, t):
-        """The rows of the batch t is one record's row of (``x[i]``), else None."""
-        entry = self.one.get(id(t))
-        return entry[1] if entry is not None and entry[0]() is t else None
-
     def _inner(self, t) -> bool:
         ref = self.inner.get(id(t))
         return ref is not None and ref() is t
 
     def _broadcast(self, name, args, kwargs, tensors, data, into) -> str | None:
-        """Rows of the batch combined with one record's row (``x + 0.3 * x[0]``: every
-        record paired with record 0) or differences of neighbours (``torch.diff(x, dim=0)``),
-        each silent until 2026-11-30: ``what``, the records' row counts in ``records``."""
+        """Differences of neighbours (``torch.diff(x, dim=0)``), silent until 2026-11-30:
+        ``what``, the records' row counts in ``records``."""
         whole = [t for t in data if not self._inner(t)]
-        if name == "diff" and tensors and tensors[0] in whole:
+        if name == "diff" and tensors and any(tensors[0] is t for t in whole):
             dim = kwargs.get("dim", args[2] if len(args) > 2 else -1)
             if isinstance(dim, int) and dim % tensors[0].dim() == 0:
                 self.records = frozenset({int(tensors[0].shape[0])})
                 return (f"diff() over dim 0 of a {tuple(tensors[0].shape)} tensor: rows of "
                         f"two different records (neighbours) combined")
-        rows = [self._one(t) for t in tensors if self._one(t) is not None
-                and not (into and t is tensors[0])]
-        if rows and whole:
-            self.records = frozenset(rows)  # the rows x[i] was one of: the records if
-            # they are n (a time-major output's out[t] beside y[:, t] is no record's row)
-            return (f"{name}() of rows of two different records: one record's row (x[i]) "
-                    f"with the rows of the batch, a {tuple(whole[0].shape)} tensor, every "
-                    f"record paired with record i (x + c * x[0])")
         return None
 
     def _set(self, t, key) -> None:

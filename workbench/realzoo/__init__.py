@@ -89,9 +89,7 @@ FLOAT32_INSIDE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "lora_llama", "
 float32 rounding, which a method's different order of operations (ghost's second backward
 pass) changes by ~1e-8 relative, so they are checked to ``RTOL_FLOAT32_INSIDE``."""
 
-BATCHNORM = "BatchNorm"
 REFUSED = {
-    "timm_resnet_bn": {"all": BATCHNORM},
     "bloom": {"vmap": "vmap"},
     "deberta": {"vmap": "vmap"},  # transformers' warn_if_padding_and_no_attention_mask
     "loha_bert": {"vmap": "vmap"},

@@ -126,9 +126,9 @@ def torchvision_mobilenet_v3_gn():
 IMAGES = {
     "vit": hf_vit, "timm_vit": timm_vit, "timm_convnext": timm_convnext,
     "timm_resnet_gn": lambda: timm_resnet(group_norm),
-    "timm_resnet_bn": lambda: timm_resnet(nn.BatchNorm2d).train(),  # in training mode, as
-    # trained from scratch: batch statistics (refused); in eval mode its statistics are
-    # frozen, a per-channel affine map, exact (tests/per_sample/test_frozen_statistics.py)
+    "timm_resnet_bn": lambda: timm_resnet(nn.BatchNorm2d),  # eval mode, as fine-tuned: its
+    # statistics frozen, a per-channel affine map (refused by type until 2026-11-30; in
+    # training mode still refused: tests/per_sample/test_frozen_statistics.py)
     "tv_resnet18_gn": torchvision_resnet18_gn, "tv_mobilenet_v3_gn": torchvision_mobilenet_v3_gn,
     "swinv2": hf_swinv2, "convnextv2": hf_convnextv2, "bit": hf_bit,
     "data2vec_vision": hf_data2vec_vision,

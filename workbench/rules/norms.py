@@ -74,16 +74,35 @@ def instance_norm_grad_sampler(layer, activations, backprops):
     return _affine_grads(layer, a_hat, backprops, channel_dim=True)
 
 
+def batch_norm_grad_sampler(layer, activations, backprops):
+    """BatchNorm with frozen statistics (eval mode: ``per_sample.checks.frozen_statistics``,
+    checked at every pass): â = (a - μ_run) / sqrt(σ²_run + eps) per channel, each record
+    alone. In training mode the layer is refused before any rule runs (a batch statistic);
+    called there anyway, this refuses too rather than answer for another function."""
+    if layer.training or layer.running_mean is None or layer.running_var is None:
+        from workbench.errors import SampleMixingError
+        raise SampleMixingError(f"{type(layer).__name__} normalises with the batch's "
+                                f"statistics (training mode, or no running statistics): no "
+                                f"per-sample gradient; keep it in eval mode")
+    a = activations[0]  # (n, C) or (n, C, *positions)
+    shape = (1, -1) + (1,) * (a.dim() - 2)
+    mean = layer.running_mean.to(a.dtype).view(shape)
+    scale = torch.rsqrt(layer.running_var.to(a.dtype) + layer.eps).view(shape)
+    return _affine_grads(layer, (a - mean) * scale, backprops, channel_dim=True)
+
+
 RULES = [register_rule(LayerRule(name, types, grad=grad, rows=rows))
          for name, types, grad, rows in (
     ("layer norm", (nn.LayerNorm,), layer_norm_grad_sampler, True),  # over the last dims: a
     ("rms norm", (nn.RMSNorm,), rms_norm_grad_sampler, True),  # row is one sample's position
     ("group norm", (nn.GroupNorm,), group_norm_grad_sampler, False),
     ("instance norm", (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d),
-     instance_norm_grad_sampler, False))]
+     instance_norm_grad_sampler, False),
+    ("batch norm, frozen statistics", (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d,
+                                       nn.SyncBatchNorm), batch_norm_grad_sampler, False))]
 
 
 __all__ = [
-    "RULES", "group_norm_grad_sampler", "instance_norm_grad_sampler",
+    "RULES", "batch_norm_grad_sampler", "group_norm_grad_sampler", "instance_norm_grad_sampler",
     "layer_norm_grad_sampler", "rms_norm_grad_sampler",
 ]
