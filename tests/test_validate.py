@@ -111,7 +111,8 @@ def test_fix_model_num_groups():
 
 
 def test_fix_model_keeps_dtype_device_mode_and_frozen_parameters():
-    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.LSTM(4, 3)).double()
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, track_running_stats=False),
+                          nn.LSTM(4, 3)).double()  # (no running statistics: batch ones in eval)
     model[1].requires_grad_(False)
     model[2].weight_hh_l0.requires_grad_(False)
     model.eval()
@@ -199,3 +200,22 @@ def test_fix_model_keeps_timms_norm_activation(act, cls):
     x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
     model = fixed.double()
     wb.clipped_grad_sum(model, lambda o, t: o.pow(2).flatten(1).sum(1), x, None, 1.0)  # a rule
+
+
+def test_fix_model_keeps_a_batchnorm_whose_statistics_are_frozen():
+    """Eval mode with running statistics: a per-channel affine map, mixing nothing; replaced
+    by a GroupNorm until 2026-11-30, the pre-trained statistics lost (outputs 0.96 off)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[1].running_mean.normal_()
+    model.eval()
+    fixed = wb.fix_model(model)
+    assert isinstance(fixed[1], nn.BatchNorm1d)
+    x = torch.randn(3, 4)
+    assert torch.equal(fixed(x), model(x))
+    assert not any(p.blocking for p in wb.validate_model(model))
+    note = next(p for p in wb.validate_model(model) if "eval mode" in p.message)
+    assert ".eval() on each BatchNorm" in note.message
+    model.train()
+    assert isinstance(wb.fix_model(model)[1], nn.GroupNorm)  # training mode: replaced

@@ -27,7 +27,7 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 
 from workbench.errors import UnsupportedLayerError
 from workbench.layers import DP_REPLACEMENTS, dp_replacement
-from workbench.per_sample.checks import sample_mixing_problem
+from workbench.per_sample.checks import frozen_statistics, sample_mixing_problem
 from workbench.per_sample.registry import find_grad_sampler
 
 FUSED = (nn.RNNBase, nn.MultiheadAttention)
@@ -83,9 +83,12 @@ def validate_model(model: nn.Module) -> list[Problem]:
     """
     problems = []
     if not model.training:
+        frozen = any(isinstance(m, _BatchNorm) for m in model.modules())
         problems.append(Problem("", type(model).__name__, (
             "is in eval mode: dropout is off and DP training would not train what you "
-            "evaluate; call model.train() before training"), blocking=False))
+            "evaluate; call model.train() before training" + (
+                ", then .eval() on each BatchNorm whose statistics you keep frozen (in "
+                "training mode it is refused)" if frozen else "")), blocking=False))
     fused_paths = []  # a fused layer is one problem: its children are replaced with it
     for path, module in model.named_modules():
         if _inside(path, fused_paths):
@@ -115,7 +118,8 @@ def validate_model(model: nn.Module) -> list[Problem]:
 def _replacement(module: nn.Module, num_groups=None) -> nn.Module | None:
     if type(module) in DP_REPLACEMENTS:
         return dp_replacement(module)  # raises UnsupportedLayerError for LSTM(proj_size > 0)
-    if isinstance(module, _BatchNorm):
+    if isinstance(module, _BatchNorm) and not frozen_statistics(module):  # (frozen: kept,
+        # it mixes nothing; replaced until 2026-11-30, its pre-trained statistics lost)
         extra = _added_to_batch_norm(module)
         C = module.num_features
         G = math.gcd(32, C) if num_groups is None else num_groups
@@ -202,7 +206,8 @@ def _like(original: nn.Module, replacement: nn.Module) -> nn.Module:
 def fix_model(model: nn.Module, num_groups: int | None = None) -> nn.Module:
     """A copy of ``model`` with every sample-mixing layer replaced (see the module docstring).
 
-    BatchNorm becomes GroupNorm with ``num_groups`` groups (default gcd(32, C)). Each
+    BatchNorm becomes GroupNorm with ``num_groups`` groups (default gcd(32, C)), unless its
+    statistics are frozen (eval mode, running statistics): it mixes nothing then. Each
     replacement keeps the dtype, device, training mode and frozen parameters of what it
     replaces.
     """

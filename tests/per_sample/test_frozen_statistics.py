@@ -178,3 +178,53 @@ def test_a_timm_resnet_with_frozen_batchnorm_is_exact_in_the_default_mode():
             assert rel(p.grad * 4.0, want[k]) <= 1e-9, k
     finally:
         opt.detach()
+
+
+def test_a_submodule_called_in_training_mode_is_refused_before_its_statistics_move():
+    """The check ran at the root's pass only: ``model.backbone(x)`` without gradient, in
+    training mode, wrote the running statistics from private data, silently (a review)."""
+    model = nn.Sequential(frozen("batchnorm2d")[:3], nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+    model.eval()
+    x, _ = batch("batchnorm2d")
+    opt = quiet(DPOptimizer, torch.optim.SGD(model.parameters(), lr=0.1), model,
+                noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=4.0)
+    before = model[0][1].running_mean.clone()
+    model.train()
+    with pytest.raises(SampleMixingError, match="BatchNorm2d at 0.1"), torch.no_grad():
+        model[0](x)
+    assert torch.equal(model[0][1].running_mean, before)
+    opt.detach()
+
+
+def _freeze_bn(model):
+    model.train()
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.eval()  # the usual "freeze BN" helper
+    return model
+
+
+def test_the_library_loops_keep_each_modules_mode():
+    """Their evaluation restored model.train() on the root, putting a frozen BatchNorm back
+    in training mode: wb.dpsgd.train(..., eval_data=...) refused its second epoch, and the
+    record-influence audit (python -m workbench audit --model) failed the model."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from workbench.audit import audit_record_influence, engine_released_sum
+    from workbench.dpsgd.train import train
+
+    model = _freeze_bn(frozen("batchnorm2d").float())
+    x, y = batch("batchnorm2d", 32)
+    x = x.float()
+    engine = wb.PrivacyEngine()
+    model, opt, loader = quiet(engine.make_private, module=model,
+                               optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+                               data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
+                               noise_multiplier=1.0, max_grad_norm=1.0)
+    history = quiet(train, model, opt, loader, epochs=2, engine=engine, eval_data=(x[:8], y[:8]),
+                    progress=False)
+    assert len(history) == 2 and model.training and not model[1].training  # modes kept
+    opt.detach()
+    released = engine_released_sum(_freeze_bn(frozen("batchnorm2d")), loss_none,
+                                   *batch("batchnorm2d", 9), 1.0)
+    assert quiet(audit_record_influence, released, 8, max_grad_norm=1.0, name="frozen").passed

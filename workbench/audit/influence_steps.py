@@ -24,6 +24,7 @@ import torch
 
 from workbench.deprecation import Default, keyword
 from workbench.dpsgd import DPOptimizer
+from workbench.per_sample.checks import train_keeping_frozen
 
 
 def _float64(model):
@@ -44,7 +45,7 @@ def engine_released_sum(model, loss_fn, inputs, targets, max_grad_norm,
     """released_sum(idx) of the workbench's DPOptimizer (σ = 0) on ``model`` and ``loss_fn``.
     ``grad_sample_mode``: the old name of ``method`` (deprecated)."""
     method = keyword(method, renamed, "method", "grad_sample_mode", "engine_released_sum")
-    m, x, y = _float64(model).train(), _cast(inputs), _cast(targets)
+    m, x, y = train_keeping_frozen(_float64(model)), _cast(inputs), _cast(targets)
     built: dict = {}
 
     def released_sum(idx):
@@ -66,7 +67,7 @@ def engine_released_sum(model, loss_fn, inputs, targets, max_grad_norm,
 
 def naive_released_sum(model, loss_fn, inputs, targets, max_grad_norm):
     """released_sum(idx) = Σ_i clip_C(∂ℓ_i/∂θ), ℓ = loss_fn(model(x[idx]), y[idx]) of shape (n,)."""
-    m, x, y = _float64(model).train(), _cast(inputs), _cast(targets)
+    m, x, y = train_keeping_frozen(_float64(model)), _cast(inputs), _cast(targets)
     C = float(max_grad_norm)
 
     def released_sum(idx):
@@ -98,7 +99,7 @@ def median_norm(model, loss_fn, inputs, targets) -> float:
     """The median norm of the per-record terms' gradients ∂ℓ_i/∂θ through the batch's forward
     (float64): a C at which some records are clipped and some not, where coupling is easiest
     to see (with every gradient far below C, a coupled step can stay within the bound)."""
-    m, x, y = _float64(model).train(), _cast(inputs), _cast(targets)
+    m, x, y = train_keeping_frozen(_float64(model)), _cast(inputs), _cast(targets)
     params = [p for p in m.parameters() if p.requires_grad]
     terms = loss_fn(m(x), y)  # (n,)
     norms = [float(torch.cat([g.reshape(-1) for g in torch.autograd.grad(

@@ -122,6 +122,16 @@ def dot_loss_of(call):
     return partial(dot_loss, keys=keys, read=read)
 
 
+def _frozen_or_refused(norms, module, args) -> None:
+    """A BatchNorm's pre-hook: refuse the call unless every BatchNorm of the model has its
+    statistics frozen (``checks.norms_mixing``): checked at the root's pass only until
+    2026-11-30, so ``model.backbone(x)`` without gradient, in training mode, wrote the
+    running statistics from private data, silently."""
+    mixing = norms_mixing([(path, m) for path, m in norms if m is module])
+    if mixing is not None:
+        raise mixing
+
+
 class ModelRecorder:
     """Hooks on ``model`` for the parameters of ``param_groups``; removed by ``close``."""
 
@@ -186,6 +196,11 @@ class ModelRecorder:
                                                           with_kwargs=True, prepend=True),
                          model.register_forward_hook(OwnHook(quiet(self._exit)),
                                                      always_call=True)]
+        for _, norm in self.norms:  # a BatchNorm put back in training mode, by any call of
+            # it (the model, a submodule: model.backbone(x), with or without gradient),
+            # refused before its running statistics are written from the batch
+            self._handles.append(norm.register_forward_pre_hook(
+                OwnHook(partial(_frozen_or_refused, self.norms))))
         # skip_weights.py: True, False or AUTO (the default: from the first step, one layer
         # kept at the first, ``warm``, until a GradScaler is seen); armed by zero_grad() until
         # the step (clear)
@@ -214,10 +229,6 @@ class ModelRecorder:
     def _enter(self, module, args, kwargs):
         if self._depth == 0:  # before anything changes: may raise
             try:
-                mixing = norms_mixing(self.norms)  # a norm put back in training mode, before
-                if mixing is not None:  # its running statistics are written from the batch
-                    raise mixing  # (without gradient too: an evaluation in training mode
-                    # writes them into the released model)
                 if self.layer_rec.recording:  # statistics of the batch before it: loss_watch
                     self.watch.forward_begins((args,))
             except BaseException:  # _exit (always_call) runs after a pre-hook that raised:

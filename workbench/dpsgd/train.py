@@ -22,6 +22,7 @@ from torch import nn
 
 from workbench.checks import check_count
 from workbench.dpsgd.engine import check_criterion
+from workbench.per_sample.checks import evaluating
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -30,11 +31,8 @@ if TYPE_CHECKING:
 def accuracy(model: nn.Module, data) -> float:
     """Top-1 accuracy of ``model`` on a TensorDataset (or a (inputs, targets) pair)."""
     x, y = data.tensors if hasattr(data, "tensors") else data
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
+    with evaluating(model), torch.no_grad():  # each module's mode back (a frozen BatchNorm)
         correct = (model(x).argmax(dim=1) == y).float().mean().item()
-    model.train(was_training)
     return correct
 
 

@@ -26,6 +26,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from workbench.per_sample.checks import evaluating
+
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with q, k, v and output projections as nn.Linear."""
@@ -166,16 +168,14 @@ def generate(model: TinyGPT, idx: torch.Tensor, max_new_tokens: int, temperature
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0; got {temperature!r} (use a small value, "
                          f"e.g. 1e-3, for near-greedy decoding)")
-    was_training = model.training
-    model.eval()
-    for _ in range(int(max_new_tokens)):
-        logits = model(idx[:, -model.block_size:])[:, -1, :] / temperature  # (n, V)
-        if top_k is not None:
-            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]  # (n, 1)
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)  # (n, 1)
-        idx = torch.cat([idx, nxt], dim=1)
-    model.train(was_training)
+    with evaluating(model):  # each module's mode back after
+        for _ in range(int(max_new_tokens)):
+            logits = model(idx[:, -model.block_size:])[:, -1, :] / temperature  # (n, V)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat([idx, nxt], dim=1)  # (n, T + 1)
     return idx
 
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from workbench.per_sample.checks import evaluating
+
 
 def pin_candidates(digits: int = 4) -> list[str]:
     """All ``digits``-digit strings "00..0" to "99..9": the candidate space R of a PIN."""
@@ -54,16 +56,14 @@ def log_perplexities(model, tokenizer, prefix: str, candidates: list[str],
     k = len(candidates[0])
     if any(len(c) != k for c in candidates):
         raise ValueError("candidates must all have the same length (one format's random part)")
-    was_training = model.training
-    model.eval()
     ids = torch.stack([tokenizer.encode(prefix + c) for c in candidates])  # (|R|, L)
     ids = ids[:, -(model.block_size + 1):]
     out = []
-    for chunk in ids.split(batch_size):
-        logp = F.log_softmax(model(chunk[:, :-1]).double(), dim=-1)  # (b, L-1, V)
-        picked = logp.gather(2, chunk[:, 1:, None]).squeeze(2)[:, -k:]  # (b, k)
-        out.append(-picked.sum(1) / torch.log(torch.tensor(2.0, dtype=torch.float64)))
-    model.train(was_training)
+    with evaluating(model):  # each module's mode back after
+        for chunk in ids.split(batch_size):
+            logp = F.log_softmax(model(chunk[:, :-1]).double(), dim=-1)  # (b, L-1, V)
+            picked = logp.gather(2, chunk[:, 1:, None]).squeeze(2)[:, -k:]  # (b, k)
+            out.append(-picked.sum(1) / torch.log(torch.tensor(2.0, dtype=torch.float64)))
     return torch.cat(out)  # (|R|,) bits
 
 

@@ -27,17 +27,16 @@ from workbench import accounting
 from workbench.checks import check_count
 from workbench.dpsgd.engine import PrivacyEngine
 from workbench.lm.gpt import sequence_cross_entropy
+from workbench.per_sample.checks import evaluating
 
 
 @torch.no_grad()
 def perplexity(model, data, batch_size: int = 256) -> float:
     """exp(mean next-character cross-entropy) over every token of ``data`` (x, y windows)."""
-    was_training = model.training
-    model.eval()
     x, y = data.tensors
-    total = sum(sequence_cross_entropy(model(xb), yb, reduction="sum").sum().item()
-                for xb, yb in zip(x.split(batch_size), y.split(batch_size)))
-    model.train(was_training)
+    with evaluating(model):  # each module's mode back after
+        total = sum(sequence_cross_entropy(model(xb), yb, reduction="sum").sum().item()
+                    for xb, yb in zip(x.split(batch_size), y.split(batch_size)))
     return math.exp(total / y.numel())
 
 

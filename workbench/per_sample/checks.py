@@ -88,8 +88,10 @@ def sample_mixing_problem(module: nn.Module) -> str | None:
                 "normalises with the batch's statistics and writes them into its running "
                 "statistics), so per-sample gradients are undefined; use wb.fix_model(model) "
                 "to replace it with GroupNorm, or keep it in eval mode with the running "
-                "statistics it has (module.eval(): a per-channel affine map then, e.g. "
-                "statistics from public pre-training)")
+                "statistics it has (a per-channel affine map then, e.g. statistics from "
+                "public pre-training): after model.train(), call .eval() on each BatchNorm, "
+                "for m in model.modules(): if isinstance(m, nn.modules.batchnorm._BatchNorm): "
+                "m.eval()")
     if isinstance(module, _InstanceNorm) and module.track_running_stats:  # (its rule
         # normalises by each record's own statistics, not by running ones in eval mode)
         return ("has track_running_stats=True, so its running statistics mix samples; "
@@ -113,6 +115,32 @@ def norms_mixing(norms) -> SampleMixingError | None:
             return SampleMixingError(f"{type(module).__name__} at {path or '<model>'} "
                                      f"{problem}")
     return None
+
+
+@contextmanager
+def evaluating(model: nn.Module):
+    """``model.eval()`` for the block, then every module's own mode back: ``model.train(
+    was_training)`` on the root put a frozen BatchNorm back in training mode (the training
+    loop's accuracy, perplexity, sampling: refused at the next step, until 2026-11-30)."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def train_keeping_frozen(model: nn.Module) -> nn.Module:
+    """``model.train()``, but a BatchNorm whose statistics were frozen (eval mode, running
+    statistics: ``frozen_statistics``) stays so, as a private fine-tuning loop keeps it: the
+    audits' replays of a step (``audit/influence_steps.py``) ran it in training mode, a
+    batch statistic, and refused a model the optimizer trains (until 2026-11-30)."""
+    frozen = [m for m in model.modules() if isinstance(m, _BatchNorm) and frozen_statistics(m)]
+    model.train()
+    for m in frozen:
+        m.eval()
+    return model
 
 
 def frozen_statistics(module: nn.Module) -> bool:
@@ -270,5 +298,5 @@ __all__ = [
     "ModelCall", "batch_runs", "batch_size", "buffer_ids", "check_batch", "check_losses",
     "dense", "alone", "check_no_sample_mixing", "forward", "state_written_from_batch",
     "sample_mixing_problem", "take", "trainable_parameters", "frozen_statistics",
-    "norms_mixing", "statistics_layers",
+    "norms_mixing", "statistics_layers", "evaluating", "train_keeping_frozen",
 ]
