@@ -172,6 +172,8 @@ def test_batch_size_beside_sample_rate_and_steps_beside_epochs_are_refused():
     for extra in ({"sample_rate": 0.001}, {"epochs": 3.0}):
         with pytest.raises(ClaimError, match="not both"):
             validate({**VALID, **extra})
+    for empty in ({"sample_rate": None}, {"epochs": None}):  # a field left empty: not given
+        assert validate({**VALID, **empty}) == validate(VALID)
 
 
 @pytest.mark.parametrize("sampler", ["deterministic", "shuffle"])
@@ -240,3 +242,19 @@ def test_a_poisson_claim_above_half_is_audited_at_its_own_rate():
     claim = validate({**VALID, "batch_size": 600, "noise_multiplier": 4.0, "epsilon": 1e3})
     result = audit_claim(claim, step=bug_zoo.correct_step, loader=loader, trials=50)
     assert _row(result, "sampler")["verdict"] == SUPPORTED
+
+
+def test_a_user_level_fixed_size_claim_is_not_supported_unchecked():
+    """Whether a pass draws a user twice is not checked for user-level loaders: the sampler
+    row said "supported" (and "no record twice in a pass") for a weighted loader."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    def loader(dataset, user_ids):
+        return DataLoader(dataset, batch_size=max(1, len(dataset) // 20), shuffle=True,
+                          generator=torch.Generator().manual_seed(0))
+
+    claim = validate({**VALID, "unit": "user", "sampler": "shuffle", "epsilon": 100.0})
+    result = audit_claim(claim, step=bug_zoo.correct_step, loader=loader, trials=50)
+    assert _row(result, "sampler")["verdict"] != SUPPORTED
+    assert "not checked" in _row(result, "sampler")["finding"]

@@ -207,3 +207,64 @@ def test_engine_step_with_a_stalled_rank_times_out_unaccounted_and_unmoved(tmp_p
     assert r["message"] is not None and 1.0 < r["waited"] < 30, r  # 1.2 s, not 30 min
     assert "within 0.02 minutes on rank 0 of 2" in r["message"]
     assert r["steps"] == 0 and not r["moved"]  # nothing moved, nothing accounted
+
+
+def shuffled_worker(rank, world, store, out):
+    import warnings
+
+    from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+    from torch.utils.data.distributed import DistributedSampler
+
+    import workbench as wb
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    warnings.simplefilter("ignore")
+    data = TensorDataset(torch.randn(32, 5, dtype=torch.float64), torch.arange(32))
+    model, _, _ = model_and_batch()
+    result = {}
+    for kind in ("random", "distributed"):
+        ddp = DistributedDataParallel(model)
+        sampler = RandomSampler(data) if kind == "random" else DistributedSampler(data)
+        engine = wb.PrivacyEngine()
+        try:
+            _, opt, loader = engine.make_private(
+                module=ddp, optimizer=torch.optim.SGD(ddp.parameters(), lr=0.1),
+                data_loader=DataLoader(data, batch_size=4, sampler=sampler),
+                noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False)
+        except ValueError as err:
+            result[kind] = str(err)
+            continue
+        seen = torch.zeros(32, dtype=torch.long)
+        for x, i in loader:
+            seen[i] += 1
+            opt.zero_grad()
+            ddp(x).pow(2).sum(1).mean().backward()
+            opt.step()
+        dist.all_reduce(seen)
+        bounds = engine.epsilon_bounds(1e-5)
+        result[kind] = (bounds.upper, engine.sample_rate, len(loader), int(seen.min()),
+                        int(seen.max()))
+        opt.detach()
+        del ddp, opt
+    if rank == 0:
+        torch.save(result, out)
+    dist.barrier()
+    dist.destroy_process_group()
+    hard_exit()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_shuffled_batches_under_ddp_need_a_distributed_sampler(tmp_path):
+    """Every rank's RandomSampler covers all N: a step's batches can hold a record twice and
+    a pass holds each record once per rank, which the bracket charged as one (4.38 for
+    6.57 at 2 ranks, until 2026-11-30): refused. A DistributedSampler shares the records
+    out: each once a pass, the bracket's one epoch."""
+    import workbench as wb
+
+    result = spawn_two(shuffled_worker, tmp_path, "shuffled")
+    assert "DistributedSampler" in result["random"] and "2 x max_grad_norm" in result["random"]
+    upper, q, T, least, most = result["distributed"]
+    assert least == most == 1  # each record once in the pass, over both ranks
+    ref = wb.accounting.epsilon_bounds("shuffle", sample_rate=q, noise_multiplier=1.0,
+                                       epochs=1, delta=1e-5, batches_per_epoch=T)
+    assert upper == ref.upper

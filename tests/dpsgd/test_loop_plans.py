@@ -270,9 +270,11 @@ def test_shuffled_batches_under_ddp_count_every_rank(monkeypatch):
     engine, model = PrivacyEngine(), net()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", wb.dpsgd.engine.PrivacyAccountingWarning)
+        data = dataset(100)  # each rank its own share (a RandomSampler is refused under DDP)
         _, opt, loader = engine.make_private_with_epsilon(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            data_loader=DataLoader(dataset(100), batch_size=20, shuffle=True),
+            data_loader=DataLoader(data, batch_size=20, sampler=torch.utils.data.distributed
+                                   .DistributedSampler(data, num_replicas=2, rank=0)),
             target_epsilon=2.0, target_delta=1e-3, epochs=1, max_grad_norm=1.0,
             poisson_sampling=False)
     assert engine.sample_rate == 0.4 and opt.expected_batch_size == 40
@@ -280,3 +282,36 @@ def test_shuffled_batches_under_ddp_count_every_rank(monkeypatch):
         engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1),
                             data_loader=DataLoader(dataset(100), batch_size=60),
                             noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False)
+
+
+def test_two_engines_over_one_shuffled_loader_each_count_its_passes():
+    """A second make_private on the same loader replaced the first engine's counter, which
+    fell back to steps / len(loader): [4.37, 6.57] for five fresh passes (true [11.0, 11.5])."""
+    first, model, opt, loader = _shuffled()
+    second = PrivacyEngine()
+    other = net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", wb.dpsgd.engine.PrivacyAccountingWarning)
+        second.make_private(module=other, optimizer=torch.optim.SGD(other.parameters(), lr=0.1),
+                            data_loader=loader, noise_multiplier=0.8, max_grad_norm=1.0,
+                            poisson_sampling=False)
+    for _ in range(5):
+        x, y = next(iter(loader))
+        opt.zero_grad()
+        CE(model(x), y).backward()
+        opt.step()
+    assert first.passes.begun == second.passes.begun == 5
+    assert first.epsilon_bounds(1e-5).upper == _bracket(first, 5, len(loader))[0]
+
+
+def test_with_workers_a_pass_broken_off_is_not_counted_as_done():
+    """The workers' sampler runs ahead: passes the loop broke off ended there too, and the
+    lower bound counted them as epochs done (8.19 for a loop of half passes)."""
+    engine, model, opt, loader = _shuffled({"num_workers": 1})
+    for _ in range(2):
+        for i, (x, y) in zip(range(len(loader) // 2), loader):
+            opt.zero_grad()
+            CE(model(x), y).backward()
+            opt.step()
+    bounds = engine.epsilon_bounds(1e-5)
+    assert bounds.lower == 0.0 and bounds.upper == _bracket(engine, 2, len(loader))[0]

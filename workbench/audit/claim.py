@@ -147,6 +147,9 @@ REQUIRED = ("neighbouring", "sampler", "dataset_size", "noise_multiplier", "max_
 
 
 def validate(data: dict, src: str = "the claim") -> Claim:
+    if isinstance(data, dict):  # a field left empty (YAML's ``epochs:``, JSON's null) is
+        data = {k: v for k, v in data.items() if v is not None}  # not given (beside
+        # steps it was "not both" until 2026-11-30; alone, a missing field as before)
     known = {f.name for f in fields(Claim)}
     extra = sorted(set(data) - known)
     if extra:

@@ -139,7 +139,14 @@ def _loader_row(claim, loader, seed):
         return _row("sampler", claim.sampler, f"--loader: sampling audit on {N} indices",
                     summary, verdict), result, used
     # not Poisson: fixed-size batches only if no pass draws a record twice; else no bracket
-    repeats = None if claim.unit == "user" else repeats_in_a_pass(loader, N)
+    if claim.unit == "user":  # a user's records in several batches of a pass is no repeat:
+        # not checked, so no fixed-size bracket is supported (a weighted loader drawing
+        # users ~30 times a pass was until 2026-11-30)
+        summary += "; whether a pass draws a user twice is not checked for user-level loaders"
+        verdict = REFUTED if claim.sampler == "poisson" else INCONCLUSIVE
+        return _row("sampler", claim.sampler, f"--loader: sampling audit on {N} indices",
+                    summary, verdict), result, None
+    repeats = repeats_in_a_pass(loader, N)
     summary += f"; {repeats}" if repeats else "; no record twice in a pass"
     fixed = "shuffle" if claim.sampler == "poisson" else claim.sampler
     verdict = REFUTED if claim.sampler == "poisson" or repeats else SUPPORTED
@@ -209,9 +216,9 @@ def audit_claim(claim, *, step=None, step_name: str = "", loader=None, trials: i
     if sampling is not None:
         evidence.append(("Claim · sampler: sampling audit of --loader", sampling))
     figures = epsilon_figures(claim)
-    if sampler is None:  # the loader draws a record twice a pass (_loader_row):
-        rows.append(_row("ε", f"{claim.epsilon:g}", "none", "the loader draws a record "
-                         "more than once a pass, so no fixed-size bracket applies",
+    if sampler is None:  # the loader draws a record twice a pass, or may (_loader_row):
+        rows.append(_row("ε", f"{claim.epsilon:g}", "none", "the loader may draw a record "
+                         "(a user) more than once a pass, so no fixed-size bracket applies",
                          INCONCLUSIVE))
     else:
         rows.append(_epsilon_row(claim, sampler, figures))

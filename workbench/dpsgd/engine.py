@@ -198,9 +198,19 @@ class PrivacyEngine:
         elif poisson_sampling:
             loader = DPDataLoader.from_data_loader(data_loader, generator=sampling_generator)
         else:
-            check_own_sampler(data_loader)  # q = batch_size / N: batches from the whole set
+            check_own_sampler(data_loader, allowed=distributed.SAMPLERS)  # q = B / N
             check_once_per_pass(data_loader, N)  # each record once a pass (the bracket's)
             loader_sample_rate(data_loader, N, _world())  # q <= 1, before the warning
+            if _world() > 1 and not isinstance(data_loader.sampler,
+                                               distributed.DistributedSampler):
+                raise ValueError(
+                    f"poisson_sampling=False under torch.distributed ({_world()} ranks) with a "
+                    f"{type(data_loader.sampler).__name__}: every rank draws its batches from "
+                    f"all N records, so a step's batches can hold a record twice (influence "
+                    f"2 x max_grad_norm) and a pass holds each record {_world()} times (the "
+                    f"bracket charged one until 2026-11-30). Give the loader a "
+                    f"DistributedSampler(dataset, shuffle=True) (each rank its own share), "
+                    f"or use poisson_sampling=True")
             warn_shuffle()
             loader = data_loader
         q = loader.sample_rate if poisson_sampling or ids is not None else \
@@ -307,6 +317,9 @@ class PrivacyEngine:
             # break in each epoch; each pass holds a record once (check_once_per_pass)
             begun = max(begun, self.passes.begun)
             done = min(done, self.passes.completed)
+            if self.passes.workers:  # the workers' sampler runs ahead: a pass the loop
+                done = 0  # broke off ends there too, not told from a whole one (the lower
+                # bound's epochs: 8.19 for a loop of half passes, until 2026-11-30)
         upper = bounds(begun)
         if done == begun:
             return upper

@@ -194,9 +194,10 @@ class PassCounter:
     """Passes begun and completed over a shuffled loader the engine returns as it is
     (``count_passes``): the bracket counts epochs by them, not by steps / len(loader)."""
 
-    def __init__(self):
+    def __init__(self, workers: int = 0):
         self.begun = 0
         self.completed = 0
+        self.workers = workers  # the loader's: its sampler runs ahead of the loop
 
 
 class CountedBatchSampler(BatchSampler):
@@ -204,11 +205,11 @@ class CountedBatchSampler(BatchSampler):
     gives the user's own batch sampler this class: the loader is returned as it is)."""
 
     def __iter__(self):
-        counter = self.__dict__.get("_wb_passes")
-        if counter is not None:
+        counters = self.__dict__.get("_wb_passes", ())  # one per engine over this loader
+        for counter in counters:
             counter.begun += 1
         yield from super().__iter__()
-        if counter is not None:
+        for counter in counters:
             counter.completed += 1
 
 
@@ -222,8 +223,10 @@ def count_passes(loader: DataLoader) -> PassCounter:
     batch_sampler = loader.batch_sampler
     if type(batch_sampler) is BatchSampler:
         batch_sampler.__class__ = CountedBatchSampler
-    counter = PassCounter()
-    batch_sampler.__dict__["_wb_passes"] = counter
+    counter = PassCounter(loader.num_workers)  # one per engine: a second make_private on
+    # the same loader replaced the first's, which fell back to steps / len(loader) (until
+    # 2026-11-30)
+    batch_sampler.__dict__.setdefault("_wb_passes", []).append(counter)
     return counter
 
 
