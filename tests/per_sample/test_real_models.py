@@ -67,6 +67,19 @@ def batches(name):
 def assert_close(got, want, size, what, rtol):  # rtol: the problem's (FLOAT32_INSIDE)
     assert error(got, want, size, rtol) <= 1, f"{what}: error {float((got - want).norm()):.2e}"
 
+def step_matches(opt, forward, loss_fn, x, y, ref, params, what, rtol):
+    """One DP-optimizer step (no noise, B = 4) at the median norm of ``ref`` (the one-record
+    loop's g_i) gives each trainable parameter the clipped sum of ``ref``."""
+    opt.max_grad_norm = C = float(norms_of(ref).median())
+    want = clipped_sum(ref, C)
+    opt.zero_grad()
+    loss_fn(forward(x), y).sum().backward()
+    quiet(opt.step)
+    for k, p in params.items():
+        if p.requires_grad:
+            assert_close(p.grad * 4.0, want[k], scale(ref), f"{what} {k}", rtol)
+
+
 def refused(name, method):
     rule = REFUSED.get(name, {})
     return rule.get("all") or rule.get(method)
@@ -131,15 +144,8 @@ def optimizer_steps(name, mode):
         for step, n in enumerate(STEPS):
             x, y = PROBLEMS[name].batch(n, T=T, seed=10 + step)
             ref = one_at_a_time(model, loss_fn, x, y)
-            opt.max_grad_norm = C = float(norms_of(ref).median())
-            want = clipped_sum(ref, C)
-            opt.zero_grad()
-            loss_fn(model(x), y).sum().backward()
-            quiet(opt.step)
-            for k, p in model.named_parameters():
-                if p.requires_grad:
-                    assert_close(p.grad * 4.0, want[k], scale(ref),
-                                 f"{name} {mode} step {step} {k}", rtol)
+            step_matches(opt, model, loss_fn, x, y, ref, dict(model.named_parameters()),
+                         f"{name} {mode} step {step}", rtol)
     finally:
         opt.detach()
 
@@ -212,12 +218,6 @@ def test_mixtral_router_logits_returned_and_unread_are_no_records():
                           list(params.values()), allow_unused=True) for i in range(n)]
             ref = {k: torch.stack([torch.zeros_like(p) if r[j] is None else r[j] for r in rows])
                    for j, (k, p) in enumerate(params.items())}
-            opt.max_grad_norm = C = float(norms_of(ref).median())
-            want = clipped_sum(ref, C)
-            opt.zero_grad()
-            loss_fn(run(x), y).sum().backward()
-            quiet(opt.step)
-            for k, p in params.items():
-                assert_close(p.grad * 4.0, want[k], scale(ref), f"{name} step {step} {k}", rtol)
+            step_matches(opt, run, loss_fn, x, y, ref, params, f"{name} step {step}", rtol)
     finally:
         opt.detach()

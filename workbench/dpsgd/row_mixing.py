@@ -178,11 +178,11 @@ def _dim0(name: str, args, kwargs, default=0) -> bool:
     return dim == 0
 
 
-def _order(name: str, args, kwargs, rows, m: int, fresh, whole: bool = False, drawn=None):
+def _order(name: str, args, kwargs, m: int, fresh, whole: bool = False, drawn=None):
     """The rows of its first argument's m rows that ``name(*args)`` takes, in turn
     (positions), None for all of them in order, ``False`` for no reordering (the first
     argument's order is kept). ``z[torch.arange(n), y]`` picks each record's own entry:
-    the batch's own order. (``rows``: unused, the caller composes.)"""
+    the batch's own order (the caller composes the positions with the argument's order)."""
     index = None
     if name == "narrow" and _dim0(name, args, kwargs) and len(args) > 3 \
             and isinstance(args[2], int) and isinstance(args[3], int):
@@ -300,15 +300,16 @@ class RowOrder:
             data = [t for t in tensors if (not t.requires_grad or (ours and ours(t)))
                     and t.dim() and t.shape[0] >= 2 and not self._free(t)
                     and not (into and t is tensors[0])]
-            mixed = self._broadcast(name, args, kwargs, tensors, data, into)
+            mixed = self._neighbours(name, args, kwargs, tensors, data)
             if mixed is not None:
                 return mixed
             # (``where(mask, x[perm], x)``: the mask comes first, one row, so its rows were
             # the only ones compared)
             for rows in {t.shape[0] for t in data}:
                 same = [t for t in data if t.shape[0] == rows]
-                if len(same) >= 2 and self._mixed(same):
-                    self.records = self._mixed(same)
+                records = self._mixed(same) if len(same) >= 2 else frozenset()
+                if records:
+                    self.records = records
                     shape = next(tuple(t.shape) for t in same if self.key(t) is not None)
                     return (f"{name}() of rows of two different records (a batch partner, "
                             f"x[perm], x.roll(k, 0), x[torch.randint(0, n, (n,))] or another "
@@ -340,7 +341,7 @@ class RowOrder:
                     self.inner[id(t)] = weakref.ref(t)  # left; refusing it refused every
                     # per-record loop, out[i] = aug(x[i]), ce(o[i], y[i], weight=w): a review)
         batch = self._seen(first) or bool(ours and ours(first))  # rows a draw may pair
-        new = _order(name, args, kwargs, None, m, self.made, self.whole,
+        new = _order(name, args, kwargs, m, self.made, self.whole,
                      self.drawn if batch else None)
         # (positions in first's rows: a slice, a permutation, a drawn partner)
         key = self.key(first) if new in (False, None) else self._sub(first, new)
@@ -364,7 +365,7 @@ class RowOrder:
         ref = self.inner.get(id(t))
         return ref is not None and ref() is t
 
-    def _broadcast(self, name, args, kwargs, tensors, data, into) -> str | None:
+    def _neighbours(self, name, args, kwargs, tensors, data) -> str | None:
         """Differences of neighbours (``torch.diff(x, dim=0)``), silent until 2026-11-30:
         ``what``, the records' row counts in ``records``."""
         whole = [t for t in data if not self._inner(t)]
