@@ -187,7 +187,40 @@ PARTNERS = {"mixup": mixup, "a rolled neighbour": lambda x, y: (x - x.roll(1, 0)
             "a roll spelled by cat": lambda x, y: (
                 0.7 * x + 0.3 * torch.cat([x[1:], x[:1]]), y),
             "neighbours' differences by torch.diff": lambda x, y: (
-                torch.cat([x[:1], torch.diff(x, dim=0)]), y)}
+                torch.cat([x[:1], torch.diff(x, dim=0)]), y),
+            # a partner drawn excluding the record itself, or by noise, or in NumPy; mixup
+            # written as a loop over the records (each silent until 2026-11-30, stop 50)
+            "a partner drawn by multinomial excluding itself": partner(lambda n: torch.multinomial(
+                1 - torch.eye(n), 1).squeeze(1)),
+            "multinomial's (n, 1) draw as the index": lambda x, y: (
+                0.7 * x + 0.3 * x[torch.multinomial(1 - torch.eye(len(x)), 1)][:, 0], y),
+            "a shift drawn per record": partner(
+                lambda n: (torch.arange(n) + torch.randint(1, n, (n,))) % n),
+            "a partner by randint_like": partner(
+                lambda n: torch.randint_like(torch.zeros(n, dtype=torch.long), 0, n)),
+            "a partner from uniform noise": partner(lambda n: (torch.rand(n) * n).long()),
+            "a NumPy draw with repeats": partner(
+                lambda n: np_random().integers(0, n, n)),
+            "record 0 for every record": partner(lambda n: [0] * n),
+            "mixup as a loop over the records": lambda x, y: (torch.stack(
+                [0.7 * x[i] + 0.3 * x[(i + 1) % len(x)] for i in range(len(x))]), y),
+            "a partner per record by a loop, stacked": lambda x, y: (
+                0.7 * x + 0.3 * torch.stack([x[(i + 1) % len(x)] for i in range(len(x))]), y),
+            "a partner per record written row by row": lambda x, y: (_written_partner(x), y),
+            "a loop over a permutation, stacked": lambda x, y: (
+                0.7 * x + 0.3 * torch.stack([x[j] for j in torch.randperm(len(x))]), y)}
+
+
+def np_random():
+    import numpy as np
+    return np.random.default_rng(3)
+
+
+def _written_partner(x):
+    out = torch.empty_like(x)
+    for i in range(len(x)):
+        out[i] = x[(i + 1) % len(x)] * 1.0
+    return 0.7 * x + 0.3 * out
 
 
 def _halves(x, y, how):
@@ -299,7 +332,35 @@ REORDERED = {
         torch.stack([r - r[0] for r in x]), y),
     "a data set statistic's row": lambda x, y: (x - DATASET_STATS[0], y),
     "a record's row, zeros like it": lambda x, y: (x + x[0].new_zeros(x.shape), y),
+    # beside this session's drawn partners and records' own rows (2026-11-30, stop 50)
+    "a bootstrap by randint_like, consistently": lambda x, y: _bootstrap_like(x, y),
+    "a per-record augmentation loop": lambda x, y: (
+        torch.stack([x[i].flip(-1) * (1.0 + 0.1 * i) for i in range(len(x))]), y),
+    "a per-record write into empty_like": lambda x, y: (_written_own(x), y),
+    "a class mean looked up per record": lambda x, y: (
+        torch.stack([x[i] - DATASET_STATS[y[i]] for i in range(len(x))]), y),
+    "a loop over a permutation, consistently": lambda x, y: _looped_shuffle(x, y),
+    "a noise bank at drawn shifts": lambda x, y: (
+        x + torch.randn(len(x), D, dtype=x.dtype)[
+            (torch.arange(len(x)) + torch.randint(1, len(x), (len(x),))) % len(x)], y),
 }
+
+
+def _bootstrap_like(x, y):
+    idx = torch.randint_like(y, 0, len(y))
+    return x[idx] * 2.0, y[idx]
+
+
+def _written_own(x):
+    out = torch.empty_like(x)
+    for i in range(len(x)):
+        out[i] = x[i].flip(-1) + torch.randn(D, dtype=x.dtype) * 0.1
+    return out
+
+
+def _looped_shuffle(x, y):
+    perm = torch.randperm(len(x))
+    return torch.stack([x[j] for j in perm]), torch.stack([y[j] for j in perm])
 DATASET_STATS = torch.linspace(-1, 1, 3 * D, dtype=torch.float64).reshape(3, D)
 
 

@@ -70,29 +70,22 @@ SPLITS = {"chunk", "split", "tensor_split", "split_with_sizes", "unsafe_split",
           "unsafe_chunk"}
 """Ops returning consecutive pieces of the rows (``x.chunk(2)``: half-batch mixup's halves)."""
 DRAWN = {"randint", "multinomial"}
-"""Ops drawing a random index, repeats allowed: a partner drawn per record
-(``x[torch.randint(0, n, (n,))]``: k values from range(k), ``_partner_draw``) is one though
-no permutation; a draw of k values from another range picks a table's rows (a diffusion
-schedule ``alphas[t]``, a noise bank, negatives from an embedding table)."""
-KEEPS_VALUES = {"to", "long", "int", "cpu", "cuda", "clone", "detach", "contiguous", "type",
-                "view", "reshape", "flatten", "squeeze"}
-"""Ops whose 1-d integer output holds its input's values: a partner draw stays one."""
+"""Ops drawing a random index, repeats allowed. A random index (drawn, or computed from a
+draw or from noise: ``(torch.arange(n) + torch.randint(1, n, (n,))) % n``,
+``(torch.rand(n) * n).long()``, ``torch.multinomial(1 - torch.eye(n), 1)[:, 0]``) of k
+values in range(k) picks a partner row per row of a k-row batch, though no permutation
+(a partner drawn per record, excluding itself or not); of values beyond the rows, or into
+a tensor of another row count, it picks a table's rows (a diffusion schedule
+``alphas[t]``, a noise bank, negatives from an embedding table): ``_values`` reads them."""
 STACKS = {"stack"}
 """Over dim 0 a stack makes each piece one row (nanoGPT's ``torch.stack([data[i:i + T] for i
-in ix])``): no row holds two pieces' rows."""
+in ix])``): no row holds two pieces' rows. Pieces that are one record each of one batch
+(``torch.stack([x[(i + 1) % n] for i in range(n)])``) stack to those records' order."""
 
 
-def _partner_draw(name: str, args, kwargs, out) -> bool:
-    """``torch.randint(0, k, (k,))`` or ``torch.multinomial(w, k)`` with k weights: k values
-    drawn from range(k), a partner row per row of a k-row batch."""
-    k = int(out.shape[0])
-    if name == "randint":
-        ints = [a for a in args if isinstance(a, int) and not isinstance(a, bool)]
-        low = kwargs.get("low", ints[0] if len(ints) >= 2 else 0)
-        high = kwargs.get("high", ints[-1] if ints else None)
-        return low == 0 and high == k
-    w = args[0] if args else kwargs.get("input")
-    return isinstance(w, torch.Tensor) and w.dim() == 1 and int(w.shape[0]) == k
+SUMS = {"add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__", "__rsub__",
+        "__isub__", "sub_"}
+"""Records' own losses (0-d, with gradient) summed are the loss's reduction, no partner."""
 FRESH = {"randperm", "arange", "tensor", "as_tensor", "from_numpy", "asarray"}
 """Ops whose 1-d integer output the window follows as a possible index (the loop made it)."""
 FREE = {"rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "bernoulli",
@@ -129,9 +122,10 @@ def _values(index, fresh, m: int, whole: bool = False, drawn=None) -> list | Non
     if isinstance(index, slice):
         return list(range(m)[index]) if m else None
     if isinstance(index, torch.Tensor) and drawn is not None and drawn(index) \
-            and index.dim() == 1 and len(index) == m and not index.is_floating_point() \
-            and index.dtype != torch.bool and not index.is_complex():
-        values = index.tolist()
+            and index.dim() in (1, 2) and index.shape[-1:] != (0,) and len(index) == m \
+            and (index.dim() == 1 or index.shape[1] == 1) and not index.is_floating_point() \
+            and index.dtype != torch.bool and not index.is_complex():  # (m, 1): multinomial's
+        values = index.reshape(-1).tolist()
         return values if all(-m <= v < m for v in values) else None
     if isinstance(index, torch.Tensor):
         if index.dim() != 1 or index.shape[0] != m or index.dtype == torch.bool \
@@ -148,6 +142,8 @@ def _values(index, fresh, m: int, whole: bool = False, drawn=None) -> list | Non
             values = [operator.index(v) for v in values if not isinstance(v, bool)]
         except TypeError:
             return None
+        if drawn is not None and len(values) == m and all(-m <= v < m for v in values):
+            return values  # made in Python on the batch's rows: NumPy's draw, [0] * n
     else:
         return None
     return values if sorted(v % m if m else v for v in values) == list(range(m)) else None
@@ -164,10 +160,20 @@ def _key(rows: tuple):
     return None if rows == tuple(range(len(rows))) else ("rows", rows)
 
 
-def _int_first(key) -> bool:
-    """An item key whose dim-0 part is an int: ``x[i]``, ``x[i, :, 2]``."""
+def _inner_key(key, inner) -> bool:
+    """The dim-0 part of an item key is one record's own value (``mu[y[i]]``)."""
     first = key[0] if isinstance(key, tuple) and key else key
-    return isinstance(first, int) and not isinstance(first, bool)
+    return isinstance(first, torch.Tensor) and inner(first) is not None
+
+
+def _int_first(key) -> int | None:
+    """The dim-0 part of an item key that is one int, ``x[i]``, ``x[i, :, 2]``, ``x[perm[i]]``
+    (a 0-d integer tensor), else None."""
+    first = key[0] if isinstance(key, tuple) and key else key
+    if isinstance(first, torch.Tensor) and not first.dim() and not first.is_floating_point() \
+            and first.dtype != torch.bool and not first.is_complex():
+        return int(first)
+    return first if isinstance(first, int) and not isinstance(first, bool) else None
 
 
 def _dim0(name: str, args, kwargs, default=0) -> bool:
@@ -225,9 +231,11 @@ class RowOrder:
         self.seen: dict[int, weakref.ref] = {}  # id -> weakref: made in the window (or the
         # engine's batch): a partner draw picks its rows, a table's made before it are no
         # batch (``alphas[t]``, K == n classes)
-        self.inner: dict[int, weakref.ref] = {}  # id -> weakref: one record's (x[i]): its
+        self.inner: dict[int, tuple] = {}  # id -> (weakref, ident): one record's (x[i]): its
         # dim 0 holds no records, slicing it pairs none (a record's own deltas)
         self.records = frozenset()  # the row counts of the records the last mix combined
+        self.writes: dict[int, tuple] = {}  # id -> (weakref, space, rows): records written
+        # row by row (out[i] = x[j]), None for a row not written yet
 
     def key(self, t):
         entry = self.keys.get(id(t))
@@ -254,21 +262,26 @@ class RowOrder:
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.dim():
                 self.seen[id(t)] = weakref.ref(t)
-        if isinstance(out, torch.Tensor) and out.dim() == 1 and not out.is_floating_point() \
-                and out.dtype != torch.bool and not out.is_complex() and (
-                    name in FRESH or name in DRAWN
-                    or (tensors and all(self.made(t) for t in tensors))):
-            drawn = _partner_draw(name, args, kwargs, out) if name in DRAWN else (
-                name in KEEPS_VALUES and any(self.drawn(t) for t in tensors))
-            self.indices[id(out)] = (weakref.ref(out), drawn)  # an index the loop made, or
-            if name in DRAWN:  # one computed from such (rolled, sliced, cast): not data;
-                self.free[id(out)] = weakref.ref(out)  # drawn, a coin per record too
+        if isinstance(out, torch.Tensor) and out.dim() in (1, 2) \
+                and not out.is_floating_point() and out.dtype != torch.bool \
+                and not out.is_complex() and (out.dim() == 1 or name in DRAWN) and (
+                    name in FRESH or name in DRAWN or name in FREE
+                    or (tensors and all(self.made(t) or self._free(t) for t in tensors))):
+            random = name in DRAWN or name in FREE or any(  # (a coin per record too)
+                self.drawn(t) or self._free(t) for t in tensors)
+            self.indices[id(out)] = (weakref.ref(out), random)  # an index the loop made, or
+            if name in DRAWN or name in FREE or (  # one computed from such: not data
+                    tensors and all(self._free(t) for t in tensors)):
+                self.free[id(out)] = weakref.ref(out)
             return None
         if (name == "unbind" or name == "__iter__") and tensors and tensors[0].dim() \
                 and _dim0(name, args, kwargs, 0):  # a record each (``for r in x``)
-            for t in tree_flatten(out)[0]:
+            if self.made(tensors[0]):  # the positions of an index (``for j in perm``)
+                return None
+            batch = self._seen(tensors[0]) or bool(ours and ours(tensors[0]))
+            for i, t in enumerate(tree_flatten(out)[0]):
                 if isinstance(t, torch.Tensor):
-                    self.inner[id(t)] = weakref.ref(t)
+                    self._one(t, self._inner(tensors[0]) or self._ident(tensors[0], i, batch))
             return None
         if name in SPLITS and tensors and tensors[0].dim() and _dim0(name, args, kwargs):
             self._pieces(tensors[0], out)
@@ -278,7 +291,8 @@ class RowOrder:
             and not all(self._free(t) for t in tensors[1:])  # records' data written into a
         if into:  # tensor of none (a one-hot by scatter_ into zeros): data now, in the
             self.free.pop(id(tensors[0]), None)  # order of what was written
-        if name in FREE or (tensors and all(self._free(t) for t in tensors)):
+        if name in FREE or (tensors and all(self._free(t) for t in tensors)) or (
+                name in REORDER and tensors and self._free(tensors[0])):  # (bank[idx])
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     self.free[id(t)] = weakref.ref(t)
@@ -300,7 +314,8 @@ class RowOrder:
             data = [t for t in tensors if (not t.requires_grad or (ours and ours(t)))
                     and t.dim() and t.shape[0] >= 2 and not self._free(t)
                     and not (into and t is tensors[0])]
-            mixed = self._neighbours(name, args, kwargs, tensors, data)
+            mixed = self._neighbours(name, args, kwargs, tensors, data) \
+                or self._records_combined(name, tensors, ours, into)
             if mixed is not None:
                 return mixed
             # (``where(mask, x[perm], x)``: the mask comes first, one row, so its rows were
@@ -315,32 +330,42 @@ class RowOrder:
                             f"x[perm], x.roll(k, 0), x[torch.randint(0, n, (n,))] or another "
                             f"slice of the batch, x[:h] beside x[h:], as in mixup or CutMix) "
                             f"of a {shape} tensor")
+            if self._record_written(name, args, into):
+                return None
             if into:
                 keys = {self.key(t) for t in data if t.shape[0] == tensors[0].shape[0]}
                 if len(keys) == 1 and None not in keys:
                     self.keys[id(tensors[0])] = (weakref.ref(tensors[0]), keys.pop())
                 return None
+        if joins:
+            pieces = args[0] if args else kwargs.get("tensors", ())
+            if not self._records_joined(name, pieces, out):
+                if name in STACKS:
+                    if isinstance(out, torch.Tensor):
+                        self._set(out, None)
+                else:
+                    self._joined(pieces, out)
+            return None
+        one = self._inner(first) or (  # a scalar or noise times one record's: its still
+            (not first.dim() or self._free(first)) and not into and self._own(tensors, ours))
+        if one:  # one record's own rows: reordered or sliced, still its own
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self._one(t, one)
+            return None
         if not first.dim():
             return None
         m = int(first.shape[0])
-        if joins:
-            if name in STACKS:
-                if isinstance(out, torch.Tensor):
-                    self._set(out, None)
-            else:
-                self._joined(args[0] if args else kwargs.get("tensors", ()), out)
-            return None
-        if self._inner(first):  # one record's own rows: reordered or sliced, still its own
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor) and t.dim():
-                    self.inner[id(t)] = weakref.ref(t)
-            return None
-        if name == "__getitem__" and len(args) > 1 and _int_first(args[1]):
-            for t in tree_flatten(out)[0]:  # x[i]: one record's (a row of a batch is not
-                if isinstance(t, torch.Tensor):  # told from a table's row: x + c * x[0] is
-                    self.inner[id(t)] = weakref.ref(t)  # left; refusing it refused every
-                    # per-record loop, out[i] = aug(x[i]), ce(o[i], y[i], weight=w): a review)
         batch = self._seen(first) or bool(ours and ours(first))  # rows a draw may pair
+        at = _int_first(args[1]) if name == "__getitem__" and len(args) > 1 else None
+        if at is not None and not self.made(first):  # (perm[i] is a position, no record's)
+            ident = (("looked up", id(out)), 0, frozenset()) \
+                if _inner_key(args[1], self._inner) else self._ident(first, at, batch)
+            for t in tree_flatten(out)[0]:  # (mu[y[i]]: a table's row, by a record's value,
+                if isinstance(t, torch.Tensor):  # no record of mu's) x[i]: one record's (a
+                    self._one(t, ident)  # row of a batch is not told from a table's row: x
+                    # + c * x[0] is left; refusing it refused every per-record loop,
+                    # out[i] = aug(x[i]), ce(o[i], y[i], weight=w): a review)
         new = _order(name, args, kwargs, m, self.made, self.whole,
                      self.drawn if batch else None)
         # (positions in first's rows: a slice, a permutation, a drawn partner)
@@ -361,14 +386,118 @@ class RowOrder:
         ref = self.seen.get(id(t))
         return ref is not None and ref() is t
 
-    def _inner(self, t) -> bool:
-        ref = self.inner.get(id(t))
-        return ref is not None and ref() is t
+    def _inner(self, t):
+        """t's ident (``_ident``) where t is one record's (x[i]), else None."""
+        entry = self.inner.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
+    def _one(self, t, ident) -> None:
+        self.inner[id(t)] = (weakref.ref(t), ident)
+
+    def _ident(self, t, i: int, batch: bool) -> tuple:
+        """Which record ``t[i]`` is: (space, row, row counts). Rows of a batch (seen in the
+        window, or the outputs) in any order share the space ("rows", m), so ``o[i]`` and
+        ``y[i]`` are one record and ``x[i]`` beside ``x[j]`` two; a slice of a data set its
+        base's rows; any other tensor its own rows."""
+        m = int(t.shape[0])
+        i %= max(m, 1)
+        key = self.key(t)
+        if key is not None and key[0] == "of":
+            return ("of", key[1], key[2]), key[3][i], key[4]
+        if key is None and not batch:
+            self.bases[id(t)] = t  # kept: its id names it while the window lasts
+            return ("of", id(t), m), i, frozenset({m})
+        return ("rows", m), (i if key is None else key[1][i]), frozenset({m})
+
+    def _own(self, tensors, ours):
+        """The one ident of the records' own tensors among ``tensors`` (data), else None."""
+        idents = {self._inner(t) for t in tensors if (not t.requires_grad or (ours and ours(t)))
+                  and not self._free(t)} - {None}
+        return idents.pop() if len(idents) == 1 else None
+
+    def _records_combined(self, name, tensors, ours, into) -> str | None:
+        """Two records' own tensors combined (``0.7 * x[i] + 0.3 * x[(i + 1) % n]``: mixup
+        written as a loop over the records, silent until 2026-11-30): ``what``."""
+        own = [t for t in tensors if (not t.requires_grad or (ours and ours(t)))
+               and not self._free(t) and not (into and t is tensors[0])]
+        if name in SUMS and all(not t.dim() and t.requires_grad for t in own):
+            return None  # records' own losses summed (sum(ce(o[i], y[i]) for i ...))
+        idents = [self._inner(t) for t in own]
+        for a in idents:
+            for b in idents:
+                if a is not None and b is not None and a[0] == b[0] and a[1] != b[1]:
+                    self.records = a[2] | b[2]
+                    return (f"{name}() of two records' own rows, x[i] beside x[j] (a batch "
+                            f"partner picked record by record, as in mixup written as a loop "
+                            f"over the batch): rows of two different records combined")
+        return None
+
+    def _record_written(self, name, args, into: bool) -> bool:
+        """``out[i] = x[j]`` (or an augmentation of it): row i of ``out`` now holds record
+        j's, so a loop ``out[i] = x[(i + 1) % n]`` leaves ``out`` in the order of
+        ``x.roll(-1, 0)``. A tensor of no record (``empty_like``) takes an order once every
+        row is written; another keeps its other rows' order."""
+        if name != "__setitem__" or len(args) < 3 or not isinstance(args[2], torch.Tensor) \
+                or not isinstance(args[0], torch.Tensor) or not args[0].dim() \
+                or self._inner(args[0]) is not None:
+            return False
+        target, at, ident = args[0], _int_first(args[1]), self._inner(args[2])
+        m = int(target.shape[0])
+        if at is None or ident is None or ident[0][0] not in ("rows", "of"):
+            return False
+        space, key = ident[0], self.key(target)
+        entry = self.writes.get(id(target))
+        if entry is not None and entry[0]() is target and entry[1] == space:
+            rows = entry[2]
+        elif into:  # (the target was free: ``_free`` until this write)
+            rows = [None] * m  # (records' data written into zeros: an order once full)
+        elif space == ("rows", m) and (key is None or key[0] == "rows"):
+            rows = list(range(m) if key is None else key[1])
+        elif space[0] == "of" and key is not None and key[0] == "of" and key[1] == space[1] \
+                and len(key[3]) == m:
+            rows = list(key[3])
+        elif space == ("of", id(target), m) and key is None:
+            rows = list(range(m))  # (x[i] = x[j] in place)
+        else:
+            return False
+        rows[at % m] = ident[1]
+        self.writes[id(target)] = (weakref.ref(target), space, rows)
+        self.free.pop(id(target), None)
+        if None in rows:
+            self._set(target, None)
+        elif space[0] == "rows" or sorted(rows) == list(range(space[2])):
+            self._set(target, _key(tuple(rows)))
+        else:
+            self._set(target, ("of", space[1], space[2], tuple(rows), ident[2] | {m}))
+        return True
+
+    def _records_joined(self, name, pieces, out) -> bool:
+        """``torch.stack([x[(i + 1) % n] for i in range(n)])`` (or a cat of one-row pieces):
+        the records' rows in that order, as ``x.roll(-1, 0)``; a cat of one record's pieces
+        is still that record's. False where the pieces are not records' own."""
+        pieces = list(pieces) if isinstance(pieces, (tuple, list)) else []
+        idents = [self._inner(t) if isinstance(t, torch.Tensor) else None for t in pieces]
+        if not pieces or None in idents or not isinstance(out, torch.Tensor) \
+                or len({i[0] for i in idents}) != 1:
+            return False
+        if name in CATS and len(set(idents)) == 1:
+            self._one(out, idents[0])
+            return True
+        if name in CATS and any(t.dim() == 0 or t.shape[0] != 1 for t in pieces):
+            return False  # (records' own rows flattened, n·T rows in order: no key)
+        space, rows = idents[0][0], tuple(i[1] for i in idents)
+        sizes = frozenset().union(*(i[2] for i in idents))
+        if space[0] == "rows":
+            self._set(out, _key(rows) if len(rows) == space[1] else None)
+        else:
+            self._set(out, _key(rows) if sorted(rows) == list(range(space[2])) else
+                      ("of", space[1], space[2], rows, sizes | {len(rows)}))
+        return True
 
     def _neighbours(self, name, args, kwargs, tensors, data) -> str | None:
         """Differences of neighbours (``torch.diff(x, dim=0)``), silent until 2026-11-30:
         ``what``, the records' row counts in ``records``."""
-        whole = [t for t in data if not self._inner(t)]
+        whole = [t for t in data if self._inner(t) is None]
         if name == "diff" and tensors and any(tensors[0] is t for t in whole):
             dim = kwargs.get("dim", args[2] if len(args) > 2 else -1)
             if isinstance(dim, int) and dim % tensors[0].dim() == 0:
