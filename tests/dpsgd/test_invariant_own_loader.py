@@ -69,6 +69,26 @@ def by_hand(prepare, late=False):
     return model
 
 
+def accumulating(prepare, late=False, first=6):
+    """Gradient accumulation over the loop's own micro-batches (6 and 2 rows, one step): the
+    second is prepared after the first's backward pass, where nothing was followed (its
+    mixup or normalisation passed silently until 2026-11-30)."""
+    model = mlp()
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=0.0,
+                      max_grad_norm=1.0, expected_batch_size=B, loss_reduction="sum")
+    X, Y = data()
+    for i in range(0, N, B):
+        if late:
+            opt.zero_grad()
+        for lo, hi in ((i, i + first), (i + first, i + B)):
+            x, y = prepare(X[lo:hi], Y[lo:hi])
+            if not late and lo == i:
+                opt.zero_grad()
+            ce(model(x), y).backward()
+        opt.step()
+    return model
+
+
 def smoothed_by_frequency(x, y):  # label smoothing toward the batch's class frequencies
     freq = torch.bincount(y, minlength=K).double() / len(y)
     return x * freq[y].unsqueeze(1), y
@@ -81,7 +101,7 @@ COUPLED = {
     "a median read as a number": lambda x, y: (x - x.median().item(), y),
     "weighted by the batch's class frequency": smoothed_by_frequency,
 }
-LOOPS = {"user's loader": user_loader, "by hand": by_hand}
+LOOPS = {"user's loader": user_loader, "by hand": by_hand, "accumulating": accumulating}
 
 
 @pytest.mark.parametrize("late", [False, True], ids=["before zero_grad", "after zero_grad"])
@@ -344,6 +364,13 @@ REORDERED = {
         x + torch.randn(len(x), D, dtype=x.dtype)[
             (torch.arange(len(x)) + torch.randint(1, len(x), (len(x),))) % len(x)], y),
 }
+
+
+def test_labels_of_a_micro_batch_of_k_rows_are_no_partner():
+    """A class weight per label in a micro-batch of 3 rows, K = 3 classes: the labels, a
+    permutation of 0..2 by chance, were taken for a partner index (refused) until
+    2026-11-30; labels the window saw cut or stacked are data, not an index."""
+    assert accumulating(REORDERED["a class weight per label"], first=5) is not None
 
 
 def _bootstrap_like(x, y):

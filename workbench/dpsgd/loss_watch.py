@@ -301,6 +301,12 @@ class LossWatch:
         self._stop_before()
         self.before.reset(0)
 
+    def stop_following(self) -> None:
+        """The optimizer's own work begins (``step``): what the follower saw since the last
+        backward pass is no batch's (the step's finally follows afresh)."""
+        self._stop_before()
+        self.before.reset(0)
+
     def _stop_before(self) -> None:
         mode, self._before_mode = self._before_mode, None
         if mode is not None:
@@ -719,7 +725,11 @@ class LossFunctions(TorchFunctionMode):
             raise
         if watch.announced is not None:  # the handed-out batch's gradients wait for a step
             watch.backwarded.add(watch.serial)
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        watch.follow()  # the next batch of the step (gradient accumulation over the loop's
+        # own batches), prepared from here to its forward pass: followed as the first is
+        # (its mixup or normalisation passed silently until 2026-11-30)
+        return result
 
 
 class BeforeForward(TorchFunctionMode):

@@ -609,6 +609,7 @@ class DPOptimizer(Optimizer):
 
     def _step(self, closure):
         loss = None
+        self.recorder.watch.stop_following()  # the step's own tensor calls are no batch's
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()

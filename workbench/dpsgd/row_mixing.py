@@ -109,10 +109,10 @@ def _whole(name: str, args) -> bool:
     return all(k is Ellipsis or k == slice(None) for k in key)
 
 
-def _values(index, fresh, m: int, whole: bool = False, drawn=None) -> list | None:
+def _values(index, fresh, m: int, whole=None, drawn=None) -> list | None:
     """An index's values as Python ints where it is a whole permutation of the m rows, else
     None: a 1-d integer tensor the window saw made (``fresh``), or (``whole``: before the
-    forward pass) any such tensor (``torch.from_numpy`` makes one unseen: no torch function),
+    forward pass) one no op of the window made (``torch.from_numpy``: no torch function),
     or a list or NumPy array of ints. Only a permutation: a lookup by labels (``w[y]``, the
     labels made by ``torch.tensor`` in the loader's collate) picks a table's rows, not the
     batch's, and a subset of the rows changes the row count (no partner row by row). A
@@ -130,7 +130,7 @@ def _values(index, fresh, m: int, whole: bool = False, drawn=None) -> list | Non
     if isinstance(index, torch.Tensor):
         if index.dim() != 1 or index.shape[0] != m or index.dtype == torch.bool \
                 or index.is_floating_point() or index.is_complex() \
-                or not (whole or fresh(index)):
+                or not ((whole is not None and whole(index)) or fresh(index)):
             return None
         values = index.tolist()
     elif isinstance(index, list) or (type(index).__module__ == "numpy"
@@ -184,7 +184,7 @@ def _dim0(name: str, args, kwargs, default=0) -> bool:
     return dim == 0
 
 
-def _order(name: str, args, kwargs, m: int, fresh, whole: bool = False, drawn=None):
+def _order(name: str, args, kwargs, m: int, fresh, whole=None, drawn=None):
     """The rows of its first argument's m rows that ``name(*args)`` takes, in turn
     (positions), None for all of them in order, ``False`` for no reordering (the first
     argument's order is kept). ``z[torch.arange(n), y]`` picks each record's own entry:
@@ -366,7 +366,7 @@ class RowOrder:
                     self._one(t, ident)  # row of a batch is not told from a table's row: x
                     # + c * x[0] is left; refusing it refused every per-record loop,
                     # out[i] = aug(x[i]), ce(o[i], y[i], weight=w): a review)
-        new = _order(name, args, kwargs, m, self.made, self.whole,
+        new = _order(name, args, kwargs, m, self.made, self._unseen if self.whole else None,
                      self.drawn if batch else None)
         # (positions in first's rows: a slice, a permutation, a drawn partner)
         key = self.key(first) if new in (False, None) else self._sub(first, new)
@@ -381,6 +381,14 @@ class RowOrder:
         for t in tree_flatten(batch)[0]:
             if isinstance(t, torch.Tensor) and t.dim():
                 self.seen[id(t)] = weakref.ref(t)
+
+    def _unseen(self, t) -> bool:
+        """Before the forward pass, an index no op of the window made (``torch.from_numpy``
+        is no torch function): a permutation may be one. A tensor the window saw made by
+        another op (a slice of the labels, a collate's stack) is data: labels that happen
+        to be a permutation of a table's rows (K == n classes, a micro-batch of 3) are no
+        partner (refused until 2026-11-30)."""
+        return not self._seen(t)
 
     def _seen(self, t) -> bool:
         ref = self.seen.get(id(t))
