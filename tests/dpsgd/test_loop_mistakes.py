@@ -490,7 +490,7 @@ def test_a_copy_of_a_model_made_private_by_the_engine_is_a_plain_model():
         data_loader=DataLoader(TensorDataset(*data(8, 1)), batch_size=4),
         noise_multiplier=1.0, max_grad_norm=1.0)
     again[1].detach()
-    x, y = data(5, 4)  # the original optimizer still records its own model
+    x, y = next(iter(loader))  # the original optimizer still records its own model
     opt.zero_grad()
     nn.CrossEntropyLoss()(model(x), y).backward()
     opt.step()
@@ -634,7 +634,7 @@ def test_a_dp_optimizer_over_a_dp_optimizer_is_refused_and_the_first_kept():
         PrivacyEngine().make_private(
             module=model, optimizer=opt, data_loader=DataLoader(loader.dataset, batch_size=16),
             noise_multiplier=1.0, max_grad_norm=1.0)
-    x, y = data(5, 2)
+    x, y = next(iter(loader))  # (a batch of its loader: each step takes one)
     opt.zero_grad()  # the first still records its model
     nn.CrossEntropyLoss()(model(x), y).backward()
     opt.step()

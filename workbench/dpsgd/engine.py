@@ -48,7 +48,7 @@ from workbench.dpsgd import distributed
 from workbench.dpsgd.adaptive import AdaptiveClipDPOptimizer, AdaptiveClipping
 from workbench.dpsgd.attached import detach_earlier, remember
 from workbench.dpsgd.batches import batch_size, take
-from workbench.dpsgd.loss_watch import watched
+from workbench.dpsgd.loss_watch import watch_loader, watched
 from workbench.dpsgd.misuse import (
     PrivacyAccountingWarning,
     check_criterion,
@@ -236,8 +236,11 @@ class PrivacyEngine:
         self.noise_generator, self.sampling_generator = noise_generator, sampling_generator
         if max_physical_batch_size is not None:
             loader = VirtualStepLoader(loader, dp_optimizer, max_physical_batch_size)
+        elif loader is data_loader:  # the user's shuffled loader: its batches announced too
+            watch_loader(data_loader, dp_optimizer.recorder.watch)
         if hasattr(loader, "watch"):  # the engine's own loaders: batch statistics before forward
             loader.watch = dp_optimizer.recorder.watch
+            loader.watch.owned = True  # each step's batch from it (LossWatch.check_handed)
         return module, dp_optimizer, loader
 
     def make_private_with_epsilon(self, *, target_epsilon, target_delta, epochs, data_loader,

@@ -90,8 +90,9 @@ def written(name: str, args, out) -> list:
 class BatchStatistics:
     """The batch statistics of one loss window (module docstring)."""
 
-    def __init__(self, before: bool = False):
+    def __init__(self, before: bool = False, earlier=None):
         self.before = before  # the window from the loader's batch to the forward pass
+        self.earlier = earlier  # row_mixing.Earlier: the records of earlier batches
         self.reset(0)
 
     def reset(self, n: int | None, outputs=()) -> None:
@@ -104,7 +105,7 @@ class BatchStatistics:
         self.numbers: dict[float, str] = {}  # Python numbers read from a statistic
         self.rows: set[int] = {n}  # row counts seen: n, n·T (the ordinary mean's constant)
         self.source: dict[str, int] = {}  # what -> rows of the reduced tensor (n unknown)
-        self.order = RowOrder(self.before)  # rows of two records combined (row_mixing.py)
+        self.order = RowOrder(self.before, self.earlier)  # rows of two records combined
 
     def _batch(self, rows: int) -> bool:
         """A tensor of ``rows`` rows may hold the records (n·m rows; any, n not known yet)."""

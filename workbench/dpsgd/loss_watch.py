@@ -65,6 +65,7 @@ from workbench.dpsgd.lifetime import remove as _remove
 from workbench.dpsgd.loss_terms import BatchStatistics
 from workbench.dpsgd.model_loss import name_of
 from workbench.dpsgd.record_reduction import RecordReduction
+from workbench.dpsgd.row_mixing import Earlier
 from workbench.errors import LoopError, LossCouplingError, RecordCountError
 from workbench.per_sample import precision
 from workbench.per_sample.derived import graph_nodes
@@ -89,10 +90,16 @@ class LossWatch:
         self._handles: list = []
         self.outputs: list = []  # the model's output tensors of the open window
         self._mode = None  # LossFunctions, on the TorchFunctionMode stack while the window is open
-        self.stats = BatchStatistics()  # batch statistics of the data in the loss (loss_terms)
+        self.earlier = Earlier()  # the records' tensors of earlier batches (row_mixing.py)
+        self.stats = BatchStatistics(earlier=self.earlier)  # batch statistics of the data in
+        # the loss (loss_terms)
         self.scale = RecordReduction()  # sum or mean over the records (record_reduction.py)
         self.model_losses = None  # model_loss.ModelLosses: scalars the model computed
         self.announced = None  # n of the batch the engine's loader handed out, until its step
+        self.owned = False  # the engine made the loader: every step takes one of its batches
+        self.steps_checked = 0  # steps that took one (``check_handed``)
+        self.shuffled = False  # the user's shuffled loader announces (``watch_loader``):
+        # several of its batches may go into one step
         self.serial = 0  # batches the engine's loader handed out so far
         self.used: dict[int, int] = {}  # serial -> n of each such batch a training forward
         # pass ran on since the last step (``count_records``)
@@ -103,8 +110,8 @@ class LossWatch:
         self.prefetch = 0  # the engine loader's num_workers: its sampler runs ahead
         self.chunked = False  # the engine's loader hands out chunks (max_physical_batch_size)
         self.passing = False  # a pass of the engine's loader is in progress (``watched``)
-        self.before = BatchStatistics(before=True)  # the same, from the loader's batch to
-        # the forward pass
+        self.before = BatchStatistics(before=True, earlier=self.earlier)  # the same, from
+        # the loader's batch to the forward pass
         self._before_mode = None  # BeforeForward, on the stack while ``before`` follows calls
         self.paused = contextlib.nullcontext  # the recorder's pause (recorded.py sets it)
         self.before_backward = lambda: None  # the recorder's gradient hooks moved last
@@ -201,6 +208,7 @@ class LossWatch:
             return
         if self.announced is not None:  # a training pass on the loader's latest batch
             self.used[self.serial] = self.announced
+        self.earlier.fed(inputs)  # its inputs: an earlier batch's from the next on
         first = next((t for t in tree_flatten(inputs)[0]
                       if isinstance(t, torch.Tensor) and t.dim()), None)
         if first is not None:
@@ -237,7 +245,8 @@ class LossWatch:
         self.used, self.backwarded = {}, set()
         for serial in dropped:
             self.stepped = max(self.stepped, serial)
-            self.on_skipped()
+            if not self.shuffled:  # (a shuffled pass is charged whole: the bracket's passes)
+                self.on_skipped()
 
     def count_records(self, rows: int) -> None:
         """At ``step()``: ``rows``, the rows its backward passes clipped as records (Σ n),
@@ -263,7 +272,7 @@ class LossWatch:
                 f"a logical batch's chunks up and releases them once, with the noise, at its "
                 f"last chunk). Call optimizer.step() (and zero_grad()) after each chunk's "
                 f"backward pass")
-        if len(used) > 1:
+        if len(used) > 1 and not self.shuffled:
             raise RecordCountError(
                 f"one step() took the gradients of {len(used)} batches the private loader "
                 f"handed out (gradient accumulation over loader batches): each is a Poisson "
@@ -295,11 +304,29 @@ class LossWatch:
             # a step, unless the loader's pass is over (``last``: a backward then a break or
             # continue on the run's last batch escaped the charge until 2026-11-30)
             self.stepped = self.serial
-            if report:
+            if report and not self.shuffled:  # (the bracket charges a shuffled pass whole)
                 self.on_skipped()
         self.announced = None
         self._stop_before()
         self.before.reset(0)
+
+    def check_handed(self) -> None:
+        """At ``step()``, with a loader the engine made (``owned``): a batch of it was handed
+        out for this step (the loop may draw its batches ahead: ``list(loader)``; never
+        fewer batches than steps). A loop over the data_loader given to ``make_private``
+        instead of the one returned stepped on fixed-size shuffled batches that the
+        accountant charged as Poisson samples (ε understated by half, silently, until
+        2026-11-30)."""
+        if self.owned and self.serial <= self.steps_checked:
+            raise LoopError(
+                "step() with no batch of the loader make_private returned since the last step: "
+                "the loop iterates another loader (the data_loader given to make_private, whose "
+                "fixed-size shuffled batches the accountant, charging Poisson samples at rate "
+                "q, does not describe: the epsilon would be understated), steps twice for one "
+                "batch, or steps after the loader's pass ended. Iterate the loader that "
+                "make_private returned (model, optimizer, loader = engine.make_private(...)) "
+                "and call step() once per batch")
+        self.steps_checked += 1
 
     def stop_following(self) -> None:
         """The optimizer's own work begins (``step``): what the follower saw since the last
@@ -789,6 +816,7 @@ def watched(batches, watch: "LossWatch | None"):
             if watch is not None:
                 watch.batch_begins(batch_size(batch, "the loader's batch"))
                 watch.before.order.handed(batch)  # its rows are the records'
+                watch.earlier.handed(batch)
             yield batch
         if watch is not None:
             watch.batch_ends(last=True)
@@ -797,4 +825,39 @@ def watched(batches, watch: "LossWatch | None"):
             watch.passing = False
 
 
-__all__ = ["BACKWARD", "FUNCTIONAL", "BeforeForward", "LossFunctions", "LossWatch", "watched"]
+_WATCHED: dict[type, type] = {}  # a loader class -> its subclass announcing its batches
+
+
+def _announcing_iter(self):
+    batches = type(self).__mro__[1].__iter__(self)  # the loader's own class's iterator
+    for ref in self.__dict__.get("_wb_watches", ()):
+        watch = ref()
+        if watch is not None:  # (each engine made private over this loader)
+            batches = watched(batches, watch)
+    return batches
+
+
+def watch_loader(loader, watch: "LossWatch") -> None:
+    """The user's own loader (``make_private(poisson_sampling=False)``, returned as it is,
+    the same object) announces each batch it hands out to ``watch``, as the engine's loaders
+    do (``watched``): its class becomes a subclass whose ``__iter__`` wraps the batches.
+    Nothing announced them until 2026-11-30, so a record behind two rows of a step (two
+    augmented views forwarded, influence 2C), a step on no batch of it, and mixup with the
+    previous batch passed silently. Held weakly; a second ``make_private`` over the loader
+    is announced to as well. Accumulating several of its batches into one step stays accepted
+    (each record is in one batch of a pass; the bracket counts passes: ``shuffled``)."""
+    cls = type(loader)
+    if not cls.__dict__.get("_wb_announces", False):
+        sub = _WATCHED.get(cls)
+        if sub is None:
+            sub = _WATCHED[cls] = type(cls.__name__, (cls,), {
+                "__iter__": _announcing_iter, "_wb_announces": True,
+                "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        loader.__class__ = sub
+    watches = [r for r in loader.__dict__.get("_wb_watches", []) if r() is not None]
+    loader.__dict__["_wb_watches"] = [*watches, weakref.ref(watch)]
+    watch.owned = watch.shuffled = True
+
+
+__all__ = ["BACKWARD", "FUNCTIONAL", "BeforeForward", "LossFunctions", "LossWatch", "watch_loader",
+           "watched"]

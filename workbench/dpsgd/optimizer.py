@@ -624,6 +624,8 @@ class DPOptimizer(Optimizer):
                 "would be taken. Finish the loop over the loader, or start a new pass "
                 "(for x, y in loader: ...), which discards the unfinished batch")
         self._fresh_chunk = False
+        if self.user_level is None:  # (its own check: a batch of the user-level loader)
+            self.recorder.watch.check_handed()  # each step a batch of the engine's loader
         if self._amp_scale() is not None:
             if self.recorder.skipper.tapped and (self.recorder.skip_weight_grads is True
                                                  or self.recorder.warm):

@@ -219,11 +219,79 @@ def _order(name: str, args, kwargs, m: int, fresh, whole=None, drawn=None):
     return False
 
 
+class Earlier:
+    """The records' tensors of earlier batches: the batches the engine's loader (or the
+    user's, ``watch_loader``) handed out, each a group, and the inputs of the model's
+    training passes. Mixup with the previous batch (``0.7 * x + 0.3 * x_prev``) pairs a
+    record of this step with one of an earlier step (or, accumulating, of an earlier batch
+    of this step): that record then reaches a step it was not sampled for. The *current*
+    group is the one the last training pass's inputs came from (a loop that draws its
+    batches ahead, ``list(loader)``, trains on an earlier-drawn one), else the last handed
+    out. Each window's ``RowOrder`` reads it; weak references only."""
+
+    def __init__(self):
+        self.table: dict[int, tuple] = {}  # id -> (weakref, group): a handed-out batch's
+        # tensors (group >= 1), an earlier pass's inputs (group 0)
+        self.inputs: dict[int, weakref.ref] = {}  # the latest training pass's inputs
+        self.group = self.current = 0
+
+    def _prune(self) -> None:
+        if len(self.table) > 256:
+            self.table = {k: e for k, e in self.table.items() if e[0]() is not None}
+
+    def handed(self, batch) -> None:
+        """The engine's loader hands out ``batch``: the current group from now on."""
+        self._prune()
+        self.group += 1
+        self.current = self.group
+        for t in tree_flatten(batch)[0]:
+            if isinstance(t, torch.Tensor) and t.dim():
+                self.table[id(t)] = (weakref.ref(t), self.group)
+
+    def fed(self, inputs) -> None:
+        """A training pass of the model begins on ``inputs``: their group is the current
+        one; the last pass's inputs are an earlier batch's."""
+        self._prune()
+        for k, ref in self.inputs.items():
+            if ref() is not None and k not in self.table:
+                self.table[k] = (ref, 0)
+        self.inputs = {}
+        for t in tree_flatten(inputs)[0]:
+            if isinstance(t, torch.Tensor) and t.dim():
+                entry = self.table.get(id(t))
+                if entry is not None and entry[0]() is t and entry[1]:
+                    self.current = entry[1]
+                elif entry is not None:
+                    del self.table[id(t)]  # (fed again: this pass's)
+                self.inputs[id(t)] = weakref.ref(t)
+
+    def holds(self, t, before: bool) -> bool:
+        """t is an earlier batch's: before the forward pass also the last pass's inputs (the
+        next batch is being prepared), after it not (they are this pass's)."""
+        entry = self.table.get(id(t))
+        if entry is not None and entry[0]() is t:
+            return entry[1] != self.current
+        ref = self.inputs.get(id(t)) if before else None
+        return ref is not None and ref() is t
+
+    def now(self, t) -> bool | None:
+        """t is of the current group (None: no group was handed out, a loop by hand)."""
+        if not self.group:
+            return None
+        entry = self.table.get(id(t))
+        return entry is not None and entry[0]() is t and entry[1] == self.current
+
+
 class RowOrder:
     """The row orders of a window's data tensors (module docstring)."""
 
-    def __init__(self, whole: bool = False):
+    def __init__(self, whole: bool = False, earlier: Earlier | None = None):
         self.whole = whole  # before the forward pass: a whole permutation is an index too
+        self.earlier = earlier
+        self.old: dict[int, weakref.ref] = {}  # id -> weakref: computed from an earlier
+        # batch's tensors in this window (x_prev[:n], x_prev.flip(-1))
+        self.cur: dict[int, weakref.ref] = {}  # id -> weakref: computed from the current
+        # batch's (Earlier.now)
         self.keys: dict[int, tuple] = {}  # id -> (weakref, ("rows", source rows))
         self.indices: dict[int, tuple] = {}  # id -> (weakref, drawn): indices the window made
         self.free: dict[int, weakref.ref] = {}  # id -> weakref: tensors of no record (FREE)
@@ -262,6 +330,15 @@ class RowOrder:
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.dim():
                 self.seen[id(t)] = weakref.ref(t)
+        if self.earlier is not None and tensors:
+            if any(self._old(t) for t in tensors):
+                mixed = self._with_earlier(name, args, kwargs, tensors, out, ours)
+                if mixed is not None:
+                    return mixed
+            elif any(self._now(t) for t in tensors):
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor):
+                        self.cur[id(t)] = weakref.ref(t)
         if isinstance(out, torch.Tensor) and out.dim() in (1, 2) \
                 and not out.is_floating_point() and out.dtype != torch.bool \
                 and not out.is_complex() and (out.dim() == 1 or name in DRAWN) and (
@@ -381,6 +458,40 @@ class RowOrder:
         for t in tree_flatten(batch)[0]:
             if isinstance(t, torch.Tensor) and t.dim():
                 self.seen[id(t)] = weakref.ref(t)
+
+    def _now(self, t) -> bool:
+        """t is the current batch's (``Earlier.now``), or computed from it in this window."""
+        ref = self.cur.get(id(t))
+        return (ref is not None and ref() is t) or bool(self.earlier.now(t))
+
+    def _old(self, t) -> bool:
+        """t is an earlier batch's (``Earlier``), or computed from one in this window."""
+        ref = self.old.get(id(t))
+        return (ref is not None and ref() is t) or self.earlier.holds(t, self.whole)
+
+    def _with_earlier(self, name, args, kwargs, tensors, out, ours) -> str | None:
+        """An earlier batch's tensor combined with this batch's data (mixup with the
+        previous batch, silent until 2026-11-30): ``what``; else its result is an earlier
+        batch's too (a join over dim 0 keeps its pieces apart: a replay is no mix)."""
+        if (name in CATS or name in STACKS) and _dim0(name, args, kwargs):
+            return None
+        if name in REORDER and self._old(tensors[0]):  # (x_prev[mask]: picked, not mixed)
+            tensors = tensors[:1]
+        loop = self.earlier.now(tensors[0]) is None  # by hand: any data the window saw
+        now = [t for t in tensors if not self._old(t) and t.dim() and not self._free(t)
+               and not self.made(t) and (not t.requires_grad or bool(ours and ours(t)))
+               and (self._now(t) or bool(ours and ours(t)) or (loop and self._seen(t)))]
+        if now:
+            self.records = frozenset(int(t.shape[0]) for t in now)
+            return (f"{name}() of an earlier batch's records (a tensor the model ran on in an "
+                    f"earlier pass, or a batch the loader handed out before: mixup with the "
+                    f"previous batch, or the same records forwarded again as another view) "
+                    f"with a {tuple(now[0].shape)} tensor of this batch: rows of two different "
+                    f"records combined, or one record behind two passes of the step")
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.old[id(t)] = weakref.ref(t)
+        return None
 
     def _unseen(self, t) -> bool:
         """Before the forward pass, an index no op of the window made (``torch.from_numpy``
@@ -596,4 +707,4 @@ class RowOrder:
             range(base[2])) else (*base, rows, sizes | {len(rows)}))
 
 
-__all__ = ["DRAWN", "REORDER", "SPLITS", "STACKS", "RowOrder"]
+__all__ = ["DRAWN", "REORDER", "SPLITS", "STACKS", "Earlier", "RowOrder"]
