@@ -228,7 +228,26 @@ PARTNERS = {"mixup": mixup, "a rolled neighbour": lambda x, y: (x - x.roll(1, 0)
                 0.7 * x + 0.3 * torch.stack([x[(i + 1) % len(x)] for i in range(len(x))]), y),
             "a partner per record written row by row": lambda x, y: (_written_partner(x), y),
             "a loop over a permutation, stacked": lambda x, y: (
-                0.7 * x + 0.3 * torch.stack([x[j] for j in torch.randperm(len(x))]), y)}
+                0.7 * x + 0.3 * torch.stack([x[j] for j in torch.randperm(len(x))]), y),
+            # the review of stop 50's first version: partners it left silent
+            "a loop beside a rolled copy (zip)": lambda x, y: (torch.stack(
+                [0.7 * a + 0.3 * b for a, b in zip(x, x.roll(1, 0))]), y),
+            "a loop beside a shuffled copy's row": lambda x, y: _beside_shuffled(x, y),
+            "a loop over NumPy partners": lambda x, y: (torch.stack(
+                [0.7 * x[i] + 0.3 * x[j] for i, j in enumerate(numpy_order(len(x)))]), y),
+            "a partner by select": lambda x, y: (torch.stack(
+                [0.7 * x[i] + 0.3 * x.select(0, (i + 1) % len(x)) for i in range(len(x))]), y),
+            "a roll over dim -2": lambda x, y: (0.7 * x + 0.3 * x.roll(1, -2), y),
+            "index_select by keywords": lambda x, y: (0.7 * x + 0.3 * torch.index_select(
+                x, dim=0, index=torch.randperm(len(x))), y),
+            "a reversed range": lambda x, y: (0.7 * x + 0.3 * x[range(len(x) - 1, -1, -1)], y),
+            "a roll spelled by vstack": lambda x, y: (
+                0.7 * x + 0.3 * torch.vstack([x[1:], x[:1]]), y)}
+
+
+def _beside_shuffled(x, y):
+    xp = x[torch.randperm(len(x))]
+    return torch.stack([0.7 * x[i] + 0.3 * xp[i] for i in range(len(x))]), y
 
 
 def np_random():
@@ -403,6 +422,8 @@ def test_reorderings_that_keep_each_record_whole_are_accepted(case, where):
 
 
 PAIRED_LOSSES = {  # piecewise linear: no second derivative across records
+    "a hinge between neighbours, looped": lambda o, y: sum(  # (silent before stop 50)
+        F.relu(1 - o[i, 0] + o[(i + 1) % len(o), 0]) for i in range(len(o))),
     "margin ranking against the flipped batch": lambda o, y: F.margin_ranking_loss(
         o[:, 0], o[:, 0].flip(0), torch.ones(len(y), dtype=torch.float64), reduction="sum"),
     "L1 to the rolled neighbour": lambda o, y: (o - o.roll(1, 0)).abs().sum(),
@@ -598,3 +619,91 @@ def test_a_partner_of_labels_cut_by_hand_after_the_forward_pass_is_refused():
 
     with pytest.raises(LossCouplingError, match="two different records"):
         _bare(mlp(), steps)
+
+
+class Sequence(nn.Module):
+    """A per-position classifier over (n, T, D) sequences."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = nn.Linear(D, K).double()
+
+    def forward(self, x):
+        return self.head(x)
+
+
+def _losses_added(o, y):  # each record's (T,) losses, added up record by record
+    loss = 0
+    for i in range(len(o)):
+        loss = loss + F.cross_entropy(o[i], y[i], reduction="none")
+    return loss.sum()
+
+
+def _time_major(o, y):  # a loop over time steps of a time-major view, T == n
+    o, y = o.transpose(0, 1), y.transpose(0, 1)
+    loss = 0
+    for t in range(1, len(o)):
+        loss = loss + F.cross_entropy(o[t], y[t], reduction="sum") \
+            + ((o[t] - o[t - 1]) ** 2).sum()
+    return loss
+
+
+def _manual_pick(o, y):  # a log-softmax by hand, a record at a time, Python's sum
+    return sum(-(o[i] - o[i].logsumexp(-1, keepdim=True))[torch.arange(len(y[i])), y[i]].sum()
+               for i in range(len(o)))
+
+
+SEQUENCE_LOSSES = {"(T,) losses added per record": _losses_added,
+                   "a time-major loop, T == n": _time_major,
+                   "a log-softmax by hand per record": _manual_pick}
+
+
+@pytest.mark.parametrize("T", [B, 5])
+@pytest.mark.parametrize("case", sorted(SEQUENCE_LOSSES))
+def test_records_own_losses_of_any_shape_added_are_accepted(case, T):
+    """Refused by stop 50's first version of the records' own rows (the review's finds):
+    a record's (T,) losses added with +, a time-major loop over steps at T == n."""
+    model = Sequence()
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=0.0,
+                      max_grad_norm=1.0, expected_batch_size=B, loss_reduction="sum")
+    g = torch.Generator().manual_seed(0)
+    try:
+        for _ in range(2):
+            x = torch.randn(B, T, D, dtype=torch.float64, generator=g)
+            y = torch.randint(0, K, (B, T), generator=g)
+            opt.zero_grad()
+            SEQUENCE_LOSSES[case](model(x), y).backward()
+            opt.step()
+    finally:
+        opt.detach()
+
+
+def _time_major_prep(x, y):  # an EMA and deltas over a time-major view, T == n
+    T = len(x)
+    xs = x[:, None, :] * torch.linspace(0.5, 1.5, T, dtype=x.dtype)[None, :, None]
+    h = torch.zeros_like(x)
+    for xt in xs.transpose(0, 1):
+        h = 0.9 * h + 0.1 * xt
+    xt = xs.transpose(0, 1)
+    deltas = torch.stack([xt[t] - xt[t - 1] for t in range(1, T)]).mean(0)
+    return h + deltas, y
+
+
+CENTRES = torch.linspace(-1, 1, K * D, dtype=torch.float64).reshape(K, D)
+
+
+def _centred_by_class(x, y):  # a class table made in the loop, looked up per record
+    protos = CENTRES.clone()
+    return torch.stack([x[i] - protos[int(y[i])] for i in range(len(x))]), y
+
+
+@pytest.mark.parametrize("where", ["user's loader", "by hand"])
+@pytest.mark.parametrize("prepare", [_time_major_prep, _centred_by_class],
+                         ids=["time-major steps", "a class table, K == n"])
+def test_time_steps_and_class_tables_are_no_partners(prepare, where):
+    """T == n and K == n rows: each refused by stop 50's first version (the review's)."""
+    loop = {"user's loader": user_loader, "by hand": by_hand}[where]
+    if prepare is _centred_by_class:
+        assert accumulating(prepare, first=5) is not None  # (a micro-batch of K = 3 rows)
+    assert loop(prepare) is not None

@@ -181,7 +181,8 @@ class BatchStatistics:
             return
         x = tensors[0] if tensors and args and args[0] is tensors[0] else None
         if name in REDUCTIONS and x is not None and x.dim() and self._batch(x.shape[0]) \
-                and 0 in _dims(func, args, kwargs, x.dim()) and not self.order.made(x):
+                and 0 in _dims(func, args, kwargs, x.dim()) and not self.order.made(x) \
+                and not self.order.moved_dim0(x):  # (a mean over time, time-major)
             what = f"{name}() over the records of a {tuple(x.shape)} {x.dtype} tensor"
             self.source[what] = int(x.shape[0])
             self._mark(self.reductions if x.requires_grad else self.stats, out, what)

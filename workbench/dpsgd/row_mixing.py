@@ -63,7 +63,7 @@ from torch.utils._pytree import tree_flatten
 
 REORDER = {"__getitem__", "index_select", "roll", "flip", "take_along_dim", "randperm",
            "narrow"}
-CATS = {"cat", "concat", "concatenate"}
+CATS = {"cat", "concat", "concatenate", "vstack", "row_stack"}
 """Over dim 0 these join rows (no row holds two records'), the result taking the pieces'
 orders in turn; over another dim they combine rows, like any op."""
 SPLITS = {"chunk", "split", "tensor_split", "split_with_sizes", "unsafe_split",
@@ -83,9 +83,29 @@ in ix])``): no row holds two pieces' rows. Pieces that are one record each of on
 (``torch.stack([x[(i + 1) % n] for i in range(n)])``) stack to those records' order."""
 
 
-SUMS = {"add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__", "__rsub__",
-        "__isub__", "sub_"}
-"""Records' own losses (0-d, with gradient) summed are the loss's reduction, no partner."""
+ADDS = {"add", "__add__", "__radd__", "__iadd__", "add_"}
+"""Records' own losses (``LOSSY``'s results) added are the loss's reduction, no partner."""
+LOSSY = {"cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
+         "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div",
+         "poisson_nll_loss", "gaussian_nll_loss", "soft_margin_loss",
+         "multilabel_soft_margin_loss", "multilabel_margin_loss", "multi_margin_loss",
+         "hinge_embedding_loss", "cosine_embedding_loss", "triplet_margin_loss", "ctc_loss",
+         "sum", "mean", "max", "min", "amax", "amin", "logsumexp", "norm",
+         "linalg_vector_norm", "prod", "nansum", "nanmean"}
+"""A loss function or a reduction of one record's own values: a record's loss term
+(``sum(ce(o[i], y[i], reduction='none') for i ...)``: accepted, of any shape), while a
+plain element of the outputs is no loss (``relu(1 - o[i] + o[j])`` pairs records)."""
+POOLED_OK = {*ADDS, "sub", "__sub__", "__isub__", "sub_", "mul", "__mul__", "__rmul__",
+             "__imul__", "mul_", "div", "__truediv__", "__itruediv__", "div_", "neg", "__neg__",
+             "sum", "mean", "detach", "item", "clone", "to", "float", "double", "type", "view",
+             "reshape", "squeeze", "unsqueeze", "flatten", "__format__", "__repr__", "tolist",
+             "__float__", "requires_grad_", "retain_grad", "contiguous", "cpu", "cuda", "__get__"}
+"""What a sum over several records' own values may go through: linear maps (by numbers
+and by no record's values) and reading it. Anything else (``relu(1 - o[i] + o[j])``, the
+log of a sum) pairs the records summed: a loss coupling them, piecewise linear or not."""
+MOVES = {"transpose", "swapaxes", "swapdims", "permute", "movedim", "moveaxis", "t"}
+"""Ops that may move dim 0 away: a time-major view ``o.transpose(0, 1)`` has steps, not
+records, on dim 0 (its rows pair no records, T == n or not)."""
 FRESH = {"randperm", "arange", "tensor", "as_tensor", "from_numpy", "asarray"}
 """Ops whose 1-d integer output the window follows as a possible index (the loop made it)."""
 FREE = {"rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "bernoulli",
@@ -170,18 +190,61 @@ def _int_first(key) -> int | None:
     """The dim-0 part of an item key that is one int, ``x[i]``, ``x[i, :, 2]``, ``x[perm[i]]``
     (a 0-d integer tensor), else None."""
     first = key[0] if isinstance(key, tuple) and key else key
-    if isinstance(first, torch.Tensor) and not first.dim() and not first.is_floating_point() \
-            and first.dtype != torch.bool and not first.is_complex():
-        return int(first)
-    return first if isinstance(first, int) and not isinstance(first, bool) else None
+    if isinstance(first, torch.Tensor):  # (a 0-d uint8 index is a mask to torch)
+        return int(first) if not first.dim() and not first.is_floating_point() \
+            and first.dtype not in (torch.bool, torch.uint8) and not first.is_complex() \
+            else None
+    if isinstance(first, bool) or first is None or isinstance(first, (slice, list, tuple)):
+        return None
+    try:
+        return operator.index(first)  # (an int, a NumPy integer)
+    except TypeError:
+        return None
+
+
+def _moves0(name: str, args, kwargs, ndim: int) -> bool:
+    """``name(*args)`` (``MOVES``) moves dim 0 of its ndim-dim input away."""
+    rest = args[1:]
+    if name == "t":
+        return ndim == 2
+    if name == "permute":
+        dims = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else rest
+        dims = kwargs.get("dims", dims)
+        return bool(dims) and isinstance(dims[0], int) and not _is0(dims[0], ndim)
+    if name in ("movedim", "moveaxis"):
+        ends = [kwargs.get("source", rest[0] if rest else None),
+                kwargs.get("destination", rest[1] if len(rest) > 1 else None)]
+        return any(_is0(d, ndim) for e in ends
+                   for d in (e if isinstance(e, (tuple, list)) else (e,)))
+    dims = [kwargs.get("dim0", rest[0] if rest else None),
+            kwargs.get("dim1", rest[1] if len(rest) > 1 else None)]
+    return any(_is0(d, ndim) for d in dims)  # transpose, swapaxes, swapdims
+
+
+def _ndim(args) -> int:
+    """The first tensor argument's (or first piece's) number of dims, 0 if none."""
+    first = args[0] if args else None
+    if isinstance(first, (tuple, list)) and first:
+        first = first[0]
+    return first.dim() if isinstance(first, torch.Tensor) else 0
+
+
+def _is0(dim, ndim: int) -> bool:
+    """``dim`` names dim 0 (``-ndim`` too: ``x.roll(1, -2)`` of a 2-d x)."""
+    if isinstance(dim, (tuple, list)) and len(dim) == 1:
+        dim = dim[0]
+    return isinstance(dim, int) and not isinstance(dim, bool) and (
+        dim == 0 or (ndim > 0 and dim == -ndim))
 
 
 def _dim0(name: str, args, kwargs, default=0) -> bool:
     """The op works on dim 0 (``cat``'s, ``chunk``'s, ``narrow``'s ``dim``)."""
     at = {"narrow": 1, "cat": 1, "concat": 1, "concatenate": 1, "stack": 1,
-          "unbind": 1}.get(name, 2)
+          "unbind": 1, "select": 1}.get(name, 2)
+    if name in ("vstack", "row_stack"):
+        return True
     dim = kwargs.get("dim", kwargs.get("axis", args[at] if len(args) > at else default))
-    return dim == 0
+    return _is0(dim, _ndim(args) + (1 if name in STACKS else 0))
 
 
 def _order(name: str, args, kwargs, m: int, fresh, whole=None, drawn=None):
@@ -195,9 +258,12 @@ def _order(name: str, args, kwargs, m: int, fresh, whole=None, drawn=None):
         index = slice(args[2] % m if m else 0, (args[2] % m if m else 0) + args[3])
     if name == "__getitem__" and len(args) > 1:
         index = args[1][0] if isinstance(args[1], tuple) and args[1] else args[1]
-    elif name == "index_select" and len(args) > 2 and args[1] == 0:
-        index = args[2]
-    elif name == "take_along_dim" and kwargs.get("dim", args[2] if len(args) > 2 else None) == 0:
+        index = list(index) if isinstance(index, range) else index
+    elif name == "index_select" and _is0(kwargs.get("dim", args[1] if len(args) > 1 else None),
+                                         _ndim(args)):
+        index = kwargs.get("index", args[2] if len(args) > 2 else None)
+    elif name == "take_along_dim" and _is0(kwargs.get("dim", args[2] if len(args) > 2
+                                                      else None), _ndim(args)):
         index = args[1]
     if index is not None:
         values = _values(index, fresh, m, whole, drawn)
@@ -208,13 +274,13 @@ def _order(name: str, args, kwargs, m: int, fresh, whole=None, drawn=None):
     if name == "roll":
         dims = kwargs.get("dims", args[2] if len(args) > 2 else None)
         shifts = kwargs.get("shifts", args[1] if len(args) > 1 else None)
-        if dims in (0, (0,), [0]) and m:
+        if _is0(dims, _ndim(args)) and m:
             k = shifts[0] if isinstance(shifts, (tuple, list)) else shifts
             if isinstance(k, int):
                 return _positions([(i - k) % m for i in range(m)])
     if name == "flip":
         dims = kwargs.get("dims", args[1] if len(args) > 1 else None)
-        if dims in (0, (0,), [0]):
+        if _is0(dims, _ndim(args)):
             return _positions(list(range(m - 1, -1, -1)))
     return False
 
@@ -292,6 +358,11 @@ class RowOrder:
         # batch's tensors in this window (x_prev[:n], x_prev.flip(-1))
         self.cur: dict[int, weakref.ref] = {}  # id -> weakref: computed from the current
         # batch's (Earlier.now)
+        self.moved: dict[int, weakref.ref] = {}  # id -> weakref: dim 0 moved away (MOVES)
+        self.steps: dict[int, weakref.ref] = {}  # id -> weakref: a time step of such
+        self.losses: dict[int, weakref.ref] = {}  # id -> weakref: a record's loss (LOSSY)
+        self.pooled: dict[int, weakref.ref] = {}  # id -> weakref: a sum over several
+        # records' own values (POOLED_OK)
         self.keys: dict[int, tuple] = {}  # id -> (weakref, ("rows", source rows))
         self.indices: dict[int, tuple] = {}  # id -> (weakref, drawn): indices the window made
         self.free: dict[int, weakref.ref] = {}  # id -> weakref: tensors of no record (FREE)
@@ -330,6 +401,8 @@ class RowOrder:
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.dim():
                 self.seen[id(t)] = weakref.ref(t)
+        if tensors and isinstance(tensors[0], torch.Tensor):
+            self._time_major(name, args, kwargs, tensors, out)
         if self.earlier is not None and tensors:
             if any(self._old(t) for t in tensors):
                 mixed = self._with_earlier(name, args, kwargs, tensors, out, ours)
@@ -355,7 +428,7 @@ class RowOrder:
                 and _dim0(name, args, kwargs, 0):  # a record each (``for r in x``)
             if self.made(tensors[0]):  # the positions of an index (``for j in perm``)
                 return None
-            batch = self._seen(tensors[0]) or bool(ours and ours(tensors[0]))
+            batch = self._batchlike(tensors[0], ours)
             for i, t in enumerate(tree_flatten(out)[0]):
                 if isinstance(t, torch.Tensor):
                     self._one(t, self._inner(tensors[0]) or self._ident(tensors[0], i, batch))
@@ -426,17 +499,27 @@ class RowOrder:
         one = self._inner(first) or (  # a scalar or noise times one record's: its still
             (not first.dim() or self._free(first)) and not into and self._own(tensors, ours))
         if one:  # one record's own rows: reordered or sliced, still its own
+            owns = [t for t in tensors if self._inner(t) is not None]
+            lossy = name in LOSSY or (owns and all(self._loss(t) for t in owns))
+            pooled = any(self._pooled(t) for t in tensors) or (
+                name in ADDS and len({self._inner(t)[:2] for t in owns}) > 1)
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     self._one(t, one)
+                    if lossy:
+                        self.losses[id(t)] = weakref.ref(t)
+                    if pooled:
+                        self.pooled[id(t)] = weakref.ref(t)
             return None
         if not first.dim():
             return None
         m = int(first.shape[0])
-        batch = self._seen(first) or bool(ours and ours(first))  # rows a draw may pair
-        at = _int_first(args[1]) if name == "__getitem__" and len(args) > 1 else None
+        batch = self._batchlike(first, ours)  # rows a draw may pair
+        at = _int_first(args[1]) if name == "__getitem__" and len(args) > 1 else \
+            _int_first(args[2]) if name == "select" and len(args) > 2 \
+            and _is0(args[1], first.dim()) else None
         if at is not None and not self.made(first):  # (perm[i] is a position, no record's)
-            ident = (("looked up", id(out)), 0, frozenset()) \
+            ident = (("looked up", id(out)), 0, frozenset(), None, False) \
                 if _inner_key(args[1], self._inner) else self._ident(first, at, batch)
             for t in tree_flatten(out)[0]:  # (mu[y[i]]: a table's row, by a record's value,
                 if isinstance(t, torch.Tensor):  # no record of mu's) x[i]: one record's (a
@@ -514,19 +597,81 @@ class RowOrder:
         self.inner[id(t)] = (weakref.ref(t), ident)
 
     def _ident(self, t, i: int, batch: bool) -> tuple:
-        """Which record ``t[i]`` is: (space, row, row counts). Rows of a batch (seen in the
-        window, or the outputs) in any order share the space ("rows", m), so ``o[i]`` and
+        """Which record ``t[i]`` is: (space, row, row counts, also, keyed). Rows of a batch (the
+        loader's, or the outputs) in any order share the space ("rows", m), so ``o[i]`` and
         ``y[i]`` are one record and ``x[i]`` beside ``x[j]`` two; a slice of a data set its
-        base's rows; any other tensor its own rows."""
+        base's rows, and ``also`` its place in the slice as the batch's (("rows", m), i),
+        for a permutation of it (``x.roll(1, 0)``: ``keyed``, its rows reordered; a table
+        made in a loop by hand is not, K == n or not); any other tensor its own rows; a
+        time-major view (``MOVES``) none: each of its rows a space of its own."""
         m = int(t.shape[0])
         i %= max(m, 1)
+        if self._moved(t):
+            return ("moved", id(t), i), 0, frozenset(), None, False
         key = self.key(t)
         if key is not None and key[0] == "of":
-            return ("of", key[1], key[2]), key[3][i], key[4]
+            return ("of", key[1], key[2]), key[3][i], key[4], (("rows", m), i), False
         if key is None and not batch:
             self.bases[id(t)] = t  # kept: its id names it while the window lasts
-            return ("of", id(t), m), i, frozenset({m})
-        return ("rows", m), (i if key is None else key[1][i]), frozenset({m})
+            return ("of", id(t), m), i, frozenset({m}), None, False
+        return (("rows", m), (i if key is None else key[1][i]), frozenset({m}), None,
+                key is not None)
+
+    def _batchlike(self, t, ours) -> bool:
+        """t's rows are the records': the loader's batch or computed from it (``_now``), or
+        the outputs; in a loop by hand (no loader hands batches out) any tensor the window
+        made. A table made in the window (``protos = CENT.clone()``, K == n classes) is
+        none where a loader hands batches out (refused by its lookups until 2026-11-30)."""
+        if ours and ours(t):
+            return True
+        if self.earlier is not None and self.earlier.group:
+            return self._now(t)
+        return self._seen(t)
+
+    def _moved(self, t) -> bool:
+        ref = self.moved.get(id(t))
+        return ref is not None and ref() is t
+
+    def _time_major(self, name, args, kwargs, tensors, out) -> None:
+        """Follow dim 0 moved away (``MOVES``: ``o.transpose(0, 1)``, time-major) and back:
+        a time step of it (``xt[t]``, ``for xt in xs``) has the records on dim 0 again
+        (``steps``), and steps stacked over dim 0 have time there (``moved``): a mean over
+        it is over time, no statistic of the batch (refused at T == n until 2026-11-30)."""
+        first, mark = tensors[0], None
+        if self._moved(first):
+            step = (name == "__getitem__" and len(args) > 1
+                    and _int_first(args[1]) is not None) \
+                or (name == "select" and len(args) > 1 and _is0(args[1], first.dim())) \
+                or (name in ("unbind", "__iter__") and _dim0(name, args, kwargs, 0))
+            mark = self.steps if step else self.moved
+        elif name in MOVES and _moves0(name, args, kwargs, first.dim()):
+            mark = self.moved
+        elif name in STACKS and _dim0(name, args, kwargs):
+            pieces = args[0] if args and isinstance(args[0], (tuple, list)) else ()
+            if pieces and all(isinstance(p, torch.Tensor) and self._step(p) for p in pieces):
+                mark = self.moved
+        elif self._step(first) and name not in CATS and name not in SPLITS:
+            mark = self.steps
+        if mark is not None:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    mark[id(t)] = weakref.ref(t)
+
+    def _step(self, t) -> bool:
+        ref = self.steps.get(id(t))
+        return ref is not None and ref() is t
+
+    def moved_dim0(self, t) -> bool:
+        """t's dim 0 is no longer the records' (``_time_major``)."""
+        return self._moved(t)
+
+    def _pooled(self, t) -> bool:
+        ref = self.pooled.get(id(t))
+        return ref is not None and ref() is t
+
+    def _loss(self, t) -> bool:
+        ref = self.losses.get(id(t))
+        return ref is not None and ref() is t
 
     def _own(self, tensors, ours):
         """The one ident of the records' own tensors among ``tensors`` (data), else None."""
@@ -539,12 +684,26 @@ class RowOrder:
         written as a loop over the records, silent until 2026-11-30): ``what``."""
         own = [t for t in tensors if (not t.requires_grad or (ours and ours(t)))
                and not self._free(t) and not (into and t is tensors[0])]
-        if name in SUMS and all(not t.dim() and t.requires_grad for t in own):
+        pooled = [t for t in tensors if self._pooled(t)]
+        if pooled and (name not in POOLED_OK or (name in POOLED_OK - ADDS - {"sub", "__sub__",
+                                                                             "__isub__", "sub_"}
+                                                 and len(pooled) < len(tensors)
+                                                 and any(self._inner(t) for t in tensors
+                                                         if not self._pooled(t)))):
+            self.records = frozenset().union(*(self._inner(t)[2] for t in pooled
+                                               if self._inner(t)))
+            return (f"{name}() of a sum over several records' own values (a loss pairing "
+                    f"records, relu(1 - o[i] + o[j]): rows of two different records combined")
+        if name in ADDS and own and all(self._loss(t) or (not t.dim() and t.requires_grad)
+                                        for t in own if self._inner(t)):
             return None  # records' own losses summed (sum(ce(o[i], y[i]) for i ...))
         idents = [self._inner(t) for t in own]
         for a in idents:
             for b in idents:
-                if a is not None and b is not None and a[0] == b[0] and a[1] != b[1]:
+                if a is None or b is None:
+                    continue
+                if (a[0] == b[0] and a[1] != b[1]) or (
+                        a[3] is not None and b[4] and a[3][0] == b[0] and a[3][1] != b[1]):
                     self.records = a[2] | b[2]
                     return (f"{name}() of two records' own rows, x[i] beside x[j] (a batch "
                             f"partner picked record by record, as in mixup written as a loop "
