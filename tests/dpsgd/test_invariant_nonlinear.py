@@ -34,6 +34,16 @@ COUPLED = {
     "where on the mean": lambda z, y: torch.where(
         F.cross_entropy(z, y) > 10.0, 0.0 * F.cross_entropy(z, y), F.cross_entropy(z, y)),
     "product of two means": lambda z, y: F.cross_entropy(z, y) * ce(z, y).mean(),
+    # gates on a reduction with gradient, or its number (silent until 2026-11-30: one
+    # record moved the released sum by 6 C; the detached mean's was refused)
+    "records above the mean": lambda z, y: ce(z, y)[ce(z, y) > ce(z, y).mean()].sum(),
+    "a mask by the mean": lambda z, y: (ce(z, y) * (ce(z, y) > ce(z, y).mean())).sum(),
+    "records above the median": lambda z, y: torch.where(
+        ce(z, y) > ce(z, y).median(), ce(z, y), 0.0 * ce(z, y)).sum(),
+    "records above the mean's number": lambda z, y: ce(z, y)[
+        ce(z, y) > ce(z, y).mean().item()].sum(),
+    "each record bounded by the mean": lambda z, y: torch.maximum(
+        ce(z, y), ce(z, y).mean()).sum(),
 }
 
 LINEAR = {  # name: (batch loss, record i's own loss, by sum)
@@ -101,3 +111,26 @@ def test_a_records_own_values_taken_one_by_one_are_not_the_records(loss, own, mo
     taken for one over the records (refused) until 2026-11-30."""
     x, y = batch(n=4)
     assert_invariant(mlp, loss, own, x, y, mode)
+
+
+def test_a_loss_over_kept_records_divided_by_the_batch_is_refused():
+    """``CE(model(x[keep]), y[keep]).sum() / len(x)`` under ``loss_reduction='mean'``: the
+    engine scales by the k rows the model ran on, so clip(g_i k / n) was released (k / n a
+    statistic of the batch), silently, where n was a multiple of k, until 2026-11-30."""
+    import torch.nn as nn
+
+    from workbench.dpsgd.optimizer import DPOptimizer
+    model = mlp(out=3)  # (n · classes = 2 · 3, no count of 8 by chance)
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=0.0,
+                      max_grad_norm=1.0, expected_batch_size=8.0)
+    x, _ = batch()
+    x = torch.cat([x, x])[:8]
+    y = torch.tensor([0, 0, 1, 1, 1, 1, 1, 2])
+    keep = y == 0
+    try:
+        opt.zero_grad()
+        with pytest.raises(LossCouplingError, match="sums the records' terms"):
+            (nn.CrossEntropyLoss(reduction="none")(model(x[keep]), y[keep]).sum()
+             / len(x)).backward()
+    finally:
+        opt.detach()

@@ -58,6 +58,12 @@ ARITHMETIC = {"div", "div_", "mul", "mul_", "true_divide", "__truediv__", "__rtr
               # a shift by a number read from a statistic (x - x.median().item())
               "sub", "sub_", "__sub__", "__rsub__", "__isub__", "subtract", "add", "add_",
               "__add__", "__radd__", "__iadd__"}
+GATES = {"gt", "ge", "lt", "le", "eq", "ne", "__gt__", "__ge__", "__lt__", "__le__", "__eq__",
+         "__ne__", "greater", "greater_equal", "less", "less_equal", "not_equal", "maximum",
+         "minimum", "clamp", "clamp_min", "clamp_max", "clip", "fmax", "fmin"}
+"""A comparison or a bound: against a reduction over the records (with gradient, or its
+number), record i's term switches with the others' (``l[l > l.mean()]``: one record moved
+the released sum by 6 C, silently, until 2026-11-30; the detached mean was refused)."""
 DIM_THIRD = {"norm", "linalg_vector_norm", "quantile", "nanquantile"}  # (x, p or q, dim)
 
 
@@ -103,6 +109,7 @@ class BatchStatistics:
         self.stats: dict[int, tuple] = {}  # id -> (weakref, what): batch statistics
         self.reductions: dict[int, tuple] = {}  # id -> (weakref, what): with gradient
         self.numbers: dict[float, str] = {}  # Python numbers read from a statistic
+        self.gates: dict[float, str] = {}  # numbers read from a reduction with gradient
         self.rows: set[int] = {n}  # row counts seen: n, n·T (the ordinary mean's constant)
         self.source: dict[str, int] = {}  # what -> rows of the reduced tensor (n unknown)
         self.order = RowOrder(self.before, self.earlier)  # rows of two records combined
@@ -160,6 +167,21 @@ class BatchStatistics:
         what = next((w for t in tensors for w in [self._find(self.stats, t)] if w), None)
         if what is None and name in DETACH and tensors:
             what = self._find(self.reductions, tensors[0])
+        if what is None and name in GATES and len(tensors) > 1:  # (a bound on the reduction
+            # itself, L.clamp(max=t), is record_reduction's "coupled" kind)
+            what = next((w for t in tensors for w in [self._find(self.reductions, t)] if w),
+                        None)
+        if what is None and name in GATES and tensors:
+            what = next((self.gates[float(v)] for v in flat
+                                       if isinstance(v, (int, float))
+                                       and not isinstance(v, bool) and float(v) in self.gates),
+                                      None)
+        if what is None and name in TO_NUMBER and tensors:
+            reduced = self._find(self.reductions, tensors[0])
+            if reduced is not None:  # (l.mean().item(): a gate's threshold, not arithmetic's)
+                for v in tree_flatten(out if isinstance(out, list) else [out])[0]:
+                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                        self.gates[float(v)] = f"the number {v:g} read from {reduced}"
         if what is None and name in ARITHMETIC:
             what = next((self.numbers[float(v)] for v in flat
                          if isinstance(v, (int, float)) and not isinstance(v, bool)

@@ -129,8 +129,13 @@ class RecordReduction:
             self.mark(out, reduction, f"{name}(..., reduction={reduction!r})")
 
     def _count(self, t: torch.Tensor) -> None:
-        """The counts a batch tensor offers as a denominator: n·m · Π of leading dims."""
-        if t.dim() and t.shape[0] and t.shape[0] % self.n == 0:
+        """The counts a batch tensor offers as a denominator: n·m · Π of leading dims, of
+        the outputs' tensors or another of exactly n rows. (A loader's batch of 8 rows
+        offered 8 to a loss over the k = 1 or 2 records kept of it, ``CE(model(x[keep]),
+        y[keep]).sum() / len(x)``: clip(g_i k / 8) was released, silently, until
+        2026-11-30.)"""
+        if t.dim() and t.shape[0] and t.shape[0] % self.n == 0 and (
+                t.shape[0] == self.n or self.derived(t)):
             c = 1
             for size in t.shape:
                 c *= int(size)
