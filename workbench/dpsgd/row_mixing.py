@@ -52,6 +52,18 @@ joins (nanoGPT's windows of a token stream, stacked); one record's own tensor (`
 Left: a draw of k values from range(k) into a table of k rows made in the same window is
 taken for a partner (refused, never silent).
 
+Stop 50 (2026-11-30), each silent before: a random index of any spelling (a partner drawn
+excluding the record itself, ``torch.multinomial(1 - torch.eye(n), 1)``, a shift drawn mod n,
+``randint_like``, noise cast to long, a NumPy draw, ``[0] * n``) picks a partner where it
+indexes a batch's k rows with k values in range(k); one record's own tensor (``x[i]``,
+``for r in x``) carries which record it is (``_ident``), so mixup written as a loop over the
+records, a stack of ``x[(i + 1) % n]`` or rows written one by one (``out[i] = x[j]``) are
+followed, while records' own losses added (of any shape: ``LOSSY``) stay the loss's
+reduction, and a sum over several records then passed through anything but a linear map
+(``relu(1 - o[i] + o[j])``: ``POOLED_OK``) pairs them; a time-major view's rows are steps,
+not records (``MOVES``); and an earlier batch's records mixed into this batch's
+(``Earlier``: mixup with the previous batch, or an earlier micro-batch of the step).
+
 Notation: n rows, π a permutation (an index tensor over dim 0).
 """
 
