@@ -95,11 +95,21 @@ def previous_labels(model, x, y, state):  # soft labels mixed with the previous 
     return F.cross_entropy(model(x), t, reduction="sum")
 
 
+def previous_copy(model, x, y, state):  # the previous batch kept as a copy (the review's)
+    prev = state.get("x")
+    state["x"] = x.clone().detach()
+    if prev is None or len(prev) < len(x):
+        return _ce(model(x), y)
+    return _ce(model(0.7 * x + 0.3 * prev[:len(x)]), y)
+
+
 MIXED = {"the last pass's input": previous_input, "the previous batch": previous_batch,
-         "the previous batch's labels": previous_labels}
+         "the previous batch's labels": previous_labels,
+         "the previous batch, copied": previous_copy}
 
 CASES = [(c, w) for c in sorted(MIXED) for w in sorted(LOOPS)
-         if (c, w) != ("the previous batch's labels", "by hand")]
+         if w != "by hand" or c not in ("the previous batch's labels",
+                                         "the previous batch, copied")]
 # (by hand no loader hands a batch out: labels never fed to the model are no batch's known)
 
 
@@ -162,3 +172,54 @@ def test_a_replay_joined_over_dim_0_is_no_mix():
     """Joining rows is no mix (RowOrder); by hand nothing counts the records, so the
     replayed rows pass here (the engine's loader refuses more rows than it handed out)."""
     assert by_hand(replay) is not None
+
+
+class Keyword(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = mlp()
+
+    def forward(self, *, x):
+        return self.net(x.float().double())
+
+
+@pytest.mark.parametrize("poisson", [True, False], ids=["Poisson", "shuffled"])
+def test_batches_drawn_ahead_and_fed_by_keyword_are_this_steps(poisson):
+    """``for x, y in list(loader): model(x=x)``: the input passed by keyword (and cast) was
+    no pass's input, so the labels of the batch trained were taken for an earlier batch's
+    (the review's false refusal of 81c5abc)."""
+    import warnings
+    model = Keyword()
+    loader = DataLoader(TensorDataset(*data()), batch_size=B, shuffle=not poisson)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, loader = wb.PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=loader, noise_multiplier=0.0, max_grad_norm=1.0,
+            loss_reduction="sum", poisson_sampling=poisson)
+        for x, y in list(loader):
+            opt.zero_grad()
+            _ce(model(x=x), y).backward()
+            opt.step()
+
+
+def test_the_users_loader_pickles_and_copies_as_its_own_class():
+    """The announcing subclass (``watch_loader``) broke ``pickle`` (its class not found under
+    its name) and a deep copy announced to the optimizer (the review's)."""
+    import copy
+    import pickle
+    import warnings
+    loader = DataLoader(TensorDataset(*data()), batch_size=B, shuffle=True)
+    model = mlp()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, opt, same = wb.PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=loader, noise_multiplier=0.0, max_grad_norm=1.0,
+            poisson_sampling=False)
+    assert same is loader and len(iter(loader)) == len(loader) == N // B
+    for other in (pickle.loads(pickle.dumps(loader)), copy.deepcopy(loader)):
+        assert type(other) is DataLoader and "_wb_watches" not in other.__dict__
+        assert len(other) == len(loader)
+    opt.detach()

@@ -44,6 +44,12 @@ COUPLED = {
         ce(z, y) > ce(z, y).mean().item()].sum(),
     "each record bounded by the mean": lambda z, y: torch.maximum(
         ce(z, y), ce(z, y).mean()).sum(),
+    # the review of those (silent): a k-th value, an argsort's picks, a detached number
+    "records below the 2nd value": lambda z, y: (
+        ce(z, y) * (ce(z, y) <= ce(z, y).kthvalue(2).values)).sum(),
+    "the 2 smallest by argsort": lambda z, y: ce(z, y)[ce(z, y).argsort()[:2]].sum(),
+    "records above the detached mean's number": lambda z, y: ce(z, y)[
+        ce(z, y) > ce(z, y).detach().mean().item()].sum(),
 }
 
 LINEAR = {  # name: (batch loss, record i's own loss, by sum)

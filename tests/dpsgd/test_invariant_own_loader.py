@@ -654,9 +654,18 @@ def _manual_pick(o, y):  # a log-softmax by hand, a record at a time, Python's s
                for i in range(len(o)))
 
 
+def _steps_stacked(o, y):  # per-step losses of a time-major view, stacked, mean over time
+    o = o.transpose(0, 1)
+    steps = torch.stack([F.cross_entropy(o[t], y[:, t], reduction="none")
+                         for t in range(len(o))])
+    return steps.mean(0).sum() + F.cross_entropy(
+        o.permute(0, 2, 1), y.t(), reduction="none").mean(dim=0).sum()
+
+
 SEQUENCE_LOSSES = {"(T,) losses added per record": _losses_added,
                    "a time-major loop, T == n": _time_major,
-                   "a log-softmax by hand per record": _manual_pick}
+                   "a log-softmax by hand per record": _manual_pick,
+                   "time steps stacked, a mean over time": _steps_stacked}
 
 
 @pytest.mark.parametrize("T", [B, 5])

@@ -49,7 +49,8 @@ REDUCTIONS = {"sum", "mean", "nansum", "nanmean", "amax", "amin", "max", "min", 
               "count_nonzero", "std", "var", "std_mean", "var_mean", "norm", "logsumexp",
               "prod", "median", "nanmedian", "quantile", "nanquantile", "linalg_vector_norm",
               "all", "any", "cumsum", "cumprod", "softmax", "log_softmax", "bincount", "histc",
-              "histogram", "unique", "unique_consecutive", "mode", "sort", "argsort"}
+              "histogram", "unique", "unique_consecutive", "mode", "sort", "argsort",
+              "kthvalue", "msort", "topk"}
 DETACH = {"detach", "detach_"}
 TO_NUMBER = {"item", "__float__", "__int__", "tolist"}
 ARITHMETIC = {"div", "div_", "mul", "mul_", "true_divide", "__truediv__", "__rtruediv__",
@@ -64,7 +65,10 @@ GATES = {"gt", "ge", "lt", "le", "eq", "ne", "__gt__", "__ge__", "__lt__", "__le
 """A comparison or a bound: against a reduction over the records (with gradient, or its
 number), record i's term switches with the others' (``l[l > l.mean()]``: one record moved
 the released sum by 6 C, silently, until 2026-11-30; the detached mean was refused)."""
-DIM_THIRD = {"norm", "linalg_vector_norm", "quantile", "nanquantile"}  # (x, p or q, dim)
+PICKERS = {"__getitem__", "index_select", "take", "gather", "take_along_dim", "masked_select"}
+"""Picking the records by an index computed from a reduction over them (``l.argsort()``)."""
+DIM_THIRD = {"norm", "linalg_vector_norm", "quantile", "nanquantile", "kthvalue",
+             "topk"}  # (x, p or q or k, dim)
 
 
 def _dims(func, args, kwargs, ndim: int):
@@ -171,6 +175,9 @@ class BatchStatistics:
             # itself, L.clamp(max=t), is record_reduction's "coupled" kind)
             what = next((w for t in tensors for w in [self._find(self.reductions, t)] if w),
                         None)
+        if what is None and name in PICKERS and len(tensors) > 1:  # l[l.argsort()[:k]]
+            what = next((w for t in tensors[1:] for w in [self._find(self.reductions, t)]
+                         if w), None)
         if what is None and name in GATES and tensors:
             what = next((self.gates[float(v)] for v in flat
                                        if isinstance(v, (int, float))
@@ -179,9 +186,7 @@ class BatchStatistics:
         if what is None and name in TO_NUMBER and tensors:
             reduced = self._find(self.reductions, tensors[0])
             if reduced is not None:  # (l.mean().item(): a gate's threshold, not arithmetic's)
-                for v in tree_flatten(out if isinstance(out, list) else [out])[0]:
-                    if isinstance(v, (int, float)) and not isinstance(v, bool):
-                        self.gates[float(v)] = f"the number {v:g} read from {reduced}"
+                self._gate(out, reduced)
         if what is None and name in ARITHMETIC:
             what = next((self.numbers[float(v)] for v in flat
                          if isinstance(v, (int, float)) and not isinstance(v, bool)
@@ -190,6 +195,7 @@ class BatchStatistics:
             if name in TO_NUMBER:  # not an accuracy count or a logged loss: not the outputs'
                 if not self._has(self.derived, tensors[0]):
                     self._number(out, what)
+                self._gate(out, what)  # (a gate's threshold all the same: l.detach().mean())
             else:
                 self._mark(self.stats, written(name, args, out), what)
             return
@@ -207,7 +213,10 @@ class BatchStatistics:
                 and not self.order.moved_dim0(x):  # (a mean over time, time-major)
             what = f"{name}() over the records of a {tuple(x.shape)} {x.dtype} tensor"
             self.source[what] = int(x.shape[0])
-            self._mark(self.reductions if x.requires_grad else self.stats, out, what)
+            for t in leaves(out):  # an order or an index of the records (argsort, a
+                if isinstance(t, torch.Tensor):  # kthvalue's indices) holds no gradient: a
+                    self._mark(self.reductions if x.requires_grad and (  # statistic, with
+                        t.is_floating_point() or t.is_complex()) else self.stats, t, what)
 
     def loss_reduced(self, out, what: str) -> None:
         """A loss function or module reduced the records (its sum or mean, with gradient):
@@ -215,6 +224,11 @@ class BatchStatistics:
         gate on the batch's loss, record i counted or not by the others' terms)."""
         if self.on and isinstance(out, torch.Tensor) and out.requires_grad:
             self._mark(self.reductions, out, f"the batch's loss {what}")
+
+    def _gate(self, out, what: str) -> None:
+        for v in tree_flatten(out if isinstance(out, list) else [out])[0]:
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                self.gates[float(v)] = f"the number {v:g} read from {what}"
 
     def _number(self, out, what: str) -> None:
         values = out if isinstance(out, list) else [out]

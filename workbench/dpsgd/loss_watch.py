@@ -145,6 +145,7 @@ class LossWatch:
         stats = self.stats
         self.scale.reset(n if self.check else 0, lambda t: stats._has(stats.derived, t),
                          self.loss_reduction)
+        self.scale.moved = lambda t: stats.order.moved_dim0(t)
         self.stats.inherit(self.before)  # statistics computed before the forward pass
         self.before.reset(0)
         if self._mode is None:
@@ -828,13 +829,41 @@ def watched(batches, watch: "LossWatch | None"):
 _WATCHED: dict[type, type] = {}  # a loader class -> its subclass announcing its batches
 
 
+class _Announced:
+    """The loader's iterator, its batches announced (``watched``): ``len`` as the loader's."""
+
+    def __init__(self, inner, batches):
+        self._inner, self._batches = inner, batches
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._batches)
+
+    def __len__(self):
+        return len(self._inner)
+
+
 def _announcing_iter(self):
-    batches = type(self).__mro__[1].__iter__(self)  # the loader's own class's iterator
+    inner = batches = type(self).__mro__[1].__iter__(self)  # the loader's own iterator
     for ref in self.__dict__.get("_wb_watches", ()):
         watch = ref()
         if watch is not None:  # (each engine made private over this loader)
             batches = watched(batches, watch)
-    return batches
+    return batches if batches is inner else _Announced(inner, batches)
+
+
+def _plain(cls, state):
+    """The loader unpickled or copied: its own class, announcing to no optimizer."""
+    loader = cls.__new__(cls)
+    loader.__dict__.update(state)
+    return loader
+
+
+def _reduce_ex(self, protocol):
+    state = {k: v for k, v in self.__dict__.items() if k != "_wb_watches"}
+    return _plain, (type(self).__mro__[1], state)
 
 
 def watch_loader(loader, watch: "LossWatch") -> None:
@@ -852,6 +881,7 @@ def watch_loader(loader, watch: "LossWatch") -> None:
         if sub is None:
             sub = _WATCHED[cls] = type(cls.__name__, (cls,), {
                 "__iter__": _announcing_iter, "_wb_announces": True,
+                "__reduce_ex__": _reduce_ex,  # (pickled or copied: its own class, unwatched)
                 "__module__": cls.__module__, "__qualname__": cls.__qualname__})
         loader.__class__ = sub
     watches = [r for r in loader.__dict__.get("_wb_watches", []) if r() is not None]

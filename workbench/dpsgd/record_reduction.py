@@ -111,6 +111,8 @@ class RecordReduction:
         """n records; ``derived(t)``: is t computed from the model's outputs?
         ``declared``: the optimizer's ``loss_reduction``."""
         self.n, self.on, self.derived, self.declared = n, n >= 2, derived, declared
+        self.moved = lambda t: False  # t's dim 0 is time, not the records (loss_watch sets
+        # row_mixing's: a time-major view's steps stacked, T == n)
         self.kinds: dict[int, tuple] = {}  # id -> (weakref, kind, what)
         self.counts: set[float] = {float(n)}  # n, n·T, n·T·V, ...: counts of the batch
         self.single: dict[int, tuple] = {}  # id -> (weakref, key): part of one record's row
@@ -178,6 +180,8 @@ class RecordReduction:
             self._count(t)
         name = getattr(func, "__name__", "")
         x = tensors[0] if tensors and args and args[0] is tensors[0] else None
+        if x is not None and self.moved(x):
+            x = None  # (a mean over time steps: no reduction over the records)
         if self._rows(name, args, kwargs, x, tensors, out):
             return  # one record's own values: no kind, no reduction over the records
         if (name in SUMS or name in MEANS) and x is not None and x.requires_grad and x.dim() \

@@ -230,7 +230,8 @@ class ModelRecorder:
         if self._depth == 0:  # before anything changes: may raise
             try:
                 if self.layer_rec.recording:  # statistics of the batch before it: loss_watch
-                    self.watch.forward_begins((args,))
+                    self.watch.forward_begins((args, kwargs))  # (keyword inputs too:
+                    # model(x=x) was no pass's input to Earlier until 2026-11-30)
             except BaseException:  # _exit (always_call) runs after a pre-hook that raised:
                 self._depth += 1  # the depth was left at -1, every later pass nested, until
                 raise  # 2026-11-30

@@ -326,6 +326,17 @@ class Earlier:
             if isinstance(t, torch.Tensor) and t.dim():
                 self.table[id(t)] = (weakref.ref(t), self.group)
 
+    def derive(self, tensors, out) -> None:
+        """``out`` computed from ``tensors``: of their group where they have one (``x.float()``
+        trained on, ``x.clone()`` kept for the next step's mixup, silent until 2026-11-30)."""
+        groups = {e[1] for t in tensors for e in [self.table.get(id(t))]
+                  if e is not None and e[1] and e[0]() is t}
+        if len(groups) == 1:
+            g = groups.pop()
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.dim():
+                    self.table[id(t)] = (weakref.ref(t), g)
+
     def fed(self, inputs) -> None:
         """A training pass of the model begins on ``inputs``: their group is the current
         one; the last pass's inputs are an earlier batch's."""
@@ -416,6 +427,7 @@ class RowOrder:
         if tensors and isinstance(tensors[0], torch.Tensor):
             self._time_major(name, args, kwargs, tensors, out)
         if self.earlier is not None and tensors:
+            self.earlier.derive(tensors, out)
             if any(self._old(t) for t in tensors):
                 mixed = self._with_earlier(name, args, kwargs, tensors, out, ours)
                 if mixed is not None:
