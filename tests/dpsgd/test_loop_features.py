@@ -346,3 +346,38 @@ def test_reentrant_checkpointing_is_refused_by_the_functional_api_too(method):
             wb.per_sample_gradients(model, loss, x, y, method=method)
         else:
             wb.clipped_grad_sum(model, loss, x, y, 1.0, method=method)
+
+
+@pytest.mark.parametrize("poisson", [True, False], ids=["Poisson", "shuffled"])
+def test_zero_grad_between_forward_and_backward_is_the_same_step(poisson):
+    """``loss = crit(model(x), y); opt.zero_grad(); loss.backward(); opt.step()``, the order
+    of PyTorch's own tutorials: zero_grad dropped the recorded forward pass, and step()
+    refused "without a backward()" until 2026-11-30. Now the same update as zero_grad first."""
+    import warnings
+
+    def run(late):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(D, 8), nn.Tanh(), nn.Linear(8, K)).double()
+        g = torch.Generator().manual_seed(1)
+        data = TensorDataset(torch.randn(24, D, dtype=torch.float64, generator=g),
+                             torch.randint(0, K, (24,), generator=g))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, opt, loader = wb.PrivacyEngine().make_private(
+                module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+                data_loader=DataLoader(data, batch_size=6, shuffle=not poisson,
+                                       generator=torch.Generator().manual_seed(2)),
+                noise_multiplier=0.0, max_grad_norm=C, poisson_sampling=poisson,
+                sampling_generator=torch.Generator().manual_seed(3))
+        for x, y in loader:
+            if not late:
+                opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            if late:
+                opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(run(late=True), run(late=False)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)

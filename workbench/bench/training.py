@@ -89,6 +89,8 @@ def bench(model_name, b, repeats, device, modes=CANDIDATES, opacus=(), keep=Fals
             method=mode.removesuffix("+grads"))
         if mode.endswith("+grads"):
             opt.skip_weight_grads = False  # else the default, as a user gets it
+        opt.recorder.watch.owned = False  # a step timed on one fixed batch, no loader's: no
+        # training run, no ε claimed (a loop would take each step's batch from the loader)
         candidates[mode] = step_fn(model, opt, x, y, criterion)
         optimizers.append(opt)
         models_of[mode] = model

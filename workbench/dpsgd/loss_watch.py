@@ -97,6 +97,8 @@ class LossWatch:
         self.model_losses = None  # model_loss.ModelLosses: scalars the model computed
         self.announced = None  # n of the batch the engine's loader handed out, until its step
         self.owned = False  # the engine made the loader: every step takes one of its batches
+        self.loss = lambda: None  # weak: the window's latest scalar with gradient (the loss
+        # a zero_grad() before its backward pass keeps the forward pass for: ``loss_alive``)
         self.steps_checked = 0  # steps that took one (``check_handed``)
         self.shuffled = False  # the user's shuffled loader announces (``watch_loader``):
         # several of its batches may go into one step
@@ -129,6 +131,7 @@ class LossWatch:
         """At the end of the model's forward pass (n records, before backward ``generation``);
         ``outputs``: the model's output tensors, for the coupling test at ``backward``."""
         self.n, self.generation, self._depth = n, generation, 0
+        self.loss = lambda: None
         self.model_losses = None
         last = LossWatch._open()
         if last is not None and last is not self:
@@ -310,6 +313,12 @@ class LossWatch:
         self.announced = None
         self._stop_before()
         self.before.reset(0)
+
+    def loss_alive(self) -> bool:
+        """The open window computed a scalar with gradient the loop still holds (``loss =
+        crit(model(x), y)`` before ``zero_grad()``); a forward pass left without one (its
+        output dropped) is abandoned."""
+        return self._mode is not None and self.loss() is not None
 
     def check_handed(self) -> None:
         """At ``step()``, with a loader the engine made (``owned``): a batch of it was handed
@@ -685,6 +694,8 @@ class LossFunctions(TorchFunctionMode):
                              functional=True)
             reduction = options.get("reduction", "mean")
         out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and not out.dim() and out.requires_grad:
+            watch.loss = weakref.ref(out)  # (loss_alive)
         if watch.stats.on:  # batch statistics of the data, followed to the loss
             with torch._C.DisableTorchFunction():  # a subclass (Opacus' ExpandedWeight) is
                 watch.stats.after(func, args, kwargs, out)  # read, never dispatched to

@@ -346,6 +346,18 @@ class DPOptimizer(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         loop.check_alive(self, "zero_grad")
         self.guard.enter("optimizer.zero_grad()")
+        if self.recorder.watch.loss_alive() and self.recorder.forward_awaits_backward():
+            # loss = crit(model(x), y); zero_grad();
+            # loss.backward(): PyTorch's own tutorial order. Only .grad is cleared; the
+            # forward pass recorded stays for its backward (refused as "step() without a
+            # backward()" until 2026-11-30)
+            try:
+                with self.recorder.watch.unfollowed():
+                    self.original_optimizer.zero_grad(set_to_none=set_to_none)
+                self._zeroed = True
+            finally:
+                self.guard.release()
+            return
         with self.recorder.watch.unfollowed():  # .grad of the parameters: not the batch's data
             self.original_optimizer.zero_grad(set_to_none=set_to_none)
         watch = self.recorder.watch

@@ -402,6 +402,13 @@ class ModelRecorder:
         if keep_pending:
             self.watch.pending = pending
 
+    def forward_awaits_backward(self) -> bool:
+        """A training forward pass was recorded since the last step and no backward pass has
+        run through any (``zero_grad()`` between them clears ``.grad`` only)."""
+        roots = self.root_rec.all_calls()
+        return bool(roots) and not any(any(g is not None for g in c.grads) for c in roots) \
+            and bool(self._awaiting()[1])
+
     def _awaiting(self) -> tuple[dict, dict]:
         """({id(node): (node, path)}, {id(node): node}): where the recorded layer calls, and
         the model's own calls, still awaiting their backward pass read their backprops
