@@ -156,9 +156,15 @@ def two_views(model, x, y, state):  # this pass's input, flipped, as a second te
     return _ce(o, y) + 0.1 * (o * x.flip(-1)[:, :K]).sum()
 
 
+def mask_made_once(model, x, y, state):  # from the first batch's shape: no record's values
+    mask = state.setdefault("m", torch.ones_like(x[0]) + 0 * torch.randn_like(x[0]))
+    return _ce(model(x * mask), y)
+
+
 FIXED = torch.linspace(-0.1, 0.1, N * D, dtype=torch.float64).reshape(N, D)
 ACCEPTED = {"an autoencoder's own input": (autoencoder, D), "its own input flipped": (
-    two_views, K), "a constant of the data set's rows": (fixed_tensor, K)}
+    two_views, K), "a constant of the data set's rows": (fixed_tensor, K),
+    "a mask made once like the first batch's row": (mask_made_once, K)}
 
 
 @pytest.mark.parametrize("where", sorted(LOOPS))

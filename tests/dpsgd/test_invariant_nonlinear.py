@@ -62,6 +62,9 @@ LINEAR = {  # name: (batch loss, record i's own loss, by sum)
                            lambda z, y: 0.125 * ce(z, y).sum()),
     "two terms": (lambda z, y: F.cross_entropy(z, y) + z.pow(2).sum(1).mean(),
                   lambda z, y: (ce(z, y) + z.pow(2).sum(1)).sum()),
+    "each record's top classes by argsort's default dim": (
+        lambda z, y: z.gather(1, z.argsort(descending=True)[:, :2]).pow(2).sum(1).mean(),
+        lambda z, y: z.gather(1, z.argsort(descending=True)[:, :2]).pow(2).sum(1).sum()),
     "stacked terms": (lambda z, y: torch.stack([F.cross_entropy(z, y),
                                                 z.pow(2).sum(1).mean()]).sum(),
                       lambda z, y: (ce(z, y) + z.pow(2).sum(1)).sum()),

@@ -348,8 +348,9 @@ def test_reentrant_checkpointing_is_refused_by_the_functional_api_too(method):
             wb.clipped_grad_sum(model, loss, x, y, 1.0, method=method)
 
 
+@pytest.mark.parametrize("evaluate", [False, True], ids=["", "an evaluation between"])
 @pytest.mark.parametrize("poisson", [True, False], ids=["Poisson", "shuffled"])
-def test_zero_grad_between_forward_and_backward_is_the_same_step(poisson):
+def test_zero_grad_between_forward_and_backward_is_the_same_step(poisson, evaluate):
     """``loss = crit(model(x), y); opt.zero_grad(); loss.backward(); opt.step()``, the order
     of PyTorch's own tutorials: zero_grad dropped the recorded forward pass, and step()
     refused "without a backward()" until 2026-11-30. Now the same update as zero_grad first."""
@@ -373,6 +374,9 @@ def test_zero_grad_between_forward_and_backward_is_the_same_step(poisson):
             if not late:
                 opt.zero_grad()
             loss = F.cross_entropy(model(x), y)
+            if evaluate:
+                with torch.no_grad():
+                    model(x[:2])
             if late:
                 opt.zero_grad()
             loss.backward()

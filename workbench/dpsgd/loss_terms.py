@@ -67,14 +67,18 @@ number), record i's term switches with the others' (``l[l > l.mean()]``: one rec
 the released sum by 6 C, silently, until 2026-11-30; the detached mean was refused)."""
 PICKERS = {"__getitem__", "index_select", "take", "gather", "take_along_dim", "masked_select"}
 """Picking the records by an index computed from a reduction over them (``l.argsort()``)."""
+LAST_DIM = {"sort", "argsort", "topk", "kthvalue"}  # ops whose dim defaults to the last
 DIM_THIRD = {"norm", "linalg_vector_norm", "quantile", "nanquantile", "kthvalue",
              "topk"}  # (x, p or q or k, dim)
 
 
 def _dims(func, args, kwargs, ndim: int):
     """The reduced dimensions (all of them when none is given)."""
-    at = 2 if getattr(func, "__name__", "") in DIM_THIRD else 1
+    name = getattr(func, "__name__", "")
+    at = 2 if name in DIM_THIRD else 1
     dim = kwargs.get("dim", args[at] if len(args) > at else None)
+    if dim is None and name in LAST_DIM and ndim:
+        return {ndim - 1}  # (o.argsort(): over each record's classes, not the records)
     if dim is None or ndim == 0:
         return set(range(ndim))
     dims = dim if isinstance(dim, (tuple, list)) else (dim,)

@@ -131,7 +131,8 @@ class LossWatch:
         """At the end of the model's forward pass (n records, before backward ``generation``);
         ``outputs``: the model's output tensors, for the coupling test at ``backward``."""
         self.n, self.generation, self._depth = n, generation, 0
-        self.loss = lambda: None
+        if torch.is_grad_enabled():  # (a pass without gradient between: the loss stays)
+            self.loss = lambda: None
         self.model_losses = None
         last = LossWatch._open()
         if last is not None and last is not self:
@@ -318,7 +319,8 @@ class LossWatch:
         """The open window computed a scalar with gradient the loop still holds (``loss =
         crit(model(x), y)`` before ``zero_grad()``); a forward pass left without one (its
         output dropped) is abandoned."""
-        return self._mode is not None and self.loss() is not None
+        return self.loss() is not None  # (a pass without gradient between closes the
+        # window, not the loss's pass: it still awaits its backward)
 
     def check_handed(self) -> None:
         """At ``step()``, with a loader the engine made (``owned``): a batch of it was handed

@@ -426,7 +426,8 @@ class RowOrder:
                 self.seen[id(t)] = weakref.ref(t)
         if tensors and isinstance(tensors[0], torch.Tensor):
             self._time_major(name, args, kwargs, tensors, out)
-        if self.earlier is not None and tensors:
+        if self.earlier is not None and tensors and name not in FREE \
+                and not all(self._free(t) for t in tensors):  # (ones_like(x): no record's)
             self.earlier.derive(tensors, out)
             if any(self._old(t) for t in tensors):
                 mixed = self._with_earlier(name, args, kwargs, tensors, out, ours)
