@@ -52,8 +52,9 @@ def user_loader(prepare, late=False, dataset=None):
     return model
 
 
-def by_hand(prepare, late=False):
-    """A bare DPOptimizer over tensors sliced by hand: no loader at all."""
+def by_hand(prepare, late=False, pieces=((0, B),)):
+    """A bare DPOptimizer over tensors sliced by hand: no loader at all; each step's batch
+    in ``pieces`` (row ranges), one backward pass each."""
     model = mlp()
     opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=0.0,
                       max_grad_norm=1.0, expected_batch_size=B, loss_reduction="sum")
@@ -61,10 +62,11 @@ def by_hand(prepare, late=False):
     for i in range(0, N, B):
         if late:
             opt.zero_grad()
-        x, y = prepare(X[i:i + B], Y[i:i + B])
-        if not late:
-            opt.zero_grad()
-        ce(model(x), y).backward()
+        for lo, hi in pieces:
+            x, y = prepare(X[i + lo:i + hi], Y[i + lo:i + hi])
+            if not late and lo == 0:
+                opt.zero_grad()
+            ce(model(x), y).backward()
         opt.step()
     return model
 
@@ -73,20 +75,7 @@ def accumulating(prepare, late=False, first=6):
     """Gradient accumulation over the loop's own micro-batches (6 and 2 rows, one step): the
     second is prepared after the first's backward pass, where nothing was followed (its
     mixup or normalisation passed silently until 2026-11-30)."""
-    model = mlp()
-    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=0.0,
-                      max_grad_norm=1.0, expected_batch_size=B, loss_reduction="sum")
-    X, Y = data()
-    for i in range(0, N, B):
-        if late:
-            opt.zero_grad()
-        for lo, hi in ((i, i + first), (i + first, i + B)):
-            x, y = prepare(X[lo:hi], Y[lo:hi])
-            if not late and lo == i:
-                opt.zero_grad()
-            ce(model(x), y).backward()
-        opt.step()
-    return model
+    return by_hand(prepare, late, pieces=((0, first), (first, B)))
 
 
 def smoothed_by_frequency(x, y):  # label smoothing toward the batch's class frequencies
