@@ -231,7 +231,23 @@ PARTNERS = {"mixup": mixup, "a rolled neighbour": lambda x, y: (x - x.roll(1, 0)
                 x, dim=0, index=torch.randperm(len(x))), y),
             "a reversed range": lambda x, y: (0.7 * x + 0.3 * x[range(len(x) - 1, -1, -1)], y),
             "a roll spelled by vstack": lambda x, y: (
-                0.7 * x + 0.3 * torch.vstack([x[1:], x[:1]]), y)}
+                0.7 * x + 0.3 * torch.vstack([x[1:], x[:1]]), y),
+            # timm.data.Mixup's spellings (its batch mode in place, its per-record mode)
+            "timm's batch mixup in place": lambda x, y: (_timm_batch(x.clone()), y),
+            "timm's per-record mixup loop": lambda x, y: (_timm_elementwise(x.clone()), y)}
+
+
+def _timm_batch(x, lam=0.7):
+    flipped = x.flip(0).mul_(1.0 - lam)
+    return x.mul_(lam).add_(flipped)
+
+
+def _timm_elementwise(x):
+    n, original = len(x), x.clone()
+    lam = torch.linspace(0.5, 0.9, n).tolist()
+    for i in range(n):
+        x[i] = x[i] * lam[i] + original[n - i - 1] * (1 - lam[i])
+    return x
 
 
 def _beside_shuffled(x, y):
