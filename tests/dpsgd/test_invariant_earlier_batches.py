@@ -103,13 +103,29 @@ def previous_copy(model, x, y, state):  # the previous batch kept as a copy (the
     return _ce(model(0.7 * x + 0.3 * prev[:len(x)]), y)
 
 
+def running_mean(model, x, y, state):  # inputs centred by a running mean of earlier batches
+    mu = state.get("mu", torch.zeros(D, dtype=x.dtype))
+    loss = _ce(model(x - mu), y)
+    with torch.no_grad():
+        state["mu"] = 0.9 * mu + 0.1 * x.mean(0)
+    return loss
+
+
+def queue_of_outputs(model, x, y, state):  # a MoCo-like queue of earlier outputs, detached
+    o, queue = model(x), state.get("q")
+    loss = _ce(o, y) if queue is None else _ce(o, y) + 0.01 * (o @ queue.t()).sum()
+    state["q"] = o.detach() if queue is None else torch.cat([queue, o.detach()])[-B:]
+    return loss
+
+
 MIXED = {"the last pass's input": previous_input, "the previous batch": previous_batch,
          "the previous batch's labels": previous_labels,
-         "the previous batch, copied": previous_copy}
+         "the previous batch, copied": previous_copy,
+         "a running mean of earlier batches": running_mean,
+         "a queue of earlier outputs": queue_of_outputs}
 
 CASES = [(c, w) for c in sorted(MIXED) for w in sorted(LOOPS)
-         if w != "by hand" or c not in ("the previous batch's labels",
-                                         "the previous batch, copied")]
+         if w != "by hand" or c in ("the last pass's input", "the previous batch")]
 # (by hand no loader hands a batch out: labels never fed to the model are no batch's known)
 
 

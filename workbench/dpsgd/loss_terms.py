@@ -167,6 +167,7 @@ class BatchStatistics:
             name = "detach"
         flat = call_leaves(args, kwargs)  # == tree_flatten((args, kwargs))[0]
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        self.order.derive(name, tensors, out)  # (a running mean of the batches: earlier's)
         for t in tensors:
             if t.dim() and self._batch(t.shape[0]):
                 self.rows.add(int(t.shape[0]))

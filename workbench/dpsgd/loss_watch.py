@@ -144,6 +144,7 @@ class LossWatch:
                 module_hooks.register_module_forward_pre_hook(Weak(self, "_enter")),
                 module_hooks.register_module_forward_hook(Weak(self, "_exit"))])
         self.roots = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+        self.earlier.outputs(self.roots)  # of the batch the pass ran on
         self.outputs = [o for o in self.roots if o.dim() and o.shape[0] == n]
         self.stats.reset(n if self.check else 0, self.outputs)
         stats = self.stats

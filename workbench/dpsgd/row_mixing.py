@@ -331,11 +331,19 @@ class Earlier:
         trained on, ``x.clone()`` kept for the next step's mixup, silent until 2026-11-30)."""
         groups = {e[1] for t in tensors for e in [self.table.get(id(t))]
                   if e is not None and e[1] and e[0]() is t}
-        if len(groups) == 1:
-            g = groups.pop()
+        if groups:  # (several: the earliest, whose records it holds beside the others')
+            g = min(groups)
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and t.dim():
                     self.table[id(t)] = (weakref.ref(t), g)
+
+    def outputs(self, tensors) -> None:
+        """The model's outputs of a training pass: of the current group (their detached copies
+        kept for a later step, a MoCo queue, are an earlier batch's there)."""
+        if self.current:
+            for t in tensors:
+                if isinstance(t, torch.Tensor) and t.dim():
+                    self.table[id(t)] = (weakref.ref(t), self.current)
 
     def fed(self, inputs) -> None:
         """A training pass of the model begins on ``inputs``: their group is the current
@@ -344,15 +352,17 @@ class Earlier:
         for k, ref in self.inputs.items():
             if ref() is not None and k not in self.table:
                 self.table[k] = (ref, 0)
-        self.inputs = {}
+        self.inputs, groups = {}, []
         for t in tree_flatten(inputs)[0]:
             if isinstance(t, torch.Tensor) and t.dim():
                 entry = self.table.get(id(t))
                 if entry is not None and entry[0]() is t and entry[1]:
-                    self.current = entry[1]
+                    groups.append(entry[1])
                 elif entry is not None:
                     del self.table[id(t)]  # (fed again: this pass's)
                 self.inputs[id(t)] = weakref.ref(t)
+        if groups:  # the newest batch among the inputs (a state carried beside it is older)
+            self.current = max(groups)
 
     def holds(self, t, before: bool) -> bool:
         """t is an earlier batch's: before the forward pass also the last pass's inputs (the
@@ -426,9 +436,7 @@ class RowOrder:
                 self.seen[id(t)] = weakref.ref(t)
         if tensors and isinstance(tensors[0], torch.Tensor):
             self._time_major(name, args, kwargs, tensors, out)
-        if self.earlier is not None and tensors and name not in FREE \
-                and not all(self._free(t) for t in tensors):  # (ones_like(x): no record's)
-            self.earlier.derive(tensors, out)
+        if self.earlier is not None and tensors:
             if any(self._old(t) for t in tensors):
                 mixed = self._with_earlier(name, args, kwargs, tensors, out, ours)
                 if mixed is not None:
@@ -566,6 +574,14 @@ class RowOrder:
         for t in tree_flatten(batch)[0]:
             if isinstance(t, torch.Tensor) and t.dim():
                 self.seen[id(t)] = weakref.ref(t)
+
+    def derive(self, name: str, tensors, out) -> None:
+        """``out`` computed from ``tensors`` (``BatchStatistics.after``, every op, statistics'
+        too): of their loader batch's group (``Earlier.derive``); a tensor made from a
+        batch's shape (``ones_like(x)``) holds no record's values."""
+        if self.earlier is not None and tensors and name not in FREE \
+                and not all(self._free(t) for t in tensors):
+            self.earlier.derive(tensors, out)
 
     def _now(self, t) -> bool:
         """t is the current batch's (``Earlier.now``), or computed from it in this window."""
