@@ -62,7 +62,9 @@ followed, while records' own losses added (of any shape: ``LOSSY``) stay the los
 reduction, and a sum over several records then passed through anything but a linear map
 (``relu(1 - o[i] + o[j])``: ``POOLED_OK``) pairs them; a time-major view's rows are steps,
 not records (``MOVES``); and an earlier batch's records mixed into this batch's
-(``Earlier``: mixup with the previous batch, or an earlier micro-batch of the step).
+(``Earlier``: mixup with the previous batch, or an earlier micro-batch of the step; a
+tensor computed from a batch, a statistic or a copy, and the model's outputs keep that
+batch's group, so a running mean of earlier batches or a queue of earlier outputs is one).
 
 Notation: n rows, π a permutation (an index tensor over dim 0).
 """
