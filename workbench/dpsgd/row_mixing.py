@@ -216,6 +216,12 @@ def _int_first(key) -> int | None:
         return None
 
 
+def _has(table: dict, t) -> bool:
+    """t is in ``table`` (id -> weak reference): the id's tensor itself, not a reused id."""
+    ref = table.get(id(t))
+    return ref is not None and ref() is t
+
+
 def _moves0(name: str, args, kwargs, ndim: int) -> bool:
     """``name(*args)`` (``MOVES``) moves dim 0 of its ndim-dim input away."""
     rest = args[1:]
@@ -416,8 +422,7 @@ class RowOrder:
         return entry[1] if entry is not None and entry[0]() is t else None
 
     def _free(self, t) -> bool:
-        ref = self.free.get(id(t))
-        return ref is not None and ref() is t
+        return _has(self.free, t)
 
     def made(self, t) -> bool:
         """t is an index the loop made (``FRESH``, ``DRAWN``, or computed from such): no
@@ -628,8 +633,7 @@ class RowOrder:
         return not self._seen(t)
 
     def _seen(self, t) -> bool:
-        ref = self.seen.get(id(t))
-        return ref is not None and ref() is t
+        return _has(self.seen, t)
 
     def _inner(self, t):
         """t's ident (``_ident``) where t is one record's (x[i]), else None."""
@@ -672,8 +676,7 @@ class RowOrder:
         return self._seen(t)
 
     def _moved(self, t) -> bool:
-        ref = self.moved.get(id(t))
-        return ref is not None and ref() is t
+        return _has(self.moved, t)
 
     def _time_major(self, name, args, kwargs, tensors, out) -> None:
         """Follow dim 0 moved away (``MOVES``: ``o.transpose(0, 1)``, time-major) and back:
@@ -701,20 +704,17 @@ class RowOrder:
                     mark[id(t)] = weakref.ref(t)
 
     def _step(self, t) -> bool:
-        ref = self.steps.get(id(t))
-        return ref is not None and ref() is t
+        return _has(self.steps, t)
 
     def moved_dim0(self, t) -> bool:
         """t's dim 0 is no longer the records' (``_time_major``)."""
         return self._moved(t)
 
     def _pooled(self, t) -> bool:
-        ref = self.pooled.get(id(t))
-        return ref is not None and ref() is t
+        return _has(self.pooled, t)
 
     def _loss(self, t) -> bool:
-        ref = self.losses.get(id(t))
-        return ref is not None and ref() is t
+        return _has(self.losses, t)
 
     def _own(self, tensors, ours):
         """The one ident of the records' own tensors among ``tensors`` (data), else None."""
