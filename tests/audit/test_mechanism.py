@@ -54,7 +54,7 @@ def test_correct_step_passes():
     assert result.passed, result.table
     assert list(result.table.columns) == ["check", "statistic", "p_value", "threshold",
                                           "passed", "meaning"]
-    assert len(result.table) == 9
+    assert len(result.table) == 10
     assert "passed" in result._repr_html_()
     fig, ax = plt.subplots()
     assert result.plot(ax)

@@ -123,6 +123,66 @@ def no_noise_on_an_empty_batch(C, sigma, B, generator=None):
     return step
 
 
+def clip_factor_floored(C, sigma, B, generator=None, floor=0.01):
+    """Bug: the clip factor clamped to [0.01, 1] (a floor "against vanishing updates"): a record
+    of norm 1000C still adds 10C. Exact on every record below 100C, the largest of the
+    designed batches until 2026-11-30."""
+    def step(G):
+        c = (C / G.norm(dim=1, keepdim=True)).clamp(min=floor, max=1.0)
+        return ((c * G).sum(0) + _noise(G.shape[1], sigma * C, generator, G)) / B
+    return step
+
+
+def clip_on_first_physical_batch_only(C, sigma, B, generator=None, physical=64):
+    """Bug: a batch cut into physical batches of 64 is clipped only in the first one (the
+    clip inside an ``if first:``), the rest summed as they are: exact on every batch of up to
+    64 records, the largest designed batch having 32 until 2026-11-30."""
+    def step(G):
+        head, tail = G[:physical], G[physical:]
+        return (_clip_rows(head, C).sum(0) + tail.sum(0)
+                + _noise(G.shape[1], sigma * C, generator, G)) / B
+    return step
+
+
+def small_batches_unclipped(C, sigma, B, generator=None):
+    """Bug: a fast path for batches of 2 to 5 records sums them unclipped (the neighbour of
+    ``lone_record_unclipped``): no designed batch of that size held a record above C."""
+    def step(G):
+        total = G.sum(0) if 2 <= G.shape[0] <= 5 else _clip_rows(G, C).sum(0)
+        return (total + _noise(G.shape[1], sigma * C, generator, G)) / B
+    return step
+
+
+def noise_per_accumulated_chunk(C, sigma, B, generator=None, physical=64):
+    """Bug: gradient accumulation over k physical batches of 64 adds noise σC/k to each, so the
+    total std is σC/√k: right on batches of up to 64 records, √k too small beyond."""
+    def step(G):
+        k = max(1, -(-G.shape[0] // physical))
+        noise = sum(_noise(G.shape[1], sigma * C / k, generator, G) for _ in range(k))
+        return (_clip_rows(G, C).sum(0) + noise) / B
+    return step
+
+
+def noise_std_sigma_squared(C, sigma, B, generator=None):
+    """Bug: noise std σ²C (a variance taken for a standard deviation): right at σ = 1 only,
+    the noise multiplier the mechanism audit of the command line ran at until 2026-11-30;
+    half the noise at σ = 0.5."""
+    def step(G):
+        return (_clip_rows(G, C).sum(0) + _noise(G.shape[1], sigma ** 2 * C, generator, G)) / B
+    return step
+
+
+def noise_seeded_when_built(C, sigma, B, generator=None):
+    """Bug: the step ignores the generator it is given and seeds one of its own with 0 when it
+    is built: fresh noise at every call, but the same sequence in every run, so anyone who has
+    the code knows each release's noise. Only a second step built apart shows it."""
+    own = torch.Generator().manual_seed(0)
+
+    def step(G):
+        return (_clip_rows(G, C).sum(0) + _noise(G.shape[1], sigma * C, own, G)) / B
+    return step
+
+
 PARTS = {
     "per_layer_clipping": per_layer_clipping,
     "norm_leaves_out_a_parameter": norm_leaves_out_a_parameter,
@@ -133,12 +193,20 @@ PARTS = {
     "noise_scaled_by_realised_batch": noise_scaled_by_realised_batch,
     "noise_shared_by_two_coordinates": noise_shared_by_two_coordinates,
     "no_noise_on_an_empty_batch": no_noise_on_an_empty_batch,
+    "clip_factor_floored": clip_factor_floored,
+    "clip_on_first_physical_batch_only": clip_on_first_physical_batch_only,
+    "small_batches_unclipped": small_batches_unclipped,
+    "noise_per_accumulated_chunk": noise_per_accumulated_chunk,
+    "noise_std_sigma_squared": noise_std_sigma_squared,
+    "noise_seeded_when_built": noise_seeded_when_built,
 }
 """name -> factory (C, σ, B, generator) -> step_fn; each must fail ``audit_dp_step``."""
 
 
 __all__ = [
-    "PARTS", "nan_record_full_weight", "noise_missing_on_a_parameter",
-    "noise_scaled_by_realised_batch", "noise_seed_with_a_period", "norm_leaves_out_a_parameter",
-    "per_layer_clipping", "unclipped_bias",
+    "PARTS", "clip_factor_floored", "clip_on_first_physical_batch_only", "nan_record_full_weight",
+    "noise_missing_on_a_parameter", "noise_per_accumulated_chunk",
+    "noise_scaled_by_realised_batch", "noise_seed_with_a_period", "noise_seeded_when_built",
+    "noise_std_sigma_squared", "norm_leaves_out_a_parameter", "per_layer_clipping",
+    "small_batches_unclipped", "unclipped_bias",
 ]

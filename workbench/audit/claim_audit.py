@@ -84,7 +84,8 @@ def _step_rows(claim, factory, name, trials, seed):
     gen = torch.Generator
     mech = audit_dp_step(factory(C, sigma, B_AUDIT, gen().manual_seed(seed + 1)), dim=DIM,
                          batch_size=B_AUDIT, max_grad_norm=C, noise_multiplier=sigma,
-                         trials=trials, generator=gen().manual_seed(seed))
+                         trials=trials, generator=gen().manual_seed(seed),
+                         twin=factory(C, sigma, B_AUDIT, gen().manual_seed(seed + 2)))
     tight = audit_gaussian_step(factory(probe_C, sigma, B_AUDIT, gen().manual_seed(seed + 1)),
                                 dim=1000, batch_size=B_AUDIT, max_grad_norm=probe_C,
                                 noise_multiplier=sigma, delta=claim.delta, calls=200,

@@ -48,10 +48,17 @@ from workbench.errors import NonFiniteStepError
 from workbench.methods import CLIP_METHODS
 
 METHODS = tuple(m for m in CLIP_METHODS if m != "microbatch")  # each against microbatch
-C, SIGMA, B, DIM = 1.5, 1.0, 8, 32  # mechanism audit; C != 1 so that σ vs σC shows
+C, SIGMA, B, DIM = 1.5, 0.7, 8, 32  # mechanism audit; C != 1 so that σ vs σC shows, σ != 1
+# so that σ² or √σ (a variance taken for a std) shows: they equal σ only at σ = 1
 CANARY = dict(dim=1000, steps=10, sample_rate=0.5, noise_multiplier=4.0)
 SEEDS = {"model_init": 0, "zoo_batch": 0, "mechanism_design": 0, "step_noise": 1, "canary": 0,
-         "clipping_design": 0, "sampling": 0, "membership": 0}
+         "clipping_design": 0, "sampling": 0, "membership": 0, "twin_noise": 2}
+
+
+def built(factory, C, sigma, B, seed_name="step_noise"):
+    """``factory(C, σ, B, generator)`` with the generator of ``SEEDS[seed_name]``; the twin the
+    mechanism audit compares it with is the same call with "twin_noise"."""
+    return factory(C, sigma, B, torch.Generator().manual_seed(SEEDS[seed_name]))
 
 
 def settings(args) -> dict:
@@ -144,9 +151,10 @@ def _finite(factory, name: str):
 
 def step_sections(name: str, factory, trials: int, part: str = SUBJECT) -> list:
     factory = _finite(factory, name)
-    mech = _guarded(audit_dp_step, factory(C, SIGMA, B, torch.Generator().manual_seed(
-        SEEDS["step_noise"])), dim=DIM, batch_size=B, max_grad_norm=C, noise_multiplier=SIGMA,
-        trials=trials, generator=torch.Generator().manual_seed(SEEDS["mechanism_design"]))
+    mech = _guarded(audit_dp_step, built(factory, C, SIGMA, B), dim=DIM, batch_size=B,
+                    max_grad_norm=C, noise_multiplier=SIGMA, trials=trials,
+                    generator=torch.Generator().manual_seed(SEEDS["mechanism_design"]),
+                    twin=built(factory, C, SIGMA, B, "twin_noise"))
     clip = _guarded(check_clipping, factory, C, B, DIM,
                     torch.Generator().manual_seed(SEEDS["clipping_design"]))
     canary = _guarded(audit_canaries, factory, **CANARY, max_grad_norm=C,
@@ -173,18 +181,19 @@ def privacy_sections(args, user_steps: dict, progress: bool, own_part: str = SUB
         out += user_step_sections(spec, factory, args.trials)
     correct = bug_zoo.ZOO[bug_zoo.CORRECT]
     out.append(section("DP step: correct reference step (bug_zoo.correct_step)", audit_dp_step(
-        correct(C, SIGMA, B, torch.Generator().manual_seed(SEEDS["step_noise"])), dim=DIM,
-        batch_size=B, max_grad_norm=C, noise_multiplier=SIGMA, trials=args.trials,
-        generator=torch.Generator().manual_seed(SEEDS["mechanism_design"])), part=SELF_CHECK))
+        built(correct, C, SIGMA, B), dim=DIM, batch_size=B, max_grad_norm=C,
+        noise_multiplier=SIGMA, trials=args.trials,
+        generator=torch.Generator().manual_seed(SEEDS["mechanism_design"]),
+        twin=built(correct, C, SIGMA, B, "twin_noise")), part=SELF_CHECK))
     bugs = {**{k: f for k, f in bug_zoo.ZOO.items() if k != bug_zoo.CORRECT},
             **bug_zoo_parts.PARTS}
     audits = {}
     for name in tqdm(bugs, desc="bug zoo", disable=not progress):
-        step = bugs[name](C, SIGMA, B, torch.Generator().manual_seed(SEEDS["step_noise"]))
-        audits[name] = audit_dp_step(step, dim=DIM, batch_size=B, max_grad_norm=C,
-                                     noise_multiplier=SIGMA, trials=args.trials,
-                                     generator=torch.Generator().manual_seed(
-                                         SEEDS["mechanism_design"]))
+        audits[name] = audit_dp_step(built(bugs[name], C, SIGMA, B), dim=DIM, batch_size=B,
+                                     max_grad_norm=C, noise_multiplier=SIGMA,
+                                     trials=args.trials, generator=torch.Generator().manual_seed(
+                                         SEEDS["mechanism_design"]),
+                                     twin=built(bugs[name], C, SIGMA, B, "twin_noise"))
     docs = {k: " ".join((f.__doc__ or "").split("\n\n")[0].split()).removeprefix("Bug: ")
             for k, f in bugs.items()}  # the docstring's first paragraph, on one line
     out.append(section("DP step: bug zoo, each wrong step must be caught",
@@ -218,7 +227,7 @@ def influence_case(args, cases):
 
 
 __all__ = [
-    "CANARY", "METHODS", "SEEDS", "NonFiniteStepError", "accountant_settings",
+    "CANARY", "METHODS", "SEEDS", "NonFiniteStepError", "accountant_settings", "built",
     "gradient_sections", "influence_case", "privacy_sections", "settings", "step_sections",
     "user_step_sections", "zoo_cases",
 ]

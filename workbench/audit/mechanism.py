@@ -11,8 +11,9 @@ zero one, a one-coordinate outlier, aligned moderate ones; the same minus the hu
 a small batch n = 2; samples on one coordinate with norms from C/2 to 8C, straddling C; an
 outlier of norm 30C on every coordinate in turn; copies of one dense record of norm 100C; the
 designed batch plus a record holding a NaN; an empty batch, n = 0, which Poisson sampling
-draws and whose step must still be noise) ``trials`` times each and tests those two
-equations with scipy.stats.
+draws and whose step must still be noise) ``trials`` times each, and batches of every size
+from 1 to 9 and each side of the powers of two to 1024 with records of norms 10^-8 C to 10^8 C
+(``sweep_batches``) a few times each, and tests those two equations with scipy.stats.
 
 The mean checks combine two tests (Bonferroni, each at half the row's level): the largest |t|
 over coordinates (a sparse error: one coordinate, one outlier) and the F test of all of them,
@@ -24,7 +25,7 @@ output must not move by more than C/B (the "sensitivity" row), as a record given
 because its norm is NaN would.
 
 Significance: the audit's false-alarm probability is at most ``alpha`` at every allowed
-``trials`` (>= 20): Bonferroni, alpha/9 per row and split inside each row; each test's null
+``trials`` (>= 20): Bonferroni, alpha/10 per row and split inside each row; each test's null
 distribution is exact for Gaussian noise (t(T-1), F and χ² for means and variances, Beta for
 the cosine of two noise vectors, Kolmogorov-Smirnov on Helmert-decorrelated residuals for the
 shape), except the lag-1 check's normal approximation to a correlation over batches·d·(T-1)
@@ -59,6 +60,7 @@ from workbench.audit.mechanism_design import (
     design_batches,
     expected_step,
     nan_record_batch,
+    sweep_batches,
 )
 from workbench.audit.mechanism_noise import (
     atoms_p,
@@ -80,6 +82,10 @@ from workbench.errors import NonFiniteStepError
 from workbench.viz.audit import plot_noise_histogram
 
 EMPTY = "empty batch (n=0)"
+SWEEP = "sizes and scales"
+SWEEP_TRIALS = 20
+"""Calls per batch of ``sweep_batches``: its errors are gross (an unclipped 10^8 C record), and
+its 33 batches of up to 1025 rows would cost the run more than all the others at ``trials``."""
 _CHECKS = {
     "mean · designed batch": "E[step(G)] = Σ clip_C(g_i)/B with huge, tiny, zero, outlier and "
     "aligned samples, a 30C outlier on every coordinate and copies of a dense 100C record; "
@@ -91,6 +97,12 @@ _CHECKS = {
     "mean · neighbour (huge removed)": "same for n = B - 1; catches dividing by the realised n",
     "mean · small batch (n=2)": "same for n = 2, and for one record of norm 5C alone (n = 1); "
     "catches dividing by n instead of B, and a fast path that leaves a lone record unclipped",
+    SWEEP: "the mean as above and the noise variance (χ² of the residuals, two-sided), in "
+    "SWEEP_TRIALS calls each, for every n from 1 to 9 and each side of the powers of two to "
+    "1024, records of norms 1e-8 C to 1e8 C at every position: catches a clip that runs on "
+    "a first physical batch only, skips some batch sizes or floors the clip factor (a floor "
+    "of 1e-4 shows at 1e8 C), and noise that shrinks with the batch (σC/k on each of k "
+    "accumulated chunks)",
     "sensitivity": "||E[step(A)] - E[step(A')]|| <= C/B for neighbours A, A' (one-sided): the "
     "huge sample removed, and a record holding a NaN added (raising or returning NaN is "
     "accepted as loud); cannot see sensitivity excess below the noise floor s·sqrt(2χ²_d/T)",
@@ -203,18 +215,39 @@ def _mean_p(Y, mu, s, tol):
     return float(z.max()), p
 
 
+def _sweep_p(Y, mu, s, tol):
+    """(statistic, p) for one batch of ``sweep_batches``: its mean (``_mean_p``) and, around
+    its own mean, its noise variance Σ(y - ȳ)²/s² ~ χ²((T-1) d) (two-sided; exact zero at
+    s = 0); Bonferroni over the two."""
+    z, p = _mean_p(Y, mu, s, tol)
+    T, dim = Y.shape
+    R = Y - Y.mean(0)
+    if s > 0:
+        x, dof = float((R ** 2).sum()) / s ** 2, (T - 1) * dim
+        p_var = min(1.0, 2 * min(stats.chi2.cdf(x, dof), stats.chi2.sf(x, dof)))
+    else:
+        p_var = 1.0 if np.abs(R).max() <= tol else 0.0
+    return z, min(1.0, 2 * min(p, p_var))
+
+
 def audit_dp_step(step_fn, dim: int, batch_size: float, max_grad_norm: float,
                   noise_multiplier: float, trials: int = 400, alpha: float = 1e-3,
-                  generator: torch.Generator | None = None) -> MechanismAudit:
+                  generator: torch.Generator | None = None, twin=None) -> MechanismAudit:
     """Test ``step_fn(G) == (Σ_i clip_C(g_i) + N(0, σ²C² I)) / batch_size`` in distribution.
 
     Runs ``step_fn`` 8·trials times on designed batches (``design_batches``,
-    ``nan_record_batch`` and an empty one; G is float64). p-values are compared with alpha/9
-    (one share per row of the table), each row's parts
+    ``nan_record_batch`` and an empty one; G is float64) and ``SWEEP_TRIALS`` times on each
+    of ``sweep_batches``. p-values are compared with alpha/10 (one share per row of the
+    table), each row's parts
     sharing it; 'sensitivity' reports a bound instead (p_value NaN). With noise_multiplier = 0
     the mean checks become exact (tolerance 1e-6·C/B per row summed, for float32 steps) and
     the noise checks require zero noise. The step's own randomness is its own; ``generator``
     only designs G.
+
+    ``twin``: the same step built apart with another generator (``factory(C, σ, B, g2)``), or
+    None. Its first calls' noise joins the repeat check ("noise is fresh"): a step that seeds
+    its own generator when it is built (ignoring the one it is given) releases the same noise
+    in every run, known to anyone who has the code, and passes every test of one run alone.
     The verdict is "inconclusive" when no check fails but the run is too small to resolve a
     10% error in the noise std or the clip norm (``mechanism_power``).
     """
@@ -240,6 +273,16 @@ def audit_dp_step(step_fn, dim: int, batch_size: float, max_grad_norm: float,
         resid.append(Y - Y.mean(0))
         noise.append(Y - mu)
         ybars[name] = Y.mean(0)
+    T_sweep = min(T, SWEEP_TRIALS)
+    for name, G in sweep_batches(dim, C, generator).items():
+        Y = _run(step_fn, G, T_sweep, dim)
+        mu = expected_step(G, C, B).numpy()
+        parts.setdefault(SWEEP, []).append(_sweep_p(Y, mu, s, tol * G.shape[0]))  # its
+        # noise is not pooled: the noise rows keep the designed batches' sizes
+    if twin is not None:  # built apart: its noise must not be step_fn's again
+        G = batches["mean · designed batch"]
+        Y = _run(twin, G, T_sweep, dim)
+        noise.append(Y - expected_step(G, C, B).numpy())
     rows = []
     for name, ps in parts.items():  # a row over several batches: Bonferroni over them
         p = min(1.0, len(ps) * min(p for _, p in ps))

@@ -22,6 +22,12 @@ particular mistake moves that mean:
                          clipped value by >= (sqrt 2 - 1) C, every copy the same way
     NaN record           the designed batch plus a ~100C record whose first coordinate is NaN
                          (``nan_record_batch``; not a mean check: its μ is undefined)
+    sizes and scales     ``sweep_batches``: every n from 1 to 9 and each side of the powers of
+                         two to 1024 (a step whose clip runs only on a first physical batch of
+                         64, or only for n = 1, or skips it for 2 <= n <= 5), records in random
+                         directions with norms from 10^-8 C to 10^8 C at every position (a
+                         clip factor floored at 0.01 moves a 1000C record by 9C; the largest
+                         record of the other batches is 100C, where it is exact)
 
 Notation: n batch size, d coordinates, g_i row i of G, C max_grad_norm, B expected batch size.
 """
@@ -67,6 +73,33 @@ def design_batches(dim: int, batch_size: float, C: float, generator=None,
             DENSE: dense.expand(_N_BOUNDARY * boundary_repeats, dim).clone()}  # (32 r, dim)
 
 
+SWEEP_SIZES = (*range(1, 10), 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257,
+               511, 512, 513, 1023, 1024, 1025)
+"""Batch sizes of ``sweep_batches``: the small ones each, and each side of the powers of two a
+step may cut a batch at (physical batches, chunks, vectorised paths)."""
+SWEEP_SCALES = torch.logspace(-8, 8, 17, dtype=torch.float64)
+"""Record norms of ``sweep_batches``, in units of C: half below C, half above, C itself."""
+
+
+def sweep_batches(dim: int, C: float, generator=None) -> dict:
+    """{"sizes and scales n=<n>": G (n, dim)} for every n of ``SWEEP_SIZES``: rows in random
+    directions whose norms cycle through ``SWEEP_SCALES`` · C (the first record above C, the
+    second below, from a start that moves with n), so that every batch of two or more holds
+    records above and below C and every position of the large batches holds records far
+    above C."""
+    out = {}
+    k, half = len(SWEEP_SCALES), len(SWEEP_SCALES) // 2  # SWEEP_SCALES[half] = 1
+    for n in SWEEP_SIZES:
+        u = torch.randn(n, dim, generator=generator, dtype=torch.float64)
+        first = half + 1 + n % half  # above C
+        at = (first + 5 * torch.arange(n)) % k  # 5 is prime to k: every scale in turn
+        if n > 1:
+            at[1] = n % half  # below C
+        norms = C * SWEEP_SCALES[at]  # (n,)
+        out[f"sizes and scales n={n}"] = u * (norms / u.norm(dim=1))[:, None]
+    return out
+
+
 def nan_record_batch(G: torch.Tensor, C: float) -> torch.Tensor:
     """G plus one record of norm ~100C whose first coordinate is NaN: (n + 1, dim)."""
     dim = G.shape[1]
@@ -80,5 +113,5 @@ def expected_step(G: torch.Tensor, C: float, batch_size: float) -> torch.Tensor:
     return (G * (C / G.norm(dim=1, keepdim=True)).clamp(max=1.0)).sum(0) / batch_size
 
 
-__all__ = ["ALONE", "DENSE", "OUTLIERS", "boundary_norms", "design_batches", "expected_step",
-           "nan_record_batch"]
+__all__ = ["ALONE", "DENSE", "OUTLIERS", "SWEEP_SCALES", "SWEEP_SIZES", "boundary_norms",
+           "design_batches", "expected_step", "nan_record_batch", "sweep_batches"]

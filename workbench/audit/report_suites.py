@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from workbench import accounting
-from workbench.audit.mechanism import design_batches, expected_step
+from workbench.audit.mechanism import design_batches, expected_step, sweep_batches
 from workbench.audit.result import AuditResult
 
 CLIPPING_TOLERANCE = 1e-6  # relative: a float32 step rounds at ~1e-7; a clipping bug moves
@@ -156,7 +156,9 @@ class ClippingCheck(AuditResult):
 
 
 def check_clipping(step_factory, max_grad_norm, batch_size, dim, generator=None):
-    """Run ``step_factory(C, 0, B, generator)`` once on each designed batch."""
+    """Run ``step_factory(C, 0, B, generator)`` once on each designed batch, and on each of
+    ``sweep_batches`` (every size to 9, each side of the powers of two to 1024, norms 1e-8 C
+    to 1e8 C), reported as one row: the batch of the largest relative error."""
     C, B = float(max_grad_norm), float(batch_size)
     step = step_factory(C, 0.0, B, generator)
     observed, expected, clipped = {}, {}, {}
@@ -164,6 +166,14 @@ def check_clipping(step_factory, max_grad_norm, batch_size, dim, generator=None)
         observed[name] = step(G.clone()).detach().to("cpu").double().numpy()  # (d,)
         expected[name] = expected_step(G, C, B).numpy()  # (d,)
         clipped[name] = (int((G.norm(dim=1) > C).sum()), len(G))
+    worst = None
+    for name, G in sweep_batches(dim, C, generator).items():
+        got = step(G.clone()).detach().to("cpu").double().numpy()
+        mu = expected_step(G, C, B).numpy()
+        rel = float(np.abs(got - mu).max()) / max(float(np.abs(mu).max()), 1e-300)
+        if worst is None or not rel <= worst[0]:  # a NaN is the worst
+            worst = (rel, name, got, mu, (int((G.norm(dim=1) > C).sum()), len(G)))
+    _, name, observed[name], expected[name], clipped[name] = worst
     return ClippingCheck(observed, expected, clipped, C, B)
 
 
