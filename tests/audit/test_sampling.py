@@ -63,6 +63,45 @@ class WrongRate(DPDataLoader):
                          generator=torch.Generator().manual_seed(seed))
 
 
+class Drawn:
+    """Each step: ``draw(N, generator)`` gives the batch's indices; 1/q steps an epoch."""
+
+    def __init__(self, ds, seed, draw):
+        self.n, self.draw, self.gen = len(ds), draw, torch.Generator().manual_seed(seed)
+
+    def __iter__(self):
+        for _ in range(round(1 / Q)):
+            yield self.draw(self.n, self.gen)
+
+
+def twins(n, gen, pairs=50):
+    """Poisson, but record 2k + 1 always comes with record 2k (k < pairs: 10% of them)."""
+    keep = torch.rand(n, generator=gen) < Q
+    keep[1:2 * pairs:2] = keep[0:2 * pairs:2]
+    return keep.nonzero().ravel()
+
+
+def triples(n, gen, groups=33):
+    """Poisson, but records 3k + 1, 3k + 2 always come with 3k (k < groups)."""
+    keep = torch.rand(n, generator=gen) < Q
+    for r in (1, 2):
+        keep[r:3 * groups:3] = keep[0:3 * groups:3]
+    return keep.nonzero().ravel()
+
+
+def blocks(n, gen, width=10):
+    """Contiguous blocks of ``width`` indices, each drawn with probability q (all rates q)."""
+    keep = torch.rand(n // width, generator=gen) < Q
+    return keep.repeat_interleave(width).nonzero().ravel()
+
+
+def capped(n, gen, sds=1.0):
+    """Poisson, then a random subset of at most N q + ``sds`` sd kept (a memory cap)."""
+    idx = (torch.rand(n, generator=gen) < Q).nonzero().ravel()
+    cap = int(n * Q + sds * (n * Q * (1 - Q)) ** 0.5)
+    return idx[torch.randperm(len(idx), generator=gen)[:cap]]
+
+
 def engine_loader(ds):
     model = nn.Linear(1, 1)
     with warnings.catch_warnings():
@@ -83,14 +122,23 @@ BROKEN = {
     "Poisson sizes, drawn with replacement": lambda s: (lambda ds: WithReplacement(ds, s)),
     "Poisson at 0.9 q": lambda s: (lambda ds: WrongRate(ds, s, 0.9)),
     "Poisson at 1.1 q": lambda s: (lambda ds: WrongRate(ds, s, 1.1)),
+    # the probe's finds (probeB, 2026-12): 0/5 and 1/5 seeds rejected before these two tests
+    "10% of records with a twin": lambda s: (lambda ds: Drawn(ds, s, twins)),
+    "batch size capped at N q + 1 sd": lambda s: (lambda ds: Drawn(ds, s, capped)),
+    "10% of records in groups of 3": lambda s: (lambda ds: Drawn(ds, s, triples)),
+    "contiguous blocks of 10": lambda s: (lambda ds: Drawn(ds, s, blocks)),
 }
+SEEDS = {"10% of records with a twin": 8, "batch size capped at N q + 1 sd": 8}
 
 
 def test_poisson_loader_passes_and_reports_every_test():
     audit = audit_sampling(poisson(0), N, Q, epochs=EPOCHS)
     assert audit.passed and audit.steps == EPOCHS * 20
     assert list(audit.table.columns) == ["test", "statistic (z)", "p-value", "meaning", "passed"]
-    assert len(audit.table) == 4 and "consistent" in audit.summary
+    assert len(audit.table) == 6 and "consistent" in audit.summary
+    assert audit.verdict == "passed" and audit.epochs_needed is None
+    assert audit.resolution["cap"] >= 1 and audit.resolution["twins"] <= 0.1
+    assert "it resolves caps at N q + 1.45 sd, twins in 3.00% of the records" in audit.summary
     assert "<table" in audit._repr_html_()
 
 
@@ -101,9 +149,16 @@ def test_false_alarm_rate_over_seeds_is_at_most_the_significance():
     assert alarms <= 14
 
 
+def test_the_poisson_loader_passes_over_seeds_at_the_stated_significance():
+    # 20 seeds at 0.05: Binomial(20, <= 0.05) exceeds 3 with probability < 2%
+    alarms = [seed for seed in range(200, 220) if not audit_sampling(
+        poisson(seed), N, Q, epochs=EPOCHS).passed]
+    assert len(alarms) <= 3, alarms
+
+
 @pytest.mark.parametrize("name", list(BROKEN))
 def test_non_poisson_loaders_fail(name):
-    for seed in range(3):
+    for seed in range(SEEDS.get(name, 3)):
         audit = audit_sampling(BROKEN[name](seed), N, Q, epochs=EPOCHS)
         assert not audit.passed and "REJECTED" in audit.summary, (name, audit.table)
 
@@ -124,3 +179,63 @@ def test_a_loader_on_another_dataset_is_an_error():
         audit_sampling(lambda ds: [torch.tensor([5000])] * 5, N, Q)
     with pytest.raises(TypeError, match="needs batches of the dataset's items"):
         audit_sampling(lambda ds: ["a"] * 5, N, Q)
+
+
+# --- the new tests' nulls: exact (or conservative) under Poisson sampling ---------------------
+
+def test_the_pair_tail_is_exact():
+    """P(M_i >= m | c_i) of sampling_pairs Eq. (1) against 20,000 simulated maxima of N - 1
+    Binomial(c, q) pair counts: within 4 standard errors at every m."""
+    import numpy as np
+
+    from workbench.audit.sampling_pairs import pair_p_values
+    n, c, q = 50, 5, 0.2
+    maxima = np.random.default_rng(0).binomial(c, q, size=(20000, n - 1)).max(1)
+    for m in range(1, c + 1):
+        seen, exact = (maxima >= m).mean(), pair_p_values(np.array([c]), np.array([m]), n, q)[0]
+        assert abs(seen - exact) <= 4 * (exact * (1 - exact) / 20000) ** 0.5 + 1e-4, (m, seen)
+
+
+def test_pair_counts_in_chunks_match_the_dense_product(monkeypatch):
+    import numpy as np
+
+    from workbench.audit import sampling_pairs
+    x = (np.random.default_rng(1).random((60, 300)) < 0.08).astype(np.uint8)
+    x[:, 7] = x[:, 3]
+    G = x.T.astype(int) @ x.astype(int)
+    np.fill_diagonal(G, 0)
+    for chunk in (50, 10**9):  # many chunks, one chunk
+        monkeypatch.setattr(sampling_pairs, "CHUNK", chunk)
+        c, M, partner = sampling_pairs.pair_maxima(x)
+        assert (c == x.sum(0)).all() and (M == G.max(1)).all()
+        assert all(G[i, partner[i]] == M[i] for i in np.flatnonzero(M))
+        assert partner[7] == 3 and M[7] == c[7]
+
+
+def test_the_new_rows_keep_their_level_under_poisson():
+    """400 Poisson memberships: the co-occurrence and extremes rows reject at most their level
+    (0.2 here, so the check has power); Binomial(400, 0.2) exceeds 100 with probability < 0.5%."""
+    import numpy as np
+
+    from workbench.audit.sampling_pairs import cooccurrence_row
+    from workbench.audit.sampling_power import extremes_row
+    rng = np.random.default_rng(2)
+    alarms = {"pairs": 0, "extremes": 0}
+    for _ in range(400):
+        x = (rng.random((40, 200)) < 0.1).astype(np.uint8)
+        alarms["pairs"] += cooccurrence_row(x, 0.1)[2] < 0.2
+        alarms["extremes"] += extremes_row(x.sum(1), 200, 0.1)[2] < 0.2
+    assert alarms["pairs"] <= 100 and alarms["extremes"] <= 100, alarms
+
+
+def test_an_underpowered_run_is_inconclusive_not_consistent():
+    """At q = 0.5 four epochs are 8 steps: no twin pair can be told from chance, so a correct
+    loader is "inconclusive" (not passed), with the epochs that would resolve it."""
+    audit = audit_sampling(lambda ds: DPDataLoader(ds, sample_rate=0.5, generator=torch
+                                                   .Generator().manual_seed(0)), 200, 0.5)
+    assert audit.verdict == "inconclusive" and not audit.passed
+    assert "inconclusive" in audit.summary and "rerun with epochs >=" in audit.summary
+    again = audit_sampling(lambda ds: DPDataLoader(ds, sample_rate=0.5, generator=torch
+                                                   .Generator().manual_seed(0)), 200, 0.5,
+                           epochs=audit.epochs_needed)
+    assert again.verdict == "passed", again.summary

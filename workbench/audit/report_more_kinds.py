@@ -26,8 +26,10 @@ GAUSSIAN = dict(dim=1000, batch_size=8, max_grad_norm=1.5, noise_multiplier=2.0,
 
 register_kind("SamplingAudit", Kind(
     what="The loader under test draws batches from a data set whose items are their own "
-         "indices, for several epochs; batch sizes, per-example counts and the overlap of "
-         "batches must look like Poisson sampling. The accountant's amplification by sampling "
+         "indices, for several epochs; batch sizes and their extremes, per-example counts, "
+         "the overlap of batches and how often any two records meet must look like Poisson "
+         "sampling, and the run must be large enough to see a capped batch size or records "
+         "drawn in pairs (else: inconclusive). The accountant's amplification by sampling "
          "holds only for Poisson batches; shuffled fixed-size batches are the most common "
          "accounting error in deployed DP-SGD (Chua et al., ICML 2024).",
     summary=lambda r: (r.summary, f"smallest p-value {r.table['p-value'].min():.3g}")))

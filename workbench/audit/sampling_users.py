@@ -9,9 +9,11 @@ an ``IndexDataset`` (item j = j) and a known assignment of records to users, and
 1. **together**: in every batch, each user's records are all in or all out (deterministic:
    one split user fails the audit; a record sampled on its own would be accounted as a user
    while its user's other records stay private only by group privacy);
-2. **Poisson over users**: the user membership y_(s,u) = 1[u in batch s] passes the four
-   tests of ``sampling.py`` Eq. (1) with N := U (batch sizes in users, per-user counts
-   ≈ Sq, overlaps at lag 1 and one epoch), Bonferroni over all five tests.
+2. **Poisson over users**: the user membership y_(s,u) = 1[u in batch s] passes the six
+   tests of ``sampling.py`` with N := U (batch sizes in users and their extremes, per-user
+   counts ≈ Sq, overlaps at lag 1 and one epoch, two users drawn together), Bonferroni over
+   all seven tests; a run that rejects nothing is "inconclusive" unless it resolves the
+   deviations of ``sampling_power`` (caps, twin users) at N := U.
 
 Notation: N records, U users, u(j) user of record j, q user sample rate, S steps.
 """
@@ -19,7 +21,14 @@ Notation: N records, U users, u(j) user of record j, q user sample rate, S steps
 import numpy as np
 import torch
 
-from workbench.audit.sampling import IndexDataset, SamplingAudit, _indices, _tests, verdict
+from workbench.audit.sampling import (
+    IndexDataset,
+    SamplingAudit,
+    _indices,
+    _tests,
+    conclude,
+    verdict,
+)
 from workbench.checks import check_count, check_probability, check_sample_rate
 
 __all__ = ["audit_user_sampling", "example_user_ids"]
@@ -55,7 +64,7 @@ def audit_user_sampling(make_loader, user_ids, sample_rate, *, epochs=4, signifi
             idx = _indices(batch, N)
             held = np.bincount(user_of[idx], minlength=U)  # (U,) records of u in the batch
             split += int(np.sum((held > 0) & (held != sizes)))
-            rows.append((held > 0).astype(np.float64))
+            rows.append((held > 0).astype(np.uint8))
         first_epoch = first_epoch or len(rows)
     if len(rows) < 4:
         raise ValueError(f"the loader gave {len(rows)} batches in {epochs} epochs; need >= 4")
@@ -64,7 +73,11 @@ def audit_user_sampling(make_loader, user_ids, sample_rate, *, epochs=4, signifi
                 f"{split} (step, user) pairs held only part of a user's records"
                 if split else "every sampled user brought all of their records")
     table, passed, failed = verdict([together, *_tests(y, U, q, first_epoch)], significance)
-    summary = (f"user-level Poisson sampling {'consistent' if passed else 'REJECTED'}: "
-               f"{len(rows)} steps, U={U} users, N={N} records, q={q:g}, significance "
-               f"{significance:g}" + ("" if passed else f"; failed: {failed}"))
-    return SamplingAudit(passed, table, significance, len(rows), summary)
+    word, res, need, tail = conclude(table, passed, U, q, len(rows), first_epoch, significance,
+                                  "users")
+    head = {"passed": "consistent", "failed": "REJECTED", "inconclusive": "inconclusive"}[word]
+    summary = (f"user-level Poisson sampling {head}: {len(rows)} steps, U={U} users, N={N} "
+               f"records, q={q:g}, significance {significance:g}"
+               + (f"; failed: {failed}" if failed else tail))
+    return SamplingAudit(word == "passed", table, significance, len(rows), summary, word, res,
+                         need)
