@@ -63,7 +63,7 @@ ELEMENTWISE = frozenset({
     "positive", "rsub", "__mod__", "__floordiv__", "__abs__", "eq", "ne", "lt", "le", "gt",
     "ge", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "logical_and",
     "logical_or", "logical_xor", "logical_not", "__and__", "__or__", "__xor__", "__invert__",
-    "isnan", "isinf", "isfinite",
+    "isnan", "isinf", "isfinite", "int", "long", "short", "bool", "byte", "char",
 })  # pointwise: row r of the result from rows r of the operands (broadcasting: _elementwise)
 ROW_WISE = frozenset({
     "transpose", "permute", "softmax", "log_softmax", "normalize", "matmul", "__matmul__", "bmm",
@@ -80,7 +80,7 @@ JOINS = frozenset({"cat", "concat", "concatenate", "stack"})  # along another di
 SPLITS = frozenset({"split", "chunk", "unbind"})  # along another dim than 0: each part
 SORTS = frozenset({"topk", "sort"})  # (values, indices) along another dim than 0: each part
 FOLLOWED = RESHAPES | ELEMENTWISE | ROW_WISE | JOINS | SPLITS | SORTS | {
-    "einsum", "__getitem__", "__iter__"}
+    "einsum", "__getitem__", "__iter__", "index_select"}
 
 
 def in_place(name: str) -> bool:
@@ -102,41 +102,108 @@ def merged(src: torch.Size, out: torch.Size) -> int | None:
 
 
 class FlatRows:
-    """Tensors whose rows are a batch flattened sample-major: {id: (weakref, m, T)}."""
+    """Tensors whose rows are a batch flattened sample-major: {id: (weakref, m, T, version,
+    order)}, ``order`` None where block s holds record s (the proof every rule relies on),
+    else a key of ``orders``: block s holds record ``orders[key][s]`` (``_reorder``)."""
 
     def __init__(self, tainted=None):
         self.tags: dict[int, tuple] = {}
         self.moved: dict[int, tuple] = {}  # tagged rows moved to dim 1 by a permute (_unstacked)
         self.tainted = tainted  # (t) -> whether t was computed from the batch (derived.Taint)
+        self.orders: dict[int, torch.Tensor] = {}  # key -> (m,) the records of the m blocks
 
     def of(self, t) -> tuple[int, int] | None:
-        """(m, T) of a tagged tensor whose storage was not written since, or None. A write in
-        place bumps the version counter its views share: every tag on that storage lapses at
-        once, without a scan of the tags."""
+        """(m, T) of a tagged tensor whose storage was not written since and whose blocks are
+        the records in their order, or None. A write in place bumps the version counter its
+        views share: every tag on that storage lapses at once, without a scan of the tags."""
         entry = self.tags.get(id(t))
         return entry[1:3] if entry is not None and entry[0]() is t and \
+            t._version == entry[3] and entry[4] is None else None
+
+    def full(self, t) -> tuple | None:
+        """(m, T, order) of a tagged tensor, its blocks in the records' order (order None) or
+        in another (``orders``): what the ops pass on. Only ``of`` proves rows to a rule."""
+        entry = self.tags.get(id(t))
+        return (*entry[1:3], entry[4]) if entry is not None and entry[0]() is t and \
             t._version == entry[3] else None
 
-    def tag(self, t: torch.Tensor, m: int, T: int) -> None:
-        self.tags[id(t)] = (weakref.ref(t), m, T, t._version)
+    def order(self, t) -> torch.Tensor | None:
+        """The records of t's blocks, (m,), where the model put them in another order than the
+        batch's (``x[perm]``), else None."""
+        tag = self.full(t)
+        return None if tag is None or tag[2] is None else self.orders[tag[2]]
+
+    def tag(self, t: torch.Tensor, m: int, T: int, order: int | None = None) -> None:
+        self.tags[id(t)] = (weakref.ref(t), m, T, t._version, order)
+
+    def _reorder(self, name, args, kwargs, result) -> bool:
+        """``x[idx]``, ``x[idx, ...]``, ``index_select(x, 0, idx)`` on tagged rows (m, 1) with a
+        one-dimensional integer index along dim 0: block r of the result is record
+        ``order(x)[idx[r]]``. The identity order (``h[perm.argsort()]`` after ``x[perm]``, or
+        ``h[arange(n), lengths]`` picking each record's last token) tags the result as the
+        batch's rows; any other (a sort by length inside the model) is kept as an order, which
+        no rule reads as the batch (``of``: None): a layer called on such rows takes the exact
+        fallback (``recording.batch_problem``). Until 2026-11-30 row r of such a call was read
+        as record r's: per-sample gradients permuted between records, the clipped sum 17% off
+        in every mode, the self-check passing when the probed record kept its place. True when
+        handled."""
+        x = args[0]
+        tag = self.full(x)
+        if tag is None or tag[1] != 1 or x.dim() < 1:
+            return False
+        if name == "index_select":
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            first = args[2] if len(args) > 2 else kwargs.get("index")
+            rest = ()
+            if not isinstance(dim, int) or dim % x.dim() != 0:
+                return False
+        else:
+            index = args[1] if len(args) > 1 else None
+            index = index if isinstance(index, tuple) else (index,)
+            first, rest = (index[0], index[1:]) if index else (None, ())
+        if isinstance(first, list) and first and all(type(i) is int for i in first):
+            first = torch.tensor(first)
+        if not isinstance(first, torch.Tensor) or first.dim() != 1 or first.dtype in (
+                torch.bool, torch.uint8) or first.is_floating_point() or first.is_complex() \
+                or result.dim() < 1 or result.shape[0] != first.shape[0]:
+            return False
+        m = tag[0]
+        with torch.no_grad():
+            picked = first.detach().to("cpu", torch.long) % max(m, 1)
+            new = picked if tag[2] is None else self.orders[tag[2]][picked]
+            same = new.numel() == m and bool((new == torch.arange(m)).all())
+        for t in rest:  # other tensor indices: constants, or each row its own record's
+            if isinstance(t, torch.Tensor) and t.dim() >= 1 and (
+                    self.tainted is None or self.tainted(t)) and not (
+                    same and tag[2] is None and self.of(t) == (m, 1) and t.dim() == 1):
+                return False
+            if isinstance(t, torch.Tensor) and t.dim() > 1:
+                return False
+        if same:
+            self.tag(result, m, 1)
+        else:
+            key = len(self.orders)
+            self.orders[key] = new
+            self.tag(result, new.numel(), 1, key)
+        return True
 
     def _unstacked(self, name, args, kwargs, result) -> bool:
         """``q, k, v = qkv.permute(2, 0, ...)`` (a fused projection's parts stacked in front of
         the batch, timm's and BEiT's attention): each part of the front dim has the rows."""
         src = args[0]
-        entry = self.moved.get(id(src))
-        if entry is None or entry[0]() is not src or src._version != entry[3]:
+        entry = self.moved.get(id(src))  # (ref, m, T, order, version)
+        if entry is None or entry[0]() is not src or src._version != entry[4]:
             return False
         if name == "__getitem__":
             index = args[1] if len(args) > 1 else None
             if isinstance(index, int) and isinstance(result, torch.Tensor):
-                self.tag(result, *entry[1:3])
+                self.tag(result, *entry[1:4])
             return True
         dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
         if dim == 0 and isinstance(result, (tuple, list)):
             for t in result:
                 if isinstance(t, torch.Tensor):
-                    self.tag(t, *entry[1:3])
+                    self.tag(t, *entry[1:4])
         return True
 
     def seed(self, tensors) -> None:
@@ -148,19 +215,21 @@ class FlatRows:
     def after(self, name: str, args, kwargs, result) -> None:
         """Follow ``result = name(*args, **kwargs)`` (module docstring)."""
         src = args[0] if args else None
-        if self.tags and in_place(name) and isinstance(src, torch.Tensor):
+        if self.tags and (in_place(name) or kwargs.get("inplace") is True) and \
+                isinstance(src, torch.Tensor):  # F.relu(x, inplace=True) writes x too
             entry = self.tags.get(id(src))  # its tag as of just before this op's one write
             if (name in ELEMENTWISE or name[:-1] in ELEMENTWISE) and entry is not None \
                     and entry[0]() is src \
                     and src._version == entry[3] + 1:
-                self.tag(src, *entry[1:3])  # for the proof below, then kept only if it holds
+                self.tag(src, *entry[1:3], entry[4])  # for the proof below, then kept only if
+                # it holds
                 self._elementwise(args, kwargs, src)
             return  # otherwise the write lapsed every tag on src's storage (``of``)
         if name in JOINS and self.tags and args:
             self._joined(args, kwargs, result)
             return
         if name == "einsum" and self.tags and isinstance(result, torch.Tensor):
-            tag = summed_rows(args, result, self.of, self.tainted)
+            tag = summed_rows(args, result, self.full, self.tainted)
             if tag is not None:
                 self.tag(result, *tag)
             return
@@ -178,36 +247,40 @@ class FlatRows:
             return
         if not isinstance(result, torch.Tensor) or result.dim() == 0 or src is None:
             return
+        if name in ("__getitem__", "index_select") and self.tags and \
+                isinstance(src, torch.Tensor) and self._reorder(name, args, kwargs, result):
+            return
         if name in RESHAPES and isinstance(src, torch.Tensor) and src.dim() >= 1:
             self._reshaped(src, result)
         elif name in ROW_WISE and self.tags and isinstance(src, torch.Tensor):
-            tag = self.of(src)
+            tag = self.full(src)
             if tag is not None and name == "permute" and _moves_dim0_to_1(args, kwargs, src):
                 self.moved[id(result)] = (weakref.ref(result), *tag, result._version)
                 return
-            if tag is not None and keeps_rows(name, args, kwargs, result, self.of, self.tainted):
+            if tag is not None and keeps_rows(name, args, kwargs, result, self.full,
+                                              self.tainted):
                 self.tag(result, *tag)
             elif tag is None and len(args) > 1 and (row := rows_second(
-                    name, args, kwargs, result, self.of, self.tainted)) is not None:
+                    name, args, kwargs, result, self.full, self.tainted)) is not None:
                 self.tag(result, *row)
         elif name in ELEMENTWISE and self.tags and any(
                 id(t) in self.tags for t in (*args, *kwargs.values())):
             self._elementwise(args, kwargs, result)
 
     def _reshaped(self, src: torch.Tensor, out: torch.Tensor) -> None:
-        k, tag = merged(src.shape, out.shape), self.of(src)
+        k, tag = merged(src.shape, out.shape), self.full(src)
         if tag is None:
             return  # src's dim 0 not proved to be the batch's rows: nor are out's
-        m, T = tag
+        m, T, order = tag  # each branch keeps a sample's rows in one block: the order holds
         if k is not None:
-            self.tag(out, m, T * math.prod(src.shape[1:k]))
+            self.tag(out, m, T * math.prod(src.shape[1:k]), order)
         elif out.dim() >= 1 and out.shape[0] and src.shape[0] % out.shape[0] == 0 \
                 and T % (src.shape[0] // out.shape[0]) == 0:
             # (m·T, ...) -> (m·T / j, j, ...): each new row holds j whole rows of one sample
             # (j | T), m·T / j = m (samples back on dim 0) included; MoE's (tokens, k, d)
-            self.tag(out, m, T // (src.shape[0] // out.shape[0]))
+            self.tag(out, m, T // (src.shape[0] // out.shape[0]), order)
         elif out.dim() >= 1 and out.shape[0] % src.shape[0] == 0:
-            self.tag(out, m, T * (out.shape[0] // src.shape[0]))  # each row cut into j rows
+            self.tag(out, m, T * (out.shape[0] // src.shape[0]), order)  # each row cut in j
 
     def _joined(self, args, kwargs, result) -> None:
         """``cat`` / ``stack`` along another dim than 0 of tensors with the same rows, or no
@@ -218,9 +291,9 @@ class FlatRows:
                 or not parts or not isinstance(dim, int) or result.dim() < 2 \
                 or dim % result.dim() == 0:
             return
-        tags = {self.of(t) for t in parts if isinstance(t, torch.Tensor)}
+        tags = {self.full(t) for t in parts if isinstance(t, torch.Tensor)}
         tag = next(iter(tags - {None}), None) if len(tags - {None}) == 1 else None
-        if tag is None or any(self.of(t) is None and (self.tainted is None or self.tainted(t))
+        if tag is None or any(self.full(t) is None and (self.tainted is None or self.tainted(t))
                               for t in parts) or any(t.shape[0] != result.shape[0]
                                                      for t in parts):
             return
@@ -228,7 +301,7 @@ class FlatRows:
 
     def _split(self, name, args, kwargs, result) -> None:
         """``split`` / ``chunk`` / ``unbind`` along another dim than 0: each part has x's rows."""
-        x, tag = args[0], self.of(args[0])
+        x, tag = args[0], self.full(args[0])
         dim = kwargs.get("dim", args[2] if name != "unbind" and len(args) > 2 else
                          args[1] if name == "unbind" and len(args) > 1 else 0)
         if tag is None or not isinstance(dim, int) or dim % x.dim() == 0 \
@@ -241,7 +314,7 @@ class FlatRows:
     def _sorted(self, name, args, kwargs, result) -> None:
         """``topk`` / ``sort`` along another dim than 0 (a router's top-k experts per token):
         the values and the indices have x's rows."""
-        x, tag = args[0], self.of(args[0])
+        x, tag = args[0], self.full(args[0])
         at = 2 if name == "topk" else 1  # topk(x, k, dim), sort(x, dim)
         dim = kwargs.get("dim", args[at] if len(args) > at else -1)
         if tag is None or isinstance(dim, bool) or not isinstance(dim, int) or x.dim() == 0 \
@@ -254,14 +327,14 @@ class FlatRows:
     def _repeated(self, args, kwargs, result) -> bool:
         """``x.repeat_interleave(r, dim=0)``, r an int: row j of the result is row j // r of x,
         sample j // (T r)'s (a token repeated for each of its k experts): (m, T·r)."""
-        x, tag = args[0], self.of(args[0])
+        x, tag = args[0], self.full(args[0])
         repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
         dim = args[2] if len(args) > 2 else kwargs.get("dim")
         if tag is None or type(repeats) is not int or repeats < 1 or type(dim) is not int \
                 or x.dim() == 0 or dim % x.dim() != 0 or result.dim() != x.dim() \
                 or result.shape[0] != x.shape[0] * repeats:
             return False
-        self.tag(result, tag[0], tag[1] * repeats)
+        self.tag(result, tag[0], tag[1] * repeats, tag[2])
         return True
 
     def _elementwise(self, args, kwargs, result: torch.Tensor) -> None:
@@ -269,7 +342,7 @@ class FlatRows:
         for t in (*args, *kwargs.values()):
             if not isinstance(t, torch.Tensor):
                 continue
-            mine = self.of(t)
+            mine = self.full(t)
             if mine is not None and t.shape[0] == 1 and result.shape[0] != 1:
                 mine = None  # one row broadcast to every row (an input of one row: positions)
             if mine is None:
@@ -537,11 +610,11 @@ def passed_on(rows: FlatRows, layer, x, outputs) -> None:
     same batch, as its rule reads them (``recording.checked_shapes``). Its own ops may run
     where no mode sees them (a layer tapped by ``skip_weights.py``), so the call passes the
     tag on, as it passes the taint (``derived.Taint.through``)."""
-    tag = rows.of(x) if isinstance(x, torch.Tensor) else None
+    tag = rows.full(x) if isinstance(x, torch.Tensor) else None
     if tag is None or tag[1] != 1 or find_grad_rule(layer) is None:
         return
     for t in outputs:
-        if t.dim() >= 1 and t.shape[0] == tag[0] and rows.of(t) is None:
+        if t.dim() >= 1 and t.shape[0] == tag[0] and rows.full(t) is None:
             rows.tag(t, *tag)
 
 

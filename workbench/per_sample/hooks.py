@@ -110,6 +110,7 @@ class LayerCall:
     stored_at: dict = field(default_factory=dict)  # k -> the backward pass b_k came in
     tainted: bool | None = None  # an input computed from the model's inputs (derived.Taint;
     # None: not known, no use tracker ran)
+    reordered: bool = False  # called on the batch's rows in another order (flat_rows._reorder)
     repeated: list | None = None  # per Tensor leaf: its rows one row repeated (drop_inputs)
     after: dict | None = None  # capture="edges": output k -> [b] read by a hook registered
     # after the user's own on that output (``ActivationRecorder.hooked``), else None
@@ -624,6 +625,9 @@ class ActivationRecorder:
                                    t.dtype, t.device) for t in tensors],
                          is_tuple=is_tuple, grads=[None] * len(tensors))
         call.tainted = tainted
+        if self.flat_rows is not None and self.flat_rows.orders and args and \
+                isinstance(args[0], torch.Tensor):
+            call.reordered = self.flat_rows.order(args[0]) is not None
         if torch.is_autocast_enabled(device.type):  # precision.state(device) is not None
             call.widen_to = precision.layer_dtype(layer)
         self.calls.setdefault(path, []).append(call)
