@@ -204,7 +204,8 @@ def run_bounds(phases, history, delta) -> EpsilonBounds:
         steps = sum(t for p, g in split if p.sampler == "unknown" for *_, t in g)
         raise ValueError(
             f"epsilon_bounds: the run's first {steps} steps come from a checkpoint written "
-            f"before the sampler of each phase was saved, so whether they were Poisson or shuffled batches is not known; "
+            f"before the sampler of each phase was saved, so whether they were Poisson or "
+            f"shuffled batches is not known; "
             f"get_epsilon accounts them as Poisson (warned). Compute the bracket by hand with "
             f"accounting.epsilon_bounds(sampler, ...) for the sampler that run used")
     if len(split) == 1 and len({(s, q) for s, q, _ in split[0][1]}) == 1:
