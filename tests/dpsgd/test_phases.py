@@ -147,3 +147,25 @@ def test_the_history_splits_at_the_phases_starts():
     split = phase_histories(phases, [(1.0, 0.1, 20), (0.8, 0.1, 11)])
     assert [(p.sampler, g) for p, g in split] == [
         ("shuffle", [(1.0, 0.1, 20), (0.8, 0.1, 10)]), ("poisson", [(0.8, 0.1, 1)])]
+
+
+def test_make_private_with_epsilon_plans_the_whole_run():
+    engine, model = wb.PrivacyEngine(), nn.Linear(3, 2)
+    phase(engine, model, 20, 10, sigma=1.0)
+    loader = DataLoader(data(), batch_size=20)
+    m, o, private = engine.make_private_with_epsilon(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=loader, target_epsilon=8.0, target_delta=DELTA, epochs=2,
+        max_grad_norm=1.0, sampling_generator=torch.Generator().manual_seed(3))
+    for _ in range(2):
+        for x, y in private:
+            o.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+    assert len(engine.accountant) == 30
+    assert 8.0 * (1 - 1e-3) <= engine.get_epsilon(DELTA) <= 8.0
+    with pytest.raises(ValueError, match="target_epsilon=1.0 is already spent"):
+        engine.make_private_with_epsilon(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=loader, target_epsilon=1.0, target_delta=DELTA, epochs=1,
+            max_grad_norm=1.0)

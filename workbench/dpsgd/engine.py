@@ -257,6 +257,10 @@ class PrivacyEngine:
         (``accounting.steps_per_epoch``, on every rank under DDP), or, with
         ``poisson_sampling=False``, the shuffled loader's own len(data_loader)
         (ceil(N / B), or floor(N / B) with ``drop_last``). Checked against the loader built.
+        On an engine that already took steps (a second phase, a resumed run) σ is the one
+        with which the whole run, its history and these steps, spends ``target_epsilon``
+        (a ValueError if the history alone spends it; it was planned for the new steps
+        alone, the run ending above the target, until 2026-12-01).
         """
         N = check_dataset(data_loader.dataset, "data_loader.dataset")
         check_own_sampler(data_loader, allowed=distributed.SAMPLERS)  # batch_size, q are real
@@ -270,7 +274,8 @@ class PrivacyEngine:
         per_epoch = _epoch(poisson, q, data_loader)
         steps = steps_from_epochs(epochs, q, per_epoch)
         sigma = get_noise_multiplier(target_epsilon, target_delta, q, steps=steps,
-                                     accountant=self.accountant_name)
+                                     accountant=self.accountant_name,
+                                     history=self.accountant.history or None)  # the run's
         out = self.make_private(data_loader=data_loader, noise_multiplier=sigma, **kwargs)
         if len(out[2]) != per_epoch or self.sample_rate != q:  # the plan is the loop's
             raise LoopError(f"make_private_with_epsilon planned {per_epoch} steps per epoch "
