@@ -12,6 +12,7 @@ from workbench.accounting import (
     calibrate,
     epsilon,
     get_noise_multiplier,
+    history_epsilon,
     steps_from_epochs,
     steps_per_epoch,
 )
@@ -145,3 +146,21 @@ def test_agrees_with_opacus(target, delta, q, steps):
     # Opacus lands anywhere in a 0.01-wide ε band, ours within 1% of the least σ (whose ε
     # may be up to ~0.03 below the target at large ε), and Opacus tries fewer orders (up to 63)
     assert math.isclose(ours, theirs, rel_tol=0.02)
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_calibration_after_a_history_meets_the_target_over_the_whole_run(accountant):
+    """The σ for new steps after groups already spent: the whole run's ε is in the band
+    (it was calibrated for the new steps alone, the run ending at 3.8 for a target of 2,
+    until 2026-12-01)."""
+    history = [(1.0, 0.1, 10)]
+    c = calibrate(5.0, 1e-5, 0.1, steps=30, accountant=accountant, history=history)
+    whole = history_epsilon(history + [(c.noise_multiplier, 0.1, 30)], 1e-5, accountant)
+    assert whole == c.epsilon and 5.0 * (1 - 1e-3) <= whole <= 5.0
+    assert c.noise_multiplier > calibrate(5.0, 1e-5, 0.1, steps=30,
+                                          accountant=accountant).noise_multiplier
+
+
+def test_calibration_after_a_history_that_spent_the_target_is_refused():
+    with pytest.raises(ValueError, match=r"target_epsilon=2.0 is already spent.*10 steps"):
+        get_noise_multiplier(2.0, 1e-5, 0.1, steps=30, history=[(1.0, 0.1, 10)])

@@ -38,7 +38,7 @@ Notation: q sample rate, σ noise multiplier, T steps, ε* target epsilon, δ ta
 import math
 from dataclasses import dataclass
 
-from workbench.accounting.curve import epsilon
+from workbench.accounting.curve import check_history, history_epsilon
 from workbench.accounting.registry import ACCOUNTANTS, get_accountant
 from workbench.checks import (
     check_delta,
@@ -98,13 +98,17 @@ def _initial_sigma(target_epsilon, target_delta, q, steps):
 
 
 def get_noise_multiplier(target_epsilon, target_delta, sample_rate, steps=None, epochs=None,
-                         accountant="rdp", epsilon_tolerance=1e-3, rtol=None, **options):
+                         accountant="rdp", epsilon_tolerance=1e-3, rtol=None, history=None,
+                         **options):
     """The noise multiplier σ with (1 - τ) target_epsilon <= ε(σ) <= target_epsilon, Eq. (1).
 
     τ = ``epsilon_tolerance`` in [1e-6, 0.5] (default 1e-3, for every accountant). Given
     ``rtol`` (in [1e-6, 1]) instead, the older stop on σ: ε(σ) <= target_epsilon <
     ε(σ / (1 + rtol)). Give exactly one of ``steps`` and ``epochs`` (``steps_from_epochs``).
     ``options`` go to :func:`workbench.accounting.epsilon` (``orders``, ``discretization``).
+    ``history``: groups [(σ, q, T), ...] already spent (a run continued): σ is then the one
+    whose steps, after them, bring the whole run's ε into the band; a history that alone
+    spends ``target_epsilon`` is an error.
 
     >>> sigma = get_noise_multiplier(2.0, 1e-5, 0.01, epochs=10)
     >>> eps = epsilon(0.01, sigma, 1000, 1e-5)
@@ -113,7 +117,7 @@ def get_noise_multiplier(target_epsilon, target_delta, sample_rate, steps=None, 
     """
     return calibrate(target_epsilon, target_delta, sample_rate, steps=steps, epochs=epochs,
                      accountant=accountant, epsilon_tolerance=epsilon_tolerance, rtol=rtol,
-                     **options).noise_multiplier
+                     history=history, **options).noise_multiplier
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,8 @@ class Calibration:
 
 
 def calibrate(target_epsilon, target_delta, sample_rate, steps=None, epochs=None,
-              accountant="rdp", epsilon_tolerance=1e-3, rtol=None, **options) -> Calibration:
+              accountant="rdp", epsilon_tolerance=1e-3, rtol=None, history=None,
+              **options) -> Calibration:
     """``get_noise_multiplier`` with the evidence: σ, ε(σ), the target and the ε evaluations.
 
     >>> c = calibrate(3.0, 1e-5, 0.004, steps=2500)
@@ -162,14 +167,22 @@ def calibrate(target_epsilon, target_delta, sample_rate, steps=None, epochs=None
         raise ValueError(f"give exactly one of steps and epochs; got steps={steps!r}, "
                          f"epochs={epochs!r}")
     steps = check_steps(steps) if epochs is None else steps_from_epochs(epochs, q)
+    spent_before = [] if history is None else check_history(history)
+    spent = history_epsilon(spent_before, target_delta, accountant, **options)
+    if spent >= target_epsilon:  # no σ for the new steps can bring the run under the target
+        raise ValueError(f"target_epsilon={target_epsilon!r} is already spent: the history "
+                         f"given ({sum(t for *_, t in spent_before)} steps) alone has "
+                         f"epsilon={spent:.4g} at delta={target_delta:g} ({accountant}). "
+                         f"Raise target_epsilon to the whole run's budget, or start a new run")
     if q == 0 or steps == 0:  # nothing is released about anyone: no noise needed
-        return Calibration(0.0, 0.0, target_epsilon, 0)
+        return Calibration(0.0, spent, target_epsilon, 0)
     calls = []
 
     def eps(sigma):
         calls.append(sigma)
         try:
-            return epsilon(q, sigma, steps, target_delta, accountant, **options)
+            return history_epsilon(spent_before + [(sigma, q, steps)], target_delta,
+                                   accountant, **options)
         except ValueError as e:  # the accountant refused a σ on the way: say which search
             raise ValueError(f"noise calibration for target_epsilon={target_epsilon!r} with "
                              f"accountant={accountant!r} stopped at noise_multiplier="
@@ -179,7 +192,8 @@ def calibrate(target_epsilon, target_delta, sample_rate, steps=None, epochs=None
     for looser in (n for n in spec.never_above if n in ACCOUNTANTS):
         try:  # ε here <= ε there at every σ: that σ meets the target here too, an upper end
             start = get_noise_multiplier(target_epsilon, target_delta, q, steps=steps,
-                                         accountant=looser, epsilon_tolerance=tau, rtol=rtol)
+                                         accountant=looser, epsilon_tolerance=tau, rtol=rtol,
+                                         history=spent_before or None)
             break
         except ValueError:
             pass

@@ -94,6 +94,17 @@ def poisson_lower_epsilon(q, sigma, steps, delta, h=H_LOWER):
     return eps
 
 
+def history_lower_epsilon(history, delta, h=H_LOWER):
+    """ε_low(δ) of the groups [(σ, q, T), ...] (all > 0) composed, on one grid per direction
+    (the finest any group asks for: any h > 0 rounds down, so the bound stays a lower one)."""
+    eps = 0.0
+    for d in ("remove", "add"):
+        h_d = min(grid_step(h, q, s, d) for s, q, _ in history)
+        pld = compose([(sgm_pld_down(q, s, h_d, d), t) for s, q, t in history])
+        eps = max(eps, epsilon_for_delta(pld, delta + SLACK))
+    return eps
+
+
 def lower_epsilon(pairs, delta, compositions, h=H_LOWER):
     """ε_low(δ) of ``compositions`` copies of the worse of the binned pairs [(log_p, log_q)].
 
@@ -133,6 +144,6 @@ def interval_log_masses(log_cdf, log_sf, edges):
 
 __all__ = [
     "H_LOWER", "LOG_TINY", "MAX_LOWER_BINS", "SLACK", "binned_pld_down", "interval_log_masses",
-    "lower_epsilon", "lower_epsilons",
+    "history_lower_epsilon", "lower_epsilon", "lower_epsilons",
     "poisson_lower_epsilon", "sgm_pld_down",
 ]

@@ -24,6 +24,11 @@ What is refused, because the resumed run would silently differ or leak:
 - **another privacy unit**: the checkpoint records ``privacy_unit`` (and, per user, the
   ``user_reduction``); a user-level run resumed record-level, or the reverse, is refused.
 
+Each phase of the run (``phases.py``: the step it began at, its sampler, its unit, a shuffled
+phase's epochs) is saved beside the history, so a run resumed with another sampler is still
+accounted phase by phase; a file written before phases were saved loads with a warning, its
+steps of unknown sampler (``get_epsilon`` warns, ``epsilon_bounds`` refuses them).
+
 The accountant's history is part of the checkpoint because ε is a property of the *whole*
 run: loading a checkpoint that holds privacy history without ``engine=`` is an error, unless
 ``ignore_privacy_history=True`` says the weights are wanted without the ledger (evaluation;
@@ -62,6 +67,8 @@ from workbench.dpsgd.checkpoint_checks import (
     privacy_unit,
 )
 from workbench.dpsgd.checkpoint_file import FORMAT, read_checkpoint, write_checkpoint_file
+from workbench.dpsgd.misuse import PrivacyAccountingWarning
+from workbench.dpsgd.phases import phases_state, restored_phases
 from workbench.dpsgd.rng_state import SECURE, generator_state
 from workbench.dpsgd.secure import SecureGenerator
 from workbench.outputs import check_output_file
@@ -102,6 +109,8 @@ def save_checkpoint(path, *, model, optimizer, engine=None, scheduler=None,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "accountant": None if engine is None else engine.accountant.state_dict(),
+        "phases": None if engine is None else phases_state(engine.phases,
+                                                           engine.accountant.history),
         "scheduler": None if scheduler is None else scheduler.state_dict(),
         **{name: generator_state(name, g) for name, g in generators.items()},
         "global_rng": rng_state.global_rng_state(),
@@ -203,6 +212,8 @@ def load_checkpoint(path, *, model, optimizer, engine=None, scheduler=None,
         check_optimizer(optimizer, state["optimizer"])
         if targets["accountant"] is not None:
             check_accountant(targets["accountant"], state["accountant"])
+            phases = restored_phases(state.get("phases"), state["accountant"]["history"],
+                                     getattr(engine, "phases", []), state.get("privacy_unit"))
         if scheduler is not None:
             check_scheduler(scheduler, state["scheduler"])
         if restore_global_rng:
@@ -210,7 +221,24 @@ def load_checkpoint(path, *, model, optimizer, engine=None, scheduler=None,
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
         raise CheckpointError(f"{path} does not fit the run it is loaded into: {e}. Nothing "
                               f"was changed") from None
+    if targets["accountant"] is not None and hasattr(engine, "phases"):
+        _warn_unknown_sampler(path, state)
+        targets["phases"] = (engine, phases)
     _restore(state, model, optimizer, targets, restore_global_rng)
+
+
+def _warn_unknown_sampler(path, state) -> None:
+    """A checkpoint written before each phase's sampler was saved (until 2026-12-01): its
+    steps' sampler is not known, so they are marked so (``phases.py``), not taken as Poisson."""
+    history = state["accountant"].get("history", [])
+    if state.get("phases") is None and history:
+        steps = sum(int(t) for *_, t in history)
+        warnings.warn(f"{path} predates the checkpoints that save how each phase drew its "
+                      f"batches: its {steps} steps are accounted as Poisson by get_epsilon "
+                      f"(with a warning) and epsilon_bounds refuses them; if that run used "
+                      f"poisson_sampling=False, compute its bracket with "
+                      f"accounting.epsilon_bounds('shuffle', ...)",
+                      PrivacyAccountingWarning, stacklevel=3)
 
 
 def _restore(state, model, optimizer, targets, restore_global_rng) -> None:
@@ -231,6 +259,11 @@ def _restore(state, model, optimizer, targets, restore_global_rng) -> None:
         old_rng = rng_state.global_rng_state()
         steps.append((lambda: rng_state.restore_global_rng(state["global_rng"]),
                       lambda: rng_state.restore_global_rng(old_rng)))
+    if "phases" in targets:  # the engine's phases: the saved ones, then the current one
+        engine, phases = targets["phases"]
+        old_phases = engine.phases
+        steps.append((lambda: setattr(engine, "phases", phases),
+                      lambda: setattr(engine, "phases", old_phases)))
     saved = state.get("dp")  # None: a file written before it was saved, or no DP optimizer
     if saved is not None and dp_settings(optimizer) is not None:
         old_dp = dp_settings(optimizer)

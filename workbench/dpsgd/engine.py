@@ -31,18 +31,15 @@ Notation: N data set size, q sample rate, σ noise multiplier, C max_grad_norm.
 """
 
 
-import dataclasses
 import itertools
-import math
 import warnings
 
 import torch
 
 from workbench.accounting import get_noise_multiplier, steps_from_epochs
 from workbench.accounting.accountant import make_accountant
-from workbench.accounting.bounds import EpsilonBounds, epsilon_bounds
 from workbench.accounting.calibrate import steps_per_epoch
-from workbench.checks import check_count, check_delta
+from workbench.checks import check_count
 from workbench.deprecation import keyword
 from workbench.dpsgd import distributed
 from workbench.dpsgd.adaptive import AdaptiveClipDPOptimizer, AdaptiveClipping
@@ -56,6 +53,7 @@ from workbench.dpsgd.misuse import (
     warn_shuffle,
 )
 from workbench.dpsgd.optimizer import AUTO, DPOptimizer
+from workbench.dpsgd.phases import Phase, begin, check_unit, phase_histories, run_bounds
 from workbench.dpsgd.sampling import (
     DPDataLoader,
     check_dataset,
@@ -126,6 +124,7 @@ class PrivacyEngine:
         self.steps_per_epoch = None  # the loader's steps per epoch (epsilon_bounds)
         self.passes = None  # sampling.PassCounter of a shuffled loader (epsilon_bounds)
         self.privacy_unit = "record"  # "user" after make_private(privacy_unit="user")
+        self.phases = []  # phases.Phase per make_private: its first step, sampler and unit
         self.noise_generator = self.sampling_generator = None  # make_private's (checkpoints)
 
     def make_private(self, *, module, optimizer, data_loader, noise_multiplier, max_grad_norm,
@@ -188,6 +187,9 @@ class PrivacyEngine:
             adaptive_clipping=adaptive_clipping, max_physical_batch_size=max_physical_batch_size,
             poisson_sampling=poisson_sampling, distributed_run=distributed.is_distributed(),
             users_per_step=users_per_step, user_reduction=user_reduction)
+        unit = {"unit": "record"} if ids is None else {"unit": "user",
+                                                       "reduction": user_reduction}
+        check_unit(self.phases, len(self.accountant), unit)  # one unit a run (phases.py)
         if ids is not None:  # user level: users are sampled and counted (user_level.py)
             check_own_sampler(data_loader)
             N = int(torch.unique(ids).numel())  # U: the unit the accountant counts
@@ -233,6 +235,9 @@ class PrivacyEngine:
         self.steps_per_epoch = _epoch(poisson_sampling, q, data_loader)
         self.passes = None if poisson_sampling or ids is not None else \
             count_passes(data_loader)  # the user's own loader: its passes, for the bracket
+        self.phases = begin(self.phases, Phase(
+            len(self.accountant), self.sampler, unit,
+            self.steps_per_epoch if not poisson_sampling else None, self.passes))
         self.noise_generator, self.sampling_generator = noise_generator, sampling_generator
         if max_physical_batch_size is not None:
             loader = VirtualStepLoader(loader, dp_optimizer, max_physical_batch_size)
@@ -252,6 +257,10 @@ class PrivacyEngine:
         (``accounting.steps_per_epoch``, on every rank under DDP), or, with
         ``poisson_sampling=False``, the shuffled loader's own len(data_loader)
         (ceil(N / B), or floor(N / B) with ``drop_last``). Checked against the loader built.
+        On an engine that already took steps (a second phase, a resumed run) σ is the one
+        with which the whole run, its history and these steps, spends ``target_epsilon``
+        (a ValueError if the history alone spends it; it was planned for the new steps
+        alone, the run ending above the target, until 2026-12-01).
         """
         N = check_dataset(data_loader.dataset, "data_loader.dataset")
         check_own_sampler(data_loader, allowed=distributed.SAMPLERS)  # batch_size, q are real
@@ -265,7 +274,8 @@ class PrivacyEngine:
         per_epoch = _epoch(poisson, q, data_loader)
         steps = steps_from_epochs(epochs, q, per_epoch)
         sigma = get_noise_multiplier(target_epsilon, target_delta, q, steps=steps,
-                                     accountant=self.accountant_name)
+                                     accountant=self.accountant_name,
+                                     history=self.accountant.history or None)  # the run's
         out = self.make_private(data_loader=data_loader, noise_multiplier=sigma, **kwargs)
         if len(out[2]) != per_epoch or self.sample_rate != q:  # the plan is the loop's
             raise LoopError(f"make_private_with_epsilon planned {per_epoch} steps per epoch "
@@ -274,62 +284,41 @@ class PrivacyEngine:
         return out
 
     def get_epsilon(self, delta: float) -> float:
-        """ε(δ) spent by every step taken so far (under Poisson sampling; see the warning
-        for ``poisson_sampling=False``): per record, or per user when ``privacy_unit`` is
-        "user" (δ then compared with 1/U)."""
+        """ε(δ) spent by every step taken so far, accounted as Poisson sampling (for steps
+        taken with ``poisson_sampling=False``, or of unknown sampler, a warning says so and
+        gives the bracket): per record, or per user when ``privacy_unit`` is "user" (δ then
+        compared with 1/U)."""
         warn_delta(delta, self.dataset_size, "get_epsilon")
-        if self.sampler == "shuffle":
+        split = phase_histories(self.phases, self.accountant.history)
+        shuffled = sum(t for p, g in split if p.sampler == "shuffle" for *_, t in g)
+        unknown = sum(t for p, g in split if p.sampler == "unknown" for *_, t in g)
+        if unknown:
+            warnings.warn(f"get_epsilon: {unknown} of the run's {len(self.accountant)} steps "
+                          f"come from a checkpoint that does not say how their batches were "
+                          f"drawn; they are accounted as Poisson, which understates the "
+                          f"privacy spent if that run used poisson_sampling=False",
+                          PrivacyAccountingWarning, stacklevel=2)
+        elif shuffled:
             bounds = self.epsilon_bounds(delta)
-            warnings.warn(f"get_epsilon: this run used poisson_sampling=False; the epsilon "
+            which = "this run used" if shuffled == len(self.accountant) else \
+                f"{shuffled} of this run's {len(self.accountant)} steps used"
+            warnings.warn(f"get_epsilon: {which} poisson_sampling=False; the epsilon "
                           f"returned is the Poisson one and understates the privacy spent: "
-                          f"shuffled batches are bracketed by [{bounds.lower:.3g}, "
-                          f"{bounds.upper:.3g}] (engine.epsilon_bounds(delta))",
+                          f"the run is bracketed by [{bounds.lower:.3g}, {bounds.upper:.3g}] "
+                          f"(engine.epsilon_bounds(delta))",
                           PrivacyAccountingWarning, stacklevel=2)
         return self.accountant.get_epsilon(delta)
 
     def epsilon_bounds(self, delta: float):
-        """[lower, upper] on ε(δ) for the sampler this run really used
-        (``accounting.epsilon_bounds``): the Poisson PLD pair, or, for shuffled fixed-size
-        batches, Chua et al.'s lower bound and the no-amplification upper bound, over the
-        epochs taken so far (at least one), an epoch being the loader's own len(loader)
-        steps (``steps_per_epoch``): for fixed-size batches the upper bound counts the epoch
-        begun, the lower bound only the epochs completed (0 before the first ends)."""
-        sigmas = {sigma for sigma, _, _ in self.accountant.history}
-        if len(sigmas) > 1:
-            raise ValueError("epsilon_bounds needs one noise multiplier for the whole run; "
-                             "this run used a schedule: use get_epsilon (Poisson accounting)")
-        q, steps = self.sample_rate, len(self.accountant)
-        T = self.steps_per_epoch or steps_per_epoch(q)
-        sampler = self.sampler or "poisson"
-        if not sigmas:  # no step released: nothing to bound but 0 (as get_epsilon). Read
-            # as σ = 0 over one step until 2026-11-29, which gave inf <= epsilon <= inf
-            check_delta(delta)
-            return EpsilonBounds(sampler, 0.0, 0.0, "no step taken", "no step taken",
-                                 delta, 0)
-        sigma = sigmas.pop()
-
-        def bounds(epochs):
-            return epsilon_bounds(sampler, sample_rate=q, noise_multiplier=sigma,
-                                  epochs=epochs, delta=delta, batches_per_epoch=T)
-
-        if sampler == "poisson":
-            return bounds(max(steps, 1) / T)
-        begun, done = max(1, math.ceil(steps / T)), steps // T
-        if self.passes is not None and self.passes.begun:  # the passes the loop really
-            # began: one batch per fresh pass (next(iter(loader))), two batches a step, a
-            # break in each epoch; each pass holds a record once (check_once_per_pass)
-            begun = max(begun, self.passes.begun)
-            done = min(done, self.passes.completed)
-            if self.passes.workers:  # the workers' sampler runs ahead: a pass the loop
-                done = 0  # broke off ends there too, not told from a whole one (the lower
-                # bound's epochs: 8.19 for a loop of half passes, until 2026-11-30)
-        upper = bounds(begun)
-        if done == begun:
-            return upper
-        lower = bounds(done).lower if done else 0.0  # a partial epoch: at least the ones done
-        return dataclasses.replace(upper, lower=min(lower, upper.upper),
-                                   lower_method=f"{upper.lower_method}, over the {done} "
-                                                f"epochs completed")
+        """[lower, upper] on ε(δ) for the samplers this run really used, phase by phase
+        (``phases.py``): one phase at one (σ, q) is ``accounting.epsilon_bounds``'s bracket:
+        the Poisson PLD pair, or, for shuffled fixed-size batches, Chua et al.'s lower bound
+        and the no-amplification upper bound, over the epochs taken so far (at least one),
+        an epoch being the loader's own len(loader) steps: the upper bound counts the epoch
+        begun, the lower bound only the epochs completed (0 before the first ends). Several
+        phases, or a σ or q that changed, compose each group as it ran (a shuffled epoch as
+        one Gaussian mechanism) for the upper bound; the lower bound is the largest part's."""
+        return run_bounds(self.phases, self.accountant.history, delta)
 
 
 def _epoch(poisson: bool, q: float, data_loader) -> int:
