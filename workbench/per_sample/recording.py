@@ -192,10 +192,10 @@ def batch_problem(layer, call, n: int) -> str | None:
             return (f"is called on a tensor of shape {tuple(shape)}: {NOT_THE_BATCH} "
                     f"(n = {n})")
     if call.reordered:
-        return (f"is called on the batch's rows in another order (an index along dim 0 "
-                f"inside the model, x[perm] or index_select, as a sort by length does): row r "
-                f"is not record r's, so its rule would give record r another record's "
-                f"gradient; its parameters take the exact fallback")
+        return ("is called on the batch's rows in another order (an index along dim 0 "
+                "inside the model, x[perm] or index_select, as a sort by length does): row r "
+                "is not record r's, so its rule would give record r another record's "
+                "gradient; its parameters take the exact fallback")
     return rows_not_samples(layer, call, n)
 
 
