@@ -188,3 +188,32 @@ def test_bug_zoo_green_means_caught(sections):
     (image,) = plot_bug_zoo(Figure().add_subplot(), BugZooSuite(audits, {"no_noise": "x"}))
     colours = {to_hex(image.cmap(image.norm(v))) for v in image.get_array()[0]}
     assert "#2ca02c" in colours and "#d62728" not in colours  # green: caught; no red row
+
+
+@pytest.mark.parametrize("verdict, caught", [("failed", True), ("inconclusive", False)])
+def test_a_bug_is_caught_only_by_a_failed_check(verdict, caught):
+    """A self-check that must catch a bug (``expect_failure``) read "caught" whenever the audit
+    did not pass: an inconclusive run (too few steps to resolve anything) caught nothing."""
+    from dataclasses import dataclass
+
+    from workbench.audit.report import FAILED, PASSED, SELF_CHECK, section
+
+    @dataclass
+    class Run(AuditResult):
+        verdict: str
+
+        @property
+        def passed(self):
+            return self.verdict == "passed"
+
+        @property
+        def table(self):
+            return pd.DataFrame({"check": ["x"], "passed": [self.verdict != "failed"]})
+
+        @property
+        def summary(self):
+            return self.verdict
+
+    made = section("a wrong step", Run(verdict), expect_failure=True, part=SELF_CHECK,
+                   figures=False)
+    assert made.verdict == (PASSED if caught else FAILED)

@@ -161,7 +161,11 @@ def _section(title, result, must_pass, expect_failure, figures):
     passed = bool(result.passed)
     finding, key = _summary(result, kind)
     table, notes = kind.table(result) if kind and kind.table else (result.table, [])
-    ok = passed != expect_failure
+    if expect_failure:  # caught: a check failed; an inconclusive run caught nothing
+        verdict = getattr(result, "verdict", None)
+        ok = verdict == "failed" if verdict in ("passed", "failed", "inconclusive") else not passed
+    else:
+        ok = passed
     words = ("caught", "NOT CAUGHT") if expect_failure else ("passed", "FAILED")
     pngs = [render_png(p, result, kind.figsize) for p in kind.figures] if kind and figures else []
     return Section(title, what, PASSED if ok else FAILED, finding, key, table, list(notes),
