@@ -138,3 +138,20 @@ def test_close_to_opacus_prv():
     # PRV is a different numerical method with its own error bound (eps_error = 0.01)
     assert epsilon(0.01, 1.0, 1000, 1e-5, "pld") == pytest.approx(prv.get_epsilon(1e-5),
                                                                   abs=0.02)
+
+
+@pytest.mark.parametrize("sigma, steps, delta", [(6324.6, 10**7, 1e-10), (2.0, 3000, 1e-10),
+                                                 (10.0, 10**5, 1e-10), (0.8, 1, 1e-5)])
+def test_without_sampling_the_pld_is_the_exact_gaussian(sigma, steps, delta):
+    """q = 1: the composition is one Gaussian mechanism, whose ε is exact; the FFT's round-off
+    put the PLD below it at many steps near the δ floor (3.09793 for 3.09943 at T = 10^7)."""
+    from workbench.accounting.accountants.pld import pld_curve, pld_epsilon
+    from workbench.accounting.gaussian import gaussian_epsilon
+
+    exact = gaussian_epsilon(sigma, delta, steps)
+    assert pld_epsilon([(sigma, 1.0, steps)], delta) == pytest.approx(exact, rel=1e-12)
+    assert pld_curve(1.0, sigma, [steps], delta)[0] == pytest.approx(exact, rel=1e-12)
+    # two groups of other noise: one Gaussian of the composed noise
+    both = pld_epsilon([(sigma, 1.0, steps), (2 * sigma, 1, steps)], delta)
+    assert both == pytest.approx(gaussian_epsilon((1.25 * steps / sigma ** 2) ** -0.5, delta),
+                                 rel=1e-12)
