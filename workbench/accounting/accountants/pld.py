@@ -85,7 +85,8 @@ def _unsampled(history, delta) -> float:
     The FFT's round-off, which grows with T, put the PLD's ε below that exact value at many
     steps near the δ floor until 2026-11-30 (σ = 6324.6, T = 10^7, δ = 1e-10: 3.09793 for
     3.09943; σ = 2, T = 3000: 548.309 for 548.314)."""
-    return gaussian_epsilon(sum(t / s ** 2 for s, _, t in history) ** -0.5, delta)
+    eps = gaussian_epsilon(sum(t / s ** 2 for s, _, t in history) ** -0.5, delta)
+    return eps + 4e-13 * (1 + eps)  # past the root finder's tolerance: an upper bound still
 
 
 class PLDAccountant(Accountant):
