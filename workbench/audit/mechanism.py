@@ -83,7 +83,7 @@ from workbench.viz.audit import plot_noise_histogram
 
 EMPTY = "empty batch (n=0)"
 SWEEP = "sizes and scales"
-SWEEP_TRIALS = 20
+SWEEP_TRIALS = 8
 """Calls per batch of ``sweep_batches``: its errors are gross (an unclipped 10^8 C record), and
 its 33 batches of up to 1025 rows would cost the run more than all the others at ``trials``."""
 _CHECKS = {
