@@ -38,7 +38,7 @@ batch-free output.
 import torch
 from torch.overrides import TorchFunctionMode
 
-from workbench.errors import SampleMixingError, UnsupportedLayerError
+from workbench.errors import UnsupportedLayerError
 from workbench.per_sample import batch_reductions
 from workbench.per_sample.broadcast import ADDS, REWRITES, BatchFree
 from workbench.per_sample.derived import Derived, follow_parameters, graph_nodes
@@ -408,16 +408,6 @@ class UseTracker(TorchFunctionMode):
         with torch._C.DisableTorchFunction():
             batch_reductions.refuse_reached(notes, outputs, graph_nodes, paused,
                                             tolerance_of)
-        for t in outputs:  # the rows of another record: the loss pairs them with record r's
-            order = self.flat_rows.order(t) if isinstance(t, torch.Tensor) else None
-            if order is not None:  # target, so each record reaches two loss terms
-                raise SampleMixingError(
-                    f"the model returns a {tuple(t.shape)} output whose rows are the batch's "
-                    f"records in another order (an index along dim 0 inside its forward, "
-                    f"x[perm] or index_select; row 0 holds record {int(order[0])}'s): the loss "
-                    f"pairs row r with record r's target, so one record reaches two loss terms "
-                    f"and its influence is no longer bounded by C. Put the rows back in the "
-                    f"batch's order before returning (h[perm.argsort()])")
 
     def _cast(self, args, result) -> None:
         """An op whose float result is narrower than its float input (Hugging Face's RMSNorm
