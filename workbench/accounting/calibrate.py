@@ -110,6 +110,7 @@ def get_noise_multiplier(target_epsilon, target_delta, sample_rate, steps=None, 
     whose steps, after them, bring the whole run's ε into the band; a history that alone
     spends ``target_epsilon`` is an error.
 
+    >>> from workbench.accounting import epsilon
     >>> sigma = get_noise_multiplier(2.0, 1e-5, 0.01, epochs=10)
     >>> eps = epsilon(0.01, sigma, 1000, 1e-5)
     >>> round(sigma, 3), 2.0 * (1 - 1e-3) <= eps <= 2.0
