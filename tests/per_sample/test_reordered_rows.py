@@ -33,7 +33,12 @@ class SortRun(nn.Module):
 
     def forward(self, x):
         perm = (x != 0).sum(1).argsort(descending=True, stable=True)
-        xs = x.index_select(0, perm) if self.select else x[perm]
+        if self.select == "gather":
+            xs = torch.gather(x, 0, perm[:, None].expand(-1, x.shape[1]))
+        elif self.select == "take":
+            xs = torch.take_along_dim(x, perm[:, None], 0)
+        else:
+            xs = x.index_select(0, perm) if self.select else x[perm]
         h = torch.tanh(self.l(self.e(xs))).sum(1)
         if self.unsort == "argsort":
             h = h[perm.argsort()]
@@ -122,8 +127,10 @@ def _float64():
     torch.set_default_dtype(old)
 
 
-@pytest.mark.parametrize("spelling", [dict(), dict(select=True), dict(unsort="scatter")],
-                         ids=["index", "index_select", "scatter_back"])
+@pytest.mark.parametrize("spelling", [dict(), dict(select=True), dict(unsort="scatter"),
+                                      dict(select="gather"), dict(select="take")],
+                         ids=["index", "index_select", "scatter_back", "gather",
+                              "take_along_dim"])
 @pytest.mark.parametrize("method", ["einsum", "ghost", "bookkeeping"])
 def test_functional_clipped_sum_exact_with_the_probed_record_in_place(spelling, method):
     torch.manual_seed(0)

@@ -79,6 +79,7 @@ LIKE = ("zeros_like", "ones_like", "full_like")  # constant rows, one per row of
 JOINS = frozenset({"cat", "concat", "concatenate", "stack"})  # along another dim than 0
 SPLITS = frozenset({"split", "chunk", "unbind"})  # along another dim than 0: each part
 SORTS = frozenset({"topk", "sort"})  # (values, indices) along another dim than 0: each part
+REORDERS = frozenset({"__getitem__", "index_select", "gather", "take_along_dim"})  # _reorder
 FOLLOWED = RESHAPES | ELEMENTWISE | ROW_WISE | JOINS | SPLITS | SORTS | {
     "einsum", "__getitem__", "__iter__", "index_select"}
 
@@ -137,7 +138,8 @@ class FlatRows:
         self.tags[id(t)] = (weakref.ref(t), m, T, t._version, order)
 
     def _reorder(self, name, args, kwargs, result) -> bool:
-        """``x[idx]``, ``x[idx, ...]``, ``index_select(x, 0, idx)`` on tagged rows (m, 1) with a
+        """``x[idx]``, ``x[idx, ...]``, ``index_select(x, 0, idx)``, ``gather(x, 0, idx)`` and
+        ``take_along_dim(x, idx, 0)`` (one index per row) on tagged rows (m, 1) with a
         one-dimensional integer index along dim 0: block r of the result is record
         ``order(x)[idx[r]]``. The identity order (``h[perm.argsort()]`` after ``x[perm]``, or
         ``h[arange(n), lengths]`` picking each record's last token) tags the result as the
@@ -157,6 +159,20 @@ class FlatRows:
             rest = ()
             if not isinstance(dim, int) or dim % x.dim() != 0:
                 return False
+        elif name in ("gather", "take_along_dim"):  # gather(x, 0, idx), take_along_dim(x,
+            # idx, 0): row r of the result is row idx[r] of x when idx is one index per row
+            dim = (args[1] if len(args) > 1 else kwargs.get("dim")) if name == "gather" else \
+                (args[2] if len(args) > 2 else kwargs.get("dim"))
+            index = (args[2] if len(args) > 2 else kwargs.get("index")) if name == "gather" \
+                else (args[1] if len(args) > 1 else kwargs.get("indices"))
+            if not isinstance(dim, int) or dim % x.dim() != 0 or not isinstance(
+                    index, torch.Tensor) or index.dim() < 1 or index.shape[0] == 0:
+                return False
+            rows = index.reshape(index.shape[0], -1)
+            with torch.no_grad():
+                if rows.shape[1] and not bool((rows == rows[:, :1]).all()):
+                    return False  # rows of the result gathered from several records
+            first, rest = rows[:, 0] if rows.shape[1] else index.reshape(-1), ()
         else:
             index = args[1] if len(args) > 1 else None
             index = index if isinstance(index, tuple) else (index,)
@@ -247,7 +263,7 @@ class FlatRows:
             return
         if not isinstance(result, torch.Tensor) or result.dim() == 0 or src is None:
             return
-        if name in ("__getitem__", "index_select") and self.tags and \
+        if name in REORDERS and self.tags and \
                 isinstance(src, torch.Tensor) and self._reorder(name, args, kwargs, result):
             return
         if name in RESHAPES and isinstance(src, torch.Tensor) and src.dim() >= 1:
