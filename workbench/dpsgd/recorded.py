@@ -705,7 +705,7 @@ class ModelRecorder:
         self._fallback_seen = True  # the next passes' state is fingerprinted (PassLog)
         reasons = sorted({why for key, why in rec.fallback.items() if key not in served})
         root = roots[0]
-        problem = batch_problem(self.model, root, rec.n) if len(roots) == 1 else None
+        problem = batch_problem(self.model, root, rec.n, proved=False) if len(roots) == 1 else None
         if len(roots) != 1 or problem:
             raise UnsupportedLayerError(
                 f"{', '.join(names)} need the exact whole-model fallback ({'; '.join(reasons)})"

@@ -27,12 +27,16 @@ tagged alike, a ``cat`` or ``split`` along another dim (``ROW_WISE``, ``keeps_ro
 that merges dim 0 of a tagged (m, T) tensor with its next dims tags its result (m, T·Π); one
 that splits (m·T) back into m gives (m, 1). Nothing else keeps a tag: rows reordered
 (``x[perm]``, ``flip``, dim 0 moved by a transpose: time-major rows), mixed with rows of unknown
-order, or written in place by anything but such an elementwise op (the write bumps the version
-counter that all views of the storage share, and a tag holds only at the version it was made
-at). A layer called on an untagged tensor keeps the batch-on-dim-0 check and its exact
-fallback (``recording.batch_problem``); the probe still compares the shapes at n and at one
-sample (``selfcheck.probe``). So a tag never rests on shapes alone: time-major rows at T = n,
-window-major windows at n = windows per side, give no tag with or without the self-check.
+order, or written in place by anything but a write that keeps each row (an elementwise op,
+``h[..., 0] = 0``, a mask filled: ``WRITES``; the write bumps the version counter that all
+views of the storage share, and a tag holds at a later version only where every write since
+kept the rows of a view aligned with the tagged tensor's: ``_kept``). A layer called on a
+tensor computed from the batch that carries no tag in the records' order takes the exact
+fallback (``unproved``, ``recording.batch_problem``): rows are proved, never assumed from a
+shape. So time-major rows at T = n, window-major windows at n = windows per side, a sort
+written as ``out[inv] = h``, give no tag with or without the self-check.
+Ops are followed with gradients on or off: a custom ``autograd.Function`` runs its forward
+without them and returns the very tensor its ops made (BLOOM's GELU).
 
 Notation: n batch, T rows per sample, m the flattened tensor's dim 0 (n when right),
 a activations, b backprops, ℓ_i per-sample loss.
@@ -63,7 +67,7 @@ ELEMENTWISE = frozenset({
     "positive", "rsub", "__mod__", "__floordiv__", "__abs__", "eq", "ne", "lt", "le", "gt",
     "ge", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "logical_and",
     "logical_or", "logical_xor", "logical_not", "__and__", "__or__", "__xor__", "__invert__",
-    "isnan", "isinf", "isfinite", "int", "long", "short", "bool", "byte", "char",
+    "isnan", "isinf", "isfinite", "int", "long", "short", "bool", "byte", "char", "detach",
 })  # pointwise: row r of the result from rows r of the operands (broadcasting: _elementwise)
 ROW_WISE = frozenset({
     "transpose", "permute", "softmax", "log_softmax", "normalize", "matmul", "__matmul__", "bmm",
@@ -73,7 +77,7 @@ ROW_WISE = frozenset({
     "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d",
     "avg_pool1d", "avg_pool2d", "avg_pool3d", "max_pool1d", "max_pool2d", "max_pool3d",
     "cumsum", "cumprod", "repeat_interleave", "addmm", "expand", "zeros_like", "ones_like",
-    "full_like", "gather", "take_along_dim",
+    "full_like", "gather", "take_along_dim", "baddbmm",
 })  # row r of the result from rows r of the inputs (``keeps_rows``)
 LIKE = ("zeros_like", "ones_like", "full_like")  # constant rows, one per row of x
 JOINS = frozenset({"cat", "concat", "concatenate", "stack"})  # along another dim than 0
@@ -112,6 +116,8 @@ class FlatRows:
         self.moved: dict[int, tuple] = {}  # tagged rows moved to dim 1 by a permute (_unstacked)
         self.tainted = tainted  # (t) -> whether t was computed from the batch (derived.Taint)
         self.orders: dict[int, torch.Tensor] = {}  # key -> (m,) the records of the m blocks
+        self.writes: dict[int, dict] = {}  # storage -> {version: (stride 0, offset, extent,
+        # (m, T, order))}: the writes in place that kept the written view's rows (``_kept``)
 
     def of(self, t) -> tuple[int, int] | None:
         """(m, T) of a tagged tensor whose storage was not written since and whose blocks are
@@ -119,20 +125,52 @@ class FlatRows:
         views share: every tag on that storage lapses at once, without a scan of the tags."""
         entry = self.tags.get(id(t))
         return entry[1:3] if entry is not None and entry[0]() is t and \
-            t._version == entry[3] and entry[4] is None else None
+            (t._version == entry[3] or self._kept(t, entry)) and entry[4] is None else None
 
     def full(self, t) -> tuple | None:
         """(m, T, order) of a tagged tensor, its blocks in the records' order (order None) or
         in another (``orders``): what the ops pass on. Only ``of`` proves rows to a rule."""
         entry = self.tags.get(id(t))
         return (*entry[1:3], entry[4]) if entry is not None and entry[0]() is t and \
-            t._version == entry[3] else None
+            (t._version == entry[3] or self._kept(t, entry)) else None
+
+    def _kept(self, t: torch.Tensor, entry: tuple, version: int | None = None) -> bool:
+        """Every write into t's storage since its tag (each bumps the version counter the
+        storage's views share) was one that kept the rows of the view it wrote
+        (``_wrote``: ``h[..., 0] = 0``, ``h[:, 0].mul_(2)``, a mask filled in place), with
+        the same tag, each of that view's rows inside the storage block of t's row of the
+        same index: t's rows still hold. The tag is renewed at t's version (or at
+        ``version``, the one before a write being followed)."""
+        if not self.writes or t.dim() < 1:
+            return False
+        log = self.writes.get(_storage(t))
+        if log is None:
+            return False
+        own = (t.stride(0), t.storage_offset(), _extent(t))
+        upto = t._version if version is None else version
+        for v in range(entry[3] + 1, upto + 1):
+            w = log.get(v)
+            if w is None or w[3] != (*entry[1:3], entry[4]) or not _aligned(own, w[:3]):
+                return False
+        self.tags[id(t)] = (entry[0], *entry[1:3], upto, entry[4])
+        return True
+
+    def _wrote(self, t: torch.Tensor) -> None:
+        """A write in place into t that kept t's rows (tagged at its new version)."""
+        tag = self.full(t)
+        if tag is not None and t.dim() >= 1:
+            self.writes.setdefault(_storage(t), {})[t._version] = (
+                t.stride(0), t.storage_offset(), _extent(t), tag)
 
     def order(self, t) -> torch.Tensor | None:
         """The records of t's blocks, (m,), where the model put them in another order than the
         batch's (``x[perm]``), else None."""
         tag = self.full(t)
         return None if tag is None or tag[2] is None else self.orders[tag[2]]
+
+    @staticmethod
+    def _tag_at(entry: tuple) -> tuple:
+        return (*entry[1:3], entry[4])
 
     def tag(self, t: torch.Tensor, m: int, T: int, order: int | None = None) -> None:
         self.tags[id(t)] = (weakref.ref(t), m, T, t._version, order)
@@ -234,13 +272,19 @@ class FlatRows:
         if self.tags and (in_place(name) or kwargs.get("inplace") is True) and \
                 isinstance(src, torch.Tensor):  # F.relu(x, inplace=True) writes x too
             entry = self.tags.get(id(src))  # its tag as of just before this op's one write
-            if (name in ELEMENTWISE or name[:-1] in ELEMENTWISE) and entry is not None \
-                    and entry[0]() is src \
-                    and src._version == entry[3] + 1:
-                self.tag(src, *entry[1:3], entry[4])  # for the proof below, then kept only if
-                # it holds
+            if entry is None or entry[0]() is not src or src.dim() < 1 or not (
+                    src._version == entry[3] + 1 or self._kept(src, entry, src._version - 1)):
+                return  # the write lapsed every tag on src's storage (``of``)
+            self.tag(src, *entry[1:3], entry[4])  # for the proofs below, then kept only if
+            # one holds
+            if name in ELEMENTWISE or name[:-1] in ELEMENTWISE:
                 self._elementwise(args, kwargs, src)
-            return  # otherwise the write lapsed every tag on src's storage (``of``)
+            elif name not in WRITES or not _rows_written(name, args, kwargs, self._tag_at(entry),
+                                                         self.full, self.tainted):
+                self.tags.pop(id(src), None)
+                return
+            self._wrote(src)  # other views of the storage keep their rows too (``_kept``)
+            return
         if name in JOINS and self.tags and args:
             self._joined(args, kwargs, result)
             return
@@ -276,7 +320,7 @@ class FlatRows:
             if tag is not None and keeps_rows(name, args, kwargs, result, self.full,
                                               self.tainted):
                 self.tag(result, *tag)
-            elif tag is None and len(args) > 1 and (row := rows_second(
+            elif tag is None and (len(args) > 1 or name in SECOND) and (row := rows_second(
                     name, args, kwargs, result, self.full, self.tainted)) is not None:
                 self.tag(result, *row)
         elif name in ELEMENTWISE and self.tags and any(
@@ -378,6 +422,68 @@ class FlatRows:
             self.tags.pop(id(result), None)  # an in-place op on a tagged tensor: no proof
 
 
+def _storage(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr() or None
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _extent(t: torch.Tensor) -> int:
+    """How far past its row's first element a row of t reaches in storage (-1: no element;
+    None-like large for a negative stride, which ``_aligned`` refuses)."""
+    if any(st < 0 for st in t.stride()):
+        return 1 << 62
+    return sum((size - 1) * st for size, st in zip(t.shape[1:], t.stride()[1:]) if size) \
+        if all(t.shape[1:]) else -1
+
+
+def _aligned(own: tuple, written: tuple) -> bool:
+    """Do row r of the written view and row r of t (each (stride 0, offset, extent)) lie
+    inside one window of ``stride 0`` elements, for every r? The windows of different r are
+    then disjoint, so the write put nothing of row r into another row of t."""
+    s0, off, ext = own
+    w0, woff, wext = written
+    if s0 != w0 or s0 <= 0 or wext < 0:
+        return s0 == w0 and wext < 0  # an empty write changes nothing
+    d = woff - off
+    return max(d + wext, ext) - min(d, 0) < s0
+
+
+WRITES = frozenset({"__setitem__", "masked_fill_", "fill_", "zero_", "copy_"})  # _rows_written
+
+
+def _rows_written(name, args, kwargs, tag, tag_of, tainted) -> bool:
+    """Does the write in place ``name(x, ...)`` into tagged x keep row r of x from row r of x
+    and of operands with x's rows or no sample? ``x[i] = v`` with an index leaving dim 0 whole
+    (``h[..., 0] = 0``: basic indexing, or a mask with x's rows) and v a constant, a tensor
+    carrying no sample, or x's rows; ``masked_fill_`` by such a mask; ``fill_``, ``zero_``;
+    ``copy_`` from x's rows or a tensor carrying no sample."""
+    x = args[0]
+    if name in ("fill_", "zero_"):
+        return all(_no_sample(v, tainted) for v in (*args[1:], *kwargs.values()))
+    if name == "masked_fill_":
+        return _filled(x, args, kwargs, None, tag_of, tainted)
+    if name == "copy_":
+        v = args[1] if len(args) > 1 else kwargs.get("src")
+        return _no_sample(v, tainted) or (
+            isinstance(v, torch.Tensor) and tag_of(v) == tag and v.shape == x.shape)
+    index, value = (args[1], args[2]) if len(args) > 2 else (None, None)
+    if isinstance(index, torch.Tensor) and index.dtype == torch.bool:  # h[mask] = v
+        return index.dim() >= 1 and index.shape[0] == x.shape[0] and (
+            tag_of(index) == tag or _no_sample(index, tainted)) and (
+            not isinstance(value, torch.Tensor) or (value.numel() == 1
+                                                   and _no_sample(value, tainted)))
+    if not _indexed(x, (x, index), {}, None, tag_of, tainted):
+        return False
+    if not isinstance(value, torch.Tensor) or _no_sample(value, tainted):
+        return True
+    with torch._C.DisableTorchFunction():
+        part = x[index]
+    return tag_of(value) == tag and value.dim() == part.dim() and \
+        value.shape[0] == x.shape[0]
+
+
 DEFAULT_DIM = {"normalize": 1}  # F.normalize(x, p=2.0, dim=1)
 
 
@@ -417,15 +523,32 @@ def keeps_rows(name: str, args, kwargs, result: torch.Tensor, tag_of, tainted=No
     return other.dim() <= 2 or other.dim() < x.dim() or other.shape[0] == 1  # broadcast
 
 
+SECOND = {"gather": (2, "index"), "take_along_dim": (1, "indices"), "baddbmm": (1, "batch1")}
+"""op name -> (position, keyword) of the operand whose rows ``rows_second`` reads."""
+
+
 def rows_second(name: str, args, kwargs, result, tag_of, tainted):
-    """The tag of ``result`` when its rows come from the *second* operand: ``D @ a`` with D
-    carrying no sample and broadcast along a's batch dims (Mamba's ``dt_proj.weight @ x``),
-    ``addmm(c, a, W)`` (GPT-2's Conv1D: rows of a); else None."""
-    a, first = args[1], args[0]
+    """The tag of ``result`` when its rows come from another operand than the first: ``D @ a``
+    with D carrying no sample and broadcast along a's batch dims (Mamba's
+    ``dt_proj.weight @ x``), ``addmm(c, a, W)`` (GPT-2's Conv1D: rows of a), a table's
+    entries gathered by a tagged index, ``baddbmm(c, a, b)``; else None."""
+    at, key = SECOND.get(name, (1, None))
+    a, first = args[at] if len(args) > at else kwargs.get(key), args[0]
     tag = tag_of(a) if isinstance(a, torch.Tensor) else None
-    if tag is None or result.dim() < 1 or kwargs and name != "addmm":
+    if tag is None or result.dim() < 1 or kwargs and name not in ("addmm", *SECOND):
         return None
-    if name == "addmm":
+    if name in ("gather", "take_along_dim"):  # a table carrying no sample picked at each
+        # row's own indices (RoBERTa's token-type buffer gathered by the position ids)
+        dim = args[3 - at] if len(args) > 3 - at else kwargs.get("dim")
+        ok = (isinstance(dim, int) and _spares_dim0(dim, a.dim()) and isinstance(
+            first, torch.Tensor) and first.dim() == a.dim() and _no_sample(first, tainted)
+              and result.shape[0] == a.shape[0] and (first.shape[0] in (1, a.shape[0])))
+    elif name == "baddbmm":  # input + batch1 @ batch2 with an input carrying no sample
+        # (BLOOM's alibi without padding, repeated to the batch)
+        other = args[2] if len(args) > 2 else kwargs.get("batch2")
+        ok = (a.dim() == 3 and result.shape[0] == a.shape[0] and _no_sample(first, tainted)
+              and _alike_or_none(other, a, tag_of, tainted))
+    elif name == "addmm":
         ok = a.dim() == 2 and result.shape[0] == a.shape[0] and all(
             _no_sample(t, tainted) for t in (first, *args[2:3]))
     elif name == "__getitem__":  # W[idx]: a table's rows gathered by a tagged index (MoE's
@@ -581,6 +704,13 @@ def _picked(dim_at: int, index_at: int, index_name: str):
     return check
 
 
+def _batched_product(x, args, kwargs, result, tag_of, tainted):
+    """``baddbmm(c, a, b)``: c + a @ b per matrix of dim 0 (BLOOM's alibi plus q kᵀ), every
+    operand with x's rows or no sample, broadcast."""
+    others = [*args[1:3], kwargs.get("batch1"), kwargs.get("batch2")]
+    return x.dim() == 3 and all(_alike_or_none(t, x, tag_of, tainted) for t in others)
+
+
 def _group_normalised(x, args, kwargs, result, tag_of, tainted):
     return x.dim() >= 2 and all(_no_sample(a, tainted) for a in (*args[2:], *kwargs.values()))
 
@@ -605,7 +735,8 @@ OPS = {"expand": _expanded, "roll": _rolled, "cumsum": _along, "cumprod": _along
        "sum": _reduced, "amax": _reduced, "amin": _reduced, "logsumexp": _reduced,
        "unsqueeze": _unsqueezed, "squeeze": _reduced, "__getitem__": _indexed, "pad": _padded,
        "scaled_dot_product_attention": _attended, "masked_fill": _filled,
-       "gather": _picked(1, 2, "index"), "take_along_dim": _picked(2, 1, "indices")}
+       "gather": _picked(1, 2, "index"), "take_along_dim": _picked(2, 1, "indices"),
+       "baddbmm": _batched_product}
 """op name -> (x, args, kwargs, result, tag_of, tainted) -> whether the result keeps x's rows
 (x tagged, the result's dim 0 x's: checked before)."""
 
@@ -632,6 +763,35 @@ def passed_on(rows: FlatRows, layer, x, outputs) -> None:
     for t in outputs:
         if t.dim() >= 1 and t.shape[0] == tag[0] and rows.full(t) is None:
             rows.tag(t, *tag)
+
+
+def unproved(rows: FlatRows | None, tainted, layer, args, kwargs, outputs) -> str | None:
+    """Which tensor a call's rule (or vmap) would read as the batch's rows, one row per record
+    in the batch's order, without any op having proved it: computed from the batch (``tainted``)
+    but carrying no tag, because an op the tracker does not follow made it (a custom
+    ``autograd.Function``, an FFT, a write ``out[inv] = h``, a 2-d index ``h[p[:, None], j]``).
+    Such rows may be the batch's in another order, or mixed: a rule would give record r
+    another record's gradient. A layer with a rule reads its first input (its outputs carry
+    that input's tag, ``passed_on``); one without, every Tensor argument and output, which
+    vmap maps row by row (a layer that sorts its rows inside has untagged outputs). None where
+    every such tensor is proved, or nothing is followed (no use tracker ran). Until 2026-11-30
+    shapes alone stood for the proof: such a call's rows were read as the records', the
+    clipped sum 17% off in every mode, the self-check passing when the probed record kept its
+    place (``recording.batch_problem`` sends the call to the exact fallback)."""
+    if rows is None or not rows.tags or tainted is None:
+        return None
+    from workbench.per_sample.leaves import call_leaves
+
+    if find_grad_rule(layer) is not None:
+        read = [("input", a) for a in args if isinstance(a, torch.Tensor)][:1]
+    else:
+        read = [("argument", t) for t in call_leaves(args, kwargs) if isinstance(t, torch.Tensor)]
+        read += [("output", t) for t in outputs]
+    for kind, t in read:
+        if t.dim() >= 1 and rows.of(t) is None and tainted(t):  # untagged, or in another
+            # order (a rule-less layer that sorts its rows and returns them so)
+            return f"an {kind} of shape {tuple(t.shape)}"
+    return None
 
 
 def row_wise(layer) -> bool:
@@ -674,4 +834,4 @@ def as_batch(t: torch.Tensor, tag: tuple[int, int]) -> torch.Tensor:
 
 __all__ = ["ELEMENTWISE", "FOLLOWED", "FlatRows", "RESHAPES", "ROW_WISE", "SORTS", "as_batch",
            "in_place", "keeps_rows", "merged", "passed_on", "row_wise", "rule_less_rows",
-           "unflattened"]
+           "unflattened", "unproved"]

@@ -79,7 +79,13 @@ from torch.utils.hooks import RemovableHandle
 from workbench.errors import UnsupportedLayerError
 from workbench.per_sample import precision
 from workbench.per_sample.broadcast import BROADCASTABLE
-from workbench.per_sample.flat_rows import as_batch, passed_on, rule_less_rows, unflattened
+from workbench.per_sample.flat_rows import (
+    as_batch,
+    passed_on,
+    rule_less_rows,
+    unflattened,
+    unproved,
+)
 from workbench.per_sample.leaves import call_leaves
 from workbench.per_sample.positional import as_positional
 from workbench.per_sample.registry import called_with_more, find_grad_sampler
@@ -111,6 +117,8 @@ class LayerCall:
     tainted: bool | None = None  # an input computed from the model's inputs (derived.Taint;
     # None: not known, no use tracker ran)
     reordered: bool = False  # called on the batch's rows in another order (flat_rows._reorder)
+    unproved: str | None = None  # a tensor read as the batch's rows that no op proved so
+    # (``flat_rows.unproved``): the exact fallback
     repeated: list | None = None  # per Tensor leaf: its rows one row repeated (drop_inputs)
     after: dict | None = None  # capture="edges": output k -> [b] read by a hook registered
     # after the user's own on that output (``ActivationRecorder.hooked``), else None
@@ -628,6 +636,9 @@ class ActivationRecorder:
         if self.flat_rows is not None and self.flat_rows.orders and args and \
                 isinstance(args[0], torch.Tensor):
             call.reordered = self.flat_rows.order(args[0]) is not None
+        if tainted and rows is None and not call.reordered:  # rows proved, not assumed
+            call.unproved = unproved(self.flat_rows, self.derived.taint.has, layer, args,
+                                     kwargs, tensors)
         if torch.is_autocast_enabled(device.type):  # precision.state(device) is not None
             call.widen_to = precision.layer_dtype(layer)
         self.calls.setdefault(path, []).append(call)

@@ -184,9 +184,11 @@ def checked_shapes(layer, call) -> list[torch.Size]:
 NOT_THE_BATCH = "dim 0 is not the batch"  # batch_problem's words (dpsgd/path_check.py)
 
 
-def batch_problem(layer, call, n: int) -> str | None:
+def batch_problem(layer, call, n: int, proved: bool = True) -> str | None:
     """Why a call does not carry the batch on dim 0 (by shape, or by what its inputs were
-    computed from), or None."""
+    computed from), or None. ``proved``: its rows must be proved the records' in order, op by
+    op (``flat_rows.unproved``); not for the model's own call, which the whole-model
+    fallback runs on each record alone (its halves are checked: ``selfcheck``)."""
     for shape in checked_shapes(layer, call):
         if len(shape) == 0 or shape[0] != n:
             return (f"is called on a tensor of shape {tuple(shape)}: {NOT_THE_BATCH} "
@@ -196,6 +198,11 @@ def batch_problem(layer, call, n: int) -> str | None:
                 "inside the model, x[perm] or index_select, as a sort by length does): row r "
                 "is not record r's, so its rule would give record r another record's "
                 "gradient; its parameters take the exact fallback")
+    if proved and call.unproved:
+        return (f"is called on {call.unproved} computed from the batch by an op that does not "
+                f"show which record each row is (row r may be another record's: a sort or "
+                f"mix of the rows the tracker cannot follow, a custom autograd.Function, an "
+                f"FFT, a write out[idx] = h); its parameters take the exact fallback")
     return rows_not_samples(layer, call, n)
 
 

@@ -357,9 +357,10 @@ class UseTracker(TorchFunctionMode):
         ids = _argument_ids(args, kwargs)  # one scan, then C-level set tests
         if self.derived.taint.refs:
             self.derived.taint.spread(name, ids, args, kwargs, result)
+        if name in FOLLOWED or (self.flat_rows.tags and in_place(name)):  # gradients on or
+            self.flat_rows.after(name, args, kwargs, result)  # off: a custom autograd.Function's
+            # forward runs without them, and returns the very tensor its ops made (BLOOM's GELU)
         if torch.is_grad_enabled():
-            if name in FOLLOWED or (self.flat_rows.tags and in_place(name)):
-                self.flat_rows.after(name, args, kwargs, result)
             if name in batch_reductions.REDUCTIONS and not self.in_loss:
                 self._over_records(name, args, kwargs, result)
             watched = self.batch_free.watched
