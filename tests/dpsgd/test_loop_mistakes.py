@@ -1220,3 +1220,27 @@ def test_the_twins_backward_under_cpu_autocast_runs_without_onednn():
     assert torch.backends.mkldnn.enabled
     with exact_backward(SimpleNamespace(autocast=None, device=torch.device("cpu"))):
         assert torch.backends.mkldnn.enabled
+
+
+def test_the_optimizer_kept_by_its_old_name_is_refused_and_nothing_moves():
+    """probeL p06: model, dp_optimizer, loader = make_private(optimizer=optimizer, ...), then
+    the loop keeps calling optimizer.step(): five exact non-private updates, one step
+    charged (as a skipped batch), until 2026-12-01. Refused at the first step."""
+    torch.manual_seed(0)
+    x, y = data(64, 3)
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = PrivacyEngine(accountant="rdp")
+    model, dp_optimizer, loader = engine.make_private(
+        module=model, optimizer=optimizer,
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=16), noise_multiplier=1.0,
+        max_grad_norm=1.0, sampling_generator=torch.Generator().manual_seed(5))
+    w0 = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(wb.errors.LoopError, match=r"SGD.step\(\) called on the optimizer "
+                                                  r"passed to make_private"):
+        for xb, yb in loader:
+            optimizer.zero_grad()
+            nn.CrossEntropyLoss()(model(xb), yb).backward()
+            optimizer.step()
+    assert all(torch.equal(a, p) for a, p in zip(w0, model.parameters()))
+    assert sum(n for _, _, n in engine.accountant.history) <= 1  # the batch handed out

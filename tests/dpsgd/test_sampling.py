@@ -125,3 +125,79 @@ def test_make_private_with_epsilon_plans_the_steps_the_loader_runs():
     assert len(loader) == 4
     assert optimizer.noise_multiplier == get_noise_multiplier(2.0, 1e-3, B / N,
                                                               steps=epochs * len(loader))
+
+
+# Each batch is accounted with the q that drew it (probeL p19: q raised to 0.9 mid-run was
+# charged at make_private's 0.2, eps 5.75 reported for 12.29, until 2026-12-01).
+def _q_run(change, **kw):
+    torch.manual_seed(0)
+    x, y = torch.randn(40, 6, dtype=torch.float64), torch.arange(40) % 3
+    model = torch.nn.Linear(6, 3).double()
+    engine = wb.PrivacyEngine(accountant="rdp")
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=1.0,
+        max_grad_norm=1.0, sampling_generator=torch.Generator().manual_seed(5), **kw)
+    sizes = []
+    for epoch in range(2):
+        for i, (xb, yb) in enumerate(loader):
+            if epoch == 1 and i == 0:
+                change(loader)
+            sizes.append(len(yb))
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(xb), yb).backward()
+            opt.step()
+    return engine, sizes
+
+
+@pytest.mark.parametrize("spelling", ["batch_sampler.sample_rate", "loader.sample_rate",
+                                      "virtual steps"])
+def test_a_sample_rate_changed_mid_run_is_charged_per_batch(spelling):
+    def change(loader):
+        if spelling == "batch_sampler.sample_rate":
+            loader.batch_sampler.sample_rate = 0.9
+        else:
+            loader.sample_rate = 0.9
+    kw = {"max_physical_batch_size": 7} if spelling == "virtual steps" else {}
+    engine, sizes = _q_run(change, **kw)
+    # the first batch of epoch 1 was drawn before the change: at 0.2; the next four at 0.9
+    assert engine.accountant.history == [(1.0, 0.2, 6), (1.0, 0.9, 4)]
+    if spelling != "virtual steps":  # (there, chunks of at most 7)
+        assert min(sizes[6:]) > 20  # drawn at 0.9 (36 expected of 40)
+    ref = wb.accounting.RDPAccountant()
+    for q in [0.2] * 6 + [0.9] * 4:
+        ref.step(noise_multiplier=1.0, sample_rate=q)
+    assert engine.get_epsilon(1e-5) == pytest.approx(ref.get_epsilon(1e-5), rel=1e-12)
+
+
+def test_a_batch_skipped_before_a_rate_change_is_charged_at_its_own_rate():
+    torch.manual_seed(0)
+    x, y = torch.randn(40, 6, dtype=torch.float64), torch.arange(40) % 3
+    model = torch.nn.Linear(6, 3).double()
+    engine = wb.PrivacyEngine(accountant="rdp")
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=1.0,
+        max_grad_norm=1.0, sampling_generator=torch.Generator().manual_seed(5))
+    with pytest.warns(UserWarning, match="had no step"):
+        for i, (xb, yb) in enumerate(loader):
+            if i == 1:
+                loader.sample_rate = 0.5  # the next batches; this one was drawn at 0.2
+                continue  # skipped: charged when the next batch is handed out, at 0.2
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(xb), yb).backward()
+            opt.step()
+    assert engine.accountant.history == [(1.0, 0.2, 2), (1.0, 0.5, 3)]
+
+
+def test_the_samplers_settings_are_checked_when_assigned():
+    loader = DPDataLoader(dataset(20), sample_rate=0.25)
+    with pytest.raises(ValueError, match=r"sample_rate must be in \(0, 1\]"):
+        loader.sample_rate = 1.5
+    with pytest.raises(ValueError, match=r"sample_rate must be in \(0, 1\]"):
+        loader.batch_sampler.sample_rate = 0
+    with pytest.raises(ValueError, match="num_samples must be a positive integer"):
+        loader.batch_sampler.num_samples = -3
+    with pytest.raises(ValueError, match="batch_sampler attribute should not be set"):
+        loader.batch_sampler = PoissonBatchSampler(20, 0.9)  # torch's own refusal
+    assert loader.sample_rate == 0.25 and loader.expected_batch_size == 5.0

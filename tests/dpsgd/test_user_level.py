@@ -217,3 +217,22 @@ def test_make_private_with_epsilon_plans_with_the_users_q():
     assert sigma is None
     with pytest.warns(Warning, match=r"1/N = 0.2 \(N = 5\)"):  # δ against 1/U, U = 5 users
         engine.get_epsilon(0.3)
+
+
+def test_a_users_sample_rate_changed_mid_run_is_charged_per_batch():
+    """Each batch is charged at the users' q that drew it; the users' sampler cannot be
+    replaced (by name)."""
+    engine, model, opt, loader = engine_run(USERS.tolist(), users_per_step=2)
+    for epoch in range(2):
+        for i, (xb, yb) in enumerate(loader):
+            if epoch == 1 and i == 0:
+                loader.sample_rate = 0.8  # from the next batch drawn
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(xb), yb, reduction="sum").backward()
+            opt.step()
+    T = len(loader)
+    assert engine.accountant.history == [(0.0, 2 / 5, T + 1), (0.0, 0.8, T - 1)]
+    assert loader.expected_batch_size == pytest.approx(0.8 * 5)
+    with pytest.raises(AttributeError, match="UserPoissonLoader.batch_sampler cannot be "
+                                             "replaced.*loader.sample_rate"):
+        loader.batch_sampler = UserPoissonBatchSampler(USERS, 1.0)

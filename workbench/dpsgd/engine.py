@@ -83,10 +83,19 @@ class VirtualStepLoader:
     def __init__(self, loader, optimizer: DPOptimizer, max_physical_batch_size: int):
         self.size = check_count(max_physical_batch_size, "max_physical_batch_size")
         self.loader, self.optimizer = loader, optimizer
-        self.sample_rate = getattr(loader, "sample_rate", None)
+        self.batch_rate = None  # q of the logical batch of the chunk last handed out
         self.dataset = loader.dataset
         self._passes = itertools.count()
         self.watch = None  # the optimizer's LossWatch, set by make_private (loss_watch.watched)
+
+    @property
+    def sample_rate(self):
+        """The wrapped loader's q (setting it sets the wrapped loader's)."""
+        return getattr(self.loader, "sample_rate", None)
+
+    @sample_rate.setter
+    def sample_rate(self, value) -> None:
+        self.loader.sample_rate = value
 
     def __len__(self):
         return len(self.loader)
@@ -94,7 +103,10 @@ class VirtualStepLoader:
     def __iter__(self):
         if self.watch is not None:
             self.watch.chunked = True  # a step over two chunks: said so (count_records)
-        return watched(self._chunks(), self.watch)
+        return watched(self._chunks(), self.watch, handed=self._handed)
+
+    def _handed(self) -> None:
+        self.batch_rate = getattr(self.loader, "batch_rate", None)
 
     def _chunks(self):
         this_pass = next(self._passes)  # a new pass: an unfinished batch of an old one is
@@ -105,6 +117,14 @@ class VirtualStepLoader:
                 chunk = take(batch, slice(start, start + self.size), "the loader's batch")
                 self.optimizer.begin_chunk((id(self), this_pass, b), last=k == len(starts) - 1)
                 yield chunk
+
+
+def drawn_rate(loader, q: float) -> float:
+    """The q that drew the batch ``loader`` handed out last (``batch_rate``: the Poisson
+    samplers record it per batch, ``sampling.PoissonBatchSampler``), or ``q`` (a shuffled
+    loader; no batch handed out yet). Invariant: each step is charged at its batch's q."""
+    rate = getattr(loader, "batch_rate", None)
+    return q if rate is None else rate
 
 
 def _world() -> int:
@@ -223,7 +243,8 @@ class PrivacyEngine:
             max_grad_norm=max_grad_norm,
             expected_batch_size=q * N, method=method,
             loss_reduction=loss_reduction, generator=noise_generator, criterion=criterion,
-            on_step=lambda sigma: self.accountant.step(noise_multiplier=sigma, sample_rate=q))
+            on_step=lambda sigma: self.accountant.step(noise_multiplier=sigma,
+                                                       sample_rate=drawn_rate(returned, q)))
         dp_optimizer.all_reduce_timeout_minutes = timeout  # read by privatise's all-reduces
         if ids is not None:
             dp_optimizer.user_level = loader.level = UserLevel(user_reduction)
@@ -246,6 +267,7 @@ class PrivacyEngine:
         if hasattr(loader, "watch"):  # the engine's own loaders: batch statistics before forward
             loader.watch = dp_optimizer.recorder.watch
             loader.watch.owned = True  # each step's batch from it (LossWatch.check_handed)
+        returned = loader  # on_step charges the q of the batch it last handed out
         return module, dp_optimizer, loader
 
     def make_private_with_epsilon(self, *, target_epsilon, target_delta, epochs, data_loader,

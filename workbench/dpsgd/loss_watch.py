@@ -818,12 +818,14 @@ def _leave(mode) -> None:
         torch._C._push_on_torch_function_stack(other)
 
 
-def watched(batches, watch: "LossWatch | None"):
+def watched(batches, watch: "LossWatch | None", handed=None):
     """The engine loader's batches, each announced to the optimizer's ``watch``
     (``batch_begins``) before the user's code sees it. Following stops at the model's forward
     pass, at the next batch, when the pass ends, or when the optimizer is detached; a pass
     abandoned after handing out a batch (``next(iter(loader))``, a ``break``) leaves that
-    batch followed until its forward pass."""
+    batch followed until its forward pass. ``handed()``: called for each batch after the
+    watch is told (a batch skipped before it charged first), before the loop sees it: the
+    loader's ``batch_rate`` (``sampling.PoissonBatchSampler``)."""
     if watch is not None:
         watch.passing = True
     try:
@@ -832,6 +834,8 @@ def watched(batches, watch: "LossWatch | None"):
                 watch.batch_begins(batch_size(batch, "the loader's batch"))
                 watch.before.order.handed(batch)  # its rows are the records'
                 watch.earlier.handed(batch)
+            if handed is not None:
+                handed()
             yield batch
         if watch is not None:
             watch.batch_ends(last=True)

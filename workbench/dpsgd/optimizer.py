@@ -659,7 +659,12 @@ class DPOptimizer(Optimizer):
         self._mark_released()
         if self.on_step is not None:  # accounted before the weights move: never unaccounted
             self.on_step(self.noise_multiplier)
-        self.original_optimizer.step()
+        self.__dict__["_stepping"] = True  # the one step of the wrapped optimizer allowed
+        try:  # (other_optimizers.check refuses it anywhere else)
+            self.original_optimizer.step()
+        finally:
+            self.__dict__["_stepping"] = False
+            self._mark_versions()  # an optimizer that edits .grad in place (maximize=True)
         return loss
 
     def _check_groups(self) -> None:
@@ -687,7 +692,16 @@ class DPOptimizer(Optimizer):
     def _mark_released(self) -> None:
         """The .grad tensors now held: a later backward adding into them is not fresh."""
         self._released = {id(p): p.grad for p in self.recorder.params.values()}
+        self._mark_versions()
         self._zeroed = False
+
+    def _mark_versions(self) -> None:
+        """The released .grad tensors' versions: a later backward pass without zero_grad()
+        accumulates the ordinary gradient into the same tensor, in place, and changes its
+        version (``other_optimizers.released``)."""
+        self.__dict__["_released_versions"] = {
+            id(p): p.grad._version for p in self.recorder.params.values()
+            if p.grad is not None}
 
     def _amp_scale(self):
         """The scale torch.amp.GradScaler.step set (``grad_scale``), or None without one."""

@@ -24,6 +24,7 @@ Poisson over the whole data set would train on examples the sampler left out.
 Notation: N data set size, q sample rate, B = qN expected batch size.
 """
 
+import collections
 
 import torch
 from torch.utils.data import (
@@ -67,21 +68,56 @@ def check_dataset(dataset, name: str = "dataset") -> int:
 
 
 class PoissonBatchSampler(Sampler[list[int]]):
-    """Yields ``steps`` batches of indices; index j is in each with probability q."""
+    """Yields ``steps`` batches of indices; index j is in each with probability q.
+
+    Invariant: each batch is accounted with the q that drew it. ``sample_rate`` may change
+    between batches (a batch-size curriculum: q varying over a run is composed step by step
+    by every accountant), checked on assignment; each batch drawn records its q
+    (``drawn``), and the loader hands it on with the batch (``take_drawn`` ->
+    ``batch_rate``), which the engine's accountant charges. The engine charged the q of
+    ``make_private`` whatever the sampler drew (q = 0.9 charged as 0.2: ε 5.75 reported for
+    12.29, silently) until 2026-12-01. ``num_samples`` is checked too (records beyond it are
+    never drawn: their q is 0, below what is charged)."""
 
     def __init__(self, num_samples: int, sample_rate: float, steps: int | None = None,
                  generator: torch.Generator | None = None):
-        self.num_samples = check_count(num_samples, "num_samples")
-        self.sample_rate = check_sample_rate(sample_rate, positive=True)
+        self.drawn = collections.deque()  # q of each batch drawn and not yet handed out
+        self.num_samples = num_samples
+        self.sample_rate = sample_rate
         self.steps = steps_per_epoch(self.sample_rate) if steps is None else \
             check_count(steps, "steps")
         self.generator = generator
+
+    @property
+    def sample_rate(self) -> float:
+        """q, the probability that a record is in the next batch drawn (checked when set)."""
+        return self._sample_rate
+
+    @sample_rate.setter
+    def sample_rate(self, value) -> None:
+        self._sample_rate = check_sample_rate(value, "sample_rate", positive=True)
+
+    @property
+    def num_samples(self) -> int:
+        """N, the records drawn from (indices 0..N-1; checked when set)."""
+        return self._num_samples
+
+    @num_samples.setter
+    def num_samples(self, value) -> None:
+        self._num_samples = check_count(value, "num_samples")
+
+    def take_drawn(self) -> float:
+        """The q of the oldest batch drawn that was not handed out yet: the loader calls it
+        once per batch it hands out, in order (workers draw ahead)."""
+        return self.drawn.popleft() if self.drawn else self.sample_rate
 
     def __len__(self) -> int:
         return self.steps
 
     def __iter__(self):
+        self.drawn.clear()  # a new pass: an abandoned one's draws are no batch of this one
         for _ in range(self.steps):
+            q = self.sample_rate  # this batch's, whatever is assigned while it is out
             generator = self.generator.next() if hasattr(self.generator, "next") else \
                 self.generator  # secure mode: a freshly seeded generator every step
             draws = torch.rand(self.num_samples, generator=generator,  # (N,) ~ U[0, 1),
@@ -89,7 +125,8 @@ class PoissonBatchSampler(Sampler[list[int]]):
             # q to 1e-16 relative for q >= 2^-30. float32's u are multiples of 2^-24: a
             # record was drawn with probability ⌈q 2^24⌉ / 2^24 > q, the accountant charged q
             # (6x at q = 1e-8, +19% at 1e-7, +1.3% at 1e-6), until 2026-11-30
-            yield torch.nonzero(draws < self.sample_rate).flatten().tolist()
+            self.drawn.append(q)
+            yield torch.nonzero(draws < q).flatten().tolist()
 
 
 def empty_like_batch(example, collate_fn=default_collate):
@@ -155,14 +192,32 @@ class DPDataLoader(DataLoader):
             seed = int(torch.randint(0, 2**62, (1,)))
             kwargs["generator"] = torch.Generator().manual_seed(seed)
         super().__init__(dataset, batch_sampler=sampler, collate_fn=collate, **kwargs)
-        self.sample_rate = sampler.sample_rate
-        self.expected_batch_size = sampler.sample_rate * N
+        self.batch_rate = None  # q of the batch last handed out (the accountant's, per step)
         self.watch = None  # the optimizer's LossWatch, set by make_private (loss_watch.watched)
+
+    @property
+    def sample_rate(self) -> float:
+        """The sampler's q: setting it changes the q of the batches drawn from then on, and
+        each is accounted with its own (``PoissonBatchSampler``)."""
+        return self.batch_sampler.sample_rate
+
+    @sample_rate.setter
+    def sample_rate(self, value) -> None:
+        self.batch_sampler.sample_rate = value
+
+    @property
+    def expected_batch_size(self) -> float:
+        """q N of the sampler's q (the optimizer's B is its own setting: see README)."""
+        return self.batch_sampler.sample_rate * self.batch_sampler.num_samples
 
     def __iter__(self):
         if self.watch is not None:  # workers prefetch: the sampler runs ahead of the steps
             self.watch.prefetch = self.num_workers if self.num_workers > 0 else 0
-        return watched(super().__iter__(), self.watch)
+        return watched(super().__iter__(), self.watch, handed=self._handed)
+
+    def _handed(self) -> None:
+        """A batch is handed out (after the watch charged any batch skipped before it)."""
+        self.batch_rate = self.batch_sampler.take_drawn()
 
     @classmethod
     def from_data_loader(cls, loader: DataLoader, generator=None, steps=None):

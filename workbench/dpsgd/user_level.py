@@ -109,20 +109,50 @@ class UserPoissonLoader:
     def __init__(self, loader, user_ids: torch.Tensor, sample_rate: float, generator=None,
                  steps=None):
         self.dataset, self.user_ids = loader.dataset, user_ids
-        self.batch_sampler = UserPoissonBatchSampler(user_ids, sample_rate, steps, generator)
-        self.sample_rate = self.batch_sampler.sample_rate
+        self._batch_sampler = UserPoissonBatchSampler(user_ids, sample_rate, steps, generator)
         self.num_users = self.batch_sampler.num_users
-        self.expected_batch_size = self.sample_rate * self.num_users  # expected users
+        self.batch_rate = None  # q of the batch last handed out (the accountant's, per step)
         self.collate_fn = loader_options(loader).get("collate_fn") or default_collate
         self.empty = empty_like_batch(self.dataset[0], self.collate_fn)
         self.level = None  # the optimizer's UserLevel, set by make_private
         self.watch = None  # the optimizer's LossWatch, set by make_private (loss_watch.watched)
 
+    @property
+    def batch_sampler(self) -> UserPoissonBatchSampler:
+        """The users' Poisson sampler (not replaceable: its q is the one accounted)."""
+        return self._batch_sampler
+
+    @batch_sampler.setter
+    def batch_sampler(self, value) -> None:
+        raise AttributeError(
+            f"UserPoissonLoader.batch_sampler cannot be replaced (given "
+            f"{type(value).__name__}): the accountant charges each batch at the q of the "
+            f"users' Poisson sampler that drew it. Change the rate with loader.sample_rate = "
+            f"q (each batch is charged at its own), or call make_private again")
+
+    @property
+    def sample_rate(self) -> float:
+        """The users' q: setting it changes the q of the batches drawn from then on, each
+        accounted with its own (``sampling.PoissonBatchSampler``)."""
+        return self.batch_sampler.sample_rate
+
+    @sample_rate.setter
+    def sample_rate(self, value) -> None:
+        self.batch_sampler.sample_rate = value
+
+    @property
+    def expected_batch_size(self) -> float:
+        """q U, the expected users per batch."""
+        return self.sample_rate * self.num_users
+
     def __len__(self) -> int:
         return len(self.batch_sampler)
 
     def __iter__(self):
-        return watched(self._batches(), self.watch)
+        return watched(self._batches(), self.watch, handed=self._handed)
+
+    def _handed(self) -> None:
+        self.batch_rate = self.batch_sampler.take_drawn()
 
     def _batches(self):
         for indices in self.batch_sampler:

@@ -868,31 +868,85 @@ def reentrant_refused(layers) -> UnsupportedLayerError:
             f"with use_reentrant=True, or a layer whose backward recomputes its inputs from "
             f"its outputs (reversible residual layers: Reformer, RevNet). {REENTRANT_FIX}; "
             f"a reversible model has no such switch: the functional API "
-            f"(wb.clipped_grad_sum, wb.per_sample_gradients) runs it exactly, the optimizer "
-            f"does not")
+            f"(wb.clipped_grad_sum, wb.per_sample_gradients) runs it exactly where the "
+            f"layer's backward returns its parameters' gradients through its inputs, and "
+            f"refuses by name one that writes them into .grad itself (Reformer's "
+            f"_ReversibleFunction); the optimizer does not run it")
     return UnsupportedLayerError(
         f"the model runs activation checkpointing with use_reentrant=True. Its nested "
         f"backward pass cannot be recorded as the batch's, and the per-sample passes and "
         f"checks (torch.autograd.grad) are refused by it. {REENTRANT_FIX}")
 
 
+def grad_written(names: list[str]) -> UnsupportedLayerError:
+    """The error for parameters whose ``.grad`` was written during the per-sample passes
+    (``refusing_reentrant``): their gradient reached them outside the graph's edges."""
+    shown = ", ".join(repr(k) for k in names[:4]) + (
+        f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return UnsupportedLayerError(
+        f"parameter{'s' if len(names) > 1 else ''} {shown} received gradient by a write into "
+        f".grad inside the backward pass (a custom torch.autograd.Function whose backward "
+        f"calls torch.autograd.backward itself: Reformer's _ReversibleFunction, a reversible "
+        f"or recomputing layer), not through the graph's edges that the per-sample passes "
+        f"read: their per-sample gradients would come out zero, and every record's norm and "
+        f"clipped sum wrong. Use a layer whose backward returns the parameters' gradients "
+        f"through its inputs (pass them to the Function's forward), activation "
+        f"checkpointing with use_reentrant=False, or freeze these parameters "
+        f"(requires_grad_(False))")
+
+
+def _model_of(args, kwargs):
+    model = kwargs.get("model", args[0] if args else None)
+    return model if isinstance(model, nn.Module) else None
+
+
 def refusing_reentrant(fn):
-    """``fn`` (a public per-sample entry point) with PyTorch's refusal of reentrant
-    checkpointing inside ``torch.autograd.grad`` raised as ``reentrant_refused``: the same
-    words as the optimizer's (``dpsgd/recorded.py``), not a bare RuntimeError."""
+    """``fn`` (a public per-sample entry point: ``per_sample_gradients``,
+    ``per_sample_grad_norms``, ``clipped_grad_sum``, every method) with two refusals:
+
+    - PyTorch's refusal of reentrant checkpointing inside ``torch.autograd.grad`` raised as
+      ``reentrant_refused``: the same words as the optimizer's (``dpsgd/recorded.py``), not
+      a bare RuntimeError;
+    - invariant: a parameter whose gradient reaches it other than through the graph edges
+      the passes read is refused by name (``grad_written``). Every method reads gradients
+      through the graph (``torch.autograd.grad``, the recorder's edges); a layer whose
+      backward writes ``.grad`` itself (a nested ``torch.autograd.backward``) left those
+      parameters' rows exactly zero (HF Reformer in train mode: the clipped sum 2% off, no
+      error, until 2026-12-01). The model's trainable parameters' ``.grad`` are set aside
+      (None) for the call: one set after it was written by a backward pass of the call; the
+      ``.grad`` fields are then put back as they were, whatever the outcome.
+    """
     @functools.wraps(fn)
     def run(*args, **kwargs):
+        model = _model_of(args, kwargs)
+        params = [] if model is None else [
+            (k, p) for k, p in model.named_parameters() if p.requires_grad]
+        kept = [p.grad for _, p in params]
         try:
-            return fn(*args, **kwargs)
-        except RuntimeError as error:
-            if "use_reentrant=True" not in str(error):
+            for _, p in params:
+                p.grad = None
+            try:
+                out = fn(*args, **kwargs)
+            except Exception as error:  # a check it failed (a self-check's norms): the
+                written = [k for k, p in params if p.grad is not None]  # cause named first
+                if written:
+                    raise grad_written(written) from error
+                if isinstance(error, RuntimeError) and "use_reentrant=True" in str(error):
+                    raise reentrant_refused(()) from error
                 raise
-            raise reentrant_refused(()) from error
+            written = [k for k, p in params if p.grad is not None]
+        finally:
+            for (_, p), g in zip(params, kept):
+                p.grad = g
+        if written:
+            raise grad_written(written)
+        return out
 
     return run
 
+
 __all__ = [
     "PAUSED", "ActivationRecorder", "LayerCall", "OwnHook", "attach", "changed_state",
-    "copy_leaves", "detach", "drop_inputs", "leaf_outputs", "odd_output", "output_tensors",
-    "reentrant_refused", "refusing_reentrant", "state_of", "tensor_outputs",
+    "copy_leaves", "detach", "drop_inputs", "grad_written", "leaf_outputs", "odd_output",
+    "output_tensors", "reentrant_refused", "refusing_reentrant", "state_of", "tensor_outputs",
 ]
