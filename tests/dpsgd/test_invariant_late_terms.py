@@ -17,7 +17,9 @@ Until 2026-12-01, silently wrong (float64, against one record at a time, probe L
   switched on at a later step: dropped from the release (0.70, 0.15, 0.65 off), refused from
   step 0;
 - ``F.cross_entropy(model(x) + aux(x), y)`` with ``aux`` a trainable model outside the
-  private one: ``aux`` trained on the batch's unclipped, unnoised gradient, no error.
+  private one: ``aux`` trained on the batch's unclipped, unnoised gradient, no error;
+- a loss coupling the records through the outputs switched on at a later step: the coupling
+  test ran once per output shape.
 """
 
 import pytest
@@ -149,6 +151,21 @@ def test_loop_hook_on_output_switched_on_later_is_checked_again():
         F.cross_entropy(out, y).backward()
 
     with pytest.raises(LossCouplingError, match="register_hook on a tensor of shape"):
+        train(model, step_of)
+
+
+def test_coupled_loss_term_switched_on_later_is_refused():
+    """The coupling test's key holds the window's ops: a weight over the batch's outputs
+    (a softmax over dim 0) from step LATE on was released on the first window's verdict."""
+    model = Net()
+
+    def step_of(s, x, y):
+        out = model(x)
+        if s >= LATE:
+            out = out * torch.softmax(out[:, 0], 0)[:, None] * out.shape[0]
+        F.cross_entropy(out, y).backward()
+
+    with pytest.raises(LossCouplingError, match="depend on the other records"):
         train(model, step_of)
 
 

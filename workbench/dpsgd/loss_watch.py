@@ -436,10 +436,9 @@ class LossWatch:
         stops = {id(t.grad_fn) for t in self.roots if t.grad_fn is not None} | set(outputs)
         # (every model call's outputs: a loss over two calls, refused at the step by name)
         nodes = list(graph_nodes([loss], stops))
-        self.outside(nodes)
-        if not inside:
-            return
         reached = sorted({inside[id(node)][1] for node in nodes if id(node) in inside})
+        if not reached:  # (a walk into the model's layers meets the workbench's own leaves)
+            self.outside(nodes)
         if reached:
             raise LoopError(
                 f"the loss reads the output of {', '.join(map(repr, reached[:3]))}"
@@ -471,7 +470,8 @@ class LossWatch:
                     continue
                 if id(var) in names:
                     private.append(names[id(var)])
-                elif id(var) not in self.input_ids and not any(var is r for r in self.roots):
+                elif id(var) not in self.input_ids and not any(var is r for r in self.roots) \
+                        and not getattr(var, "workbench_own", False):  # skip_weights' tap
                     foreign.append(var)
             if private:
                 self.trace = hash((self.trace, "parameters", tuple(sorted(private))))
