@@ -71,6 +71,7 @@ from workbench.per_sample import precision
 from workbench.per_sample.derived import graph_nodes
 from workbench.per_sample.loss import check_separable, record_factors, reduction_of
 from workbench.per_sample.selfcheck import symbolic
+from workbench.per_sample.uses import HOOKS, gated_off
 
 
 class LossWatch:
@@ -125,12 +126,20 @@ class LossWatch:
         self.parameter_ids: set[int] = set()  # the model's trainable parameters (recorded.py):
         # a backward pass into none of them is no pass of the step (backward_calls.py)
         self._resume = False  # following paused by a forward pass without gradient
+        self.parameter_names: dict[int, str] = {}  # every parameter of the model, by id
+        # (recorded.py): a trainable leaf the loss reaches that is none of them is refused
+        self.trace = 0  # the window's ops with gradient, by name in order (``traced``)
+        self.hooks: list[str] = []  # gradient hooks the window registered (``traced``)
+        self.windows: dict[int, tuple] = {}  # generation -> (trace, hooks) of its backward
+        self.input_ids: set[int] = set()  # the model's inputs of the pass (``outside``)
+        self.modules: list = []  # weak references to the window's outermost module calls
         weakref.finalize(self, _remove, self._handles_box)
 
     def open(self, n: int, generation: int, outputs=()) -> None:
         """At the end of the model's forward pass (n records, before backward ``generation``);
         ``outputs``: the model's output tensors, for the coupling test at ``backward``."""
         self.n, self.generation, self._depth = n, generation, 0
+        self.trace, self.hooks, self.modules = 0, [], []
         if torch.is_grad_enabled():  # (a pass without gradient between: the loss stays)
             self.loss = lambda: None
         self.model_losses = None
@@ -214,6 +223,7 @@ class LossWatch:
             return
         if self.announced is not None:  # a training pass on the loader's latest batch
             self.used[self.serial] = self.announced
+        self.input_ids = {id(t) for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)}
         self.earlier.fed(inputs)  # its inputs: an earlier batch's from the next on
         first = next((t for t in tree_flatten(inputs)[0]
                       if isinstance(t, torch.Tensor) and t.dim()), None)
@@ -423,12 +433,12 @@ class LossWatch:
         (1.07x the step's own gradient) from the second step on, until 2026-11-30. The walk
         from the loss stops at the outputs: a few nodes for an ordinary loss."""
         inside, outputs = self.inside()
-        if not inside:
-            return
         stops = {id(t.grad_fn) for t in self.roots if t.grad_fn is not None} | set(outputs)
         # (every model call's outputs: a loss over two calls, refused at the step by name)
-        reached = sorted({inside[id(node)][1] for node in graph_nodes([loss], stops)
-                          if id(node) in inside})
+        nodes = list(graph_nodes([loss], stops))
+        reached = sorted({inside[id(node)][1] for node in nodes if id(node) in inside})
+        if not reached:  # (a walk into the model's layers meets the workbench's own leaves)
+            self.outside(nodes)
         if reached:
             raise LoopError(
                 f"the loss reads the output of {', '.join(map(repr, reached[:3]))}"
@@ -439,6 +449,83 @@ class LossWatch:
                 f"only, so a term on such a tensor could couple them unseen. Return every "
                 f"tensor the loss uses from forward() (a tuple or dict of outputs), with every "
                 f"layer the loss goes through called inside it")
+
+    def outside(self, nodes) -> None:
+        """Before ``loss.backward()``, on the nodes of the loss's own part of the graph (from
+        the loss down to the model's outputs): the leaves with gradient it reaches there.
+        The private model's parameters read by the loss directly (an L2 penalty, ``out /
+        model.temp``) are named in the window's trace, so a term switched on at a later step
+        is a new signature, whose ``.grad`` check refuses it (``path_check.py``: dropped from
+        the release, silently, until 2026-12-01); any other trainable tensor (a second
+        model's parameters, a learnable temperature kept outside the model, a teacher run
+        with gradient) is refused: backward would hand it the batch's unclipped, unnoised
+        gradient (a second model trained on it by its own optimizer passed silently until
+        2026-12-01; ``loop.check_inputs_private`` is the same rule on the input side)."""
+        private, foreign = [], []
+        names = self.parameter_names
+        with torch._C.DisableTorchFunction():
+            for node in nodes:
+                var = getattr(node, "variable", None)  # AccumulateGrad's leaf
+                if var is None:
+                    continue
+                if id(var) in names:
+                    private.append(names[id(var)])
+                elif id(var) not in self.input_ids and not any(var is r for r in self.roots) \
+                        and not getattr(var, "workbench_own", False):  # skip_weights' tap
+                    foreign.append(var)
+            if private:
+                self.trace = hash((self.trace, "parameters", tuple(sorted(private))))
+            if not foreign:
+                return
+            found = ", ".join(self._leaf_name(v) for v in foreign[:4])
+        raise LoopError(
+            f"the loss's gradient reaches {found}{' ...' if len(foreign) > 4 else ''}: "
+            f"trainable tensors (requires_grad=True) outside the private model, such as a "
+            f"second model's output or loss added to the private model's (F.cross_entropy("
+            f"model(x) + aux(x), y)), a learnable temperature or scale kept outside it, or a "
+            f"teacher run with gradient. backward() would give them the batch's unclipped, "
+            f"unnoised gradient: an optimizer stepping on it trains them on every record "
+            f"without privacy, and what they add to the loss carries that into the private "
+            f"model's later gradients. Put them inside the module given to make_private (one "
+            f"nn.Module holding both, its parameters in the DP optimizer), or take them out "
+            f"of the gradient: detach their output (aux(x).detach()), run a teacher under "
+            f"torch.no_grad(), or freeze them (requires_grad_(False))")
+
+    def _leaf_name(self, var) -> str:
+        """A module's parameter as ``Linear.weight (shape (3, 6))`` when a module the window
+        called holds it; else its kind and shape."""
+        shape = f"shape {tuple(var.shape)}"
+        for ref in self.modules:
+            module = ref()
+            if module is None:
+                continue
+            for name, p in module.named_parameters():
+                if p is var:
+                    return f"{type(module).__name__}.{name} ({shape})"
+        kind = "an nn.Parameter" if isinstance(var, nn.Parameter) else "a tensor"
+        return f"{kind} of {shape}"
+
+    def traced(self, name: str, args, kwargs, out) -> None:
+        """One op of the window: its name in the trace if it computes with gradient (or sets a
+        gradient hook, or reads a node to set one on), with whether it takes a factor of 0
+        (``uses.gated_off``). Part of the recording's signature (``recorded.py``): a loss
+        term or a hook switched on at a later step is checked again."""
+        hook = name in HOOKS or name == "grad_fn"
+        if not hook:
+            if not torch.is_grad_enabled():
+                return
+            if isinstance(out, torch.Tensor):
+                if not out.requires_grad:
+                    return
+            elif not (isinstance(out, (tuple, list)) and any(
+                    isinstance(t, torch.Tensor) and t.requires_grad for t in out)):
+                return
+        self.trace = hash((self.trace, name, gated_off(name, args, kwargs)))
+        if hook:
+            t = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            what = "a .grad_fn read (its node's hooks)" if name == "grad_fn" else name
+            shape = "" if t is None else f" of shape {tuple(t.shape)}"
+            self.hooks.append(f"{what} on a tensor{shape} after the model's forward pass")
 
     def attribute(self, loss) -> None:
         """Before ``loss.backward()``: each scalar the model computed inside its forward pass
@@ -551,7 +638,8 @@ class LossWatch:
         if not (self.check and outs and n >= 2 and isinstance(loss, torch.Tensor)
                 and loss.requires_grad):
             return
-        key = ("backward", tuple(symbolic(o.shape, n) for o in outs))
+        key = ("backward", tuple(symbolic(o.shape, n) for o in outs), self.trace)  # a term
+        # switched on later (the window's ops) is tested again
         if key in self.checked:
             return
         try:
@@ -588,14 +676,21 @@ class LossWatch:
                 f"statistic of the outputs. Removing one record would then move every other "
                 f"record's clipped gradient, so the sensitivity is no longer C. Use a loss "
                 f"that treats each record on its own (one term per record), or train with "
-                f"user- or batch-level accounting that covers the coupling")
+                f"user- or batch-level accounting that covers the coupling"
+                + (f". The window registered gradient hooks ({'; '.join(self.hooks[:3])}): a "
+                   f"hook combining the records' gradients (a mean or norm over dim 0) "
+                   f"couples them too; apply it to each record's rows alone, or remove it"
+                   if self.hooks else ""))
         self.checked.add(key)
 
     def clear(self) -> None:
         self.calls = []
         self.pending = []
+        self.windows = {}
 
     def _enter(self, module, args):
+        if self._depth == 0 and len(self.modules) < 64:  # names a foreign leaf (outside)
+            self.modules.append(weakref.ref(module))
         self._depth += 1
 
     def _exit(self, module, args, output):
@@ -686,6 +781,13 @@ class LossFunctions(TorchFunctionMode):
             return func(*args, **kwargs)
         if func in ENTRY_POINTS:
             return self._backward(watch, func, args, kwargs)
+        name = getattr(func, "__name__", "")
+        if name == "__get__":  # an attribute: only .grad_fn (a node's hooks) is traced
+            attribute = getattr(getattr(func, "__self__", None), "__name__", None)
+            if attribute == "grad_fn":
+                with torch._C.DisableTorchFunction():
+                    watch.traced(attribute, args, kwargs, None)
+            return func(*args, **kwargs)
         reduction = None
         if func in FUNCTIONAL and watch._depth == 0:
             cls, names = FUNCTIONAL[func]
@@ -697,6 +799,8 @@ class LossFunctions(TorchFunctionMode):
                              functional=True)
             reduction = options.get("reduction", "mean")
         out = func(*args, **kwargs)
+        with torch._C.DisableTorchFunction():
+            watch.traced(name, args, kwargs, out)
         if isinstance(out, torch.Tensor) and not out.dim() and out.requires_grad:
             watch.loss = weakref.ref(out)  # (loss_alive)
         if watch.stats.on:  # batch statistics of the data, followed to the loss
@@ -762,6 +866,8 @@ class LossFunctions(TorchFunctionMode):
             watch.coupling(loss)  # a smooth coupling, measured, before ``reduction`` names
             watch.reduction(loss)  # any non-linear one (record_reduction.py)
             watch.before_backward()  # b read after the loop's own hooks on the outputs
+            watch.windows[watch.generation] = (watch.trace, list(watch.hooks))  # its
+            # recording's signature (recorded.py)
         except Exception:
             watch.close()  # the refused pass's window ends with it
             raise

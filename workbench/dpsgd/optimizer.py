@@ -100,7 +100,14 @@ from workbench.dpsgd.distributed import (
 from workbench.dpsgd.path_check import PathCheck
 from workbench.dpsgd.privatise import MODES, gaussian_noise
 from workbench.dpsgd.recorded import ModelRecorder, distributed_run
-from workbench.errors import LoopError, NonFiniteGradientError
+from workbench.errors import (
+    LoopError,
+    LossCouplingError,
+    NonFiniteGradientError,
+    PerSampleCheckError,
+    SampleMixingError,
+    UnattributedGradientError,
+)
 from workbench.methods import OPTIMIZER_ALIASES
 from workbench.per_sample import precision, selfcheck, state_replay
 from workbench.per_sample.checks import check_no_sample_mixing
@@ -164,6 +171,10 @@ def check_wrappable(optimizer, model) -> None:
                         "records the layers of an ordinary nn.Module. Make the model private "
                         "first and compile after: model = torch.compile(model) on the module "
                         "make_private returned (or pass model._orig_mod)")
+
+
+CHECKS = (PerSampleCheckError, SampleMixingError, UnattributedGradientError, LossCouplingError)
+# a refused check of a step whose passes set gradient hooks: the message names them
 
 
 class DPOptimizer(Optimizer):
@@ -417,6 +428,7 @@ class DPOptimizer(Optimizer):
         skipped, seen, tol, unchecked, compare = [], 0, 0.0, set(), False
         why = {}  # id(param) -> why its g_i come from the whole-model fallback
         cpu_amp = False  # a pass ran under autocast on the CPU (path_check's known cause)
+        hooks = self.recorder.step_hooks()  # named in a refused check
         try:
             with self.recorder.paused():  # the samplers may call the layers themselves
                 for rec, exact in self.recorder.batches(self.loss_reduction, check, scale):
@@ -468,7 +480,14 @@ class DPOptimizer(Optimizer):
                 first = next(iter(self.recorder.params.values()))
                 tol = max(tol, precision.tolerance_of(first.dtype, first.device))
                 paths.verdict(tol, unchecked, why, cpu_amp)
-        except Exception:
+        except Exception as err:
+            if hooks and isinstance(err, CHECKS):
+                err.args = (f"{err.args[0]}. This step's passes registered gradient hooks "
+                            f"({'; '.join(hooks[:3])}{' ...' if len(hooks) > 3 else ''}): "
+                            f"a hook that combines the records' gradients (a mean or norm over "
+                            f"dim 0) couples the records, and no per-record gradient carries "
+                            f"it. Apply such a hook to each record's rows alone, or remove it",
+                            *err.args[1:])
             self._sums = {}  # nothing of a refused batch is kept for a later step
             self.recorder.clear()
             watch = self.recorder.watch  # nor counted for it (count_records), nor waiting

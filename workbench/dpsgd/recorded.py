@@ -216,6 +216,7 @@ class ModelRecorder:
         self._n, self._own, self._ids = None, {}, {id(p) for p in self.params.values()}
         self._rows: set[int] = set()  # dim 0 of the forward pass's inputs (_off_rows)
         self.watch.parameter_ids = self._ids
+        self.watch.parameter_names = {id(p): name for name, p in model.named_parameters()}
         self._stream_paths: dict[int, set[str]] = {}
         self.layer_rec.on_complete = lambda call: stream_call(self, call)
 
@@ -308,6 +309,7 @@ class ModelRecorder:
                 roots[-1].state = log  # and the model's state as the pass read it
                 roots[-1].keys = output_keys(output)  # which outputs (model_loss.py)
                 roots[-1].trace = self.tracker.trace  # its ops: the self-check's signature
+                roots[-1].hooks = self.tracker.hooks  # its gradient hooks: named in a refusal
                 roots[-1].swapped = self._swapped  # parameters the pass ran without
                 shape = roots[-1].outputs[0][0]
                 self._n = shape[0] if len(shape) else None  # streaming: dim 0 must be n
@@ -401,6 +403,12 @@ class ModelRecorder:
         self.watch.clear()
         if keep_pending:
             self.watch.pending = pending
+
+    def step_hooks(self) -> list[str]:
+        """The gradient hooks this step's forward passes and loss windows registered
+        (``uses.UseTracker._hooked``, ``LossWatch.traced``), for a refused check's message."""
+        found = [h for c in self.root_rec.calls[ROOT] for h in getattr(c, "hooks", ())]
+        return found + [h for _, hooks in self.watch.windows.values() for h in hooks]
 
     def forward_awaits_backward(self) -> bool:
         """A training forward pass was recorded since the last step and no backward pass has
@@ -544,7 +552,10 @@ class ModelRecorder:
             rec.rng = getattr(root, "rng", None)
             rec.autocast = getattr(root, "amp", None)
             rec.state = getattr(root, "state", None)
-            rec.trace = getattr(root, "trace", 0)
+            window, hooks = self.watch.windows.get(gen, (0, []))  # the loss window's ops
+            rec.trace = hash((getattr(root, "trace", 0), window))  # and hooks, with the
+            # forward pass's: a term or a hook switched on later is checked again
+            rec.hooks = [*getattr(root, "hooks", ()), *hooks]
             rec.signature = selfcheck.known(self.model, rec, check, extra=("optimizer",))
             rec.probe = None
             if rec.signature is not None and getattr(root, "swapped", None):

@@ -213,6 +213,7 @@ class WeightGradSkipper:
         dummy = self._dummy.get(t.device)
         if dummy is None:
             dummy = self._dummy[t.device] = torch.zeros((), device=t.device, requires_grad=True)
+            dummy.workbench_own = True  # no user's tensor (loss_watch.outside)
         return Tap.apply(dummy, t)
 
     def clear(self) -> None:

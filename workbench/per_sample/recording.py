@@ -256,6 +256,7 @@ class Recording:
     # BroadcastParameter, a functional linear) that take it over from its rule-less owner]
     feeds: object = None  # (call) -> whether its output reaches the loss (``loss_reach``)
     trace: int = 0  # uses.UseTracker.trace of the forward pass: its ops (selfcheck.signature)
+    hooks: list = field(default_factory=list)  # the gradient hooks the pass registered
     loss_parts: tuple | None = None  # (loss_fn or None for a random loss, outputs, targets,
     # inputs): the functional API's model and loss on halves of the batch, on a checked call
     # (``selfcheck.check_model_halves``, ``check_separable``), then dropped

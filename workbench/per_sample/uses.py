@@ -141,11 +141,14 @@ def by_frequency(name: str, where: str) -> UnsupportedLayerError:
         f"Drop scale_grad_by_freq (or scale by frequencies of the data set, computed once)")
 
 
+HOOKS = frozenset({"register_hook", "register_post_accumulate_grad_hook"})  # a tensor's
+# gradient hooks: the pass's trace names them (``UseTracker._hooked``)
+
 MULTIPLIES = frozenset({"mul", "mul_", "__mul__", "__rmul__", "__imul__", "lerp", "lerp_",
                         "addcmul", "addcmul_", "addcdiv", "addcdiv_", "div", "__truediv__"})
 
 
-def _gated_off(name: str, args, kwargs) -> bool:
+def gated_off(name: str, args, kwargs) -> bool:
     """The op takes a factor of 0: a float 0.0 anywhere (``lerp(h, m, 0.0)``, ``add(h, m,
     alpha=0.0)``, a NumPy float), an int 0 in a product (ints elsewhere are dims and sizes),
     a 0-d tensor on the CPU that is 0 or False (a gate held in a buffer, ``torch.where``'s
@@ -205,6 +208,7 @@ class UseTracker(TorchFunctionMode):
         self._ruled: dict[str, bool] = {}  # path -> the layer has a grad rule (_inside_rule)
         self.trace = 0  # a hash of the names of the pass's ops in order: part of the
         # self-check's call signature (``selfcheck.signature``)
+        self.hooks: list[str] = []  # the gradient hooks the pass registered (``_hooked``)
         self.reductions: list = []  # (result, x, what): statistics over the records with
         # gradient (``batch_reductions.py``), measured where the outputs reach one
 
@@ -236,13 +240,17 @@ class UseTracker(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in QUERIES:  # x.dim(), len(x), x.shape: a fact about a tensor, not a use
             return func(*args, **kwargs)
-        if name == "register_hook":  # a tensor hook of the user's: b is read after it
+        if name in HOOKS:  # a gradient hook of the user's: b is read after it
+            self._hooked(name, args)
             result = func(*args, **kwargs)
-            if args and isinstance(args[0], torch.Tensor) and self.recorder.capture == "edges":
+            if name == "register_hook" and args and isinstance(args[0], torch.Tensor) and \
+                    self.recorder.capture == "edges":
                 with torch._C.DisableTorchFunction():
                     self.recorder.hooked(args[0])
             return result
         if name == "__get__":  # an attribute: x.shape, x.dtype (no use) or x.T, x.data (one)
+            if getattr(getattr(func, "__self__", None), "__name__", None) == "grad_fn":
+                self._hooked("grad_fn", args)  # a node's hooks are set through it
             result = func(*args, **kwargs)
             if isinstance(result, torch.Tensor) or type(result) in (list, tuple):
                 with torch._C.DisableTorchFunction():
@@ -261,7 +269,7 @@ class UseTracker(TorchFunctionMode):
                 args, kwargs, pending = self.derived.rewrite(
                     func, args, kwargs, self._followed,
                     lambda p: func not in FUNCTIONAL and self._where() not in self.owners[id(p)])
-        self.trace = hash((self.trace, name, _gated_off(name, args, kwargs)))  # names: an
+        self.trace = hash((self.trace, name, gated_off(name, args, kwargs)))  # names: an
         # int argument may be n. The computation, not only its layers' shapes: a branch taken
         # on the data or a flag (h - h.mean(0) from step 2 on) is a new signature, checked
         # again (selfcheck.py), and so is a term whose Python factor leaves zero
@@ -281,6 +289,19 @@ class UseTracker(TorchFunctionMode):
                     self._count(p, self._where())  # cannot give it)
             return self._after(func, args, kwargs, result)
 
+    def _hooked(self, name: str, args) -> None:
+        """A gradient hook registered in the pass (``h.register_hook``,
+        ``register_post_accumulate_grad_hook``) or a node read to set one on (``h.grad_fn``:
+        ``register_hook``, ``register_prehook``): part of the trace, so a hook switched on at
+        a later step is a new signature, checked again (a hook mixing the records' backprops
+        from step 4 on: 0.90 off, silently, until 2026-12-01), and named in a failed check."""
+        self.trace = hash((self.trace, name))
+        with torch._C.DisableTorchFunction():
+            t = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            shape = "" if t is None else f" of shape {tuple(t.shape)}"
+        what = "a .grad_fn read (its node's hooks)" if name == "grad_fn" else f"{name}"
+        self.hooks.append(f"{what} on a tensor{shape} in {self._where()}")
+
     def _drew_from_own_generator(self) -> None:
         """A draw from a ``torch.Generator`` of the model's (``generator=``) inside layers
         without a rule: their calls would draw other numbers when re-run alone (per-layer
@@ -298,6 +319,7 @@ class UseTracker(TorchFunctionMode):
         touches (``derived.py``) and carries the batch on dim 0, one row per sample
         (``flat_rows.py``: the rows a reshape may then flatten)."""
         self.trace = 0
+        self.hooks = []
         self.reductions = []
         with torch._C.DisableTorchFunction():  # the tracker's own reads: no op of the pass
             self.derived.start(inputs)
@@ -447,4 +469,5 @@ class UseTracker(TorchFunctionMode):
         return used
 
 
-__all__ = ["LOSS", "RANDOM_FUNCTIONS", "UseTracker", "advanced", "generator_states", "quiet"]
+__all__ = ["HOOKS", "LOSS", "RANDOM_FUNCTIONS", "UseTracker", "advanced", "gated_off",
+           "generator_states", "quiet"]
