@@ -912,7 +912,7 @@ def refusing_reentrant(fn):
       through the graph (``torch.autograd.grad``, the recorder's edges); a layer whose
       backward writes ``.grad`` itself (a nested ``torch.autograd.backward``) left those
       parameters' rows exactly zero (HF Reformer in train mode: the clipped sum 2% off, no
-      error, until 2026-12-01). The model's trainable parameters' ``.grad`` are set aside
+      error, until 2026-11-30). The model's trainable parameters' ``.grad`` are set aside
       (None) for the call: one set after it was written by a backward pass of the call; the
       ``.grad`` fields are then put back as they were, whatever the outcome.
     """
