@@ -152,7 +152,7 @@ def test_agrees_with_opacus(target, delta, q, steps):
 def test_calibration_after_a_history_meets_the_target_over_the_whole_run(accountant):
     """The σ for new steps after groups already spent: the whole run's ε is in the band
     (it was calibrated for the new steps alone, the run ending at 3.8 for a target of 2,
-    until 2026-12-01)."""
+    until 2026-11-30)."""
     history = [(1.0, 0.1, 10)]
     c = calibrate(5.0, 1e-5, 0.1, steps=30, accountant=accountant, history=history)
     whole = history_epsilon(history + [(c.noise_multiplier, 0.1, 30)], 1e-5, accountant)

@@ -8,7 +8,7 @@ invariant: a step whose forward pass, loss window (the ops between the model's o
 loss's gradient flows only into the private model (its outputs, or its parameters read
 directly, which the ``.grad`` check refuses), never into a trainable tensor outside it.
 
-Until 2026-12-01, silently wrong (float64, against one record at a time, probe L):
+Until 2026-11-30, silently wrong (float64, against one record at a time, probe L):
 
 - a tensor hook on an activation switched on at a later step (``h.register_hook(lambda g:
   g.mean(0, keepdim=True).expand_as(g) * 5)``): 0.90 off; a rescale by the batch's norm:

@@ -1225,7 +1225,7 @@ def test_the_twins_backward_under_cpu_autocast_runs_without_onednn():
 def test_the_optimizer_kept_by_its_old_name_is_refused_and_nothing_moves():
     """probeL p06: model, dp_optimizer, loader = make_private(optimizer=optimizer, ...), then
     the loop keeps calling optimizer.step(): five exact non-private updates, one step
-    charged (as a skipped batch), until 2026-12-01. Refused at the first step."""
+    charged (as a skipped batch), until 2026-11-30. Refused at the first step."""
     torch.manual_seed(0)
     x, y = data(64, 3)
     model = mlp()

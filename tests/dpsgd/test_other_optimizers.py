@@ -123,7 +123,7 @@ def test_a_second_optimizer_with_a_closure_is_refused():
 
 def test_a_second_optimizer_on_a_released_gradient_accumulated_into_is_refused():
     """dp.step(); loss.backward() (no zero_grad: autograd adds the ordinary gradient into the
-    released .grad in place, the same tensor); other.step() stepped on it until 2026-12-01."""
+    released .grad in place, the same tensor); other.step() stepped on it until 2026-11-30."""
     model, opt, x, y = private()
     other = torch.optim.SGD(model.parameters(), lr=0.1)
     F.cross_entropy(model(x), y).backward()

@@ -1,6 +1,6 @@
 """ε over the phases as they ran (``dpsgd/phases.py``): one engine with several make_private
 calls, or a run resumed from a checkpoint, reports ε (or its bracket) for the sampler and the
-unit that produced each step. Until 2026-12-01 the engine remembered only its latest phase:
+unit that produced each step. Until 2026-11-30 the engine remembered only its latest phase:
 50 shuffled steps then 1 Poisson step were bracketed as 51 Poisson steps ([8.13, 8.13]
 against the shuffled steps' own lower bound 14.73), a record-level history went on per user,
 and the bracket applied the latest q to every step (1.52 for a true 6.76)."""

@@ -128,7 +128,7 @@ def test_make_private_with_epsilon_plans_the_steps_the_loader_runs():
 
 
 # Each batch is accounted with the q that drew it (probeL p19: q raised to 0.9 mid-run was
-# charged at make_private's 0.2, eps 5.75 reported for 12.29, until 2026-12-01).
+# charged at make_private's 0.2, eps 5.75 reported for 12.29, until 2026-11-30).
 def _q_run(change, **kw):
     torch.manual_seed(0)
     x, y = torch.randn(40, 6, dtype=torch.float64), torch.arange(40) % 3

@@ -3,7 +3,7 @@ name in every method of the functional API (``per_sample/hooks.refusing_reentran
 custom ``autograd.Function`` whose backward calls ``torch.autograd.backward`` itself writes
 the parameters' ``.grad`` directly (Hugging Face Reformer's ``_ReversibleFunction``); every
 method left their per-sample rows exactly zero (Reformer: the clipped sum 2% off, no error,
-until 2026-12-01). The model's ``.grad`` fields are left as they were, refused or not."""
+until 2026-11-30). The model's ``.grad`` fields are left as they were, refused or not."""
 
 import pytest
 import torch

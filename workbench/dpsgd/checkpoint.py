@@ -228,7 +228,7 @@ def load_checkpoint(path, *, model, optimizer, engine=None, scheduler=None,
 
 
 def _warn_unknown_sampler(path, state) -> None:
-    """A checkpoint written before each phase's sampler was saved (until 2026-12-01): its
+    """A checkpoint written before each phase's sampler was saved (until 2026-11-30): its
     steps' sampler is not known, so they are marked so (``phases.py``), not taken as Poisson."""
     history = state["accountant"].get("history", [])
     if state.get("phases") is None and history:

@@ -282,7 +282,7 @@ class PrivacyEngine:
         On an engine that already took steps (a second phase, a resumed run) σ is the one
         with which the whole run, its history and these steps, spends ``target_epsilon``
         (a ValueError if the history alone spends it; it was planned for the new steps
-        alone, the run ending above the target, until 2026-12-01).
+        alone, the run ending above the target, until 2026-11-30).
         """
         N = check_dataset(data_loader.dataset, "data_loader.dataset")
         check_own_sampler(data_loader, allowed=distributed.SAMPLERS)  # batch_size, q are real

@@ -456,11 +456,11 @@ class LossWatch:
         The private model's parameters read by the loss directly (an L2 penalty, ``out /
         model.temp``) are named in the window's trace, so a term switched on at a later step
         is a new signature, whose ``.grad`` check refuses it (``path_check.py``: dropped from
-        the release, silently, until 2026-12-01); any other trainable tensor (a second
+        the release, silently, until 2026-11-30); any other trainable tensor (a second
         model's parameters, a learnable temperature kept outside the model, a teacher run
         with gradient) is refused: backward would hand it the batch's unclipped, unnoised
         gradient (a second model trained on it by its own optimizer passed silently until
-        2026-12-01; ``loop.check_inputs_private`` is the same rule on the input side)."""
+        2026-11-30; ``loop.check_inputs_private`` is the same rule on the input side)."""
         private, foreign = [], []
         names = self.parameter_names
         with torch._C.DisableTorchFunction():

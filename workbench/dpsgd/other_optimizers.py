@@ -10,7 +10,7 @@ and ``DPOptimizer.step`` replaces ``.grad`` by the released sum. Two ways around
   ``model, dp_optimizer, loader = engine.make_private(optimizer=optimizer, ...)``, a bound
   ``step = optimizer.step`` taken before, ``type(optimizer).step(optimizer)``, a wrapper of
   it built before) moved the weights by the batch's exact gradient with nothing accounted,
-  warned only as a skipped batch, until 2026-12-01. It is refused at any time but inside
+  warned only as a skipped batch, until 2026-11-30. It is refused at any time but inside
   the DP optimizer's own step (``dp._stepping``), after the DP step too (a second update);
 - **a second optimizer** over the same parameters (a leftover ``torch.optim.SGD(model.
   parameters())`` from the non-private loop, an optimizer for a parameter subset built before

@@ -76,7 +76,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
     (``drawn``), and the loader hands it on with the batch (``take_drawn`` ->
     ``batch_rate``), which the engine's accountant charges. The engine charged the q of
     ``make_private`` whatever the sampler drew (q = 0.9 charged as 0.2: ε 5.75 reported for
-    12.29, silently) until 2026-12-01. ``num_samples`` is checked too (records beyond it are
+    12.29, silently) until 2026-11-30. ``num_samples`` is checked too (records beyond it are
     never drawn: their q is 0, below what is charged)."""
 
     def __init__(self, num_samples: int, sample_rate: float, steps: int | None = None,

@@ -294,7 +294,7 @@ class UseTracker(TorchFunctionMode):
         ``register_post_accumulate_grad_hook``) or a node read to set one on (``h.grad_fn``:
         ``register_hook``, ``register_prehook``): part of the trace, so a hook switched on at
         a later step is a new signature, checked again (a hook mixing the records' backprops
-        from step 4 on: 0.90 off, silently, until 2026-12-01), and named in a failed check."""
+        from step 4 on: 0.90 off, silently, until 2026-11-30), and named in a failed check."""
         self.trace = hash((self.trace, name))
         with torch._C.DisableTorchFunction():
             t = args[0] if args and isinstance(args[0], torch.Tensor) else None
