@@ -42,11 +42,12 @@ which ``pld.epsilon_for_delta`` takes off δ (δ(ε) = Σ p_k (1 - e^(ε - ℓ_k
     few ulp per mass) and stay relative through the composition.
 
 Measured (2026-12-01): the float64 composition's actual l1 error (against long double) is
-1/1000-1/2500 of the bound (3) evaluated for float64 (1.3e-10 for 3.1e-7 at q = 0.5, σ = 1000,
-T = 10^6; 1.3e-11 for 2.9e-8 at q = 256/60000, σ = 1.1, T = 10^5): the margin of a worst-case
-bound. In long double the bound is about 1.5e-16 T (1.4e-11 at T = 10^5, 1.5e-10 at 10^6):
-nothing at δ = 1e-5, most of δ = 1e-10 at T = 10^6 (``accountants/pld.py`` then defers to RDP).
-Long double costs 2-5x float64's time (0.02 s -> 0.1 s for T = 10^5 at q = 256/60000, σ = 1.1).
+1/400-1/160 of the bound (3) evaluated for float64 (1.3e-10 for 4.9e-8 at q = 0.5, σ = 1000,
+T = 10^6; 1.3e-11 for 4.7e-9 at q = 256/60000, σ = 1.1, T = 10^5): the margin of a worst-case
+bound. In long double the bound is about 2.4e-17 T (2.3e-12 at T = 10^5, 2.4e-11 at 10^6):
+nothing at δ = 1e-5, a quarter of δ = 1e-10 at T = 10^6 (``accountants/pld.py`` defers to RDP
+where it is over half). Long double costs 2-5x float64's time (0.02 s -> 0.07 s for
+T = 10^5 at q = 256/60000, σ = 1.1).
 
 Notation: ω a discrete PLD, T_g the count of group g, h grid step, λ Chernoff parameter.
 """

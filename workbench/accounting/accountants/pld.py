@@ -13,7 +13,7 @@ Never above RDP (``registry``: ``never_above=("rdp",)``, which the noise calibra
 the result is the smaller of the PLD's ε and the RDP accountant's, both upper bounds. The PLD's
 is one including the FFT's round-off: ε is read at δ minus the bound of ``compose.py`` Eq. (3)
 (until 2026-12-01 it was not, and came out below the truth by up to 0.03 on ~1e6-point grids
-near δ = 1e-10); where that bound eats δ (about T > 10^6 at δ = 1e-10) RDP answers, with a
+near δ = 1e-10); where that bound eats δ (T beyond ~2·10^6 at δ = 1e-10) RDP answers, with a
 ``RuntimeWarning``. Groups with q = 1 are one Gaussian mechanism (``_unsampled``) and are
 composed as a single step of it. Where the
 loss of one step is far narrower than the finest grid (σ = 1e8 at q = 1 for 1e12 steps: one
