@@ -13,8 +13,9 @@ lower bound. Then ε_low(δ) = sup{ε : δ_low(ε) > δ} <= ε_true(δ). This is
 discretisation of Doroshenko et al. (2022, arXiv:2207.04380), used for shuffling by Chua et
 al. (2024, "Scalable DP-SGD: Shuffling vs. Poisson Subsampling", NeurIPS, arXiv:2411.04205).
 
-The FFT's window cut (``compose.TAIL_MASS`` per side) and round-off could add about 1e-14 to
-δ_low; we read ε at δ + ``SLACK`` so that they cannot push the bound up.
+The FFT's window cut (``compose.TAIL_MASS`` per side) could add about 1e-15 to δ_low, and its
+round-off at most the composed PLD's ``roundoff`` (``compose.py`` Eq. (3)); we read ε at
+δ + ``SLACK`` + roundoff so that they cannot push the bound up.
 
 Notation: p, q bin masses, L privacy loss, h loss grid step, E compositions, δ target delta.
 """
@@ -90,7 +91,7 @@ def poisson_lower_epsilon(q, sigma, steps, delta, h=H_LOWER):
     for d in ("remove", "add"):
         h_d = grid_step(h, q, sigma, d)
         pld = compose([(sgm_pld_down(q, sigma, h_d, d), steps)])
-        eps = max(eps, epsilon_for_delta(pld, delta + SLACK))
+        eps = max(eps, epsilon_for_delta(pld, delta + SLACK, side="lower"))
     return eps
 
 
@@ -101,7 +102,7 @@ def history_lower_epsilon(history, delta, h=H_LOWER):
     for d in ("remove", "add"):
         h_d = min(grid_step(h, q, s, d) for s, q, _ in history)
         pld = compose([(sgm_pld_down(q, s, h_d, d), t) for s, q, t in history])
-        eps = max(eps, epsilon_for_delta(pld, delta + SLACK))
+        eps = max(eps, epsilon_for_delta(pld, delta + SLACK, side="lower"))
     return eps
 
 
@@ -122,7 +123,7 @@ def lower_epsilons(pairs, delta, counts, h=H_LOWER):
         fft_counts = sorted({int(t) for t in counts if t > 1})  # one copy needs no FFT
         composed = dict(zip(fft_counts, self_compose_many(pld, fft_counts) if fft_counts else []))
         many = [pld if t == 1 else composed[int(t)] for t in counts]
-        eps = np.maximum(eps, [epsilon_for_delta(c, delta + SLACK) for c in many])
+        eps = np.maximum(eps, [epsilon_for_delta(c, delta + SLACK, side="lower") for c in many])
     return eps
 
 

@@ -65,12 +65,15 @@ def check_pld_delta(delta, accountant: str = "PLD"):
 
 @dataclass(frozen=True)
 class DiscretePLD:
-    """A PLD on the grid ℓ_k = (offset + k) h: ``pmf`` (n,), plus ``inf_mass`` at L = +inf."""
+    """A PLD on the grid ℓ_k = (offset + k) h: ``pmf`` (n,), plus ``inf_mass`` at L = +inf;
+    ``roundoff`` bounds the l1 error of ``pmf`` from the FFT composition (``compose.py``,
+    Eq. (3)), which ``epsilon_for_delta`` and ``delta_for_epsilon`` account for."""
 
     h: float
     offset: int
     pmf: np.ndarray
     inf_mass: float = 0.0
+    roundoff: float = 0.0
 
     @property
     def losses(self):
@@ -182,15 +185,26 @@ def sgm_pld(q, sigma, h, direction):
     return DiscretePLD(h=h, offset=int(k[0]), pmf=pmf, inf_mass=float(p[-1]))
 
 
-def delta_for_epsilon(pld, eps):
-    """δ(ε) of a discrete PLD, Eq. (1): exact for the discrete law."""
+def _side(side):
+    if side not in ("upper", "lower"):
+        raise ValueError(f"side={side!r} must be 'upper' or 'lower'")
+    return 1.0 if side == "upper" else -1.0
+
+
+def delta_for_epsilon(pld, eps, side="upper"):
+    """δ(ε) of a discrete PLD, Eq. (1), plus (``side="upper"``) or minus (``"lower"``) the
+    round-off bound ``pld.roundoff``: an l1 error r in the pmf moves δ by at most r."""
     ell = pld.losses
     above = ell > eps
-    return pld.inf_mass + float(np.sum(pld.pmf[above] * -np.expm1(eps - ell[above])))
+    delta = pld.inf_mass + float(np.sum(pld.pmf[above] * -np.expm1(eps - ell[above])))
+    return max(delta + _side(side) * pld.roundoff, 0.0)
 
 
-def epsilon_for_delta(pld, delta):
-    """Smallest ε >= 0 with δ(ε) <= delta, Eq. (1) solved exactly between grid points."""
+def epsilon_for_delta(pld, delta, side="upper"):
+    """Smallest ε >= 0 with δ(ε) <= delta, Eq. (1) solved exactly between grid points, read at
+    δ - ``pld.roundoff`` (``side="upper"``: an upper bound on the ε of the exact composition,
+    inf where the round-off bound eats δ) or at δ + it (``"lower"``, for lower bounds)."""
+    delta = delta - _side(side) * pld.roundoff
     if pld.inf_mass >= delta:
         return np.inf
     ell, p = pld.losses, pld.pmf

@@ -10,13 +10,20 @@ automatically when one step's loss is narrow (``pld.grid_step``). Add/remove adj
 the worse of the two directions, each on one grid shared by all its groups.
 
 Never above RDP (``registry``: ``never_above=("rdp",)``, which the noise calibration relies on):
-the result is the smaller of the PLD's ε and the RDP accountant's, both upper bounds. Where the
+the result is the smaller of the PLD's ε and the RDP accountant's, both upper bounds. The PLD's
+is one including the FFT's round-off: ε is read at δ minus the bound of ``compose.py`` Eq. (3)
+(until 2026-12-01 it was not, and came out below the truth by up to 0.03 on ~1e6-point grids
+near δ = 1e-10); where that bound eats δ (T beyond ~2·10^6 at δ = 1e-10) RDP answers, with a
+``RuntimeWarning``. Groups with q = 1 are one Gaussian mechanism (``_unsampled``) and are
+composed as a single step of it. Where the
 loss of one step is far narrower than the finest grid (σ = 1e8 at q = 1 for 1e12 steps: one
 Gaussian with σ = 100) the grid's own spread, h²/4 per step, swamps the loss's variance and the
 PLD alone said ε = 0.33 against RDP's 0.031 and the exact 0.027.
 
 Notation: σ noise multiplier, q sample rate, T steps, h grid step, δ target delta.
 """
+
+import warnings
 
 import numpy as np
 
@@ -50,7 +57,8 @@ def pld_epsilon(history, delta, discretization=PLD_DISCRETIZATION, max_refine=MA
     check_pld_delta(delta)
     if all(q == 1 for _, q, _ in history):
         return _unsampled(history, delta)
-    eps = 0.0
+    history = _merge_unsampled(history)
+    eps, roundoff = 0.0, 0.0
     for d in DIRECTIONS:  # each direction on one grid shared by all its groups
         h_d = min(grid_step(h, q, s, d, max_refine) for s, q, _ in history)
         fits = max((hi - lo) / MAX_GRID_POINTS for lo, hi in  # the finest step at which
@@ -59,8 +67,31 @@ def pld_epsilon(history, delta, discretization=PLD_DISCRETIZATION, max_refine=MA
         # limit (until 2026-11-29 the refined step was refused for the wide group, the
         # message blaming the discretization the user had not chosen)
         pld = compose([(sgm_pld(q, s, h_d, d), t) for s, q, t in history])
-        eps = max(eps, epsilon_for_delta(pld, delta))
-    return min(eps, rdp_epsilon(history, delta))  # two upper bounds: the smaller holds
+        eps = max(eps, epsilon_for_delta(pld, delta))  # at δ - pld.roundoff: an upper bound
+        roundoff = max(roundoff, pld.roundoff)
+    rdp = rdp_epsilon(history, delta)
+    _note_roundoff(roundoff, delta, rdp <= eps)
+    return min(eps, rdp)  # two upper bounds: the smaller holds
+
+
+def _merge_unsampled(history):
+    """The groups with q = 1 as one Gaussian step of noise (Σ T / σ²)^(-1/2) (``_unsampled``):
+    the same mechanism, and one step instead of T on the FFT grid (R1 of 2026-12-01: 10^6 steps
+    of σ = 1000 beside one other step came out at 6.5420 for an exact lower bound of 6.5479)."""
+    full = [(s, t) for s, q, t in history if q == 1]
+    if not full:
+        return list(history)
+    sigma = sum(t / s ** 2 for s, t in full) ** -0.5
+    return [(sigma, 1.0, 1)] + [(s, q, t) for s, q, t in history if q != 1]
+
+
+def _note_roundoff(roundoff, delta, rdp_answers):
+    """Warn when the FFT's round-off bound took over half of δ and RDP's ε is what is left."""
+    if roundoff > delta / 2 and rdp_answers:
+        warnings.warn(
+            f"the PLD accountant's FFT round-off bound ({roundoff:.3g}) is over half of "
+            f"delta={delta:g}, so epsilon is the RDP accountant's; a larger delta, or fewer "
+            f"steps, lets the PLD answer", RuntimeWarning, stacklevel=3)
 
 
 def pld_curve(q, sigma, steps, delta, discretization=PLD_DISCRETIZATION, max_refine=MAX_REFINE,
@@ -71,12 +102,15 @@ def pld_curve(q, sigma, steps, delta, discretization=PLD_DISCRETIZATION, max_ref
     check_pld_delta(delta)
     if q == 1:
         return np.array([_unsampled([(sigma, 1.0, t)], delta) for t in steps])
-    out = np.zeros(len(steps))
+    out, roundoff = np.zeros(len(steps)), 0.0
     for d in DIRECTIONS:
         h_d = grid_step(h, q, sigma, d, max_refine, max_grid_points)
         plds = self_compose_many(sgm_pld(q, sigma, h_d, d), list(steps))
-        out = np.maximum(out, [epsilon_for_delta(p, delta) for p in plds])
-    return np.minimum(out, rdp_curve(q, sigma, steps, delta))  # never above RDP (docstring)
+        out = np.maximum(out, [epsilon_for_delta(p, delta) for p in plds])  # at δ - roundoff
+        roundoff = max([roundoff] + [p.roundoff for p in plds])
+    rdp = rdp_curve(q, sigma, steps, delta)
+    _note_roundoff(roundoff, delta, bool(np.any(rdp <= out)))
+    return np.minimum(out, rdp)  # never above RDP (docstring)
 
 
 def _unsampled(history, delta) -> float:
@@ -84,7 +118,8 @@ def _unsampled(history, delta) -> float:
     Gaussian mechanism of noise (Σ_t T_t / σ_t²)^(-1/2), whose ε is exact (``gaussian.py``).
     The FFT's round-off, which grows with T, put the PLD's ε below that exact value at many
     steps near the δ floor until 2026-11-30 (σ = 6324.6, T = 10^7, δ = 1e-10: 3.09793 for
-    3.09943; σ = 2, T = 3000: 548.309 for 548.314)."""
+    3.09943; σ = 2, T = 3000: 548.309 for 548.314); mixed histories merge their q = 1 groups
+    into one such step (``_merge_unsampled``) and bound the round-off (``compose.py``)."""
     eps = gaussian_epsilon(sum(t / s ** 2 for s, _, t in history) ** -0.5, delta)
     return eps + 4e-13 * (1 + eps)  # past the root finder's tolerance: an upper bound still
 

@@ -82,6 +82,7 @@ class _ShiftedPRV:
     pmf: np.ndarray
     inf_mass: float
     shift: float
+    roundoff: float = 0.0  # the FFT's, ``compose.py`` Eq. (3)
 
     @property
     def losses(self):
@@ -163,7 +164,7 @@ def _composed(history, h, L, direction):
         parts.append((step, t))
         total_shift += t * shift
     pld = compose(parts)
-    return _ShiftedPRV(pld.h, pld.offset, pld.pmf, pld.inf_mass, total_shift)
+    return _ShiftedPRV(pld.h, pld.offset, pld.pmf, pld.inf_mass, total_shift, pld.roundoff)
 
 
 def _check_errors(delta, eps_error, delta_error):
@@ -192,14 +193,13 @@ def prv_epsilon_bounds(history, delta, eps_error=EPS_ERROR, delta_error=None) ->
     lower = estimate = upper = 0.0
     for direction in DIRECTIONS:  # add/remove adjacency: the worse of the two
         prv = _composed(history, h, L, direction)
-        spill = max(abs(float(prv.pmf.sum()) + float(prv.inf_mass) - 1.0),  # the FFT's
-                    10 * prv.pmf.size * np.finfo(np.float64).eps)  # round-off mass, ~1e-10
-        # on ~1e6 points, bounded by its net sum and n·eps: the lower end at δ + it, or the
-        # interval stated missed the truth (1.42-1.44 for ≤ 0.89 at δ = 1e-10, 1.5M points,
-        # until 2026-11-30)
+        # every reading allows for the FFT's round-off (``compose.py`` Eq. (3)): the upper end
+        # at δ - δ_err - it, the lower at δ + δ_err + it (until 2026-11-30 the interval missed
+        # the truth, 1.42-1.44 for <= 0.89 at δ = 1e-10 on 1.5M points; a measured spill
+        # max(|mass - 1|, 10 n eps) stood in for the bound until 2026-12-01)
         estimate = max(estimate, epsilon_for_delta(prv, delta))
         upper = max(upper, epsilon_for_delta(prv, delta - delta_error) + eps_error)
-        lower = max(lower, epsilon_for_delta(prv, delta + delta_error + spill) - eps_error)
+        lower = max(lower, epsilon_for_delta(prv, delta + delta_error, side="lower") - eps_error)
     return PRVEpsilon(max(lower, 0.0), estimate, upper, eps_error, delta_error)
 
 
@@ -220,7 +220,7 @@ def prv_curve(q, sigma, steps, delta, eps_error=EPS_ERROR, delta_error=None):
     for direction in DIRECTIONS:
         step, shift = _discrete_step(q, sigma, h, L, direction)
         for i, (t, pld) in enumerate(zip(steps, self_compose_many(step, list(steps)))):
-            prv = _ShiftedPRV(pld.h, pld.offset, pld.pmf, pld.inf_mass, t * shift)
+            prv = _ShiftedPRV(pld.h, pld.offset, pld.pmf, pld.inf_mass, t * shift, pld.roundoff)
             out[i] = max(out[i], epsilon_for_delta(prv, delta - delta_error) + eps_error)
     return out
 
