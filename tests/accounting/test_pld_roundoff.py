@@ -2,7 +2,7 @@
 
 Reference values: the exact Gaussian ε of a run's q = 1 part (a lower bound on the whole run),
 and the same pessimistic PLD composed in long double at ever finer grids, which converges to the
-truth from above (probe of 2026-12-01, /work/runs/probeQ R1-R3); float64 composition without the
+truth from above (probe of 2026-11-30, /work/runs/probeQ R1-R3); float64 composition without the
 bound came out below both.
 """
 

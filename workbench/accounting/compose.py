@@ -17,7 +17,7 @@ outside the window holds at most ``TAIL_MASS``. The upper tail is added to the m
 (it could wrap to a low loss and hide from δ); the lower tail can only wrap upwards, which is
 pessimistic. Masses at +inf compose as 1 - Π_g (1 - m_g)^(T_g).
 
-Numerics (until 2026-12-01 the composition ran in float64 and its round-off, about 1e-16 per
+Numerics (until 2026-11-30 the composition ran in float64 and its round-off, about 1e-16 per
 grid point, put ε below the truth on ~1e6-point grids: 6.5420 for the exact lower bound 6.5479 at
 δ = 1e-10). The FFTs and powers now run in long double (``DTYPE``, unit round-off u = 2^-64 on
 x86), and every composed PLD carries ``roundoff``, a rigorous bound on the l1 error of its pmf,
@@ -41,7 +41,7 @@ which ``pld.epsilon_for_delta`` takes off δ (δ(ε) = Σ p_k (1 - e^(ε - ℓ_k
     plus 2^-52 for rounding the result to float64. sgm_pld's own float64 errors are relative (a
     few ulp per mass) and stay relative through the composition.
 
-Measured (2026-12-01): the float64 composition's actual l1 error (against long double) is
+Measured (2026-11-30): the float64 composition's actual l1 error (against long double) is
 1/400-1/160 of the bound (3) evaluated for float64 (1.3e-10 for 4.9e-8 at q = 0.5, σ = 1000,
 T = 10^6; 1.3e-11 for 4.7e-9 at q = 256/60000, σ = 1.1, T = 10^5): the margin of a worst-case
 bound. In long double the bound is about 2.4e-17 T (2.3e-12 at T = 10^5, 2.4e-11 at 10^6):

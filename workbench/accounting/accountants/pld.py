@@ -12,7 +12,7 @@ the worse of the two directions, each on one grid shared by all its groups.
 Never above RDP (``registry``: ``never_above=("rdp",)``, which the noise calibration relies on):
 the result is the smaller of the PLD's ε and the RDP accountant's, both upper bounds. The PLD's
 is one including the FFT's round-off: ε is read at δ minus the bound of ``compose.py`` Eq. (3)
-(until 2026-12-01 it was not, and came out below the truth by up to 0.03 on ~1e6-point grids
+(until 2026-11-30 it was not, and came out below the truth by up to 0.03 on ~1e6-point grids
 near δ = 1e-10); where that bound eats δ (T beyond ~2·10^6 at δ = 1e-10) RDP answers, with a
 ``RuntimeWarning``. Groups with q = 1 are one Gaussian mechanism (``_unsampled``) and are
 composed as a single step of it. Where the
@@ -76,7 +76,7 @@ def pld_epsilon(history, delta, discretization=PLD_DISCRETIZATION, max_refine=MA
 
 def _merge_unsampled(history):
     """The groups with q = 1 as one Gaussian step of noise (Σ T / σ²)^(-1/2) (``_unsampled``):
-    the same mechanism, and one step instead of T on the FFT grid (R1 of 2026-12-01: 10^6 steps
+    the same mechanism, and one step instead of T on the FFT grid (R1 of 2026-11-30: 10^6 steps
     of σ = 1000 beside one other step came out at 6.5420 for an exact lower bound of 6.5479)."""
     full = [(s, t) for s, q, t in history if q == 1]
     if not full:

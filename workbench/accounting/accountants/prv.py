@@ -196,7 +196,7 @@ def prv_epsilon_bounds(history, delta, eps_error=EPS_ERROR, delta_error=None) ->
         # every reading allows for the FFT's round-off (``compose.py`` Eq. (3)): the upper end
         # at δ - δ_err - it, the lower at δ + δ_err + it (until 2026-11-30 the interval missed
         # the truth, 1.42-1.44 for <= 0.89 at δ = 1e-10 on 1.5M points; a measured spill
-        # max(|mass - 1|, 10 n eps) stood in for the bound until 2026-12-01)
+        # max(|mass - 1|, 10 n eps) stood in for the bound until 2026-11-30)
         estimate = max(estimate, epsilon_for_delta(prv, delta))
         upper = max(upper, epsilon_for_delta(prv, delta - delta_error) + eps_error)
         lower = max(lower, epsilon_for_delta(prv, delta + delta_error, side="lower") - eps_error)
