@@ -43,15 +43,18 @@ def micro_grads(layer, a, b):
                                             layer.weight)[0] for i in range(a.shape[0])])
 
 
+@pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("dims,name", VARIANTS)
-def test_the_shifted_gram_is_the_unfolded_gram(dims, name):
+def test_the_shifted_gram_is_the_unfolded_gram(dims, name, strided):
     layer, a, _ = layer_and_batch(dims, name)
     want = conv_rule.unfolded_gram(layer, a)
-    torch.testing.assert_close(conv_rule.shifted_gram(layer, a), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(conv_rule.shifted_gram(layer, a, strided=strided), want,
+                               rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("scratch,gram_route", [  # whole call, one sample, uneven chunks
-    (None, "shifted"), (1, "unfolded"), (700, "shifted"), (None, "auto"), (700, "auto")])
+    (None, "shifted"), (1, "unfolded"), (700, "shifted"), (None, "strided"), (700, "strided"),
+    (None, "auto"), (700, "auto")])
 @pytest.mark.parametrize("dims,name", VARIANTS)
 def test_conv_norms_match_micro_batching(dims, name, scratch, gram_route, monkeypatch):
     monkeypatch.setattr(conv_rule, "SCRATCH", scratch)
@@ -75,14 +78,22 @@ def test_chunked_per_sample_gradients_match_micro_batching(dims, name, route, mo
     torch.testing.assert_close(got, micro_grads(layer, a, b), rtol=1e-10, atol=1e-12)
 
 
-def test_gram_way_picks_the_smaller_product(monkeypatch):
-    """S² < k L²: shifted at stride 1 (S ≈ L), unfolded at stride 2 (L ≈ S / 4)."""
-    a = torch.zeros(1, 8, 8, 8)
-    assert conv_rule.gram_way(nn.Conv2d(8, 8, 3, padding=1), a) == "shifted"
-    assert conv_rule.gram_way(nn.Conv2d(8, 8, 3, stride=2, padding=1), a) == "unfolded"
-    assert conv_rule.gram_way(nn.Conv1d(8, 8, 3), torch.zeros(1, 8, 64)) == "shifted"
+def test_gram_way_picks_the_cheapest_modelled_way(monkeypatch):
+    """``gram_costs``' order: the shifted loop for many channels on a mid-sized map (the
+    CIFAR-10 CNN's chunks of 32), the unfolded input for few channels or a stride of 2, the
+    strided view on the base ResNets' smallest maps, where the op count decides."""
+    conv = nn.Conv2d(64, 64, 3, padding=1)
+    assert conv_rule.gram_way(conv, torch.zeros(32, 64, 8, 8)) == "shifted"
+    assert conv_rule.gram_way(nn.Conv2d(8, 8, 3, padding=1), torch.zeros(32, 8, 8, 8)) == \
+        "unfolded"
+    assert conv_rule.gram_way(nn.Conv2d(16, 16, 3, stride=2, padding=1),
+                              torch.zeros(16, 16, 8, 8)) == "unfolded"
+    assert conv_rule.gram_way(conv, torch.zeros(16, 64, 2, 2)) == "strided"
+    for a in (torch.zeros(32, 64, 8, 8), torch.zeros(16, 8, 16, 16), torch.zeros(16, 64, 2, 2)):
+        costs = conv_gram.gram_costs(conv if a.shape[1] == 64 else nn.Conv2d(8, 8, 3), a)
+        assert set(costs) == {"unfolded", "shifted", "strided"} and min(costs.values()) > 0
     monkeypatch.setattr(conv_rule, "GRAM_ROUTE", "unfolded")  # the setting, through conv
-    assert conv_rule.gram_way(nn.Conv2d(8, 8, 3, padding=1), a) == "unfolded"
+    assert conv_rule.gram_way(conv, torch.zeros(32, 64, 8, 8)) == "unfolded"
     assert conv_gram.GRAM_ROUTE == "unfolded"
 
 

@@ -24,6 +24,9 @@ CONFIGS = {
     "reflect": dict(kernel_size=3, padding=1, padding_mode="reflect"),
     "replicate": dict(kernel_size=3, padding=2, padding_mode="replicate"),
     "circular": dict(kernel_size=3, padding=1, padding_mode="circular", stride=2),
+    "pointwise": dict(kernel_size=1),  # the unfold is a view of the input
+    "pointwise-stride": dict(kernel_size=1, stride=2, groups=2),  # every other position
+    "pointwise-pad": dict(kernel_size=1, padding=1),  # padded: the general unfold
 }
 
 
@@ -119,3 +122,13 @@ def test_cnn_with_pooling_float32():
     )
     x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 4, (8,))
     assert_agree(model, nn.CrossEntropyLoss(reduction="none"), x, y)
+
+
+@pytest.mark.parametrize("stride,padding", [(1, 0), (2, 0), ((1, 2), 0), (1, 1), (2, 1)])
+def test_unfold_of_a_pointwise_convolution_is_f_unfold(stride, padding):
+    """A 1x1 kernel's unfold (a view, or every s-th position; the general route once padded)
+    against PyTorch's own im2col, F.unfold, float64, exactly."""
+    layer = nn.Conv2d(3, 4, 1, stride=stride, padding=padding).double()
+    a = torch.randn(2, 3, 7, 6, dtype=torch.float64)
+    want = torch.nn.functional.unfold(a, 1, padding=padding, stride=stride)  # (n, C, L)
+    torch.testing.assert_close(conv_sampler.unfold(layer, a), want, rtol=0, atol=0)

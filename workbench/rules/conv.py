@@ -90,12 +90,15 @@ def conv_norm_sampler(layer, activations, backprops):
     """Σ over the trainable parameters of ||g_i||² (n,), without the n gradients at once."""
     a = activations[0]
     n = a.shape[0]
-    squares = torch.zeros(n, dtype=backprops.dtype, device=backprops.device)
+    squares = None  # (n,) in b's dtype; no zeros to add to (two ops fewer per call)
     if layer.weight.requires_grad:
-        squares += weight_squares(layer, a, backprops).to(squares.dtype)
+        squares = weight_squares(layer, a, backprops).to(backprops.dtype)
     if layer.bias is not None and layer.bias.requires_grad:
         B = backprops.reshape(n, layer.out_channels, -1)  # (n, p, L)
-        squares += B.sum(2).pow(2).sum(1)  # ||Σ_l b_l||²
+        bias = B.sum(2).pow(2).sum(1)  # ||Σ_l b_l||²
+        squares = bias if squares is None else squares.add_(bias)
+    if squares is None:
+        return torch.zeros(n, dtype=backprops.dtype, device=backprops.device)
     return squares
 
 

@@ -30,9 +30,10 @@ def scratch_per_sample(layer, a, route: str) -> int:
     """Temporary numbers per sample of one route besides its (C k, p/G) output: the unfolded
     input (C k L) for 'unfold', the weight copy (P) and a padded input for 'grouped', the
     padded input and an over-long output for 'depthwise'."""
-    per_input = a[0].numel() if a.shape[0] else 0
+    per_input = a.shape[1:].numel() if a.shape[0] else 0  # shapes: no tensor op
     if route == "unfold":
-        return layer.weight[0].numel() * layer.groups * output_positions(layer, a.shape[2:])
+        return layer.weight.shape[1:].numel() * layer.groups * output_positions(layer,
+                                                                               a.shape[2:])
     if route == "grouped":
         return layer.weight.numel() + 2 * per_input
     return 3 * per_input

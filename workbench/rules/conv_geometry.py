@@ -38,6 +38,8 @@ def conv_padding(layer) -> list[tuple[int, int]]:
 def pad_input(layer, a: torch.Tensor) -> torch.Tensor:
     """``a`` padded exactly as the layer pads it (any padding mode)."""
     pads = [side for pair in reversed(conv_padding(layer)) for side in pair]
+    if not any(pads):
+        return a  # nothing to pad: ``a`` itself, not F.pad's copy (its callers only read it)
     mode = "constant" if layer.padding_mode == "zeros" else layer.padding_mode
     return F.pad(a, pads, mode=mode)
 
@@ -72,9 +74,16 @@ def conv_dims(layer, a) -> tuple[int, int, int]:
 
 
 def unfold(layer, a: torch.Tensor) -> torch.Tensor:
-    """Receptive fields of ``a`` as columns: (n, C, *spatial) -> (n, C k_1..k_D, L)."""
+    """Receptive fields of ``a`` as columns: (n, C, *spatial) -> (n, C k_1..k_D, L).
+
+    A 1x1 kernel without padding reads one input position per output position: its unfold
+    is the input at every s-th position, a view of ``a`` at stride 1 (a Linear over the
+    positions), a copy of the L kept positions otherwise; no window dims, no permute."""
     n, C = a.shape[:2]
     dims = len(layer.kernel_size)
+    if math.prod(layer.kernel_size) == 1 and not any(lo or hi for lo, hi in conv_padding(layer)):
+        kept = a[(Ellipsis, *(slice(None, None, s) for s in layer.stride))]  # (n, C, *L_j)
+        return kept.reshape(n, C, -1)
     a = pad_input(layer, a)
     for axis, (k, s, d) in enumerate(zip(layer.kernel_size, layer.stride, layer.dilation)):
         a = a.unfold(2 + axis, d * (k - 1) + 1, s)[..., ::d]  # window of span d(k-1)+1, every d-th

@@ -55,7 +55,7 @@ def unfold_weight_grads(layer, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor
     b = b.reshape(n, G, layer.out_channels // G, -1)  # (n, G, p/G, L)
     U = unfold(layer, a)  # (n, C k, L)
     U = U.reshape(n, G, -1, U.shape[-1])  # (n, G, C k / G, L)
-    w = torch.einsum("ngpl,ngkl->ngpk", b, U)  # (n, G, p/G, C k / G)
+    w = b @ U.transpose(2, 3)  # (n, G, p/G, C k / G): one batched product, no einsum parse
     return w.reshape(n, *layer.weight.shape)
 
 
@@ -137,11 +137,15 @@ def conv_grad_sampler(layer, activations, backprops):
     out = {}
     if layer.weight.requires_grad:
         n, route = a.shape[0], choose_route(layer, a)
-        w = a.new_empty(n, *layer.weight.shape)  # (n, *W.shape), filled chunk by chunk
         per_sample = scratch_per_sample(layer, a, route)
-        for part in chunks(n, per_sample, scratch_budget(a, backprops, per_sample)):
-            w[part] = WEIGHT_GRADS[route](layer, a[part], backprops[part])
-        out["weight"] = w
+        parts = chunks(n, per_sample, scratch_budget(a, backprops, per_sample))
+        if len(parts) == 1:  # the whole batch at once: the route's own output, no copy
+            out["weight"] = WEIGHT_GRADS[route](layer, a, backprops).contiguous()
+        else:
+            w = a.new_empty(n, *layer.weight.shape)  # (n, *W.shape), filled chunk by chunk
+            for part in parts:
+                w[part] = WEIGHT_GRADS[route](layer, a[part], backprops[part])
+            out["weight"] = w
     if layer.bias is not None and layer.bias.requires_grad:
         out["bias"] = backprops.flatten(2).sum(dim=2)  # (n, p)
     return out
