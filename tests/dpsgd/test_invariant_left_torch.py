@@ -1,12 +1,13 @@
 """The invariant where the batch leaves torch (``loss_terms.EXPORTS``): a tensor of the batch
 exported to NumPy or Python (``.numpy()``, ``np.asarray``, ``tolist()``), a batch statistic
 computed there (a NumPy mean and std, ``np.bincount``, a ``Counter``) and brought back as a
-tensor (``torch.from_numpy``, ``torch.tensor``, ``as_tensor``, ``new_tensor``) into the
-model's input or the loss. The window cannot follow it, so it is refused by name, before and
-after the forward pass (one record moved the released sum by 3.75 C, silently, until
-2026-11-30). Exports only for logging, the outputs' exports (an accuracy), constants made
-before the loop or before the export, a zero accumulator and tensors built from the loader's
-strings (nothing of the batch left torch) are accepted, exactly."""
+tensor (``torch.from_numpy``, ``torch.tensor``, ``as_tensor``, ``new_tensor``) or as a number
+(a max, mean or std, matched by value) into the model's input or the loss. The window cannot
+follow it, so it is refused by name, before and after the forward pass (one record moved the
+released sum by 3.75 C, silently, until 2026-11-30). Exports only for logging, the outputs'
+exports (an accuracy), constants made before the loop or before the export, literal numbers,
+a zero accumulator and ids tokenized in the collate_fn or from a prompt (nothing of the batch
+left torch) are accepted, exactly."""
 
 import collections
 
@@ -95,11 +96,35 @@ def new_tensor_weights(model, x, y):
     return (ce(out, y) * out.new_tensor((1.0 / (cnt + 1))[y.numpy()])).sum()
 
 
+def numpy_scalar(model, x, y):
+    a = x.numpy()
+    return ce(model(x * float(1.0 / np.abs(a).max())), y).sum()
+
+
+def tolist_max(model, x, y):
+    return ce(model(x / max(abs(v) for row in x.tolist() for v in row)), y).sum()
+
+
+def numpy_global_standardised(model, x, y):
+    a = x.numpy()
+    return ce(model((x - float(a.mean())) / float(a.std())), y).sum()
+
+
+def loss_over_numpy_mean(model, x, y):
+    out = model(x)
+    return ce(out, y).sum() / float(np.abs(x.numpy()).sum())
+
+
 REFUSED = {"inputs standardised in NumPy": (numpy_standardised, "model's input", "numpy"),
            "inputs scaled via np.asarray": (asarray_scaled, "model's input", "__array__"),
            "np.bincount weight=": (bincount_weight, "loss", "numpy"),
            "Counter weights": (counter_weights, "loss", "tolist"),
-           "new_tensor weights": (new_tensor_weights, "loss", "numpy")}
+           "new_tensor weights": (new_tensor_weights, "loss", "numpy"),
+           "a NumPy scale as a number": (numpy_scalar, "model's input", "numpy"),
+           "a tolist() max as a number": (tolist_max, "model's input", "tolist"),
+           "a NumPy mean and std as numbers": (numpy_global_standardised, "model's input",
+                                                "numpy"),
+           "a NumPy sum dividing the loss": (loss_over_numpy_mean, "loss", "numpy")}
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED))
@@ -146,9 +171,20 @@ def reference_constant(model, x, y):
     return F.cross_entropy(model(x), y, weight=W, reduction="sum")
 
 
+def exported_then_constants(model, x, y):
+    assert x.numpy().shape == x.shape and len(y.tolist()) == len(y)  # logged
+    return same_constants(model, x, y)
+
+
+def same_constants(model, x, y):
+    return ce(model(x / 255.0 * 3.0), y).sum() * 0.5
+
+
 ACCEPTED = {"logging after backward": (plain, plain, logged_after_backward),
             "labels exported for metrics": (labels_for_metrics, plain, None),
-            "constant made before the loop": (constant_weights, reference_constant, None)}
+            "constant made before the loop": (constant_weights, reference_constant, None),
+            "literal constants after an export": (exported_then_constants, same_constants,
+                                                  None)}
 
 
 @pytest.mark.parametrize("case", sorted(ACCEPTED))

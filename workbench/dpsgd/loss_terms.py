@@ -45,11 +45,19 @@ one record's influence to 3.75 C, silently, until 2026-11-30. Not refused: an ex
 model's outputs (an accuracy), an export no host-made tensor follows (labels logged), a
 tensor made before the export or before the window (constants), a zero scalar (an
 accumulator), and tensors made from host values when nothing of the batch left torch (a
-tokenizer on the loader's strings).
+tokenizer in the collate_fn or on a prompt).
+A Python number brought back (``x / float(np.abs(a).max())``, ``max(x.tolist())``) is no
+tensor: the export's own whole-batch statistics (max, min, |max|, |min|, mean, std, sum, norm,
+the mean and sum of |x|, and their reciprocals: ``host_numbers``) are kept, and a non-integer
+number equal to one of them (relative 1e-9) in a multiplication, division or shift marks the
+result as a statistic (a literal such as 255.0 matches none of them; a per-column statistic
+comes back as an array). Other statistics read back as numbers (a median, a percentile) are
+not matched.
 
 Notation: n records, m rows per record (positions), o model output, ℓ a record's term.
 """
 
+import math
 import weakref
 
 import torch
@@ -83,7 +91,7 @@ EXPORTS = {"numpy", "__array__", "tolist"}
 """The batch leaving torch for NumPy or Python, where no mode follows it."""
 FROM_HOST = {"tensor", "as_tensor", "asarray", "new_tensor", "from_numpy"}
 """A tensor made from host values: what comes back into the step after ``EXPORTS``."""
-LEFT_TORCH = "a tensor made from host values after the batch left torch"
+LEFT_TORCH = "after the batch left torch"
 PICKERS = {"__getitem__", "index_select", "take", "gather", "take_along_dim", "masked_select"}
 """Picking the records by an index computed from a reduction over them (``l.argsort()``)."""
 LAST_DIM = {"sort", "argsort", "topk", "kthvalue"}  # ops whose dim defaults to the last
@@ -141,6 +149,7 @@ class BatchStatistics:
         self.source: dict[str, int] = {}  # what -> rows of the reduced tensor (n unknown)
         self.order = RowOrder(self.before, self.earlier)  # rows of two records combined
         self.exported: tuple | None = None  # (what left torch, its rows): EXPORTS
+        self.host_numbers: list[tuple[float, str]] = []  # the exports' statistics (numbers)
         _follow_host(self, False)
 
     def _batch(self, rows: int) -> bool:
@@ -199,10 +208,11 @@ class BatchStatistics:
                 and self._batch(tensors[0].shape[0]) \
                 and not self._has(self.derived, tensors[0]):  # (an accuracy: the outputs')
             x = tensors[0]
+            left = f"{name}() of a {tuple(x.shape)} {x.dtype} tensor of the batch"
             if self.exported is None:
-                self.exported = (f"{name}() of a {tuple(x.shape)} {x.dtype} tensor of the "
-                                 f"batch", int(x.shape[0]))
+                self.exported = (left, int(x.shape[0]))
                 _follow_host(self, True)
+            self.host_numbers += host_numbers(x, left)
         elif name in FROM_HOST and self.exported is not None and not any(
                 isinstance(a, torch.Tensor) for a in flat[1 if name == "new_tensor" else 0:]):
             self.host(f"{'Tensor' if name == 'new_tensor' else 'torch'}.{name}()", out)
@@ -231,6 +241,8 @@ class BatchStatistics:
             what = next((self.numbers[float(v)] for v in flat
                          if isinstance(v, (int, float)) and not isinstance(v, bool)
                          and float(v) in self.numbers), None)
+        if what is None and name in ARITHMETIC and self.host_numbers and tensors:
+            what = self._host_number(flat)
         if what is not None:
             if name in TO_NUMBER:  # not an accuracy count or a logged loss: not the outputs'
                 if not self._has(self.derived, tensors[0]):
@@ -265,9 +277,21 @@ class BatchStatistics:
                 not out.dim() and not out.is_complex() and float(out) == 0):  # (an accumulator)
             return
         left, rows = self.exported
-        what = f"{made}, {LEFT_TORCH} by {left}"
+        what = f"{made}, a tensor made from host values {LEFT_TORCH} by {left}"
         self.source[what] = rows
         self._mark(self.stats, out, what)
+
+    def _host_number(self, flat) -> str | None:
+        """A number of ``flat`` equal to a statistic of an export (``host_numbers``)."""
+        for v in flat:
+            if isinstance(v, (int, float)) and not isinstance(v, bool) \
+                    and math.isfinite(v) and v != int(v):  # (1, 2, n: no value to match)
+                for value, stat in self.host_numbers:
+                    if abs(v - value) <= 1e-9 * abs(value):
+                        self.source.setdefault(
+                            (what := f"the number {v:g}, {stat}"), self.exported[1])
+                        return what
+        return None
 
     def stop(self) -> None:
         """The window stops following (its loss is checked): no more host-made tensors."""
@@ -304,6 +328,27 @@ class BatchStatistics:
     def statistic(self, loss) -> str | None:
         """What makes ``loss`` a batch statistic, or None."""
         return self._find(self.stats, loss) if isinstance(loss, torch.Tensor) else None
+
+
+def host_numbers(x: torch.Tensor, left: str) -> list:
+    """The whole-batch statistics of an exported tensor that a loop may bring back as a
+    number, each with its description (``BatchStatistics._host_number``)."""
+    if x.is_complex() or not x.numel():
+        return []
+    a = x.detach().double().flatten()
+    stats = {"max": a.max(), "min": a.min(), "|max|": a.abs().max(), "|min|": a.abs().min(),
+             "mean": a.mean(), "sum": a.sum(), "norm": a.norm(), "|x| mean": a.abs().mean(),
+             "|x| sum": a.abs().sum()}
+    if a.numel() > 1:
+        stats.update({"std": a.std(), "std (ddof 0)": a.std(unbiased=False)})
+    found = []
+    for stat, value in stats.items():
+        value = float(value)
+        if math.isfinite(value) and value != int(value):  # (a count, a label's max: no match)
+            what = f"read back {LEFT_TORCH} by {left} (equal to the batch's {stat}"
+            found.append((value, f"{what})"))
+            found.append((1.0 / value, f"{what}, inverted)"))
+    return found
 
 
 def left_torch_message(what: str, where: str) -> str:
