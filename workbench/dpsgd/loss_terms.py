@@ -42,7 +42,9 @@ a window that saw an export is followed, ``_follow_host``) is a statistic named 
 torch and what came back (``LEFT_TORCH``): a model input or loss computed from it is refused
 with its own message (``left_torch_message``). Inputs standardised per batch in NumPy moved
 one record's influence to 3.75 C, silently, until 2026-11-30. Not refused: an export of the
-model's outputs (an accuracy), an export no host-made tensor follows (labels logged), a
+model's outputs (an accuracy) or of a tensor made in the window from no data (timm's
+per-record mixup ``torch.linspace(0.5, 0.9, n).tolist()``, ``made``), an export no host-made
+tensor follows (labels logged), a
 tensor made before the export or before the window (constants), a zero scalar (an
 accumulator), and tensors made from host values when nothing of the batch left torch (a
 tokenizer in the collate_fn or on a prompt).
@@ -149,7 +151,8 @@ class BatchStatistics:
         self.source: dict[str, int] = {}  # what -> rows of the reduced tensor (n unknown)
         self.order = RowOrder(self.before, self.earlier)  # rows of two records combined
         self.exported: tuple | None = None  # (what left torch, its rows): EXPORTS
-        self.host_numbers: list[tuple[float, str]] = []  # the exports' statistics (numbers)
+        self.host_numbers: list[tuple] = []  # the exports' statistics (numbers)
+        self.made: dict[int, tuple] = {}  # id -> (weakref, ""): made in the window, no data
         _follow_host(self, False)
 
     def _batch(self, rows: int) -> bool:
@@ -204,9 +207,15 @@ class BatchStatistics:
         for t in tensors:
             if t.dim() and self._batch(t.shape[0]):
                 self.rows.add(int(t.shape[0]))
+        if all(self._has(self.made, t) for t in tensors):  # (none: a factory, linspace)
+            self._mark(self.made, written(name, args, out), "")
+        else:  # (data written into a buffer made in the window: buf[:] = x)
+            for t in written(name, args, out)[1:]:
+                self.made.pop(id(t), None)
         if name in EXPORTS and tensors and tensors[0].dim() and tensors[0].shape[0] >= 2 \
                 and self._batch(tensors[0].shape[0]) \
-                and not self._has(self.derived, tensors[0]):  # (an accuracy: the outputs')
+                and not self._has(self.derived, tensors[0]) \
+                and not self._has(self.made, tensors[0]):  # (an accuracy, per-record λs)
             x = tensors[0]
             left = f"{name}() of a {tuple(x.shape)} {x.dtype} tensor of the batch"
             if self.exported is None:
@@ -242,7 +251,7 @@ class BatchStatistics:
                          if isinstance(v, (int, float)) and not isinstance(v, bool)
                          and float(v) in self.numbers), None)
         if what is None and name in ARITHMETIC and self.host_numbers and tensors:
-            what = self._host_number(flat)
+            what = self._host_number(flat, tensors)
         if what is not None:
             if name in TO_NUMBER:  # not an accuracy count or a logged loss: not the outputs'
                 if not self._has(self.derived, tensors[0]):
@@ -281,13 +290,16 @@ class BatchStatistics:
         self.source[what] = rows
         self._mark(self.stats, out, what)
 
-    def _host_number(self, flat) -> str | None:
-        """A number of ``flat`` equal to a statistic of an export (``host_numbers``)."""
+    def _host_number(self, flat, tensors) -> str | None:
+        """A number of ``flat`` equal to a statistic of an export (``host_numbers``). A max or
+        min is one record's own value too: not matched on one record's tensor (``x[i] *
+        w[i]`` with ``w = weights.tolist()``, a per-record loop)."""
+        one = any(self.order._inner(t) is not None for t in tensors)
         for v in flat:
             if isinstance(v, (int, float)) and not isinstance(v, bool) \
                     and math.isfinite(v) and v != int(v):  # (1, 2, n: no value to match)
-                for value, stat in self.host_numbers:
-                    if abs(v - value) <= 1e-9 * abs(value):
+                for value, stat, element in self.host_numbers:
+                    if abs(v - value) <= 1e-9 * abs(value) and not (element and one):
                         self.source.setdefault(
                             (what := f"the number {v:g}, {stat}"), self.exported[1])
                         return what
@@ -346,8 +358,9 @@ def host_numbers(x: torch.Tensor, left: str) -> list:
         value = float(value)
         if math.isfinite(value) and value != int(value):  # (a count, a label's max: no match)
             what = f"read back {LEFT_TORCH} by {left} (equal to the batch's {stat}"
-            found.append((value, f"{what})"))
-            found.append((1.0 / value, f"{what}, inverted)"))
+            element = stat in ("max", "min", "|max|", "|min|")  # (one record's value too)
+            found.append((value, f"{what})", element))
+            found.append((1.0 / value, f"{what}, inverted)", element))
     return found
 
 
