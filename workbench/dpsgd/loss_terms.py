@@ -33,9 +33,33 @@ or from the optimizer's boundary (created, ``zero_grad``, ``step``) with a loade
 does not own, n then unknown until the forward pass (``settle``), and carried into the window.
 A number read from a statistic is followed into a multiplication, division or shift.
 
+**Where the batch leaves torch** (a tensor of the batch with >= 2 records exported to NumPy or
+Python: ``.numpy()``, ``__array__``, ``tolist()``), what the loop computes from it there (a
+batch mean in NumPy, ``np.bincount``, a ``Counter``) cannot be followed. So after such an
+export in the window, a tensor made from host values (``torch.tensor``, ``as_tensor``,
+``asarray``, ``new_tensor``, ``torch.from_numpy``: no mode sees the last, so it is wrapped while
+a window that saw an export is followed, ``_follow_host``) is a statistic named by what left
+torch and what came back (``LEFT_TORCH``): a model input or loss computed from it is refused
+with its own message (``left_torch_message``). Inputs standardised per batch in NumPy moved
+one record's influence to 3.75 C, silently, until 2026-11-30. Not refused: an export of the
+model's outputs (an accuracy) or of a tensor made in the window from no data (timm's
+per-record mixup ``torch.linspace(0.5, 0.9, n).tolist()``, ``made``), an export no host-made
+tensor follows (labels logged), a
+tensor made before the export or before the window (constants), a zero scalar (an
+accumulator), and tensors made from host values when nothing of the batch left torch (a
+tokenizer in the collate_fn or on a prompt).
+A Python number brought back (``x / float(np.abs(a).max())``, ``max(x.tolist())``) is no
+tensor: the export's own whole-batch statistics (max, min, |max|, |min|, mean, std, sum, norm,
+the mean and sum of |x|, and their reciprocals: ``host_numbers``) are kept, and a non-integer
+number equal to one of them (relative 1e-9) in a multiplication, division or shift marks the
+result as a statistic (a literal such as 255.0 matches none of them; a per-column statistic
+comes back as an array). Other statistics read back as numbers (a median, a percentile) are
+not matched.
+
 Notation: n records, m rows per record (positions), o model output, ℓ a record's term.
 """
 
+import math
 import weakref
 
 import torch
@@ -65,6 +89,11 @@ GATES = {"gt", "ge", "lt", "le", "eq", "ne", "__gt__", "__ge__", "__lt__", "__le
 """A comparison or a bound: against a reduction over the records (with gradient, or its
 number), record i's term switches with the others' (``l[l > l.mean()]``: one record moved
 the released sum by 6 C, silently, until 2026-11-30; the detached mean was refused)."""
+EXPORTS = {"numpy", "__array__", "tolist"}
+"""The batch leaving torch for NumPy or Python, where no mode follows it."""
+FROM_HOST = {"tensor", "as_tensor", "asarray", "new_tensor", "from_numpy"}
+"""A tensor made from host values: what comes back into the step after ``EXPORTS``."""
+LEFT_TORCH = "after the batch left torch"
 PICKERS = {"__getitem__", "index_select", "take", "gather", "take_along_dim", "masked_select"}
 """Picking the records by an index computed from a reduction over them (``l.argsort()``)."""
 LAST_DIM = {"sort", "argsort", "topk", "kthvalue"}  # ops whose dim defaults to the last
@@ -121,6 +150,10 @@ class BatchStatistics:
         self.rows: set[int] = {n}  # row counts seen: n, n·T (the ordinary mean's constant)
         self.source: dict[str, int] = {}  # what -> rows of the reduced tensor (n unknown)
         self.order = RowOrder(self.before, self.earlier)  # rows of two records combined
+        self.exported: tuple | None = None  # (what left torch, its rows): EXPORTS
+        self.host_numbers: list[tuple] = []  # the exports' statistics (numbers)
+        self.made: dict[int, tuple] = {}  # id -> (weakref, ""): made in the window, no data
+        _follow_host(self, False)
 
     def _batch(self, rows: int) -> bool:
         """A tensor of ``rows`` rows may hold the records (n·m rows; any, n not known yet)."""
@@ -140,6 +173,9 @@ class BatchStatistics:
         kept = tuple(w for w, r in self.source.items()
                      if (r & valid if isinstance(r, frozenset) else r in valid))
         self.stats = {k: v for k, v in self.stats.items() if v[1].endswith(kept)}
+        if self.exported is not None and self.exported[1] not in valid:
+            self.exported = None  # (not the batch's rows: a per-record array of the data set)
+            _follow_host(self, False)
         self.reductions = {k: v for k, v in self.reductions.items() if v[1].endswith(kept)}
         self.numbers = {v: w for v, w in self.numbers.items() if w.endswith(kept)}
         self.n, self.on = n, n >= 2  # an empty batch (n = 0) follows nothing, keeps no rows
@@ -171,6 +207,24 @@ class BatchStatistics:
         for t in tensors:
             if t.dim() and self._batch(t.shape[0]):
                 self.rows.add(int(t.shape[0]))
+        if all(self._has(self.made, t) for t in tensors):  # (none: a factory, linspace)
+            self._mark(self.made, written(name, args, out), "")
+        else:  # (data written into a buffer made in the window: buf[:] = x)
+            for t in written(name, args, out)[1:]:
+                self.made.pop(id(t), None)
+        if name in EXPORTS and tensors and tensors[0].dim() and tensors[0].shape[0] >= 2 \
+                and self._batch(tensors[0].shape[0]) \
+                and not self._has(self.derived, tensors[0]) \
+                and not self._has(self.made, tensors[0]):  # (an accuracy, per-record λs)
+            x = tensors[0]
+            left = f"{name}() of a {tuple(x.shape)} {x.dtype} tensor of the batch"
+            if self.exported is None:
+                self.exported = (left, int(x.shape[0]))
+                _follow_host(self, True)
+            self.host_numbers += host_numbers(x, left)
+        elif name in FROM_HOST and self.exported is not None and not any(
+                isinstance(a, torch.Tensor) for a in flat[1 if name == "new_tensor" else 0:]):
+            self.host(f"{'Tensor' if name == 'new_tensor' else 'torch'}.{name}()", out)
         if any(self._has(self.derived, t) for t in tensors):
             self._mark(self.derived, out, "")
         what = next((w for t in tensors for w in [self._find(self.stats, t)] if w), None)
@@ -196,6 +250,8 @@ class BatchStatistics:
             what = next((self.numbers[float(v)] for v in flat
                          if isinstance(v, (int, float)) and not isinstance(v, bool)
                          and float(v) in self.numbers), None)
+        if what is None and name in ARITHMETIC and self.host_numbers and tensors:
+            what = self._host_number(flat, tensors)
         if what is not None:
             if name in TO_NUMBER:  # not an accuracy count or a logged loss: not the outputs'
                 if not self._has(self.derived, tensors[0]):
@@ -223,6 +279,37 @@ class BatchStatistics:
                     self._mark(self.reductions if x.requires_grad and (  # statistic, with
                         t.is_floating_point() or t.is_complex()) else self.stats, t, what)
 
+    def host(self, made: str, out) -> None:
+        """``made`` (``torch.tensor()``...) returned ``out`` from host values, after the batch
+        left torch in this window (``self.exported``): a statistic the window cannot follow."""
+        if not self.on or self.exported is None or not isinstance(out, torch.Tensor) or (
+                not out.dim() and not out.is_complex() and float(out) == 0):  # (an accumulator)
+            return
+        left, rows = self.exported
+        what = f"{made}, a tensor made from host values {LEFT_TORCH} by {left}"
+        self.source[what] = rows
+        self._mark(self.stats, out, what)
+
+    def _host_number(self, flat, tensors) -> str | None:
+        """A number of ``flat`` equal to a statistic of an export (``host_numbers``). A max or
+        min is one record's own value too: not matched on one record's tensor (``x[i] *
+        w[i]`` with ``w = weights.tolist()``, a per-record loop)."""
+        one = any(self.order._inner(t) is not None for t in tensors)
+        for v in flat:
+            if isinstance(v, (int, float)) and not isinstance(v, bool) \
+                    and math.isfinite(v) and v != int(v):  # (1, 2, n: no value to match)
+                for value, stat, element in self.host_numbers:
+                    if abs(v - value) <= 1e-9 * abs(value) and not (element and one):
+                        self.source.setdefault(
+                            (what := f"the number {v:g}, {stat}"), self.exported[1])
+                        return what
+        return None
+
+    def stop(self) -> None:
+        """The window stops following (its loss is checked): no more host-made tensors."""
+        self.on = False
+        _follow_host(self, False)
+
     def loss_reduced(self, out, what: str) -> None:
         """A loss function or module reduced the records (its sum or mean, with gradient):
         its detached copy is a statistic, as a ``sum`` op's (``L * (L.detach() < t)``: a
@@ -244,6 +331,9 @@ class BatchStatistics:
     def inherit(self, other: "BatchStatistics") -> None:
         """Carry ``other``'s statistics and numbers (followed before the forward pass) in."""
         if self.on:
+            if other.exported is not None and self.exported is None:
+                self.exported = other.exported  # (x.numpy() before the forward pass)
+                _follow_host(self, True)
             self.stats.update(other.stats)
             self.numbers.update({v: w for v, w in other.numbers.items() if v not in self.rows})
 
@@ -252,4 +342,66 @@ class BatchStatistics:
         return self._find(self.stats, loss) if isinstance(loss, torch.Tensor) else None
 
 
-__all__ = ["ARITHMETIC", "DETACH", "DIM_THIRD", "REDUCTIONS", "TO_NUMBER", "BatchStatistics"]
+def host_numbers(x: torch.Tensor, left: str) -> list:
+    """The whole-batch statistics of an exported tensor that a loop may bring back as a
+    number, each with its description (``BatchStatistics._host_number``)."""
+    if x.is_complex() or not x.numel():
+        return []
+    a = x.detach().double().flatten()
+    stats = {"max": a.max(), "min": a.min(), "|max|": a.abs().max(), "|min|": a.abs().min(),
+             "mean": a.mean(), "sum": a.sum(), "norm": a.norm(), "|x| mean": a.abs().mean(),
+             "|x| sum": a.abs().sum()}
+    if a.numel() > 1:
+        stats.update({"std": a.std(), "std (ddof 0)": a.std(unbiased=False)})
+    found = []
+    for stat, value in stats.items():
+        value = float(value)
+        if math.isfinite(value) and value != int(value):  # (a count, a label's max: no match)
+            what = f"read back {LEFT_TORCH} by {left} (equal to the batch's {stat}"
+            element = stat in ("max", "min", "|max|", "|min|")  # (one record's value too)
+            found.append((value, f"{what})", element))
+            found.append((1.0 / value, f"{what}, inverted)", element))
+    return found
+
+
+def left_torch_message(what: str, where: str) -> str:
+    """The refusal of ``where`` (the model's input, the loss) computed from ``what``, a tensor
+    made from host values after the batch left torch (``BatchStatistics.host``)."""
+    return (
+        f"{where} depends on {what}: the batch left torch there (to NumPy or Python), and what "
+        f"came back into the step was computed where the engine cannot follow it. Computed "
+        f"over several records (a batch mean or std in NumPy, class counts from np.bincount "
+        f"or collections.Counter), it makes every record's gradient depend on the other "
+        f"records, so one record's influence on the released sum is no longer bounded by "
+        f"max_grad_norm. Do per-record transforms in the Dataset's transform or the "
+        f"DataLoader's collate_fn, or with torch ops in the loop (which the check follows: a "
+        f"batch statistic there is refused by name); compute class weights from public data "
+        f"or once before the loop; read the batch to NumPy or Python only for logging")
+
+
+_FROM_NUMPY = torch.from_numpy
+_HOST: list = []  # weak references to the BatchStatistics of windows the batch left torch in
+
+
+def _from_numpy(array):
+    """``torch.from_numpy`` while a window that saw an export is followed: no
+    ``TorchFunctionMode`` sees it, so the windows are told here."""
+    out = _FROM_NUMPY(array)
+    for ref in list(_HOST):
+        stats = ref()
+        if stats is not None and stats.on:
+            stats.host("torch.from_numpy()", out)
+    return out
+
+
+def _follow_host(stats: "BatchStatistics", on: bool) -> None:
+    """Tell ``stats`` of ``torch.from_numpy`` (``on``) or stop; ``torch.from_numpy`` is the
+    original whenever no window is told (as ``per_sample.derived.follow_parameters``)."""
+    _HOST[:] = [r for r in _HOST if r() is not None and r() is not stats]  # (collected too)
+    if on:
+        _HOST.append(weakref.ref(stats))
+    torch.from_numpy = _from_numpy if _HOST else _FROM_NUMPY
+
+
+__all__ = ["ARITHMETIC", "DETACH", "DIM_THIRD", "EXPORTS", "FROM_HOST", "LEFT_TORCH",
+           "REDUCTIONS", "TO_NUMBER", "BatchStatistics", "left_torch_message"]

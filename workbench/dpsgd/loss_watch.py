@@ -62,7 +62,7 @@ from workbench.dpsgd.backward_calls import ENTRY_POINTS, backward_call, objectiv
 from workbench.dpsgd.batches import batch_size
 from workbench.dpsgd.lifetime import Weak, push_bottom, reaches, sweep, weak_attribute
 from workbench.dpsgd.lifetime import remove as _remove
-from workbench.dpsgd.loss_terms import BatchStatistics
+from workbench.dpsgd.loss_terms import LEFT_TORCH, BatchStatistics, left_torch_message
 from workbench.dpsgd.model_loss import name_of
 from workbench.dpsgd.record_reduction import RecordReduction
 from workbench.dpsgd.row_mixing import Earlier
@@ -231,6 +231,9 @@ class LossWatch:
             self.before.settle(int(first.shape[0]), first.shape)
         what = next((w for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)
                      for w in [self.before.statistic(t)] if w), None)
+        if what is not None and LEFT_TORCH in what:
+            self.before.reset(0)
+            raise LossCouplingError(left_torch_message(what, "the model's input"))
         if what is not None:
             self.before.reset(0)
             raise LossCouplingError(
@@ -407,9 +410,11 @@ class LossWatch:
         shifts by a statistic of the batch's data (``loss_terms.py``); then the window stops
         following calls (what runs after backward is the engine's)."""
         what = self.stats.statistic(loss)
-        self.stats.on = False
+        self.stats.stop()
         if what is None:
             return
+        if LEFT_TORCH in what:
+            raise LossCouplingError(left_torch_message(what, "the loss"))
         raise LossCouplingError(
             f"the loss depends on {what} (a statistic of the whole batch, computed from its "
             f"targets, inputs or detached outputs, without gradient): e.g. a normalisation "
