@@ -77,9 +77,13 @@ ROW_WISE = frozenset({
     "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d",
     "avg_pool1d", "avg_pool2d", "avg_pool3d", "max_pool1d", "max_pool2d", "max_pool3d",
     "cumsum", "cumprod", "repeat_interleave", "addmm", "expand", "zeros_like", "ones_like",
-    "full_like", "gather", "take_along_dim", "baddbmm",
+    "full_like", "gather", "take_along_dim", "baddbmm", "batch_norm", "repeat", "argmax",
+    "argmin", "argsort", "glu", "unfold", "interpolate", "flip", "index_select", "empty_like",
+    "new_zeros", "new_ones", "new_full", "new_empty",
 })  # row r of the result from rows r of the inputs (``keeps_rows``)
-LIKE = ("zeros_like", "ones_like", "full_like")  # constant rows, one per row of x
+LIKE = ("zeros_like", "ones_like", "full_like", "empty_like", "new_zeros", "new_ones",
+        "new_full", "new_empty")  # constant rows, one per row of x (with x's dim 0: an
+# output buffer a recurrence fills step by step, ``out[:, t] = h``)
 JOINS = frozenset({"cat", "concat", "concatenate", "stack"})  # along another dim than 0
 SPLITS = frozenset({"split", "chunk", "unbind"})  # along another dim than 0: each part
 SORTS = frozenset({"topk", "sort"})  # (values, indices) along another dim than 0: each part
@@ -155,6 +159,25 @@ class FlatRows:
         self.tags[id(t)] = (entry[0], *entry[1:3], upto, entry[4])
         return True
 
+    def _untouched(self, args, dest: torch.Tensor) -> None:
+        """Before following ``op(..., out=dest)``: an operand on dest's storage, tagged just
+        before the write, whose elements the write did not touch (each row's window of the
+        operand and of dest disjoint: ``torch.mul(f, c[t], out=c[t + 1])`` in a recurrence),
+        keeps its tag at the version the write made."""
+        if dest.dim() < 1:
+            return
+        ptr, v = _storage(dest), dest._version
+        where = (dest.stride(0), dest.storage_offset(), _extent(dest))
+        for t in args:
+            if not isinstance(t, torch.Tensor) or t is dest or t.dim() < 1:
+                continue
+            entry = self.tags.get(id(t))
+            if entry is None or entry[0]() is not t or entry[3] == v or _storage(t) != ptr:
+                continue
+            if (entry[3] == v - 1 or self._kept(t, entry, v - 1)) and _disjoint(
+                    (t.stride(0), t.storage_offset(), _extent(t)), where):
+                self.tags[id(t)] = (entry[0], *entry[1:3], v, entry[4])
+
     def _wrote(self, t: torch.Tensor) -> None:
         """A write in place into t that kept t's rows (tagged at its new version)."""
         tag = self.full(t)
@@ -215,6 +238,12 @@ class FlatRows:
             index = args[1] if len(args) > 1 else None
             index = index if isinstance(index, tuple) else (index,)
             first, rest = (index[0], index[1:]) if index else (None, ())
+            if isinstance(first, torch.Tensor) and first.dim() > 1 and all(
+                    d == 1 for d in first.shape[1:]) and all(
+                    _broadcast_along_dim0(t, first, self.tainted) for t in rest):
+                first, rest = first.reshape(-1), ()  # mask[arange(n)[:, None, None, None],
+                # kv] (transformers' padding mask): one index per row, the others the same
+                # for every row
         if isinstance(first, list) and first and all(type(i) is int for i in first):
             first = torch.tensor(first)
         if not isinstance(first, torch.Tensor) or first.dim() != 1 or first.dtype in (
@@ -267,7 +296,21 @@ class FlatRows:
                 self.tag(t, t.shape[0], 1)
 
     def after(self, name: str, args, kwargs, result) -> None:
-        """Follow ``result = name(*args, **kwargs)`` (module docstring)."""
+        """Follow ``result = name(*args, **kwargs)`` (module docstring). With ``out=`` the
+        destination is the result, not an operand, and a write into it that kept its rows
+        keeps those of the views made of it before (``_kept``: a recurrence's gate buffers
+        split once, written at every step)."""
+        if kwargs and "out" in kwargs:
+            kwargs = {k: v for k, v in kwargs.items() if k != "out"}
+            if isinstance(result, torch.Tensor) and self.writes is not None:
+                self._untouched(args, result)
+            self._follow(name, args, kwargs, result)
+            if isinstance(result, torch.Tensor):
+                self._wrote(result)
+            return
+        self._follow(name, args, kwargs, result)
+
+    def _follow(self, name: str, args, kwargs, result) -> None:
         src = args[0] if args else None
         if self.tags and (in_place(name) or kwargs.get("inplace") is True) and \
                 isinstance(src, torch.Tensor):  # F.relu(x, inplace=True) writes x too
@@ -422,6 +465,16 @@ class FlatRows:
             self.tags.pop(id(result), None)  # an in-place op on a tagged tensor: no proof
 
 
+def _broadcast_along_dim0(t, first: torch.Tensor, tainted) -> bool:
+    """An index beside ``first`` (m, 1, ..., 1) that is the same for every row: a basic index
+    (an int, a slice, None), or a tensor carrying no sample that broadcasts along first's dim 0
+    (fewer dims, or dim 0 of 1)."""
+    if not isinstance(t, torch.Tensor):
+        return t is None or isinstance(t, (int, slice))
+    return t.dtype != torch.bool and _no_sample(t, tainted) and (
+        t.dim() < first.dim() or t.shape[0] == 1)
+
+
 def _storage(t: torch.Tensor) -> int | None:
     try:
         return t.untyped_storage().data_ptr() or None
@@ -451,6 +504,17 @@ def _aligned(own: tuple, written: tuple) -> bool:
 
 
 WRITES = frozenset({"__setitem__", "masked_fill_", "fill_", "zero_", "copy_"})  # _rows_written
+
+
+def _disjoint(own: tuple, written: tuple) -> bool:
+    """No element of the written view is one of t's (each (stride 0, offset, extent), rows of
+    both inside windows of ``stride 0`` elements: ``_aligned``'s layout)."""
+    s0, off, ext = own
+    w0, woff, wext = written
+    if s0 != w0 or s0 <= 0 or ext < 0 or wext < 0:
+        return False
+    d = woff - off
+    return max(d + wext, ext) - min(d, 0) < s0 and (d > ext or d + wext < 0)
 
 
 def _rows_written(name, args, kwargs, tag, tag_of, tainted) -> bool:
@@ -523,7 +587,8 @@ def keeps_rows(name: str, args, kwargs, result: torch.Tensor, tag_of, tainted=No
     return other.dim() <= 2 or other.dim() < x.dim() or other.shape[0] == 1  # broadcast
 
 
-SECOND = {"gather": (2, "index"), "take_along_dim": (1, "indices"), "baddbmm": (1, "batch1")}
+SECOND = {"gather": (2, "index"), "take_along_dim": (1, "indices"), "baddbmm": (1, "batch1"),
+          "index_select": (2, "index"), "scaled_dot_product_attention": (1, "key")}
 """op name -> (position, keyword) of the operand whose rows ``rows_second`` reads."""
 
 
@@ -543,6 +608,19 @@ def rows_second(name: str, args, kwargs, result, tag_of, tainted):
         ok = (isinstance(dim, int) and _spares_dim0(dim, a.dim()) and isinstance(
             first, torch.Tensor) and first.dim() == a.dim() and _no_sample(first, tainted)
               and result.shape[0] == a.shape[0] and (first.shape[0] in (1, a.shape[0])))
+    elif name == "index_select":  # a table's rows picked by tagged ids, as embedding does
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        ok = (isinstance(dim, int) and isinstance(first, torch.Tensor) and first.dim() >= 1
+              and dim % first.dim() == 0 and _no_sample(first, tainted) and a.dim() == 1
+              and result.shape[0] == a.shape[0])
+    elif name == "scaled_dot_product_attention":  # learned queries carrying no sample
+        # (DETR's, Perceiver's latents) attending to the batch's keys and values
+        others = [args[2] if len(args) > 2 else kwargs.get("value"),
+                  args[3] if len(args) > 3 else kwargs.get("attn_mask")]
+        ok = (isinstance(first, torch.Tensor) and a.dim() >= 3 and first.dim() == a.dim()
+              and _no_sample(first, tainted) and first.shape[0] in (1, a.shape[0])
+              and result.shape[0] == a.shape[0]
+              and all(_alike_or_none(t, a, tag_of, tainted) for t in others))
     elif name == "baddbmm":  # input + batch1 @ batch2 with an input carrying no sample
         # (BLOOM's alibi without padding, repeated to the batch)
         other = args[2] if len(args) > 2 else kwargs.get("batch2")
@@ -558,8 +636,9 @@ def rows_second(name: str, args, kwargs, result, tag_of, tainted):
               and isinstance(first, torch.Tensor))
     elif name in ("matmul", "__matmul__"):
         ok = (a.dim() >= 3 and result.shape[0] == a.shape[0] and _no_sample(first, tainted)
-              and isinstance(first, torch.Tensor) and (first.dim() < a.dim()
-                                                       or first.shape[0] == 1))
+              and isinstance(first, torch.Tensor) and (first.dim() < a.dim() or (
+                  first.dim() == a.dim() and first.shape[0] in (1, a.shape[0]))))  # (latent
+        # queries expanded to the batch: Perceiver's)
     else:
         ok = False
     return tag if ok else None
@@ -657,12 +736,28 @@ def _indexed(x, args, kwargs, result, tag_of, tainted):
     which could move dims to the front)."""
     index = args[1] if len(args) > 1 else None
     index = index if isinstance(index, tuple) else (index,)
-    if any(not (i is None or i is Ellipsis or isinstance(i, (int, slice))) for i in index):
-        return False
+    basic = [i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in index]
+    if not all(basic):  # one advanced index (a list, a tensor carrying no sample) after a
+        # whole dim 0 stays where it is: x[:, [-1, 0]] (BigBird), x[..., idx]
+        at = [k for k, b in enumerate(basic) if not b]
+        lead = next((k for k, i in enumerate(index) if i is not None), None)
+        if len(at) != 1 or lead is None or at[0] <= lead:
+            return False
+        pick = index[at[0]]
+        used = sum(i is not None and i is not Ellipsis for i in index)
+        return (_whole(index[lead]) or (index[lead] is Ellipsis and used < x.dim())) and (
+            (isinstance(pick, list) and all(type(k) is int for k in pick))
+            or (isinstance(pick, torch.Tensor) and pick.dtype != torch.bool
+                and _no_sample(pick, tainted)))
     first = next((i for i in index if i is not None), Ellipsis)
     if first is Ellipsis:
         return sum(i is not None and i is not Ellipsis for i in index) < x.dim()
-    return isinstance(first, slice) and first == slice(None)
+    return _whole(first)
+
+
+def _whole(i) -> bool:
+    """``:`` or ``::1``: every row in place."""
+    return isinstance(i, slice) and i.start is None and i.stop is None and i.step in (None, 1)
 
 
 def _padded(x, args, kwargs, result, tag_of, tainted):  # pairs from the last dim backwards
@@ -711,6 +806,60 @@ def _batched_product(x, args, kwargs, result, tag_of, tainted):
     return x.dim() == 3 and all(_alike_or_none(t, x, tag_of, tainted) for t in others)
 
 
+def _added_product(x, args, kwargs, result, tag_of, tainted):
+    """``addmm(c, a, W)`` on tagged c: c + a W row by row, a with c's rows or no sample
+    (broadcast), W carrying no sample (a recurrence's gates: the input part plus h W)."""
+    a = args[1] if len(args) > 1 else kwargs.get("mat1")
+    w = args[2] if len(args) > 2 else kwargs.get("mat2")
+    return x.dim() == 2 and isinstance(a, torch.Tensor) and _alike_or_none(
+        a, x, tag_of, tainted) and _no_sample(w, tainted)
+
+
+def _frozen_normalised(x, args, kwargs, result, tag_of, tainted):
+    """``batch_norm`` with ``training=False`` (running statistics: timm's BatchNormAct2d in
+    eval mode): an affine map per channel, row by row; in training mode a batch statistic."""
+    training = args[5] if len(args) > 5 else kwargs.get("training", False)
+    return training is False and x.dim() >= 2 and all(
+        _no_sample(a, tainted) for a in (*args[1:5], *(kwargs.get(k) for k in (
+            "running_mean", "running_var", "weight", "bias"))))
+
+
+def _repeated_rows(x, args, kwargs, result, tag_of, tainted):  # x.repeat(1, ...)
+    sizes = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size)) \
+        else args[1:] or kwargs.get("repeats", ())
+    return len(sizes) == x.dim() and sizes[0] == 1
+
+
+def _arg_along(x, args, kwargs, result, tag_of, tainted):  # argmax/argmin/argsort, dim ≠ 0
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", -1 if x.dim() > 1 and len(
+        args) == 1 and "dim" not in kwargs and result.shape == x.shape else None)
+    return _spares_dim0(dim, x.dim())
+
+
+def _halved(x, args, kwargs, result, tag_of, tainted):  # glu along dim ≠ 0 (default -1)
+    return _spares_dim0(args[1] if len(args) > 1 else kwargs.get("dim", -1), x.dim())
+
+
+def _unfolded(x, args, kwargs, result, tag_of, tainted):
+    """``F.unfold`` (im2col, each row's own patches) or ``Tensor.unfold(d, size, step)``: a
+    result with x's dim 0 has row r from row r (along d = 0 only size 1, step 1 keeps n)."""
+    return all(_no_sample(a, tainted) for a in (*args[1:], *kwargs.values()))
+
+
+def _resampled(x, args, kwargs, result, tag_of, tainted):  # F.interpolate on (n, C, ...)
+    return x.dim() >= 3 and all(_no_sample(a, tainted) for a in (*args[1:], *kwargs.values()))
+
+
+def _flipped(x, args, kwargs, result, tag_of, tainted):
+    return _spares_dim0(args[1] if len(args) > 1 else kwargs.get("dims"), x.dim())
+
+
+def _selected(x, args, kwargs, result, tag_of, tainted):  # index_select(x, d ≠ 0, idx)
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    index = args[2] if len(args) > 2 else kwargs.get("index")
+    return _spares_dim0(dim, x.dim()) and _no_sample(index, tainted)
+
+
 def _group_normalised(x, args, kwargs, result, tag_of, tainted):
     return x.dim() >= 2 and all(_no_sample(a, tainted) for a in (*args[2:], *kwargs.values()))
 
@@ -736,7 +885,10 @@ OPS = {"expand": _expanded, "roll": _rolled, "cumsum": _along, "cumprod": _along
        "unsqueeze": _unsqueezed, "squeeze": _reduced, "__getitem__": _indexed, "pad": _padded,
        "scaled_dot_product_attention": _attended, "masked_fill": _filled,
        "gather": _picked(1, 2, "index"), "take_along_dim": _picked(2, 1, "indices"),
-       "baddbmm": _batched_product}
+       "baddbmm": _batched_product, "batch_norm": _frozen_normalised, "repeat": _repeated_rows,
+       "argmax": _arg_along, "argmin": _arg_along, "argsort": _arg_along, "glu": _halved,
+       "unfold": _unfolded, "interpolate": _resampled, "flip": _flipped,
+       "index_select": _selected, "addmm": _added_product}
 """op name -> (x, args, kwargs, result, tag_of, tainted) -> whether the result keeps x's rows
 (x tagged, the result's dim 0 x's: checked before)."""
 
