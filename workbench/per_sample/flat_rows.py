@@ -49,7 +49,7 @@ import torch
 
 from workbench.per_sample.registry import find_grad_rule
 
-RESHAPES = frozenset({"reshape", "view", "flatten", "reshape_as", "view_as"})
+RESHAPES = frozenset({"reshape", "view", "flatten", "unflatten", "reshape_as", "view_as"})
 ELEMENTWISE = frozenset({
     "relu", "relu_", "gelu", "silu", "tanh", "sigmoid", "elu", "selu", "celu", "leaky_relu",
     "hardtanh", "relu6", "mish", "hardswish", "hardsigmoid", "softplus", "erf", "exp", "neg",
