@@ -315,24 +315,15 @@ def test_a_2d_index_with_one_index_per_row_is_followed_as_a_reorder():
     assert why["o.weight"] is None and why["e.weight"] is None
 
 
-def test_real_spellings_keep_the_fast_path_and_are_exact():
-    """A custom Function of row-wise ops (BLOOM's GELU), ``baddbmm`` (its alibi), a buffer
-    gathered by tagged position ids (RoBERTa's token types), writes in place that keep each
-    row: tags followed, no fallback."""
+@pytest.mark.parametrize("spellings", [RealSpellings, MoreSpellings],
+                         ids=["real", "beyond_the_table"])
+def test_followed_spellings_keep_the_fast_path_and_are_exact(spellings):
+    """RealSpellings: a custom Function of row-wise ops (BLOOM's GELU), ``baddbmm`` (its
+    alibi), a buffer gathered by tagged position ids (RoBERTa's token types), writes in place
+    that keep each row. MoreSpellings: the ops of the models beyond the table (its docstring).
+    Tags followed, no fallback, exact."""
     torch.manual_seed(0)
-    model = RealSpellings()
-    x, y = batch(4, 3, last_shortest=False)
-    rec = record(model, loss_fn, x, y)
-    assert not rec.fallback, rec.fallback
-    want, _ = reference(model, x, y, 0.5)
-    for method in ("einsum", "ghost", "bookkeeping"):
-        got = wb.clipped_grad_sum(model, loss_fn, x, y, 0.5, method=method)
-        assert rel(got, want) < 1e-10, method
-
-
-def test_more_spellings_keep_the_fast_path_and_are_exact():
-    torch.manual_seed(0)
-    model = MoreSpellings()
+    model = spellings()
     x, y = batch(4, 3, last_shortest=False)
     rec = record(model, loss_fn, x, y)
     assert not rec.fallback, rec.fallback
