@@ -53,6 +53,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.compiler import is_compiling
 from torch.nn.modules import module as module_hooks
 from torch.nn.modules.loss import _Loss
 from torch.overrides import TorchFunctionMode
@@ -118,6 +119,8 @@ class LossWatch:
         self._before_mode = None  # BeforeForward, on the stack while ``before`` follows calls
         self.paused = contextlib.nullcontext  # the recorder's pause (recorded.py sets it)
         self.before_backward = lambda: None  # the recorder's gradient hooks moved last
+        self.after_backward = lambda: None  # the recorder marks each .grad as the pass left
+        # it (path_check.py: an edit before the step is named)
         self.inside = lambda: ({}, {})  # () -> the outputs of the recorded layer calls and
         # of the model's calls awaiting their backward pass (the recorder's ``_awaiting``)
         self.roots: list = []  # the model's outputs with gradient: a loss must read them
@@ -781,6 +784,8 @@ class LossFunctions(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if is_compiling():  # Dynamo traces the modes on the stack: the op alone (the
+            return func(*args, **kwargs)  # private model's pass is refused: recorded.py)
         watch = self.watch
         if watch is None or watch._busy:
             return func(*args, **kwargs)
@@ -879,6 +884,7 @@ class LossFunctions(TorchFunctionMode):
         if watch.announced is not None:  # the handed-out batch's gradients wait for a step
             watch.backwarded.add(watch.serial)
         result = func(*args, **kwargs)
+        watch.after_backward()
         watch.follow()  # the next batch of the step (gradient accumulation over the loop's
         # own batches), prepared from here to its forward pass: followed as the first is
         # (its mixup or normalisation passed silently until 2026-11-30)
@@ -904,6 +910,8 @@ class BeforeForward(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if is_compiling():  # Dynamo traces the modes on the stack: the op alone (the
+            return func(*args, **kwargs)  # private model's pass is refused: recorded.py)
         out = func(*args, **kwargs)
         stats = self.stats  # read once: a weak reference, gone at any collection
         if stats is not None and stats.on:  # reading the tensors dispatches to no

@@ -39,6 +39,7 @@ import weakref
 from collections.abc import Mapping
 
 import torch
+from torch.compiler import is_compiling
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
@@ -158,6 +159,8 @@ class InnerLosses(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if is_compiling():  # Dynamo traces the modes on the stack: the op alone (the
+            return func(*args, **kwargs)  # private model's pass is refused: recorded.py)
         out = func(*args, **kwargs)
         if func in self.functional and isinstance(out, torch.Tensor) and not out.dim() \
                 and out.requires_grad:

@@ -168,9 +168,10 @@ def check_wrappable(optimizer, model) -> None:
                         "(not the private one returned)")
     if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
         raise TypeError("the model is a torch.compile wrapper (OptimizedModule): the optimizer "
-                        "records the layers of an ordinary nn.Module. Make the model private "
-                        "first and compile after: model = torch.compile(model) on the module "
-                        "make_private returned (or pass model._orig_mod)")
+                        "records the layers of an ordinary nn.Module, op by op in Python, "
+                        "which a compiled model does not run. Pass the module itself "
+                        "(model._orig_mod) and train it uncompiled (a private model called "
+                        "under torch.compile is refused at its forward pass)")
 
 
 CHECKS = (PerSampleCheckError, SampleMixingError, UnattributedGradientError, LossCouplingError)
@@ -445,7 +446,8 @@ class DPOptimizer(Optimizer):
                         if self._path_check_applies():
                             several = self.recorder.passes > 1  # .grad is their sum
                             paths = PathCheck(self.recorder.params, hold=several,
-                                              free=not several)
+                                              free=not several,
+                                              marks=self.recorder.grad_marks)
                     if paths is not None:  # before clipping frees the backprops; every pass
                         # of the step, not only the checked ones
                         with state_replay.modes(rec.state):

@@ -36,6 +36,7 @@ import math
 import torch
 
 from workbench.errors import (
+    LoopError,
     NonFiniteGradientError,
     SampleMixingError,
     UnattributedGradientError,
@@ -75,6 +76,13 @@ def stats(u, o: torch.Tensor) -> tuple[float, float, float, float]:
     return r, alpha, oo, uu
 
 
+def grad_mark(p: torch.Tensor):
+    """(identity, version) of ``p.grad``, None without one: equal marks, the same ``.grad``
+    unchanged (an in-place edit bumps the version; a new tensor has another identity)."""
+    g = p.grad
+    return None if g is None else (id(g), g._version)
+
+
 class PathCheck:
     """Collects each parameter's path gradient o_p and compares it with its ``.grad`` as it
     arrives (``add``), or, with ``hold`` (several backward passes in the step: ``.grad`` is
@@ -82,7 +90,10 @@ class PathCheck:
     ``free``: a compared ``.grad`` is let go (set to None; the optimizer's step replaces
     it), so the clipped sums that follow do not sit beside it."""
 
-    def __init__(self, params: dict, hold: bool = False, free: bool = False):
+    def __init__(self, params: dict, hold: bool = False, free: bool = False,
+                 marks: dict | None = None):
+        self.marks, self.edited = marks or {}, []  # (grad_mark) after the backward pass;
+        # names of parameters whose .grad changed since
         self.names = {}  # id -> name, each parameter once (a tied one under its first name)
         for name, p in params.items():
             self.names.setdefault(id(p), name)
@@ -103,10 +114,15 @@ class PathCheck:
 
     def _compare(self, key: int, g: torch.Tensor) -> None:
         p = self.params[key]
+        self._edited(key, p)
         user = None if p.grad is None else p.grad.detach()
         self.stats[key] = stats(user, g if user is None else g.to(user.dtype))
         if self.free:
             p.grad = None
+
+    def _edited(self, key: int, p: torch.Tensor) -> None:
+        if key in self.marks and self.marks[key] != grad_mark(p):
+            self.edited.append(self.names[key])
 
     def verdict(self, tol: float, unchecked=frozenset(), fallback=None,
                 cpu_amp: bool = False) -> None:
@@ -124,6 +140,7 @@ class PathCheck:
             if key in unchecked:
                 continue
             if key not in self.stats:  # no path reached it: Σ_i g_i = 0
+                self._edited(key, p)
                 uu = 0.0 if p.grad is None else float(p.grad.detach().double().pow(2).sum())
                 self.stats[key] = (uu, 0.0, 0.0, uu)
             rows[self.names[key]] = self.stats[key]
@@ -158,6 +175,19 @@ class PathCheck:
         if why is not None and NOT_THE_BATCH in why:  # the largest part: computed alone
             raise SampleMixingError(alone_differs(total, total / max(scale, 1e-300), worst,
                                                   why))
+        if self.edited:  # the user's .grad is not the backward pass's any more
+            edited = ", ".join(self.edited[:3]) + (" ..." if len(self.edited) > 3 else "")
+            raise LoopError(
+                f"the .grad of {edited} was changed between loss.backward() and "
+                f"optimizer.step() (clip_grad_value_, p.grad.add_(...), a hand-written edit): "
+                f"it differs from the sum of the per-record gradients by {total:.3g} "
+                f"(relative {total / max(scale, 1e-300):.3g}), mostly in {', '.join(worst)}. "
+                f"The DP step never reads .grad: it clips each record's gradient to "
+                f"max_grad_norm and adds noise itself, so the edit would be dropped silently. "
+                f"Remove it: clipping is max_grad_norm's (per record); a data-independent "
+                f"change of the update belongs to the optimizer (weight_decay) or after "
+                f"step(). (A common rescale of every .grad, clip_grad_norm_ or a GradScaler's "
+                f"unscale_, is harmless and accepted)")
         raise UnattributedGradientError(
             f"the gradient of the loss in .grad differs from the sum of the per-record "
             f"gradients by {total:.3g} (relative {total / max(scale, 1e-300):.3g}), mostly "
@@ -175,4 +205,4 @@ class PathCheck:
                 "torch.backends.mkldnn.flags(enabled=False)" if cpu_amp else ""))
 
 
-__all__ = ["CHUNK", "PathCheck", "stats"]
+__all__ = ["CHUNK", "PathCheck", "grad_mark", "stats"]

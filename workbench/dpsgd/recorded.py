@@ -49,6 +49,7 @@ from workbench.dpsgd.model_loss import (
     select,
     split_outputs,
 )
+from workbench.dpsgd.path_check import grad_mark
 from workbench.dpsgd.skip_weights import AUTO, WeightGradSkipper
 from workbench.dpsgd.streamed import stream_call, streamed_gradients
 from workbench.errors import (
@@ -132,6 +133,29 @@ def _frozen_or_refused(norms, module, args) -> None:
         raise mixing
 
 
+
+COMPILED = (
+    "the private model runs under torch.compile (a compiled wrapper of the module make_private "
+    "returned, or a compiled function that calls it): the DP optimizer records each layer's "
+    "inputs and proves every row is one record's with Python hooks and torch-function modes "
+    "that run op by op, which torch.compile's graph capture traces into, replays and "
+    "recompiles (a bare TypeError at the second step until 2026-12-01), so no clipped step "
+    "could be trusted. Train the private model uncompiled; compiling is for evaluation "
+    "under torch.no_grad() or for the non-private model")
+
+
+def compiled_call() -> bool:
+    """Whether this call runs under torch.compile: traced by Dynamo (``is_compiling``) or run
+    eagerly after a graph break inside a compiled call (Dynamo's frame callback is set;
+    ``torch._dynamo.disable``, which torch's optimizers wrap ``step`` in, clears it)."""
+    if torch.compiler.is_compiling():
+        return True
+    try:
+        from torch._C._dynamo import eval_frame
+    except ImportError:  # a build without Dynamo: nothing can be compiled
+        return False
+    return eval_frame.get_eval_frame_callback() not in (None, False)
+
 class ModelRecorder:
     """Hooks on ``model`` for the parameters of ``param_groups``; removed by ``close``."""
 
@@ -184,6 +208,8 @@ class ModelRecorder:
         self.watch = LossWatch(loss_reduction, criterion)
         self.watch.paused = self.paused  # its coupling test must not reach the recording hooks
         self.watch.before_backward = self._hooks_last
+        self.grad_marks: dict = {}  # id(param) -> (id, version) of its .grad after the last
+        self.watch.after_backward = self._mark_grads  # backward pass (path_check.py)
         self.watch.inside = self._awaiting
         self._depth, self._tracking, self._rng, self._roots = 0, False, None, 0
         self._nested: list[int] = []  # depths of the model's calls of itself (``_enter``)
@@ -220,6 +246,13 @@ class ModelRecorder:
         self._stream_paths: dict[int, set[str]] = {}
         self.layer_rec.on_complete = lambda call: stream_call(self, call)
 
+    def _mark_grads(self) -> None:
+        """Each parameter's ``.grad`` as the backward pass left it (identity and version): an
+        edit between the backward pass and the step (``clip_grad_value_``, ``p.grad.add_``)
+        is named where the ``.grad`` check fails (``path_check.py``)."""
+        with torch._C.DisableTorchFunction():
+            self.grad_marks = {id(p): grad_mark(p) for p in self.params.values()}
+
     def _structure(self):
         """(ids of the modules, ids of the trainable parameters), in ``modules()`` order;
         read with torch-function dispatch off (``uses.quiet``): each ``p.requires_grad``
@@ -229,6 +262,8 @@ class ModelRecorder:
 
     def _enter(self, module, args, kwargs):
         if self._depth == 0:  # before anything changes: may raise
+            if self.layer_rec.recording and torch.is_grad_enabled() and compiled_call():
+                raise LoopError(COMPILED)
             try:
                 if self.layer_rec.recording:  # statistics of the batch before it: loss_watch
                     self.watch.forward_begins((args, kwargs))  # (keyword inputs too:

@@ -36,6 +36,7 @@ batch-free output.
 """
 
 import torch
+from torch.compiler import is_compiling
 from torch.overrides import TorchFunctionMode
 
 from workbench.errors import UnsupportedLayerError
@@ -237,6 +238,8 @@ class UseTracker(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if is_compiling():  # Dynamo traces the modes on the stack: the op alone (the
+            return func(*args, **kwargs)  # private model's pass is refused: recorded.py)
         name = getattr(func, "__name__", "")
         if name in QUERIES:  # x.dim(), len(x), x.shape: a fact about a tensor, not a use
             return func(*args, **kwargs)
