@@ -43,7 +43,7 @@ from workbench.checks import check_count
 from workbench.deprecation import keyword
 from workbench.dpsgd import distributed
 from workbench.dpsgd.adaptive import AdaptiveClipDPOptimizer, AdaptiveClipping
-from workbench.dpsgd.attached import detach_earlier, remember
+from workbench.dpsgd.attached import detach_earlier, remember, warn_carried
 from workbench.dpsgd.batches import batch_size, take
 from workbench.dpsgd.loss_watch import watch_loader, watched
 from workbench.dpsgd.misuse import (
@@ -249,7 +249,9 @@ class PrivacyEngine:
         if ids is not None:
             dp_optimizer.user_level = loader.level = UserLevel(user_reduction)
         self.privacy_unit = self.accountant.unit = privacy_unit  # what ε protects
+        warn_carried(module, self)  # a copy of a privately trained model (attached.py)
         detach_earlier(module, self, keep=dp_optimizer)  # a re-run cell: one recorder a model
+        self.accountant.dataset_size = N  # (for δ where its ledger is named: attached.py)
         remember(module, dp_optimizer, self)
         self.sample_rate, self.dataset_size = q, N
         self.sampler = "poisson" if poisson_sampling else "shuffle"
