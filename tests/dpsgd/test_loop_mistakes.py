@@ -726,6 +726,24 @@ def test_a_common_rescale_of_grad_between_backward_and_step_stays_accepted(edit)
         assert relative_error(p.grad, expected[name] / 10.0) < 1e-10, name
 
 
+@pytest.mark.parametrize("change", ["freeze", "unfreeze"])
+def test_a_parameter_frozen_or_unfrozen_mid_run_is_named(change):
+    """``requires_grad_(False)`` mid-run (probe of 2026-12-01) was refused as "a layer added,
+    replaced or unfrozen": now the error names the parameters and which way they changed."""
+    model = mlp()
+    if change == "unfreeze":
+        model[2].requires_grad_(False)
+    opt = optimizer(model, "auto")
+    x, y = data(8, 1)
+    model[2].requires_grad_(change == "unfreeze")
+    opt.zero_grad()
+    nn.CrossEntropyLoss()(model(x), y).backward()
+    what = "no longer trainable" if change == "freeze" else "trainable since"
+    with pytest.raises(wb.LoopError, match=f"changed after make_private \\({what}.*2.weight, "
+                                           f"2.bias"):
+        opt.step()
+
+
 # --- a record's batch counted twice, or a batch's step skipped (probe of 2026-11-30) --------
 
 @pytest.mark.parametrize("copy", [False, True])

@@ -496,12 +496,18 @@ class ModelRecorder:
         the loop did not run through the model (many models, Hugging Face's among them,
         cannot take n = 0): its step adds the noise to a zero sum, as DP-SGD must."""
         self._gradient_hooks()
-        if self._structure() != self.snapshot:
-            raise LoopError("the model's layers or trainable parameters changed after "
-                               "make_private (a layer added, replaced or unfrozen, a "
-                               "parameter resized in place: resize_token_embeddings): their "
-                               "gradients would not be recorded. Call make_private again on "
-                               "the changed model (with a new optimizer over its parameters)")
+        now = self._structure()
+        if now != self.snapshot:
+            raise LoopError(f"the model's layers or trainable parameters changed after "
+                            f"make_private ({changes(self.model, self.snapshot, now)}): the "
+                            f"optimizer records, clips and noises the parameters it was made "
+                            f"over, so an added or unfrozen one would get no private gradient "
+                            f"and a frozen or resized one a wrong one. Call make_private again "
+                            f"on the changed model (with a new optimizer over its trainable "
+                            f"parameters; the accountant's ledger is the engine's and goes on); to "
+                            f"freeze part of a model mid-run without that, give it its own "
+                            f"parameter group before make_private and set that group's lr to "
+                            f"0 (and momentum, weight_decay) when the time comes")
         roots = self.root_rec.all_calls()  # the model's own calls this step, read once
         scalar = next((c for c in roots if c.outputs and all(
             len(shape) == 0 for shape, _, _ in c.outputs)), None)
@@ -773,6 +779,33 @@ class ModelRecorder:
 
 
 _ROOT_WALK = ("modules", "named_modules", "parameters", "named_parameters", "_named_members")
+
+
+def changes(model: nn.Module, before, after) -> str:
+    """What differs between two ``structure`` readings, by name (``check_step``'s error)."""
+    with torch._C.DisableTorchFunction():
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        modules = {id(m): n or "the model" for n, m in model.named_modules()}
+    old, new = dict(before[1]), dict(after[1])
+
+    def listed(ids, what):
+        shown = [names.get(k, "a parameter no longer in the model") for k in ids][:3]
+        return f"{what}: {', '.join(shown)}{' ...' if len(ids) > 3 else ''}"
+
+    parts = []
+    for ids, what in (([k for k in new if k not in old], "trainable since (unfrozen or added)"),
+                      ([k for k in old if k not in new], "no longer trainable (frozen with "
+                                                         "requires_grad_(False) or removed)"),
+                      ([k for k in new if k in old and new[k] != old[k]], "resized in place "
+                                                                           "(resize_token_"
+                                                                           "embeddings)")):
+        if ids:
+            parts.append(listed(ids, what))
+    added = [modules[k] for k in after[0] if k not in set(before[0]) and k in modules]
+    if added:
+        parts.append(f"modules added or replaced: {', '.join(added[:3])}"
+                     f"{' ...' if len(added) > 3 else ''}")
+    return "; ".join(parts) or "a layer replaced"
 
 
 def structure(model: nn.Module) -> tuple[list[int], list[tuple]]:
