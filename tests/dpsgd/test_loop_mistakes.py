@@ -744,6 +744,15 @@ def test_a_parameter_frozen_or_unfrozen_mid_run_is_named(change):
         opt.step()
 
 
+def test_an_optimizer_whose_step_needs_a_closure_is_refused_when_wrapped():
+    """LBFGS (probe of 2026-12-01): a bare TypeError from its step, after the step was
+    accounted. Refused by name when the DP optimizer is made."""
+    model = mlp()
+    with pytest.raises(TypeError, match="LBFGS.step needs a closure.*SGD, Adam"):
+        DPOptimizer(torch.optim.LBFGS(model.parameters()), model, noise_multiplier=1.0,
+                    max_grad_norm=1.0, expected_batch_size=8)
+
+
 # --- a record's batch counted twice, or a batch's step skipped (probe of 2026-11-30) --------
 
 @pytest.mark.parametrize("copy", [False, True])

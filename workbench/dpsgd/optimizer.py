@@ -154,6 +154,16 @@ def _group_ids(groups) -> list:
     return [tuple(id(p) for p in g["params"]) for g in groups]
 
 
+def _needs_closure(optimizer) -> bool:
+    """Whether ``optimizer.step`` cannot run without a closure (``torch.optim.LBFGS``)."""
+    import inspect
+    try:
+        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    except (TypeError, ValueError):  # a C or wrapped step: nothing to read
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
 def check_wrappable(optimizer, model) -> None:
     """Refuse, by name, a DPOptimizer over a DPOptimizer (a notebook cell re-run with the
     optimizer an earlier ``make_private`` returned: the new one stepped through the old, which
@@ -166,6 +176,13 @@ def check_wrappable(optimizer, model) -> None:
                         "make_private or built over this model): wrap the torch optimizer "
                         "itself, optimizer.original_optimizer, with the data loader you made "
                         "(not the private one returned)")
+    if _needs_closure(optimizer):
+        raise TypeError(f"{type(optimizer).__name__}.step needs a closure that it calls "
+                        f"several times per step (a line search): each call is a pass over "
+                        f"the batch that DP-SGD would have to clip, noise and account, and "
+                        f"one step charges one (probe of 2026-12-01: a bare TypeError after "
+                        f"the step was accounted). Use an optimizer whose step takes the "
+                        f"gradient once (SGD, Adam, AdamW, ...)")
     if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
         raise TypeError("the model is a torch.compile wrapper (OptimizedModule): the optimizer "
                         "records the layers of an ordinary nn.Module, op by op in Python, "
