@@ -76,6 +76,7 @@ set size, B = qN.
 
 import math
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -206,6 +207,8 @@ class DPOptimizer(Optimizer):
         self.model = model
         self.recorder = ModelRecorder(model, self.param_groups, loss_reduction, criterion)
         self.recorder.watch.on_skipped = self._skipped_batch  # charged (LossWatch.batch_ends)
+        me = weakref.ref(self)  # B for the loss window's factors (record_reduction.realised)
+        self.recorder.watch.expected = lambda: getattr(me(), "expected_batch_size", None)
         self._groups = _group_ids(self.param_groups)  # what the recorder clips: _check_groups
         self.guard = loop.ThreadGuard()
         self._guard_handle = self.recorder.model.register_forward_pre_hook(
