@@ -376,6 +376,8 @@ class DPOptimizer(Optimizer):
         with self.recorder.watch.unfollowed():  # .grad of the parameters: not the batch's data
             self.original_optimizer.zero_grad(set_to_none=set_to_none)
         watch = self.recorder.watch
+        self.recorder.dropped_backward = self.recorder.backward_ran()  # named by a step
+        # without one (recorded.py: "zero_grad() between backward() and step()")
         self.recorder.clear()
         watch.drop_used()  # the passes it drops count for no step (count_records); a loader
         # batch among them is charged (_skipped_batch)
