@@ -28,10 +28,25 @@ and sums them under "sum". ``RecordReduction`` follows the loss window's operati
 - "mean": a loss function or module with its mean, or ``mean``/``nanmean`` over the records;
 - under "mean", a "sum" divided by a *count of the batch* (n, or n times a product of a
   batch tensor's leading dims: n·T, n·T·V, the ``numel`` of the outputs) is a "mean"; under
-  "sum", a "mean" multiplied by one is a "sum"; any other scaling (a constant, 1 /
-  accumulation steps) keeps the kind. The counts are matched by value, so a constant equal
-  to this batch's n (B = qN when n = B) passes this step and is refused at a step whose n
-  differs; a sum divided by n under "sum" is not told apart from a constant (a limit);
+  "sum", a "mean" multiplied by one is a "sum" (the factor applied to the records' terms
+  before their reduction counts too: ``(ce_none * (1 / len(x))).sum()`` is a mean); any
+  other scaling (a constant, 1 / accumulation steps) keeps the kind. The counts are matched
+  by value, so a constant equal to this batch's n (B = qN when n = B) passes this step and is
+  refused at a step whose n differs;
+- the factor left on the loss (the product of the numbers it was multiplied and divided by,
+  the count a conversion consumed excepted) must not be a function of the realised batch:
+  ``realised`` refuses f equal to r, 1/r, √r, 1/√r, r/B, B/r or r1/r2 for r a count the loop
+  read off a tensor this step (``len(x)``, ``x.shape[0]``, ``x.size(0)``, ``y.numel()``:
+  ``count_read``, in the window and from the loader's batch to the forward pass) that is one
+  of the step's record counts (this pass's n, the loader's batch), B the expected batch
+  size. ``ce_mean * len(x) / B``, ``ce_mean / len(x)`` and accumulation written as
+  ``ce_mean(chunk) * n_c / n`` or ``sum(chunk) / n`` released clip(f(n) g_i): one record,
+  by changing n, moved every other record's term (1.1-1.9 C), silently until 2026-12-01.
+  Matched by value: a constant equal to one of these values at a step where the loop read
+  that count (0.5 with n = 2, 1/K with n = K) is refused at that step (the message says to
+  move it into the learning rate); f = 1, B, 1/B pass as constants; a count times another
+  constant (``ce * 2 * len(x) / B``) and a count never read off a tensor (a loader's
+  ``len(batch_list)``) pass (a limit);
 - a sum of terms of different kinds is "mixed": no single factor makes both right;
 - "coupled": a reduction over the records that weighs each record by the others (``PICKS``:
   a max, a top-k, a median, a norm, a cumulative sum... of the records' terms), or any
