@@ -139,18 +139,21 @@ CHUNKED = {  # a hand-written accumulation over chunks of 3 of one loader batch
 }
 
 
+@pytest.mark.parametrize("size", [3, 1])
 @pytest.mark.parametrize("name", sorted(CHUNKED))
-def test_accumulation_weighted_by_the_chunks_share_is_refused(name):
+def test_accumulation_weighted_by_the_chunks_share_is_refused(name, size):
     """``ce_mean(chunk) * n_c / n``: each record clipped as clip(g_i n_c / n) (the probe's
     o02: 17% off the claimed step). ``sum(chunk) / n`` was refused with "divide the sum by
     the batch size", which it did."""
+    if size == 1 and name == "chunk's terms summed over n":
+        pytest.xfail("n = 1: the window's batch statistics (derived) are off, no kind")
     model, opt, loader = private()
     with pytest.raises(LossCouplingError, match="factor computed from the realised batch.*"
                                                 "each chunk's own mean"):
         for x, y in loader:
             n = len(x)
             opt.zero_grad()
-            for xc, yc in zip(x.split(3), y.split(3)):
+            for xc, yc in zip(x.split(size), y.split(size)):
                 CHUNKED[name](model, xc, yc, n).backward()
             opt.step()
 

@@ -170,6 +170,8 @@ class LossWatch:
         self.scale.reads, self.scale.expected = self.count_reads, self.expected()
         self.scale.records = {n, *self.used.values()} | (
             {self.announced} if self.announced is not None else set())
+        if n == 1 and self.check and max(self.scale.records) >= 2:  # a chunk of one record
+            self.scale.on = True  # of a larger batch: its factor n_c / n is still followed
         self.stats.inherit(self.before)  # statistics computed before the forward pass
         self.before.reset(0)
         if self._mode is None:
@@ -843,7 +845,7 @@ class LossFunctions(TorchFunctionMode):
             watch.traced(name, args, kwargs, out)
         if isinstance(out, torch.Tensor) and not out.dim() and out.requires_grad:
             watch.loss = weakref.ref(out)  # (loss_alive)
-        if watch.stats.on:  # batch statistics of the data, followed to the loss
+        if watch.stats.on or watch.scale.on:  # batch statistics, the loss's kind
             with torch._C.DisableTorchFunction():  # a subclass (Opacus' ExpandedWeight) is
                 watch.stats.after(func, args, kwargs, out)  # read, never dispatched to
                 if reduction is not None:  # sum or mean over the records: the loss's kind

@@ -364,7 +364,7 @@ class RecordReduction:
         how = self.realised(self._factor(loss)) if kind in ("sum", "mean") else None
         if how is not None:
             return "scaled", f"{what} scaled by {self._factor(loss):.6g} ({how})"
-        if kind == loss_reduction:
+        if kind == loss_reduction or self.n < 2:  # (n = 1: the mean is the sum)
             return None
         return found
 
