@@ -65,6 +65,19 @@ def test_step_without_a_fresh_backward_is_an_error():
         opt.step()
 
 
+def test_zero_grad_between_backward_and_step_is_named():
+    """``loss.backward(); opt.zero_grad(); opt.step()``: the error said "step() called
+    without a backward()" though backward had run (probeT L4, 2026-12-01)."""
+    model = mlp()
+    opt = optimizer(model, "einsum")
+    x, y = data(4, 0)
+    opt.zero_grad()
+    CE(model(x), y).mean().backward()
+    opt.zero_grad()
+    with pytest.raises(wb.LoopError, match=r"zero_grad\(\) was called after loss.backward\(\)"):
+        opt.step()
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_nothing_of_the_batch_survives_a_step(mode):
     model = mlp()

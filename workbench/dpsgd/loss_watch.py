@@ -65,7 +65,7 @@ from workbench.dpsgd.lifetime import Weak, push_bottom, reaches, sweep, weak_att
 from workbench.dpsgd.lifetime import remove as _remove
 from workbench.dpsgd.loss_terms import LEFT_TORCH, BatchStatistics, left_torch_message
 from workbench.dpsgd.model_loss import name_of
-from workbench.dpsgd.record_reduction import RecordReduction
+from workbench.dpsgd.record_reduction import COUNT_READS, RecordReduction, count_read
 from workbench.dpsgd.row_mixing import Earlier
 from workbench.errors import LoopError, LossCouplingError, RecordCountError
 from workbench.per_sample import precision
@@ -136,6 +136,10 @@ class LossWatch:
         self.windows: dict[int, tuple] = {}  # generation -> (trace, hooks) of its backward
         self.input_ids: set[int] = set()  # the model's inputs of the pass (``outside``)
         self.modules: list = []  # weak references to the window's outermost module calls
+        self.count_reads: set[int] = set()  # counts the loop read off tensors since the
+        # batch was handed out or the last step (len(x), x.shape[0]): record_reduction's
+        # ``realised`` factors
+        self.expected = lambda: None  # the optimizer's expected batch size B (optimizer.py)
         weakref.finalize(self, _remove, self._handles_box)
 
     def open(self, n: int, generation: int, outputs=()) -> None:
@@ -163,6 +167,11 @@ class LossWatch:
         self.scale.reset(n if self.check else 0, lambda t: stats._has(stats.derived, t),
                          self.loss_reduction)
         self.scale.moved = lambda t: stats.order.moved_dim0(t)
+        self.scale.reads, self.scale.expected = self.count_reads, self.expected()
+        self.scale.records = {n, *self.used.values()} | (
+            {self.announced} if self.announced is not None else set())
+        if n == 1 and self.check and max(self.scale.records) >= 2:  # a chunk of one record
+            self.scale.on = True  # of a larger batch: its factor n_c / n is still followed
         self.stats.inherit(self.before)  # statistics computed before the forward pass
         self.before.reset(0)
         if self._mode is None:
@@ -183,6 +192,7 @@ class LossWatch:
         """The engine's loader hands out a batch of n records: follow batch statistics of its
         data until the model's forward pass (``forward_begins``)."""
         self.batch_ends()
+        self.count_reads.clear()
         self.announced = n  # an empty batch may step without a forward pass (recorded.py)
         self.serial += 1
         self._follow(n)
@@ -212,7 +222,8 @@ class LossWatch:
         self._resume = False
         self.before.reset(n if self.check else 0)
         if self.before.on:
-            self._before_mode = BeforeForward.following = BeforeForward(self.before)
+            self._before_mode = BeforeForward.following = BeforeForward(self.before,
+                                                                        self.count_reads)
             push_bottom(self._before_mode)
 
     def forward_begins(self, inputs) -> None:
@@ -251,7 +262,8 @@ class LossWatch:
     def forward_ends(self) -> None:
         """A forward pass without gradient ended: the following it paused goes on."""
         if self._resume and self._before_mode is None and self.before.on:
-            self._before_mode = BeforeForward.following = BeforeForward(self.before)
+            self._before_mode = BeforeForward.following = BeforeForward(self.before,
+                                                                        self.count_reads)
             push_bottom(self._before_mode)
         self._resume = False
 
@@ -280,6 +292,7 @@ class LossWatch:
         augmented views concatenated along dim 0, a record reshaped into several rows before
         the model: each clipped as a record, one record's influence up to k C). Fewer rows
         (records filtered out) are harmless. Without the engine's loader nothing is known."""
+        self.count_reads.clear()
         used = {s: n for s, n in self.used.items() if s in self.backwarded}  # a batch only
         # forwarded (then skipped) is in no step: counted as one, it made the next step
         # "accumulate two batches" until 2026-11-30
@@ -595,6 +608,22 @@ class LossWatch:
                 f"(torch.nan_to_num(loss), torch.where(loss.isfinite(), loss, 0)) zeroes every "
                 f"record's gradient when one record's is not finite: the optimizer leaves a "
                 f"non-finite record out by itself, so drop the guard")
+        if kind == "scaled":
+            raise LossCouplingError(
+                f"the loss passed to backward is {what}: a factor computed from the realised "
+                f"batch size (len(x), x.shape[0], x.size(0), y.numel() of this batch, of a "
+                f"chunk of it, or its ratio to the expected batch size). With "
+                f"loss_reduction={declared!r} the optimizer clips each record's gradient "
+                f"as its own term times that factor, so removing one record changes n and "
+                f"moves every other record's clipped contribution: the sensitivity is no "
+                f"longer max_grad_norm. Fix: for gradient accumulation over chunks of one "
+                f"batch, backward each chunk's own mean as it is (F.cross_entropy(model(xc), "
+                f"yc), no n_c / n weight), or pass max_physical_batch_size to make_private "
+                f"and let its virtual steps split the batch; for a sum rescaled by hand, use "
+                f"the loss's mean with loss_reduction='mean', or its sum with "
+                f"loss_reduction='sum'; put a constant factor into the learning rate. (The "
+                f"factor is matched by value: if it is a constant that equals this count by "
+                f"coincidence, write it into the learning rate instead)")
         if kind == "mixed":
             why = (f"adds terms that sum the records to terms that average them ({what}): "
                    f"no single factor makes every record's gradient its own")
@@ -797,7 +826,10 @@ class LossFunctions(TorchFunctionMode):
             if attribute == "grad_fn":
                 with torch._C.DisableTorchFunction():
                     watch.traced(attribute, args, kwargs, None)
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if attribute == "shape" and watch.scale.on:  # n read off a tensor (realised)
+                watch.scale.read(name, args, kwargs, out)
+            return out
         reduction = None
         if func in FUNCTIONAL and watch._depth == 0:
             cls, names = FUNCTIONAL[func]
@@ -813,7 +845,7 @@ class LossFunctions(TorchFunctionMode):
             watch.traced(name, args, kwargs, out)
         if isinstance(out, torch.Tensor) and not out.dim() and out.requires_grad:
             watch.loss = weakref.ref(out)  # (loss_alive)
-        if watch.stats.on:  # batch statistics of the data, followed to the loss
+        if watch.stats.on or watch.scale.on:  # batch statistics, the loss's kind
             with torch._C.DisableTorchFunction():  # a subclass (Opacus' ExpandedWeight) is
                 watch.stats.after(func, args, kwargs, out)  # read, never dispatched to
                 if reduction is not None:  # sum or mean over the records: the loss's kind
@@ -899,9 +931,10 @@ class BeforeForward(TorchFunctionMode):
 
     following: "BeforeForward | None" = None
 
-    def __init__(self, stats: BatchStatistics):
+    def __init__(self, stats: BatchStatistics, reads: set | None = None):
         super().__init__()
         self.stats = stats
+        self.reads = reads  # LossWatch.count_reads: counts read off tensors (len(x), ...)
 
     stats = weak_attribute("stats")
 
@@ -913,6 +946,11 @@ class BeforeForward(TorchFunctionMode):
         if is_compiling():  # Dynamo traces the modes on the stack: the op alone (the
             return func(*args, **kwargs)  # private model's pass is refused: recorded.py)
         out = func(*args, **kwargs)
+        if self.reads is not None and getattr(func, "__name__", "") in COUNT_READS:
+            with torch._C.DisableTorchFunction():
+                r = count_read(func.__name__, args, kwargs, out)
+            if r is not None:
+                self.reads.add(r)
         stats = self.stats  # read once: a weak reference, gone at any collection
         if stats is not None and stats.on:  # reading the tensors dispatches to no
             with torch._C.DisableTorchFunction():  # subclass: another library's tensors

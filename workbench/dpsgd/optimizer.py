@@ -76,6 +76,7 @@ set size, B = qN.
 
 import math
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -223,6 +224,8 @@ class DPOptimizer(Optimizer):
         self.model = model
         self.recorder = ModelRecorder(model, self.param_groups, loss_reduction, criterion)
         self.recorder.watch.on_skipped = self._skipped_batch  # charged (LossWatch.batch_ends)
+        me = weakref.ref(self)  # B for the loss window's factors (record_reduction.realised)
+        self.recorder.watch.expected = lambda: getattr(me(), "expected_batch_size", None)
         self._groups = _group_ids(self.param_groups)  # what the recorder clips: _check_groups
         self.guard = loop.ThreadGuard()
         self._guard_handle = self.recorder.model.register_forward_pre_hook(
@@ -390,6 +393,8 @@ class DPOptimizer(Optimizer):
         with self.recorder.watch.unfollowed():  # .grad of the parameters: not the batch's data
             self.original_optimizer.zero_grad(set_to_none=set_to_none)
         watch = self.recorder.watch
+        self.recorder.dropped_backward = self.recorder.backward_ran()  # named by a step
+        # without one (recorded.py: "zero_grad() between backward() and step()")
         self.recorder.clear()
         watch.drop_used()  # the passes it drops count for no step (count_records); a loader
         # batch among them is charged (_skipped_batch)

@@ -28,10 +28,25 @@ and sums them under "sum". ``RecordReduction`` follows the loss window's operati
 - "mean": a loss function or module with its mean, or ``mean``/``nanmean`` over the records;
 - under "mean", a "sum" divided by a *count of the batch* (n, or n times a product of a
   batch tensor's leading dims: n·T, n·T·V, the ``numel`` of the outputs) is a "mean"; under
-  "sum", a "mean" multiplied by one is a "sum"; any other scaling (a constant, 1 /
-  accumulation steps) keeps the kind. The counts are matched by value, so a constant equal
-  to this batch's n (B = qN when n = B) passes this step and is refused at a step whose n
-  differs; a sum divided by n under "sum" is not told apart from a constant (a limit);
+  "sum", a "mean" multiplied by one is a "sum" (the factor applied to the records' terms
+  before their reduction counts too: ``(ce_none * (1 / len(x))).sum()`` is a mean); any
+  other scaling (a constant, 1 / accumulation steps) keeps the kind. The counts are matched
+  by value, so a constant equal to this batch's n (B = qN when n = B) passes this step and is
+  refused at a step whose n differs;
+- the factor left on the loss (the product of the numbers it was multiplied and divided by,
+  the count a conversion consumed excepted) must not be a function of the realised batch:
+  ``realised`` refuses f equal to r, 1/r, √r, 1/√r, r/B, B/r or r1/r2 for r a count the loop
+  read off a tensor this step (``len(x)``, ``x.shape[0]``, ``x.size(0)``, ``y.numel()``:
+  ``count_read``, in the window and from the loader's batch to the forward pass) that is one
+  of the step's record counts (this pass's n, the loader's batch), B the expected batch
+  size. ``ce_mean * len(x) / B``, ``ce_mean / len(x)`` and accumulation written as
+  ``ce_mean(chunk) * n_c / n`` or ``sum(chunk) / n`` released clip(f(n) g_i): one record,
+  by changing n, moved every other record's term (1.1-1.9 C), silently until 2026-12-01.
+  Matched by value: a constant equal to one of these values at a step where the loop read
+  that count (0.5 with n = 2, 1/K with n = K) is refused at that step (the message says to
+  move it into the learning rate); f = 1, B, 1/B pass as constants; a count times another
+  constant (``ce * 2 * len(x) / B``) and a count never read off a tensor (a loader's
+  ``len(batch_list)``) pass (a limit);
 - a sum of terms of different kinds is "mixed": no single factor makes both right;
 - "coupled": a reduction over the records that weighs each record by the others (``PICKS``:
   a max, a top-k, a median, a norm, a cumulative sum... of the records' terms), or any
@@ -116,14 +131,64 @@ class RecordReduction:
         self.kinds: dict[int, tuple] = {}  # id -> (weakref, kind, what)
         self.counts: set[float] = {float(n)}  # n, n·T, n·T·V, ...: counts of the batch
         self.single: dict[int, tuple] = {}  # id -> (weakref, key): part of one record's row
+        self.factors: dict[int, tuple] = {}  # id -> (weakref, f): a Python factor applied
+        # to the loss (kinds) or to the records' terms before their reduction
+        self.reads: set[int] = set()  # counts the loop read off tensors this step (len(x),
+        # x.shape[0], x.size(0), y.numel()): loss_watch shares its own set
+        self.records: set[int] = {n}  # the step's record counts: this pass's n, the loader's
+        # batch (loss_watch.open)
+        self.expected = None  # B, the optimizer's expected batch size
 
     def find(self, t):
         entry = self.kinds.get(id(t)) if isinstance(t, torch.Tensor) else None
         return entry[1:] if entry is not None and entry[0]() is t else None
 
-    def mark(self, t, kind: str, what: str) -> None:
+    def mark(self, t, kind: str, what: str, f: float = 1.0) -> None:
         if isinstance(t, torch.Tensor) and t.requires_grad:
             self.kinds[id(t)] = (weakref.ref(t), kind, what)
+            self._factor(t, f)
+
+    def _factor(self, t, f: float = None):
+        """Set (``f`` given) or read t's factor: the product of the Python numbers the window
+        multiplied it by since its reduction (or, for the records' terms, before it)."""
+        if f is not None:
+            if f == 1.0:
+                self.factors.pop(id(t), None)
+            elif isinstance(t, torch.Tensor):
+                self.factors[id(t)] = (weakref.ref(t), f)
+            return None
+        entry = self.factors.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return entry[1] if entry is not None and entry[0]() is t else 1.0
+
+    def read(self, name: str, args, kwargs, out) -> None:
+        """A count read off a tensor (``count_read``): kept for ``realised``."""
+        r = count_read(name, args, kwargs, out)
+        if r is not None:
+            self.reads.add(r)
+
+    def realised(self, f: float):
+        """How factor ``f`` is a function of the realised batch, or None: f equals r, 1/r,
+        √r, 1/√r, r/B, B/r or r1/r2 for r a count the loop read off a tensor this step that
+        is a record count of the step (this pass's n, the loader's batch: a chunk's n_c and
+        the batch's n), B the expected batch size. Matched by value: a constant equal to one
+        of these (0.5 with n = 2 read, 1/K with n = K) is refused at this step only, and
+        f = 1, B, 1/B are taken for constants."""
+        reads = sorted(r for r in self.reads if r >= 2 and r in self.records)
+        if not reads or not math.isfinite(f) or f <= 0:
+            return None
+        B = self.expected
+        constants = [1.0] + ([float(B), 1.0 / B] if B else [])
+        if any(math.isclose(f, c, rel_tol=1e-9) for c in constants):
+            return None
+        forms = []
+        for r in reads:
+            forms += [(r, f"n = {r}"), (1 / r, f"1/n = 1/{r}"), (math.sqrt(r), f"sqrt(n), n = {r}"),
+                      (1 / math.sqrt(r), f"1/sqrt(n), n = {r}")]
+            if B:
+                forms += [(r / B, f"n/B = {r}/{B:g}"), (B / r, f"B/n = {B:g}/{r}")]
+            forms += [(r / s, f"n_c/n = {r}/{s}") for s in reads if s > r]
+            forms += [(s / r, f"n/n_c = {s}/{r}") for s in reads if s > r]
+        return next((what for v, what in forms if math.isclose(f, v, rel_tol=1e-9)), None)
 
     def loss_call(self, name: str, reduction: str, out) -> None:
         """A loss function or module ``name`` with ``reduction`` returned ``out``."""
@@ -179,6 +244,7 @@ class RecordReduction:
         for t in tensors:
             self._count(t)
         name = getattr(func, "__name__", "")
+        self.read(name, args, kwargs, out)
         x = tensors[0] if tensors and args and args[0] is tensors[0] else None
         if x is not None and self.moved(x):
             x = None  # (a mean over time steps: no reduction over the records)
@@ -188,7 +254,11 @@ class RecordReduction:
                 and x.shape[0] % self.n == 0 and 0 in _dims(args, kwargs, x.dim()) \
                 and self.find(x) is None and self.derived(x):
             kind = "sum" if name in SUMS else "mean"
-            self.mark(out, kind, f"{name}() over the records of a {tuple(x.shape)} tensor")
+            what = f"{name}() over the records of a {tuple(x.shape)} tensor"
+            f = self._factor(x)  # the records' terms scaled first: (ℓ * (1 / n)).sum()
+            if f != 1.0:
+                kind, what, f = self._convert(kind, what, f, 1.0, "terms times")
+            self.mark(out, kind, what, f)
             return
         if name in PICKS and x is not None and x.requires_grad and x.dim() \
                 and x.shape[0] % self.n == 0 and self.derived(x) \
@@ -199,6 +269,7 @@ class RecordReduction:
             return
         found = [k for t in tensors for k in [self.find(t)] if k is not None]
         if not found:
+            self._scaled_terms(name, args, x, tensors, out)
             return
         kinds = {k for k, _ in found}
         kind, what = found[0]
@@ -209,18 +280,66 @@ class RecordReduction:
         elif len(kinds) > 1:
             kind = "mixed"
             what = " and ".join(dict.fromkeys(w for _, w in found))
-        elif len(args) > 1 and self.find(args[0]) is not None:
-            value = _number(args[1])
-            # toward the declared kind only: a constant that equals a count of this batch
-            # (B = qN when n = B) must not be refused; at another n it differs
-            if value is not None and any(math.isclose(value, c) for c in self.counts):
-                if name in DIVIDE and kind == "sum" and self.declared == "mean":
-                    kind, what = "mean", f"{what} divided by the batch count {value:g}"
-                elif name in MULTIPLY and kind == "mean" and self.declared == "sum":
-                    kind, what = "sum", f"{what} times the batch count {value:g}"
+        scaled = [self._factor(t) for t in tensors if self.find(t) is not None]
+        f = next((g for g in scaled if self.realised(g)), scaled[0] if scaled else 1.0)
+        # (terms added: a factor from the realised batch on any of them is kept)
+        if kind in ("sum", "mean") and len(found) == 1 and (name in MULTIPLY or name in DIVIDE):
+            value = self._operand(args, tensors)
+            if value is not None:
+                if name in DIVIDE:
+                    kind, what, f = self._convert(kind, what, f, 1.0 / value, "divided by")
+                else:
+                    kind, what, f = self._convert(kind, what, f, value, "times")
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for o in outs:
-            self.mark(o, kind, what)
+            self.mark(o, kind, what, f)
+
+    def _convert(self, kind, what, f, v, how):
+        """(kind, what, f) after a factor v: toward the declared kind only, by a count of
+        this batch (n, n·T, ...): a sum times 1/n is a mean under "mean", a mean times n a
+        sum under "sum", the count consumed; any other factor multiplies f. A constant that
+        equals a count of this batch (B = qN when n = B) must not be refused: at another n
+        it differs."""
+        g = f * v
+        if kind == "sum" and self.declared == "mean" and any(
+                math.isclose(g * c, 1.0) for c in self.counts):
+            return "mean", f"{what} {how} 1/{1 / g:g} (a mean)", 1.0
+        if kind == "mean" and self.declared == "sum" and any(
+                math.isclose(g, c) for c in self.counts):
+            return "sum", f"{what} {how} the batch count {g:g}", 1.0
+        return kind, what, g
+
+    def _operand(self, args, tensors):
+        """The number a product or quotient scales the loss (or the records' terms) by: a
+        Python number, a 0-d tensor without gradient, or a tensor without gradient whose
+        entries are all equal (``torch.full((n,), 1 / n)``); else None."""
+        others = [a for a in args[:2] if not (isinstance(a, torch.Tensor) and (
+            a.requires_grad or self.find(a) is not None))]
+        if len(others) != 1:
+            return None
+        v = _number(others[0])
+        if v is None and isinstance(others[0], torch.Tensor) and others[0].numel() \
+                and not others[0].requires_grad and others[0].device.type != "meta" \
+                and others[0].dtype.is_floating_point:
+            o = others[0]
+            lo, hi = float(o.min()), float(o.max())
+            v = lo if lo == hi else None
+        return v if v else None
+
+    def _scaled_terms(self, name, args, x, tensors, out) -> None:
+        """The records' terms (a tensor of the outputs without a kind) multiplied or
+        divided by a number, or carried through a linear op, keep that factor to their
+        reduction: ``(ce_none * (1 / len(x))).sum()`` is a mean."""
+        if not isinstance(out, torch.Tensor) or not out.requires_grad or x is None:
+            return
+        f = self._factor(x)
+        if (name in MULTIPLY or name in DIVIDE) and self.derived(x) and x.requires_grad \
+                and self._linear(name, args, tensors):
+            v = self._operand(args, tensors)
+            if v is not None:
+                self._factor(out, f * v if name in MULTIPLY else f / v)
+        elif f != 1.0 and len(tensors) == 1 and name in LINEAR and name not in SUMS | MEANS:
+            self._factor(out, f)
 
     def _linear(self, name, args, tensors) -> bool:
         """``name`` keeps a loss linear in the records' terms: a ``LINEAR`` operation, and a
@@ -236,11 +355,39 @@ class RecordReduction:
         return len(from_outputs) <= 1
 
     def check(self, loss, loss_reduction: str):
-        """(kind, what) of ``loss`` when it is not ``loss_reduction``, else None."""
+        """(kind, what) of ``loss`` when it is not ``loss_reduction``, else None; ("scaled",
+        what) when a factor of the realised batch scales it (``realised``)."""
         found = self.find(loss)
-        if found is None or found[0] == loss_reduction:
+        if found is None:
+            return None
+        kind, what = found
+        how = self.realised(self._factor(loss)) if kind in ("sum", "mean") else None
+        if how is not None:
+            return "scaled", f"{what} scaled by {self._factor(loss):.6g} ({how})"
+        if kind == loss_reduction or self.n < 2:  # (n = 1: the mean is the sum)
             return None
         return found
 
 
-__all__ = ["DIVIDE", "MEANS", "MULTIPLY", "SUMS", "RecordReduction"]
+#: the shape reads that return a count of a tensor's rows (``count_read``)
+COUNT_READS = frozenset({"__len__", "numel", "nelement", "__get__", "size"})
+
+
+def count_read(name: str, args, kwargs, out):
+    """The count a shape read returns: ``len(x)``, ``x.shape`` / ``x.size()`` (their dim 0),
+    ``x.size(0)``, ``x.numel()`` of a tensor of at least one dim; else None."""
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or not x.dim():
+        return None
+    if name == "__len__" or name in ("numel", "nelement"):
+        return out if isinstance(out, int) else None
+    if name == "__get__" or name == "size":
+        if isinstance(out, torch.Size):
+            return int(out[0]) if len(out) else None
+        if name == "size" and isinstance(out, int):
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+            return out if isinstance(dim, int) and dim % x.dim() == 0 else None
+    return None
+
+
+__all__ = ["COUNT_READS", "DIVIDE", "MEANS", "MULTIPLY", "SUMS", "RecordReduction", "count_read"]

@@ -206,6 +206,8 @@ class ModelRecorder:
         self.comparing = False  # batches(): some backward pass of the step is checked
         self.passes = 0  # batches(): the step's backward passes
         self.watch = LossWatch(loss_reduction, criterion)
+        self.dropped_backward = False  # the last zero_grad() dropped a backward pass's
+        # gradients before any step() (``backward_ran``; named when a step finds none)
         self.watch.paused = self.paused  # its coupling test must not reach the recording hooks
         self.watch.before_backward = self._hooks_last
         self.grad_marks: dict = {}  # id(param) -> (id, version) of its .grad after the last
@@ -445,6 +447,10 @@ class ModelRecorder:
         found = [h for c in self.root_rec.calls[ROOT] for h in getattr(c, "hooks", ())]
         return found + [h for _, hooks in self.watch.windows.values() for h in hooks]
 
+    def backward_ran(self) -> bool:
+        """A backward pass ran through a forward pass recorded since the last step."""
+        return any(any(g is not None for g in c.grads) for c in self.root_rec.all_calls())
+
     def forward_awaits_backward(self) -> bool:
         """A training forward pass was recorded since the last step and no backward pass has
         run through any (``zero_grad()`` between them clears ``.grad`` only)."""
@@ -539,6 +545,14 @@ class ModelRecorder:
                     f"d loss / d output per record). Wrap the model so that it returns the "
                     f"tensor the loss reads, e.g. forward = lambda *a, **k: model(*a, **k)"
                     f"['logits'] in an nn.Module, and compute the loss from that")
+            if self.dropped_backward:
+                raise LoopError(
+                    "step() found no gradients: optimizer.zero_grad() was called after "
+                    "loss.backward() and before step(), and it dropped that backward pass's "
+                    "recorded gradients (the optimizer computes the clipped gradients at "
+                    "step() from what the backward pass recorded). Call zero_grad() before "
+                    "the forward pass (or right after step()): optimizer.zero_grad(); "
+                    "loss = criterion(model(x), y); loss.backward(); optimizer.step()")
             raise LoopError("step() called without a backward() since the last step (or "
                                "twice after one backward): each step needs its own "
                                "optimizer.zero_grad(), loss = criterion(model(x), y), "
