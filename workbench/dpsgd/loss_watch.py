@@ -247,6 +247,21 @@ class LossWatch:
                 f"and the sensitivity is no longer max_grad_norm. Normalise with constants of "
                 f"the data set (computed once, before training, or privately) or per record "
                 f"(over its own features: dim >= 1)")
+        rows = next(((t, r) for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)
+                     for r in [self.before.order.one_row(t)] if r), None)
+        if rows is not None:
+            self.before.reset(0)
+            (t, (why, k)) = rows
+            raise RecordCountError(
+                f"the model's input {tuple(t.shape)} is not one row per record: {why}. Each "
+                f"row is clipped as a record of its own, so that record's influence on the "
+                f"step is {k} x max_grad_norm, not max_grad_norm, although there are no more "
+                f"rows than records. Give each record one row: augment inside a Dataset "
+                f"transform (each record one augmented row per draw); for several views of a "
+                f"record, stack them along dim 1 and average them inside the model, or make "
+                f"the unit the user (privacy_unit=\"user\", user-level DP); sample with the "
+                f"engine's Poisson loader instead of resampling or repeating the batch; pack "
+                f"sequences inside the Dataset, so a row never straddles two records")
 
     def forward_ends(self) -> None:
         """A forward pass without gradient ended: the following it paused goes on."""
