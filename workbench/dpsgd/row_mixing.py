@@ -407,6 +407,26 @@ class Earlier:
         # tensors (group >= 1), an earlier pass's inputs (group 0)
         self.inputs: dict[int, weakref.ref] = {}  # the latest training pass's inputs
         self.group = self.current = 0
+        self.storages: set[int] = set()  # the data set's tensors' storages (``data_set``)
+
+    def data_set(self, dataset) -> None:
+        """The loader's data set: its tensors' storages, where it holds them (a
+        ``TensorDataset``, a ``Subset`` of one), so a record of it joined to the batch by the
+        loop (an anchor, a prototype record in every batch) is told from the batch's rows."""
+        for _ in range(4):
+            tensors = getattr(dataset, "tensors", None)
+            if isinstance(tensors, (tuple, list)):
+                self.storages = {t.untyped_storage().data_ptr() for t in tensors
+                                 if isinstance(t, torch.Tensor) and t.numel()}
+                return
+            dataset = getattr(dataset, "dataset", None)
+            if dataset is None:
+                return
+
+    def of_data_set(self, t) -> bool:
+        """t views a tensor of the data set (a record taken from it by the loop)."""
+        return bool(self.storages) and t.numel() > 0 \
+            and t.untyped_storage().data_ptr() in self.storages
 
     def _prune(self) -> None:
         if len(self.table) > 256:
@@ -505,6 +525,8 @@ class RowOrder:
         # row by row (out[i] = x[j]), None for a row not written yet
         self.how: dict[int, tuple] = {}  # id -> (weakref, op): the op that took a record
         # twice into a key's rows (before the forward pass: ``one_row``)
+        self.extra: dict[int, tuple] = {}  # id -> (weakref, what): rows of the data set
+        # the loop joined to the batch (``one_row``)
         self.regrouped: dict[int, tuple] = {}  # id -> (weakref, op, n, numel): dim 0 cut
         # across the n records of a batch of numel values (``one_row``)
 
@@ -545,6 +567,21 @@ class RowOrder:
                 self.how[id(t)] = (weakref.ref(t), before[1] if before is not None else
                                    _op(name, args))
         first = tensors[0]
+        extra = next((e for t in tensors for e in [self.extra.get(id(t))]
+                      if e is not None and e[0]() is t and t.dim()
+                      and len(outs) == 1 and outs[0].shape[0] == t.shape[0]), None)
+        if extra is not None:
+            self.extra[id(outs[0])] = (weakref.ref(outs[0]), extra[1])
+        elif name in CATS and _dim0(name, args, {}) and len(outs) == 1 \
+                and self.earlier is not None and self.earlier.storages:
+            pieces = [t for t in tensors if t.dim()]
+            stray = [t for t in pieces if self.earlier.of_data_set(t)
+                     and not self._batchlike(t, None)]
+            if stray and any(self._batchlike(t, None) for t in pieces):
+                self.extra[id(outs[0])] = (weakref.ref(outs[0]), (
+                    f"torch.{name}() of the batch with {int(stray[0].shape[0])} row(s) taken "
+                    f"from the training set by the loop ({tuple(stray[0].shape)}, not drawn "
+                    f"by the sampler)"))
         cut = next((e for t in tensors for e in [self.regrouped.get(id(t))]
                     if e is not None and e[0]() is t), None)
         if cut is not None:
@@ -567,12 +604,21 @@ class RowOrder:
         across records (a reshape of dim 0)."""
         if not isinstance(t, torch.Tensor) or not t.dim():
             return None
-        k = repeats(self.key(t))
+        key = self.key(t)
+        base = self.bases.get(key[1]) if key is not None and key[0] == "of" else None
+        k = repeats(key) if key is None or key[0] == "rows" or (
+            base is not None and self._batchlike(base, None)) else 1  # (rows of a table
+        # made before the window, a class mean looked up per record: no batch's)
         if k > 1:
             entry = self.how.get(id(t))
             how = entry[1] if entry is not None and entry[0]() is t else "an op of the loop"
             return (f"its rows were rebuilt from the batch's by {how}, which takes a record "
                     f"{k} times", k)
+        entry = self.extra.get(id(t))
+        if entry is not None and entry[0]() is t:
+            return (f"its rows join {entry[1]}: such a record is in every step the loop "
+                    f"joins it to, while the accountant charges it at the sampling rate q, as "
+                    f"any other record (its real epsilon is that of q = 1)", 1)
         entry = self.regrouped.get(id(t))
         if entry is None or entry[0]() is not t:
             return None
@@ -718,8 +764,10 @@ class RowOrder:
                     # out[i] = aug(x[i]), ce(o[i], y[i], weight=w): a review)
         new = _order(name, args, kwargs, m, self.made, self._unseen if self.whole else None,
                      self.drawn if batch else None)
-        if new is False and self.whole and batch:  # (before the forward pass: a record
-            new = _repeated(name, args, kwargs, m) or False  # picked twice, x[[0, 0, 1]])
+        if new is False and self.whole and self.earlier is not None and self.earlier.group \
+                and self._now(first):  # (before the forward pass, a loader's batch: a record
+            new = _repeated(name, args, kwargs, m) or False  # picked twice, x[[0, 0, 1]];
+            # in a loop by hand a table made in the window, w[y], is not told from a batch)
         # (positions in first's rows: a slice, a permutation, a drawn partner)
         key = self.key(first) if new in (False, None) else self._sub(first, new)
         for t in tree_flatten(out)[0]:
