@@ -103,7 +103,8 @@ class VirtualStepLoader:
     def __iter__(self):
         if self.watch is not None:
             self.watch.chunked = True  # a step over two chunks: said so (count_records)
-        return watched(self._chunks(), self.watch, handed=self._handed)
+        return watched(self._chunks(), self.watch, handed=self._handed,
+                       dataset=self.dataset)
 
     def _handed(self) -> None:
         self.batch_rate = getattr(self.loader, "batch_rate", None)

@@ -258,6 +258,24 @@ class LossWatch:
                 f"and the sensitivity is no longer max_grad_norm. Normalise with constants of "
                 f"the data set (computed once, before training, or privately) or per record "
                 f"(over its own features: dim >= 1)")
+        rows = next(((t, r) for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)
+                     for r in [self.before.order.one_row(t)] if r), None)
+        if rows is not None:
+            self.before.reset(0)
+            (t, (why, k)) = rows
+            why = (f"{why}. Each row is clipped as a record of its own, so that record's "
+                   f"influence on the step is {k} x max_grad_norm, not max_grad_norm, although "
+                   f"there are no more rows than records") if k > 1 else why
+            raise RecordCountError(
+                f"the model's input {tuple(t.shape)} is not one row per record the loader "
+                f"drew: {why}. Give each record one row: augment inside a Dataset transform "
+                f"(each record one augmented row per draw); for several views of a record, "
+                f"stack them along dim 1 and average them inside the model, or make the unit "
+                f"the user (privacy_unit=\"user\", user-level DP); sample with the engine's "
+                f"Poisson loader instead of resampling or repeating the batch; pack sequences "
+                f"inside the Dataset, so a row never straddles two records"
+                + ("" if k > 1 else "; a fixed record for every step belongs in the model "
+                   "(a buffer) or in public data, not taken from the training set"))
 
     def forward_ends(self) -> None:
         """A forward pass without gradient ended: the following it paused goes on."""
@@ -975,7 +993,7 @@ def _leave(mode) -> None:
         torch._C._push_on_torch_function_stack(other)
 
 
-def watched(batches, watch: "LossWatch | None", handed=None):
+def watched(batches, watch: "LossWatch | None", handed=None, dataset=None):
     """The engine loader's batches, each announced to the optimizer's ``watch``
     (``batch_begins``) before the user's code sees it. Following stops at the model's forward
     pass, at the next batch, when the pass ends, or when the optimizer is detached; a pass
@@ -985,6 +1003,7 @@ def watched(batches, watch: "LossWatch | None", handed=None):
     loader's ``batch_rate`` (``sampling.PoissonBatchSampler``)."""
     if watch is not None:
         watch.passing = True
+        watch.earlier.data_set(dataset)  # (a record of it joined to a batch: one_row)
     try:
         for batch in batches:
             if watch is not None:

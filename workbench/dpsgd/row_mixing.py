@@ -305,6 +305,93 @@ def _order(name: str, args, kwargs, m: int, fresh, whole=None, drawn=None):
     return False
 
 
+RESHAPES = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "ravel"}
+REPEATS = {"repeat", "tile", "repeat_interleave"}
+
+
+def _index_values(index, m: int) -> list | None:
+    """Any integer index's values over m rows (a 1-d tensor, list, range or NumPy array, each
+    value in range(-m, m)), else None: a mask, a slice, a 2-d index."""
+    if isinstance(index, range):
+        index = list(index)
+    if isinstance(index, torch.Tensor):
+        if index.dim() != 1 or index.dtype in (torch.bool, torch.uint8) \
+                or index.is_floating_point() or index.is_complex():
+            return None
+        values = index.tolist()
+    elif isinstance(index, list) or (type(index).__module__ == "numpy"
+                                     and getattr(index, "ndim", None) == 1
+                                     and getattr(index, "dtype", None) is not None
+                                     and index.dtype.kind in "iu"):
+        values = index.tolist() if not isinstance(index, list) else index
+        if any(isinstance(v, bool) for v in values):
+            return None
+        try:
+            values = [operator.index(v) for v in values]
+        except TypeError:
+            return None
+    else:
+        return None
+    return values if all(-m <= v < m for v in values) else None
+
+
+def _repeated(name: str, args, kwargs, m: int) -> tuple | None:
+    """The positions ``name(*args)`` takes of its first argument's m rows where it takes one
+    row more than once (``x[[0, 0, 1]]``, ``x.index_select(0, idx)`` with repeats,
+    ``x.repeat(2, 1)``, ``x.repeat_interleave(2, 0)``), else None: each record behind one row
+    of the model's input (``LossWatch.forward_begins``). A filter, a slice, a permutation
+    take none twice."""
+    values = None
+    if name == "__getitem__" and len(args) > 1:
+        key = args[1]
+        if isinstance(key, tuple):
+            if not key or any(isinstance(k, (torch.Tensor, list)) or type(k).__module__
+                              == "numpy" for k in key[1:]):
+                return None  # (z[arange(n), y]: an advanced index over several dims)
+            key = key[0]
+        values = _index_values(key, m)
+    elif name == "index_select" and _is0(kwargs.get("dim", args[1] if len(args) > 1
+                                                   else None), _ndim(args)):
+        values = _index_values(kwargs.get("index", args[2] if len(args) > 2 else None), m)
+    elif name in ("repeat", "tile") and len(args) > 1:
+        reps = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size)) \
+            else args[1:]
+        reps = kwargs.get("repeats", kwargs.get("dims", reps))
+        ndim = _ndim(args)
+        if isinstance(reps, (tuple, list, torch.Size)) and all(isinstance(r, int) for r in reps) \
+                and len(reps) >= ndim and ndim:
+            k = reps[len(reps) - ndim]  # (the factor over dim 0 of the input)
+            values = list(range(m)) * k if k > 1 else None
+    elif name == "repeat_interleave" and len(args) > 1:
+        reps = kwargs.get("repeats", args[1])
+        dim = kwargs.get("dim", args[2] if len(args) > 2 else None)
+        if isinstance(reps, int) and reps > 1 and _is0(dim, _ndim(args)):
+            values = [i for i in range(m) for _ in range(reps)]
+    if values is None or len(set(v % m for v in values)) == len(values):
+        return None
+    return tuple(v % m for v in values)
+
+
+def _op(name: str, args) -> str:
+    """How a loop spells ``name`` on a batch x, for a message."""
+    if name == "__getitem__":
+        return "x[index] with an index that repeats rows (x[torch.randint(0, n, (n,))], " \
+            "x[torch.multinomial(w, n, replacement=True)], a list with repeats)"
+    if name in CATS:
+        return f"torch.{name}() of pieces holding the same records (torch.cat([x[:h], x[:h]]))"
+    return f"{name}() over dim 0"
+
+
+def repeats(key) -> int:
+    """The most rows of one record in a key's rows (1: each record once, or no key)."""
+    rows = key[1] if key is not None and key[0] == "rows" else \
+        key[3] if key is not None and key[0] == "of" else ()
+    counts: dict = {}
+    for r in rows:
+        counts[r] = counts.get(r, 0) + 1
+    return max(counts.values(), default=1)
+
+
 class Earlier:
     """The records' tensors of earlier batches: the batches the engine's loader (or the
     user's, ``watch_loader``) handed out, each a group, and the inputs of the model's
@@ -320,6 +407,26 @@ class Earlier:
         # tensors (group >= 1), an earlier pass's inputs (group 0)
         self.inputs: dict[int, weakref.ref] = {}  # the latest training pass's inputs
         self.group = self.current = 0
+        self.storages: set[int] = set()  # the data set's tensors' storages (``data_set``)
+
+    def data_set(self, dataset) -> None:
+        """The loader's data set: its tensors' storages, where it holds them (a
+        ``TensorDataset``, a ``Subset`` of one), so a record of it joined to the batch by the
+        loop (an anchor, a prototype record in every batch) is told from the batch's rows."""
+        for _ in range(4):
+            tensors = getattr(dataset, "tensors", None)
+            if isinstance(tensors, (tuple, list)):
+                self.storages = {t.untyped_storage().data_ptr() for t in tensors
+                                 if isinstance(t, torch.Tensor) and t.numel()}
+                return
+            dataset = getattr(dataset, "dataset", None)
+            if dataset is None:
+                return
+
+    def of_data_set(self, t) -> bool:
+        """t views a tensor of the data set (a record taken from it by the loop)."""
+        return bool(self.storages) and t.numel() > 0 \
+            and t.untyped_storage().data_ptr() in self.storages
 
     def _prune(self) -> None:
         if len(self.table) > 256:
@@ -416,6 +523,12 @@ class RowOrder:
         self.records = frozenset()  # the row counts of the records the last mix combined
         self.writes: dict[int, tuple] = {}  # id -> (weakref, space, rows): records written
         # row by row (out[i] = x[j]), None for a row not written yet
+        self.how: dict[int, tuple] = {}  # id -> (weakref, op): the op that took a record
+        # twice into a key's rows (before the forward pass: ``one_row``)
+        self.extra: dict[int, tuple] = {}  # id -> (weakref, what): rows of the data set
+        # the loop joined to the batch (``one_row``)
+        self.regrouped: dict[int, tuple] = {}  # id -> (weakref, op, n, numel): dim 0 cut
+        # across the n records of a batch of numel values (``one_row``)
 
     def key(self, t):
         entry = self.keys.get(id(t))
@@ -435,6 +548,89 @@ class RowOrder:
         return self.made(t) and self.indices[id(t)][1]
 
     def after(self, name: str, args, kwargs, tensors, out, ours=None) -> str | None:
+        """Follow ``out = name(*args, **kwargs)`` (``_after``); before the forward pass also
+        the rows that hold one record twice and those cut across records (``one_row``)."""
+        what = self._after(name, args, kwargs, tensors, out, ours)
+        if self.whole and tensors and isinstance(tensors[0], torch.Tensor):
+            self._rows_followed(name, args, tensors, out)
+        return what
+
+    def _rows_followed(self, name, args, tensors, out) -> None:
+        """Name the op behind a key holding a record twice (``how``, carried while the key
+        holds it), and follow a reshape that moves dim 0 across records (``regrouped``:
+        ``x.reshape(-1)[:k * L].view(k, L)``, packing), until a reshape back to whole records."""
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.dim()]
+        before = next((e for t in tensors for e in [self.how.get(id(t))]
+                       if e is not None and e[0]() is t), None)
+        for t in outs:
+            if repeats(self.key(t)) > 1:
+                self.how[id(t)] = (weakref.ref(t), before[1] if before is not None else
+                                   _op(name, args))
+        first = tensors[0]
+        extra = next((e for t in tensors for e in [self.extra.get(id(t))]
+                      if e is not None and e[0]() is t and t.dim()
+                      and len(outs) == 1 and outs[0].shape[0] == t.shape[0]), None)
+        if extra is not None:
+            self.extra[id(outs[0])] = (weakref.ref(outs[0]), extra[1])
+        elif name in CATS and _dim0(name, args, {}) and len(outs) == 1 \
+                and self.earlier is not None and self.earlier.storages:
+            pieces = [t for t in tensors if t.dim()]
+            stray = [t for t in pieces if self.earlier.of_data_set(t)
+                     and not self._batchlike(t, None)]
+            if stray and any(self._batchlike(t, None) for t in pieces):
+                self.extra[id(outs[0])] = (weakref.ref(outs[0]), (
+                    f"torch.{name}() of the batch with {int(stray[0].shape[0])} row(s) taken "
+                    f"from the training set by the loop ({tuple(stray[0].shape)}, not drawn "
+                    f"by the sampler)"))
+        cut = next((e for t in tensors for e in [self.regrouped.get(id(t))]
+                    if e is not None and e[0]() is t), None)
+        if cut is not None:
+            if name in RESHAPES and len(outs) == 1 and int(outs[0].shape[0]) == cut[2] \
+                    and outs[0].numel() == cut[3]:
+                return  # (whole records again: x.reshape(-1).view(n, -1))
+            for t in outs:
+                self.regrouped[id(t)] = (weakref.ref(t), *cut[1:])
+        elif name in RESHAPES and first.dim() and not self._moved(first) \
+                and self._batchlike(first, None) and isinstance(out, torch.Tensor) \
+                and (not out.dim() or out.shape[0] != first.shape[0]) and first.shape[0] >= 2:
+            what = f"{name}() of a {tuple(first.shape)} tensor of the batch into " \
+                f"{tuple(out.shape)}"
+            self.regrouped[id(out)] = (weakref.ref(out), what, int(first.shape[0]),
+                                       first.numel())
+
+    def one_row(self, t) -> str | None:
+        """Why the model's input t is not one row per record, else None: a record behind k
+        rows (an index with repeats, overlapping pieces joined, a repeat), or rows cut
+        across records (a reshape of dim 0)."""
+        if not isinstance(t, torch.Tensor) or not t.dim():
+            return None
+        key = self.key(t)
+        base = self.bases.get(key[1]) if key is not None and key[0] == "of" else None
+        k = repeats(key) if key is None or key[0] == "rows" or (
+            base is not None and self._batchlike(base, None)) else 1  # (rows of a table
+        # made before the window, a class mean looked up per record: no batch's)
+        if k > 1:
+            entry = self.how.get(id(t))
+            how = entry[1] if entry is not None and entry[0]() is t else "an op of the loop"
+            return (f"its rows were rebuilt from the batch's by {how}, which takes a record "
+                    f"{k} times", k)
+        entry = self.extra.get(id(t))
+        if entry is not None and entry[0]() is t:
+            return (f"its rows join {entry[1]}: such a record is in every step the loop "
+                    f"joins it to, while the accountant charges it at the sampling rate q, as "
+                    f"any other record (its real epsilon is that of q = 1)", 1)
+        entry = self.regrouped.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return None
+        n, numel = entry[2], entry[3]
+        size, width = numel // max(n, 1), t.numel() // max(int(t.shape[0]), 1)
+        k = max((((j + 1) * size - 1) // width - (j * size) // width + 1
+                 for j in range(n)), default=1) if size and width else 1
+        return (f"its rows were cut across the records by {entry[1]} (records joined and cut "
+                f"into rows of another length: packing), so a record's values sit in up to "
+                f"{k} rows and every later row moves when it is removed", max(k, 2))
+
+    def _after(self, name: str, args, kwargs, tensors, out, ours=None) -> str | None:
         """Follow ``out = name(*args, **kwargs)``; ``what`` when it mixes two records.
         ``ours(t)``: t is computed from the model's outputs (in the loss window), a record's
         own values although it carries gradient."""
@@ -568,6 +764,10 @@ class RowOrder:
                     # out[i] = aug(x[i]), ce(o[i], y[i], weight=w): a review)
         new = _order(name, args, kwargs, m, self.made, self._unseen if self.whole else None,
                      self.drawn if batch else None)
+        if new is False and self.whole and self.earlier is not None and self.earlier.group \
+                and self._now(first):  # (before the forward pass, a loader's batch: a record
+            new = _repeated(name, args, kwargs, m) or False  # picked twice, x[[0, 0, 1]];
+            # in a loop by hand a table made in the window, w[y], is not told from a batch)
         # (positions in first's rows: a slice, a permutation, a drawn partner)
         key = self.key(first) if new in (False, None) else self._sub(first, new)
         for t in tree_flatten(out)[0]:
@@ -909,4 +1109,4 @@ class RowOrder:
             range(base[2])) else (*base, rows, sizes | {len(rows)}))
 
 
-__all__ = ["DRAWN", "REORDER", "SPLITS", "STACKS", "Earlier", "RowOrder"]
+__all__ = ["DRAWN", "REORDER", "RESHAPES", "repeats", "SPLITS", "STACKS", "Earlier", "RowOrder"]

@@ -213,7 +213,8 @@ class DPDataLoader(DataLoader):
     def __iter__(self):
         if self.watch is not None:  # workers prefetch: the sampler runs ahead of the steps
             self.watch.prefetch = self.num_workers if self.num_workers > 0 else 0
-        return watched(super().__iter__(), self.watch, handed=self._handed)
+        return watched(super().__iter__(), self.watch, handed=self._handed,
+                       dataset=self.dataset)
 
     def _handed(self) -> None:
         """A batch is handed out (after the watch charged any batch skipped before it)."""

@@ -149,7 +149,8 @@ class UserPoissonLoader:
         return len(self.batch_sampler)
 
     def __iter__(self):
-        return watched(self._batches(), self.watch, handed=self._handed)
+        return watched(self._batches(), self.watch, handed=self._handed,
+                       dataset=self.dataset)
 
     def _handed(self) -> None:
         self.batch_rate = self.batch_sampler.take_drawn()
