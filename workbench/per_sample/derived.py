@@ -137,7 +137,10 @@ class Taint:
         first = args[0] if args else None
         if (isinstance(first, torch.Tensor)  # written: tainted, its storage noted (also when
                 and writes_first(name)  # the op returns it, x.add_(a))
-                and (name != "__set__" or _storage(first) == _storage(args[-1]))):  # .data =
+                and (name != "__set__" or (isinstance(args[-1], torch.Tensor) and _storage(
+                    first) == _storage(args[-1])))):  # .data = v; not ``x.requires_grad =
+                # True`` (Wav2Vec2's feature encoder in training: an AttributeError until
+                # 2026-12-01)
             self._written(first)  # (not .grad =, whose storage is not the tensor's)
         out = kwargs.get("out") if kwargs else None  # torch.add(a, b, out=buffer): written
         for t in (out if type(out) in (list, tuple) else (out,)):
