@@ -39,7 +39,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from workbench.errors import UnsupportedLayerError
-from workbench.per_sample import batch_reductions
+from workbench.per_sample import batch_reductions, host_random
 from workbench.per_sample.broadcast import ADDS, REWRITES, BatchFree
 from workbench.per_sample.derived import Derived, follow_parameters, graph_nodes
 from workbench.per_sample.flat_rows import FOLLOWED, FlatRows, in_place
@@ -220,6 +220,7 @@ class UseTracker(TorchFunctionMode):
         self.flat_rows = self.recorder.flat_rows = FlatRows(self._tainted)
         with torch._C.DisableTorchFunction():
             self._states = generator_states()
+        self._host = host_random.states()  # NumPy's and Python's: replayed by nothing
         follow_parameters(self.derived, True)  # nn.Parameter(batch statistic): tainted
         return super().__enter__()
 
@@ -230,6 +231,8 @@ class UseTracker(TorchFunctionMode):
             with torch._C.DisableTorchFunction():
                 self.random = advanced(self._states)
         self.recorder.batch_free = self.recorder.flat_rows = None
+        if exc[0] is None and (which := host_random.drew(self._host)) is not None:
+            raise host_random.error(which)  # SpecAugment's masks: no twin can replay them
         if exc[0] is None:
             self.batch_free.finish(self.recorder)  # outside the mode: its ops are not uses
             settle_broadcast(self)
