@@ -52,6 +52,7 @@ import weakref
 import torch
 from torch.autograd.graph import get_gradient_edge
 
+from workbench.per_sample.flat_rows import AUGMENTED
 from workbench.per_sample.leaves import leaves
 from workbench.per_sample.registry import find_grad_sampler
 from workbench.per_sample.views import capture_edge, stale, watched
@@ -77,8 +78,8 @@ def writes_first(name: str) -> bool:
     """The op named ``name`` writes its first argument in place: ``x.op_``, ``x += a``
     (``__iop__``), ``x[k] = a``, ``t.data = v`` (the taint here, ``state_replay``'s copy on
     write)."""
-    return name in WRITES or name.startswith("__i") or (name.endswith("_")
-                                                          and not name.endswith("__"))
+    return name in WRITES or name in AUGMENTED or (name.endswith("_")
+                                                    and not name.endswith("__"))
 
 
 class TaintRef(weakref.ref):
