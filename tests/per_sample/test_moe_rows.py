@@ -275,3 +275,59 @@ def test_a_lookup_inside_a_rule_less_layer_takes_the_embedding_rule(n):
     for mode in ("bookkeeping", "einsum"):
         assert_optimizer_matches_microbatch(model, losses, [(x, y), batch(1, seed=9)],
                                             max_grad_norm=C, method=mode, verify=False)
+
+
+EAGER = {"qwen2_moe": ("Qwen2Moe", dict(num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=16,
+                                         shared_expert_intermediate_size=16)),
+         "olmoe": ("Olmoe", dict(num_experts=4, num_experts_per_tok=2)),
+         "mixtral": ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2))}
+
+
+@pytest.mark.realmodels
+@pytest.mark.parametrize("n", [3, T])
+@pytest.mark.parametrize("name", list(EAGER))
+def test_eager_experts_of_real_models_prove_their_rows(name, n):
+    """Hugging Face's "eager" experts (Qwen2-MoE, OLMoE, Mixtral): a loop over the experts
+    hit, each one's tokens gathered (``h[token_idx]``), its weights picked by the loop's index
+    (``gate_up_proj[expert_idx]``), the routing weights at ``[token_idx, top_k_pos]``, the
+    outputs added back by ``final.index_add_(0, token_idx, ...)``. The rows are proved op by
+    op (``flat_rows._row_writes``, ``_reorder``, ``_picked``): no layer call on unproved rows
+    (until 2026-12-01 the experts' output, the final norm and the head: 3 calls, their
+    parameters on the exact fallback), exact against a float64 loop over one record at a time
+    (ghost to ``RTOL_FLOAT32_INSIDE``: these models' RMSNorm computes in float32, and ghost's
+    second backward pass rounds each record's scaled gradient there, 4e-8 off, as for Llama)."""
+    import copy
+    import importlib.util
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed: pip install '.[realmodels]'")
+    import warnings
+
+    from workbench.per_sample.recording import record
+    from workbench.realzoo import text
+    from workbench.realzoo.reference import (
+        RTOL,
+        RTOL_FLOAT32_INSIDE,
+        clipped_sum,
+        norms_of,
+        one_at_a_time,
+        scale,
+        verdict,
+    )
+    kind, config = EAGER[name]
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = text.llama_like(kind, experts_implementation="eager", **config).double()
+    g = torch.Generator().manual_seed(n)
+    x, y = torch.randint(2, 32, (n, T), generator=g), torch.randint(0, 32, (n, T), generator=g)
+    rec = record(copy.deepcopy(model), losses, x, y)
+    unproved = {path for path, calls in rec.recorder.calls.items()
+                if any(c.unproved or c.reordered for c in calls)}
+    assert not unproved, unproved
+    grads = one_at_a_time(model, losses, x, y)
+    C = float(norms_of(grads).median())
+    want = clipped_sum(grads, C)
+    for method, rtol in (("einsum", RTOL), ("bookkeeping", RTOL), ("ghost", RTOL_FLOAT32_INSIDE)):
+        got = wb.clipped_grad_sum(copy.deepcopy(model), losses, x, y, C, method=method)
+        assert verdict(got, want, scale(want), rtol) == "exact", method

@@ -54,11 +54,22 @@ def written_over_a_copy(h, perm, inv):
     return out
 
 
+def written_into_zeros(h, inv):
+    out = torch.zeros(h.shape)  # carries no sample: its rows are proved by the write alone
+    out[inv] = h
+    return out
+
+
 SORTS = {  # (h, perm, inv) -> the rows of h in the order perm, h[perm]
     "write": written,
     "write_over_copy": written_over_a_copy,
     "index_copy": lambda h, p, i: torch.zeros_like(h).index_copy(0, i, h),
     "index_add": lambda h, p, i: torch.zeros_like(h).index_add(0, i, h),
+    "index_add_": lambda h, p, i: torch.zeros_like(h).index_add_(0, i, h),
+    "index_add_into_zeros": lambda h, p, i: torch.zeros(h.shape).index_add_(0, i, h),
+    "write_into_zeros": lambda h, p, i: written_into_zeros(h, i),
+    "index_put_": lambda h, p, i: torch.zeros(h.shape).index_put_((i,), h),
+    "index_copy_": lambda h, p, i: torch.zeros_like(h).index_copy_(0, i, h),
     "scatter": lambda h, p, i: torch.zeros_like(h).scatter(0, spread(h, i), h),
     "index_2d": lambda h, p, i: h[p[:, None], torch.arange(h.shape[1])],
     "stack": lambda h, p, i: torch.stack([h[k] for k in p]),
@@ -331,3 +342,191 @@ def test_followed_spellings_keep_the_fast_path_and_are_exact(spellings):
     for method in ("einsum", "ghost", "bookkeeping"):
         got = wb.clipped_grad_sum(model, loss_fn, x, y, 0.5, method=method)
         assert rel(got, want) < 1e-10, method
+
+
+# Rows addressed by an index (``flat_rows._row_writes``): until 2026-12-01 every write of rows
+# by an integer index lost the tag, so two real spellings kept the exact fallback (exact,
+# slower): the attention mask the wav2vec2 family (HuBERT, WavLM, Data2VecAudio, SEW,
+# Speech2Text) writes into zeros at each record's length, and a Mixture-of-Experts block's
+# expert outputs added back at their tokens by ``index_add_`` (Qwen2-MoE, OLMoE, Mixtral
+# eager). Such a write keeps (or, into a tensor carrying no sample, makes) the rows when
+# entry k's row idx[k] is the record of every operand's row k; ``~mask`` no longer reads as a
+# write in place (``flat_rows.AUGMENTED``). The sorts above written by index stay unproved.
+E = 3  # experts
+
+
+def lengths_of(x):
+    return (x != 0).long().cumsum(-1)[:, -1]  # (n,), right-padded ids
+
+
+def mask_at(rows, lengths, n):
+    """wav2vec2's ``_get_feature_vector_attention_mask``: 1 at each record's last position,
+    flipped, summed, flipped: True up to the length."""
+    z = torch.zeros(n, T, dtype=torch.long)
+    z[(rows, lengths - 1)] = 1
+    return z.flip([-1]).cumsum(-1).flip([-1]).bool()
+
+
+class LengthMask(nn.Module):
+    """The mask written at each record's length, ``h[~mask] = 0`` (the encoder's padding), a
+    masked mean; ``permuted``: the same mask written in another row order whose lengths follow
+    it, ``z[(perm, lengths[perm] - 1)] = 1`` (proved too: entry k is record perm[k]'s)."""
+
+    def __init__(self, permuted=False):
+        super().__init__()
+        self.e, self.l, self.o = nn.Embedding(V, 4, padding_idx=0), nn.Linear(4, 4), \
+            nn.Linear(4, 3)
+        self.permuted = permuted
+
+    def forward(self, x):
+        n, lengths = x.shape[0], lengths_of(x)
+        rows = torch.arange(n)
+        if self.permuted:
+            rows = lengths.argsort(descending=True, stable=True)
+            lengths = lengths[rows]
+        mask = mask_at(rows, lengths, n)
+        h = self.e(x)
+        h[~mask] = 0.0
+        h = torch.tanh(self.l(h))
+        return self.o(h.sum(1) / mask.sum(1, keepdim=True))
+
+
+class Experts(nn.Module):
+    """Qwen2-MoE's eager experts on (n·T, d) tokens: for each expert hit, its tokens gathered,
+    its weights picked by the loop's index, the outputs added back at the tokens.
+    ``shift``: added back at the next record's tokens instead (undone by the caller)."""
+
+    def __init__(self, shift=0):
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(E, 6, 4) / 2)
+        self.down = nn.Parameter(torch.randn(E, 4, 6) / 2)
+        self.shift = shift
+
+    def forward(self, h, weights, index):
+        out = torch.zeros_like(h)
+        with torch.no_grad():
+            hit = F.one_hot(index, E).permute(2, 1, 0)  # (E, k, tokens)
+            experts = (hit.sum((-1, -2)) > 0).nonzero()
+        for e in experts:
+            e = e[0]
+            pos, tokens = torch.where(hit[e])
+            step = torch.tanh(F.linear(h[tokens], self.up[e]))
+            step = F.linear(step, self.down[e]) * weights[tokens, pos, None]
+            out.index_add_(0, (tokens + self.shift) % h.shape[0], step)
+        return out
+
+
+class Moe(nn.Module):
+    """A router on the flattened tokens, the experts, a residual; ``shift`` = T: each record's
+    expert outputs land in the next record's rows, a Linear runs on them, and ``roll`` puts
+    them back (so the model treats each record alone, but the Linear's rows are not proved)."""
+
+    def __init__(self, shift=0):
+        super().__init__()
+        self.e, self.router, self.experts = nn.Embedding(V, 4, padding_idx=0), \
+            nn.Linear(4, E, bias=False), Experts(shift)
+        self.post, self.o = nn.Linear(4, 4), nn.Linear(4, 3)
+        self.shift = shift
+
+    def forward(self, x):
+        n = x.shape[0]
+        h = self.e(x).view(n * T, 4)
+        weights, index = torch.topk(self.router(h).softmax(-1), 2, dim=-1)
+        moved = self.post(self.experts(h, weights, index))
+        back = moved.view(n, T, 4).roll(-1, 0).reshape(n * T, 4) if self.shift else moved
+        return self.o(torch.tanh(h + back).view(n, T, 4).sum(1))
+
+
+class NextRowMask(nn.Module):
+    """Each record's mask written into row (r + 1) mod n, a Linear on those rows, rolled back:
+    the model treats each record alone, but the Linear's rows are another record's."""
+
+    def __init__(self):
+        super().__init__()
+        self.e, self.l, self.o = nn.Embedding(V, 4, padding_idx=0), nn.Linear(1, 4), \
+            nn.Linear(4, 3)
+
+    def forward(self, x):
+        n = x.shape[0]
+        mask = mask_at((torch.arange(n) + 1) % n, lengths_of(x), n)  # row r: record r - 1's
+        g = torch.tanh(self.l(mask[..., None].to(torch.float64))).roll(-1, 0)  # back
+        return self.o((self.e(x) * g).sum(1))
+
+
+def unproved_of(model, x, y):
+    """The census: the layers called on rows no op proved the records' in their order (the
+    call's ``unproved``: an untagged tensor; ``reordered``: another order), each such call
+    sent to the exact fallback (``recording.batch_problem``)."""
+    rec = record(model, loss_fn, x, y)
+    return {path for path, calls in rec.recorder.calls.items()
+            if any(c.unproved or c.reordered for c in calls)}
+
+
+WRITES = {"length_mask": LengthMask, "length_mask_permuted": lambda: LengthMask(True),
+          "moe_index_add": Moe}
+
+
+@pytest.mark.parametrize("n", [4, 6])
+@pytest.mark.parametrize("spelling", list(WRITES))
+def test_rows_written_by_index_keep_the_fast_path_and_are_exact(spelling, n):
+    torch.manual_seed(0)
+    model = WRITES[spelling]()
+    x, y = batch(n, n, last_shortest=False)
+    assert not unproved_of(model, x, y)
+    want, _ = reference(model, x, y, 0.5)
+    for method in ("einsum", "ghost", "bookkeeping"):
+        got = wb.clipped_grad_sum(model, loss_fn, x, y, 0.5, method=method)
+        assert rel(got, want) < 1e-10, method
+
+
+@pytest.mark.parametrize("spelling", list(WRITES))
+@pytest.mark.parametrize("mode", [*MODES, "auto"])
+def test_rows_written_by_index_optimizer_exact_over_steps(spelling, mode):
+    torch.manual_seed(0)
+    model = WRITES[spelling]()
+    torch.manual_seed(0)
+    twin = WRITES[spelling]()
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=0.0,
+                      max_grad_norm=0.5, expected_batch_size=5, loss_reduction="sum",
+                      method=mode)
+    for step, (n, seed) in enumerate([(5, 1), (4, 2), (5, 3)]):
+        x, y = batch(n, seed, last_shortest=False)
+        want, _ = reference(twin, x, y, 0.5)
+        opt.zero_grad()
+        loss_fn(model(x), y).sum().backward()
+        opt.step()
+        got = {k: -(p.detach() - q.detach()) / 0.1 * 5 for (k, p), q in
+               zip(model.named_parameters(), twin.parameters())}
+        assert rel(got, want) < 1e-9, (step, rel(got, want))
+        twin.load_state_dict(model.state_dict())
+
+
+ADVERSARIAL = {"moe_index_add_next_record": (lambda: Moe(shift=T), "post"),
+               "mask_written_at_the_next_row": (NextRowMask, "l")}
+
+
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("spelling", list(ADVERSARIAL))
+def test_rows_written_at_another_records_rows_stay_unproved(spelling, check):
+    """``index_add_`` at the next record's tokens, a mask written into row (r + 1) mod n: the
+    layer reading those rows takes the exact fallback, exact (read as the records' rows its
+    rule would give each record the next one's gradient)."""
+    torch.manual_seed(0)
+    build, layer = ADVERSARIAL[spelling]
+    model = build()
+    x, y = batch(5, 3, last_shortest=False)
+    assert layer in unproved_of(model, x, y)
+    want, _ = reference(model, x, y, 0.5)
+    for method in ("einsum", "ghost", "bookkeeping"):
+        got = wb.clipped_grad_sum(model, loss_fn, x, y, 0.5, method=method, check=check)
+        assert rel(got, want) < 1e-10, method
+
+
+def test_an_inverted_mask_is_no_write():
+    """``~mask`` kept the mask's rows in no tag: ``__invert__`` (like ``__iter__``,
+    ``__index__``, ``__int__``) was read as a write in place, its name starting "__i"."""
+    from workbench.per_sample import derived, flat_rows
+    for name in ("__invert__", "__iter__", "__index__", "__int__"):
+        assert not flat_rows.in_place(name) and not derived.writes_first(name), name
+    for name in ("__iadd__", "__imul__", "__ior__", "__setitem__", "add_"):
+        assert flat_rows.in_place(name) and derived.writes_first(name), name

@@ -52,6 +52,7 @@ import weakref
 import torch
 from torch.autograd.graph import get_gradient_edge
 
+from workbench.per_sample.flat_rows import AUGMENTED
 from workbench.per_sample.leaves import leaves
 from workbench.per_sample.registry import find_grad_sampler
 from workbench.per_sample.views import capture_edge, stale, watched
@@ -77,8 +78,8 @@ def writes_first(name: str) -> bool:
     """The op named ``name`` writes its first argument in place: ``x.op_``, ``x += a``
     (``__iop__``), ``x[k] = a``, ``t.data = v`` (the taint here, ``state_replay``'s copy on
     write)."""
-    return name in WRITES or name.startswith("__i") or (name.endswith("_")
-                                                          and not name.endswith("__"))
+    return name in WRITES or name in AUGMENTED or (name.endswith("_")
+                                                    and not name.endswith("__"))
 
 
 class TaintRef(weakref.ref):
@@ -137,7 +138,10 @@ class Taint:
         first = args[0] if args else None
         if (isinstance(first, torch.Tensor)  # written: tainted, its storage noted (also when
                 and writes_first(name)  # the op returns it, x.add_(a))
-                and (name != "__set__" or _storage(first) == _storage(args[-1]))):  # .data =
+                and (name != "__set__" or (isinstance(args[-1], torch.Tensor) and _storage(
+                    first) == _storage(args[-1])))):  # .data = v; not ``x.requires_grad =
+                # True`` (Wav2Vec2's feature encoder in training: an AttributeError until
+                # 2026-12-01)
             self._written(first)  # (not .grad =, whose storage is not the tensor's)
         out = kwargs.get("out") if kwargs else None  # torch.add(a, b, out=buffer): written
         for t in (out if type(out) in (list, tuple) else (out,)):

@@ -30,9 +30,14 @@ that splits (m·T) back into m gives (m, 1). Nothing else keeps a tag: rows reor
 order, or written in place by anything but a write that keeps each row (an elementwise op,
 ``h[..., 0] = 0``, a mask filled: ``WRITES``; the write bumps the version counter that all
 views of the storage share, and a tag holds at a later version only where every write since
-kept the rows of a view aligned with the tagged tensor's: ``_kept``). A layer called on a
-tensor computed from the batch that carries no tag in the records' order takes the exact
-fallback (``unproved``, ``recording.batch_problem``): rows are proved, never assumed from a
+kept the rows of a view aligned with the tagged tensor's: ``_kept``), or by a write of rows
+addressed by an integer index (``x[idx] = v``, ``index_add_``, ``index_put_``, ``index_copy_``)
+unless entry k's row idx[k] is the record of every operand's row k, which keeps the tag or,
+into a tensor carrying no sample (a fresh ``torch.zeros``), makes one (``_row_writes``: the
+wav2vec2 family's length mask, the eager MoE experts' outputs added back at their tokens;
+tokens gathered from (n·T) rows, ``h[token_idx]``, carry their records as an order). A layer
+called on a tensor computed from the batch that carries no tag in the records' order takes the
+exact fallback (``unproved``, ``recording.batch_problem``): rows are proved, never assumed from a
 shape. So time-major rows at T = n, window-major windows at n = windows per side, a sort
 written as ``out[inv] = h``, give no tag with or without the self-check.
 Ops are followed with gradients on or off: a custom ``autograd.Function`` runs its forward
@@ -88,13 +93,23 @@ JOINS = frozenset({"cat", "concat", "concatenate", "stack"})  # along another di
 SPLITS = frozenset({"split", "chunk", "unbind"})  # along another dim than 0: each part
 SORTS = frozenset({"topk", "sort"})  # (values, indices) along another dim than 0: each part
 REORDERS = frozenset({"__getitem__", "index_select", "gather", "take_along_dim"})  # _reorder
-FOLLOWED = RESHAPES | ELEMENTWISE | ROW_WISE | JOINS | SPLITS | SORTS | {
+ROW_WRITES = frozenset({"__setitem__", "index_put_", "index_put", "index_add_", "index_add",
+                        "index_copy_", "index_copy"})  # rows addressed by an index: _row_writes
+FOLLOWED = RESHAPES | ELEMENTWISE | ROW_WISE | JOINS | SPLITS | SORTS | ROW_WRITES | {
     "einsum", "__getitem__", "__iter__", "index_select"}
+
+
+AUGMENTED = frozenset({
+    "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+    "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
+})  # x += y, ...: not every name starting "__i" (``__invert__``, ``__iter__``, ``__index__``,
+# ``__int__`` write nothing: read as writes until 2026-12-01, ``~mask`` lost its row tag, so
+# the wav2vec2 family's ``h[~mask] = 0`` sent every layer after it to the exact fallback)
 
 
 def in_place(name: str) -> bool:
     """``x.add_(y)``, ``x += y``, ``x[i] = y``: an op writing into its first argument."""
-    return (name[-1:] == "_" and name[-2:] != "__") or name.startswith("__i") \
+    return (name[-1:] == "_" and name[-2:] != "__") or name in AUGMENTED \
         or name == "__setitem__"
 
 
@@ -118,10 +133,17 @@ class FlatRows:
     def __init__(self, tainted=None):
         self.tags: dict[int, tuple] = {}
         self.moved: dict[int, tuple] = {}  # tagged rows moved to dim 1 by a permute (_unstacked)
-        self.tainted = tainted  # (t) -> whether t was computed from the batch (derived.Taint)
+        self.computed = tainted  # (t) -> whether t was computed from the batch (derived.Taint)
+        self.tainted = None if tainted is None else self._carries  # ... and may carry a
+        # sample's values: not a parameter's slice picked by a loop's index (``_picked``)
+        self.picked: dict[int, tuple] = {}  # id -> (weakref, version): ``_picked``
         self.orders: dict[int, torch.Tensor] = {}  # key -> (m,) the records of the m blocks
         self.writes: dict[int, dict] = {}  # storage -> {version: (stride 0, offset, extent,
         # (m, T, order))}: the writes in place that kept the written view's rows (``_kept``)
+        self.n: int | None = None  # the batch's size, from the model's inputs (``seed``)
+        self.clean: int | None = None  # id of a tensor an op is writing that carried no
+        # sample before the write (``uses.UseTracker._after`` notes it before the taint spreads)
+        self._order_keys: dict = {}  # (count, bytes) -> key of ``orders``: equal orders, one key
 
     def of(self, t) -> tuple[int, int] | None:
         """(m, T) of a tagged tensor whose storage was not written since and whose blocks are
@@ -212,7 +234,7 @@ class FlatRows:
         handled."""
         x = args[0]
         tag = self.full(x)
-        if tag is None or tag[1] != 1 or x.dim() < 1:
+        if tag is None or x.dim() < 1 or x.shape[0] != tag[0] * tag[1]:
             return False
         if name == "index_select":
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
@@ -251,24 +273,130 @@ class FlatRows:
                 or result.dim() < 1 or result.shape[0] != first.shape[0]:
             return False
         m = tag[0]
-        with torch.no_grad():
-            picked = first.detach().to("cpu", torch.long) % max(m, 1)
-            new = picked if tag[2] is None else self.orders[tag[2]][picked]
+        for t in rest:  # other indices pick inside row idx[r] (one entry per row): whatever
+            # computed them, row r of the result is row idx[r]'s and its gradient goes there
+            # alone (an index carries none; a record's index read by another record's row is
+            # a coupling of values, the self-check's halves: ``selfcheck.check_model_halves``)
+            if isinstance(t, torch.Tensor) and (t.dim() > 1 or t.dtype in (
+                    torch.bool, torch.uint8)):
+                return False
+        with torch.no_grad():  # row r of x: block r // T (Mixture-of-Experts' h[token_idx],
+            # its routing weights w[token_idx, top_k_pos] on (n·T, ...) tokens)
+            new = self._records(tag, first.detach().to("cpu", torch.long) % max(x.shape[0], 1))
             same = new.numel() == m and bool((new == torch.arange(m)).all())
-        for t in rest:  # other tensor indices: constants, or each row its own record's
-            if isinstance(t, torch.Tensor) and t.dim() >= 1 and (
-                    self.tainted is None or self.tainted(t)) and not (
-                    same and tag[2] is None and self.of(t) == (m, 1) and t.dim() == 1):
-                return False
-            if isinstance(t, torch.Tensor) and t.dim() > 1:
-                return False
         if same:
             self.tag(result, m, 1)
         else:
-            key = len(self.orders)
-            self.orders[key] = new
-            self.tag(result, new.numel(), 1, key)
+            self.tag(result, new.numel(), 1, self._order_key(new))
         return True
+
+    def _carries(self, t) -> bool:
+        """t was computed from the batch and may hold a sample's values: not a slice of a
+        tensor carrying no sample picked by scalar indices alone (``_picked``)."""
+        if not self.computed(t):
+            return False
+        entry = self.picked.get(id(t)) if self.picked else None
+        return entry is None or entry[0]() is not t or entry[1] != t._version
+
+    def _picked(self, args, result) -> None:
+        """``W[e]``, e a 0-d integer tensor computed from the batch (a Mixture-of-Experts
+        block's loop over the experts the batch hit, ``gate_up_proj[expert_idx]``: Qwen2-MoE,
+        OLMoE, Mixtral eager) and W carrying no sample: the result is W's values, the same
+        for every row it meets, though computed from the batch by its index; a layer's op on
+        tagged rows and it (``F.linear(h[token_idx], W[e])``) keeps the rows. The index's
+        coupling of values (which expert a record's tokens reach depends on the router) is
+        the self-check's halves' to see, as for every index."""
+        src = args[0]
+        index = args[1] if len(args) > 1 else None
+        index = index if isinstance(index, tuple) else (index,)
+        if not isinstance(result, torch.Tensor) or self._carries(src) or not any(
+                isinstance(i, torch.Tensor) for i in index) or not all(
+                i is None or i is Ellipsis or isinstance(i, (int, slice)) or (
+                    isinstance(i, torch.Tensor) and i.dim() == 0 and not i.is_floating_point()
+                    and not i.is_complex() and i.dtype != torch.bool) for i in index):
+            return
+        self.picked[id(result)] = (weakref.ref(result), result._version)
+
+    def _order_key(self, records: torch.Tensor) -> int:
+        """The key of ``orders`` holding ``records`` (one key for equal orders: the rows a
+        Mixture-of-Experts block gathers for an expert, ``h[token_idx]``, and its routing
+        weights gathered at the same tokens then meet in an elementwise op, tagged alike)."""
+        found = (records.numel(), records.numpy().tobytes())
+        key = self._order_keys.get(found)
+        if key is None:
+            key = self._order_keys[found] = len(self.orders)
+            self.orders[key] = records
+        return key
+
+    def _records(self, tag: tuple, rows: torch.Tensor) -> torch.Tensor:
+        """The record of each of ``rows`` (integer row numbers, CPU) of a tensor tagged
+        ``tag`` = (m, T, order): block ``row // T``, in the order's records."""
+        blocks = rows // tag[1]
+        return blocks if tag[2] is None else self.orders[tag[2]][blocks]
+
+    def _row_writes(self, name, args, kwargs, result, clean: bool) -> None:
+        """``x[idx, ...] = v``, ``index_put_``, ``x.index_add_(0, idx, src)``,
+        ``index_copy_`` (and the out-of-place ``index_add``, ``index_copy``, ``index_put``):
+        entry k of the one-dimensional integer index ``idx`` writes row idx[k] of x from entry
+        k of the other operands (the other indices, the values, ``src``'s row k). Row r of the
+        result holds record ρ(r)'s values, ρ x's records by its tag, when every operand
+        carrying a sample is tagged with one row per entry and entry k's row is record
+        ρ(idx[k])'s: then the result keeps x's tag. x is tagged, or carried no sample before
+        the write (a fresh ``torch.zeros``: ``clean``), whose rows are then the batch's n
+        records' blocks of x.shape[0] / n rows each (the proof says so). So the mask the
+        wav2vec2 family writes at each record's length, ``z[(arange(n), lengths - 1)] = 1``,
+        and a Mixture-of-Experts block's expert outputs added back at their tokens,
+        ``out.index_add_(0, token_idx, f(h[token_idx]))`` (Qwen2-MoE, OLMoE, Mixtral eager),
+        keep their tags; ``index_add_`` with a permuted index, a write of row r from row
+        (r + 1) mod n, or values of unknown rows do not (until 2026-12-01 none did: their
+        layers took the exact fallback)."""
+        x = args[0]
+        inplace = in_place(name)
+        dest = x if inplace else result
+        if not isinstance(dest, torch.Tensor) or dest.shape[:1] != x.shape[:1]:
+            return
+        tag = None
+        if inplace:
+            entry = self.tags.get(id(x))
+            if entry is not None and entry[0]() is x and (
+                    x._version == entry[3] + 1 or self._kept(x, entry, x._version - 1)):
+                tag = self._tag_at(entry)
+        else:
+            tag = self.full(x)
+            clean = tag is None and not (self.tainted is None or self.tainted(x))
+        if tag is None and clean and self.n and x.shape[0] % self.n == 0 and x.shape[0]:
+            tag = (self.n, x.shape[0] // self.n, None)  # no sample in it yet: any blocks
+        self.tags.pop(id(dest), None)
+        if tag is None or tag[0] * tag[1] != x.shape[0]:
+            return
+        parts = _write_parts(name, args, kwargs)
+        if parts is None:
+            return
+        first, rest, value, aligned = parts
+        if isinstance(first, list) and first and all(type(i) is int for i in first):
+            first = torch.tensor(first)
+        if not isinstance(first, torch.Tensor) or first.dim() != 1 or first.dtype in (
+                torch.bool, torch.uint8) or first.is_floating_point() or first.is_complex():
+            return
+        k = first.shape[0]
+        for t in rest:
+            if isinstance(t, torch.Tensor) and not (t.dim() == 0 or (
+                    t.dim() == 1 and t.shape[0] == k)) or not (
+                    t is None or isinstance(t, (int, slice, torch.Tensor))):
+                return  # another index that would reshape the entries
+        with torch.no_grad():
+            want = self._records(tag, first.detach().to("cpu", torch.long) % x.shape[0])
+            for t in (*rest, value):
+                if not isinstance(t, torch.Tensor) or _no_sample(t, self.tainted):
+                    continue
+                mine = self.full(t)
+                if mine is None or t.dim() == 0 or t.shape[0] != k or (
+                        t is value and not aligned(t)) or not torch.equal(
+                        self._records(mine, torch.arange(k)), want):
+                    return
+        self.tag(dest, *tag)
+        if inplace:
+            self._wrote(dest)  # aligned views of the storage keep their rows (``_kept``)
 
     def _unstacked(self, name, args, kwargs, result) -> bool:
         """``q, k, v = qkv.permute(2, 0, ...)`` (a fused projection's parts stacked in front of
@@ -291,9 +419,15 @@ class FlatRows:
 
     def seed(self, tensors) -> None:
         """The model's inputs: the batch on dim 0, one row per sample (m, 1)."""
+        sizes: dict[int, int] = {}
         for t in tensors:
             if isinstance(t, torch.Tensor) and t.dim() >= 1:
                 self.tag(t, t.shape[0], 1)
+                sizes[t.shape[0]] = sizes.get(t.shape[0], 0) + 1
+        counts = sorted(sizes.values(), reverse=True)  # the batch's size: most inputs' dim 0
+        # (a position table passed beside the batch, (1, T), is not it); a tie: not known
+        self.n = max(sizes, key=sizes.get) if counts and (
+            len(counts) == 1 or counts[0] > counts[1]) else None
 
     def after(self, name: str, args, kwargs, result) -> None:
         """Follow ``result = name(*args, **kwargs)`` (module docstring). With ``out=`` the
@@ -312,6 +446,12 @@ class FlatRows:
 
     def _follow(self, name: str, args, kwargs, result) -> None:
         src = args[0] if args else None
+        if name in ROW_WRITES and name != "__setitem__" or (
+                name == "__setitem__" and len(args) > 1 and _advanced_first(args[1])):
+            clean, self.clean = self.clean == id(src), None
+            if isinstance(src, torch.Tensor) and src.dim() >= 1:
+                self._row_writes(name, args, kwargs, result, clean)
+            return
         if self.tags and (in_place(name) or kwargs.get("inplace") is True) and \
                 isinstance(src, torch.Tensor):  # F.relu(x, inplace=True) writes x too
             entry = self.tags.get(id(src))  # its tag as of just before this op's one write
@@ -353,6 +493,9 @@ class FlatRows:
         if name in REORDERS and self.tags and \
                 isinstance(src, torch.Tensor) and self._reorder(name, args, kwargs, result):
             return
+        if name == "__getitem__" and self.computed is not None and isinstance(
+                src, torch.Tensor) and self.full(src) is None:
+            self._picked(args, result)
         if name in RESHAPES and isinstance(src, torch.Tensor) and src.dim() >= 1:
             self._reshaped(src, result)
         elif name in ROW_WISE and self.tags and isinstance(src, torch.Tensor):
@@ -463,6 +606,48 @@ class FlatRows:
             self.tag(result, *tag)
         else:
             self.tags.pop(id(result), None)  # an in-place op on a tagged tensor: no proof
+
+
+def _advanced_first(index) -> bool:
+    """``x[idx, ...]``: the index of dim 0 is a tensor or list of integers (``_row_writes``)."""
+    first = index[0] if isinstance(index, tuple) and index else index
+    return (isinstance(first, torch.Tensor) and first.dtype not in (torch.bool, torch.uint8)
+            and not first.is_floating_point()) or (
+        isinstance(first, list) and bool(first) and all(type(i) is int for i in first))
+
+
+def _write_parts(name, args, kwargs):
+    """(idx, other indices, values, aligned) of a row write (``_row_writes``), or None:
+    ``aligned(v)``: whether v's dim 0 runs along idx's entries (no broadcast over them)."""
+    x = args[0]
+    if name == "__setitem__":
+        index = args[1] if isinstance(args[1], tuple) else (args[1],)
+        value = args[2] if len(args) > 2 else None
+    elif name in ("index_put_", "index_put"):
+        index = args[1] if len(args) > 1 else kwargs.get("indices")
+        value = args[2] if len(args) > 2 else kwargs.get("values")
+        if not isinstance(index, (tuple, list)) or not index:
+            return None
+        index = tuple(index)
+    else:  # index_add(x, dim, index, source, alpha=...), index_copy(x, dim, index, source)
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        idx = args[2] if len(args) > 2 else kwargs.get("index")
+        value = args[3] if len(args) > 3 else kwargs.get("source")
+        if not isinstance(dim, int) or x.dim() == 0 or dim % x.dim() != 0 or not isinstance(
+                value, torch.Tensor) or value.dim() != x.dim():
+            return None
+        alpha = args[4] if len(args) > 4 else kwargs.get("alpha", 1)
+        if isinstance(alpha, torch.Tensor):
+            return None
+        return idx, (), value, lambda v: True
+    if any(i is Ellipsis for i in index):
+        return None
+
+    def aligned(v):
+        with torch._C.DisableTorchFunction():
+            part = x[index]
+        return v.dim() == part.dim()
+    return index[0], index[1:], value, aligned
 
 
 def _broadcast_along_dim0(t, first: torch.Tensor, tainted) -> bool:
@@ -984,6 +1169,6 @@ def as_batch(t: torch.Tensor, tag: tuple[int, int]) -> torch.Tensor:
     return t.reshape(*tag, *t.shape[1:])
 
 
-__all__ = ["ELEMENTWISE", "FOLLOWED", "FlatRows", "RESHAPES", "ROW_WISE", "SORTS", "as_batch",
-           "in_place", "keeps_rows", "merged", "passed_on", "row_wise", "rule_less_rows",
-           "unflattened", "unproved"]
+__all__ = ["AUGMENTED", "ELEMENTWISE", "FOLLOWED", "FlatRows", "RESHAPES", "ROW_WISE",
+           "ROW_WRITES", "SORTS", "as_batch", "in_place", "keeps_rows", "merged", "passed_on",
+           "row_wise", "rule_less_rows", "unflattened", "unproved"]

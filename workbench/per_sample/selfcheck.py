@@ -45,7 +45,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from workbench.errors import LossCouplingError, PerSampleCheckError, SampleMixingError
-from workbench.per_sample import precision, sketch, state_replay
+from workbench.per_sample import host_random, precision, sketch, state_replay
 from workbench.per_sample.checks import alone, check_batch, check_losses, forward, take
 from workbench.per_sample.fallback import alone_differs, replayed
 from workbench.per_sample.hooks import ActivationRecorder
@@ -444,11 +444,13 @@ def check_alone(model, loss_fn, inputs, targets) -> None:
     kept = state_replay.Snapshot(model)
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            before = generator_states()
+            before, host = generator_states(), host_random.states()
             try:
                 outputs = forward(model, inputs)
             except Exception:  # noqa: BLE001  (the method itself says what is wrong)
                 return
+            if (which := host_random.drew(host)) is not None:
+                raise host_random.error(which)  # no twin replays it (host_random.py)
             if advanced(before):
                 return
             losses = loss_fn(outputs, targets)

@@ -28,6 +28,8 @@ positions in o (int64, D's shape).
 
 import torch
 
+from workbench.per_sample.flat_rows import AUGMENTED
+
 # ops whose result's elements are elements of the first argument, by position only
 SHAPE_OPS = {
     "permute", "unsqueeze", "squeeze", "view", "reshape", "view_as", "reshape_as", "expand",
@@ -41,7 +43,7 @@ def in_place(func, args, t: torch.Tensor) -> bool:
     """Does ``func(*args)`` overwrite t (``t.mul_(2)``, ``t += x``, ``t.unsqueeze_(0)``)?"""
     name = getattr(func, "__name__", "")
     return bool(args) and args[0] is t and (
-        (name.endswith("_") and not name.endswith("__")) or name.startswith("__i"))
+        (name.endswith("_") and not name.endswith("__")) or name in AUGMENTED)
 
 
 def op_of(func, args, kwargs, t: torch.Tensor, result) -> tuple | None:

@@ -44,6 +44,11 @@ pass, uses the modes the pass ran in (``modes``; a loop's ``model.eval()`` befor
 State the loop writes in place after the pass (``PassLog.ended``: version counters) cannot be
 read as the pass read it: a re-run that needs it is refused by name (``replayable``).
 
+The model's own module hooks are state as well (``_model_hooks``): a forward pass may register
+them lazily and mark that it did with an attribute (transformers' output capture); a re-run
+takes both back to the pass's start and leaves both as the pass left them, the workbench's own
+hooks (``hooks.OwnHook``) untouched.
+
 Not covered: state outside the model (globals, closures) and Python containers mutated in
 place (a list a forward appends to).
 """
@@ -55,13 +60,60 @@ from torch import nn
 
 from workbench.errors import UnsupportedLayerError
 from workbench.per_sample.derived import _storage, writes_first
-from workbench.per_sample.hooks import _MODULE_KEYS  # torch's own slots: hook tables, ...
+from workbench.per_sample.hooks import _MODULE_KEYS, OwnHook  # torch's own slots: hook tables
 
 
 def _bindings(m: nn.Module) -> tuple:
     d = m.__dict__
     return ({k: v for k, v in d.items() if k not in _MODULE_KEYS}, dict(d["_buffers"]),
-            dict(d["_parameters"]), d["training"])
+            dict(d["_parameters"]), d["training"], _model_hooks(d))
+
+
+_HOOKS = {"_forward_pre_hooks": ("_forward_pre_hooks_with_kwargs",),
+          "_forward_hooks": ("_forward_hooks_with_kwargs", "_forward_hooks_always_called"),
+          "_backward_hooks": (), "_backward_pre_hooks": ()}  # table -> its flag tables
+
+
+def _model_hooks(d: dict) -> tuple:
+    """The module hooks of a module's ``__dict__`` ``d`` that are not the workbench's own
+    (``hooks.OwnHook``): ((table, key, hook, flags), ...), () where none (the usual layer).
+    The model's hooks are state a forward pass may write: transformers' output capture
+    (``capture_outputs``: Whisper's, Wav2Vec2's and HuBERT's classifiers ask for every hidden
+    state) registers its forward hooks on the first call that asks, and marks the model with
+    an attribute. A re-run that took the attribute back (it was added during the pass) but
+    kept the hooks installed them a second time: every hidden state was captured twice, then
+    three times, and the weighted layer sum failed on one record (``tensor a (4) must match
+    the size of tensor b (2)``), refused as "cannot run on one record alone" until
+    2026-12-01 (``/work/runs/audio/repro_a.py``)."""
+    out = ()
+    for name in _HOOKS:
+        table = d.get(name)
+        if table:
+            for k, h in table.items():
+                if type(h) is not OwnHook:  # (a dict walk per module and pass: kept cheap)
+                    out += ((name, k, h, tuple(k in d[f] for f in _HOOKS[name])),)
+    return out
+
+
+def _rehook(d: dict, saved: tuple) -> None:
+    """Put the model's own module hooks of ``d`` back to ``saved`` (``_model_hooks``), the
+    workbench's own left as they are (the recording's, a probe's: registered for the re-run).
+    A hook taken out and put back goes after the others of its table."""
+    now = _model_hooks(d)
+    if len(now) == len(saved) and all(a[:2] == b[:2] and a[2] is b[2]
+                                       for a, b in zip(now, saved)):
+        return
+    keep = {(name, k) for name, k, _, _ in saved}
+    for name, k, _, _ in now:
+        if (name, k) not in keep:
+            for table in (name, *_HOOKS[name]):
+                d[table].pop(k, None)
+    for name, k, h, flags in saved:
+        if d[name].get(k) is not h:
+            d[name][k] = h
+            for table, on in zip(_HOOKS[name], flags):
+                if on:
+                    d[table][k] = True
 
 
 def _computed(t) -> bool:
@@ -75,8 +127,9 @@ def _rebind(m: nn.Module, bindings: tuple, keep_computed: bool = False) -> None:
     ``weight_norm``'s ``weight``, set by its pre-hook at every call) keeps the re-run's, equal
     in value (the re-run read the pass's state) and with its graph alive, which the batch's
     backward pass has freed (a per-layer re-run differentiates through it)."""
-    attrs, buffers, params, training = bindings
+    attrs, buffers, params, training, hooks = bindings
     d = m.__dict__
+    _rehook(d, hooks)  # the model's own module hooks, with the attributes that stand for them
     d["training"] = training  # the pass's mode: a loop's model.eval() before step() would
     # otherwise re-run it without its dropout (72% off with the check off, until 2026-11-29)
     for k in [k for k in d if k not in _MODULE_KEYS and k not in attrs]:
@@ -181,7 +234,7 @@ class PassLog:
                         self._track(path, d, k, v)
             buffers, params = d["_buffers"], d["_parameters"]
             self.start.modules.append((m, (attrs, dict(buffers), dict(params),
-                                           d["training"])))
+                                           d["training"], _model_hooks(d))))
             for k, v in buffers.items():
                 if v is not None:
                     self._track(path, buffers, k, v)

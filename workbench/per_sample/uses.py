@@ -40,10 +40,10 @@ from torch.compiler import is_compiling
 from torch.overrides import TorchFunctionMode
 
 from workbench.errors import UnsupportedLayerError
-from workbench.per_sample import batch_reductions
+from workbench.per_sample import batch_reductions, host_random
 from workbench.per_sample.broadcast import ADDS, REWRITES, BatchFree
 from workbench.per_sample.derived import Derived, follow_parameters, graph_nodes
-from workbench.per_sample.flat_rows import FOLLOWED, FlatRows, in_place
+from workbench.per_sample.flat_rows import FOLLOWED, ROW_WRITES, FlatRows, in_place
 from workbench.per_sample.leaves import leaves
 from workbench.per_sample.precision import tolerance_of
 from workbench.per_sample.registry import find_grad_sampler
@@ -221,6 +221,7 @@ class UseTracker(TorchFunctionMode):
         self.flat_rows = self.recorder.flat_rows = FlatRows(self._tainted)
         with torch._C.DisableTorchFunction():
             self._states = generator_states()
+        self._host = host_random.states()  # NumPy's and Python's: replayed by nothing
         follow_parameters(self.derived, True)  # nn.Parameter(batch statistic): tainted
         return super().__enter__()
 
@@ -231,6 +232,8 @@ class UseTracker(TorchFunctionMode):
             with torch._C.DisableTorchFunction():
                 self.random = advanced(self._states)
         self.recorder.batch_free = self.recorder.flat_rows = None
+        if exc[0] is None and (which := host_random.drew(self._host)) is not None:
+            raise host_random.error(which)  # SpecAugment's masks: no twin can replay them
         if exc[0] is None:
             self.batch_free.finish(self.recorder)  # outside the mode: its ops are not uses
             settle_broadcast(self)
@@ -380,6 +383,9 @@ class UseTracker(TorchFunctionMode):
         self._cast(args, result)  # every op: a cast, softmax(x, dtype=float32), and an op
         # that autocast ran narrower (an autocast block opened inside the model's forward)
         ids = _argument_ids(args, kwargs)  # one scan, then C-level set tests
+        if name in ROW_WRITES and args and in_place(name) and isinstance(args[0], torch.Tensor):
+            self.flat_rows.clean = None if self._tainted(args[0]) else id(args[0])  # before
+            # the write taints it: a fresh buffer's rows (flat_rows._row_writes)
         if self.derived.taint.refs:
             self.derived.taint.spread(name, ids, args, kwargs, result)
         if name in FOLLOWED or (self.flat_rows.tags and in_place(name)):  # gradients on or
