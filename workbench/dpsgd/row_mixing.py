@@ -596,7 +596,8 @@ class RowOrder:
             what = f"{name}() of a {tuple(first.shape)} tensor of the batch into " \
                 f"{tuple(out.shape)}"
             self.regrouped[id(out)] = (weakref.ref(out), what, int(first.shape[0]),
-                                       first.numel())
+                                       first.numel(), out.numel() // max(
+                                           int(out.shape[0]) if out.dim() else 1, 1))
 
     def one_row(self, t) -> str | None:
         """Why the model's input t is not one row per record, else None: a record behind k
@@ -622,8 +623,9 @@ class RowOrder:
         entry = self.regrouped.get(id(t))
         if entry is None or entry[0]() is not t:
             return None
-        n, numel = entry[2], entry[3]
-        size, width = numel // max(n, 1), t.numel() // max(int(t.shape[0]), 1)
+        n, numel, width = entry[2], entry[3], entry[4]  # (width: a row's values where the
+        # cut was made; a later pad or slice keeps its rows, not their length)
+        size = numel // max(n, 1)
         k = max((((j + 1) * size - 1) // width - (j * size) // width + 1
                  for j in range(n)), default=1) if size and width else 1
         return (f"its rows were cut across the records by {entry[1]} (records joined and cut "
