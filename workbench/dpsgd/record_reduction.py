@@ -170,15 +170,18 @@ class RecordReduction:
         """How factor ``f`` is a function of the realised batch, or None: f equals r, 1/r,
         √r, 1/√r, r/B, B/r or r1/r2 for r a count the loop read off a tensor this step that
         is a record count of the step (this pass's n, the loader's batch: a chunk's n_c and
-        the batch's n), B the expected batch size. Matched by value: a constant equal to one
-        of these (0.5 with n = 2 read, 1/K with n = K) is refused at this step only, and
-        f = 1, B, 1/B are taken for constants."""
+        the batch's n), B the expected batch size. Matched by value, so a constant could
+        equal one of these by chance (0.1 with n = 10 read by the loop's ``if len(x) == 0``):
+        f = 1, B, 1/B and every round number (two significant digits or fewer: 0.1, 0.5,
+        0.25, 2, 10) are taken for constants. A factor that follows n is round only at some
+        sizes (1/n at n = 10, n/B at n = B/2): it is refused at the first step whose n makes
+        it a number of more digits, mostly the first (the steps before it are released)."""
         reads = sorted(r for r in self.reads if r >= 2 and r in self.records)
         if not reads or not math.isfinite(f) or f <= 0:
             return None
         B = self.expected
         constants = [1.0] + ([float(B), 1.0 / B] if B else [])
-        if any(math.isclose(f, c, rel_tol=1e-9) for c in constants):
+        if any(math.isclose(f, c, rel_tol=1e-9) for c in constants) or _round(f):
             return None
         forms = []
         for r in reads:
@@ -367,6 +370,12 @@ class RecordReduction:
         if kind == loss_reduction or self.n < 2:  # (n = 1: the mean is the sum)
             return None
         return found
+
+
+def _round(f: float) -> bool:
+    """Whether ``f`` is a number of two significant decimal digits or fewer (0.1, 0.25, 2.5,
+    10, 1200): how constants are written, so one equal to 1/n or n/B by chance is one."""
+    return math.isclose(f, float(f"{f:.2g}"), rel_tol=1e-12)
 
 
 #: the shape reads that return a count of a tensor's rows (``count_read``)
