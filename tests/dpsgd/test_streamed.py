@@ -202,3 +202,30 @@ def test_behaviour_rules_in_chunks_are_the_whole_batchs_rules(monkeypatch):
         assert whole.keys() == chunked.keys()
         for name in whole:
             assert torch.allclose(chunked[name], whole[name], rtol=1e-13, atol=0), name
+
+
+class LayerScale(nn.Module):
+    """A layer scale ``x * gamma`` (Data2Vec-Vision's lambda_1, ConvNeXt's gamma): recorded as
+    a ``BroadcastProduct`` call (``per_sample/tied.py``) whose g_i (d numbers) are far smaller
+    than its b and x (T d each)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(3, 4)
+        self.gamma = nn.Parameter(torch.full((4,), 0.5))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):  # (n, T, 3)
+        return self.head(torch.tanh(self.up(x)) * self.gamma).sum(1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_layer_scale_streams_and_stays_exact(mode):
+    torch.manual_seed(0)
+    model = LayerScale().double()
+    batches = [data()]
+    want = expected(model, batches, 0.3)
+    got, streamed = dp_step(model, mode, batches, 0.3)
+    assert streamed == 3  # up, gamma's product and head (until 2026-12-01: 2)
+    for name in want:
+        assert relative_error(got[name], want[name]) <= 1e-10, (mode, name)

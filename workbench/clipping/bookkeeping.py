@@ -54,7 +54,7 @@ from workbench.per_sample.recording import own_parameters
 from workbench.per_sample.registry import find_grad_sampler
 from workbench.per_sample.sketch import RowSketch
 from workbench.per_sample.streaming import stream_backward
-from workbench.per_sample.tied import ParameterRows
+from workbench.per_sample.tied import BroadcastProduct, ParameterRows
 from workbench.rules import conv_chunks
 from workbench.rules._rule import find_layer_rule
 
@@ -125,10 +125,12 @@ def materialise_call(layer, call, own: dict, shared: set, n: int) -> dict | None
 # normalised input times b; a convolution's per-sample weight gradients, chunked so that
 # their scratch is at most a and b: ``rules/conv_chunks.chunks``; the scatter-add of a
 # parameter's picked rows, ``rules/gather.py``: Mixtral's experts, whose b is each token's
-# k experts' weight rows, n T k p d numbers against the n E p d of g_i): exact types, a
-# subclass may change forward
+# k experts' weight rows, n T k p d numbers against the n E p d of g_i; a layer scale's
+# b ⊙ x summed, ``rules/broadcast.py``: Data2Vec-Vision's and ConvNeXt's, whose b and x,
+# n T d each, waited for step() until 2026-12-01): exact types, a subclass may change forward
 STREAMED = (nn.Linear, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.Conv1d, nn.Conv2d,
-            nn.Conv3d, ParameterRows, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+            nn.Conv3d, ParameterRows, BroadcastProduct, nn.BatchNorm1d, nn.BatchNorm2d,
+            nn.BatchNorm3d)
 # (BatchNorm: with frozen statistics only, checked at every pass before a rule runs)
 
 
