@@ -137,3 +137,95 @@ def test_the_optimizer_step_streams_tiny_gpt():
         step()  # the first step's self-check runs outside the measurement
         peaks.append(peak_bytes(step, torch.device("cpu"), tensor_bytes(model, x, y)))
     assert peaks[1] <= 1.2 * peaks[0], f"DP step peak {peaks[1] / peaks[0]:.2f}x plain"
+
+
+class ByBehaviour(nn.Module):
+    """Layers whose rules are found by what they compute (``LayerRule.streams``): BiT's
+    weight-standardised convolution and normalisation with its activation on images, and
+    Gemma's RMSNorm (float64 throughout) on the (n, T, d) sequence the images' rows make."""
+
+    def __init__(self):
+        super().__init__()
+        from tests.per_sample.test_behaviour_rules import (
+            GemmaRMSNorm,
+            GroupNormActivation,
+            WeightStandardizedConv2d,
+        )
+        self.conv = WeightStandardizedConv2d(3, 8, 3, 1)
+        self.norm = GroupNormActivation(2, 8, nn.ReLU())
+        self.rms = GemmaRMSNorm(8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):  # (n, 3, 6, 6)
+        h = self.norm(self.conv(x)).flatten(2).transpose(1, 2)  # (n, 36, 8)
+        return self.head(self.rms(h)).sum(1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_layers_found_by_behaviour_stream_and_stay_exact(mode):
+    """Until 2026-12-01 only the exact types of ``bookkeeping.STREAMED`` were materialised in
+    the backward pass: these layers kept (a, b) until step() (BiT 2.10x a plain step's peak at
+    the table's base size, T5 1.27x)."""
+    torch.manual_seed(0)
+    model = ByBehaviour().double()
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(5, 3, 6, 6, generator=g, dtype=torch.float64),
+                torch.randint(0, 2, (5,), generator=g))]
+    want = expected(model, batches, 0.3)
+    got, streamed = dp_step(model, mode, batches, 0.3)
+    assert streamed == 4  # conv, norm, rms and head: a and b freed in the backward pass
+    for name in want:
+        assert relative_error(got[name], want[name]) <= 1e-10, (mode, name)
+
+
+def test_behaviour_rules_in_chunks_are_the_whole_batchs_rules(monkeypatch):
+    """``conv_chunks.in_chunks``: the affine and norm+activation rules over uneven chunks of
+    samples give the whole batch's per-sample gradients."""
+    from tests.per_sample.test_behaviour_rules import GroupNormActivation, LlamaRMSNorm
+    from workbench.rules import conv_chunks
+    from workbench.rules.affine import affine_grad_sampler
+    from workbench.rules.norm_activation import norm_activation_grad_sampler
+
+    g = torch.Generator().manual_seed(0)
+    cases = [(affine_grad_sampler, LlamaRMSNorm(8).double(), (7, 5, 8), (7, 5, 8)),
+             (norm_activation_grad_sampler, GroupNormActivation(2, 8, nn.GELU()).double(),
+              (7, 8, 3, 3), (7, 8, 3, 3))]
+    for rule, layer, a_shape, b_shape in cases:
+        with torch.no_grad():
+            layer.weight.normal_(generator=g)
+        a = torch.randn(a_shape, generator=g, dtype=torch.float64)
+        b = torch.randn(b_shape, generator=g, dtype=torch.float64)
+        whole = rule(layer, (a,), b)
+        monkeypatch.setattr(conv_chunks, "SCRATCH", 3 * a[0].numel() * 4)  # 3 of 7 samples
+        chunked = rule(layer, (a,), b)
+        monkeypatch.setattr(conv_chunks, "SCRATCH", None)
+        assert whole.keys() == chunked.keys()
+        for name in whole:
+            assert torch.allclose(chunked[name], whole[name], rtol=1e-13, atol=0), name
+
+
+class LayerScale(nn.Module):
+    """A layer scale ``x * gamma`` (Data2Vec-Vision's lambda_1, ConvNeXt's gamma): recorded as
+    a ``BroadcastProduct`` call (``per_sample/tied.py``) whose g_i (d numbers) are far smaller
+    than its b and x (T d each)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(3, 4)
+        self.gamma = nn.Parameter(torch.full((4,), 0.5))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):  # (n, T, 3)
+        return self.head(torch.tanh(self.up(x)) * self.gamma).sum(1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_layer_scale_streams_and_stays_exact(mode):
+    torch.manual_seed(0)
+    model = LayerScale().double()
+    batches = [data()]
+    want = expected(model, batches, 0.3)
+    got, streamed = dp_step(model, mode, batches, 0.3)
+    assert streamed == 3  # up, gamma's product and head (until 2026-12-01: 2)
+    for name in want:
+        assert relative_error(got[name], want[name]) <= 1e-10, (mode, name)

@@ -20,7 +20,12 @@ normalisation or convolution call whose per-sample gradients g_i (n p d for a Li
 for a LayerNorm, n p C k / G for a convolution) are smaller than its (a, b) (n T (d + p),
 n 2 T d, n (C H W + p H' W')), as in a transformer's projections and LayerNorms at T >= 2
 and a CNN's first, wide-image convolutions, is materialised the moment its b is complete,
-and its a and b let go; its clipped sum is then Σ_i c_i g_i (Bu et al. §4 choose per layer
+and its a and b let go (the layers found by what they compute too, where their rule bounds
+its scratch, ``LayerRule.streams``: the RMSNorm family and ``T5LayerNorm``, BiT's
+weight-standardised convolutions and normalisations with their activation; until
+2026-12-01 they kept (a, b) to ``step()``: ``bench real``, base, T5 1.27x a plain step's
+peak, then 1.06x; BiT 2.10x, then 1.12x with its stem's unfold in chunks,
+``conv_chunks.strict``); its clipped sum is then Σ_i c_i g_i (Bu et al. §4 choose per layer
 between the ghost norm and materialising, by time; the choice here is by memory: 1.12x a
 plain step's peak on tiny_gpt; the CIFAR-10 CNN's ``bench training --memory``
 step, b = 64 / 256, 2.16x / 2.25x -> 1.54x / 1.58x).
@@ -46,9 +51,12 @@ from workbench.per_sample.einsum import fallback_gradients, sample_layer
 from workbench.per_sample.hooks import drop_inputs
 from workbench.per_sample.precision import in_full_precision
 from workbench.per_sample.recording import own_parameters
+from workbench.per_sample.registry import find_grad_sampler
 from workbench.per_sample.sketch import RowSketch
 from workbench.per_sample.streaming import stream_backward
-from workbench.per_sample.tied import ParameterRows
+from workbench.per_sample.tied import BroadcastProduct, ParameterRows
+from workbench.rules import conv_chunks
+from workbench.rules._rule import find_layer_rule
 
 
 def bookkeeping_clipped_sum(model, loss_fn, inputs, targets, max_grad_norm, check=True):
@@ -107,7 +115,8 @@ def materialise_call(layer, call, own: dict, shared: set, n: int) -> dict | None
     backward (``record_streamed``) and the optimizer's tensor hooks (``dpsgd/recorded.py``)."""
     if not own or not smaller_materialised(layer, call, own, shared, n):
         return None
-    grads = {id(own[name]): g for name, g in sample_layer(layer, call, keep=own).items()}
+    with conv_chunks.strict():  # in the backward pass: the scratch adds to the peak
+        grads = {id(own[name]): g for name, g in sample_layer(layer, call, keep=own).items()}
     drop_inputs(call)
     return grads
 
@@ -116,10 +125,12 @@ def materialise_call(layer, call, own: dict, shared: set, n: int) -> dict | None
 # normalised input times b; a convolution's per-sample weight gradients, chunked so that
 # their scratch is at most a and b: ``rules/conv_chunks.chunks``; the scatter-add of a
 # parameter's picked rows, ``rules/gather.py``: Mixtral's experts, whose b is each token's
-# k experts' weight rows, n T k p d numbers against the n E p d of g_i): exact types, a
-# subclass may change forward
+# k experts' weight rows, n T k p d numbers against the n E p d of g_i; a layer scale's
+# b ⊙ x summed, ``rules/broadcast.py``: Data2Vec-Vision's and ConvNeXt's, whose b and x,
+# n T d each, waited for step() until 2026-12-01): exact types, a subclass may change forward
 STREAMED = (nn.Linear, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.Conv1d, nn.Conv2d,
-            nn.Conv3d, ParameterRows, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+            nn.Conv3d, ParameterRows, BroadcastProduct, nn.BatchNorm1d, nn.BatchNorm2d,
+            nn.BatchNorm3d)
 # (BatchNorm: with frozen statistics only, checked at every pass before a rule runs)
 
 
@@ -132,7 +143,7 @@ def smaller_materialised(layer, call, own: dict, shared: set, n: int) -> bool:
     the early, wide-image layers of a CNN, whose clipped sum then needs no second
     weight-gradient kernel either)."""
     b = call.backprops
-    if (type(layer) not in STREAMED or is_parametrized(layer) or n == 0
+    if (not streams(layer) or is_parametrized(layer) or n == 0
             or not isinstance(b, torch.Tensor) or not call.args
             or len(own) != len(own_parameters(layer))
             or any(id(p) in shared for p in own.values())):
@@ -144,5 +155,18 @@ def smaller_materialised(layer, call, own: dict, shared: set, n: int) -> bool:
     return n * grad_numel < call.args[0].numel() + b.numel()
 
 
+def streams(layer) -> bool:
+    """May a call of ``layer`` be materialised in the backward pass? A layer of exactly one of
+    the ``STREAMED`` types, or one whose rule was found by what it computes and bounds its
+    own scratch (``LayerRule.streams``: BiT's weight-standardised convolutions and its
+    normalisations with their activation, the RMSNorm family, ``T5LayerNorm``), that rule being
+    the one its calls get (``find_grad_sampler``: not for a call with more than its input)."""
+    if type(layer) in STREAMED:
+        return True
+    rule = find_layer_rule(layer)
+    return (rule is not None and rule.streams and rule.matches is not None
+            and find_grad_sampler(layer) is rule.grad)
+
+
 __all__ = ["STREAMED", "bookkeeping_clipped_sum", "materialise_call", "record_streamed",
-           "smaller_materialised"]
+           "smaller_materialised", "streams"]

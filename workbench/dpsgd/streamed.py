@@ -26,7 +26,8 @@ Notation: n batch, a activations, b backprops, g_i per-sample gradient, f_i loss
 
 import torch
 
-from workbench.clipping.bookkeeping import STREAMED, materialise_call
+from workbench.clipping.bookkeeping import materialise_call, streams
+from workbench.errors import WorkbenchError
 from workbench.per_sample.einsum import sample_layer
 from workbench.per_sample.precision import in_full_precision
 from workbench.per_sample.recording import batch_problem, own_parameters
@@ -39,7 +40,7 @@ def stream_call(recorder, call) -> None:
         return  # call alike (hooks.ActivationRecorder.again, recorded.batches)
     layer = recorder.layers.get(call.path)
     n = recorder._n
-    if type(layer) not in STREAMED or call.meet is not None or n is None:
+    if call.meet is not None or n is None or not streams(layer):
         return  # only these are ever materialised (bookkeeping.smaller_materialised)
     if batch_problem(layer, call, n):
         return
@@ -49,8 +50,13 @@ def stream_call(recorder, call) -> None:
     own = {name: p for name, p in recorder._own[call.path].items()
            if id(p) not in recorder.uncovered}
     call.set_backprops(call.grads)
-    grads = materialise_call(layer, call, own, set(), n)
-    call.backprops = None  # b stays in call.grads when not materialised (collect() reads it)
+    try:
+        grads = materialise_call(layer, call, own, set(), n)
+    except WorkbenchError:  # a rule refusing this call's input (a behaviour rule's check,
+        grads = None  # ``affine.still_affine``): left to step(), where the same rule runs and
+        # raises with every other refusal of the step, not out of the user's backward pass
+    finally:
+        call.backprops = None  # b stays in call.grads when not materialised (collect())
     if grads is not None:
         call.sampled, call.grads = grads, [None] * len(call.grads)
 

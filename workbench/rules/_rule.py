@@ -17,7 +17,11 @@ is one file (``workbench/rules/<family>.py``) ending in ``register_rule(RULE)``:
   (n, ...) copy c ⊙ b exists; tried first (``clipping.engine.reweighted_weight_grads``);
 - ``check(layer)``: raises before any work for options the rules do not support;
 - ``rows``: True (or ``rows(layer) -> bool``) where grad and norm rule work row by row, so a
-  call on batch-flattened (n·T, d) rows is the call on (n, T, d) (``per_sample/flat_rows.py``).
+  call on batch-flattened (n·T, d) rows is the call on (n, T, d) (``per_sample/flat_rows.py``);
+- ``streams``: a behaviour rule whose grad rule's scratch is bounded by a share of the call's
+  own a and b (it works in chunks of samples), so book-keeping may materialise its calls in
+  the backward pass, where g_i take less memory than a and b, and let a and b go
+  (``clipping/bookkeeping.streams``; the exact types of ``STREAMED`` always may).
 
 A ``Route`` is a named way to take the norm that carries its own cost, so ``auto`` and the
 memory model ask it instead of interpreting its name:
@@ -151,6 +155,7 @@ class LayerRule:
     check: Callable | None = None
     matches: Callable | None = None  # a behaviour rule: matches(layer) runs its forward
     rows: bool | Callable = False  # row by row: flattened (n·T, ...) rows allowed (flat_rows)
+    streams: bool = False  # a behaviour rule with bounded scratch: materialised as b arrives
 
 
 RULES: dict[type[nn.Module], LayerRule] = RuleTable()

@@ -38,6 +38,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from workbench.errors import UnsupportedLayerError
 from workbench.rules._rule import PROBE_ERRORS, LayerRule, probe_forward, register_rule
+from workbench.rules.conv_chunks import in_chunks
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4}  # relative, per probe, by compute dtype
 
@@ -184,7 +185,19 @@ def still_affine(layer, a, A, B, layout: str) -> None:
         f"method='vmap' or 'microbatch', which differentiate the layer as it runs")
 
 
+SCRATCH = 4  # A, B, the output near w (``still_affine``) and b ⊙ B: numbers per input number
+
+
 def affine_grad_sampler(layer, activations, backprops):
+    """{'weight': Σ b ⊙ B(a), 'bias': Σ b} (n, *w.shape), over the batch in chunks whose
+    scratch (``SCRATCH`` times their input) is bounded by the call's a and b
+    (``conv_chunks.in_chunks``), so book-keeping streams it (``LayerRule.streams``)."""
+    a = activations[0]
+    return in_chunks(_affine_grads, layer, a, backprops,
+                     SCRATCH * (a[0].numel() if a.dim() and a.shape[0] else 0))
+
+
+def _affine_grads(layer, activations, backprops):
     layout, a = layout_of(layer), activations[0]
     shape = tuple(layer.weight.shape)
     out = {}
@@ -229,11 +242,12 @@ def rows_independent(layer) -> bool:
 
 RULE = register_rule(LayerRule("elementwise affine (o = A(a) + B(a) ⊙ w + β)",
                                grad=affine_grad_sampler, rows=row_wise,
-                               matches=lambda layer: layout_of(layer) is not None))
+                               matches=lambda layer: layout_of(layer) is not None,
+                               streams=True))
 
 
 __all__ = [
-    "RULE", "TOLERANCE", "affine_grad_sampler", "affine_layout", "aligned", "candidate",
+    "RULE", "SCRATCH", "TOLERANCE", "affine_grad_sampler", "affine_layout", "aligned", "candidate",
     "layout_of", "parts", "probe_inputs", "row_wise", "rows_independent", "run",
     "still_affine", "sum_to_parameter",
 ]

@@ -28,6 +28,7 @@ from torch.nn import functional as F
 from torch.nn.utils.stateless import _reparametrize_module
 
 from workbench.rules._rule import PROBE_ERRORS, LayerRule, probe_forward, register_rule
+from workbench.rules.conv_chunks import in_chunks
 from workbench.rules.norms import group_norm_grad_sampler, layer_norm_grad_sampler
 
 TOLERANCE = 1e-10  # relative, float64 probe
@@ -94,8 +95,19 @@ def norm_activation(layer) -> bool:
     return close(out, want) and close(want[:1], alone)
 
 
+SCRATCH = 5  # z, its clone, act's output, ∂ℓ/∂z, then â and ∂ℓ/∂z ⊙ â: per input number
+
+
 def norm_activation_grad_sampler(layer, activations, backprops):
-    """The parent's rule on (a, ∂ℓ/∂z), ∂ℓ/∂z by (1)."""
+    """The parent's rule on (a, ∂ℓ/∂z), ∂ℓ/∂z by (1), over the batch in chunks whose scratch
+    (``SCRATCH`` times their input) is bounded by the call's a and b
+    (``conv_chunks.in_chunks``), so book-keeping streams it (``LayerRule.streams``)."""
+    a = activations[0]
+    return in_chunks(_norm_activation_grads, layer, a, backprops,
+                     SCRATCH * (a[0].numel() if a.dim() and a.shape[0] else 0))
+
+
+def _norm_activation_grads(layer, activations, backprops):
     functional, rule = parent(layer)
     a = activations[0]
     with torch.no_grad():
@@ -104,11 +116,14 @@ def norm_activation_grad_sampler(layer, activations, backprops):
         leaf = z.detach().requires_grad_()
         out = activation(layer)(leaf.clone())  # a clone: an in-place activation is allowed
         (dz,) = torch.autograd.grad(out, leaf, backprops)
+    del z, leaf, out  # before the parent's rule makes â and ∂ℓ/∂z ⊙ â
     return rule(layer, (a,), dz)
 
 
 RULE = register_rule(LayerRule("normalisation with its own activation (o = act(γ ⊙ â + β))",
-                               grad=norm_activation_grad_sampler, matches=norm_activation))
+                               grad=norm_activation_grad_sampler, matches=norm_activation,
+                               streams=True))
 
 
-__all__ = ["RULE", "activation", "norm_activation", "norm_activation_grad_sampler", "parent"]
+__all__ = ["RULE", "SCRATCH", "activation", "norm_activation", "norm_activation_grad_sampler",
+           "parent"]

@@ -234,7 +234,8 @@ def std_conv_route(layer, activations):
 RULE = register_rule(LayerRule("weight-standardised convolution (o = conv(a, W') + c)",
                                grad=std_conv_grad_sampler, norm=std_conv_norm_sampler,
                                route=std_conv_route, routes=(STD_GRAM, MATERIALISE),
-                               matches=lambda layer: std_conv_eps(layer) is not None))
+                               matches=lambda layer: std_conv_eps(layer) is not None,
+                               streams=True))
 
 
 __all__ = ["RULE", "STD_GRAM", "candidate", "expected", "standardised", "std_conv_eps",
