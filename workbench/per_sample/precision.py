@@ -178,6 +178,35 @@ def described(rec) -> str:
         f"float32's)")
 
 
+NARROW = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def value_dtype(t: torch.Tensor) -> torch.dtype:
+    """The narrowest float dtype that holds every finite value of ``t`` exactly: the dtype a
+    result was rounded to last, whatever it is returned as (a float32 step's update cast to
+    float64 is float32's, a bfloat16 one bfloat16's; a float64 computation's is float64). A
+    comparison of such results takes ``tolerance_of`` that dtype. Of several results, the
+    widest decides (``widest``): a zero or a small integer fits any dtype. Empty, or not
+    floating: ``t.dtype``."""
+    if not t.is_floating_point():
+        return t.dtype
+    x = t.detach()
+    x = x[torch.isfinite(x)]
+    if x.numel() == 0:
+        return t.dtype
+    for dtype in NARROW:
+        if torch.finfo(dtype).bits >= torch.finfo(t.dtype).bits:
+            break
+        if torch.equal(x.to(dtype).to(x.dtype), x):
+            return dtype
+    return t.dtype
+
+
+def widest(dtypes) -> torch.dtype:
+    """The dtype of the most bits among ``dtypes`` (float64 if none)."""
+    return max(dtypes, key=lambda d: torch.finfo(d).bits, default=torch.float64)
+
+
 def compared_dtype(rec) -> torch.dtype:
     """The dtype whose tolerance a check of ``rec`` uses: the autocast dtype of its forward
     pass if it ran under autocast, else the narrowest of the parameters' and any float dtype
@@ -193,7 +222,7 @@ def compared_dtype(rec) -> torch.dtype:
 
 
 __all__ = [
-    "REDUCED_FLOAT32", "TOLERANCE", "autocast_on", "compared_dtype", "described",
+    "NARROW", "REDUCED_FLOAT32", "TOLERANCE", "autocast_on", "compared_dtype", "described",
     "full_precision", "in_full_precision", "layer_dtype", "reduced_float32", "replayed", "state",
-    "tolerance", "tolerance_of", "widen",
+    "tolerance", "tolerance_of", "value_dtype", "widen", "widest",
 ]
