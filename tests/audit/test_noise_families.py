@@ -210,3 +210,19 @@ def test_a_scale_error_is_named_as_one_and_the_shape_still_passes(factor):
     assert "scale mismatch" in result.summary
     assert ("safer" in result.summary) == (factor > 1)
     assert ("understates" in result.summary) == (factor < 1)
+
+
+def test_a_safer_step_is_refuted_as_a_scale_mismatch_not_as_non_gaussian_noise():
+    """audit_claim on a step with 1.1x the claimed σ: the step is not the claimed one, but the
+    finding says why (its scale) and that it is safer; "noise is Gaussian" failed before."""
+    from pathlib import Path
+
+    from workbench.audit.claim import load_claim
+    from workbench.audit.claim_audit import REFUTED, audit_claim
+
+    claim = load_claim(Path(__file__).parents[2] / "examples" / "claims" / "mnist_example.yaml")
+    safer = audit_claim(claim, step=lambda C, s, B, g=None: ZOO[CORRECT](C, 1.1 * s, B, g),
+                        step_name="1.1 σ", trials=50)
+    row = safer.table.set_index("element").loc["step: noise σ·C on the clipped sum"]
+    assert row["verdict"] == REFUTED and "noise is Gaussian" not in row["finding"]
+    assert "scale mismatch" in row["finding"] and "safer" in row["finding"]

@@ -100,7 +100,9 @@ def _step_rows(claim, factory, name, trials, seed):
     unsure = mech.verdict == "inconclusive" and tight.passed  # nothing failed, too few trials
     rows = [_row("step: noise σ·C on the clipped sum", f"σ = {sigma:g}, C = {C:g}",
                  f"{name}: mechanism audit + tight one-step audit (at C = {probe_C:g})",
-                 f"{mech.summary if not mech.passed else 'mechanism matches'}; {tight.summary}",
+                 (mech.summary if not mech.passed else "mechanism matches"
+                  + (f" ({mech.limits_text})" if mech.limits_text else ""))
+                 + f"; {tight.summary}",
                  SUPPORTED if ok else INCONCLUSIVE if unsure else REFUTED)]
     rel = claim.neighbouring
     bound = RELATIONS[rel]

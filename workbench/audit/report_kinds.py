@@ -123,10 +123,14 @@ def mechanism_summary(result):
     key = ("σ = 0 claimed" if v is None
            else f"variance ratio {v[0]:.4f} (band {v[1]:.3f}–{v[2]:.3f})")
     if result.passed:
-        return f"mean, sensitivity and noise match the claim ({len(result.table)} checks)", key
+        limits = result.limits_text  # what "passed" does not cover
+        return (f"mean, sensitivity and noise match the claim ({len(result.table)} checks)"
+                + (f"; {limits}" if limits else ""), key)
     if getattr(result, "verdict", "") == "inconclusive":
         return result.summary, key
-    return "fails: " + ", ".join(result.table["check"][~result.table["passed"]]), key
+    scale = result.scale_text
+    return ("fails: " + ", ".join(result.table["check"][~result.table["passed"]])
+            + (f"; {scale}" if scale else ""), key)
 
 
 register_kind("MechanismAudit", Kind(
