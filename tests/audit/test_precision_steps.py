@@ -100,3 +100,25 @@ def test_a_float32_step_does_not_refute_the_claims_relation_or_unit():
     for element in ("neighbouring relation", "unit of privacy"):
         assert rows.loc[element, "verdict"] == SUPPORTED, rows.loc[element, "finding"]
     assert "float32: tolerance 0.001" in rows.loc["neighbouring relation", "finding"]
+
+
+def test_sigma_0_exact_checks_take_the_outputs_precision():
+    """A correct bfloat16 step at σ = 0 failed every mean row (tolerance 1e-6 C/B); a clip
+    norm 10% high in bfloat16 is still caught (bfloat16's unit roundoff, 2^-9, not the 5e-2
+    that compares two computations: that one passed it)."""
+    from workbench.audit.mechanism import audit_dp_step
+
+    def run(factory):
+        return audit_dp_step(factory(1.5, 0.0, B, torch.Generator().manual_seed(1)), DIM, B,
+                             1.5, 0.0, trials=20, generator=torch.Generator().manual_seed(0))
+
+    ok = run(bfloat16_step)
+    assert ok.passed and ok.dtype == "bfloat16", ok.table
+    wrong = ZOO["clip_norm_ten_percent_high"]
+    def wrong_bf16(C, s, B, g=None):
+        return lambda G: wrong(C, s, B, g)(G).to(torch.bfloat16)
+
+    caught = run(wrong_bf16)
+    assert caught.verdict == "failed", caught.table
+    check = check_clipping(wrong_bf16, 1.5, B, DIM, torch.Generator().manual_seed(0))
+    assert not check.passed and check.dtype == "bfloat16"

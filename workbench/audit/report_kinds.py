@@ -156,8 +156,8 @@ def clipping_table(check):
     t = check.table
     return t.drop(columns="tolerance").assign(
         max_abs_error=t["max_abs_error"].map(_g), rel_error=t["rel_error"].map(_g)), [
-        f"Tolerance: {check.tolerance:.0e} relative, the step's sums holding "
-        f"{check.dtype} (at least 1e-6: Opacus' C / (norm + 1e-6) "
+        f"Tolerance: {check.tolerance:.0e} relative, the step's outputs holding "
+        f"{check.dtype} (four unit roundoffs, at least 1e-6: Opacus' C / (norm + 1e-6) "
         f"over-clips by ~1e-6; a clipping bug moves the sum by a sizeable fraction of C/B). "
         f"C = {check.max_grad_norm:g}, "
         f"B = {check.batch_size:g}, σ = 0."]

@@ -20,12 +20,13 @@ import pandas as pd
 from workbench import accounting
 from workbench.audit.mechanism import design_batches, expected_step, sweep_batches
 from workbench.audit.result import AuditResult
-from workbench.per_sample.precision import tolerance_of, value_dtype, widest
+from workbench.per_sample.precision import unit_roundoff, value_dtype, widest
 
 CLIPPING_TOLERANCE = 1e-6  # relative, at least: Opacus' C / (norm + 1e-6) over-clips by ~1e-6;
-# a clipping bug moves the sum by a sizeable fraction of C/B. A step whose sums hold fewer
-# bits is compared at its precision's tolerance (``per_sample/precision.py``): a correct
-# bfloat16 step's "clipped sums differ" until 2026-12-01
+# a clipping bug moves the sum by a sizeable fraction of C/B. A step whose outputs hold fewer
+# bits is compared at four of its unit roundoffs (``per_sample/precision.unit_roundoff``: one
+# stored result against its exact value): a correct bfloat16 step's "clipped sums differ"
+# until 2026-12-01
 
 
 @dataclass
@@ -186,7 +187,7 @@ def check_clipping(step_factory, max_grad_norm, batch_size, dim, generator=None)
     _, name, observed[name], expected[name], clipped[name] = worst
     dtype = widest(seen)
     return ClippingCheck(observed, expected, clipped, C, B,
-                         max(CLIPPING_TOLERANCE, tolerance_of(dtype)),
+                         max(CLIPPING_TOLERANCE, 4 * unit_roundoff(dtype)),
                          str(dtype).removeprefix("torch."))
 
 

@@ -202,6 +202,16 @@ def value_dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """The relative error of one rounding to ``dtype``: half its machine epsilon (2^-9 for
+    bfloat16, 2^-24 for float32, 2^-53 for float64). The tolerance of a check of one stored
+    result against its exact value (a σ = 0 step's update, ``audit/mechanism.py``,
+    ``audit/report_suites.check_clipping``), where ``TOLERANCE`` is that of two computations
+    of many operations each compared (bfloat16's 5e-2 there would pass a clip norm 10% high
+    in a sum of ~30 clipped records)."""
+    return float(torch.finfo(dtype).eps) / 2
+
+
 def widest(dtypes) -> torch.dtype:
     """The dtype of the most bits among ``dtypes`` (float64 if none)."""
     return max(dtypes, key=lambda d: torch.finfo(d).bits, default=torch.float64)
@@ -224,5 +234,5 @@ def compared_dtype(rec) -> torch.dtype:
 __all__ = [
     "NARROW", "REDUCED_FLOAT32", "TOLERANCE", "autocast_on", "compared_dtype", "described",
     "full_precision", "in_full_precision", "layer_dtype", "reduced_float32", "replayed", "state",
-    "tolerance", "tolerance_of", "value_dtype", "widen", "widest",
+    "tolerance", "tolerance_of", "unit_roundoff", "value_dtype", "widen", "widest",
 ]
