@@ -60,7 +60,7 @@ from workbench.audit.influence_replay import replays
 from workbench.audit.influence_twin import twin
 from workbench.audit.result import AuditResult
 from workbench.checks import check_count, check_max_grad_norm
-from workbench.per_sample.precision import tolerance_of, value_dtype, widest
+from workbench.per_sample.precision import TOLERANCE, tolerance_of, value_dtype, widest
 
 RELATIONS = {"add/remove": 1.0, "substitution": 2.0}  # relation -> bound in units of C
 
@@ -72,7 +72,7 @@ class InfluenceAudit(AuditResult):
     table: pd.DataFrame  # record, relation, change_over_C, bound, floor_over_C, verdict, passed
     max_grad_norm: float
     name: str = ""
-    tolerance: float = 1e-7  # relative, of ``dtype`` (``per_sample/precision.tolerance_of``)
+    tolerance: float = TOLERANCE[torch.float64]  # relative, of ``dtype`` (``tolerance_of``)
     stochastic: bool = False  # random draws that removing a record does not replay
     dtype: str = "float64"  # the precision the released sums hold (``value_dtype``)
 
