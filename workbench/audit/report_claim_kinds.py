@@ -63,7 +63,7 @@ class CouplingSuite(AuditResult):
         self.audits = audits
         self.table = pd.DataFrame([{
             "case": k, "what couples the records": coupling.DOCS[k],
-            "largest change (add/remove)": f"{a.worst('add/remove'):.6g} C",
+            "largest change (add/remove)": f"{change_text(a.worst('add/remove'), 1.0)} C",
             "caught": not a.passed, "passed": not a.passed} for k, a in audits.items()])
         self.passed = bool(audits) and not any(a.passed for a in audits.values())
         self.summary = f"{int(self.table['caught'].sum())} of {len(self.table)} coupling " \
