@@ -239,3 +239,20 @@ def test_an_underpowered_run_is_inconclusive_not_consistent():
                                                    .Generator().manual_seed(0)), 200, 0.5,
                            epochs=audit.epochs_needed)
     assert again.verdict == "passed", again.summary
+
+
+def test_the_summary_states_the_rates_it_cannot_tell_from_q():
+    """A loader at 1.05 q passed 9 runs in 20 (N = 1000, q = 0.05, 4 epochs) under a summary
+    naming only caps and twins: it now says which rates it cannot tell from q, and the rate it
+    states is caught at about the design power (0.8)."""
+    from workbench.audit.sampling_power import rate_resolution
+
+    result = audit_sampling(poisson(0), N, Q, epochs=EPOCHS)
+    e = result.resolution["rate"]
+    assert e == pytest.approx(rate_resolution(N, Q, result.steps, 0.05 / len(result.table)))
+    assert 0.05 < e < 0.07  # 1.05 q is inside: a pass does not exclude it
+    assert result.passed and f"a rate off by {e:.1%}" in result.summary
+    assert f"{1 + e:.3g} q is not told from q" in result.summary
+    caught = sum(audit_sampling(lambda ds, s=s: WrongRate(ds, s, 1 + e), N, Q,
+                                epochs=EPOCHS).verdict == "failed" for s in range(30))
+    assert caught >= 18  # binomial(30, 0.8): 18 is below its 1% quantile

@@ -34,7 +34,7 @@ import torch
 from workbench.audit.claim_epsilon import bracket, epsilon_figures
 from workbench.audit.dpsgd_step import workbench_step
 from workbench.audit.gaussian_audit import audit_gaussian_step
-from workbench.audit.influence import audit_record_influence
+from workbench.audit.influence import RELATIONS, audit_record_influence, change_text
 from workbench.audit.influence_steps import influence_pool, step_released_sum
 from workbench.audit.mechanism import audit_dp_step
 from workbench.audit.result import AuditResult
@@ -100,21 +100,27 @@ def _step_rows(claim, factory, name, trials, seed):
     unsure = mech.verdict == "inconclusive" and tight.passed  # nothing failed, too few trials
     rows = [_row("step: noise σ·C on the clipped sum", f"σ = {sigma:g}, C = {C:g}",
                  f"{name}: mechanism audit + tight one-step audit (at C = {probe_C:g})",
-                 f"{mech.summary if not mech.passed else 'mechanism matches'}; {tight.summary}",
+                 (mech.summary if not mech.passed else "mechanism matches"
+                  + (f" ({mech.limits_text})" if mech.limits_text else ""))
+                 + f"; {tight.summary}",
                  SUPPORTED if ok else INCONCLUSIVE if unsure else REFUTED)]
     rel = claim.neighbouring
+    bound = RELATIONS[rel]
     worst = influence.worst(rel)
     held = bool(influence.table.loc[influence.table["relation"] == rel, "passed"].all())
     rows.append(_row("neighbouring relation", rel, f"{name}: record-influence audit",
-                     f"largest change {worst:.6g} C (bound {1 if rel == 'add/remove' else 2} C)",
-                     SUPPORTED if held else REFUTED))
+                     f"largest change {change_text(worst, bound)} C (bound {bound:g} C; "
+                     f"{influence.compared})", SUPPORTED if held else REFUTED))
     add_ok = bool(influence.table.loc[influence.table["relation"] == "add/remove",
                                       "passed"].all())
     unit = claim.unit  # "user": each row given to the step is one user's summed gradient
+    over = change_text(influence.worst("add/remove"), 1.0)
     rows.append(_row("unit of privacy", unit, f"{name}: record-influence audit"
                      + (" (one row = one user's summed gradient)" if unit == "user" else ""),
                      f"each {unit}'s own clipped contribution" if add_ok else
-                     f"one {unit} moves other {unit}s' contributions",
+                     f"removing one {unit} moves the released sum by {over} C, past C beyond "
+                     f"the rounding of {influence.compared}: its own contribution is not "
+                     f"clipped to C, or it moves other {unit}s' contributions",
                      SUPPORTED if add_ok else REFUTED))
     evidence = [(f"Claim · step: mechanism audit of {name}", mech),
                 (f"Claim · step: tight one-step audit of {name}", tight),

@@ -22,7 +22,13 @@ What a step must provide: no noise (σ = 0, or noise from a generator re-seeded 
 so that it cancels) and randomness only from torch's global RNG or a re-seeded generator.
 Adapters for the engine, a naive step and a ``--step`` factory are in ``influence_steps.py``.
 
-Tolerance: 1e-9 C (float64; the issue's ``ignore_index`` case is 1.005 C).
+Tolerance: relative, the precision the released sums hold (``per_sample/precision.py``, the
+one home of the comparisons' tolerances): the widest ``value_dtype`` of the sums the audit
+computed, so a step that computes (or returns) in float32 is compared at float32's 1e-3, a
+bfloat16 one at 5e-2, a float64 one at 1e-7. A correct float32 step moves the sum by
+1.00000006 C, past the 1e-9 of float64 that every step was held to until 2026-12-01 (the claim
+was then refuted, as coupling). The issue's ``ignore_index`` case is 1.005 C: seen in float64
+and float32, not in bfloat16 (the summary states the tolerance it compared at).
 
 **Randomness whose draws depend on the batch size.** Re-seeding replays a step exactly at one
 batch size (substitution keeps n: always exact). Removing a record changes n, and a layer
@@ -44,6 +50,7 @@ needs every row to hold; ``broken`` is a verdict of coupling.
 Notation: n batch size, C max_grad_norm, S(A) the noiseless released sum over batch A.
 """
 
+import math
 from dataclasses import dataclass
 
 import pandas as pd
@@ -53,8 +60,8 @@ from workbench.audit.influence_replay import replays
 from workbench.audit.influence_twin import twin
 from workbench.audit.result import AuditResult
 from workbench.checks import check_count, check_max_grad_norm
+from workbench.per_sample.precision import TOLERANCE, tolerance_of, value_dtype, widest
 
-TOLERANCE = 1e-9  # relative to C: float64 sums of clipped gradients round at ~1e-15
 RELATIONS = {"add/remove": 1.0, "substitution": 2.0}  # relation -> bound in units of C
 
 
@@ -65,8 +72,9 @@ class InfluenceAudit(AuditResult):
     table: pd.DataFrame  # record, relation, change_over_C, bound, floor_over_C, verdict, passed
     max_grad_norm: float
     name: str = ""
-    tolerance: float = TOLERANCE
+    tolerance: float = TOLERANCE[torch.float64]  # relative, of ``dtype`` (``tolerance_of``)
     stochastic: bool = False  # random draws that removing a record does not replay
+    dtype: str = "float64"  # the precision the released sums hold (``value_dtype``)
 
     @property
     def passed(self) -> bool:
@@ -91,11 +99,17 @@ class InfluenceAudit(AuditResult):
         return float(rows["change_over_C"].max()) if len(rows) else float("nan")
 
     @property
+    def compared(self) -> str:
+        """The precision the changes were compared at, in words."""
+        return f"{self.dtype}: tolerance {self.tolerance:g} relative"
+
+    @property
     def summary(self) -> str:
-        parts = [f"{rel}: largest change {self.worst(rel):.6g} C (bound {bound:g} C)"
-                 for rel, bound in RELATIONS.items() if rel in set(self.table["relation"])]
+        parts = [f"{rel}: largest change {change_text(self.worst(rel), bound)} C (bound "
+                 f"{bound:g} C)" for rel, bound in RELATIONS.items()
+                 if rel in set(self.table["relation"])]
         verdict = "holds" if self.passed else "BROKEN" if self.broken else "inconclusive"
-        text = f"record influence {verdict}: " + "; ".join(parts)
+        text = f"record influence {verdict}: " + "; ".join(parts) + f" ({self.compared})"
         if verdict == "inconclusive":
             floor = float(self.table["floor_over_C"].max())
             text += (f". Stochastic layers draw other random numbers when the batch size "
@@ -104,17 +118,29 @@ class InfluenceAudit(AuditResult):
         return text
 
 
-def _replayed(released_sum, idx, seed):
+def change_text(change: float, bound: float) -> str:
+    """``change`` with the digits that show how far it is from ``bound``: 1.00000006, not the
+    "1" that ``:.6g`` printed beside "bound 1 C" for a refuted claim until 2026-12-01."""
+    off = abs(change / bound - 1) if bound else 0.0
+    digits = 6 if not 1e-13 < off < 1e-5 else 2 + math.ceil(-math.log10(off))  # (float64's
+    # own rounding, ~1e-16, is no excess)
+    return f"{change:.{digits}g}"
+
+
+def _replayed(released_sum, idx, seed, seen=None):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         out = released_sum(torch.as_tensor(idx, dtype=torch.long))
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"released_sum(idx) must return a Tensor (the noiseless released sum); "
                         f"got {type(out).__name__}")
-    return out.detach().to("cpu", torch.float64).reshape(-1)
+    out = out.detach().to("cpu")
+    if seen is not None:  # the precision the sums hold: their tolerance
+        seen.add(value_dtype(out))
+    return out.to(torch.float64).reshape(-1)
 
 
-def _twin_verdict(released_sum, first, others, i, seed, C, bound, state) -> str:
+def _twin_verdict(released_sum, first, others, i, seed, C, bound, state, tol) -> str:
     """BROKEN when the dropout-free twin (``influence_twin``) moves by more than the bound
     on removing record i; else inconclusive."""
     if "call" not in state:
@@ -123,21 +149,22 @@ def _twin_verdict(released_sum, first, others, i, seed, C, bound, state) -> str:
     if call is None:
         return "inconclusive"
     delta = float((call(others + [i], seed) - call(others, seed)).norm()) / C
-    return "BROKEN" if delta > bound * (1 + TOLERANCE) else "inconclusive"
+    return "BROKEN" if delta > bound * (1 + tol) else "inconclusive"
 
 
 def audit_record_influence(released_sum, n: int, *, max_grad_norm: float,
                            relations=("add/remove", "substitution"), seed: int = 0,
                            name: str = "") -> InfluenceAudit:
     """Remove (add/remove) or replace (substitution) each record i < n of a pool of n + 1 and
-    compare the noiseless released sums; ``passed``: every change <= bound·C (1 + 1e-9)."""
+    compare the noiseless released sums; ``passed``: every change <= bound·C (1 + tolerance),
+    the tolerance of the precision the sums hold (module doc)."""
     C = check_max_grad_norm(max_grad_norm)
     n = check_count(n, "n", 2)
     unknown = set(relations) - set(RELATIONS)
     if unknown or not relations:
         raise ValueError(f"relations must be some of {sorted(RELATIONS)}; got {relations!r}")
-    first = list(range(n))
-    base = _replayed(released_sum, first, seed)
+    first, seen = list(range(n)), set()
+    base = _replayed(released_sum, first, seed, seen)
     if not torch.equal(base, _replayed(released_sum, first, seed)):
         raise ValueError("released_sum is not reproducible: two calls on the same batch with "
                          "torch's RNG re-seeded differ. Disable the noise (σ = 0) and draw any "
@@ -145,28 +172,30 @@ def audit_record_influence(released_sum, n: int, *, max_grad_norm: float,
                          "every call, so that the audit can replay it")
     stochastic = not torch.equal(base, _replayed(released_sum, first, seed + 1))
     approximate = stochastic and not replays(released_sum, first, seed)
-    rows, state = [], {}
+    changes = []  # (i, relation, others, delta): every sum first, then the tolerance they hold
     for i in range(n):
         others = [j for j in range(n) if j != i]
-        full = _replayed(released_sum, others + [i], seed)
+        full = _replayed(released_sum, others + [i], seed, seen)
         changed = {"add/remove": others, "substitution": others + [n]}
         for rel in relations:
-            other = _replayed(released_sum, changed[rel], seed)
-            delta = float((full - other).norm()) / C
-            bound, floor = RELATIONS[rel], 0.0
-            verdict = "holds" if delta <= bound * (1 + TOLERANCE) else "BROKEN"
-            if verdict == "BROKEN" and approximate and rel == "add/remove":  # n changed
-                floor = float((other - _replayed(released_sum, changed[rel], seed + 1))
-                              .norm()) / C
-                verdict = "inconclusive" if delta <= (bound + floor) * (1 + TOLERANCE) \
-                    else "BROKEN"
-                if verdict == "inconclusive":  # the dropout-free twin may still prove it
-                    verdict = _twin_verdict(released_sum, first, others, i, seed, C, bound,
-                                            state)
-            rows.append({"record": i, "relation": rel, "change_over_C": delta, "bound": bound,
-                         "floor_over_C": floor, "verdict": verdict,
-                         "passed": verdict == "holds"})
-    return InfluenceAudit(pd.DataFrame(rows), C, name, stochastic=approximate)
+            other = _replayed(released_sum, changed[rel], seed, seen)
+            changes.append((i, rel, changed[rel], float((full - other).norm()) / C, other))
+    dtype = widest(seen)
+    tol = tolerance_of(dtype)
+    rows, state = [], {}
+    for i, rel, batch, delta, other in changes:
+        bound, floor = RELATIONS[rel], 0.0
+        verdict = "holds" if delta <= bound * (1 + tol) else "BROKEN"
+        if verdict == "BROKEN" and approximate and rel == "add/remove":  # n changed
+            floor = float((other - _replayed(released_sum, batch, seed + 1)).norm()) / C
+            verdict = "inconclusive" if delta <= (bound + floor) * (1 + tol) else "BROKEN"
+            if verdict == "inconclusive":  # the dropout-free twin may still prove it
+                verdict = _twin_verdict(released_sum, first, batch, i, seed, C, bound, state,
+                                        tol)
+        rows.append({"record": i, "relation": rel, "change_over_C": delta, "bound": bound,
+                     "floor_over_C": floor, "verdict": verdict, "passed": verdict == "holds"})
+    return InfluenceAudit(pd.DataFrame(rows), C, name, tol, approximate,
+                          str(dtype).removeprefix("torch."))
 
 
-__all__ = ["RELATIONS", "TOLERANCE", "InfluenceAudit", "audit_record_influence"]
+__all__ = ["RELATIONS", "InfluenceAudit", "audit_record_influence", "change_text"]

@@ -28,14 +28,19 @@ Significance: the audit's false-alarm probability is at most ``alpha`` at every 
 ``trials`` (>= 20): Bonferroni, alpha/10 per row and split inside each row; each test's null
 distribution is exact for Gaussian noise (t(T-1), F and χ² for means and variances, Beta for
 the cosine of two noise vectors, Kolmogorov-Smirnov on Helmert-decorrelated residuals for the
-shape), except the lag-1 check's normal approximation to a correlation over batches·d·(T-1)
-pairs. Power at the defaults (trials=400, d=64, σ=1): a mean error of ~7 σC/(B√T) per
-coordinate (0.044 C for B=8), clipping to k·C for k >= ~1.03, a relative error in the noise std
-of ~2%, a lag-1 noise correlation of ~0.03, a noise vector repeated at any lag.
+shape, F for the sums of consecutive calls), except the lag-1 check's normal approximation
+to a correlation over batches·d·(T-1) pairs, and the shape tests' use of the measured scale
+(its relative error ~1/sqrt(2·batches·d·T), which the stated cut absorbs). Power at the
+defaults (trials=400, d=64, σ=1): a mean error of ~7 σC/(B√T) per coordinate (0.044 C for
+B=8), clipping to k·C for k >= ~1.03, a relative error in the noise std of ~2%, a lag-1 noise
+correlation of ~0.03, a noise vector repeated at any lag, noise cut (clamped or truncated) at
+~4.0σC with certainty, noise centred over epochs of up to the 7·trials designed calls.
 
 Resolution (``mechanism_power``): a run that finds nothing says "passed" only if it would
 have seen a 10% error in the noise std and a clip norm of 1.1 C (power 0.8); otherwise its
-verdict is "inconclusive" and its summary says how many trials would resolve them. The
+verdict is "inconclusive" and its summary says how many trials would resolve them. Either way
+the summary states what the run cannot see (``MechanismAudit.limits``): the noise cut beyond
+which a clamp or truncation goes unseen, and the variance band of sums of calls. The
 clip-boundary and dense rows come in ceil(σ) copies, which keeps the clip resolution at any σ
 up to ``MAX_REPEATS``; beyond it only more trials resolve 1.1 C.
 
@@ -63,13 +68,26 @@ from workbench.audit.mechanism_design import (
     sweep_batches,
 )
 from workbench.audit.mechanism_noise import (
+    ATOM_Z,
+    _chi2_p,
     atoms_p,
+    cells,
+    coarsest,
     fresh_p,
     helmert,
+    support_p,
     tails_p,
     variance_p,
 )
-from workbench.audit.mechanism_power import TARGETS, resolution, resolved, trials_needed
+from workbench.audit.mechanism_power import (
+    TARGETS,
+    resolution,
+    resolved,
+    shape_resolution,
+    sums_resolution,
+    support_cut,
+    trials_needed,
+)
 from workbench.audit.result import AuditResult
 from workbench.checks import (
     check_count,
@@ -79,6 +97,7 @@ from workbench.checks import (
     check_probability,
 )
 from workbench.errors import NonFiniteStepError
+from workbench.per_sample.precision import unit_roundoff, value_dtype, widest
 from workbench.viz.audit import plot_noise_histogram
 
 EMPTY = "empty batch (n=0)"
@@ -111,19 +130,24 @@ _CHECKS = {
     "call's ||y - μ||²/s² ~ χ²(d) (lower tail): noise std is σC/B everywhere (two-sided); "
     "catches noise missing from or doubled on some parameters, or missing in a direction "
     "across them (two coordinates given the same noise), or skipped on some calls",
-    "noise is Gaussian": "Kolmogorov-Smirnov of the Helmert-decorrelated residuals / s against "
-    "N(0, 1) (exact null: iid N(0, 1) under the claim), and the share of |y - μ| beyond 3s "
-    "(exact binomial), and the most values beyond 3s in one window of width 1e-5 s (a "
-    "clamp's atom at its bound): catches noise clamped at ±3-4σC or truncated at ±3σC; "
-    "cannot see a clamp or truncation beyond ~4.5σC at this size, nor non-Gaussian noise "
-    "whose CDF is within ~2/sqrt(batches·d·T) of the normal's",
+    "noise is Gaussian": "at the measured noise scale (a scale error is the variance row's): "
+    "Kolmogorov-Smirnov of the Helmert-decorrelated residuals against N(0, 1) (exact null), "
+    "the share of |y - μ| beyond 3, 3.5 and 4 scales (exact binomial each), the largest "
+    "|y - μ| (a support cut: P(max <= t) = (1 - 2Φ(-t))^N, exact) and values piled in one "
+    "rounding cell of the output's grid (a clamp's atom at its bound): catches noise clamped "
+    "or truncated at or below the cut this run states, heavy or light tails; cannot see a "
+    "cut beyond it, nor non-Gaussian noise whose CDF is within ~2/sqrt(batches·d·T) of the "
+    "normal's",
     EMPTY: "an empty Poisson batch (n = 0) still steps: E[step] = 0 and Σ y²/s² ~ χ²(T·d), "
     "noise alone of the claimed std; catches a step that returns exact zeros or skips the "
     "noise when no record was drawn, or raises there (a loop would skip the step: whether "
     "a batch is empty depends on the records, so either tells)",
-    "noise is fresh": "lag-1 correlation of consecutive calls' noise = 0, and no two calls' "
-    "noise vectors alike (cosine, exact Beta null) or equal: catches reuse at any lag; "
-    "cannot see noise that is merely predictable",
+    "noise is fresh": "lag-1 correlation of consecutive calls' noise = 0, no two calls' "
+    "noise vectors alike (cosine, exact Beta null) or equal, and the noise of L consecutive "
+    "calls summing to variance L s² (F test of windows of L = 2, 4, ... and all calls): "
+    "catches reuse at any lag, noise that cancels over an epoch (centred per epoch, "
+    "antithetic) or accumulates (an earlier call's noise mixed in); cannot see noise that is "
+    "merely predictable, nor sums whose variance is within the band this run states",
 }
 
 
@@ -134,7 +158,13 @@ class MechanismAudit(AuditResult):
     ``verdict``: "failed" (a check failed), "inconclusive" (none failed, but the run cannot
     resolve a 10% error in the noise std or the clip norm: ``resolution``, ``mechanism_power``)
     or "passed"; ``passed`` is ``verdict == "passed"``. ``trials_needed``: the trials that
-    would resolve both (None when resolved or out of reach).
+    would resolve both (None when resolved or out of reach). ``limits``: what the run cannot
+    see however it ends (``mechanism_power`` Eqs. (3)-(4): the noise cut, in units of σC, below
+    which a clamped or truncated noise is caught, and the variance band of sums of calls it
+    cannot tell from the claim); the summary states them, so "passed" never claims more.
+    ``noise_scale``: the measured noise std over the claimed one when the pooled variance
+    rejects the claim's (a scale mismatch), else None. ``dtype``: the precision the step's
+    outputs hold (``per_sample/precision.value_dtype``).
     """
 
     passed: bool
@@ -145,6 +175,9 @@ class MechanismAudit(AuditResult):
     verdict: str = ""
     resolution: dict = field(default_factory=dict)
     trials_needed: int | None = None
+    limits: dict = field(default_factory=dict)
+    noise_scale: float | None = None
+    dtype: str = "float64"
 
     def __post_init__(self):
         if not self.verdict:  # built by hand: the table decides
@@ -158,10 +191,44 @@ class MechanismAudit(AuditResult):
             more = (f"rerun with trials >= {self.trials_needed}" if self.trials_needed
                     else "raise trials")
             return (f"DP step audit inconclusive at this sample size {head}: no check failed, "
-                    f"but it resolves only the {res} (needs {TARGETS_TEXT}); {more}")
+                    f"but it resolves only the {res} (needs {TARGETS_TEXT}); {more}"
+                    + (f"; {self.limits_text}" if self.limits else ""))
         failed = ", ".join(self.table["check"][~self.table["passed"]])
-        return (f"DP step audit {'passed' if self.passed else 'FAILED'} {head}"
+        text = (f"DP step audit {'passed' if self.passed else 'FAILED'} {head}"
                 + (f": fails {failed}" if failed else ""))
+        if self.noise_scale is not None:
+            text += f"; {self.scale_text}"
+        return text + (f"; {self.limits_text}" if self.passed and self.limits else "")
+
+    @property
+    def scale_text(self) -> str:
+        """The scale mismatch in words ("" when none): a larger noise is safer, not the claim."""
+        if self.noise_scale is None:
+            return ""
+        k = self.noise_scale
+        return (f"noise std {k:.3g}x the claimed σC/B (a scale mismatch; its shape is tested at "
+                f"the measured scale): " + (
+                    "more noise than claimed, safer (its ε is below the claimed one) but not "
+                    "the claimed step" if k > 1 else
+                    "less noise than claimed: the claimed ε understates the real one"))
+
+    @property
+    def limits_text(self) -> str:
+        """What the run cannot see, in words (``limits``)."""
+        lim, parts = self.limits, []
+        if not lim:  # σ = 0: every check exact
+            return ""
+        if self.resolution:
+            parts.append("noise std or clip norm off by less than "
+                         + " / ".join(f"{v:.1%}" for v in self.resolution.values()))
+        if "noise cut" in lim:
+            parts.append(f"noise cut (clamped or truncated) beyond {lim['noise cut']:.2f}σC "
+                         f"(a clamp: beyond {lim['clamp']:.2f}σC, power 0.8)")
+        if "sums" in lim:
+            L, lo, hi = lim["sums"]
+            parts.append(f"noise of sums of {L} consecutive calls with a variance within "
+                         f"{lo:.2g}-{hi:.2g}x the claim's ({lim['sums band']})")
+        return "it cannot see " + ", ".join(parts)
 
     def plot(self, ax, bins: int = 60):
         """``workbench.viz.audit.plot_noise_histogram``: noise against N(0, 1); artists."""
@@ -263,37 +330,54 @@ def audit_dp_step(step_fn, dim: int, batch_size: float, max_grad_norm: float,
     # trials' job (the verdict then says how many)
     repeats = min(MAX_REPEATS, max(1, math.ceil(sigma)))
     batches = design_batches(dim, B, C, generator, repeats)
-    parts, resid, noise, ybars = {}, [], [], {}
-    for name, G in batches.items():
-        Y = _run(step_fn, G, T, dim)  # (T, dim)
+    T_sweep = min(T, SWEEP_TRIALS)
+    runs = {name: (G, _run(step_fn, G, T, dim)) for name, G in batches.items()}  # call order
+    sweeps = {name: (G, _run(step_fn, G, T_sweep, dim))
+              for name, G in sweep_batches(dim, C, generator).items()}
+    dtype = widest(value_dtype(torch.from_numpy(Y)) for _, Y in [*runs.values(),
+                                                                   *sweeps.values()])
+    rel = 2 * unit_roundoff(dtype) if s == 0 else 0.0  # σ = 0: exact up to the output's
+    # rounding and one operation's (a bfloat16 step failed every mean row until 2026-12-01)
+    parts, resid, noise, ybars, shape = {}, [], [], {}, []
+    for name, (G, Y) in runs.items():
         mu = expected_step(G, C, B).numpy()
         parts.setdefault(_ROW_OF.get(name, name), []).append(  # the tolerance per row summed:
-            _mean_p(Y, mu, s, tol * max(1, G.shape[0])))  # Opacus' C / (norm + 1e-6) over
-        # ~20 rows at the clip boundary was a failure at σ = 0 until 2026-11-30
+            _mean_p(Y, mu, s, tol * max(1, G.shape[0]) + rel * np.abs(mu).max(initial=0.0)))
+        # Opacus' C / (norm + 1e-6) over ~20 rows at the clip boundary was a failure at σ = 0
+        # until 2026-11-30
         resid.append(Y - Y.mean(0))
         noise.append(Y - mu)
+        shape.append((Y - mu, Y))
         ybars[name] = Y.mean(0)
-    T_sweep = min(T, SWEEP_TRIALS)
-    for name, G in sweep_batches(dim, C, generator).items():
-        Y = _run(step_fn, G, T_sweep, dim)
+    calls = np.concatenate(noise)  # (batches·T, dim): consecutive calls, in the step's order
+    for name, (G, Y) in sweeps.items():
         mu = expected_step(G, C, B).numpy()
-        parts.setdefault(SWEEP, []).append(_sweep_p(Y, mu, s, tol * G.shape[0]))  # its
-        # noise is not pooled: the noise rows keep the designed batches' sizes
+        parts.setdefault(SWEEP, []).append(_sweep_p(  # its noise is not pooled: the noise
+            Y, mu, s, tol * G.shape[0] + rel * np.abs(mu).max(initial=0.0)))  # rows keep the
+        shape.append((Y - mu, Y))  # designed batches' sizes; the shape tests see every value
     if twin is not None:  # built apart: its noise must not be step_fn's again
         G = batches["mean · designed batch"]
         Y = _run(twin, G, T_sweep, dim)
         noise.append(Y - expected_step(G, C, B).numpy())
+        shape.append((noise[-1], Y))
     rows = []
     for name, ps in parts.items():  # a row over several batches: Bonferroni over them
         p = min(1.0, len(ps) * min(p for _, p in ps))
         rows.append(_row(name, max(z for z, _ in ps), p, a, p >= a))
-    rows.append(_sensitivity_row(step_fn, batches, ybars, C, B, s, tol, T, a, resid))
-    rows.append(_empty_row(step_fn, dim, s, tol, T, a, resid))
+    top = rel * max(np.abs(ybars[k]).max() for k in ybars)  # σ = 0: the rounding of a mean
+    rows.append(_sensitivity_row(step_fn, batches, ybars, C, B, s, tol + top, T, a, resid))
+    rows.append(_empty_row(step_fn, dim, s, tol, T, a, resid, shape))
     R = np.stack(resid)  # (batches, T, dim)
-    rows += _noise_rows(R, np.concatenate(noise), s, tol, T, a)
+    values = [np.concatenate(v) for v in zip(*shape)]  # (y - μ, y) of every known μ
+    noise_rows, info = _noise_rows(R, np.concatenate(noise), s, tol, T, a, calls, values,
+                                   dtype)
+    rows += noise_rows
     z = R.ravel() / (s if s > 0 else max(R.std(), tol))
     table = pd.DataFrame(rows)
-    return _verdict(table, z, alpha, T, dim, sigma, R.shape[0], repeats, a)
+    result = _verdict(table, z, alpha, T, dim, sigma, R.shape[0], repeats, a)
+    result.limits, result.noise_scale = info.get("limits", {}), info.get("noise_scale")
+    result.dtype = str(dtype).removeprefix("torch.")
+    return result
 
 
 def _sensitivity_row(step_fn, batches, ybars, C, B, s, tol, T, a, resid):
@@ -318,10 +402,10 @@ def _sensitivity_row(step_fn, batches, ybars, C, B, s, tol, T, a, resid):
     return _row("sensitivity", moved, np.nan, bound, moved <= bound)
 
 
-def _empty_row(step_fn, dim, s, tol, T, a, resid):
+def _empty_row(step_fn, dim, s, tol, T, a, resid, shape):
     """The empty batch: mean 0 (``_mean_p``) and, the mean known, Σ y²/s² ~ χ²(T·d) over its
     calls (two-sided; Bonferroni with the mean). A step that raises fails the row, named.
-    Its residuals join the noise checks."""
+    Its residuals join the noise checks, its noise (y - 0) the shape tests."""
     G = torch.zeros(0, dim, dtype=torch.float64)
     try:
         Y = _run(step_fn, G, T, dim)
@@ -337,27 +421,68 @@ def _empty_row(step_fn, dim, s, tol, T, a, resid):
         p_var = min(1.0, 2 * min(stats.chi2.cdf(x, dof), stats.chi2.sf(x, dof)))
         p = min(1.0, 2 * min(p, p_var))
     resid.append(Y - Y.mean(0))
+    shape.append((Y, Y))
     return _row(EMPTY, z, p, a, p >= a)
 
 
-def _noise_rows(R: np.ndarray, noise: np.ndarray, s: float, tol: float, T: int,
-                a: float) -> list:
-    """Variance, shape and freshness of centred residuals R (batches, T, dim)."""
+def _noise_rows(R: np.ndarray, noise: np.ndarray, s: float, tol: float, T: int, a: float,
+                calls: np.ndarray, values: list, dtype) -> tuple:
+    """(rows, limits): variance, shape and freshness of centred residuals R (batches, T, dim);
+    ``noise``: y - μ of the designed batches' calls and the twin's, ``calls`` those of the
+    step alone in call order (the sums), ``values``: [y - μ, y] of every call of known μ (the
+    shape tests); ``dtype``: the precision the outputs hold (their grid: the rounding cells of
+    the support and atom tests, ``cells`` of y, which y - μ keeps: μ is float64).
+    ``limits``: what the run cannot see (``mechanism_power`` Eqs. (3)-(4))."""
     names = ("noise variance", "noise is Gaussian", "noise is fresh")
     if s == 0:  # the claim is "no noise": every residual must vanish
         ok = np.abs(R).max() <= tol
-        return [_row(n, np.abs(R).max(), np.nan, tol, ok) for n in names]
+        return [_row(n, np.abs(R).max(), np.nan, tol, ok) for n in names], {}
     ratio, p_var = variance_p(R, s, T, noise)
     rows = [_row(names[0], ratio, p_var, a, p_var >= a)]
     if R.std() <= tol:  # identical outputs on every call: not noise at all
-        return rows + [_row(n, 0.0, 0.0, a, False) for n in names[1:]]
-    ks = stats.kstest((helmert(R) / s).ravel(), "norm")  # iid N(0, 1) under the claim
-    p_shape = min(1.0, 3 * ks.pvalue, 3 * tails_p(noise, s),  # the bulk, the tails, and
-                  3 * atoms_p(noise, s))  # values piled at one point (a clamp's bound)
+        return rows + [_row(n, 0.0, 0.0, a, False) for n in names[1:]], {}
+    dof = R.shape[0] * R.shape[2] * (T - 1)
+    s_hat = s * math.sqrt(ratio)  # the shape at the measured scale: a scale error is row 1's
+    ks = stats.kstest((helmert(R) / s_hat).ravel(), "norm")  # iid N(0, 1) under the claim
+    more, outputs = values
+    grid = cells(outputs, dtype, s_hat)  # (values, dim) each output's grid cell / ŝ
+    cell = None if dtype == torch.float64 else coarsest(  # the grid's cells at x, any μ
+        dtype, s_hat, float(np.abs(outputs - more)[np.isfinite(more)].max(initial=0.0)))
+    p_shape = min(1.0, 4 * ks.pvalue, 4 * tails_p(more, s_hat),  # the bulk, the tails,
+                  4 * support_p(more, s_hat, grid),  # the reach (a cut support) and
+                  4 * atoms_p(more, s_hat, cell))  # a pile at one point (a clamp's bound)
     rows.append(_row(names[1], ks.statistic, p_shape, a, p_shape >= a))
-    r, p_fresh = fresh_p(R, noise, T)
+    r, p_fresh = fresh_p(R, noise, T, calls)
     rows.append(_row(names[2], r, p_fresh, a, p_fresh >= a))
-    return rows
+    scale = math.sqrt(ratio) if 2 * _chi2_p(ratio * dof, dof) < a else None  # pooled, a/2
+    return rows, {"limits": _limits(more / s_hat, grid, cell, calls, a, dof, s_hat / s, rows),
+                  "noise_scale": scale}
+
+
+def _limits(x, grid, cell, calls, a, dof, scale, rows):
+    """``MechanismAudit.limits`` (``mechanism_power`` Eqs. (3)-(4)), each stated in the
+    meaning of its row: the noise cut (units of the claimed σC; the tests measure in ŝ) and
+    the sums' variance band at the longest sum. ``x``: the shape tests' values / ŝ."""
+    ok = np.isfinite(x)
+    tail = np.broadcast_to(grid, x.shape)[ok & (np.abs(x) > ATOM_Z)]
+    half = float(tail.max(initial=0.0))  # the coarsest cell a tail value has (support_p)
+    n = int(ok.sum())
+    c = support_cut(n, a / 4, dof, half)
+    res = shape_resolution(n, a / 4, dof, half, 0.0 if cell is None else float(cell(c)))
+    lim = {"noise cut": res["noise cut"] * scale, "clamp": res["clamp"] * scale}
+    bands = sums_resolution(calls.shape[0], calls.shape[1], a / 3)
+    L = max(bands)
+    lim["sums"] = (L, *bands[L])
+    lim["sums band"] = f"{min(bands)} calls: {bands[min(bands)][0]:.2f}-" \
+                       f"{bands[min(bands)][1]:.2f}x"
+    rows[1]["meaning"] += (f". This run ({n} values): a cut at <= {lim['noise cut']:.2f}σC is "
+                           f"caught whenever it occurs, a clamp at <= {lim['clamp']:.2f}σC with "
+                           f"power 0.8; a cut beyond is not seen")
+    (lo, hi), (lo2, hi2) = bands[L], bands[min(bands)]
+    rows[2]["meaning"] += (f". This run: the sum of L calls with a variance off by x{lo:.2f} or "
+                           f"x{hi:.2f} is caught at L = {L} (all), by x{lo2:.2f} or x{hi2:.2f} "
+                           f"at L = {min(bands)}, power 0.8")
+    return lim
 
 
 def _verdict(table, z, alpha, T, dim, sigma, batches, repeats, a):

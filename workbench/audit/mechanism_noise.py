@@ -14,9 +14,7 @@ noise variance (two-sided χ² each, Bonferroni inside the row)                 
     parameter without noise, a noise scale that follows the realised batch size. Weights:
     a/2 pooled, a/4 per batch, a/8 per coordinate, a/8 every direction (3).
 
-noise is Gaussian: Kolmogorov-Smirnov of the Helmert contrasts / s against N(0, 1) (``helmert``).
-
-noise is fresh (a/2 lag-1 correlation, a/2 repeats)                                      (2)
+noise is fresh (a/3 lag-1 correlation, a/3 repeats, a/3 sums)                             (2)
 
     lag 1: r = Σ r_t·r_(t+1) / (norms), z = (r + 1/T) sqrt(pairs) ~ N(0, 1);
     repeats: for every pair of calls, of any batch, the cosine ρ of their noise vectors
@@ -27,6 +25,16 @@ noise is fresh (a/2 lag-1 correlation, a/2 repeats)                             
     batch, a stale buffer mixed in), has ρ near 1; one that comes back exactly (the same n on
     one batch or on two) fails outright, at any d. A wrong mean shifts every n of its batch
     alike, so it can fail this part too (the mean rows say where).
+    sums: fresh noise makes the noise of L consecutive calls sum to std sqrt(L)·s. The
+    designed batches' calls n_1..n_m, in the order the step was called, cut into windows of L
+    calls (L = 2, 4, 8, ... <= m, and m, ``window_lengths``): each window's sum and its
+    within-window spread are independent under the claim, so
+        F_L = (Σ_w ||Σ_(t∈w) n_t||² / (L·W·d)) / (Σ_w Σ_(t∈w) ||n_t - n̄_w||² / (W·d·(L-1)))
+    ~ F(W·d, W·d·(L-1)) exactly, whatever s (W windows). Noise that cancels over an epoch
+    (k draws centred to sum to zero, antithetic pairs) has F near 0 at L <= k, noise that
+    accumulates (an earlier call's noise mixed in) F above 1; both passed every check until
+    2026-12-01 (lag 1 and pairwise cosines see neither). Two-sided, Bonferroni over the L;
+    ``mechanism_power.sums_resolution`` states the variance ratio each L resolves.
 
 noise variance in every direction (a/8 of the row, inside (1))                          (3)
 
@@ -44,12 +52,31 @@ noise variance in every direction (a/8 of the row, inside (1))                  
     without noise has s_min near 0: at the defaults (m ~ 2,800, d = 64) it fails with
     p ~ e^-1000; a direction with half the variance has s_min ~ 0.71 sqrt(m), also far out.
 
-Notation: T calls per batch, d coordinates, s the claimed output noise std, r residuals.
+noise is Gaussian (a/4 each: the bulk, the tails, the support, atoms)                    (4)
+
+    at the measured scale ŝ = s·sqrt(Σr²/(s² k)) (a scale error is the variance row's: a step
+    with 1.1x the claimed σ failed "Gaussian" too until 2026-12-01, its tails counted against
+    s). The bulk: Kolmogorov-Smirnov of the Helmert contrasts / ŝ against N(0, 1) (``helmert``).
+    The tails: the share of x = |y - μ| / ŝ beyond each z of ``TAIL_Z``, exact binomial,
+    Bonferroni over the z (only z = 3 until 2026-12-01: a Gaussian truncated at 3.5σ passed 9
+    runs in 10). The support: N iid |N(0, 1)| values have P(max x <= t) = (1 - 2Φ(-t))^N, so a
+    noise cut at c (clamped or truncated: δ > 0 at every step) is rejected whenever
+    (1 - 2Φ(-c))^N <= a/4, with certainty, not just with power (``support_p``; t is the largest
+    x plus its rounding cell, so a float grid never makes it liberal). Atoms: a clamp piles
+    its mass N·2Φ(-c) exactly at x = c; the values beyond z = 3 are scanned for too many in one
+    rounding cell of the step's output dtype (``atoms_p``; a bfloat16 step's grid was skipped,
+    p = 1, until 2026-12-01). ``mechanism_power.shape_resolution`` states the cut each run
+    resolves: at the command line's --quick size (T = 200, d = 32) ~3.7σC for any cut, ~4σC
+    for a float64 clamp; a cut beyond is not seen (no black-box test of that size can).
+
+Notation: T calls per batch, d coordinates, s the claimed output noise std, ŝ the measured one,
+r residuals, n = y - μ(G) a call's noise, N the values the shape tests see.
 """
 
 import math
 
 import numpy as np
+import torch
 from scipy import stats
 
 BLOCK = 1024  # calls per side of a tile of the pairwise (Gram) computation
@@ -99,41 +126,78 @@ def call_p(noise: np.ndarray, s: float) -> float:
     return float(min(1.0, stats.chi2.cdf(x.min(), noise.shape[1]) * noise.shape[0]))
 
 
-def tails_p(noise: np.ndarray, s: float, z: float = 3.0) -> float:
-    """p (two-sided, exact binomial) that the share of |y - μ| / s beyond ``z`` is the
-    normal's 2Φ(-z): noise clamped at ±3σC (atoms at the bounds, which give the clipped sum
-    away) leaves none beyond, and Kolmogorov-Smirnov on the Helmert mixtures, Gaussian by
-    the central limit, missed it at 400 trials until 2026-11-30."""
-    x = np.abs(noise) / s
-    beyond = int((x > z).sum())
-    return float(stats.binomtest(beyond, x.size, 2 * stats.norm.sf(z)).pvalue)
-
-
+TAIL_Z = (3.0, 3.5, 4.0)  # the tail test's cut points (units of ŝ)
+ATOM_Z = 3.0  # atoms are looked for beyond this (units of ŝ)
 ATOM_WIDTH = 1e-5
-"""Width (in units of s) of the window ``atoms_p`` counts values in: wide enough for a step
-computing in float32 (its clamped values land within ~1e-7 |μ| / s of the bound)."""
+"""Narrowest window (units of s) ``atoms_p`` counts values in: wide enough for a step computing
+in float32 and returning float64 (its clamped values land within ~1e-7 |μ| / s of the bound).
+A step whose outputs hold fewer bits is counted in two of its grid's cells (``coarsest``)."""
 
 
-def atoms_p(noise: np.ndarray, s: float, z: float = 3.0) -> float:
-    """p (a scan statistic, Bonferroni over the windows) that the most |y - μ| / s values
-    beyond ``z`` falling in one window of width ``ATOM_WIDTH`` is what a continuous normal
-    gives: noise clamped at ±4σC piles ~8 of 128,000 values at the bound (atoms), which the
-    tail count at z = 3 and Kolmogorov-Smirnov both passed until 2026-11-30 (a clamp at
-    4-5σ is a δ of ~1e-5 per coordinate and step). A clamp beyond ~4.5σ leaves fewer than
-    one value at the bound at this size: not seen (no black-box test at this size can)."""
-    x = np.sort(np.abs(noise[np.isfinite(noise)]) / s)
-    bulk = np.diff(x[(x > 1.0) & (x < z)])
-    if bulk.size and float((bulk <= ATOM_WIDTH * 1e-3).mean()) > 0.05:  # values on a grid
-        return 1.0  # (a step rounding to bfloat16): every window is an atom, nothing to test
-    width = ATOM_WIDTH
-    x = x[x > z]
+def cells(Y: np.ndarray, dtype, s: float) -> np.ndarray:
+    """The spacing of ``dtype``'s grid at each output |y| (``Y`` any shape), in units of ``s``:
+    a bfloat16 output near 1 is known to 2^-8, i.e. to ±2^-9 / s in the noise's units."""
+    _, e = np.frexp(np.abs(Y))  # |y| = m 2^e, m in [0.5, 1): spacing eps 2^(e-1)
+    return np.ldexp(float(torch.finfo(dtype).eps) / 2, e) / s
+
+
+def tails_p(noise: np.ndarray, s: float, zs=TAIL_Z) -> float:
+    """p (two-sided, exact binomial at each z of ``zs``, Bonferroni) that the share of
+    |y - μ| / s beyond z is the normal's 2Φ(-z), Eq. (4). Noise clamped at ±3σC leaves none
+    beyond 3, truncated at 3.5σ too few beyond 3.5 (a z = 3 test alone missed it)."""
+    x = np.abs(noise[np.isfinite(noise)]) / s
+    ps = [stats.binomtest(int((x > z).sum()), x.size, 2 * stats.norm.sf(z)).pvalue for z in zs]
+    return float(min(1.0, len(zs) * min(ps)))
+
+
+def support_p(noise: np.ndarray, s: float, half=0.0) -> float:
+    """p that N iid |N(0, 1)| values reach no further than the observed ones, Eq. (4):
+    P(max x <= t) = (1 - 2Φ(-t))^N with t = max(|y - μ| / s + half); ``half`` (units of s,
+    broadcast to ``noise``) bounds how far rounding moved each value, so t is at least the
+    unrounded noise's max and the p-value is never liberal. Noise of bounded support (clamped
+    or truncated at c) gives p <= (1 - 2Φ(-c - 2 half))^N: rejected with certainty once N is
+    large enough (``mechanism_power.shape_resolution``)."""
+    ok = np.isfinite(noise)
+    x = (np.abs(noise) / s + half)[ok]
+    if x.size == 0:
+        return 1.0
+    return float(np.exp(x.size * np.log1p(-2 * stats.norm.sf(x.max()))))
+
+
+def coarsest(dtype, s: float, mu_max: float):
+    """x -> the coarsest grid cell (units of s) an output holding ``dtype`` has at
+    |y - μ| = x·s for any |μ| <= ``mu_max`` (``cells`` at |y| = mu_max + x s: a grid's cells
+    grow with |y|). ``atoms_p``'s windows take it, so a value on a fine part of the grid never
+    counts the pile of a coarser part as its own atom."""
+    return lambda x: cells(mu_max + np.asarray(x) * s, dtype, s)
+
+
+def atoms_p(noise: np.ndarray, s: float, cell=None, z: float = ATOM_Z) -> float:
+    """p (a scan statistic) that no window [x_i, x_i + w) of a value x_i = |y - μ| / s beyond
+    ``z`` holds more values than a normal puts there, rounded as the step rounds: noise clamped
+    at ±4σC piles ~8 of 128,000 values at the bound (atoms), which the tail counts and
+    Kolmogorov-Smirnov pass. ``cell``: x -> the coarsest rounding cell of the step's output at
+    x (units of s, ``coarsest``), None for float64; the window is w = max(``ATOM_WIDTH``, two
+    such cells) and the values it can hold came from [x_i - h, x_i + w + h), h half a cell (a
+    bfloat16 step's values were all "atoms", the test returning 1 untested, until 2026-12-01).
+    Given x_i, the others in its window are Binomial(N - 1, π_i) with π_i at most that
+    interval's normal mass, below Poisson(N π_i) in its tail; a union over the values beyond
+    z (N·2Φ(-z) of them on average) makes the p-value N·2Φ(-z)·min_i P(Poisson(N π_i) >=
+    count_i - 1). A clamp beyond the cut ``mechanism_power.shape_resolution`` states leaves
+    too few values at its bound to be seen at this size; on a coarse grid (bfloat16) the
+    support test (``support_p``) is the one that sees a cut."""
+    ok = np.isfinite(noise)
+    x = np.abs(noise[ok]) / s
+    n = x.size
+    x = np.sort(x[x > z])
     if x.size < 2:
         return 1.0
-    ends = np.searchsorted(x, x + width, side="right")
-    most = int((ends - np.arange(x.size)).max())  # values in [x_i, x_i + width]
-    lam = noise.size * 2 * stats.norm.pdf(z) * width  # the densest window's mean
-    windows = (float(x[-1]) - z) / width + 1
-    return float(min(1.0, windows * stats.poisson.sf(most - 1, lam)))
+    c = np.zeros_like(x) if cell is None else np.broadcast_to(cell(x), x.shape)  # (k,)
+    w = np.maximum(ATOM_WIDTH, 2 * c)
+    count = np.searchsorted(x, x + w, side="left") - np.arange(x.size)  # in [x_i, x_i + w)
+    lam = n * 2 * (stats.norm.sf(x - c / 2) - stats.norm.sf(x + w + c / 2))  # (k,) null mean
+    p = stats.poisson.sf(count - 2, lam)  # P(others >= count - 1)
+    return float(min(1.0, n * 2 * stats.norm.sf(z) * p.min()))
 
 
 def direction_p(H: np.ndarray) -> float:
@@ -168,8 +232,36 @@ def _cosines_max(X: np.ndarray) -> tuple:
     return best, same
 
 
-def fresh_p(R: np.ndarray, noise: np.ndarray, T: int) -> tuple:
-    """(lag-1 correlation, combined p) of Eq. (2). ``noise``: y - μ(G) of every call (m, d)."""
+def window_lengths(m: int) -> list:
+    """The sums' window lengths of Eq. (2) for m consecutive calls: 2, 4, 8, ... up to m, and m
+    (all of them). An epoch of k calls whose noise sums to zero lies whole in the first window
+    of the least power of two >= k (k <= m): that window's sum is the few calls past it."""
+    Ls = [2 ** j for j in range(1, m.bit_length()) if 2 ** j <= m]
+    return Ls + ([m] if m >= 2 and m not in Ls else [])
+
+
+def sums_p(calls: np.ndarray) -> tuple:
+    """(F_L farthest from 1, p) of Eq. (2)'s sums for the noise of consecutive calls
+    ``calls`` (m, d): two-sided F test at each of ``window_lengths(m)``, Bonferroni."""
+    m, d = calls.shape
+    worst, ps = 1.0, []
+    for L in window_lengths(m):
+        W = m // L
+        X = calls[:W * L].reshape(W, L, d)  # (windows, L, d)
+        sums = X.sum(1)  # (W, d)
+        between = float((sums ** 2).sum()) / L  # s² χ²(W d) under the claim
+        within = float((X ** 2).sum()) - between  # s² χ²(W d (L - 1)), independent
+        df1, df2 = W * d, W * d * (L - 1)
+        f = (between / df1) / max(within / df2, 1e-300)
+        ps.append(min(1.0, 2 * min(stats.f.cdf(f, df1, df2), stats.f.sf(f, df1, df2))))
+        worst = f if abs(math.log(max(f, 1e-300))) > abs(math.log(max(worst, 1e-300))) \
+            else worst
+    return worst, float(min(1.0, len(ps) * min(ps))) if ps else 1.0
+
+
+def fresh_p(R: np.ndarray, noise: np.ndarray, T: int, calls: np.ndarray | None = None) -> tuple:
+    """(lag-1 correlation, combined p) of Eq. (2). ``noise``: y - μ(G) of every call (m, d);
+    ``calls``: the noise of consecutive calls of one step (``sums_p``), or None."""
     num = (R[:, 1:] * R[:, :-1]).sum()  # lag-1: call t against call t+1
     r = num / np.sqrt((R[:, 1:] ** 2).sum() * (R[:, :-1] ** 2).sum())
     n_pairs = R.shape[0] * R.shape[2] * (T - 1)
@@ -179,9 +271,11 @@ def fresh_p(R: np.ndarray, noise: np.ndarray, T: int) -> tuple:
     pairs = noise.shape[0] * (noise.shape[0] - 1) / 2
     p_rep = 0.0 if same else min(
         1.0, pairs * 2 * stats.beta.sf((1 + rho) / 2, (d - 1) / 2, (d - 1) / 2))
-    return r, float(min(1.0, 2 * p_lag, 2 * p_rep))
+    p_sums = 1.0 if calls is None else sums_p(calls)[1]
+    return r, float(min(1.0, 3 * p_lag, 3 * p_rep, 3 * p_sums))
 
 
-__all__ = ["ATOM_WIDTH", "BLOCK", "EXACT", "atoms_p", "call_p", "direction_p", "fresh_p",
-           "helmert", "tails_p",
-           "variance_p"]
+__all__ = ["ATOM_WIDTH", "ATOM_Z", "BLOCK", "EXACT", "TAIL_Z", "atoms_p", "call_p", "cells",
+           "coarsest",
+           "direction_p", "fresh_p", "helmert", "sums_p", "support_p", "tails_p", "variance_p",
+           "window_lengths"]

@@ -12,7 +12,7 @@ import pandas as pd
 import torch
 
 from workbench.audit import bug_zoo_coupling as coupling
-from workbench.audit.influence import TOLERANCE, audit_record_influence
+from workbench.audit.influence import RELATIONS, audit_record_influence, change_text
 from workbench.audit.influence_steps import (
     engine_released_sum,
     influence_pool,
@@ -28,10 +28,12 @@ from workbench.viz.audit import plot_record_influence
 def _influence_table(result):
     t = result.table
     wide = t.pivot(index="record", columns="relation", values="change_over_C")
-    wide = wide.apply(lambda col: col.map(lambda v: f"{v:.6g}")).reset_index()
+    wide = wide.apply(lambda col: col.map(
+        lambda v, bound=RELATIONS[col.name]: change_text(v, bound))).reset_index()
     return wide, [f"Change of the noiseless released sum when record i is removed (add/remove, "
                   f"bound 1 C) or replaced by a spare record (substitution, bound 2 C), in units "
-                  f"of C = {result.max_grad_norm:g}; float64, tolerance {TOLERANCE:g} C."]
+                  f"of C = {result.max_grad_norm:g}; the sums hold {result.compared} "
+                  f"(per_sample/precision.py)."]
 
 
 register_kind("InfluenceAudit", Kind(
@@ -40,7 +42,8 @@ register_kind("InfluenceAudit", Kind(
          "whatever the model, the loss and the randomness. A loss or model that couples records "
          "(class weights or a token mean normalised over the batch, InfoNCE, batch statistics) "
          "moves the others' contributions too, and the noise no longer covers it.",
-    summary=lambda r: (r.summary, f"max {r.worst('add/remove'):.6g} C (add/remove)"),
+    summary=lambda r: (r.summary, f"max {change_text(r.worst('add/remove'), 1.0)} C "
+                                  f"(add/remove)"),
     table=_influence_table, figures=(plot_record_influence,)))
 
 
@@ -60,7 +63,7 @@ class CouplingSuite(AuditResult):
         self.audits = audits
         self.table = pd.DataFrame([{
             "case": k, "what couples the records": coupling.DOCS[k],
-            "largest change (add/remove)": f"{a.worst('add/remove'):.6g} C",
+            "largest change (add/remove)": f"{change_text(a.worst('add/remove'), 1.0)} C",
             "caught": not a.passed, "passed": not a.passed} for k, a in audits.items()])
         self.passed = bool(audits) and not any(a.passed for a in audits.values())
         self.summary = f"{int(self.table['caught'].sum())} of {len(self.table)} coupling " \

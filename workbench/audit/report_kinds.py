@@ -123,10 +123,14 @@ def mechanism_summary(result):
     key = ("σ = 0 claimed" if v is None
            else f"variance ratio {v[0]:.4f} (band {v[1]:.3f}–{v[2]:.3f})")
     if result.passed:
-        return f"mean, sensitivity and noise match the claim ({len(result.table)} checks)", key
+        limits = result.limits_text  # what "passed" does not cover
+        return (f"mean, sensitivity and noise match the claim ({len(result.table)} checks)"
+                + (f"; {limits}" if limits else ""), key)
     if getattr(result, "verdict", "") == "inconclusive":
         return result.summary, key
-    return "fails: " + ", ".join(result.table["check"][~result.table["passed"]]), key
+    scale = result.scale_text
+    return ("fails: " + ", ".join(result.table["check"][~result.table["passed"]])
+            + (f"; {scale}" if scale else ""), key)
 
 
 register_kind("MechanismAudit", Kind(
@@ -152,8 +156,10 @@ def clipping_table(check):
     t = check.table
     return t.drop(columns="tolerance").assign(
         max_abs_error=t["max_abs_error"].map(_g), rel_error=t["rel_error"].map(_g)), [
-        f"Tolerance: {check.tolerance:.0e} relative (a float32 step rounds at ~1e-7; a "
-        f"clipping bug moves the sum by a sizeable fraction of C/B). C = {check.max_grad_norm:g}, "
+        f"Tolerance: {check.tolerance:.0e} relative, the step's outputs holding "
+        f"{check.dtype} (four unit roundoffs, at least 1e-6: Opacus' C / (norm + 1e-6) "
+        f"over-clips by ~1e-6; a clipping bug moves the sum by a sizeable fraction of C/B). "
+        f"C = {check.max_grad_norm:g}, "
         f"B = {check.batch_size:g}, σ = 0."]
 
 

@@ -20,9 +20,13 @@ import pandas as pd
 from workbench import accounting
 from workbench.audit.mechanism import design_batches, expected_step, sweep_batches
 from workbench.audit.result import AuditResult
+from workbench.per_sample.precision import unit_roundoff, value_dtype, widest
 
-CLIPPING_TOLERANCE = 1e-6  # relative: a float32 step rounds at ~1e-7; a clipping bug moves
-# the sum by a sizeable fraction of C/B
+CLIPPING_TOLERANCE = 1e-6  # relative, at least: Opacus' C / (norm + 1e-6) over-clips by ~1e-6;
+# a clipping bug moves the sum by a sizeable fraction of C/B. A step whose outputs hold fewer
+# bits is compared at four of its unit roundoffs (``per_sample/precision.unit_roundoff``: one
+# stored result against its exact value): a correct bfloat16 step's "clipped sums differ"
+# until 2026-12-01
 
 
 @dataclass
@@ -133,6 +137,7 @@ class ClippingCheck(AuditResult):
     max_grad_norm: float
     batch_size: float
     tolerance: float = CLIPPING_TOLERANCE
+    dtype: str = "float64"  # the precision the step's sums hold (``value_dtype``)
 
     @property
     def table(self) -> pd.DataFrame:
@@ -161,20 +166,29 @@ def check_clipping(step_factory, max_grad_norm, batch_size, dim, generator=None)
     to 1e8 C), reported as one row: the batch of the largest relative error."""
     C, B = float(max_grad_norm), float(batch_size)
     step = step_factory(C, 0.0, B, generator)
-    observed, expected, clipped = {}, {}, {}
+    observed, expected, clipped, seen = {}, {}, {}, set()
+
+    def run(G):
+        out = step(G.clone()).detach().to("cpu")
+        seen.add(value_dtype(out))
+        return out.double().numpy()  # (d,)
+
     for name, G in design_batches(dim, B, C, generator).items():
-        observed[name] = step(G.clone()).detach().to("cpu").double().numpy()  # (d,)
+        observed[name] = run(G)
         expected[name] = expected_step(G, C, B).numpy()  # (d,)
         clipped[name] = (int((G.norm(dim=1) > C).sum()), len(G))
     worst = None
     for name, G in sweep_batches(dim, C, generator).items():
-        got = step(G.clone()).detach().to("cpu").double().numpy()
+        got = run(G)
         mu = expected_step(G, C, B).numpy()
         rel = float(np.abs(got - mu).max()) / max(float(np.abs(mu).max()), 1e-300)
         if worst is None or not rel <= worst[0]:  # a NaN is the worst
             worst = (rel, name, got, mu, (int((G.norm(dim=1) > C).sum()), len(G)))
     _, name, observed[name], expected[name], clipped[name] = worst
-    return ClippingCheck(observed, expected, clipped, C, B)
+    dtype = widest(seen)
+    return ClippingCheck(observed, expected, clipped, C, B,
+                         max(CLIPPING_TOLERANCE, 4 * unit_roundoff(dtype)),
+                         str(dtype).removeprefix("torch."))
 
 
 @dataclass

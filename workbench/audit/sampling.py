@@ -38,9 +38,10 @@ twin rejected 50/50 (0/5 before the pair test), a cap at N q + 1 sd 50/50 (1/5 b
 extremes test), 10% in groups of 3 48/50, contiguous blocks of 10 50/50; 1000 Poisson
 memberships rejected 32 times at significance 0.05 (the pair test 0 times: it is conservative).
 Not resolved there: caps above N q + 1.45 sd (at N q + 2 sd: 2/50), twins in fewer than 3% of
-the records, a few records drawn at 2 q (their ε understated; 2% of them: 16/50), and a pair
-that never meets (out of any run's reach, ``sampling_pairs``). More epochs or a larger q
-resolve the first three.
+the records, a rate within 5.9% of q (at 1.05 q: 11/20; every summary states this range,
+``sampling_power`` Eq. (2)), a few records drawn at 2 q (their ε understated; 2% of them:
+16/50), and a pair that never meets (out of any run's reach, ``sampling_pairs``). More epochs
+or a larger q resolve the first four.
 
 Lag 1 catches batches drawn without replacement within an epoch (consecutive batches
 disjoint); lag L (the steps of the first epoch) catches a seed reused every epoch (epoch e+1

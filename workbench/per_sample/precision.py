@@ -178,6 +178,45 @@ def described(rec) -> str:
         f"float32's)")
 
 
+NARROW = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def value_dtype(t: torch.Tensor) -> torch.dtype:
+    """The narrowest float dtype that holds every finite value of ``t`` exactly: the dtype a
+    result was rounded to last, whatever it is returned as (a float32 step's update cast to
+    float64 is float32's, a bfloat16 one bfloat16's; a float64 computation's is float64). A
+    comparison of such results takes ``tolerance_of`` that dtype. Of several results, the
+    widest decides (``widest``): a zero or a small integer fits any dtype. Empty, or not
+    floating: ``t.dtype``."""
+    if not t.is_floating_point():
+        return t.dtype
+    x = t.detach()
+    x = x[torch.isfinite(x)]
+    if x.numel() == 0:
+        return t.dtype
+    for dtype in NARROW:
+        if torch.finfo(dtype).bits >= torch.finfo(t.dtype).bits:
+            break
+        if torch.equal(x.to(dtype).to(x.dtype), x):
+            return dtype
+    return t.dtype
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """The relative error of one rounding to ``dtype``: half its machine epsilon (2^-9 for
+    bfloat16, 2^-24 for float32, 2^-53 for float64). The tolerance of a check of one stored
+    result against its exact value (a σ = 0 step's update, ``audit/mechanism.py``,
+    ``audit/report_suites.check_clipping``), where ``TOLERANCE`` is that of two computations
+    of many operations each compared (bfloat16's 5e-2 there would pass a clip norm 10% high
+    in a sum of ~30 clipped records)."""
+    return float(torch.finfo(dtype).eps) / 2
+
+
+def widest(dtypes) -> torch.dtype:
+    """The dtype of the most bits among ``dtypes`` (float64 if none)."""
+    return max(dtypes, key=lambda d: torch.finfo(d).bits, default=torch.float64)
+
+
 def compared_dtype(rec) -> torch.dtype:
     """The dtype whose tolerance a check of ``rec`` uses: the autocast dtype of its forward
     pass if it ran under autocast, else the narrowest of the parameters' and any float dtype
@@ -193,7 +232,7 @@ def compared_dtype(rec) -> torch.dtype:
 
 
 __all__ = [
-    "REDUCED_FLOAT32", "TOLERANCE", "autocast_on", "compared_dtype", "described",
+    "NARROW", "REDUCED_FLOAT32", "TOLERANCE", "autocast_on", "compared_dtype", "described",
     "full_precision", "in_full_precision", "layer_dtype", "reduced_float32", "replayed", "state",
-    "tolerance", "tolerance_of", "widen",
+    "tolerance", "tolerance_of", "unit_roundoff", "value_dtype", "widen", "widest",
 ]
