@@ -164,3 +164,12 @@ def test_calibration_after_a_history_meets_the_target_over_the_whole_run(account
 def test_calibration_after_a_history_that_spent_the_target_is_refused():
     with pytest.raises(ValueError, match=r"target_epsilon=2.0 is already spent.*10 steps"):
         get_noise_multiplier(2.0, 1e-5, 0.1, steps=30, history=[(1.0, 0.1, 10)])
+
+
+@pytest.mark.parametrize("q", [1e-160, 1e-300, 5e-324])
+def test_a_vanishing_sample_rate_calibrates_without_an_overflow(q):
+    """T q² underflows below q ≈ 1e-157: the first guess's division raised a bare
+    ZeroDivisionError or OverflowError (probe of 2026-12-01). Now the search runs, and its σ
+    keeps ε within the target."""
+    result = calibrate(1.0, 1e-5, q, steps=10, accountant="rdp")
+    assert epsilon(q, result.noise_multiplier, 10, 1e-5) <= 1.0

@@ -201,3 +201,22 @@ def test_the_samplers_settings_are_checked_when_assigned():
     with pytest.raises(ValueError, match="batch_sampler attribute should not be set"):
         loader.batch_sampler = PoissonBatchSampler(20, 0.9)  # torch's own refusal
     assert loader.sample_rate == 0.25 and loader.expected_batch_size == 5.0
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_padding_distributed_sampler_is_refused_for_the_shuffled_bracket(drop_last):
+    """A DistributedSampler with drop_last=False pads N records to a multiple of the ranks,
+    so a pass repeats a record (probe of 2026-12-01: the bracket 4.37 reported, 5.23
+    proved); with drop_last=True no record repeats."""
+    from torch.utils.data import TensorDataset
+    from torch.utils.data.distributed import DistributedSampler
+
+    from workbench.dpsgd.sampling import check_once_per_pass
+    data = TensorDataset(torch.randn(3, 2))
+    loader = DataLoader(data, batch_size=1, sampler=DistributedSampler(
+        data, num_replicas=2, rank=0, shuffle=True, drop_last=drop_last))
+    if drop_last:
+        check_once_per_pass(loader, 3)
+    else:
+        with pytest.raises(ValueError, match="pads its 3 records to 4.*drop_last=True"):
+            check_once_per_pass(loader, 3)

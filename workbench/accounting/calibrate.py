@@ -92,7 +92,10 @@ def _initial_sigma(target_epsilon, target_delta, q, steps):
     log_inv_delta = math.log(1 / target_delta)
     sqrt_rho = target_epsilon / (math.sqrt(log_inv_delta + target_epsilon)  # the difference
                                  + math.sqrt(log_inv_delta))  # of the two roots, no cancelling
-    x = math.log1p(2 * sqrt_rho**2 / (steps * q**2))
+    ratio = math.log(2 * sqrt_rho**2) - math.log(steps) - 2 * math.log(q)  # log(2ρ/(T q²)):
+    # T q² underflows to 0 for q ≤ 1e-157 (a bare ZeroDivisionError or OverflowError until
+    # 2026-12-01)
+    x = ratio if ratio > 700 else math.log1p(math.exp(ratio))
     return 1 / math.sqrt(x) if x > 0 else SIGMA_MAX  # a target too small to start from below:
     # the search reports it unreachable (a bare ZeroDivisionError until 2026-11-29)
 

@@ -232,7 +232,8 @@ class PrivacyEngine:
                     f"all N records, so a step's batches can hold a record twice (influence "
                     f"2 x max_grad_norm) and a pass holds each record {_world()} times (the "
                     f"bracket charged one until 2026-11-30). Give the loader a "
-                    f"DistributedSampler(dataset, shuffle=True) (each rank its own share), "
+                    f"DistributedSampler(dataset, shuffle=True, drop_last=True) (each rank "
+                    f"its own share, none repeated), "
                     f"or use poisson_sampling=True")
             warn_shuffle()
             loader = data_loader
