@@ -75,10 +75,15 @@ def test_epsilon_target_is_met_by_the_steps_the_loader_runs(N, B, drop_last, poi
             opt.step()
     assert len(engine.accountant) == planned
     eps = engine.accountant.get_epsilon(1e-3)
-    assert 1.9 <= eps <= 2.0 + 1e-6, (eps, planned)
+    if poisson:
+        assert 1.9 <= eps <= 2.0 + 1e-6, (eps, planned)
     if not poisson:  # the bracket counts the loader's own epochs, not round(1 / q) batches
         T = len(dp_loader)
         bounds = engine.epsilon_bounds(1e-3)
+        # σ planned on the bracket's upper bound (the Poisson σ left it at 2.7-5.5 for a
+        # target of 2 until 2026-12-01): within the target, and tight
+        assert 1.99 <= bounds.upper <= 2.0 + 1e-6 or math.ceil(epochs) != epochs, bounds
+        assert bounds.upper <= 2.0 + 1e-6, bounds
         begun, done = math.ceil(planned / T), planned // T
         assert bounds.steps == begun * T, (bounds, T)
         ref = wb.accounting.epsilon_bounds(

@@ -32,11 +32,12 @@ Notation: N data set size, q sample rate, σ noise multiplier, C max_grad_norm.
 
 
 import itertools
+import math
 import warnings
 
 import torch
 
-from workbench.accounting import get_noise_multiplier, steps_from_epochs
+from workbench.accounting import epsilon_bounds, get_noise_multiplier, steps_from_epochs
 from workbench.accounting.accountant import make_accountant
 from workbench.accounting.calibrate import steps_per_epoch
 from workbench.checks import check_count
@@ -131,6 +132,38 @@ def drawn_rate(loader, q: float) -> float:
 def _world() -> int:
     """Ranks that each draw a batch per step (1 outside torch.distributed)."""
     return distributed.dist.get_world_size() if distributed.is_distributed() else 1
+
+
+def shuffled_sigma(sigma, target_epsilon, target_delta, q, epochs, per_epoch,
+                   history: bool) -> float:
+    """σ for shuffled passes (``poisson_sampling=False``): the smallest σ (within 0.1%) at
+    or above the Poisson plan's whose fixed-size bracket's *upper* bound stays within the
+    target (``accounting.epsilon_bounds("shuffle")``): the Poisson σ alone left a one-epoch
+    run bracketed by [5.39, 5.46] for a target of 2 (probe of 2026-12-01). A run that already
+    took steps is refused: its phases' bracket is the engine's, not a plan's."""
+    if history:
+        raise ValueError(
+            "make_private_with_epsilon(poisson_sampling=False) on an engine that already took "
+            "steps: the shuffled bracket of a run of several phases is not planned for; give "
+            "make_private a noise_multiplier and check engine.epsilon_bounds(delta)")
+    passes = math.ceil(epochs)  # each epoch one whole pass
+
+    def upper(s):
+        return epsilon_bounds("shuffle", sample_rate=q, noise_multiplier=s, epochs=passes,
+                              delta=target_delta, batches_per_epoch=per_epoch).upper
+
+    lo, hi = None, sigma
+    while upper(hi) > target_epsilon:
+        lo, hi = hi, hi * 2
+        if hi > 1e6:
+            raise ValueError(f"no noise multiplier up to 1e6 brings the shuffled bracket of "
+                             f"{passes} passes within target_epsilon={target_epsilon}")
+    if lo is None:
+        return sigma
+    while hi - lo > 1e-3 * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if upper(mid) <= target_epsilon else (mid, hi)
+    return hi
 
 
 class PrivacyEngine:
@@ -302,6 +335,9 @@ class PrivacyEngine:
         sigma = get_noise_multiplier(target_epsilon, target_delta, q, steps=steps,
                                      accountant=self.accountant_name,
                                      history=self.accountant.history or None)  # the run's
+        if not poisson and kwargs.get("privacy_unit", "record") != "user":
+            sigma = shuffled_sigma(sigma, target_epsilon, target_delta, q, epochs, per_epoch,
+                                   bool(self.accountant.history))
         out = self.make_private(data_loader=data_loader, noise_multiplier=sigma, **kwargs)
         if len(out[2]) != per_epoch or self.sample_rate != q:  # the plan is the loop's
             raise LoopError(f"make_private_with_epsilon planned {per_epoch} steps per epoch "
