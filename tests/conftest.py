@@ -9,6 +9,7 @@ would mean the check silently never ran. Elsewhere the skip stays, with its reas
 import os
 
 import pytest
+import torch
 
 # tiny configs and random weights only: nothing may reach a model hub (issue 25)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -31,3 +32,13 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = (f"crosscheck skipped in CI ({reason}): make test installs the "
                            f"crosscheck and realmodels extras, so the library must be "
                            f"importable here")
+
+
+@pytest.fixture
+def float64_default():
+    """torch's default dtype float64 for the test, restored after (a module's autouse
+    fixture asks for it: the real-model and row-proof tests build their models in float64)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)

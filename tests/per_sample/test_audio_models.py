@@ -57,11 +57,8 @@ def libraries():
 
 
 @pytest.fixture(autouse=True)
-def _float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
+def _float64(float64_default):  # (tests/conftest.py)
     yield
-    torch.set_default_dtype(old)
 
 
 class Speech(nn.Module):

@@ -71,11 +71,8 @@ def batch(n, seed):
 
 
 @pytest.fixture(autouse=True)
-def _float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
+def _float64(float64_default):  # (tests/conftest.py)
     yield
-    torch.set_default_dtype(old)
 
 
 def fresh():

@@ -120,11 +120,8 @@ def rel(got, want):
 
 
 @pytest.fixture(autouse=True)
-def _float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
+def _float64(float64_default):  # (tests/conftest.py)
     yield
-    torch.set_default_dtype(old)
 
 
 @pytest.mark.parametrize("spelling", [dict(), dict(select=True), dict(unsort="scatter"),

@@ -591,8 +591,11 @@ class RowOrder:
             for t in outs:
                 self.regrouped[id(t)] = (weakref.ref(t), *cut[1:])
         elif name in RESHAPES and first.dim() and not self._moved(first) \
+                and self.earlier is not None and self.earlier.group \
                 and self._batchlike(first, None) and isinstance(out, torch.Tensor) \
                 and (not out.dim() or out.shape[0] != first.shape[0]) and first.shape[0] >= 2:
+            # (only a batch a loader handed out: by hand, any tensor the window made is
+            # "the batch", and data made as (n T, D) then viewed (n, T, D) is no packing)
             what = f"{name}() of a {tuple(first.shape)} tensor of the batch into " \
                 f"{tuple(out.shape)}"
             self.regrouped[id(out)] = (weakref.ref(out), what, int(first.shape[0]),
