@@ -76,13 +76,19 @@ def scratch_budget(a, b, per_sample: int) -> int:
     return max(own // SCRATCH_SHARE, min(floor, own) if _STRICT.get() else floor)
 
 
-def in_chunks(rule, layer, a, b, per_sample: int) -> dict:
+def in_chunks(rule, layer, a, b, per_sample: int, capped: bool = True) -> dict:
     """``rule(layer, (a,), b)`` ({name: (n, *shape)}), chunk by chunk (``chunks``) where its
-    scratch, ``per_sample`` numbers per sample, exceeds the budget: each chunk's per-sample
-    gradients are written into (n, *shape) buffers. Exact for a rule whose sample i reads
-    a_i and b_i alone, as every grad rule's does (the self-check holds them to it)."""
+    scratch, ``per_sample`` numbers per sample, exceeds the budget (``scratch_budget``; with
+    ``capped`` False its ``MIN_CHUNK`` floor is never capped by ``strict``): each chunk's
+    per-sample gradients are written into (n, *shape) buffers. Exact for a rule whose sample
+    i reads a_i and b_i alone, as every grad rule's does (the self-check holds them to it)."""
     n = a.shape[0] if a.dim() else 0
-    parts = chunks(n, per_sample, scratch_budget(a, b, per_sample)) if n else [slice(None)]
+    if not n:
+        return rule(layer, (a,), b)
+    own = a.numel() + b.numel()
+    budget = scratch_budget(a, b, per_sample) if capped else max(
+        own // SCRATCH_SHARE, MIN_CHUNK * per_sample)
+    parts = chunks(n, per_sample, budget)
     if len(parts) == 1 or b.shape[:1] != a.shape[:1]:
         return rule(layer, (a,), b)
     out = {}

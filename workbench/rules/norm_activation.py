@@ -100,11 +100,16 @@ SCRATCH = 5  # z, its clone, act's output, ∂ℓ/∂z, then â and ∂ℓ/∂z 
 
 def norm_activation_grad_sampler(layer, activations, backprops):
     """The parent's rule on (a, ∂ℓ/∂z), ∂ℓ/∂z by (1), over the batch in chunks whose scratch
-    (``SCRATCH`` times their input) is bounded by the call's a and b
-    (``conv_chunks.in_chunks``), so book-keeping streams it (``LayerRule.streams``)."""
+    (``SCRATCH`` times their input) is bounded by a quarter of the call's a and b or
+    ``MIN_CHUNK`` samples (``conv_chunks.in_chunks``), so book-keeping streams it
+    (``LayerRule.streams``)."""
     a = activations[0]
     return in_chunks(_norm_activation_grads, layer, a, backprops,
-                     SCRATCH * (a[0].numel() if a.dim() and a.shape[0] else 0))
+                     SCRATCH * (a[0].numel() if a.dim() and a.shape[0] else 0),
+                     capped=False)  # chunks of at least MIN_CHUNK samples, also in the
+    # backward pass: each chunk re-runs the norm and a vector-Jacobian product, at about the
+    # whole call's cost at small n (BiT, base, n = 16: its normalisations in three chunks
+    # each took 23.0 ms of CPU per DP step against 20.9 whole, with the same peak)
 
 
 def _norm_activation_grads(layer, activations, backprops):
