@@ -46,10 +46,13 @@ Notation: T trials (calls per batch), d coordinates, σ noise multiplier, C clip
 B expected batch size, s = σC/B, a the level of one row of the audit's table.
 """
 
+import functools
 import math
 
 import numpy as np
 from scipy import stats
+
+from workbench.audit.mechanism_noise import window_lengths
 
 POWER = 0.8
 TARGETS = {"noise std": 0.10, "clip norm": 0.10}
@@ -103,6 +106,7 @@ def support_cut(n, a, dof, half=0.0):
     return c * (1 - 3 / math.sqrt(2 * dof)) - 2 * half
 
 
+@functools.lru_cache(maxsize=256)  # the command line audits many steps of one design
 def clamp_cut(n, a, cell=0.0, z=3.0):
     """c_clamp of Eq. (3): the largest clamp seen by its atoms with power ``POWER`` (``atoms_p``
     at level ``a`` among ``n`` values, the output's grid cell ``cell`` at the bound, units of
@@ -119,7 +123,7 @@ def clamp_cut(n, a, cell=0.0, z=3.0):
     lo, hi = z, 10.0
     if not seen(lo):
         return z
-    for _ in range(40):
+    for _ in range(16):  # to ~1e-4 σ
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if seen(mid) else (lo, mid)
     return lo
@@ -136,7 +140,12 @@ def shape_resolution(n, a, dof, half=0.0, cell=0.0):
 def sums_resolution(m, dim, a):
     """{L: (ρ_lo, ρ_hi)} of Eq. (4) for ``m`` consecutive calls of ``dim`` coordinates, each L
     of ``mechanism_noise.window_lengths`` at its Bonferroni share of ``a``."""
-    from workbench.audit.mechanism_noise import window_lengths
+    return dict(_sums_bands(m, dim, a))
+
+
+@functools.lru_cache(maxsize=256)  # the command line audits many steps of one design
+def _sums_bands(m, dim, a):
+    """``sums_resolution`` as ((L, (ρ_lo, ρ_hi)), ...), cached."""
     Ls = window_lengths(m)
     out = {}
     for L in Ls:
@@ -145,7 +154,7 @@ def sums_resolution(m, dim, a):
         share = a / len(Ls)
         out[L] = (float(stats.f.ppf(share / 2, df1, df2) / stats.f.ppf(POWER, df1, df2)),
                   float(stats.f.isf(share / 2, df1, df2) / stats.f.ppf(1 - POWER, df1, df2)))
-    return out
+    return tuple(out.items())
 
 
 def trials_needed(dim, sigma, batches, norms, a):
