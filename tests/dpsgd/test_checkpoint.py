@@ -472,3 +472,23 @@ def test_a_save_mid_pass_of_a_prefetching_loader_warns(tmp_path, workers):
     warned = [w for w in seen if "prefetches" in str(w.message)]
     assert len(warned) == (1 if workers else 0)
     del it
+
+
+FROM_NUMPY = torch.from_numpy
+
+
+def test_a_checkpoint_in_the_loop_is_not_followed_as_the_batchs_data(tmp_path, monkeypatch):
+    """Between one step and the next batch the loss windows follow the user's tensor calls;
+    the workbench's own (the load's ``.numpy()`` of a 624-word RNG state) are not the batch's:
+    a load that raised left its window open, ``torch.from_numpy`` wrapped, until 2026-12-01."""
+    model, opt, loader, engine, scheduler, *_ = setup()
+    steps(model, opt, loader, scheduler, 1)
+    save_checkpoint(tmp_path / "run.pt", model=model, optimizer=opt, engine=engine)
+    load_checkpoint(tmp_path / "run.pt", model=model, optimizer=opt, engine=engine)
+    monkeypatch.setattr(model, "load_state_dict", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        load_checkpoint(tmp_path / "run.pt", model=model, optimizer=opt, engine=engine)
+    assert torch.from_numpy is FROM_NUMPY
+    steps(model, opt, loader, scheduler, 2)
+    assert torch.from_numpy is FROM_NUMPY
+    opt.detach()

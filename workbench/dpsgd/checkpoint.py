@@ -67,6 +67,7 @@ from workbench.dpsgd.checkpoint_checks import (
     privacy_unit,
 )
 from workbench.dpsgd.checkpoint_file import FORMAT, read_checkpoint, write_checkpoint_file
+from workbench.dpsgd.loss_watch import own_work
 from workbench.dpsgd.misuse import PrivacyAccountingWarning
 from workbench.dpsgd.phases import phases_state, restored_phases
 from workbench.dpsgd.rng_state import SECURE, generator_state
@@ -96,6 +97,7 @@ def run_generators(engine, optimizer, noise_generator, sampling_generator) -> di
     return used
 
 
+@own_work
 def save_checkpoint(path, *, model, optimizer, engine=None, scheduler=None,
                     noise_generator=None, sampling_generator=None) -> None:
     """Write the run's state to ``path`` (module docstring: what, and what is refused)."""
@@ -187,6 +189,7 @@ def _targets(path, state, engine, generators, ignore_privacy_history) -> dict:
     return {"accountant": engine and engine.accountant, **generators}
 
 
+@own_work
 def load_checkpoint(path, *, model, optimizer, engine=None, scheduler=None,
                     noise_generator=None, sampling_generator=None,
                     ignore_privacy_history: bool = False,

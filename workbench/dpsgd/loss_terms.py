@@ -399,8 +399,16 @@ def _follow_host(stats: "BatchStatistics", on: bool) -> None:
     original whenever no window is told (as ``per_sample.derived.follow_parameters``)."""
     _HOST[:] = [r for r in _HOST if r() is not None and r() is not stats]  # (collected too)
     if on:
-        _HOST.append(weakref.ref(stats))
+        _HOST.append(weakref.ref(stats, _collected))
     torch.from_numpy = _from_numpy if _HOST else _FROM_NUMPY
+
+
+def _collected(ref) -> None:
+    """A window collected while it followed (its loop raised, its model was dropped):
+    ``torch.from_numpy`` is the original again once no live window is told."""
+    _HOST[:] = [r for r in _HOST if r is not ref and r() is not None]
+    if not _HOST:
+        torch.from_numpy = _FROM_NUMPY
 
 
 __all__ = ["ARITHMETIC", "DETACH", "DIM_THIRD", "EXPORTS", "FROM_HOST", "LEFT_TORCH",

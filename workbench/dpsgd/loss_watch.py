@@ -46,6 +46,7 @@ Notation: n batch size, f (n,) per-record factors.
 """
 
 import contextlib
+import functools
 import inspect
 import warnings
 import weakref
@@ -831,8 +832,8 @@ class LossFunctions(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if is_compiling():  # Dynamo traces the modes on the stack: the op alone (the
-            return func(*args, **kwargs)  # private model's pass is refused: recorded.py)
+        if is_compiling() or _OWN:  # Dynamo traces the modes on the stack: the op alone
+            return func(*args, **kwargs)  # (the private model's pass is refused: recorded.py)
         watch = self.watch
         if watch is None or watch._busy:
             return func(*args, **kwargs)
@@ -961,8 +962,8 @@ class BeforeForward(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if is_compiling():  # Dynamo traces the modes on the stack: the op alone (the
-            return func(*args, **kwargs)  # private model's pass is refused: recorded.py)
+        if is_compiling() or _OWN:  # Dynamo traces the modes on the stack: the op alone
+            return func(*args, **kwargs)  # (the private model's pass is refused: recorded.py)
         out = func(*args, **kwargs)
         if self.reads is not None and getattr(func, "__name__", "") in COUNT_READS:
             with torch._C.DisableTorchFunction():
@@ -974,6 +975,25 @@ class BeforeForward(TorchFunctionMode):
             with torch._C.DisableTorchFunction():  # subclass: another library's tensors
                 stats.after(func, args, kwargs, out)  # (ExpandedWeight) pass unharmed
         return out
+
+
+_OWN: list = []  # the workbench's own public calls now running (``own_work``)
+
+
+def own_work(func):
+    """``func`` is the workbench's own (a checkpoint saved or loaded in the loop, between the
+    loader's batch and its step): the loss windows do not follow its tensor calls, which are
+    not the batch's data (load_checkpoint's ``.numpy()`` of a 624-word RNG state was taken
+    for the batch leaving torch, and the window that followed it was left open when the load
+    raised, with ``torch.from_numpy`` wrapped, until 2026-12-01)."""
+    @functools.wraps(func)
+    def call(*args, **kwargs):
+        _OWN.append(func)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            _OWN.pop()
+    return call
 
 
 def _leave(mode) -> None:
