@@ -1000,6 +1000,8 @@ def _leave(mode) -> None:
     """Take ``mode`` off the TorchFunctionMode stack, wherever it sits: modes the user entered
     after it stay, in their order (their ``__exit__`` pops the top, which is theirs again)."""
     if isinstance(mode, BeforeForward):
+        if mode.stats is not None:  # (its export no longer followed: torch.from_numpy is
+            mode.stats.stop()  # the original once no window is told, loss_terms._follow_host)
         mode.stats = None  # a pass-through from now on
         if BeforeForward.following is mode:
             BeforeForward.following = None
