@@ -239,3 +239,25 @@ def test_integer_order_rdp_is_exact_however_small(q, sigma):
                         * mp.e ** (mp.mpf(k * k - k) / (2 * s * s)) for k in range(a + 1))
         want = float(mp.log(total) / (a - 1))
         assert abs(g - want) <= 1e-10 * want, (a, g, want)
+
+
+@pytest.mark.parametrize("sigma", [1e-12, 1e-10, 1e-9, 1e-6, 1e-3, 0.3, 1.0, 50.0, 1e8])
+def test_the_exact_gaussian_delta_keeps_its_digits_at_any_sigma(sigma):
+    """Against a 60-digit Eq. (1), at ε around the one of δ = 1e-5 (where ε is ~1/(2σ²) for a
+    tiny σ). Was: e^ε Φ(-a-b) taken as exp(ε + log Φ(-a-b)) cancelled two numbers of size
+    1/(2σ²): at σ = 1e-10 the reported ε had a true δ of 0.19; σ <= 1e-12 gave δ = 0."""
+    import mpmath as mp
+
+    mp.mp.dps = 60
+    base = A.gaussian_epsilon(sigma, 1e-5)
+    tol = 1e-8 + 1e-15 / sigma  # (a - εσ, of two numbers ~1/(2σ), holds 1e-16/σ of rounding:
+    # the float inputs' own condition, ~ one ulp of ε)
+    for eps in (0.0, base * 0.5, base, base * 1.5):
+        s, e = mp.mpf(sigma), mp.mpf(eps)
+        a, b = 1 / (2 * s), e * s
+        want = float(mp.ncdf(a - b) - mp.e ** e * mp.ncdf(-a - b))
+        got = A.gaussian_delta(sigma, eps)
+        assert abs(got - want) <= tol * want + 1e-300, (eps, got, want)
+    truth = mp.ncdf(1 / (2 * mp.mpf(sigma)) - mp.mpf(base) * sigma) \
+        - mp.e ** mp.mpf(base) * mp.ncdf(-1 / (2 * mp.mpf(sigma)) - mp.mpf(base) * sigma)
+    assert float(truth) <= 1e-5 * (1 + tol)  # the ε reported holds δ
