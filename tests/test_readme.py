@@ -31,3 +31,12 @@ def test_readme_training_loop_runs_and_spends_privacy(capsys):
 def test_readme_names_the_two_commands():
     text = README.read_text()
     assert "make lab" in text and "make test" in text
+
+
+def test_each_results_table_appears_once():
+    """A table's header row stands once (the whole output of tools/results_tables.py was pasted
+    twice where the training table alone belonged, until 2026-12-01)."""
+    headers = [lines[i - 1] for lines in [README.read_text().split("\n")]
+               for i, line in enumerate(lines) if i and re.fullmatch(r"\|(-+\|)+", line)]
+    assert headers and len(headers) == len(set(headers)), sorted(
+        h for h in headers if headers.count(h) > 1)

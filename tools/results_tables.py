@@ -2,7 +2,7 @@
 
     python tools/results_tables.py [--e2e bench-results/e2e.csv]
         [--gpt bench-results/e2e_gpt.csv] [--training bench-results/training.csv]
-        [--accounting bench-results/accounting.csv]
+        [--accounting bench-results/accounting.csv] [--only training ...]
 
 Memory and per-layer runtime come from the CSVs shipped in data/bench/; the end-to-end,
 training-step and accounting tables from fresh runs of ``python -m workbench.bench e2e`` /
@@ -11,6 +11,7 @@ training-step and accounting tables from fresh runs of ``python -m workbench.ben
 """
 
 import argparse
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -132,6 +133,9 @@ def accounting_table(path):
     return "Accountant speed, ms:\n\n" + markdown(rows, ["task", *cols])
 
 
+TABLES = ("memory", "runtime", "e2e", "gpt", "training", "accounting")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--e2e", type=Path, default=ROOT / "bench-results" / "e2e.csv")
@@ -140,16 +144,23 @@ def main(argv=None):
                         default=ROOT / "bench-results" / "training.csv")
     parser.add_argument("--accounting", type=Path,
                         default=ROOT / "bench-results" / "accounting.csv")
+    parser.add_argument("--only", nargs="+", choices=TABLES, default=list(TABLES),
+                        help="the tables to print, each under its own heading (default: all)")
     args = parser.parse_args(argv)
-    parts = [memory_table(), runtime_table()]
-    if args.e2e.is_file():
-        parts.append(e2e_table(args.e2e))
-    if args.gpt.is_file():
-        parts.append(gpt_table(args.gpt))
-    if args.training.is_file():
-        parts.append(training_table(args.training))
-    if args.accounting.is_file():
-        parts.append(accounting_table(args.accounting))
+    made = {"memory": memory_table, "runtime": runtime_table,
+            "e2e": lambda: args.e2e.is_file() and e2e_table(args.e2e),
+            "gpt": lambda: args.gpt.is_file() and gpt_table(args.gpt),
+            "training": lambda: args.training.is_file() and training_table(args.training),
+            "accounting": lambda: args.accounting.is_file()
+            and accounting_table(args.accounting)}
+    parts = []
+    for name in args.only:
+        table = made[name]()
+        if not table:  # (its CSV absent: say so, not a silent gap where a table was asked)
+            print(f"{name}: no CSV (run `python -m workbench.bench {name}` first)",
+                  file=sys.stderr)
+            continue
+        parts.append(f"<!-- results_tables.py --only {name} -->\n{table}")
     print("\n\n".join(parts))
 
 
