@@ -191,3 +191,57 @@ def test_accumulation_of_each_chunks_own_mean_is_exact():
         assert float((got - want / 8).norm()) <= 1e-9 * max(1.0, float(want.norm()))
         steps += 1
     assert steps
+
+
+ACROSS = {  # a factor c·n^p whose c is no constant the step knows: only two steps show it
+    "len(x) / 64 with B = 8": lambda z, y, t: F.cross_entropy(z, y) * len(z) / 64,
+    "2 len(x) / B": lambda z, y, t: F.cross_entropy(z, y) * 2 * len(z) / 8,
+    "over 3 len(x)": lambda z, y, t: F.cross_entropy(z, y) / (3 * len(z)),
+    "sqrt(len(x)) / 7": lambda z, y, t: F.cross_entropy(z, y) * len(z) ** 0.5 / 7,
+    "terms times len(x) / 40, then their mean": lambda z, y, t: (ce(z, y) * len(z) / 40).mean(),
+}
+STEADY = {  # a constant, or a schedule of the step that does not follow n: exact
+    "a weight of 0.37": lambda z, y, t: 0.37 * F.cross_entropy(z, y),
+    "an annealed weight": lambda z, y, t: min(1.0, (t + 1) / 7) * F.cross_entropy(z, y),
+    "a weight read from n but constant": lambda z, y, t: F.cross_entropy(z, y)
+    * (1.0 if len(z) else 0.0),
+}
+
+
+def engine_steps(loss_of, steps=8):
+    """``steps`` Poisson steps (B = 8 of N = 32) of the engine's loop; the sizes drawn."""
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(32, 5, dtype=torch.float64), torch.randint(0, 3, (32,)))
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(),
+                                torch.nn.Linear(4, 3)).double()
+    model, opt, loader = wb.PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+        data_loader=DataLoader(data, batch_size=8), noise_multiplier=0.0, max_grad_norm=1.0,
+        sampling_generator=torch.Generator().manual_seed(3))
+    sizes = []
+    try:
+        for t, (x, y) in enumerate(loader):
+            if t == steps:
+                break
+            sizes.append(len(x))
+            opt.zero_grad()
+            loss_of(model(x), y, t).backward()
+            opt.step()
+    finally:
+        opt.detach()
+    return sizes
+
+
+@pytest.mark.parametrize("case", sorted(ACROSS))
+def test_a_factor_following_n_across_steps_is_refused(case):
+    """probeV S1 (2026-12-01): ``ce * len(x) / 64`` with the loader's B = 8 is clip(n/64 g_i),
+    0.19-0.33 off the step at |grad| 0.04-0.10, silently: n/64 matches none of n, 1/n, n/B
+    at one step; two steps of different n show f/n constant."""
+    with pytest.raises(LossCouplingError, match=r"scaled by .*c(·|/)(sqrt\()?n"):
+        engine_steps(ACROSS[case])
+
+
+@pytest.mark.parametrize("case", sorted(STEADY))
+def test_a_factor_that_does_not_follow_n_is_accepted(case):
+    sizes = engine_steps(STEADY[case])
+    assert len(set(sizes)) >= 3  # (the steps drew different n: the rule had its chance)

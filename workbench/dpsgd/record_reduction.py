@@ -44,9 +44,11 @@ and sums them under "sum". ``RecordReduction`` follows the loss window's operati
   by changing n, moved every other record's term (1.1-1.9 C), silently until 2026-12-01.
   Matched by value: a constant equal to one of these values at a step where the loop read
   that count (0.5 with n = 2, 1/K with n = K) is refused at that step (the message says to
-  move it into the learning rate); f = 1, B, 1/B pass as constants; a count times another
-  constant (``ce * 2 * len(x) / B``) and a count never read off a tensor (a loader's
-  ``len(batch_list)``) pass (a limit);
+  move it into the learning rate); f = 1, B, 1/B pass as constants. A count times another
+  constant (``ce * 2 * len(x) / B``, ``ce * len(x) / 64`` with B = 8) shows at no single
+  step: ``across`` refuses it at the first step whose n differs from an earlier step's while
+  f/f0 is (n/n0)^{±1, ±1/2} (the steps before it are released); a count never read off a
+  tensor (a loader's ``len(batch_list)``) passes (a limit);
 - a sum of terms of different kinds is "mixed": no single factor makes both right;
 - "coupled": a reduction over the records that weighs each record by the others (``PICKS``:
   a max, a top-k, a median, a norm, a cumulative sum... of the records' terms), or any
@@ -68,6 +70,7 @@ Notation: n records, m rows per record, T positions, V classes, ℓ_i record i's
 """
 
 import math
+import re
 import weakref
 
 import torch
@@ -120,6 +123,8 @@ class RecordReduction:
     """The kinds of one loss window (module docstring)."""
 
     def __init__(self):
+        self.seen: dict[str, tuple] = {}  # what -> (n, f): the loss's factor at the last
+        # step whose n differed (``across``), kept from window to window
         self.reset(0)
 
     def reset(self, n: int, derived=lambda t: True, declared: str = "mean") -> None:
@@ -192,6 +197,36 @@ class RecordReduction:
             forms += [(r / s, f"n_c/n = {r}/{s}") for s in reads if s > r]
             forms += [(s / r, f"n/n_c = {s}/{r}") for s in reads if s > r]
         return next((what for v, what in forms if math.isclose(f, v, rel_tol=1e-9)), None)
+
+    def across(self, what: str, f: float):
+        """How factor ``f`` follows the realised batch across steps, or None: the same loss
+        (``what``) had factor f0 at an earlier step of n0 records, this step has f with n
+        (n0 != n, f0 != f, both counts read off a tensor by the loop) and f/f0 is n/n0,
+        n0/n, √(n/n0) or √(n0/n): f is c·n, c/n, c·√n or c/√n for a constant c that
+        ``realised`` cannot name (``ce * len(x) / 64`` with B = 8, ``2 * len(x) / B``: the
+        value of c·n is any number, so no single step shows it; released, silently, until
+        2026-12-01). A constant keeps f and a schedule of the step (β_t) does not follow n:
+        neither is refused. The first such step is released (one value shows no dependence)."""
+        n = self.n
+        if n < 2 or n not in self.reads or not math.isfinite(f) or f <= 0:
+            return None
+        key = re.sub(r"\(\d+(, \d+)*,?\)", "(...)", what)  # (a shape names n: not the loss)
+        last = self.seen.get(key)
+        if last is None or last[0] == n:
+            if last is None:
+                self.seen[key] = (n, f)
+            return None
+        n0, f0 = last
+        self.seen[key] = (n, f)
+        if math.isclose(f, f0, rel_tol=1e-9):
+            return None
+        for power, form in ((1.0, "c·n"), (-1.0, "c/n"), (0.5, "c·sqrt(n)"),
+                            (-0.5, "c/sqrt(n)")):
+            if math.isclose(f / f0, (n / n0) ** power, rel_tol=1e-9):
+                c = f / n ** power
+                return (f"{form} with c = {c:.6g}: {f0:.6g} at the step of n = {n0}, {f:.6g} "
+                        f"at this one of n = {n}")
+        return None
 
     def loss_call(self, name: str, reduction: str, out) -> None:
         """A loss function or module ``name`` with ``reduction`` returned ``out``."""
@@ -364,7 +399,9 @@ class RecordReduction:
         if found is None:
             return None
         kind, what = found
-        how = self.realised(self._factor(loss)) if kind in ("sum", "mean") else None
+        how = None
+        if kind in ("sum", "mean"):
+            how = self.realised(self._factor(loss)) or self.across(what, self._factor(loss))
         if how is not None:
             return "scaled", f"{what} scaled by {self._factor(loss):.6g} ({how})"
         if kind == loss_reduction or self.n < 2:  # (n = 1: the mean is the sum)
