@@ -1,6 +1,7 @@
 import io
 import multiprocessing
 import random
+import warnings
 
 import numpy as np
 import pytest
@@ -491,4 +492,43 @@ def test_a_checkpoint_in_the_loop_is_not_followed_as_the_batchs_data(tmp_path, m
     assert torch.from_numpy is FROM_NUMPY
     steps(model, opt, loader, scheduler, 2)
     assert torch.from_numpy is FROM_NUMPY
+    opt.detach()
+
+
+@pytest.mark.parametrize("call", ["save", "load"])
+def test_a_checkpoint_between_the_forward_pass_and_its_step_is_refused(tmp_path, call):
+    """probeV S2/E1 (2026-12-01): a save after the forward pass was resumed without that
+    batch's step (the weights 2e-2 off the uninterrupted run, no warning); a load there
+    changed the weights under the live graph, and the backward pass raised torch's bare
+    in-place error."""
+    model, opt, loader, engine, scheduler, *_ = setup()
+    save_checkpoint(tmp_path / "run.pt", model=model, optimizer=opt, engine=engine)
+    x, y = next(iter(loader))
+    opt.zero_grad()
+    out = model(x)
+    with pytest.raises(CheckpointError, match="between the forward pass.*after optimizer.step"):
+        if call == "save":
+            save_checkpoint(tmp_path / "mid.pt", model=model, optimizer=opt, engine=engine)
+        else:
+            load_checkpoint(tmp_path / "run.pt", model=model, optimizer=opt, engine=engine)
+    nn.CrossEntropyLoss()(out, y).backward()  # the loop goes on as if nothing was asked
+    opt.step()
+    assert not (tmp_path / "mid.pt").exists()
+    opt.detach()
+
+
+def test_a_save_after_the_batch_is_handed_out_warns_and_after_the_step_does_not(tmp_path):
+    model, opt, loader, engine, scheduler, *_ = setup()
+    for i, (x, y) in enumerate(loader):
+        if i == 0:
+            with pytest.warns(UserWarning, match="resume from this file skips it"):
+                save_checkpoint(tmp_path / "top.pt", model=model, optimizer=opt, engine=engine)
+        opt.zero_grad()
+        nn.CrossEntropyLoss()(model(x), y).backward()
+        opt.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            save_checkpoint(tmp_path / "end.pt", model=model, optimizer=opt, engine=engine)
+        if i == 1:
+            break
     opt.detach()

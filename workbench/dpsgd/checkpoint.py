@@ -123,12 +123,21 @@ def save_checkpoint(path, *, model, optimizer, engine=None, scheduler=None,
 
 
 def _warn_prefetched(optimizer) -> None:
-    """A save in the middle of a pass of the engine's loader with worker processes: they
+    """A save after the loader handed out a batch and before its step (the loop body's top):
+    the batch is drawn, and a resume skips it (the same, silently, until 2026-12-01). A save
+    in the middle of a pass of the engine's loader with worker processes: they
     prefetch, so the sampling generator has drawn batches no step has taken yet; the resumed
     pass starts after them (those batches were neither released nor charged: privacy holds,
     but the run is not the uninterrupted one; silent until 2026-11-30)."""
     watch = getattr(getattr(optimizer, "recorder", None), "watch", None)
-    if watch is not None and watch.prefetch and watch.passing:
+    if watch is not None and not watch.prefetch and watch.announced is not None:
+        warnings.warn(
+            "save_checkpoint after the private loader handed out a batch and before its "
+            "optimizer.step(): the sampling generator has drawn that batch, so a resume from "
+            "this file skips it (it is neither released nor charged: privacy holds) and does "
+            "not continue the run bit for bit. Save after step(), at the end of the loop's "
+            "body, for an exact resume", stacklevel=3)
+    elif watch is not None and watch.prefetch and watch.passing:
         warnings.warn(
             f"save_checkpoint in the middle of a pass of the private loader, which prefetches "
             f"with num_workers={watch.prefetch}: its sampling generator has already drawn the "

@@ -38,6 +38,17 @@ def not_mid_batch(optimizer, what: str) -> None:
         raise CheckpointError(f"{what} between a backward pass and its optimizer.step(): "
                               f"the recorded gradients are not in a checkpoint. Call it after "
                               f"step() (or after optimizer.zero_grad())")
+    watch = getattr(recorder, "watch", None)
+    if root is not None and getattr(watch, "announced", None) is not None \
+            and any(True for _ in root.all_calls()):
+        raise CheckpointError(  # (a save there was resumed without that batch's step, and a
+            # load overwrote the weights under the live graph: torch's bare in-place error at
+            # the backward pass, until 2026-12-01)
+            f"{what} between the forward pass on the loader's batch and its optimizer.step(): "
+            f"the batch is drawn and its pass is in flight, which a checkpoint does not hold "
+            f"(a resume from a save here skips the batch, and a load here changes the weights "
+            f"the pass's graph still needs). Call it after optimizer.step(), at the end of "
+            f"the loop's body, or before the loader hands out the next batch")
 
 
 def check_model(model, saved: dict) -> None:
