@@ -21,6 +21,10 @@ What is refused, because the resumed run would silently differ or leak:
   added) or between a backward pass and its step: the partial sums are not saved;
 - **a load into an optimizer in the middle of a logical batch**: its partial sums would enter
   the resumed run's first step;
+- **a save or load between the forward pass on the loader's batch and its step**: the batch is
+  drawn and its pass in flight (a resume skipped it; a load changed the weights under the
+  live graph); a save after the batch is handed out and before its forward pass warns that a
+  resume skips that batch (save at the end of the loop's body);
 - **another privacy unit**: the checkpoint records ``privacy_unit`` (and, per user, the
   ``user_reduction``); a user-level run resumed record-level, or the reverse, is refused.
 
