@@ -403,6 +403,9 @@ def _follow_host(stats: "BatchStatistics", on: bool) -> None:
     torch.from_numpy = _from_numpy if _HOST else _FROM_NUMPY
 
 
+follow_host = _follow_host  # (loss_watch: a window's mode left or pushed again)
+
+
 def _collected(ref) -> None:
     """A window collected while it followed (its loop raised, its model was dropped):
     ``torch.from_numpy`` is the original again once no live window is told."""

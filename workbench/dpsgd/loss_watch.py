@@ -64,7 +64,7 @@ from workbench.dpsgd.backward_calls import ENTRY_POINTS, backward_call, objectiv
 from workbench.dpsgd.batches import batch_size
 from workbench.dpsgd.lifetime import Weak, push_bottom, reaches, sweep, weak_attribute
 from workbench.dpsgd.lifetime import remove as _remove
-from workbench.dpsgd.loss_terms import LEFT_TORCH, BatchStatistics, left_torch_message
+from workbench.dpsgd.loss_terms import LEFT_TORCH, BatchStatistics, follow_host, left_torch_message
 from workbench.dpsgd.model_loss import name_of
 from workbench.dpsgd.record_reduction import COUNT_READS, RecordReduction, count_read
 from workbench.dpsgd.row_mixing import Earlier
@@ -953,6 +953,8 @@ class BeforeForward(TorchFunctionMode):
     def __init__(self, stats: BatchStatistics, reads: set | None = None):
         super().__init__()
         self.stats = stats
+        if stats.on and stats.exported is not None:  # (following resumed after an export)
+            follow_host(stats, True)
         self.reads = reads  # LossWatch.count_reads: counts read off tensors (len(x), ...)
 
     stats = weak_attribute("stats")
@@ -1000,8 +1002,9 @@ def _leave(mode) -> None:
     """Take ``mode`` off the TorchFunctionMode stack, wherever it sits: modes the user entered
     after it stay, in their order (their ``__exit__`` pops the top, which is theirs again)."""
     if isinstance(mode, BeforeForward):
-        if mode.stats is not None:  # (its export no longer followed: torch.from_numpy is
-            mode.stats.stop()  # the original once no window is told, loss_terms._follow_host)
+        if mode.stats is not None:  # (no call followed now: torch.from_numpy is the original
+            follow_host(mode.stats, False)  # once no window is told; the statistics stay for
+            # the forward pass to read: ``settle``)
         mode.stats = None  # a pass-through from now on
         if BeforeForward.following is mode:
             BeforeForward.following = None
