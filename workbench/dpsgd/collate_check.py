@@ -103,7 +103,8 @@ def match(alone: torch.Tensor, row: torch.Tensor):
 
 def _padding_score(row: torch.Tensor) -> int:
     """How many trailing or leading positions of ``row`` along its dim 0 repeat its last or
-    first one: a guess of how far the row was padded (used to pick the records to check)."""
+    first one, unless all do: a guess of how far the row was padded (used to pick the
+    records to check)."""
     if row.dim() == 0 or row.shape[0] < 2:
         return 0
     flat = row.reshape(row.shape[0], -1)
@@ -112,19 +113,21 @@ def _padding_score(row: torch.Tensor) -> int:
         same = (flat == end).all(1)
         order = same.flip(0) if last else same
         run = int(torch.cumprod(order.int(), 0).sum())
-        best = max(best, run)
+        if run < flat.shape[0]:  # a constant row (an unpadded record's attention mask) tells
+            best = max(best, run)  # nothing: it scored highest, and no padded row was picked
     return best
 
 
-def _pick(found, n: int) -> list[int]:
-    """Rows to check: n - 1, then the rows that look most padded."""
+def _pick(found, n: int) -> tuple[list[int], bool]:
+    """Rows to check: n - 1, then the rows that look most padded; and whether any row
+    looks padded."""
     scores = [0] * n
     for _, t in found:
         if t.dim() >= 2 and t.shape[0] == n:
             for i in range(n):
                 scores[i] = max(scores[i], _padding_score(t[i]))
     rest = sorted(range(n - 1), key=lambda i: -scores[i])
-    return [n - 1, *rest[:RECORDS - 1]]
+    return [n - 1, *rest[:RECORDS - 1]], any(scores)
 
 
 class CollateCheck:
@@ -158,7 +161,8 @@ class CollateCheck:
             self.seen = {key}
         rows, padded = [], {}
         with torch.random.fork_rng(devices=[]), torch.no_grad():
-            for i in _pick(found, n):
+            picked, looks_padded = _pick(found, n)
+            for i in picked:
                 try:
                     first, second = self.alone(indices[i]), self.alone(indices[i])
                     a1, a2 = leaves(first), leaves(second)
@@ -184,6 +188,8 @@ class CollateCheck:
         padded = {p: how for p, how in padded.items() if how is not None}
         if padded:
             self.plans.append(Padded(found, rows, padded, _name(self.collate_fn)))
+        elif looks_padded:  # the rows picked were not the padded ones (a guess): the
+            self.seen.discard(key)  # layout's next batch is checked again
 
 
 def combined(collate_fn, path: str, i: int, j: int, alone: torch.Tensor,
