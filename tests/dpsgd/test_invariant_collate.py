@@ -124,7 +124,8 @@ def reference(model, loss, collate, dataset, ids):
     return total
 
 
-def loop(make, loss, collate=pad_collate, dataset=None, steps=4, batch_size=8):
+def loop(make, loss, collate=pad_collate, dataset=None, steps=4, batch_size=8, workers=0,
+         **options):
     """``steps`` steps of the engine's loop; per step the released clipped sum (σ = 0,
     lr = 0, loss_reduction="sum": ``.grad`` times B) and the reference."""
     dataset = Tokens() if dataset is None else dataset
@@ -132,9 +133,10 @@ def loop(make, loss, collate=pad_collate, dataset=None, steps=4, batch_size=8):
     engine = wb.PrivacyEngine()
     model, opt, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-        data_loader=DataLoader(dataset, batch_size=batch_size, collate_fn=collate),
+        data_loader=DataLoader(dataset, batch_size=batch_size, collate_fn=collate,
+                               num_workers=workers),
         noise_multiplier=0.0, max_grad_norm=C, loss_reduction="sum",
-        sampling_generator=torch.Generator().manual_seed(1))
+        sampling_generator=torch.Generator().manual_seed(1), **options)
     out = []
     for step, (x, y, ids) in enumerate(loader):
         if step == steps:
@@ -156,7 +158,10 @@ def assert_exact(out):
 
 # refused ------------------------------------------------------------------------------------
 
-def test_mixing_collate_refused_at_hand_out():
+@pytest.mark.parametrize("options", [{}, {"workers": 2},
+                                     {"privacy_unit": "user", "user_ids": torch.arange(N) // 2}],
+                         ids=["in-process", "two-workers", "user-level"])
+def test_mixing_collate_refused_at_hand_out(options):
     def mix_collate(items):  # mixup inside the collate_fn: row i = .6 x_i + .4 x_{i+1}
         x = torch.stack([a for a, _, _ in items])
         return (0.6 * x + 0.4 * x.roll(1, 0), torch.stack([b for _, b, _ in items]),
@@ -172,8 +177,9 @@ def test_mixing_collate_refused_at_hand_out():
 
     with pytest.raises(SampleMixingError, match=r"collate_fn 'test_mixing_collate_refused_at_"
                                                 r"hand_out.<locals>.mix_collate' combines "
-                                                r"records(.|\n)*__getitem__"):
-        loop(make, classify, collate=mix_collate, dataset=data)
+                                                r"records: leaf batch\[0\] of row \d+ "
+                                                r"\(dataset record \d+\)(.|\n)*__getitem__"):
+        loop(make, classify, collate=mix_collate, dataset=data, **options)
 
 
 @pytest.mark.parametrize("make, loss", [
@@ -196,6 +202,12 @@ def test_reading_the_pads_refused(make, loss):
 ], ids=["masked-mean", "bilstm-packed", "ignore-index"])
 def test_masked_padding_exact(make, loss):
     assert_exact(loop(make, loss))
+
+
+def test_padded_batches_from_two_workers_checked():  # the indices matched in order
+    assert_exact(loop(lambda: Pooled(masked=True), classify, workers=2, steps=3))
+    with pytest.raises(SampleMixingError, match=r"depends on how far its batch was padded"):
+        loop(lambda: Pooled(masked=False), classify, workers=2, steps=3)
 
 
 def test_default_collate_and_batches_of_one_exact():
@@ -289,6 +301,19 @@ def gpt2_loss(model, x, y):
 def test_hugging_face_right_padding_with_mask_exact(make, loss):
     torch.manual_seed(0)
     assert_exact(loop(make, loss, collate=hf_collate(), steps=3))
+
+
+@pytest.mark.realmodels
+def test_hugging_face_with_dropout_not_refused():  # the probe runs both passes without it
+    t = _transformers()
+
+    def make():
+        torch.manual_seed(0)
+        return t.BertForSequenceClassification(t.BertConfig(
+            vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=32, max_position_embeddings=16, num_labels=K))
+
+    loop(make, bert_loss, collate=hf_collate(), steps=3)
 
 
 @pytest.mark.realmodels

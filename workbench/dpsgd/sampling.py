@@ -84,7 +84,8 @@ class PoissonBatchSampler(Sampler[list[int]]):
     def __init__(self, num_samples: int, sample_rate: float, steps: int | None = None,
                  generator: torch.Generator | None = None):
         self.drawn = collections.deque()  # q of each batch drawn and not yet handed out
-        self.indices = collections.deque()  # and its indices (collate_check.py)
+        self.indices = collections.deque()  # and its indices, where ``keep_indices``
+        # (the engine's loader takes them at each hand-out: collate_check.py)
         self.num_samples = num_samples
         self.sample_rate = sample_rate
         self.steps = steps_per_epoch(self.sample_rate) if steps is None else \
@@ -114,17 +115,21 @@ class PoissonBatchSampler(Sampler[list[int]]):
         once per batch it hands out, in order (workers draw ahead)."""
         return self.drawn.popleft() if self.drawn else self.sample_rate
 
+    keep_indices = False  # whether each batch's indices wait for ``take_indices``
+
     def take_indices(self) -> list[int] | None:
         """The indices of the oldest batch drawn whose indices were not taken yet (in the
         order drawn: the loader keeps it, ``in_order``), None if none is waiting."""
-        return self.indices.popleft() if self.indices else None
+        queue = self.__dict__.get("indices")  # (a sampler pickled before it had one)
+        return queue.popleft() if queue else None
 
     def __len__(self) -> int:
         return self.steps
 
     def __iter__(self):
         self.drawn.clear()  # a new pass: an abandoned one's draws are no batch of this one
-        self.indices.clear()
+        queue = self.__dict__.setdefault("indices", collections.deque())
+        queue.clear()
         for _ in range(self.steps):
             q = self.sample_rate  # this batch's, whatever is assigned while it is out
             generator = self.generator.next() if hasattr(self.generator, "next") else \
@@ -136,7 +141,8 @@ class PoissonBatchSampler(Sampler[list[int]]):
             # (6x at q = 1e-8, +19% at 1e-7, +1.3% at 1e-6), until 2026-11-30
             self.drawn.append(q)
             drawn = torch.nonzero(draws < q).flatten().tolist()
-            self.indices.append(drawn)
+            if self.keep_indices:
+                queue.append(drawn)
             yield drawn
 
 
@@ -205,6 +211,7 @@ class DPDataLoader(DataLoader):
         super().__init__(dataset, batch_sampler=sampler, collate_fn=collate, **kwargs)
         self.collate_check = None if collate_fn is default_collate else \
             CollateCheck(dataset, collate_fn)  # at each hand-out (stacking combines nothing)
+        sampler.keep_indices = self.collate_check is not None
         self.batch_rate = None  # q of the batch last handed out (the accountant's, per step)
         self.watch = None  # the optimizer's LossWatch, set by make_private (loss_watch.watched)
 
@@ -236,8 +243,9 @@ class DPDataLoader(DataLoader):
         (``in_order=False``) is not checked (its indices cannot be matched)."""
         check = self.__dict__.get("collate_check")
         ordered = getattr(self, "in_order", True)
+        take = getattr(self.batch_sampler, "take_indices", None)
         for batch in batches:
-            indices = self.batch_sampler.take_indices()
+            indices = take() if take is not None else None
             if check is not None and ordered and self.__dict__.get("check_collate", True):
                 with unfollowed(self.watch):
                     check.handed(batch, indices)
