@@ -210,6 +210,13 @@ def test_padded_batches_from_two_workers_checked():  # the indices matched in or
         loop(lambda: Pooled(masked=False), classify, workers=2, steps=3)
 
 
+def test_a_collate_sorting_by_length_exact():  # rows reordered, none mixed
+    def sorted_collate(items):
+        return pad_collate(sorted(items, key=lambda item: -len(item[0])))
+
+    assert_exact(loop(lambda: Pooled(masked=True), classify, collate=sorted_collate))
+
+
 def test_default_collate_and_batches_of_one_exact():
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(N, 6, dtype=torch.float64, generator=g), LABELS,

@@ -130,6 +130,11 @@ def _pick(found, n: int) -> tuple[list[int], bool]:
     return [n - 1, *rest[:RECORDS - 1]], any(scores)
 
 
+def _placed(found, alone, r: int) -> list:
+    """``match`` of each alone leaf against row r of the batch's."""
+    return [match(a[0], t[r].to(a.device)) for (_, t), (_, a) in zip(found, alone)]
+
+
 class CollateCheck:
     """The engine loader's check of its ``collate_fn`` (module docstring): ``handed(batch,
     indices)`` at each batch's hand-out, ``plans``: the padded batches waiting for the
@@ -175,16 +180,22 @@ class CollateCheck:
                     return  # random per collation, or another structure: unknown
                 if any(t.dim() == 0 or t.shape[0] != 1 for _, t in a1):
                     return
-                for (path, t), (_, a) in zip(found, a1):
-                    how = match(a[0], t[i].to(a.device))
-                    if how is None:
-                        raise combined(self.collate_fn, path, i, indices[i], a[0], t[i])
+                hows, row = _placed(found, a1, i), i
+                if None in hows:  # another row of the batch may be its (a collate that
+                    row = next((r for r in range(n)  # sorts by length): no mixing
+                                if r != i and None not in _placed(found, a1, r)), None)
+                    if row is None:
+                        bad = hows.index(None)
+                        raise combined(self.collate_fn, found[bad][0], i, indices[i],
+                                       a1[bad][1][0], found[bad][1][i])
+                    hows = _placed(found, a1, row)
+                for (path, _), how in zip(found, hows):
                     if how != "own":
                         if padded.get(path, how) != how and path in padded:
                             padded[path] = None  # padded differently per record: unknown
                         else:
                             padded.setdefault(path, how)
-                rows.append((i, indices[i], first))
+                rows.append((row, indices[i], first))
         padded = {p: how for p, how in padded.items() if how is not None}
         if padded:
             self.plans.append(Padded(found, rows, padded, _name(self.collate_fn)))
