@@ -547,6 +547,8 @@ class DPOptimizer(Optimizer):
             inputs, rec.halves = rec.halves, None
             with self.recorder.paused():
                 selfcheck.check_model_halves(rec, self.model, inputs)
+        if getattr(rec, "padding", None) is not None:  # a padded batch (collate_check.py)
+            self.recorder.padding_probe(rec)
         if rec.replay is not None:  # randomness: the record probe (selfcheck.py)
             ref = selfcheck.as_sketch(rec, self.recorder.replay_probe(rec, *rec.replay))
         else:

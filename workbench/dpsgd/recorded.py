@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from workbench.clipping.engine import reweighted_weight_grads
+from workbench.dpsgd.collate_check import padding_probe, plan_for
 from workbench.dpsgd.lifetime import push_bottom
 from workbench.dpsgd.loss_watch import FUNCTIONAL, LossWatch, _leave
 from workbench.dpsgd.model_loss import (
@@ -613,6 +614,7 @@ class ModelRecorder:
             rec.hooks = [*getattr(root, "hooks", ()), *hooks]
             rec.signature = selfcheck.known(self.model, rec, check, extra=("optimizer",))
             rec.probe = None
+            rec.padding = None  # a padded batch's check (collate_check.py)
             if rec.signature is not None and getattr(root, "swapped", None):
                 raise UnsupportedLayerError(
                     f"the model's forward pass ran with parameters replaced by other tensors "
@@ -634,6 +636,7 @@ class ModelRecorder:
                     row = tuple(t[-1:].clone() for t in b) if isinstance(b, tuple) \
                         else b[-1:].clone()
                     rec.replay = (root.args, root.kwargs, row, getattr(root, "keys", None))
+                rec.padding = self._padding_plan(root, rec.n)  # collate_check.py
             prepared.append((gen, mine, rec))
         if prepared and prepared[-1][2].state is not None:  # after the step's last pass:
             self._written_after(prepared[-1][2].state)  # the loop's (a later pass's are not)
@@ -739,6 +742,28 @@ class ModelRecorder:
 
         with self.paused():
             return selfcheck.record_probe(rec, self.model, args, kwargs, loss_of_record)
+
+    def _padding_plan(self, root, n: int):
+        """The padded batch (``collate_check.Padded``) this model call's inputs came from, if
+        its loader left one to check at this pass, with the rows of the loss's recorded
+        gradient of the plan's records: ``padding_probe``'s arguments."""
+        found = plan_for(getattr(self.watch, "padded", None), root.args, root.kwargs, n)
+        if found is None:
+            return None
+        plan, paths = found
+        b = root.backprops
+        bs = b if isinstance(b, (tuple, list)) else (b,)
+        rows = {i: tuple(t[i].clone() if isinstance(t, torch.Tensor) and t.dim()
+                         and t.shape[0] == n else None for t in bs) for i, _, _ in plan.rows}
+        return plan, root.args, root.kwargs, paths, rows, getattr(root, "keys", None)
+
+    def padding_probe(self, rec: Recording) -> None:
+        """Refuse a padded batch whose records' gradients depend on the padding
+        (``collate_check.padding_probe``)."""
+        plan, args, kwargs, paths, rows, keys = rec.padding
+        rec.padding = None
+        with self.paused():
+            padding_probe(rec, self.model, plan, args, kwargs, paths, rows, keys)
 
     def _written_after(self, log) -> None:
         """Warn, once per buffer, that the loop wrote the model's state between the forward

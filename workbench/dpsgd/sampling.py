@@ -42,6 +42,7 @@ from torch.utils.data.distributed import DistributedSampler
 from workbench.accounting.calibrate import steps_per_epoch
 from workbench.checks import check_count, check_sample_rate
 from workbench.dpsgd.batches import take
+from workbench.dpsgd.collate_check import CollateCheck, unfollowed
 from workbench.dpsgd.loss_watch import watched
 
 # What from_data_loader copies from the original loader: everything but the choice of batches.
@@ -83,6 +84,8 @@ class PoissonBatchSampler(Sampler[list[int]]):
     def __init__(self, num_samples: int, sample_rate: float, steps: int | None = None,
                  generator: torch.Generator | None = None):
         self.drawn = collections.deque()  # q of each batch drawn and not yet handed out
+        self.indices = collections.deque()  # and its indices, where ``keep_indices``
+        # (the engine's loader takes them at each hand-out: collate_check.py)
         self.num_samples = num_samples
         self.sample_rate = sample_rate
         self.steps = steps_per_epoch(self.sample_rate) if steps is None else \
@@ -112,11 +115,21 @@ class PoissonBatchSampler(Sampler[list[int]]):
         once per batch it hands out, in order (workers draw ahead)."""
         return self.drawn.popleft() if self.drawn else self.sample_rate
 
+    keep_indices = False  # whether each batch's indices wait for ``take_indices``
+
+    def take_indices(self) -> list[int] | None:
+        """The indices of the oldest batch drawn whose indices were not taken yet (in the
+        order drawn: the loader keeps it, ``in_order``), None if none is waiting."""
+        queue = self.__dict__.get("indices")  # (a sampler pickled before it had one)
+        return queue.popleft() if queue else None
+
     def __len__(self) -> int:
         return self.steps
 
     def __iter__(self):
         self.drawn.clear()  # a new pass: an abandoned one's draws are no batch of this one
+        queue = self.__dict__.setdefault("indices", collections.deque())
+        queue.clear()
         for _ in range(self.steps):
             q = self.sample_rate  # this batch's, whatever is assigned while it is out
             generator = self.generator.next() if hasattr(self.generator, "next") else \
@@ -127,7 +140,10 @@ class PoissonBatchSampler(Sampler[list[int]]):
             # record was drawn with probability ⌈q 2^24⌉ / 2^24 > q, the accountant charged q
             # (6x at q = 1e-8, +19% at 1e-7, +1.3% at 1e-6), until 2026-11-30
             self.drawn.append(q)
-            yield torch.nonzero(draws < q).flatten().tolist()
+            drawn = torch.nonzero(draws < q).flatten().tolist()
+            if self.keep_indices:
+                queue.append(drawn)
+            yield drawn
 
 
 def empty_like_batch(example, collate_fn=default_collate):
@@ -193,6 +209,9 @@ class DPDataLoader(DataLoader):
             seed = int(torch.randint(0, 2**62, (1,)))
             kwargs["generator"] = torch.Generator().manual_seed(seed)
         super().__init__(dataset, batch_sampler=sampler, collate_fn=collate, **kwargs)
+        self.collate_check = None if collate_fn is default_collate else \
+            CollateCheck(dataset, collate_fn)  # at each hand-out (stacking combines nothing)
+        sampler.keep_indices = self.collate_check is not None
         self.batch_rate = None  # q of the batch last handed out (the accountant's, per step)
         self.watch = None  # the optimizer's LossWatch, set by make_private (loss_watch.watched)
 
@@ -214,8 +233,25 @@ class DPDataLoader(DataLoader):
     def __iter__(self):
         if self.watch is not None:  # workers prefetch: the sampler runs ahead of the steps
             self.watch.prefetch = self.num_workers if self.num_workers > 0 else 0
-        return watched(super().__iter__(), self.watch, handed=self._handed,
+        return watched(self._checked(super().__iter__()), self.watch, handed=self._handed,
                        dataset=self.dataset)
+
+    def _checked(self, batches):
+        """The batches, each checked at its hand-out against its records collated alone
+        (``collate_check.py``), before the watch follows it: the indices of each batch come
+        from the sampler's queue, in the order drawn; a loader that does not keep that order
+        (``in_order=False``) is not checked (its indices cannot be matched)."""
+        check = self.__dict__.get("collate_check")
+        ordered = getattr(self, "in_order", True)
+        take = getattr(self.batch_sampler, "take_indices", None)
+        for batch in batches:
+            indices = take() if take is not None else None
+            if check is not None and ordered and self.__dict__.get("check_collate", True):
+                with unfollowed(self.watch):
+                    check.handed(batch, indices)
+                if self.watch is not None:
+                    self.watch.padded = check.plans
+            yield batch
 
     def _handed(self) -> None:
         """A batch is handed out (after the watch charged any batch skipped before it)."""

@@ -36,6 +36,7 @@ from torch.utils.data import default_collate
 
 from workbench.checks import check_choice, check_count, check_sample_rate
 from workbench.clipping.users import BatchUsers
+from workbench.dpsgd.collate_check import CollateCheck, unfollowed
 from workbench.dpsgd.loss_watch import watched
 from workbench.dpsgd.sampling import PoissonBatchSampler, empty_like_batch, loader_options
 from workbench.errors import LoopError
@@ -156,9 +157,17 @@ class UserPoissonLoader:
         self.batch_rate = self.batch_sampler.take_drawn()
 
     def _batches(self):
+        check = None if self.collate_fn is default_collate else \
+            self.__dict__.setdefault("collate_check", CollateCheck(self.dataset,
+                                                                   self.collate_fn))
         for indices in self.batch_sampler:
             batch = self.collate_fn([self.dataset[j] for j in indices]) if indices \
                 else self.empty
+            if check is not None:  # its rows against its records alone (collate_check.py)
+                with unfollowed(self.watch):
+                    check.handed(batch, indices)
+                if self.watch is not None:
+                    self.watch.padded = check.plans
             if self.level is not None:
                 self.level.set_batch(self.user_ids[indices])
             yield batch

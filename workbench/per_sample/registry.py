@@ -179,6 +179,10 @@ def find_rule(table: dict, layer: nn.Module, behaviours=()):
     if not isinstance(table, RuleTable) or not isinstance(behaviours, (RuleList, tuple)) \
             or (behaviours and not isinstance(behaviours, RuleList)):
         return _find_rule(table, layer, behaviours)
+    if torch.compiler.is_compiling():  # Dynamo tracing a private model's hooks (refused
+        # there: recorded.compiled_call) would guard on the weak cache's keys by position,
+        # and a layer collected meanwhile failed the guard with a raw IndexError
+        return _find_rule(table, layer, behaviours)
     key, version, kind = (id(table), id(behaviours)), _VERSION[0], type(layer)
     kept = _FOUND.get(layer)
     if kept is not None:
