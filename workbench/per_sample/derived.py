@@ -52,7 +52,7 @@ import weakref
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from workbench.per_sample.flat_rows import AUGMENTED
+from workbench.per_sample.flat_rows import AUGMENTED, IdentityRef
 from workbench.per_sample.leaves import leaves
 from workbench.per_sample.registry import find_grad_sampler
 from workbench.per_sample.views import capture_edge, stale, watched
@@ -82,7 +82,7 @@ def writes_first(name: str) -> bool:
                                                     and not name.endswith("__"))
 
 
-class TaintRef(weakref.ref):
+class TaintRef(IdentityRef):
     """The taint's weak reference: identity only (``owned.py`` does not count it as a reader)."""
 
     __slots__ = ()

@@ -35,7 +35,7 @@ from collections import Counter
 
 import torch
 
-from workbench.per_sample.derived import TaintRef
+from workbench.per_sample.flat_rows import IdentityRef
 
 
 class _Holder:
@@ -90,10 +90,10 @@ def _alone(t) -> bool:
 
 
 def _weak_readers(t) -> bool:
-    """A weak reference to t that may read it later; the taint's (``derived.TaintRef``) only
-    compares identities, never values."""
+    """A weak reference to t that may read it later; the taint's and the row tags'
+    (``flat_rows.IdentityRef``) only compare identities, never values."""
     return weakref.getweakrefcount(t) > 0 and any(
-        not isinstance(r, TaintRef) for r in weakref.getweakrefs(t))
+        not isinstance(r, IdentityRef) for r in weakref.getweakrefs(t))
 
 
 def _plain(t) -> bool:
