@@ -148,6 +148,8 @@ class FlatRows:
         # sample's values: not a parameter's slice picked by a loop's index (``_picked``)
         self.picked: dict[int, tuple] = {}  # id -> (weakref, version): ``_picked``
         self.orders: dict[int, torch.Tensor] = {}  # key -> (m,) the records of the m blocks
+        self._spans: dict[tuple, list] = {}  # (log, tag, stride 0) -> the writes' span
+        # from a version on (``_spanned``)
         self.writes: dict[int, dict] = {}  # storage -> {version: (stride 0, offset, extent,
         # (m, T, order))}: the writes in place that kept the written view's rows (``_kept``)
         self.n: int | None = None  # the batch's size, from the model's inputs (``seed``)
@@ -183,13 +185,41 @@ class FlatRows:
         if log is None:
             return False
         own = (t.stride(0), t.storage_offset(), _extent(t))
-        upto = t._version if version is None else version
-        for v in range(entry[3] + 1, upto + 1):
-            w = log.get(v)
-            if w is None or w[3] != (*entry[1:3], entry[4]) or not _aligned(own, w[:3]):
-                return False
+        upto, tag = t._version if version is None else version, (*entry[1:3], entry[4])
+        if not self._spanned(log, own, tag, entry[3] + 1, upto):
+            for v in range(entry[3] + 1, upto + 1):
+                w = log.get(v)
+                if w is None or w[3] != tag or not _aligned(own, w[:3]):
+                    return False
         self.tags[id(t)] = (entry[0], *entry[1:3], upto, entry[4])
         return True
+
+    def _spanned(self, log: dict, own: tuple, tag: tuple, lo: int, hi: int) -> bool:
+        """A sufficient test for ``_kept``'s scan of versions lo..hi: every write of ``log``
+        from the first version asked about onwards had ``tag`` and a stride of own's, and own's
+        rows with all of theirs lie inside one window of ``stride 0`` elements (so each write
+        is ``_aligned`` with own). The writes' span is extended once per new version, so a
+        recurrence's views of one (n, T, H) block, each made before the loop and read at its
+        step, no longer rescan every write since their tag (imdb_lstm: 256 steps, ~250k
+        checks a step, its DP step 1.7x -> 3.6x a plain one, from 2026-11-30 to 2026-12-01).
+        False: not shown this way (the exact scan decides)."""
+        key = (id(log), tag, own[0])
+        span = self._spans.get(key)
+        if span is None:
+            span = self._spans[key] = [lo, lo - 1, None, None, True]  # [a, b, low, high, ok]
+        a, b, low, high, ok = span
+        while ok and b < hi:
+            w = log.get(b + 1)
+            if w is None or w[3] != tag or w[0] != own[0] or w[2] < 0:
+                ok = False
+                break
+            b += 1
+            low = w[1] if low is None else min(low, w[1])
+            high = w[1] + w[2] if high is None else max(high, w[1] + w[2])
+        span[1:] = [b, low, high, ok]
+        if not (a <= lo and hi <= b) or own[0] <= 0 or own[2] < 0 or low is None:
+            return False
+        return max(own[1] + own[2], high) - min(own[1], low) < own[0]
 
     def _untouched(self, args, dest: torch.Tensor) -> None:
         """Before following ``op(..., out=dest)``: an operand on dest's storage, tagged just
