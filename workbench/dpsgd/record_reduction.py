@@ -46,9 +46,9 @@ and sums them under "sum". ``RecordReduction`` follows the loss window's operati
   that count (0.5 with n = 2, 1/K with n = K) is refused at that step (the message says to
   move it into the learning rate); f = 1, B, 1/B pass as constants. A count times another
   constant (``ce * 2 * len(x) / B``, ``ce * len(x) / 64`` with B = 8) shows at no single
-  step: ``across`` refuses it at the first step whose n differs from an earlier step's while
-  f/f0 is (n/n0)^{±1, ±1/2} (the steps before it are released); a count never read off a
-  tensor (a loader's ``len(batch_list)``) passes (a limit);
+  step: ``across`` refuses it at the first step of a third size n while f/n^p is one
+  constant over the three, p = ±1, ±1/2 (the steps before it are released); a count never
+  read off a tensor (a loader's ``len(batch_list)``) passes (a limit);
 - a sum of terms of different kinds is "mixed": no single factor makes both right;
 - "coupled": a reduction over the records that weighs each record by the others (``PICKS``:
   a max, a top-k, a median, a norm, a cumulative sum... of the records' terms), or any
@@ -123,8 +123,8 @@ class RecordReduction:
     """The kinds of one loss window (module docstring)."""
 
     def __init__(self):
-        self.seen: dict[str, tuple] = {}  # what -> (n, f): the loss's factor at the last
-        # step whose n differed (``across``), kept from window to window
+        self.seen: dict[str, list] = {}  # what -> [(n, f)]: the loss's latest factor at
+        # each of the last three sizes (``across``), kept from window to window
         self.reset(0)
 
     def reset(self, n: int, derived=lambda t: True, declared: str = "mean") -> None:
@@ -200,32 +200,29 @@ class RecordReduction:
 
     def across(self, what: str, f: float):
         """How factor ``f`` follows the realised batch across steps, or None: the same loss
-        (``what``) had factor f0 at an earlier step of n0 records, this step has f with n
-        (n0 != n, f0 != f, both counts read off a tensor by the loop) and f/f0 is n/n0,
-        n0/n, √(n/n0) or √(n0/n): f is c·n, c/n, c·√n or c/√n for a constant c that
-        ``realised`` cannot name (``ce * len(x) / 64`` with B = 8, ``2 * len(x) / B``: the
-        value of c·n is any number, so no single step shows it; released, silently, until
-        2026-12-01). A constant keeps f and a schedule of the step (β_t) does not follow n:
-        neither is refused. The first such step is released (one value shows no dependence)."""
+        (``what``) had, at the latest steps of two other sizes n1, n2, factors f1, f2, and
+        f_k / n_k^p is one constant c over the three (n, n1, n2 distinct, each a count the
+        loop read off a tensor) for p = 1, -1, 1/2 or -1/2: f is c·n, c/n, c·√n or c/√n for a
+        constant c that ``realised`` cannot name (``ce * len(x) / 64`` with B = 8, ``2 *
+        len(x) / B``: the value of c·n is any number, so no single step shows it; released,
+        silently, until 2026-12-01). Three sizes, not two: a weight stepped once (0.5, then
+        1.0) at a step whose n happened to double fits c·n over two. A constant keeps f and
+        a schedule of the step (β_t) does not follow n: neither is refused. The steps before
+        the third size are released."""
         n = self.n
         if n < 2 or n not in self.reads or not math.isfinite(f) or f <= 0:
             return None
         key = re.sub(r"\(\d+(, \d+)*,?\)", "(...)", what)  # (a shape names n: not the loss)
-        last = self.seen.get(key)
-        if last is None or last[0] == n:
-            if last is None:
-                self.seen[key] = (n, f)
-            return None
-        n0, f0 = last
-        self.seen[key] = (n, f)
-        if math.isclose(f, f0, rel_tol=1e-9):
+        sizes = [(k, v) for k, v in self.seen.get(key, ()) if k != n][-2:] + [(n, f)]
+        self.seen[key] = sizes  # the latest factor of each of the last three sizes
+        if len(sizes) < 3:
             return None
         for power, form in ((1.0, "c·n"), (-1.0, "c/n"), (0.5, "c·sqrt(n)"),
                             (-0.5, "c/sqrt(n)")):
-            if math.isclose(f / f0, (n / n0) ** power, rel_tol=1e-9):
-                c = f / n ** power
-                return (f"{form} with c = {c:.6g}: {f0:.6g} at the step of n = {n0}, {f:.6g} "
-                        f"at this one of n = {n}")
+            cs = [v / k ** power for k, v in sizes]
+            if all(math.isclose(c, cs[0], rel_tol=1e-9) for c in cs[1:]):
+                steps = ", ".join(f"{v:.6g} at n = {k}" for k, v in sizes)
+                return f"{form} with c = {cs[-1]:.6g}: {steps}"
         return None
 
     def loss_call(self, name: str, reduction: str, out) -> None:
