@@ -28,7 +28,11 @@ window (``LossFunctions``):
   loss, logits centred over the batch or any batch statistic of the outputs fails it, and
   ``LossCouplingError`` is raised before the backward pass runs. Only the loss's own part of
   the graph (from L down to o) is differentiated twice; the model is not re-run. Once per
-  output signature (shapes with n symbolic), when the optimizer verifies.
+  output signature (shapes with n symbolic), when the optimizer verifies. A loss whose ops
+  show it to be a sum of per-record terms (``F.cross_entropy`` over the logits' rows, a mean
+  over positions, a weighted sum of such terms) is not differentiated twice: the second
+  derivative across records is 0 by construction (``loss_rows.py``), and the first step does
+  not hold the test's logit-sized tensors beside the activations.
 
 Before the window: from the moment the engine's loader hands out a batch to the model's
 forward pass, a second ``TorchFunctionMode`` (``BeforeForward``) follows the same batch
@@ -64,6 +68,7 @@ from workbench.dpsgd.backward_calls import ENTRY_POINTS, backward_call, objectiv
 from workbench.dpsgd.batches import batch_size
 from workbench.dpsgd.lifetime import Weak, push_bottom, reaches, sweep, weak_attribute
 from workbench.dpsgd.lifetime import remove as _remove
+from workbench.dpsgd.loss_rows import LossRows, opaque
 from workbench.dpsgd.loss_terms import LEFT_TORCH, BatchStatistics, follow_host, left_torch_message
 from workbench.dpsgd.model_loss import name_of
 from workbench.dpsgd.record_reduction import COUNT_READS, RecordReduction, count_read
@@ -92,6 +97,7 @@ class LossWatch:
         self.n, self.generation, self._depth, self._busy = 0, 0, 0, False
         self._handles: list = []
         self.outputs: list = []  # the model's output tensors of the open window
+        self.rows: LossRows | None = None  # the loss's row proof (loss_rows.py)
         self._mode = None  # LossFunctions, on the TorchFunctionMode stack while the window is open
         self.earlier = Earlier()  # the records' tensors of earlier batches (row_mixing.py)
         self.stats = BatchStatistics(earlier=self.earlier)  # batch statistics of the data in
@@ -143,9 +149,12 @@ class LossWatch:
         self.expected = lambda: None  # the optimizer's expected batch size B (optimizer.py)
         weakref.finalize(self, _remove, self._handles_box)
 
-    def open(self, n: int, generation: int, outputs=()) -> None:
+    def open(self, n: int, generation: int, outputs=(), rows_of=None,
+             hooked: bool = True) -> None:
         """At the end of the model's forward pass (n records, before backward ``generation``);
-        ``outputs``: the model's output tensors, for the coupling test at ``backward``."""
+        ``outputs``: the model's output tensors, for the coupling test at ``backward``;
+        ``rows_of``: the forward pass's row tags (``FlatRows.full``), which start the loss's
+        row proof (``loss_rows.py``); ``hooked``: the pass registered gradient hooks."""
         self.n, self.generation, self._depth = n, generation, 0
         self.trace, self.hooks, self.modules = 0, [], []
         if torch.is_grad_enabled():  # (a pass without gradient between: the loss stays)
@@ -164,6 +173,8 @@ class LossWatch:
         self.earlier.outputs(self.roots)  # of the batch the pass ran on
         self.outputs = [o for o in self.roots if o.dim() and o.shape[0] == n]
         self.stats.reset(n if self.check else 0, self.outputs)
+        self.rows = LossRows([(o, rows_of(o)) for o in self.outputs]) if (
+            self.check and rows_of is not None and not hooked) else None
         stats = self.stats
         self.scale.reset(n if self.check else 0, lambda t: stats._has(stats.derived, t),
                          self.loss_reduction)
@@ -404,7 +415,7 @@ class LossWatch:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self.outputs, self.roots = [], []
+        self.outputs, self.roots, self.rows = [], [], None
         self.model_losses = None
         self.stats.reset(0)
         self.scale.reset(0)
@@ -472,10 +483,7 @@ class LossWatch:
         the model's outputs alone: a term on ``feat`` mixing the records passed silently
         (1.07x the step's own gradient) from the second step on, until 2026-11-30. The walk
         from the loss stops at the outputs: a few nodes for an ordinary loss."""
-        inside, outputs = self.inside()
-        stops = {id(t.grad_fn) for t in self.roots if t.grad_fn is not None} | set(outputs)
-        # (every model call's outputs: a loss over two calls, refused at the step by name)
-        nodes = list(graph_nodes([loss], stops))
+        inside, nodes = self.inside()[0], self._loss_nodes(loss)
         reached = sorted({inside[id(node)][1] for node in nodes if id(node) in inside})
         if not reached:  # (a walk into the model's layers meets the workbench's own leaves)
             self.outside(nodes)
@@ -489,6 +497,13 @@ class LossWatch:
                 f"only, so a term on such a tensor could couple them unseen. Return every "
                 f"tensor the loss uses from forward() (a tuple or dict of outputs), with every "
                 f"layer the loss goes through called inside it")
+
+    def _loss_nodes(self, loss) -> list:
+        """The nodes of the loss's own part of the graph, from the loss down to the model's
+        outputs (every model call's: a loss over two calls is refused at the step by name)."""
+        stops = {id(t.grad_fn) for t in self.roots if t.grad_fn is not None} | set(
+            self.inside()[1])
+        return list(graph_nodes([loss], stops))
 
     def outside(self, nodes) -> None:
         """Before ``loss.backward()``, on the nodes of the loss's own part of the graph (from
@@ -698,6 +713,10 @@ class LossWatch:
         # switched on later (the window's ops) is tested again
         if key in self.checked:
             return
+        if self.rows is not None and not self.hooks and self.rows.proves(loss) and not \
+                opaque(self._loss_nodes(loss)):  # a sum of per-record terms: the second
+            self.checked.add(key)  # derivative across records is 0 by its ops (loss_rows.py)
+            return
         try:
             with self.paused(), torch.enable_grad():  # the recording hooks must not see this
                 g = torch.autograd.grad(loss, outs, create_graph=True, retain_graph=True,
@@ -862,6 +881,8 @@ class LossFunctions(TorchFunctionMode):
         out = func(*args, **kwargs)
         with torch._C.DisableTorchFunction():
             watch.traced(name, args, kwargs, out)
+            if watch.rows is not None:
+                watch.rows.after(name, args, kwargs, out)
         if isinstance(out, torch.Tensor) and not out.dim() and out.requires_grad:
             watch.loss = weakref.ref(out)  # (loss_alive)
         if watch.stats.on or watch.scale.on:  # batch statistics, the loss's kind

@@ -352,7 +352,8 @@ class ModelRecorder:
                 shape = roots[-1].outputs[0][0]
                 self._n = shape[0] if len(shape) else None  # streaming: dim 0 must be n
                 self.watch.open(shape[0] if len(shape) else 1, self.root_rec.generation,
-                                tree_flatten(output)[0])
+                                tree_flatten(output)[0], self.tracker.flat_rows.full,
+                                bool(self.tracker.hooks))
                 split = split_outputs(output)
                 if split is not None and (split[2] or split[3]):  # a loss, upstream outputs
                     self.watch.model_losses = ModelLosses(split, inner)

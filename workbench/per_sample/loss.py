@@ -99,6 +99,14 @@ def record_factors(criterion, z, y, n: int, reduction: str) -> torch.Tensor:
     if reduction == "sum" or n == 0 or type(criterion) not in DENOMINATOR or not isinstance(
             y, torch.Tensor):
         return uniform
+    if z.dim() == 1:
+        raise LossCouplingError(
+            f"{type(criterion).__name__}'s input has one dim ({rows} values): torch reads it as "
+            f"one sample's class scores and takes one softmax over all of them, which with the "
+            f"batch on dim 0 is a softmax over the records (each record's loss moves with "
+            f"every other record's output). Pass scores of shape (n, C), one row per record "
+            f"(out.unsqueeze(1) for one score per record is a single class: use "
+            f"F.binary_cross_entropy_with_logits for a binary target)")
     if rows % n:
         raise LossCouplingError(
             f"{type(criterion).__name__}'s input has {rows} rows on dim 0, not a multiple of "

@@ -1,0 +1,145 @@
+"""A proof that the loss is a sum of per-record terms: the coupling test's double backward spared.
+
+``loss_watch.coupling`` differentiates the loss's part of the graph twice before the first
+backward pass of each signature, while the model's activations are still held. On a causal
+LM that part is the logits': the test held about six logit-sized tensors beside the
+activations (OPT at the real table's base size: the first step peaked at 1.45x a plain
+step, 1.18x with the test patched out). Most losses show what the test measures in the ops
+that compute them: ``F.cross_entropy`` over the rows of the logits, a mean over positions, a
+weighted sum of such terms. ``LossRows`` follows the loss window's ops with the model's own
+row proof (``per_sample/flat_rows.py``), seeded with the tags the forward pass proved for
+the outputs, and proves
+
+    L = Σ_k c_k Σ_r φ_k(o's rows of record(r))                                          (1)
+
+with no c_k carrying gradient. Then ∂²L/∂o_j ∂o_i = 0 for records i ≠ j exactly: the second
+derivative the test measures vanishes, and the test need not run.
+
+What keeps a proof (each rule conservative: anything else leaves the loss unproved, and the
+test runs as before):
+
+- a tensor is *row-wise* if it is an output the forward pass tagged with its records in the
+  batch's order, or an op ``FlatRows`` follows made it from row-wise operands, every other
+  operand carrying no gradient (an operand with gradient and no tag, even one broadcast
+  along dim 0 as ``o.mean(0, keepdim=True)`` is, ends the proof: logits centred over the
+  batch);
+- a loss function (``LOSSES``) keeps rows with ``reduction="none"`` where its output has its
+  input's shape, and makes a *separable scalar* with ``"mean"`` or ``"sum"``, its targets and
+  weights carrying no gradient; a class loss needs classes on dim 1 (a 1-d input is one
+  sample's classes: ``F.cross_entropy(o, y)`` on o of shape (n,) is a softmax over records);
+- ``sum`` or ``mean`` to a 0-d result of a row-wise tensor is a separable scalar (every
+  element belongs to one record); so is a sum or difference of separable scalars and
+  constants, a separable scalar times or over a constant, its negation or cast;
+- the proof is used only where the graph from the loss down to the outputs holds no custom
+  ``autograd.Function`` node (its backward may combine rows whatever its forward did; a
+  module's full backward hook is one) and no gradient hook was registered, in the forward
+  pass or the window (``loss_watch.coupling``).
+
+Notation: n batch size, o the model's outputs, (m, T) a tag: row r is record r // T's.
+"""
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from workbench.per_sample.flat_rows import FOLLOWED, FlatRows, IdentityRef, in_place
+
+CLASS_LOSSES = frozenset({"cross_entropy", "nll_loss"})  # classes on dim 1
+LOSSES = CLASS_LOSSES | frozenset({  # elementwise over input and target
+    "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
+    "binary_cross_entropy_with_logits", "kl_div", "poisson_nll_loss", "soft_margin_loss"})
+REDUCTIONS = frozenset({"sum", "mean"})  # to a 0-d result: over every element
+SUMS = frozenset({"add", "__add__", "__radd__", "sub", "__sub__", "__rsub__", "subtract"})
+PRODUCTS = frozenset({"mul", "__mul__", "__rmul__", "multiply"})
+QUOTIENTS = frozenset({"div", "__truediv__", "true_divide", "divide"})
+SAME = frozenset({"neg", "__neg__", "negative", "float", "double", "half", "bfloat16", "to",
+                  "type_as", "clone", "contiguous", "squeeze", "reshape", "view"})
+
+
+def _grad(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad
+
+
+class LossRows:
+    """The loss window's row proof (module docstring): ``after`` each op of the window,
+    ``proves(loss)`` at its backward."""
+
+    def __init__(self, seeds):
+        """``seeds``: (output, its forward tag (m, T, order) or None)."""
+        self.rows = FlatRows(_grad)  # an operand with gradient "carries a sample"
+        self.sums: dict[int, tuple] = {}  # separable scalars: id -> (ref, version)
+        for t, tag in seeds:
+            if tag is not None and tag[2] is None and t.dim() >= 1:
+                self.rows.tag(t, tag[0], tag[1])
+        self.on = bool(self.rows.tags)
+
+    def _row_wise(self, t):
+        return self.rows.full(t) if isinstance(t, torch.Tensor) and t.dim() >= 1 else None
+
+    def _separable(self, t) -> bool:
+        entry = self.sums.get(id(t))
+        return entry is not None and entry[0]() is t and entry[1] == t._version
+
+    def after(self, name: str, args, kwargs, out) -> None:
+        if not self.on:
+            return
+        operands = [t for t in tree_flatten((args, kwargs))[0] if _grad(t)]
+        if not operands:  # constants of o: an op's result carries nothing of o
+            return
+        results = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if name in LOSSES:
+            self._loss(name, args, kwargs, operands, out)
+        elif isinstance(out, torch.Tensor) and out.dim() == 0:
+            if self._scalar(name, args, operands):
+                self.sums[id(out)] = (IdentityRef(out), out._version)
+        elif all(self._row_wise(t) is not None for t in operands) and (
+                name in FOLLOWED or in_place(name)):
+            self.rows.after(name, args, kwargs, out)
+            return
+        for t in results:  # an operand with gradient unproved: nothing made here is proved
+            if t.dim() >= 1 and not (name in LOSSES and self._row_wise(t) is not None):
+                self.rows.tags.pop(id(t), None)
+        if in_place(name) and args and isinstance(args[0], torch.Tensor):
+            self.rows.tags.pop(id(args[0]), None)
+            self.sums.pop(id(args[0]), None)
+
+    def _loss(self, name, args, kwargs, operands, out) -> None:
+        x = args[0] if args else kwargs.get("input")
+        if len(operands) != 1 or operands[0] is not x or not isinstance(out, torch.Tensor):
+            return  # a target or weight with gradient (distillation from o itself)
+        tag = self._row_wise(x)
+        if tag is None or (name in CLASS_LOSSES and x.dim() < 2):
+            return
+        if out.dim() == 0:
+            self.sums[id(out)] = (IdentityRef(out), out._version)
+        elif out.shape == x.shape or (name in CLASS_LOSSES and out.shape[0] == x.shape[0]
+                                       and out.shape[1:] == x.shape[2:]):
+            self.rows.tag(out, *tag)
+
+    def _scalar(self, name, args, operands) -> bool:
+        if name in REDUCTIONS:  # a 0-d sum or mean: over every element
+            x = args[0] if args else None
+            return len(operands) == 1 and operands[0] is x and (
+                self._row_wise(x) is not None or self._separable(x))
+        if not all(self._separable(t) for t in operands):
+            return False
+        if name in SUMS:
+            return True
+        if name in PRODUCTS or name in SAME:
+            return len(operands) == 1
+        if name in QUOTIENTS:
+            return len(operands) == 1 and bool(args) and operands[0] is args[0]
+        return False
+
+    def proves(self, loss) -> bool:
+        """Is ``loss`` a separable scalar of the window (1)?"""
+        return self.on and self._separable(loss)
+
+
+def opaque(nodes) -> bool:
+    """Does the loss's part of the graph hold a node whose backward the proof cannot see (a
+    custom ``autograd.Function``, a module's full backward hook)?"""
+    return any(isinstance(node, torch.autograd.function.BackwardCFunction) for node in nodes)
+
+
+
+__all__ = ["CLASS_LOSSES", "LOSSES", "LossRows", "opaque"]
