@@ -206,6 +206,25 @@ EXPRESSIONS = {  # o (n, T, V), y (n, T); True: a sum of per-record terms
         "itv,jtv->ij", o, o).exp().sum(), False),
     "a record's loss over another's": (lambda o, y: (o[0].pow(2).sum() / o[1].pow(2).sum()),
                                        False),
+    # probe W (2026-12-01), each proved and silent in the first version of the proof:
+    "record 0's row broadcast": (lambda o, y: F.cross_entropy(
+        (o - o[[0]]).reshape(-1, V), y.reshape(-1)), False),
+    "record 0 by index_select": (lambda o, y: (o * o.index_select(0, torch.tensor([0]))).sum(),
+                                 False),
+    "lerp toward record 0": (lambda o, y: torch.lerp(o, o[[0]], 0.5).pow(2).sum(), False),
+    "gather along dim 0": (lambda o, y: (o * torch.gather(
+        o, 0, torch.zeros(1, T, V, dtype=torch.long))).sum(), False),
+    "attention over every record's keys": (lambda o, y: F.scaled_dot_product_attention(
+        o, o[:, 0], o[:, 0]).pow(2).sum(), False),
+    "attention to record 0": (lambda o, y: F.scaled_dot_product_attention(
+        o, o[[0]], o[[0]]).pow(2).sum(), False),
+    "flip with dims as varargs": (lambda o, y: (o * o.flip(1, 0)).sum(), False),
+    "sort with axis=0": (lambda o, y: (o.sort(axis=0).values * o).sum(), False),
+    "topk with axis=0": (lambda o, y: (o.topk(4, axis=0).values * o).sum(), False),
+    "torch.embedding, the table first": (lambda o, y: (o.flatten(1) * torch.embedding(
+        o.flatten(1), torch.tensor([1, 2, 3, 0]))).sum(), False),
+    "per-record attention": (lambda o, y: F.scaled_dot_product_attention(
+        o, o[:, :1], o[:, :1]).pow(2).sum(), True),
 }
 
 
@@ -235,3 +254,30 @@ def test_a_proof_holds_only_where_the_records_are_uncoupled(name):
         assert cross_records(loss_of, o, y) < 1e-12
     else:
         assert cross_records(loss_of, o, y) > 1e-6 or name == "a record's loss over another's"
+
+
+class Swapping(torch.Tensor):
+    """A subclass whose product is not the op its name says: ``a * S`` computes
+    ``a * a.roll(1, 0)`` (probe W's F6)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") == "__mul__":
+            a = args[0]
+            with torch._C.DisableTorchFunction():
+                return torch.Tensor.mul(a, torch.Tensor.roll(a, 1, 0))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("case", ["subclass", "saved tensor hooks"])
+def test_ops_that_do_not_say_what_the_graph_holds_end_the_proof(case):
+    torch.manual_seed(0)
+    o = torch.randn(4, T, V, dtype=torch.float64, requires_grad=True)
+    rows = loss_rows.LossRows([(o, (4, 1, None))])
+    with Following(rows):
+        if case == "subclass":
+            loss = (o * torch.ones_like(o).as_subclass(Swapping)).sum()
+        else:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t.roll(1, 0)):
+                loss = o.tanh().sum()
+    assert not rows.proves(loss)

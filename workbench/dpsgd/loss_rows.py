@@ -30,6 +30,9 @@ test runs as before):
 - ``sum`` or ``mean`` to a 0-d result of a row-wise tensor is a separable scalar (every
   element belongs to one record); so is a sum or difference of separable scalars and
   constants, a separable scalar times or over a constant, its negation or cast;
+- every operand of an op is a plain tensor (a subclass's ``__torch_function__`` decides what
+  its op computes) and no saved-tensor hooks are set (an unpack hook decides what the backward
+  reads); two or more operands with gradient are row-wise alike (``LossRows._aligned``);
 - the proof is used only where the graph from the loss down to the outputs holds no custom
   ``autograd.Function`` node (its backward may combine rows whatever its forward did; a
   module's full backward hook is one) and no gradient hook was registered, in the forward
@@ -53,6 +56,9 @@ PRODUCTS = frozenset({"mul", "__mul__", "__rmul__", "multiply"})
 QUOTIENTS = frozenset({"div", "__truediv__", "true_divide", "divide"})
 SAME = frozenset({"neg", "__neg__", "negative", "float", "double", "half", "bfloat16", "to",
                   "type_as", "clone", "contiguous", "squeeze", "reshape", "view"})
+
+
+PLAIN = (torch.Tensor, torch.nn.Parameter)  # types whose ops are what their names say
 
 
 def _grad(t) -> bool:
@@ -82,7 +88,12 @@ class LossRows:
     def after(self, name: str, args, kwargs, out) -> None:
         if not self.on:
             return
-        operands = [t for t in tree_flatten((args, kwargs))[0] if _grad(t)]
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if any(type(t) not in PLAIN for t in tensors) or \
+                torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            self.on = False  # a subclass decides what its op computes; a saved tensor's
+            return  # unpack hook decides what the backward reads: no proof from the ops
+        operands = [t for t in tensors if t.requires_grad]
         if not operands:  # constants of o: an op's result carries nothing of o
             return
         results = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
@@ -91,8 +102,7 @@ class LossRows:
         elif isinstance(out, torch.Tensor) and out.dim() == 0:
             if self._scalar(name, args, operands):
                 self.sums[id(out)] = (IdentityRef(out), out._version)
-        elif all(self._row_wise(t) is not None for t in operands) and (
-                name in FOLLOWED or in_place(name)):
+        elif self._aligned(operands) and (name in FOLLOWED or in_place(name)):
             self.rows.after(name, args, kwargs, out)
             return
         for t in results:  # an operand with gradient unproved: nothing made here is proved
@@ -101,6 +111,18 @@ class LossRows:
         if in_place(name) and args and isinstance(args[0], torch.Tensor):
             self.rows.tags.pop(id(args[0]), None)
             self.sums.pop(id(args[0]), None)
+
+    def _aligned(self, operands) -> bool:
+        """Every operand with gradient row-wise, and two or more alike: one tag (records in
+        one order), one number of dims, one dim 0. Then no rule below sees a row of o
+        broadcast against the others (``o - o[[0]]``, SDPA with keys ``o[:, 0]`` of fewer
+        dims: every record's term reading record 0's or all records' rows)."""
+        tags = [self._row_wise(t) for t in operands]
+        if any(tag is None for tag in tags):
+            return False
+        first = operands[0]
+        return all(tag == tags[0] and t.dim() == first.dim() and t.shape[0] == first.shape[0]
+                   for t, tag in zip(operands, tags))
 
     def _loss(self, name, args, kwargs, operands, out) -> None:
         x = args[0] if args else kwargs.get("input")

@@ -474,6 +474,9 @@ class FlatRows:
         destination is the result, not an operand, and a write into it that kept its rows
         keeps those of the views made of it before (``_kept``: a recurrence's gate buffers
         split once, written at every step)."""
+        if kwargs and "axis" in kwargs:  # torch's alias of dim= (``x.sort(axis=0)``): every
+            kwargs = {("dim" if k == "axis" else k): v for k, v in kwargs.items()}  # reader
+            # below reads dim= (a sort along the records read as the default dim -1 was kept)
         if kwargs and "out" in kwargs:
             kwargs = {k: v for k, v in kwargs.items() if k != "out"}
             if isinstance(result, torch.Tensor) and self.writes is not None:
@@ -1075,8 +1078,16 @@ def _resampled(x, args, kwargs, result, tag_of, tainted):  # F.interpolate on (n
     return x.dim() >= 3 and all(_no_sample(a, tainted) for a in (*args[1:], *kwargs.values()))
 
 
-def _flipped(x, args, kwargs, result, tag_of, tainted):
-    return _spares_dim0(args[1] if len(args) > 1 else kwargs.get("dims"), x.dim())
+def _flipped(x, args, kwargs, result, tag_of, tainted):  # flip(x, dims) or x.flip(1, 0)
+    dims = args[1] if len(args) == 2 else (args[1:] or kwargs.get("dims"))
+    return _spares_dim0(dims, x.dim())
+
+
+def _looked_up(x, args, kwargs, result, tag_of, tainted):  # embedding(ids, table)
+    """``F.embedding(ids, W)``: rows of the ids. ``torch.embedding(W, ids)`` shares the name
+    with the table first: a tagged table's rows picked by ids are not its own rows."""
+    return not (x.is_floating_point() or x.is_complex()) and _weighted(
+        x, args, kwargs, result, tag_of, tainted)
 
 
 def _selected(x, args, kwargs, result, tag_of, tainted):  # index_select(x, d ≠ 0, idx)
@@ -1103,7 +1114,7 @@ OPS = {"expand": _expanded, "roll": _rolled, "cumsum": _along, "cumprod": _along
        "repeat_interleave": _along, **dict.fromkeys(LIKE, lambda *_: True),
        **{f"{kind}{d}d": _pooled(d) for d in (1, 2, 3)
           for kind in ("adaptive_avg_pool", "adaptive_max_pool", "avg_pool", "max_pool")},
-       "linear": _weighted, "embedding": _weighted, "conv1d": _convolved(1),
+       "linear": _weighted, "embedding": _looked_up, "conv1d": _convolved(1),
        "conv2d": _convolved(2), "conv3d": _convolved(3), "layer_norm": _normalised,
        "rms_norm": _normalised, "group_norm": _group_normalised, "mean": _reduced,
        "sum": _reduced, "amax": _reduced, "amin": _reduced, "logsumexp": _reduced,
