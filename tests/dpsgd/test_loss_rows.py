@@ -10,7 +10,8 @@ from torch import nn
 
 from tests.dpsgd.test_invariant import assert_invariant, batch, mlp, released
 from workbench.dpsgd import loss_rows
-from workbench.errors import LossCouplingError, WorkbenchError
+from workbench.dpsgd.optimizer import DPOptimizer
+from workbench.errors import LoopError, LossCouplingError, WorkbenchError
 
 V, T = 6, 4
 
@@ -168,7 +169,7 @@ class Following(torch.overrides.TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         with torch._C.DisableTorchFunction():
-            self.rows.after(getattr(func, "__name__", ""), args, kwargs, out)
+            self.rows.after(getattr(func, "__name__", ""), args, kwargs, out, func)
         return out
 
 
@@ -284,3 +285,103 @@ def test_ops_that_do_not_say_what_the_graph_holds_end_the_proof(case):
             with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t.roll(1, 0)):
                 loss = o.tanh().sum()
     assert not rows.proves(loss)
+
+
+def disguised(name, body):
+    """A user's function reaching the mode under a torch op's name through
+    ``handle_torch_function``: its body runs unseen (probe X's S1)."""
+    from torch.overrides import handle_torch_function, has_torch_function
+
+    def fn(x, *rest):
+        if has_torch_function((x,)):
+            return handle_torch_function(fn, (x,), x, *rest)
+        return body(x, *rest)
+
+    fn.__name__ = name
+    return fn
+
+
+DISGUISED = {
+    "a mul whose gradient mixes records": (disguised("mul", lambda x, c: x * c + (
+        x.roll(1, 0) - x.roll(1, 0).detach()) * x), lambda f, o, y: f(o, 2.0).pow(2).sum()),
+    "a softmax over the records": (disguised("softmax", lambda x, d: torch.softmax(x, 0)),
+                                   lambda f, o, y: f(o, -1).pow(2).sum()),
+    "a cross-entropy of centred logits": (disguised("cross_entropy", lambda x, t: F.cross_entropy(
+        x - x.mean(0, keepdim=True), t)), lambda f, o, y: f(o.transpose(1, 2), y)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DISGUISED))
+def test_a_function_named_as_a_torch_op_is_not_taken_for_it(name):
+    fn, loss_of = DISGUISED[name]
+    torch.manual_seed(0)
+    o = torch.randn(4, T, V, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, V, (4, T))
+    rows = loss_rows.LossRows([(o, (4, 1, None))])
+    with Following(rows):
+        loss = loss_of(fn, o, y)
+    assert not rows.proves(loss)
+    assert cross_records(lambda o, y: loss_of(fn, o, y), o, y) > 1e-6
+
+
+def mixing(g):
+    return g - g.mean(0, keepdim=True)
+
+
+@pytest.mark.parametrize("where", ["DisableTorchFunction", "another thread"])
+def test_a_hook_the_window_did_not_see_leaves_the_loss_to_the_test(where):
+    """``o.register_hook`` made where the window's mode is off: the test still runs and
+    refuses the hook's centring over the batch (probe X's S2)."""
+    import threading
+
+    def loss(o, y):
+        if where == "DisableTorchFunction":
+            with torch._C.DisableTorchFunction():
+                o.register_hook(mixing)
+        else:
+            thread = threading.Thread(target=lambda: o.register_hook(mixing))
+            thread.start()
+            thread.join()
+        return F.cross_entropy(o, y)
+
+    x, y = batch()
+    with pytest.raises(LossCouplingError):
+        released(mlp(), loss, x, y, "auto")
+
+
+def centred(z, y):
+    return F.cross_entropy(z - z.mean(0, keepdim=True), y)
+
+
+def test_an_evaluation_pass_before_the_loss_keeps_the_training_window():
+    """A no_grad pass of the model between the training pass and its loss replaced the
+    window's outputs, so a loss centring the logits over the batch went unchecked (probe X's
+    P1, silent in every version before 2026-12-01)."""
+    model, (x, y) = mlp(), batch()
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
+                      max_grad_norm=1.0, expected_batch_size=1.0)
+    try:
+        opt.zero_grad()
+        out = model(x)
+        with torch.no_grad():
+            model(x)
+        with pytest.raises(LossCouplingError):
+            centred(out, y).backward()
+    finally:
+        opt.detach()
+
+
+def test_a_loss_on_an_earlier_pass_than_the_last_is_refused():
+    """Two forward passes, then backward of a loss on the first's outputs: the window held the
+    second's, so the loss ran unchecked (probe X's P2, silent before 2026-12-01)."""
+    model, (x, y) = mlp(), batch()
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, noise_multiplier=0.0,
+                      max_grad_norm=1.0, expected_batch_size=1.0)
+    try:
+        opt.zero_grad()
+        first = model(x)
+        model(x)
+        with pytest.raises(LoopError, match="earlier forward pass"):
+            centred(first, y).backward()
+    finally:
+        opt.detach()

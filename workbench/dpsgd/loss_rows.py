@@ -32,13 +32,17 @@ test runs as before):
 - ``sum`` or ``mean`` to a 0-d result of a row-wise tensor is a separable scalar (every
   element belongs to one record); so is a sum or difference of separable scalars and
   constants, a separable scalar times or over a constant, its negation or cast;
-- every operand of an op is a plain tensor (a subclass's ``__torch_function__`` decides what
+- the op is one of torch's own functions or methods (``torch_functions``: a user's function
+  dispatching through ``handle_torch_function``, or a ``torch.library`` custom op, reaches the
+  mode under a torch op's name while its body runs unseen), every operand of an op is a plain
+  tensor (a subclass's ``__torch_function__`` decides what
   its op computes) and no saved-tensor hooks are set (an unpack hook decides what the backward
   reads); two or more operands with gradient are row-wise alike (``LossRows._aligned``);
 - the proof is used only where the graph from the loss down to the outputs holds no custom
   ``autograd.Function`` node (its backward may combine rows whatever its forward did; a
   module's full backward hook is one) and no gradient hook was registered, in the forward
-  pass or the window (``loss_watch.coupling``).
+  pass or the window (``loss_watch.coupling``), and no tensor of the proof carries one but the
+  workbench's own (``foreign_hooks``: one registered where the window could not see it).
 
 Notation: n batch size, o the model's outputs, (m, T) a tag: row r is record r // T's.
 """
@@ -93,7 +97,7 @@ class LossRows:
         entry = self.sums.get(id(t))
         return entry is not None and entry[0]() is t and entry[1] == t._version
 
-    def after(self, name: str, args, kwargs, out) -> None:
+    def after(self, name: str, args, kwargs, out, func=None) -> None:
         if not self.on:
             return
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
@@ -104,6 +108,9 @@ class LossRows:
         operands = [t for t in tensors if t.requires_grad]
         if not operands:  # constants of o: an op's result carries nothing of o
             return
+        if func is not None and func not in torch_functions():  # a user's function or a
+            self.on = False  # custom op reaching the mode under a torch op's name (probe X):
+            return  # its body runs unseen, so its name says nothing of what it computes
         results = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if name in LOSSES:
             self._loss(name, args, kwargs, operands, out)
@@ -161,8 +168,31 @@ class LossRows:
         return False
 
     def proves(self, loss) -> bool:
-        """Is ``loss`` a separable scalar of the window (1)?"""
-        return self.on and self._separable(loss)
+        """Is ``loss`` a separable scalar of the window (1), with no gradient hook but the
+        workbench's own on any tensor of the proof (one registered where the window cannot
+        see it: under ``DisableTorchFunction``, from another thread)?"""
+        if not (self.on and self._separable(loss)):
+            return False
+        chain = (entry[0]() for entry in (*self.rows.tags.values(), *self.sums.values()))
+        return not any(foreign_hooks(t) for t in chain if t is not None)
+
+
+def foreign_hooks(t: torch.Tensor) -> bool:
+    """Does ``t`` carry a gradient hook other than the workbench's own (the recorder's)?"""
+    return any(not getattr(h, "__module__", "").startswith("workbench.")
+               for h in (t._backward_hooks or {}).values())
+
+
+_TORCH: list = []
+
+
+def torch_functions() -> frozenset:
+    """torch's own overridable functions and methods (``torch.overrides``), built once: the
+    only callables whose ``__name__`` the rules may trust."""
+    if not _TORCH:
+        _TORCH.append(frozenset(f for fs in torch.overrides.get_overridable_functions().values()
+                                for f in fs))
+    return _TORCH[0]
 
 
 def opaque(nodes) -> bool:
@@ -172,4 +202,5 @@ def opaque(nodes) -> bool:
 
 
 
-__all__ = ["CLASS_LOSSES", "FOLLOWED", "LOSSES", "LossRows", "opaque"]
+__all__ = ["CLASS_LOSSES", "FOLLOWED", "LOSSES", "LossRows", "foreign_hooks", "opaque",
+           "torch_functions"]

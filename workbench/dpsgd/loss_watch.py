@@ -141,6 +141,8 @@ class LossWatch:
         self.trace = 0  # the window's ops with gradient, by name in order (``traced``)
         self.hooks: list[str] = []  # gradient hooks the window registered (``traced``)
         self.windows: dict[int, tuple] = {}  # generation -> (trace, hooks) of its backward
+        self.replaced: list = []  # weak references to the outputs of the forward passes a
+        # later pass replaced in the window since the last step (``_backward``)
         self.input_ids: set[int] = set()  # the model's inputs of the pass (``outside``)
         self.modules: list = []  # weak references to the window's outermost module calls
         self.count_reads: set[int] = set()  # counts the loop read off tensors since the
@@ -155,6 +157,12 @@ class LossWatch:
         ``outputs``: the model's output tensors, for the coupling test at ``backward``;
         ``rows_of``: the forward pass's row tags (``FlatRows.full``), which start the loss's
         row proof (``loss_rows.py``); ``hooked``: the pass registered gradient hooks."""
+        if self.roots and not any(isinstance(o, torch.Tensor) and o.requires_grad
+                                  for o in outputs):
+            self.before.reset(0)  # a pass without gradient (an evaluation) between a training
+            return  # pass and its loss: the training window stays, and its loss is checked
+            # on that pass's outputs (it replaced them, and a loss centring the logits over
+            # the batch went unchecked until 2026-12-01: probe X's P1)
         self.n, self.generation, self._depth = n, generation, 0
         self.trace, self.hooks, self.modules = 0, [], []
         if torch.is_grad_enabled():  # (a pass without gradient between: the loss stays)
@@ -415,6 +423,8 @@ class LossWatch:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self.replaced = [r for r in self.replaced if r() is not None] + [
+            weakref.ref(o) for o in self.roots]  # a later loss on them is refused (_backward)
         self.outputs, self.roots, self.rows = [], [], None
         self.model_losses = None
         self.stats.reset(0)
@@ -762,6 +772,7 @@ class LossWatch:
         self.calls = []
         self.pending = []
         self.windows = {}
+        self.replaced = []
 
     def _enter(self, module, args):
         if self._depth == 0 and len(self.modules) < 64:  # names a foreign leaf (outside)
@@ -882,7 +893,7 @@ class LossFunctions(TorchFunctionMode):
         with torch._C.DisableTorchFunction():
             watch.traced(name, args, kwargs, out)
             if watch.rows is not None:
-                watch.rows.after(name, args, kwargs, out)
+                watch.rows.after(name, args, kwargs, out, func)
         if isinstance(out, torch.Tensor) and not out.dim() and out.requires_grad:
             watch.loss = weakref.ref(out)  # (loss_alive)
         if watch.stats.on or watch.scale.on:  # batch statistics, the loss's kind
@@ -907,6 +918,18 @@ class LossFunctions(TorchFunctionMode):
         mine = [(t, v) for t, v in call.roots
                 if isinstance(t, torch.Tensor) and t.requires_grad and reaches(t, watch.roots)]
         if not mine:  # not this model's loss
+            earlier = [o for r in watch.replaced if (o := r()) is not None]
+            if earlier and any(isinstance(t, torch.Tensor) and t.requires_grad and reaches(
+                    t, earlier, limit=None) for t, _ in call.roots):
+                raise LoopError(
+                    "backward of a loss on the outputs of an earlier forward pass of the "
+                    "private model, after a later one (o1 = model(x1); o2 = model(x2); "
+                    "loss(o1).backward()): the optimizer checks how a loss combines the "
+                    "records on the outputs of the model's last forward pass, so this loss "
+                    "would go unchecked (a loss coupling the records, a batch statistic in "
+                    "it, released unseen). Call backward on each forward pass's loss before "
+                    "the next forward pass (gradient accumulation), or run the later pass "
+                    "under torch.no_grad() if it is an evaluation")
             return func(*args, **kwargs)
         kind = call.kind(watch.parameter_ids)
         if kind in ("aside", "second order"):  # no pass of the step: unrecorded

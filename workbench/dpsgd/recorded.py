@@ -282,7 +282,10 @@ class ModelRecorder:
             self._nested.append(self._depth)
         self._depth += 1
         if self._depth == 1 and self.layer_rec.recording:
-            self.watch.close()  # a new forward pass: the loss window of the last one ends
+            if torch.is_grad_enabled():  # a new forward pass: the loss window of the last
+                self.watch.close()  # one ends; not at a pass without gradient (an
+                # evaluation before the loss), which left a loss centring the logits over the
+                # batch unchecked until 2026-12-01 (probe X's P1)
             device = next(iter(self.params.values())).device
             self._rng, self._amp = rng_state(device), precision.state(device)
             skip = self.skip_weight_grads is True or (self.skip_weight_grads is AUTO

@@ -633,6 +633,9 @@ class FlatRows:
                 continue
             mine = self.full(t)
             if mine is not None and t.shape[0] == 1 and result.shape[0] != 1:
+                if mine[2] is not None:  # a record's row picked from the batch (h[[0]],
+                    tag = None  # index_select) broadcast to every record's rows: each row
+                    break  # reads record 0's (probe W, 2026-12-01)
                 mine = None  # one row broadcast to every row (an input of one row: positions)
             if mine is None:
                 if t.dim() >= result.dim() and t.shape[0] != 1 and (
@@ -916,7 +919,10 @@ def _alike_or_none(t, x, tag_of, tainted) -> bool:
     if not isinstance(t, torch.Tensor):
         return True
     if t.dim() < x.dim() or (t.shape[0] == 1 and x.shape[0] != 1):
-        return True  # broadcast along dim 0: one row for every row, as elementwise ops allow
+        tag = tag_of(t)  # broadcast along dim 0: one row for every row, as elementwise ops
+        # allow, but not the batch's rows with gradient (SDPA keys h[:, 0] of fewer dims, a
+        # record's row h[[0]]: every record's output would read the others'; probe W)
+        return tag is None or not (t.requires_grad or tag[2] is not None)
     mine = tag_of(t)
     if mine is not None:
         return mine == tag_of(x) and t.dim() == x.dim() and t.shape[0] == x.shape[0]
