@@ -139,6 +139,32 @@ def test_a_submodule_called_instead_of_the_private_model_is_named(mode):
         opt.step()
 
 
+class Box:  # a container torch's pytree does not open
+    def __init__(self, logits):
+        self.logits = logits
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_model_returning_an_unreadable_container_is_named_as_such(mode):
+    """A model returning a plain object holding its logits was refused as a loop calling a
+    submodule directly, though the model itself was called (probe X, 2026-12-01)."""
+    class Boxed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = mlp()
+
+        def forward(self, x):
+            return Box(self.inner(x))
+
+    model = Boxed()
+    opt = optimizer(model, mode)
+    x, y = data(4, 0)
+    opt.zero_grad()
+    CE(model(x).logits, y).mean().backward()
+    with pytest.raises(TypeError, match="returned a Box"):
+        opt.step()
+
+
 def test_optimizer_over_some_parameters_clips_those_and_clears_the_rest():
     model = mlp()
     x, y = data(6, 1)
