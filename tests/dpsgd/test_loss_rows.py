@@ -232,6 +232,18 @@ EXPRESSIONS = {  # o (n, T, V), y (n, T); True: proved a sum of per-record terms
 }
 
 
+def followed(loss_of):
+    """(o, y, proved): a seeded (4, T, V) output tagged record by record, and whether the
+    proof holds for ``loss_of(o, y)`` followed alone."""
+    torch.manual_seed(0)
+    o = torch.randn(4, T, V, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, V, (4, T))
+    rows = loss_rows.LossRows([(o, (4, 1, None))])
+    with Following(rows):
+        loss = loss_of(o, y)
+    return o, y, rows.proves(loss)
+
+
 def cross_records(loss_of, o, y):
     """‖∂²L/∂o_j∂o_{n-1}‖ over j ≠ n - 1 for a random direction: what the test measures."""
     o = o.detach().requires_grad_()
@@ -247,13 +259,8 @@ def test_a_proof_holds_only_where_the_records_are_uncoupled(name):
     """Soundness against the quantity itself: wherever the ops give a proof, the second
     derivative across records vanishes; each coupling expression is left unproved."""
     loss_of, separable = EXPRESSIONS[name]
-    torch.manual_seed(0)
-    o = torch.randn(4, T, V, dtype=torch.float64, requires_grad=True)
-    y = torch.randint(0, V, (4, T))
-    rows = loss_rows.LossRows([(o, (4, 1, None))])
-    with Following(rows):
-        loss = loss_of(o, y)
-    assert rows.proves(loss) == bool(separable)
+    o, y, proved = followed(loss_of)
+    assert proved == bool(separable)
     if separable is not False:
         assert cross_records(loss_of, o, y) < 1e-12
     else:
@@ -314,13 +321,8 @@ DISGUISED = {
 @pytest.mark.parametrize("name", sorted(DISGUISED))
 def test_a_function_named_as_a_torch_op_is_not_taken_for_it(name):
     fn, loss_of = DISGUISED[name]
-    torch.manual_seed(0)
-    o = torch.randn(4, T, V, dtype=torch.float64, requires_grad=True)
-    y = torch.randint(0, V, (4, T))
-    rows = loss_rows.LossRows([(o, (4, 1, None))])
-    with Following(rows):
-        loss = loss_of(fn, o, y)
-    assert not rows.proves(loss)
+    o, y, proved = followed(lambda o, y: loss_of(fn, o, y))
+    assert not proved
     assert cross_records(lambda o, y: loss_of(fn, o, y), o, y) > 1e-6
 
 
