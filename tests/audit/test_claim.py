@@ -258,3 +258,65 @@ def test_a_user_level_fixed_size_claim_is_not_supported_unchecked():
     result = audit_claim(claim, step=bug_zoo.correct_step, loader=loader, trials=50)
     assert _row(result, "sampler")["verdict"] != SUPPORTED
     assert "not checked" in _row(result, "sampler")["finding"]
+
+
+# the ε judged for every sampler the loader may be, and never "supported" below the claimed
+# accountant's own figure (the accounting probe's finds, 2026-12-01) ------------------------
+
+def test_a_fixed_size_claim_on_a_poisson_loader_is_judged_as_poisson():
+    """A shuffle claim whose loader draws Poisson batches: the sampler row said
+    "inconclusive" and the ε was judged by the shuffle bracket alone, so ε = 4.4 was
+    "supported" at q = 0.5, σ = 1, one epoch, where the loader's Poisson ε is at least 4.85
+    (small σ, large q: Poisson is worse than the shuffle bracket)."""
+    import torch
+
+    from workbench.dpsgd.sampling import DPDataLoader
+
+    def loader(dataset):
+        return DPDataLoader(dataset, sample_rate=0.5, generator=torch.Generator().manual_seed(0))
+
+    claim = validate({**VALID, "sampler": "shuffle", "batch_size": 500, "noise_multiplier": 1.0,
+                      "epochs": 1, "steps": None, "accountant": "pld", "epsilon": 4.4})
+    result = audit_claim(claim, step=bug_zoo.correct_step, loader=loader, trials=50)
+    assert _row(result, "sampler")["verdict"] == REFUTED
+    assert "judged as Poisson" in _row(result, "sampler")["finding"]
+    assert _row(result, "ε")["verdict"] == REFUTED and not result.passed
+    loose = audit_claim(validate({**VALID, "sampler": "shuffle", "batch_size": 500,
+                                  "noise_multiplier": 1.0, "epochs": 1, "steps": None,
+                                  "accountant": "pld", "epsilon": 6.0}),
+                        step=bug_zoo.correct_step, loader=loader, trials=50)
+    assert _row(loose, "ε")["verdict"] == SUPPORTED  # (above both: the sampler row decides)
+
+
+def test_a_claim_below_its_accountants_figure_is_never_supported():
+    """A Poisson claim at 0.99 of the PLD figure was "supported" (1% allowed for rounding),
+    though at the README's MNIST setting that claim is below a proven lower bound on the true
+    ε (2.3559 against at least 2.3655). Within the rounding it is now inconclusive, or refuted
+    below the proven lower bound; at or above the figure supported; beneath the rounding
+    refuted."""
+    from workbench.audit.claim_audit import INCONCLUSIVE, ROUNDING, _epsilon_row
+    from workbench.audit.claim_epsilon import bracket, epsilon_figures
+
+    claim = validate({**VALID, "accountant": "pld"})
+    figures = epsilon_figures(claim)
+    pld = float(figures[(figures["source"] == "workbench") & (figures["key"] == "pld")]
+                ["epsilon"].iloc[0])
+
+    def verdict(eps, sampler="poisson"):
+        c = validate({**VALID, "accountant": "pld", "epsilon": eps})
+        return _epsilon_row(c, sampler, figures)
+
+    assert verdict(pld)["verdict"] == SUPPORTED
+    low = bracket(claim, "poisson").lower  # the proven lower bound (PLD, optimistic)
+    assert pld * (1 - ROUNDING) < low < pld  # here tight: within the rounding, refuted
+    assert verdict(low * 1.0001)["verdict"] == INCONCLUSIVE
+    assert "not proven" in verdict(low * 1.0001)["finding"]
+    assert verdict(low * 0.9999)["verdict"] == REFUTED
+    assert verdict(pld * (1 - 2 * ROUNDING))["verdict"] == REFUTED
+    assert verdict(1e-3)["verdict"] == REFUTED
+    # several samplers possible: supported only where each supports it
+    both = verdict(pld, ("poisson", "shuffle"))
+    shuffle = verdict(pld, "shuffle")
+    assert both["verdict"] == (SUPPORTED if shuffle["verdict"] == SUPPORTED else INCONCLUSIVE)
+    assert "poisson or shuffle" in both["finding"]
+    assert verdict(1e-3, ("poisson", "shuffle"))["verdict"] == REFUTED
