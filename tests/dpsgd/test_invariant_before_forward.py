@@ -74,10 +74,29 @@ def scaled_inputs(model, x, y):
     return ce(model(x / x.abs().max()), y).sum()  # one scale over the whole batch
 
 
+PREPROCESS = torch.nn.BatchNorm1d(D, affine=False).double()  # a module outside the model
+
+
 COUPLED = {"num_items_in_batch": items_in_batch, "a count read as a number": count_as_number,
            "batch class frequency as weight=": class_frequency,
            "inputs centred by the batch": centred_inputs,
-           "inputs scaled by the batch max": scaled_inputs}
+           "inputs scaled by the batch max": scaled_inputs,
+           # fused normalisations and the records moved off dim 0 (silent until 2026-12-01:
+           # one record's influence 1.7-1.8 C)
+           "inputs through F.batch_norm": lambda m, x, y: ce(m(F.batch_norm(
+               x, None, None, training=True)), y).sum(),
+           "inputs through a BatchNorm1d in train mode": lambda m, x, y: ce(m(
+               PREPROCESS.train()(x)), y).sum(),
+           "inputs through F.normalize over the records": lambda m, x, y: ce(m(
+               F.normalize(x, dim=0)), y).sum(),
+           "inputs centred over x.T's dim 1": lambda m, x, y: ce(m(
+               (x.T - x.T.mean(1, keepdim=True)).T), y).sum(),
+           "inputs through layer_norm of x.T": lambda m, x, y: ce(m(
+               F.layer_norm(x.T, (x.shape[0],)).T), y).sum(),
+           "inputs' sign chosen by an if on their sum": lambda m, x, y: ce(m(
+               x if x[:, 0].sum() > 0 else -x), y).sum(),
+           "inputs scaled by a std over x.transpose(0, 1)": lambda m, x, y: ce(m(
+               x / x.transpose(0, 1).std(1)), y).sum()}
 LOADERS = {"poisson": {}, "virtual steps": {"max_physical_batch_size": 4},
            "user level": {"privacy_unit": "user", "user_ids": torch.arange(N) // 2}}
 
@@ -96,6 +115,12 @@ def logged(model, x, y):
 
 
 ACCEPTED = {
+    "inputs through a BatchNorm1d in eval mode": lambda m, x, y: ce(m(PREPROCESS.eval()(x)),
+                                                                  y).sum(),
+    "inputs centred by their own mean over x.T's dim 0": lambda m, x, y: ce(m(
+        x - x.T.mean(0)[:, None]), y).sum(),
+    "inputs through F.normalize per record": lambda m, x, y: ce(m(F.normalize(x, dim=1)),
+                                                               y).sum(),
     "per-record normalised inputs": lambda m, x, y: ce(m(x / x.norm(dim=1, keepdim=True)),
                                                        y).sum(),
     "a data-set constant": lambda m, x, y: ce(m(x), y).sum() / 7.0,

@@ -247,3 +247,26 @@ def test_a_tokenizer_in_the_loop_and_in_collate_fn_is_accepted():
     strings.collate_fn = collate
     grads = loop(prompted, dataset=strings, model=model())
     assert len(grads) == 3 and all(torch.isfinite(g).all() for g in grads)
+
+
+def per_column_standardised(model, x, y):
+    mu, sd = x.mean(0).tolist(), x.std(0).tolist()  # a StandardScaler fitted on the batch
+    return ce(model((x - torch.tensor(mu, dtype=x.dtype)) / torch.tensor(sd, dtype=x.dtype)),
+              y).sum()
+
+
+def per_column_numpy(model, x, y):
+    mu = x.mean(0).numpy()
+    return ce(model(x - torch.from_numpy(mu)), y).sum()
+
+
+@pytest.mark.parametrize("step", [per_column_standardised, per_column_numpy])
+def test_a_statistic_leaving_torch_comes_back_as_one(step):
+    """The batch's per-column statistics through Python or NumPy: only exports of the batch's
+    rows were followed, so this passed (one record's influence 1.5 C) unless the columns
+    happened to number n."""
+    with pytest.raises(LossCouplingError) as err:
+        loop(step)
+    message = str(err.value)
+    assert message.startswith("the model's input depends on")
+    assert "after the batch left torch by" in message and "mean() over the records" in message

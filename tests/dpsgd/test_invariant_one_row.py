@@ -140,6 +140,8 @@ EXACT = {
     "a repeat cut back to the batch": lambda x, y: (x.repeat(2, 1)[:len(x)], y),
     "an index without repeats": lambda x, y: (x[list(range(len(x)))[::-1]],
                                               y[list(range(len(y)))[::-1]]),
+    "transposed and back": lambda x, y: (x.t().contiguous().T, y),
+    "moved by movedim and back": lambda x, y: (x.movedim(0, 1).movedim(1, 0), y),
 }
 
 
@@ -157,3 +159,47 @@ def test_a_training_record_joined_to_every_batch_is_refused():
     anchor_x, anchor_y = DATA.tensors[0][:1], DATA.tensors[1][:1]
     with pytest.raises(RecordCountError, match="taken from the training set"):
         loop(lambda x, y: (torch.cat([x[:-1], anchor_x]), torch.cat([y[:-1], anchor_y])))
+
+
+class TokenModel(nn.Module):
+    """Per-token logits of a sequence-first model: (T, n) ids to (T, n, V)."""
+
+    def __init__(self, V=7):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.out = nn.Embedding(V, 4), nn.Linear(4, V)
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.emb(ids)))
+
+
+SEQUENCE_FIRST = {  # the records handed out as (n, T), the model fed (T, n)
+    "x.t()": lambda x: x.t(),
+    "x.T": lambda x: x.T,
+    "x.transpose(0, 1).contiguous()": lambda x: x.transpose(0, 1).contiguous(),
+    "x.permute(1, 0).clone()": lambda x: x.permute(1, 0).clone(),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SEQUENCE_FIRST))
+def test_a_sequence_first_input_is_refused(case):
+    """A word_language_model-style loop, ``model(x.t())``: each time step was clipped as a
+    record (silent when T <= n; one record moved the release by T·C, probe Y)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 7, (N, 4), generator=g)
+    model = TokenModel()
+    model, opt, loader = wb.PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        data_loader=DataLoader(TensorDataset(ids), batch_size=16), noise_multiplier=0.0,
+        max_grad_norm=C, loss_reduction="sum",
+        sampling_generator=torch.Generator().manual_seed(1))
+    with pytest.raises(RecordCountError, match="moved off dim 0") as info:
+        for (x,) in loader:
+            if len(x) < 2:
+                continue
+            seq = SEQUENCE_FIRST[case](x)
+            opt.zero_grad()
+            logits = model(seq[:-1])
+            F.cross_entropy(logits.reshape(-1, 7), seq[1:].reshape(-1), reduction="sum").backward()
+            opt.step()
+    assert "batch_first=True" in str(info.value)

@@ -44,6 +44,15 @@ COUPLED = {  # name: the loop's batch loss
         o, t, weight=1.0 / (torch.bincount(t, minlength=4).double() + 1)),
     "softmax over the batch of detached logits": lambda o, t: (
         ce(o, t) * o.detach()[:, 0].softmax(0)).sum(),
+    # silent until 2026-12-01: ``.data`` (not told from other properties), a fused batch norm
+    # (a distillation teacher left in train mode), a reduction over the records moved to dim 1
+    "loss mean over its .data": lambda o, t: ce(o, t).mean() / ce(o, t).mean().data,
+    "soft targets through a train-mode batch norm": lambda o, t: F.cross_entropy(
+        o, F.batch_norm(o.detach(), None, None, training=True).softmax(1)),
+    "a scale chosen by an if on the labels": lambda o, t: (
+        1.0 if (t == 2).any() else 3.0) * ce(o, t).mean(),
+    "weights over the records of the transposed logits": lambda o, t: (
+        ce(o, t) * o.detach().T.softmax(1)[0]).mean(),
 }
 
 

@@ -348,12 +348,15 @@ def test_reentrant_checkpointing_is_refused_by_the_functional_api_too(method):
             wb.clipped_grad_sum(model, loss, x, y, 1.0, method=method)
 
 
+@pytest.mark.parametrize("vector", [False, True], ids=["", "the records' losses reduced late"])
 @pytest.mark.parametrize("evaluate", [False, True], ids=["", "an evaluation between"])
 @pytest.mark.parametrize("poisson", [True, False], ids=["Poisson", "shuffled"])
-def test_zero_grad_between_forward_and_backward_is_the_same_step(poisson, evaluate):
+def test_zero_grad_between_forward_and_backward_is_the_same_step(poisson, evaluate, vector):
     """``loss = crit(model(x), y); opt.zero_grad(); loss.backward(); opt.step()``, the order
     of PyTorch's own tutorials: zero_grad dropped the recorded forward pass, and step()
-    refused "without a backward()" until 2026-11-30. Now the same update as zero_grad first."""
+    refused "without a backward()" until 2026-11-30. Now the same update as zero_grad first;
+    also where the loop holds the records' losses and reduces them after zero_grad (refused
+    the same way until 2026-12-01)."""
     import warnings
 
     def run(late):
@@ -373,13 +376,13 @@ def test_zero_grad_between_forward_and_backward_is_the_same_step(poisson, evalua
         for x, y in loader:
             if not late:
                 opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
+            loss = F.cross_entropy(model(x), y, reduction="none" if vector else "mean")
             if evaluate:
                 with torch.no_grad():
                     model(x[:2])
             if late:
                 opt.zero_grad()
-            loss.backward()
+            (loss.mean() if vector else loss).backward()
             opt.step()
         return [p.detach().clone() for p in model.parameters()]
 

@@ -101,6 +101,36 @@ DIM_THIRD = {"norm", "linalg_vector_norm", "quantile", "nanquantile", "kthvalue"
              "topk"}  # (x, p or q or k, dim)
 
 
+NORMS = {"batch_norm", "layer_norm", "normalize", "rms_norm"}
+"""Normalisations computed in one fused call: over dim 0 (``_normalised``) they are batch
+statistics as a ``mean`` and ``std`` there are. A ``BatchNorm`` in training mode outside the
+private model (a distillation teacher left in ``.train()``, a preprocessing module) or
+``F.batch_norm(x, None, None, training=True)`` on the inputs moved one record's influence to
+1.7-1.8 C, silently, until 2026-12-01 (``x.std(0)`` was refused)."""
+
+
+def _normalised(name: str, args, kwargs, ndim: int) -> set:
+    """The dims a ``NORMS`` call normalises over (``F.batch_norm``, ``torch.batch_norm``:
+    training at position 5 in both; with running statistics and not training none)."""
+    def arg(i, key, default=None):
+        return kwargs[key] if key in kwargs else args[i] if len(args) > i else default
+    if name == "batch_norm":
+        training = arg(5, "training", False)
+        stats = arg(1, "running_mean"), arg(2, "running_var")
+        if name == "batch_norm" and len(args) > 3 and isinstance(args[3], torch.Tensor) \
+                and args[3].dim() == 1 and "running_mean" not in kwargs:  # torch.batch_norm:
+            stats = args[3], args[4] if len(args) > 4 else None  # (x, w, b, rm, rv, ...)
+        return {d for d in range(ndim) if d != 1} if training or None in stats else set()
+    if name == "normalize":
+        dim = arg(2, "dim", 1)
+        dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+        return {d % ndim for d in dims if isinstance(d, int)}
+    shape = arg(1, "normalized_shape", ())  # layer_norm, rms_norm: the trailing dims
+    k = 1 if isinstance(shape, int) else len(shape) if isinstance(shape, (tuple, list,
+                                                                         torch.Size)) else 0
+    return set(range(max(ndim - k, 0), ndim))
+
+
 def _dims(func, args, kwargs, ndim: int):
     """The reduced dimensions (all of them when none is given)."""
     name = getattr(func, "__name__", "")
@@ -153,6 +183,7 @@ class BatchStatistics:
         self.exported: tuple | None = None  # (what left torch, its rows): EXPORTS
         self.host_numbers: list[tuple] = []  # the exports' statistics (numbers)
         self.made: dict[int, tuple] = {}  # id -> (weakref, ""): made in the window, no data
+        self.branched: str | None = None  # a statistic the loop branched on (``__bool__``)
         _follow_host(self, False)
 
     def _batch(self, rows: int) -> bool:
@@ -173,11 +204,15 @@ class BatchStatistics:
         kept = tuple(w for w, r in self.source.items()
                      if (r & valid if isinstance(r, frozenset) else r in valid))
         self.stats = {k: v for k, v in self.stats.items() if v[1].endswith(kept)}
-        if self.exported is not None and self.exported[1] not in valid:
+        rows = self.exported[1] if self.exported is not None else None
+        if self.exported is not None and not (rows & valid if isinstance(rows, frozenset)
+                                              else rows in valid):
             self.exported = None  # (not the batch's rows: a per-record array of the data set)
             _follow_host(self, False)
         self.reductions = {k: v for k, v in self.reductions.items() if v[1].endswith(kept)}
         self.numbers = {v: w for v, w in self.numbers.items() if w.endswith(kept)}
+        if self.branched is not None and not self.branched.endswith(kept):
+            self.branched = None  # (a branch on a tensor not of the batch's rows)
         self.n, self.on = n, n >= 2  # an empty batch (n = 0) follows nothing, keeps no rows
         self.rows = {r for r in self.rows if r and n and r % n == 0} | {n}
 
@@ -199,8 +234,12 @@ class BatchStatistics:
         if not self.on:
             return
         name = getattr(func, "__name__", "")
-        if func is torch.Tensor.data.__get__:
+        if func == torch.Tensor.data.__get__:  # (a new method-wrapper each access: ==)
             name = "detach"
+        elif func == torch.Tensor.T.__get__ and args and isinstance(args[0], torch.Tensor):
+            name, args = "permute", (args[0], tuple(range(args[0].dim() - 1, -1, -1)))
+        elif func == torch.Tensor.mT.__get__ and args and isinstance(args[0], torch.Tensor):
+            name, args = "transpose", (args[0], -2, -1)
         flat = call_leaves(args, kwargs)  # == tree_flatten((args, kwargs))[0]
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
         self.order.derive(name, tensors, out)  # (a running mean of the batches: earlier's)
@@ -215,7 +254,9 @@ class BatchStatistics:
         if name in EXPORTS and tensors and tensors[0].dim() and tensors[0].shape[0] >= 2 \
                 and self._batch(tensors[0].shape[0]) \
                 and not self._has(self.derived, tensors[0]) \
-                and not self._has(self.made, tensors[0]):  # (an accuracy, per-record λs)
+                and not self._has(self.made, tensors[0]) \
+                and not self._has(self.stats, tensors[0]):  # (an accuracy, per-record λs; a
+            # statistic's export is followed below, with the statistic's rows)
             x = tensors[0]
             left = f"{name}() of a {tuple(x.shape)} {x.dtype} tensor of the batch"
             if self.exported is None:
@@ -252,7 +293,20 @@ class BatchStatistics:
                          and float(v) in self.numbers), None)
         if what is None and name in ARITHMETIC and self.host_numbers and tensors:
             what = self._host_number(flat, tensors)
+        if what is not None and name == "__bool__" and self.branched is None \
+                and self.n is not None and not self._has(self.derived, tensors[0]):
+            # ``if x.sum() > 0:`` (n known: at an optimizer boundary of a loop by hand any
+            # tensor of >= 2 rows may be the batch, and a check of the last update,
+            # ``torch.isfinite(update).all()``, is none of its records')
+            self.branched = what
         if what is not None:
+            if (name in TO_NUMBER or name in EXPORTS) and self.exported is None \
+                    and not self._has(self.derived, tensors[0]):  # a statistic leaving torch:
+                # what comes back from host values is one too (``mu = x.mean(0).tolist()``,
+                # then ``x - torch.tensor(mu)``: silent until 2026-12-01 unless the columns
+                # happened to number n, the only exports followed being the batch's rows)
+                self.exported = (f"{name}() of {what}", self.source.get(what, self.n))
+                _follow_host(self, True)
             if name in TO_NUMBER:  # not an accuracy count or a logged loss: not the outputs'
                 if not self._has(self.derived, tensors[0]):
                     self._number(out, what)
@@ -269,11 +323,16 @@ class BatchStatistics:
             self._mark(self.stats, written(name, args, out), what)
             return
         x = tensors[0] if tensors and args and args[0] is tensors[0] else None
-        if name in REDUCTIONS and x is not None and x.dim() and self._batch(x.shape[0]) \
-                and 0 in _dims(func, args, kwargs, x.dim()) and not self.order.made(x) \
-                and not self.order.moved_dim0(x):  # (a mean over time, time-major)
-            what = f"{name}() over the records of a {tuple(x.shape)} {x.dtype} tensor"
-            self.source[what] = int(x.shape[0])
+        at = self.order.records_dim(x) if x is not None and x.dim() else None  # (x.T: 1; a
+        # time-major view: 1, a mean over its dim 0 is over time; moved elsewhere by a
+        # reshape: not followed. A mean over x.T's dim 1 was no statistic until 2026-12-01)
+        if (name in REDUCTIONS or name in NORMS) and at is not None \
+                and self._batch(x.shape[at]) and at in (
+                    _normalised(name, args, kwargs, x.dim()) if name in NORMS else
+                    _dims(func, args, kwargs, x.dim())) and not self.order.made(x):
+            what = f"{name}() over the records of a {tuple(x.shape)} {x.dtype} tensor" + (
+                f" (the records on its dim {at})" if at else "")
+            self.source[what] = int(x.shape[at])
             for t in leaves(out):  # an order or an index of the records (argsort, a
                 if isinstance(t, torch.Tensor):  # kthvalue's indices) holds no gradient: a
                     self._mark(self.reductions if x.requires_grad and (  # statistic, with
@@ -336,10 +395,18 @@ class BatchStatistics:
                 _follow_host(self, True)
             self.stats.update(other.stats)
             self.numbers.update({v: w for v, w in other.numbers.items() if v not in self.rows})
+            self.branched = self.branched or other.branched  # (``if x.sum() > 0: x = -x``)
 
     def statistic(self, loss) -> str | None:
         """What makes ``loss`` a batch statistic, or None."""
         return self._find(self.stats, loss) if isinstance(loss, torch.Tensor) else None
+
+    def branch(self) -> str | None:
+        """The statistic the loop branched on in this window (``bool()`` of it: an ``if``, a
+        conditional expression, ``and``/``or``), or None. Python's control flow cannot be
+        followed: ``(1.0 if x.sum() > 0 else -1.0) * loss`` flips every record's term by the
+        others' data (one record's influence 4.9 C, silently, until 2026-12-01)."""
+        return self.branched
 
 
 def host_numbers(x: torch.Tensor, left: str) -> list:
@@ -414,5 +481,5 @@ def _collected(ref) -> None:
         torch.from_numpy = _FROM_NUMPY
 
 
-__all__ = ["ARITHMETIC", "DETACH", "DIM_THIRD", "EXPORTS", "FROM_HOST", "LEFT_TORCH",
+__all__ = ["ARITHMETIC", "DETACH", "DIM_THIRD", "EXPORTS", "FROM_HOST", "LEFT_TORCH", "NORMS",
            "REDUCTIONS", "TO_NUMBER", "BatchStatistics", "left_torch_message"]

@@ -80,6 +80,9 @@ from workbench.per_sample.loss import check_separable, record_factors, reduction
 from workbench.per_sample.selfcheck import symbolic
 from workbench.per_sample.uses import HOOKS, gated_off
 
+ATTRIBUTE_OPS = frozenset({"data", "T", "mT"})
+"""Attributes that are ops to the batch statistics (``loss_terms.BatchStatistics.after``)."""
+
 
 class LossWatch:
     """The loss calls of each backward pass (``generation``): (generation, f, name). One
@@ -106,7 +109,7 @@ class LossWatch:
         self.model_losses = None  # model_loss.ModelLosses: scalars the model computed
         self.announced = None  # n of the batch the engine's loader handed out, until its step
         self.owned = False  # the engine made the loader: every step takes one of its batches
-        self.loss = lambda: None  # weak: the window's latest scalar with gradient (the loss
+        self.loss = lambda: None  # weak: the window's latest tensor with gradient (the loss
         # a zero_grad() before its backward pass keeps the forward pass for: ``loss_alive``)
         self.steps_checked = 0  # steps that took one (``check_handed``)
         self.shuffled = False  # the user's shuffled loader announces (``watch_loader``):
@@ -286,6 +289,13 @@ class LossWatch:
             why = (f"{why}. Each row is clipped as a record of its own, so that record's "
                    f"influence on the step is {k} x max_grad_norm, not max_grad_norm, although "
                    f"there are no more rows than records") if k > 1 else why
+            if k == 0:  # (the records moved off dim 0)
+                raise RecordCountError(
+                    f"the model's input {tuple(t.shape)} is not one row per record the loader "
+                    f"drew: {why}. Keep the records on dim 0 of every model input: pass the "
+                    f"batch as the loader hands it out (batch_first=True for nn.LSTM, nn.GRU, "
+                    f"nn.Transformer and pad_sequence), and transpose inside the model's "
+                    f"forward if its layers want time first")
             raise RecordCountError(
                 f"the model's input {tuple(t.shape)} is not one row per record the loader "
                 f"drew: {why}. Give each record one row: augment inside a Dataset transform "
@@ -384,9 +394,9 @@ class LossWatch:
         self.before.reset(0)
 
     def loss_alive(self) -> bool:
-        """The open window computed a scalar with gradient the loop still holds (``loss =
-        crit(model(x), y)`` before ``zero_grad()``); a forward pass left without one (its
-        output dropped) is abandoned."""
+        """The open window computed a tensor with gradient the loop still holds (``loss =
+        crit(model(x), y)`` before ``zero_grad()``, or the records' losses); a forward pass
+        left without one (its output dropped) is abandoned."""
         return self.loss() is not None  # (a pass without gradient between closes the
         # window, not the loss's pass: it still awaits its backward)
 
@@ -466,7 +476,18 @@ class LossWatch:
         shifts by a statistic of the batch's data (``loss_terms.py``); then the window stops
         following calls (what runs after backward is the engine's)."""
         what = self.stats.statistic(loss)
+        branched = self.stats.branch()
         self.stats.stop()
+        if what is None and branched is not None:
+            raise LossCouplingError(
+                f"the loop branched on {branched} (a statistic of the whole batch, read by "
+                f"Python's if, a conditional expression, and/or) before this backward: Python's "
+                f"control flow cannot be followed, and a choice made from the whole batch (a "
+                f"sign, a scale, a loss term switched on) makes record i's term depend on the "
+                f"other records' data, so the sensitivity is no longer max_grad_norm. Choose per "
+                f"record with tensors (torch.where(cond_i, a_i, b_i) on each record's own "
+                f"values), and check the data (asserts) in the Dataset or before the loop, not "
+                f"on the batch the engine handed out")
         if what is None:
             return
         if LEFT_TORCH in what:
@@ -878,7 +899,10 @@ class LossFunctions(TorchFunctionMode):
             out = func(*args, **kwargs)
             if attribute == "shape" and watch.scale.on:  # n read off a tensor (realised)
                 watch.scale.read(name, args, kwargs, out)
-            return out
+            if attribute in ATTRIBUTE_OPS and watch.stats.on:  # (``l.mean().data``, ``o.T``:
+                with torch._C.DisableTorchFunction():  # a detached copy, the records moved
+                    watch.stats.after(func, args, kwargs, out)  # to dim 1; unseen until
+            return out  # 2026-12-01, so ``l.mean() / l.mean().data`` passed)
         reduction = None
         if func in FUNCTIONAL and watch._depth == 0:
             cls, names = FUNCTIONAL[func]
@@ -894,8 +918,10 @@ class LossFunctions(TorchFunctionMode):
             watch.traced(name, args, kwargs, out)
             if watch.rows is not None:
                 watch.rows.after(name, args, kwargs, out, func)
-        if isinstance(out, torch.Tensor) and not out.dim() and out.requires_grad:
-            watch.loss = weakref.ref(out)  # (loss_alive)
+        if isinstance(out, torch.Tensor) and out.requires_grad:  # (loss_alive: a scalar, or
+            watch.loss = weakref.ref(out)  # the records' loss vector reduced after zero_grad,
+            # ``l = ce(out, y, reduction="none"); opt.zero_grad(); l.mean().backward()``:
+            # refused as "step() without a backward()" until 2026-12-01)
         if watch.stats.on or watch.scale.on:  # batch statistics, the loss's kind
             with torch._C.DisableTorchFunction():  # a subclass (Opacus' ExpandedWeight) is
                 watch.stats.after(func, args, kwargs, out)  # read, never dispatched to

@@ -241,6 +241,38 @@ def _moves0(name: str, args, kwargs, ndim: int) -> bool:
     return any(_is0(d, ndim) for d in dims)  # transpose, swapaxes, swapdims
 
 
+def moved_to(name: str, args, kwargs, ndim: int, at: int) -> int | None:
+    """Where ``name(*args)`` (``MOVES``) puts the dim now at ``at`` of its ndim-dim input
+    (None: not told)."""
+    rest = args[1:]
+
+    def norm(d):
+        return d % ndim if isinstance(d, int) and not isinstance(d, bool) and ndim else None
+    if name == "t":
+        return 1 - at if ndim == 2 else at
+    if name == "permute":
+        dims = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else rest
+        dims = [norm(d) for d in kwargs.get("dims", dims)]
+        return dims.index(at) if at in dims else None
+    if name in ("movedim", "moveaxis"):
+        src = kwargs.get("source", rest[0] if rest else None)
+        dst = kwargs.get("destination", rest[1] if len(rest) > 1 else None)
+        src = [norm(d) for d in (src if isinstance(src, (tuple, list)) else (src,))]
+        dst = [norm(d) for d in (dst if isinstance(dst, (tuple, list)) else (dst,))]
+        if None in src or None in dst or len(src) != len(dst):
+            return None
+        if at in src:
+            return dst[src.index(at)]
+        order = [d for d in range(ndim) if d not in src]  # the others keep their order
+        free = [d for d in range(ndim) if d not in dst]
+        return free[order.index(at)]
+    a = norm(kwargs.get("dim0", rest[0] if rest else None))
+    b = norm(kwargs.get("dim1", rest[1] if len(rest) > 1 else None))
+    if a is None or b is None:
+        return None
+    return b if at == a else a if at == b else at  # transpose, swapaxes, swapdims
+
+
 def _ndim(args) -> int:
     """The first tensor argument's (or first piece's) number of dims, 0 if none."""
     first = args[0] if args else None
@@ -507,6 +539,7 @@ class RowOrder:
         self.cur: dict[int, weakref.ref] = {}  # id -> weakref: computed from the current
         # batch's (Earlier.now)
         self.moved: dict[int, weakref.ref] = {}  # id -> weakref: dim 0 moved away (MOVES)
+        self.at: dict[int, int | None] = {}  # id -> the records' dim of a moved tensor
         self.steps: dict[int, weakref.ref] = {}  # id -> weakref: a time step of such
         self.losses: dict[int, weakref.ref] = {}  # id -> weakref: a record's loss (LOSSY)
         self.pooled: dict[int, weakref.ref] = {}  # id -> weakref: a sum over several
@@ -605,9 +638,19 @@ class RowOrder:
     def one_row(self, t) -> str | None:
         """Why the model's input t is not one row per record, else None: a record behind k
         rows (an index with repeats, overlapping pieces joined, a repeat), or rows cut
-        across records (a reshape of dim 0)."""
+        across records (a reshape of dim 0), or the records moved off dim 0 (k = 0)."""
         if not isinstance(t, torch.Tensor) or not t.dim():
             return None
+        if self._moved(t) and self._batchlike(t, None):  # (``model(x.t())``, a sequence-
+            # first loop: each time step was clipped as a record, silently, until 2026-12-01;
+            # one record moved the released sum by T·C)
+            at = self.records_dim(t)
+            return (f"its records were moved off dim 0 (a sequence-first view: x.t(), "
+                    f"x.transpose(0, 1), x.permute(1, 0, ...)"
+                    + ("" if at is None else f"; the records are on its dim {at}")
+                    + "), so each row the model sees holds a value of every record, and the "
+                    "engine, which takes dim 0 of the model's input as the records, would clip "
+                    "each such row as one record", 0)
         key = self.key(t)
         base = self.bases.get(key[1]) if key is not None and key[0] == "of" else None
         k = repeats(key) if key is None or key[0] == "rows" or (
@@ -888,25 +931,45 @@ class RowOrder:
         a time step of it (``xt[t]``, ``for xt in xs``) has the records on dim 0 again
         (``steps``), and steps stacked over dim 0 have time there (``moved``): a mean over
         it is over time, no statistic of the batch (refused at T == n until 2026-11-30)."""
-        first, mark = tensors[0], None
-        if self._moved(first):
+        first, mark, at = tensors[0], None, None
+        if self._moved(first):  # (``at``: where the records' dim went; None: not told)
+            at = self.records_dim(first)
             step = (name == "__getitem__" and len(args) > 1
                     and _int_first(args[1]) is not None) \
                 or (name == "select" and len(args) > 1 and _is0(args[1], first.dim())) \
                 or (name in ("unbind", "__iter__") and _dim0(name, args, kwargs, 0))
-            mark = self.steps if step else self.moved
+            if name in MOVES and at is not None:  # (moved again: back to dim 0, or on)
+                at = moved_to(name, args, kwargs, first.dim(), at)
+                mark = None if at == 0 else self.moved
+            elif step:  # (a time step: dim 0 gone)
+                at = at - 1 if at else None
+                mark = self.steps if at in (0, None) else self.moved
+            else:
+                outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+                if not outs or any(t.dim() != first.dim() for t in outs):
+                    at = None  # (another rank: the records' dim is not followed on)
+                mark = self.moved
         elif name in MOVES and _moves0(name, args, kwargs, first.dim()):
-            mark = self.moved
+            mark, at = self.moved, moved_to(name, args, kwargs, first.dim(), 0)
         elif name in STACKS and _dim0(name, args, kwargs):
             pieces = args[0] if args and isinstance(args[0], (tuple, list)) else ()
             if pieces and all(isinstance(p, torch.Tensor) and self._step(p) for p in pieces):
-                mark = self.moved
+                mark, at = self.moved, 1
         elif self._step(first) and name not in CATS and name not in SPLITS:
             mark = self.steps
         if mark is not None:
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     mark[id(t)] = weakref.ref(t)
+                    if mark is self.moved:
+                        self.at[id(t)] = at
+
+    def records_dim(self, t) -> int | None:
+        """The dim holding t's records: 0, or where a ``MOVES`` op put it (``x.T``: 1; a
+        time-major view: 1); None where that was not followed."""
+        if not self._moved(t):
+            return 0
+        return self.at.get(id(t))
 
     def _step(self, t) -> bool:
         return _has(self.steps, t)
