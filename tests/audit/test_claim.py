@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from examples.claims import loaders
 from workbench.__main__ import main as workbench_main
-from workbench.audit import bug_zoo, cli, cli_suite
+from workbench.audit import bug_zoo, claim_audit, cli, cli_suite
 from workbench.audit.claim import Claim, ClaimError, load_claim, validate
 from workbench.audit.claim_audit import (
     EVIDENCE,
@@ -320,3 +321,82 @@ def test_a_claim_below_its_accountants_figure_is_never_supported():
     assert both["verdict"] == (SUPPORTED if shuffle["verdict"] == SUPPORTED else INCONCLUSIVE)
     assert "poisson or shuffle" in both["finding"]
     assert verdict(1e-3, ("poisson", "shuffle"))["verdict"] == REFUTED
+
+
+# the wrong-DP-steps probe's finds of 2026-12-01 -----------------------------------------------
+
+def test_the_step_is_audited_at_the_claims_batch_size_too():
+    """Every step audit ran at B = 8: a step right there whose noise halves from B = 64 on (a
+    "large-batch path") was supported for a claim at B = 256."""
+    def half_noise_from_64(C, sigma, B, generator):
+        return bug_zoo.correct_step(C, sigma / 2 if B >= 64 else sigma, B, generator)
+
+    claim = validate({**VALID, "batch_size": 256, "epsilon": 100.0})
+    result = audit_claim(claim, step=half_noise_from_64, trials=50)
+    row = _row(result, "step: noise σ·C on the clipped sum")
+    assert row["verdict"] == REFUTED and "B = 256" in row["finding"], row["finding"]
+    fine = audit_claim(claim, step=bug_zoo.correct_step, trials=50)
+    assert _row(fine, "step: noise σ·C on the clipped sum")["verdict"] == SUPPORTED
+    assert "the claim's B = 256" in _row(fine, "step: noise σ·C on the clipped sum")["evidence"]
+
+
+def test_the_loader_is_audited_at_the_claimed_size_too():
+    """The loader ran on min(N, 2000) indices only: one that draws Poisson batches on small
+    data sets and fixed-size ones above 5000 records supported a Poisson claim at N = 60000."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from workbench.dpsgd.sampling import DPDataLoader
+
+    def loader(dataset):
+        if len(dataset) <= 5000:
+            return DPDataLoader(dataset, sample_rate=256 / 60000,
+                                generator=torch.Generator().manual_seed(0))
+        return DataLoader(dataset, batch_size=256, shuffle=True,
+                          generator=torch.Generator().manual_seed(0))
+
+    claim = load_claim(EXAMPLES / "mnist_example.yaml")
+    row, _, used = claim_audit._loader_row(claim, loader, 0)
+    assert row["verdict"] == REFUTED and "N=60000" in row["finding"] and used == "shuffle"
+    row, _, used = claim_audit._loader_row(claim, loaders.poisson_loader, 0)
+    assert row["verdict"] == SUPPORTED and "at the claimed N = 60000" in row["finding"]
+
+
+def test_a_loader_refutes_a_claim_only_at_the_step_audits_level():
+    """At significance 0.05 a correct Poisson loader refuted a true claim in 2 of 40 seeds
+    (seed 4: "example counts" rejected); a claim is refuted at 1e-3, as by the step audits."""
+    import torch
+
+    from workbench.dpsgd.sampling import DPDataLoader
+
+    def loader(dataset):
+        return DPDataLoader(dataset, sample_rate=256 / 60000,
+                            generator=torch.Generator().manual_seed(4))
+
+    claim = load_claim(EXAMPLES / "mnist_example.yaml")
+    row, result, used = claim_audit._loader_row(claim, loader, 0)
+    assert result.verdict == "failed"  # (at the audit's own 0.05)
+    assert row["verdict"] != REFUTED and "no test rejects at 0.001" in row["finding"]
+    assert used == "poisson"
+
+
+def test_yaml_numbers_without_a_dot_are_numbers(tmp_path):
+    """YAML 1.1 reads ``1e-5`` as a string: "delta must be a number" refused it."""
+    path = tmp_path / "claim.yaml"
+    text = (EXAMPLES / "mnist_example.yaml").read_text().replace("delta: 1.0e-5", "delta: 1e-5")
+    assert "delta: 1e-5" in text
+    path.write_text(text)
+    assert load_claim(path).delta == 1e-5
+    with pytest.raises(ClaimError, match="delta must be a number"):
+        validate({**VALID, "delta": "a lot"})
+
+
+def test_a_pass_begun_is_a_pass_in_the_fixed_size_bracket():
+    """round(E + 0.4999) dropped a pass begun by less than 1e-4 of a pass: 20001 steps of
+    20000 a pass were bracketed as one pass."""
+    from workbench.audit.claim_epsilon import bracket
+
+    one, more = (validate({**VALID, "sampler": "shuffle", "dataset_size": 20000,
+                           "batch_size": 1, "noise_multiplier": 0.3, "steps": steps,
+                           "epsilon": 50.0}) for steps in (20000, 20001))
+    assert bracket(more, "shuffle").upper > bracket(one, "shuffle").upper + 1

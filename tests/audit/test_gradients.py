@@ -278,3 +278,27 @@ def test_an_error_on_a_small_parameter_is_still_caught():
     assert result.failed_methods() == ["off"]
     failed = result.table[~result.table["passed"]]["parameter"]
     assert failed.str.endswith("key.bias").all() and len(failed)
+
+
+def test_the_suites_token_batches_repeat_and_share_tokens():
+    """The CLI suite's token batches never repeated a token (10,004 words, 16 drawn), so a
+    provider that writes a repeated token's row once, or gives rows several records touch the
+    batch's sum (a privacy bug), passed with error 0 (probe AB, 2026-12-01)."""
+    from workbench.audit.cli_suite import zoo_cases
+
+    def shared_rows_batch_sum(model, loss_fn, x, y):
+        g = wb.per_sample_gradients(model, loss_fn, x, y, method="microbatch")
+        for name in g:
+            if name.endswith("weight") and g[name].shape[1] > 1000:  # the embedding table
+                touched = torch.stack([torch.zeros(g[name].shape[1], dtype=torch.bool)
+                                       .index_fill_(0, row, True) for row in x])
+                shared = touched.sum(0) > 1
+                g[name][:, shared] = g[name][:, shared].sum(0)
+        return g
+
+    (name, model, x, y), = [c for c in zoo_cases(quick=True) if c[0] == "imdb_embedding"]
+    assert any(len(row.unique()) < len(row) for row in x)  # a token repeated in a record
+    assert len(set(x[0].tolist()) & set(x[1].tolist())) > 0  # a token two records share
+    result = audit.audit_gradients(model, LOSS, x, y, methods=("einsum",),
+                                   providers={"shared": shared_rows_batch_sum})
+    assert result.failed_methods() == ["shared"]

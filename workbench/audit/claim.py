@@ -125,6 +125,11 @@ def load_claim(path) -> Claim:
 
 def _number(data, key, src, low=0.0, integer=False, low_open=True):
     v = data.get(key)
+    if isinstance(v, str):  # (YAML 1.1 reads ``1e-5``, without a dot, as a string)
+        try:
+            v = float(v.strip())
+        except ValueError:
+            pass
     ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and \
         (v > low if low_open else v >= low) and (not integer or float(v).is_integer())
     if not ok:

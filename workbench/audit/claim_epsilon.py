@@ -12,6 +12,8 @@ apply: ``accounting.epsilon_bounds`` brackets the true ε (Chua et al. 2024's lo
 shuffling; the deterministic upper bound). Tuning: k runs compose, ε of k·T steps.
 """
 
+import math
+
 import pandas as pd
 
 from workbench import accounting
@@ -102,8 +104,9 @@ def bracket(claim, sampler: str, sensitivity: float = 1.0):
     to whole passes), δ and tuning runs (as epochs); ``sensitivity``: of one batch's sum in
     units of C (2 for substitution: the noise multiplier is then σ / 2)."""
     epochs = claim.total_epochs * claim.tuning_runs
-    if sampler != "poisson":
-        epochs = max(1, round(epochs + 0.4999))
+    if sampler != "poisson":  # a pass begun is a pass (``round(E + 0.4999)`` dropped one
+        # begun by less than 1e-4 of a pass until 2026-12-01: 20001 steps of 20000 a pass)
+        epochs = max(1, math.ceil(epochs - 1e-12 * max(1.0, epochs)))
     return accounting.epsilon_bounds(sampler, sample_rate=claim.q,
                                      noise_multiplier=claim.noise_multiplier / sensitivity,
                                      epochs=epochs, delta=claim.delta)

@@ -645,8 +645,8 @@ class RowOrder:
             # first loop: each time step was clipped as a record, silently, until 2026-12-01;
             # one record moved the released sum by T·C)
             at = self.records_dim(t)
-            return (f"its records were moved off dim 0 (a sequence-first view: x.t(), "
-                    f"x.transpose(0, 1), x.permute(1, 0, ...)"
+            return ("its records were moved off dim 0 (a sequence-first view: x.t(), "
+                    "x.transpose(0, 1), x.permute(1, 0, ...)"
                     + ("" if at is None else f"; the records are on its dim {at}")
                     + "), so each row the model sees holds a value of every record, and the "
                     "engine, which takes dim 0 of the model's input as the records, would clip "
