@@ -400,3 +400,31 @@ def test_a_pass_begun_is_a_pass_in_the_fixed_size_bracket():
                            "batch_size": 1, "noise_multiplier": 0.3, "steps": steps,
                            "epsilon": 50.0}) for steps in (20000, 20001))
     assert bracket(more, "shuffle").upper > bracket(one, "shuffle").upper + 1
+
+
+def test_a_loader_drawing_one_record_three_times_as_often_is_refuted():
+    """One record drawn at 3 q, the others at q (a sampler's weight left on one index): the
+    loader audit's 4 epochs resolve one such record only from about 4.7 q, so the Poisson
+    claim was supported (accounting probe, FP2). The counts' extremes and the epochs that see
+    a record at 2 q refute it; a correct Poisson loader still is not refuted."""
+    import torch
+
+    def make(rate0):
+        def loader(dataset):
+            g = torch.Generator().manual_seed(1)
+
+            class Loader:
+                def __iter__(self):
+                    p = torch.full((len(dataset),), 0.05)
+                    p[0] *= rate0
+                    for _ in range(20):
+                        yield torch.nonzero(torch.rand(len(dataset), generator=g) < p).flatten()
+            return Loader()
+        return loader
+
+    claim = validate(VALID)  # N = 1000, B = 50: q = 0.05
+    row, result, _ = claim_audit._loader_row(claim, make(3.0), 0)
+    assert row["verdict"] == REFUTED and "example counts" in row["finding"], row["finding"]
+    row, result, _ = claim_audit._loader_row(claim, make(1.0), 0)
+    assert row["verdict"] == SUPPORTED and result.resolution["record"] <= 2.0
+    assert "one record drawn at" in row["finding"]

@@ -256,3 +256,32 @@ def test_the_summary_states_the_rates_it_cannot_tell_from_q():
     caught = sum(audit_sampling(lambda ds, s=s: WrongRate(ds, s, 1 + e), N, Q,
                                 epochs=EPOCHS).verdict == "failed" for s in range(30))
     assert caught >= 18  # binomial(30, 0.8): 18 is below its 1% quantile
+
+
+def test_the_count_extremes_are_exact_and_see_one_record_at_its_stated_rate():
+    """sampling_power Eq. (3): the tail of the most drawn of N Binomial(S, q) counts against
+    20,000 simulated maxima; and one record drawn at the stated r_record q (the others at q)
+    is caught by the example-count row in at least the design power's share of runs."""
+    import numpy as np
+
+    from workbench.audit.sampling import _tests
+    from workbench.audit.sampling_power import count_extremes, record_resolution
+    rng = np.random.default_rng(3)
+    n, S, q = 50, 40, 0.1
+    maxima = rng.binomial(S, q, size=(20000, n)).max(1)
+    for m in (10, 12, 14):  # upper tails of about 0.3, 0.03 and 0.003: below the cap at 1
+        c = np.full(n, 4)
+        c[0] = m
+        exact = count_extremes(c, S, q)[1] / 2  # the upper tail alone (the lower is ~1)
+        seen = (maxima >= m).mean()
+        assert abs(seen - exact) <= 4 * (exact * (1 - exact) / 20000) ** 0.5 + 1e-4, (m, seen)
+    N, S, q = 1000, 800, 0.05
+    a = 0.05 / 6
+    r = record_resolution(N, q, S, a)
+    assert 1.9 < r < 2.1  # 40 epochs: one record at 2 q
+    caught = 0
+    for _ in range(30):
+        x = (rng.random((S, N)) < q).astype(np.uint8)
+        x[:, 0] = rng.random(S) < r * q
+        caught += dict((t, p) for t, _, p, _ in _tests(x, N, q, 20))["example counts"] < a
+    assert caught >= 18  # binomial(30, 0.8): 18 is below its 1% quantile

@@ -10,15 +10,17 @@ sections). Evidence:
   1.5·C when the claimed C is 1, where σ and σ·C coincide and a step confusing them passes),
   and the record-influence audit (``influence.py``) for the neighbouring relation;
 - the loader (``--loader``): the sampling audit (``sampling.py``) on min(N, 2000) indices at
-  the claimed q, over 4 epochs or, when those cannot resolve a capped batch size or twins
-  (its verdict "inconclusive"), over the epochs that can (at most ``LOADER_EPOCHS``; beyond,
-  the sampler is "inconclusive"); a Poisson claim whose loader is not Poisson is refuted, and
-  the ε is then judged by the shuffle bracket; a fixed-size claim whose loader passes as
-  Poisson is refuted too (fixed-size batches fail the size test at any size), and the ε is
-  then judged as Poisson's; where the audit is inconclusive, a fixed-size claim's ε must hold
-  for Poisson batches and its own sampler both; a ``unit: user`` claim's loader is called as
-  ``make_loader(dataset, user_ids)`` (users of 1-3 records) and audited at the user level
-  (``sampling_users.py``: users Poisson, each user's records together);
+  the claimed q, over 4 epochs or, when those cannot resolve a capped batch size, twins or
+  one record drawn at ``RECORD_RATE`` q, over the epochs that can (at most ``LOADER_EPOCHS``
+  and ``FULL_SIZE_CELLS`` memberships; beyond, the sampler is "inconclusive" where caps or
+  twins stay unresolved, and the record rate it resolves is stated); a Poisson claim whose
+  loader is not Poisson is refuted, and the ε is then judged by the shuffle bracket; a
+  fixed-size claim whose loader passes as Poisson is refuted too (fixed-size batches fail
+  the size test at any size), and the ε is then judged as Poisson's; where the audit is
+  inconclusive, a fixed-size claim's ε must hold for Poisson batches and its own sampler
+  both; a ``unit: user`` claim's loader is called as ``make_loader(dataset, user_ids)``
+  (users of 1-3 records) and audited at the user level (``sampling_users.py``: users
+  Poisson, each user's records together);
 - the ε: recomputed by the claimed accountant (the deciding figure) and every other one at hand
   (``claim_epsilon.py``): supported at or above the deciding figure, inconclusive up to
   ``ROUNDING`` below it (unless below the proven lower bound), refuted beneath; for
@@ -44,6 +46,7 @@ from workbench.audit.influence_steps import influence_pool, step_released_sum
 from workbench.audit.mechanism import audit_dp_step
 from workbench.audit.result import AuditResult
 from workbench.audit.sampling import audit_sampling, repeats_in_a_pass
+from workbench.audit.sampling_power import epochs_needed
 from workbench.audit.sampling_users import audit_user_sampling, example_user_ids
 
 SUPPORTED, REFUTED, INCONCLUSIVE, NOT_CHECKED, STATED = (
@@ -64,6 +67,7 @@ def _rejected(result) -> bool:
     p = result.table["p-value"]
     return result.verdict != "inconclusive" and not result.passed \
         and bool((p < LOADER_SIGNIFICANCE / len(p)).any())
+RECORD_RATE = 2.0  # the loader audit reruns to see one record drawn at this many times q
 LOADER_EPOCHS = 200  # the most epochs the loader audit reruns with to resolve its deviations
 EVIDENCE: dict = {}  # element -> [fn(claim, context) -> AuditResult | None]
 
@@ -178,8 +182,13 @@ def _loader_row(claim, loader, seed):
         return audit_sampling(loader, N, claim.q, epochs=epochs)
 
     result = audit(4)
-    need = result.epochs_needed  # 4 epochs too few to resolve caps and twins: the epochs that do
-    if result.verdict == "inconclusive" and need and need <= LOADER_EPOCHS:
+    # 4 epochs too few to resolve caps, twins or one record at RECORD_RATE q: the epochs that
+    # do, where they fit (one record drawn at 3 q was supported until 2026-12-01: 4 epochs
+    # see one only from about 4.7 q)
+    per_epoch = max(1, round(result.steps / 4))
+    need = None if result.verdict == "failed" else epochs_needed(
+        N, claim.q, per_epoch, result.significance / len(result.table), RECORD_RATE)
+    if need and need <= LOADER_EPOCHS and need * per_epoch * N <= FULL_SIZE_CELLS:
         result = audit(need)
     note, full = "", claim.dataset_size  # the loader at the claimed size too, two passes,
     # where that fits (a loader Poisson on small data sets only, fixed batches above, was

@@ -24,7 +24,11 @@ those rows (each row's p-value is twice the smaller of its parts', Bonferroni): 
                       draw with replacement (which has Binomial sizes too, and passed);
     empty batches     their count is Binomial(S, (1 - q)^N) (exact two-sided test): a loader
                       that skips the empty ones (which tells that a batch was empty) passed
-                      at N = 100, q = 0.02 until 2026-11-30 (its sizes look binomial).
+                      at N = 100, q = 0.02 until 2026-11-30 (its sizes look binomial);
+    count extremes    the most and the least drawn of N Binomial(S, q) counts, exact
+                      (``sampling_power`` Eq. (3)), in the example-count row: one record
+                      drawn at 3 q moves Σ z_j² by one term in N, and passed at any size
+                      until 2026-12-01.
 
 Two more rows: the batch-size extremes (``sampling_power.py`` Eq. (1): the largest and the
 smallest of S Binomial draws, exact; a cap on the batch size) and the co-occurrence of pairs
@@ -40,8 +44,9 @@ memberships rejected 32 times at significance 0.05 (the pair test 0 times: it is
 Not resolved there: caps above N q + 1.45 sd (at N q + 2 sd: 2/50), twins in fewer than 3% of
 the records, a rate within 5.9% of q (at 1.05 q: 11/20; every summary states this range,
 ``sampling_power`` Eq. (2)), a few records drawn at 2 q (their ε understated; 2% of them:
-16/50), and a pair that never meets (out of any run's reach, ``sampling_pairs``). More epochs
-or a larger q resolve the first four.
+16/50), one record drawn at up to 4.7 q (``sampling_power`` Eq. (3); seen from 2 q at 40
+epochs), and a pair that never meets (out of any run's reach, ``sampling_pairs``). More epochs
+or a larger q resolve the first five.
 
 Lag 1 catches batches drawn without replacement within an epoch (consecutive batches
 disjoint); lag L (the steps of the first epoch) catches a seed reused every epoch (epoch e+1
@@ -65,6 +70,7 @@ from workbench.audit.result import AuditResult
 from workbench.audit.sampling_pairs import cooccurrence_row
 from workbench.audit.sampling_power import (
     TARGETS,
+    count_extremes,
     describe,
     epochs_needed,
     extremes_row,
@@ -155,11 +161,15 @@ def _tests(x, N, q, L):
                  "around N q, empty ones included; fixed-size batches do not, a wrong rate "
                  "shifts their mean, and a loader that skips empty batches has none"))
     stat = np.sum((c - S * q) ** 2) / (S * q * (1 - q))
-    z, p = _normal_p(stat, N, N * (2 + _kurt(S, q)))
+    z, p = min(_normal_p(stat, N, N * (2 + _kurt(S, q))), count_extremes(c, S, q),
+               key=lambda zp: zp[1])
+    p = min(1.0, 2 * p)  # Eq. (2): the spread and the extremes, Bonferroni
     repeated = int((x > 1).sum())  # an example twice in one batch: drawn with replacement
     rows.append(("example counts", z if not repeated else np.inf, p if not repeated else 0.0,
                  "each example is used Binomial(S, q) times, at most once per batch; once per "
-                 "epoch is shuffling, twice in a batch is drawing with replacement"
+                 "epoch is shuffling, twice in a batch is drawing with replacement; the "
+                 f"most and least drawn ({int(c.max())}, {int(c.min())} times) are as extreme "
+                 f"as {N} Binomial(S, q) counts make them (one record at 3 q is not)"
                  + (f" ({repeated} repeats seen)" if repeated else "")))
     wide = np.promote_types(x.dtype, np.uint16)  # uint8 counts: their products fit
     for name, lag, meaning in [("overlap, lag 1", 1, "consecutive batches share examples "
