@@ -160,14 +160,16 @@ FUNCTIONAL = {  # per-record terms (n,) normalised by a statistic of the batch's
 @pytest.mark.parametrize("method", ["einsum", "ghost", "clipped"])
 @pytest.mark.parametrize("case", sorted(FUNCTIONAL))
 def test_functional_api_refuses_a_data_statistic_in_loss_fn(case, method):
-    """The functional API calls loss_fn itself: its probe (record alone) sees the statistic,
-    or, first, the loss on each half of the batch (``selfcheck.check_separable``)."""
+    """The functional API calls loss_fn itself and follows it op by op as the optimizer
+    follows a loop's loss (``per_sample.recording.loss_coupling``, the statistics' own
+    message), before the loss on each half of the batch (``selfcheck.check_separable``) and
+    the probe (record alone) can see it."""
     import workbench as wb
     from workbench.errors import LossCouplingError, PerSampleCheckError
 
     x, y = batch()
     with pytest.raises((PerSampleCheckError, LossCouplingError),
-                       match="normalisation by one of the data|half of the batch"):
+                       match="statistic of the whole batch"):
         if method == "einsum":
             wb.per_sample_gradients(mlp(), FUNCTIONAL[case], x, y, method=method)
         elif method == "ghost":

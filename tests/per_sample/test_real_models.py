@@ -221,3 +221,47 @@ def test_mixtral_router_logits_returned_and_unread_are_no_records():
             step_matches(opt, run, loss_fn, x, y, ref, params, f"{name} step {step}", rtol)
     finally:
         opt.detach()
+
+@pytest.mark.parametrize("method", ["einsum", "ghost", "bookkeeping"])
+def test_mixtral_aux_loss_read_by_the_loss_is_refused(method):
+    """The router's load-balancing loss (``output_router_logits=True``: 0-dim ``aux_loss``,
+    over every token of the batch, its router in float32) added to each record's loss: ghost
+    clipping returned a clipped sum 59% off on ``mlp.gate.weight`` under float32's tolerance
+    until 2026-12-02. Refused in every batched method as a 0-dim output, and by the optimizer
+    as a loss the model computed (``dpsgd/model_loss.py``;
+    ``tests/per_sample/test_batch_wide_outputs.py`` holds the family)."""
+    name = "mixtral"
+    hf = model_of(name).hf
+
+    class WithAux(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.hf = hf
+
+        def forward(self, ids):
+            out = self.hf(input_ids=ids, output_router_logits=True)
+            return out.logits, out.aux_loss
+
+    def run(ids):
+        out = hf(input_ids=ids, output_router_logits=True)
+        return out.logits, out.aux_loss
+
+    def loss_fn(out, y):
+        return PROBLEMS[name].loss_fn(out[0], y) + 0.02 * out[1]
+
+    x, y = PROBLEMS[name].batch(3, T=T, seed=0)
+    expect_error("0-dim output of the model", wb.clipped_grad_sum, WithAux(), loss_fn, x, y,
+                 1.0, method=method)
+    if method != "einsum":
+        return
+    params = dict(hf.named_parameters())
+    opt = quiet(DPOptimizer, torch.optim.SGD(params.values(), lr=0.0), hf,
+                noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=4.0,
+                loss_reduction="sum")
+    try:
+        with pytest.raises(WorkbenchError, match="aux_loss"):  # model_loss.py's own words
+            opt.zero_grad()
+            loss_fn(run(x), y).sum().backward()
+            quiet(opt.step)
+    finally:
+        opt.detach()

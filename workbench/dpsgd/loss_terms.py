@@ -66,6 +66,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from workbench.dpsgd.row_mixing import RowOrder
+from workbench.errors import LossCouplingError
 from workbench.per_sample.leaves import call_leaves, leaves
 
 #: reductions (by function name) that combine the records when applied over dim 0
@@ -162,6 +163,9 @@ def written(name: str, args, out) -> list:
 
 class BatchStatistics:
     """The batch statistics of one loss window (module docstring)."""
+
+    #: attributes that are ops to ``after`` (``l.mean().data``, ``o.T``, ``o.mT``)
+    ATTRIBUTES = frozenset({"data", "T", "mT"})
 
     def __init__(self, before: bool = False, earlier=None):
         self.before = before  # the window from the loader's batch to the forward pass
@@ -409,6 +413,40 @@ class BatchStatistics:
         return self.branched
 
 
+def statistic_error(what: str | None, branched: str | None,
+                    where: str = "before this backward") -> LossCouplingError | None:
+    """The error for a loss that is a batch statistic (``BatchStatistics.statistic``: what
+    makes it one) or a window that branched on one (``branch``), else None: the optimizer's
+    (``loss_watch.LossWatch.statistics``) and the functional API's
+    (``per_sample.recording.record``, ``where="in loss_fn"``) alike."""
+    if what is None and branched is not None:
+        return LossCouplingError(
+            f"the loop branched on {branched} (a statistic of the whole batch, read by "
+            f"Python's if, a conditional expression, and/or) {where}: Python's "
+            f"control flow cannot be followed, and a choice made from the whole batch (a "
+            f"sign, a scale, a loss term switched on) makes record i's term depend on the "
+            f"other records' data, so the sensitivity is no longer max_grad_norm. Choose per "
+            f"record with tensors (torch.where(cond_i, a_i, b_i) on each record's own "
+            f"values), and check the data (asserts) in the Dataset or before the loop, not "
+            f"on the batch the engine handed out")
+    if what is None:
+        return None
+    if LEFT_TORCH in what:
+        return LossCouplingError(left_torch_message(what, "the loss"))
+    return LossCouplingError(
+        f"the loss depends on {what} (a statistic of the whole batch, computed from its "
+        f"targets, inputs or detached outputs, without gradient): e.g. a normalisation "
+        f"w[y].sum(), (y != -100).sum() or mask.sum(), or targets scaled by y.max(). "
+        f"Record i's gradient then depends on the other records' data through it, so "
+        f"removing one record moves every other record's clipped contribution and the "
+        f"sensitivity is no longer max_grad_norm; the coupling cannot be seen through "
+        f"the model's output. Let the engine own the normalisation: "
+        f"F.cross_entropy(out, y, weight=w, ignore_index=-100) or nn.CrossEntropyLoss("
+        f"weight=w) with the mean (made exact per record), or a per-record sum divided by "
+        f"a constant (the batch size n, or a fixed number of positions per record) with "
+        f"loss_reduction='mean'; scale targets by a constant of the data set")
+
+
 def host_numbers(x: torch.Tensor, left: str) -> list:
     """The whole-batch statistics of an exported tensor that a loop may bring back as a
     number, each with its description (``BatchStatistics._host_number``)."""
@@ -482,4 +520,5 @@ def _collected(ref) -> None:
 
 
 __all__ = ["ARITHMETIC", "DETACH", "DIM_THIRD", "EXPORTS", "FROM_HOST", "LEFT_TORCH", "NORMS",
-           "REDUCTIONS", "TO_NUMBER", "BatchStatistics", "left_torch_message"]
+           "REDUCTIONS", "TO_NUMBER", "BatchStatistics", "left_torch_message",
+           "statistic_error"]

@@ -69,7 +69,13 @@ from workbench.dpsgd.batches import batch_size
 from workbench.dpsgd.lifetime import Weak, push_bottom, reaches, sweep, weak_attribute
 from workbench.dpsgd.lifetime import remove as _remove
 from workbench.dpsgd.loss_rows import LossRows, opaque
-from workbench.dpsgd.loss_terms import LEFT_TORCH, BatchStatistics, follow_host, left_torch_message
+from workbench.dpsgd.loss_terms import (
+    LEFT_TORCH,
+    BatchStatistics,
+    follow_host,
+    left_torch_message,
+    statistic_error,
+)
 from workbench.dpsgd.model_loss import name_of
 from workbench.dpsgd.record_reduction import COUNT_READS, RecordReduction, count_read
 from workbench.dpsgd.row_mixing import Earlier
@@ -80,7 +86,7 @@ from workbench.per_sample.loss import check_separable, record_factors, reduction
 from workbench.per_sample.selfcheck import symbolic
 from workbench.per_sample.uses import HOOKS, gated_off
 
-ATTRIBUTE_OPS = frozenset({"data", "T", "mT"})
+ATTRIBUTE_OPS = BatchStatistics.ATTRIBUTES
 """Attributes that are ops to the batch statistics (``loss_terms.BatchStatistics.after``)."""
 
 
@@ -478,32 +484,9 @@ class LossWatch:
         what = self.stats.statistic(loss)
         branched = self.stats.branch()
         self.stats.stop()
-        if what is None and branched is not None:
-            raise LossCouplingError(
-                f"the loop branched on {branched} (a statistic of the whole batch, read by "
-                f"Python's if, a conditional expression, and/or) before this backward: Python's "
-                f"control flow cannot be followed, and a choice made from the whole batch (a "
-                f"sign, a scale, a loss term switched on) makes record i's term depend on the "
-                f"other records' data, so the sensitivity is no longer max_grad_norm. Choose per "
-                f"record with tensors (torch.where(cond_i, a_i, b_i) on each record's own "
-                f"values), and check the data (asserts) in the Dataset or before the loop, not "
-                f"on the batch the engine handed out")
-        if what is None:
-            return
-        if LEFT_TORCH in what:
-            raise LossCouplingError(left_torch_message(what, "the loss"))
-        raise LossCouplingError(
-            f"the loss depends on {what} (a statistic of the whole batch, computed from its "
-            f"targets, inputs or detached outputs, without gradient): e.g. a normalisation "
-            f"w[y].sum(), (y != -100).sum() or mask.sum(), or targets scaled by y.max(). "
-            f"Record i's gradient then depends on the other records' data through it, so "
-            f"removing one record moves every other record's clipped contribution and the "
-            f"sensitivity is no longer max_grad_norm; the coupling cannot be seen through "
-            f"the model's output. Let the engine own the normalisation: "
-            f"F.cross_entropy(out, y, weight=w, ignore_index=-100) or nn.CrossEntropyLoss("
-            f"weight=w) with the mean (made exact per record), or a per-record sum divided by "
-            f"a constant (the batch size n, or a fixed number of positions per record) with "
-            f"loss_reduction='mean'; scale targets by a constant of the data set")
+        error = statistic_error(what, branched)
+        if error is not None:
+            raise error
 
     def internal(self, loss) -> None:
         """Before ``loss.backward()``: LoopError if the loss reaches a recorded layer's output

@@ -62,6 +62,7 @@ from workbench.errors import (
 )
 from workbench.per_sample import precision, selfcheck, state_replay
 from workbench.per_sample.checks import (
+    SCALAR_OUTPUT,
     ModelCall,
     buffer_ids,
     norms_mixing,
@@ -996,11 +997,7 @@ def output_rows_problem(root) -> str | None:
     b = root.backprops
     got = [g for g in (b if isinstance(b, tuple) else (b,)) if isinstance(g, torch.Tensor)]
     if any(not g.dim() and bool(g.ne(0).any()) for g in got):
-        return ("the loss used a 0-dim output of the model (a value over the whole batch, e.g. "
-                "a reconstruction error summed over the records inside forward): the "
-                "optimizer reads each record's gradient from its rows of the model's outputs, "
-                "and a scalar has none (a raw IndexError until 2026-11-30). Return that term "
-                "per record, shape (n,), and sum it in the loss")
+        return SCALAR_OUTPUT
     rows = {int(a.shape[0]) for a in call_leaves(root.args, root.kwargs)
             if isinstance(a, torch.Tensor) and a.dim()}  # any input may be the batch: a
     # conditioning time or mask of one row may come first

@@ -24,12 +24,17 @@ raising ``SampleMixingError`` naming the op and the layer above the pass's toler
   global max subtracted before a softmax, shift-invariant) is let through, measured at the
   precision of the pass (``refuse_reached``).
 
-The linear ones (sum, mean: ``LINEAR``) too, measured only through the outputs with one row
-per record: the in-model losses of Hugging Face reduce over the records by design
-(``model_loss.py``), and a scalar output is no record's. The halves check sees a sum over the
-records in the outputs, but only on a checked call: a term whose factor a schedule raises
-later (0 or 1e-9, then 0.5) keeps the signature. Not: a reduction whose result is detached
-or never reaches an output (no gradient flows, and the halves check sees what it changes).
+The linear ones (sum, mean: ``LINEAR``) too, measured through every output of one or more
+dims: the in-model losses of Hugging Face reduce over the records by design
+(``model_loss.py``), so 0-dim outputs are left out here, and a 0-dim output a per-record loss
+reads is refused where the loss is known (``checks.scalar_output_problem``, the optimizer's
+``output_rows_problem``). Outputs of other than n rows were left out too until 2026-12-02: a
+router's balance vector ``p.mean(0)``, shape (E,), added to each record's loss passed ghost
+clipping silently (``tests/per_sample/test_batch_wide_outputs.py``). The halves check sees
+a sum over the records in the outputs, but only on a checked call: a term whose factor a
+schedule raises later (0 or 1e-9, then 0.5) keeps the signature. Not: a reduction whose
+result is detached or never reaches an output (no gradient flows, and the halves check sees
+what it changes).
 """
 
 import os
@@ -37,7 +42,7 @@ import sys
 
 import torch
 
-from workbench.errors import SampleMixingError
+from workbench.errors import LossCouplingError, SampleMixingError
 
 #: reductions -> (position of ``dim`` among the positional arguments, its default: None is
 #: every dim). One table for the forward pass's statistics (``REDUCTIONS``) and the loss
@@ -115,7 +120,8 @@ def noted(result):
     return t if isinstance(t, torch.Tensor) and t.requires_grad else None
 
 
-def refuse_reached(notes: list, outputs, graph_nodes, paused, tolerance) -> None:
+def refuse_reached(notes: list, outputs, graph_nodes, paused, tolerance,
+                   who: str = "the model") -> None:
     """Raise ``SampleMixingError`` if the outputs' gradient depends on a noted reduction.
 
     ``notes``: [(result, x, description, n)], each reduction's result and the tensor it
@@ -129,19 +135,26 @@ def refuse_reached(notes: list, outputs, graph_nodes, paused, tolerance) -> None
     shift-invariant use (``h - h.max()`` before a softmax) gets 1e-16 of it in float64 and
     passes; Nystromformer's start gets 1e-5. ``paused``: a context in which the recorders'
     tensor hooks ignore these extra gradient passes; ``tolerance(dtype, device)``: the
-    pass's (``precision.tolerance_of``: TF32 on a GPU rounds the products too)."""
+    pass's (``precision.tolerance_of``: TF32 on a GPU rounds the products too). ``who``:
+    "loss_fn" for the functional API's loss window, measured from the losses (n,): a
+    per-record loss reduces over no records, so any such reduction its gradient flows through
+    couples them (``LossCouplingError``; a global max subtracted for stability passes)."""
     if not notes:
         return
     starts = [t for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     for n in {note[3] for note in notes}:  # None: a non-linear statistic, every output;
-        # n: a sum or mean over the records, the outputs with n rows only (a loss the model
-        # computes inside its forward is a mean over the records by design: model_loss.py)
-        mine = [t for t in starts if n is None or (t.dim() and t.shape[0] == n)]
+        # n: a sum or mean over the records, every output but the 0-dim ones (a loss the
+        # model computes inside its forward is a mean over the records by design:
+        # model_loss.py; a 0-dim output a per-record loss reads is refused by
+        # ``checks.scalar_output_problem``). Outputs of other than n rows were left out until
+        # 2026-12-02: a router's balance vector p.mean(0), (E,), added to every record's loss
+        # passed ghost clipping silently.
+        mine = [t for t in starts if n is None or t.dim()]
         _measure([note[:3] for note in notes if note[3] == n], mine, graph_nodes, paused,
-                 tolerance)
+                 tolerance, who)
 
 
-def _measure(notes, starts, graph_nodes, paused, tolerance) -> None:
+def _measure(notes, starts, graph_nodes, paused, tolerance, who) -> None:
     """``refuse_reached`` for the notes measured on the outputs ``starts``."""
     held = {id(r.grad_fn): (r, x, what) for r, x, what in notes}
     reached = [hit for node in graph_nodes(starts)
@@ -165,8 +178,9 @@ def _measure(notes, starts, graph_nodes, paused, tolerance) -> None:
         whole = float(g_x.double().norm()) if g_x is not None else 0.0
         if part <= tolerance(x.dtype, x.device) * max(whole, part) or part == 0.0:
             continue
-        raise SampleMixingError(
-            f"the model couples the records: {what}, and the outputs' gradient flows through "
+        raise (SampleMixingError if who == "the model" else LossCouplingError)(
+            f"{who} couples the records: {what}, and the "
+            f"{'outputs' if who == 'the model' else 'losses'}' gradient flows through "
             f"it ({part / max(whole, 1e-300):.3g} of the gradient there). Every record's "
             f"loss then sends gradient through it to the other records (even where the "
             f"outputs hardly change with it: an iteration started from it that converges, HF "

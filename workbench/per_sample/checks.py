@@ -19,6 +19,7 @@ from workbench.errors import (
     UnsupportedLayerError,
     WorkbenchError,
 )
+from workbench.per_sample.leaves import leaves
 
 
 def batch_size(inputs) -> int:
@@ -71,6 +72,34 @@ def check_losses(losses, n: int) -> None:
         raise LossShapeError(f"loss_fn must return one loss per sample, shape ({n},); got shape "
                              f"{tuple(losses.shape)}. Sum or average over the non-batch "
                              f"dimensions inside loss_fn")
+
+
+SCALAR_OUTPUT = (
+    "the loss used a 0-dim output of the model (a value over the whole batch: a router's "
+    "load-balancing term such as Mixtral's aux_loss, a reconstruction error summed over the "
+    "records inside forward): each record's gradient is read from its rows of the model's "
+    "outputs, and a scalar has none, so its gradient would be spread over the records by the "
+    "layers it came through, coupled to every other record. Return that term per record, "
+    "shape (n,), and add it to the loss; or drop it (output_router_logits=False)")
+
+
+def scalar_output_problem(outputs, losses, paused) -> str | None:
+    """``SCALAR_OUTPUT`` when ``losses`` (the batch's, (n,)) have gradient through a 0-dim
+    floating output of the model, else None: the batched methods' twin of the optimizer's
+    check (``dpsgd.recorded.output_rows_problem``). Mixtral's aux_loss, computed partly in
+    float32, added to a float64 per-record loss was 59% off on the router's weight with
+    ghost clipping, under the float32 self-check's tolerance, until 2026-12-02. Only the
+    loss's part of the graph is walked (the gradient stops at the outputs); ``paused``: the
+    recorders' pause, so their hooks ignore this pass."""
+    scalars = [t for t in leaves(outputs) if isinstance(t, torch.Tensor) and t.dim() == 0
+               and t.is_floating_point() and t.requires_grad]
+    if not scalars or not losses.requires_grad:
+        return None
+    with paused(), torch.enable_grad():
+        got = torch.autograd.grad(losses.sum(), scalars, retain_graph=True, allow_unused=True)
+    if any(g is not None and bool(g.ne(0).any()) for g in got):
+        return SCALAR_OUTPUT
+    return None
 
 
 def check_no_sample_mixing(model: nn.Module) -> None:
@@ -299,4 +328,5 @@ __all__ = [
     "dense", "alone", "check_no_sample_mixing", "forward", "state_written_from_batch",
     "sample_mixing_problem", "take", "trainable_parameters", "frozen_statistics",
     "norms_mixing", "statistics_layers", "evaluating", "train_keeping_frozen",
+    "SCALAR_OUTPUT", "scalar_output_problem",
 ]

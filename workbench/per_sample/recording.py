@@ -33,13 +33,15 @@ import torch
 from torch import nn
 from torch.nn.utils.parametrize import ParametrizationList
 
-from workbench.errors import UnsupportedLayerError
+from workbench.errors import LossCouplingError, LossShapeError, UnsupportedLayerError
 from workbench.per_sample import precision
+from workbench.per_sample.batch_reductions import refuse_reached
 from workbench.per_sample.checks import (
     check_batch,
     check_losses,
     check_no_sample_mixing,
     forward,
+    scalar_output_problem,
     trainable_parameters,
 )
 from workbench.per_sample.derived import graph_nodes
@@ -344,13 +346,24 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
             tracker.in_loss = True
             with torch._C.DisableTorchFunction():
                 drawn = generator_states()  # a random loss is not run on halves (selfcheck)
-            losses = loss_fn(outputs, targets)  # (n,)
+            tracker.loss_stats = loss_statistics(n, outputs)
+            try:
+                losses = loss_fn(outputs, targets)  # (n,)
+                coupled = loss_coupling(tracker, losses, recorder.paused)
+            finally:
+                tracker.loss_stats.stop()
+                tracker.loss_stats = None
             with torch._C.DisableTorchFunction():
                 random_loss = advanced(drawn) or tracker.loss_drew
             tracker.state = None  # the loss's draws from its own generator too (re-runs
             with torch._C.DisableTorchFunction():  # call loss_fn again: rerun_losses, the
                 log.close()  # record probe, the replayed fallback)
+        if coupled is not None:
+            raise coupled
         check_losses(losses, n)
+        problem = scalar_output_problem(outputs, losses, recorder.paused)
+        if problem:  # the optimizer's own check (``output_rows_problem``), before any work
+            raise LossShapeError(problem)
         tracker.derived.settle([losses], n, recorder)
     check_recorded(layers, recorder)
     every_call = [(path, layer, call) for path, layer in layers.items()
@@ -363,6 +376,44 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
                                      inputs),
                          autocast=precision.state(p0.device), feeds=loss_reach([losses]),
                          state=log)
+
+
+def loss_statistics(n: int, outputs):
+    """The optimizer's follower of batch statistics in the loss window
+    (``dpsgd.loss_terms.BatchStatistics``), started on the batch's n and the model's
+    ``outputs``: the functional API's loss_fn is followed op by op as the optimizer follows a
+    loop's loss. (Imported here: the optimizer's package imports this one.)"""
+    from workbench.dpsgd.loss_terms import BatchStatistics
+    stats = BatchStatistics()
+    stats.reset(n, leaves(outputs))
+    return stats
+
+
+def loss_coupling(tracker, losses, paused):
+    """The error for a loss_fn whose losses couple the records, or None; two structural
+    checks, where the halves check (``selfcheck.check_separable``) compares values at the
+    pass's tolerance: a router's balance term times 1e-4 moved the float32 losses by 2.4e-5
+    and passed ghost clipping, book-keeping and einsum (micro-batching refused it) until
+    2026-12-02. (1) The losses are a batch statistic, or loss_fn branched on one: a reduction
+    over the records without gradient, or a detached one, reached them (the optimizer's
+    ``LossWatch.statistics``, one message: ``loss_terms.statistic_error``). (2) A reduction
+    over the records with gradient in loss_fn that the losses' gradient flows through
+    (``batch_reductions.refuse_reached`` from the losses)."""
+    from workbench.dpsgd.loss_terms import statistic_error
+    stats = tracker.loss_stats
+    error = statistic_error(stats.statistic(losses) if isinstance(losses, torch.Tensor)
+                            else None, stats.branch(), "in loss_fn")
+    if error is not None:
+        return error
+    notes, tracker.loss_reductions = tracker.loss_reductions, []
+    if notes and isinstance(losses, torch.Tensor) and losses.requires_grad:
+        try:
+            with torch._C.DisableTorchFunction():
+                refuse_reached(notes, [losses], graph_nodes, paused, precision.tolerance_of,
+                               who="loss_fn")
+        except LossCouplingError as err:
+            return err
+    return None
 
 
 def loss_reach(roots):

@@ -212,6 +212,9 @@ class UseTracker(TorchFunctionMode):
         self.hooks: list[str] = []  # the gradient hooks the pass registered (``_hooked``)
         self.reductions: list = []  # (result, x, what): statistics over the records with
         # gradient (``batch_reductions.py``), measured where the outputs reach one
+        self.loss_stats = None  # while loss_fn runs in the functional API: the window's
+        # ``dpsgd.loss_terms.BatchStatistics``, following each op (``recording.record``)
+        self.loss_reductions: list = []  # the same notes as ``reductions``, taken in loss_fn
 
     def __enter__(self):
         self.recorder.batch_free = self.batch_free
@@ -240,6 +243,17 @@ class UseTracker(TorchFunctionMode):
         return False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = self._use(func, types, args, kwargs)
+        stats = self.loss_stats
+        if stats is not None and self.in_loss and stats.on and not is_compiling() and (
+                getattr(func, "__name__", "") != "__get__" or getattr(getattr(
+                    func, "__self__", None), "__name__", None) in stats.ATTRIBUTES):
+            with torch._C.DisableTorchFunction():  # the optimizer's loss window does the same
+                stats.after(func, args, kwargs or {}, result)  # (``dpsgd/loss_watch.py``)
+        return result
+
+    def _use(self, func, types, args=(), kwargs=None):
+        """One op of the pass: its uses, rows, draws and writes followed."""
         kwargs = kwargs or {}
         if is_compiling():  # Dynamo traces the modes on the stack: the op alone (the
             return func(*args, **kwargs)  # private model's pass is refused: recorded.py)
@@ -392,7 +406,7 @@ class UseTracker(TorchFunctionMode):
             self.flat_rows.after(name, args, kwargs, result)  # off: a custom autograd.Function's
             # forward runs without them, and returns the very tensor its ops made (BLOOM's GELU)
         if torch.is_grad_enabled():
-            if name in batch_reductions.REDUCTIONS and not self.in_loss:
+            if name in batch_reductions.REDUCTIONS and (not self.in_loss or self.loss_stats):
                 self._over_records(name, args, kwargs, result)
             watched = self.batch_free.watched
             if watched and not watched.keys().isdisjoint(ids):
@@ -425,12 +439,12 @@ class UseTracker(TorchFunctionMode):
             where = self._where()
             where = f"called at {batch_reductions.caller()}" + (
                 "" if where.startswith("<") else f", inside layer {where!r}")
-            self.reductions.append((held, args[0],
-                                    f"torch's {name} over dim 0 (the records) of a "
-                                    f"{tuple(args[0].shape)} tensor computed from the batch, "
-                                    f"{where}",
-                                    self.flat_rows.of(args[0])[0]
-                                    if name in batch_reductions.LINEAR else None))
+            notes = self.loss_reductions if self.in_loss else self.reductions
+            notes.append((held, args[0],
+                          f"torch's {name} over dim 0 (the records) of a "
+                          f"{tuple(args[0].shape)} tensor computed from the batch, {where}",
+                          self.flat_rows.of(args[0])[0]
+                          if name in batch_reductions.LINEAR else None))
 
     def refuse_mixing(self, outputs, paused) -> None:
         """The forward pass ended with ``outputs`` (tensors): ``SampleMixingError`` if their
