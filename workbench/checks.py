@@ -160,9 +160,15 @@ def check_count(value, name, low=1, high=None, note="", high_name=""):
     return int(v)
 
 
+#: The most steps an accountant takes: 10^18 (beyond it float64's ε arithmetic overflows;
+#: steps = 10**400 raised a bare OverflowError from ``rdp.py`` until 2026-12-02, probe AG).
+MAX_STEPS = 10 ** 18
+
+
 def check_steps(steps, name="steps"):
-    """T a non-negative integer (a number of steps; 0 steps cost nothing)."""
-    return check_count(steps, name, low=0, note="a number of steps")
+    """T an integer in [0, ``MAX_STEPS``] (a number of steps; 0 steps cost nothing)."""
+    return check_count(steps, name, low=0, high=MAX_STEPS,
+                       note="a number of steps; more than 10^18 cannot be accounted in float64")
 
 
 #: Largest Rényi order accepted, and the largest sum of orders (the integer-order sum of

@@ -58,3 +58,17 @@ def test_get_epsilon_and_order_skips_a_group_of_no_steps():
     none.step(noise_multiplier=0.0, sample_rate=0.1)
     assert none.get_epsilon_and_order(1e-5) == (math.inf, None) and none.get_epsilon(1e-5) \
         == math.inf
+
+
+@pytest.mark.parametrize("call", [
+    lambda T: A.epsilon(0.01, 1.0, T, 1e-5),
+    lambda T: gaussian_epsilon(1.0, 1e-5, T),
+    lambda T: A.compute_rdp(0.01, 1.0, T, [2.0]),
+    lambda T: RDPAccountant().step(noise_multiplier=1.0, sample_rate=0.01, steps=T),
+])
+def test_a_step_count_beyond_float64_is_named_not_an_overflow(call):
+    """steps = 10**400 raised a bare "OverflowError: int too large to convert to float" from
+    the RDP sum until 2026-12-02 (probe AG): the count is checked against MAX_STEPS, named."""
+    with pytest.raises(ValueError, match="steps must be an integer in \\[0, "):
+        call(10 ** 400)
+    assert math.isfinite(float(A.epsilon(0.01, 1.0, 10 ** 18, 1e-5)))  # the largest count

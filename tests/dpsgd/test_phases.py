@@ -169,3 +169,20 @@ def test_make_private_with_epsilon_plans_the_whole_run():
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
             data_loader=loader, target_epsilon=1.0, target_delta=DELTA, epochs=1,
             max_grad_norm=1.0)
+
+
+def test_an_accountant_state_loaded_into_a_fresh_engine_is_refused_with_the_way_out():
+    """The history alone does not say which sampler ran it: refused, and the message names
+    the checkpoint functions and ``history_epsilon`` (it asked "changed by hand?" until
+    2026-12-02, probe AG). With make_private first, the loaded steps are that phase's."""
+    engine = wb.PrivacyEngine()
+    phase(engine, nn.Linear(3, 2), 20, 10)
+    state = engine.accountant.state_dict()
+    fresh = wb.PrivacyEngine()
+    fresh.accountant.load_state_dict(state)
+    with pytest.raises(ValueError, match="holds 10 step\\(s\\).*load_checkpoint.*history_epsilon"):
+        fresh.get_epsilon(DELTA)
+    again = wb.PrivacyEngine()
+    phase(again, nn.Linear(3, 2), 20, 0)
+    again.accountant.load_state_dict(state)
+    assert again.get_epsilon(DELTA) == pytest.approx(engine.get_epsilon(DELTA), rel=1e-12)

@@ -147,8 +147,16 @@ def phase_histories(phases, history) -> list:
         if mine:
             out.append((phase, mine))
     if i < len(groups):  # steps before the first phase began (history loaded by hand)
-        raise ValueError("the engine's phases do not cover its accountant's history; was "
-                         "engine.accountant's history changed by hand?")
+        left = sum(int(t) for _, _, t in groups[i:])
+        raise ValueError(
+            f"engine.accountant holds {left} step(s) that no make_private of this engine ran "
+            f"(a history loaded with engine.accountant.load_state_dict, or changed by hand): "
+            f"the engine does not know which sampler drew those batches, so it cannot choose "
+            f"the bound. Resume a run with workbench.dpsgd.save_checkpoint / load_checkpoint "
+            f"(they keep the phases), or call make_private with the loader that ran those "
+            f"steps before loading the accountant's state; or compute its ε with "
+            f"workbench.accounting.history_epsilon(history, delta) for Poisson sampling "
+            f"(epsilon_bounds for shuffled batches)")
     return out
 
 
