@@ -166,9 +166,12 @@ MAX_STEPS = 10 ** 18
 
 
 def check_steps(steps, name="steps"):
-    """T an integer in [0, ``MAX_STEPS``] (a number of steps; 0 steps cost nothing)."""
-    return check_count(steps, name, low=0, high=MAX_STEPS,
-                       note="a number of steps; more than 10^18 cannot be accounted in float64")
+    """T a non-negative integer up to ``MAX_STEPS`` (a number of steps; 0 cost nothing)."""
+    T = check_count(steps, name, low=0, note="a number of steps")
+    if T > MAX_STEPS:
+        raise ValueError(f"{name} must be at most 10^18 (more steps cannot be accounted in "
+                         f"float64); got an integer of {len(str(T))} digits")
+    return T
 
 
 #: Largest Rényi order accepted, and the largest sum of orders (the integer-order sum of
