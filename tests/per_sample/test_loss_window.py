@@ -13,7 +13,13 @@ size and scaled down to 1e-4 beside the record's own loss, and a reduction over 
 with gradient (a balance term on the batch's mean probabilities). Their neighbours stay
 exact against micro-batching: per-record normalisations, constants, an accuracy logged from
 the outputs, and a global max subtracted before a softmax (shift-invariant: no gradient
-flows through it)."""
+flows through it).
+
+Probe AH (the same day) found the next ring: couplings with gradient that no reduction shows
+(a Gram matrix, a roll, a cdist, a cumulative sum whose value a straight-through term
+cancels), accepted at 1e-4 under float32's tolerance and at any size with ``check=False``.
+``recording.loss_rows_coupled`` sees them all by the loss's Jacobian: record i's loss has
+gradient on record i's rows alone, so ∂(Σ u_i L_i)/∂o_j = u_j ∂(Σ L_i)/∂o_j."""
 
 import pytest
 import torch
@@ -102,3 +108,42 @@ def test_per_record_and_constant_terms_stay_exact(method, case):
     got = wb.clipped_grad_sum(m, FINE[case], x, y, C, method=method, check="always")
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7)  # float32 inside
+
+
+ROWS = {  # o, t -> a term with gradient on other records' rows
+    "cumulative sum cancelled in value": lambda o, t: (lambda s: s - (s + 0).detach())(
+        o[:, 0].cumsum(0)),
+    "softmax over the records": lambda o, t: o[:, 0].softmax(0),
+    "Gram matrix": lambda o, t: (o @ o.T).sum(1),
+    "roll": lambda o, t: (o - o.roll(1, 0)).pow(2).sum(1),
+    "flip": lambda o, t: (o * o.flip(0)).sum(1),
+    "cdist": lambda o, t: torch.cdist(o, o).sum(1),
+    "contrastive over the batch": lambda o, t: -F.log_softmax(o @ o.T, dim=1).diagonal(),
+    "balance on the probabilities the loss reads": lambda o, t: 4 * (o.exp().mean(0) ** 2)
+    .sum() + 0 * o[:, 0],
+}
+
+
+def own_and(term, scale):
+    return lambda o, t: ce(o, t) + scale * term(o, t)
+
+
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("case", sorted(ROWS))
+@pytest.mark.parametrize("method", ["einsum", "ghost", "bookkeeping"])
+def test_a_loss_reading_other_records_rows_is_refused_with_or_without_the_check(
+        method, case, check):
+    """float64 at 1e-4 (a value check at float64's tolerance sees some; the Jacobian all),
+    with and without the self-check."""
+    m, (x, y) = Mixed(), data()
+    m.forward = lambda z: torch.log_softmax(m.b(torch.tanh(m.a(z))), 1)  # float64 inside
+    with pytest.raises(LossCouplingError, match="couples the records|statistic of the"):
+        wb.clipped_grad_sum(m, own_and(ROWS[case], 1e-4), x, y, C, method=method,
+                            check=check)
+
+
+@pytest.mark.parametrize("case", sorted(ROWS))
+def test_full_strength_couplings_are_refused_in_float32_without_the_check(case):
+    with pytest.raises(LossCouplingError, match="couples the records|statistic of the"):
+        wb.clipped_grad_sum(Mixed(), own_and(ROWS[case], 1.0), *data(), C, method="ghost",
+                            check=False)

@@ -16,8 +16,9 @@ held; when the forward pass ends, ``refuse_reached`` walks the graph from the mo
 and, for a reduction it reaches, measures the share of the gradient that flows through it,
 raising ``SampleMixingError`` naming the op and the layer above the pass's tolerance. Seen:
 
-- the non-linear reductions of ``REDUCTIONS`` (max, norm, std, logsumexp, ...) with no
-  ``dim`` or a ``dim`` that includes 0;
+- the non-linear reductions of ``REDUCTIONS`` (max, norm, std, logsumexp, ...) and the
+  orders, cumulative ops and softmaxes of ``DIMS`` (``NOTED``) with no ``dim`` or a ``dim``
+  that includes 0;
 - of a tensor whose dim 0 holds two or more records: its rows followed from the inputs
   (``flat_rows.py``: a batch flattened to (n·T, ...) too);
 - whose gradient is not zero: a statistic the outputs' gradient does not depend on (a
@@ -43,6 +44,7 @@ import sys
 import torch
 
 from workbench.errors import LossCouplingError, SampleMixingError
+from workbench.per_sample.precision import tolerance_of
 
 #: reductions -> (position of ``dim`` among the positional arguments, its default: None is
 #: every dim). One table for the forward pass's statistics (``REDUCTIONS``) and the loss
@@ -67,6 +69,12 @@ REDUCTIONS = frozenset({
     "max", "min", "amax", "amin", "median", "nanmedian", "prod", "logsumexp", "std", "var",
     "std_mean", "var_mean", "norm", "linalg_vector_norm", "linalg_norm", "quantile",
     "nanquantile", *LINEAR})
+#: every op the use tracker notes over the records, measured by its share of the gradient: the
+#: statistics and the orders, cumulative ops and softmaxes of ``DIMS`` (a prefix sum whose
+#: value a straight-through term cancels, ``s - (s + 0).detach()`` with s = o.cumsum(0),
+#: changes no value the halves check compares, and coupled records at full strength in every
+#: batched method until 2026-12-02, probe AH)
+NOTED = frozenset({*REDUCTIONS, *DIMS})
 
 
 def reduces_dim0(name: str, args, kwargs, x: torch.Tensor) -> bool:
@@ -118,6 +126,16 @@ def noted(result):
     dim)`` returns values and indices), or None when none does."""
     t = result[0] if isinstance(result, (tuple, list)) and result else result
     return t if isinstance(t, torch.Tensor) and t.requires_grad else None
+
+
+def loss_window_tolerance(dtype, device) -> float:
+    """The share of the losses' gradient a reduction over the records in loss_fn may carry:
+    rounding, 64 ulps of its dtype (float32 7.6e-6, float64 1.4e-14), at most the pass's
+    tolerance. A per-record loss reduces over no records, so only a shift-invariant one (a
+    global max subtracted before a softmax: 1e-16 in float64) has a share, and it is rounding;
+    at the pass's tolerance (float32's 1e-3) a router balance term on the probabilities the
+    loss reads, times 1e-4, passed until 2026-12-02 (probe AH)."""
+    return min(tolerance_of(dtype, device), 64 * torch.finfo(dtype).eps)
 
 
 def refuse_reached(notes: list, outputs, graph_nodes, paused, tolerance,
@@ -190,5 +208,5 @@ def _measure(notes, starts, graph_nodes, paused, tolerance, who) -> None:
             f"keepdim=True), or use constants of the data set")
 
 
-__all__ = ["DIMS", "LINEAR", "REDUCTIONS", "caller", "noted", "over_records", "reduces_dim0",
-           "refuse_reached"]
+__all__ = ["DIMS", "LINEAR", "NOTED", "REDUCTIONS", "caller", "loss_window_tolerance", "noted",
+           "over_records", "reduces_dim0", "refuse_reached"]

@@ -35,7 +35,7 @@ from torch.nn.utils.parametrize import ParametrizationList
 
 from workbench.errors import LossCouplingError, LossShapeError, UnsupportedLayerError
 from workbench.per_sample import precision
-from workbench.per_sample.batch_reductions import refuse_reached
+from workbench.per_sample.batch_reductions import loss_window_tolerance, refuse_reached
 from workbench.per_sample.checks import (
     check_batch,
     check_losses,
@@ -349,7 +349,7 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
             tracker.loss_stats = loss_statistics(n, outputs)
             try:
                 losses = loss_fn(outputs, targets)  # (n,)
-                coupled = loss_coupling(tracker, losses, recorder.paused)
+                coupled = loss_coupling(tracker, losses, outputs, recorder.paused)
             finally:
                 tracker.loss_stats.stop()
                 tracker.loss_stats = None
@@ -389,7 +389,7 @@ def loss_statistics(n: int, outputs):
     return stats
 
 
-def loss_coupling(tracker, losses, paused):
+def loss_coupling(tracker, losses, outputs, paused):
     """The error for a loss_fn whose losses couple the records, or None; two structural
     checks, where the halves check (``selfcheck.check_separable``) compares values at the
     pass's tolerance: a router's balance term times 1e-4 moved the float32 losses by 2.4e-5
@@ -398,7 +398,8 @@ def loss_coupling(tracker, losses, paused):
     over the records without gradient, or a detached one, reached them (the optimizer's
     ``LossWatch.statistics``, one message: ``loss_terms.statistic_error``). (2) A reduction
     over the records with gradient in loss_fn that the losses' gradient flows through
-    (``batch_reductions.refuse_reached`` from the losses)."""
+    (``batch_reductions.refuse_reached`` from the losses). Any other op reading another
+    record's rows with gradient: ``loss_rows_coupled``."""
     from workbench.dpsgd.loss_terms import statistic_error
     stats = tracker.loss_stats
     error = statistic_error(stats.statistic(losses) if isinstance(losses, torch.Tensor)
@@ -406,14 +407,86 @@ def loss_coupling(tracker, losses, paused):
     if error is not None:
         return error
     notes, tracker.loss_reductions = tracker.loss_reductions, []
-    if notes and isinstance(losses, torch.Tensor) and losses.requires_grad:
-        try:
-            with torch._C.DisableTorchFunction():
-                refuse_reached(notes, [losses], graph_nodes, paused, precision.tolerance_of,
+    if not (isinstance(losses, torch.Tensor) and losses.requires_grad and losses.dim() == 1):
+        return None
+    try:
+        with torch._C.DisableTorchFunction():
+            if notes:
+                refuse_reached(notes, [losses], graph_nodes, paused, loss_window_tolerance,
                                who="loss_fn")
-        except LossCouplingError as err:
-            return err
+            proved = proved_outputs(outputs, losses.shape[0], tracker.flat_rows.of)
+            loss_rows_coupled(losses, proved, paused)
+    except LossCouplingError as err:
+        return err
     return None
+
+
+def proved_outputs(outputs, n: int, rows_of) -> tuple:
+    """The model's floating outputs with gradient whose rows are proved the n records', in
+    order (``rows_of``: ``flat_rows.FlatRows.of``): blocks of m rows each."""
+    return tuple(t for t in leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad
+                 and t.is_floating_point() and t.dim() and (rows_of(t) or (0,))[0] == n)
+
+
+def loss_rows_coupled(losses, outs, paused) -> None:
+    """LossCouplingError unless each record's loss has gradient on its own rows of the
+    outputs ``outs`` alone (``proved_outputs``). With per-record losses L_i,
+    ∂(Σ_i u_i L_i)/∂o_j = u_j ∂(Σ_i L_i)/∂o_j for every record j and any weights u: two
+    backward passes through loss_fn's ops alone (the gradient stops at the outputs), with
+    u = 1 and u fixed random in [1, 2], each gradient reduced at once to two numbers per record
+    (its norm, and its product with the record's own output rows, which sees a coupling
+    orthogonal to the record's own gradient) and freed, so one output-sized gradient is alive
+    at a time; compared at rounding (``loss_window_tolerance``). Any op that lets one
+    record's loss read another's rows breaks it, whatever it is (a Gram matrix o @ o.T, a
+    roll, a cdist, a cumulative sum cancelled in value): at 1e-4 of the loss, such terms
+    passed the batched methods under float32's value tolerance until 2026-12-02, and with
+    check=False at any size (probe AH). A statistic without gradient is the follower's
+    (``loss_coupling``)."""
+    n = losses.shape[0] if isinstance(losses, torch.Tensor) and losses.dim() == 1 else 0
+    if n < 2 or not outs or not losses.requires_grad:
+        return
+    gen = torch.Generator().manual_seed(0)
+    u = 1 + torch.rand(n, generator=gen, dtype=torch.float64)
+    seen = []
+    for w in (torch.ones(n, dtype=torch.float64), u):
+        with paused(), torch.enable_grad():
+            grads = torch.autograd.grad(losses, outs, grad_outputs=w.to(losses),
+                                        retain_graph=True, allow_unused=True)
+        seen.append([None if g is None else _row_numbers(g, t, n)
+                     for t, g in zip(outs, grads)])
+        del grads
+    for t, one, weighted in zip(outs, *seen):
+        if one is None or weighted is None:
+            continue
+        (dot1, norm1, size), (dotu, normu, _) = one, weighted
+        off = max(float((dotu - u * dot1).norm() / ((u * norm1 + normu) * size).norm()
+                        .clamp_min(1e-300)),
+                  float((normu - u * norm1).norm() / (u * norm1 + normu).norm()
+                        .clamp_min(1e-300)))
+        if off > loss_window_tolerance(t.dtype, t.device):
+            raise LossCouplingError(
+                f"loss_fn couples the records: record i's loss has gradient on other records' "
+                f"rows of the model's output {tuple(t.shape)} (off by {off:.3g} of the "
+                f"gradient there; a per-record loss has none): it reads other records' "
+                f"outputs (a Gram matrix o @ o.T, a contrastive loss over the batch's pairs, a "
+                f"roll, flip or permutation of the records, a cumulative sum, a distance "
+                f"between records), even where its value does not change. Record i's clipped "
+                f"gradient then carries the others', so per-record clipping bounds nothing. "
+                f"Compute each record's loss from its own rows only, and return one loss per "
+                f"record")
+
+
+def _row_numbers(g, t, n: int) -> tuple:
+    """(⟨g_j, o_j⟩, ||g_j||, ||o_j||) per record j, (n,) each, computed in float64 over
+    chunks of an eighth of the records, so no temporary is larger than a quarter of the
+    output (``loss_rows_coupled``): float32's own sums would hide a coupling of 1e-5."""
+    rows, own = g.reshape(n, 1, -1), t.detach().reshape(n, -1, 1)
+    step = max(1, n // 8)
+    parts = [(torch.bmm(a, b).reshape(-1), torch.linalg.vector_norm(a, dim=(1, 2)),
+              torch.linalg.vector_norm(b, dim=(1, 2)))
+             for i in range(0, n, step)
+             for a, b in [(rows[i:i + step].double(), own[i:i + step].double())]]
+    return tuple(torch.cat([p[k] for p in parts]).cpu() for k in range(3))
 
 
 def loss_reach(roots):

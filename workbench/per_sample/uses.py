@@ -406,7 +406,7 @@ class UseTracker(TorchFunctionMode):
             self.flat_rows.after(name, args, kwargs, result)  # off: a custom autograd.Function's
             # forward runs without them, and returns the very tensor its ops made (BLOOM's GELU)
         if torch.is_grad_enabled():
-            if name in batch_reductions.REDUCTIONS and (not self.in_loss or self.loss_stats):
+            if name in batch_reductions.NOTED and (not self.in_loss or self.loss_stats):
                 self._over_records(name, args, kwargs, result)
             watched = self.batch_free.watched
             if watched and not watched.keys().isdisjoint(ids):
