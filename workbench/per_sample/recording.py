@@ -27,7 +27,9 @@ shapes cannot show (T == n) and checks the result numerically.
 Notation: n batch size, a activations, b backprops, ℓ_i per-sample loss.
 """
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
@@ -46,7 +48,7 @@ from workbench.per_sample.checks import (
 )
 from workbench.per_sample.derived import graph_nodes
 from workbench.per_sample.fallback import redraws
-from workbench.per_sample.hooks import ActivationRecorder
+from workbench.per_sample.hooks import PAUSED, ActivationRecorder
 from workbench.per_sample.leaves import call_leaves, leaves
 from workbench.per_sample.registry import find_grad_sampler, find_sampler_check, layer_type
 from workbench.per_sample.state_replay import PassLog
@@ -341,7 +343,8 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
         with tracker:
             tracker.start(leaves((inputs, targets)))  # the batch: what it touches, its rows
             outputs = forward(model, inputs)
-            tracker.refuse_mixing(leaves(outputs), recorder.paused)  # a statistic over the
+            quiet = partial(quiet_passes, recorder, model)
+            tracker.refuse_mixing(leaves(outputs), quiet)  # a statistic over the
             # records the outputs' gradient flows through (batch_reductions.py)
             tracker.in_loss = True
             with torch._C.DisableTorchFunction():
@@ -349,7 +352,7 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
             tracker.loss_stats = loss_statistics(n, outputs)
             try:
                 losses = loss_fn(outputs, targets)  # (n,)
-                coupled = loss_coupling(tracker, losses, outputs, recorder.paused)
+                coupled = loss_coupling(tracker, losses, outputs, quiet)
             finally:
                 tracker.loss_stats.stop()
                 tracker.loss_stats = None
@@ -361,7 +364,7 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
         if coupled is not None:
             raise coupled
         check_losses(losses, n)
-        problem = scalar_output_problem(outputs, losses, recorder.paused)
+        problem = scalar_output_problem(outputs, losses, quiet)
         if problem:  # the optimizer's own check (``output_rows_problem``), before any work
             raise LossShapeError(problem)
         tracker.derived.settle([losses], n, recorder)
@@ -376,6 +379,24 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
                                      inputs),
                          autocast=precision.state(p0.device), feeds=loss_reach([losses]),
                          state=log)
+
+
+@contextmanager
+def quiet_passes(recorder, model):
+    """``recorder.paused()``, and no recorder of ``model`` itself stores a gradient either
+    (``hooks.PAUSED``): the checks' own gradient passes from the losses to the outputs reach
+    the model's outputs, where a DP optimizer attached to the same model keeps its root
+    hooks; they took such a pass for the user's and refused the next step as a stray backward
+    pass (a functional call beside an optimizer, as ``choose_mode`` is tested) until
+    2026-12-02."""
+    with recorder.paused():
+        PAUSED[id(model)] += 1
+        try:
+            yield
+        finally:
+            PAUSED[id(model)] -= 1
+            if PAUSED[id(model)] <= 0:
+                del PAUSED[id(model)]
 
 
 def loss_statistics(n: int, outputs):
