@@ -387,3 +387,112 @@ def test_a_loss_on_an_earlier_pass_than_the_last_is_refused():
             centred(first, y).backward()
     finally:
         opt.detach()
+
+
+# Losses with an op that has no second derivative (2026-12-02): the coupling test cannot run on
+# them, so the proof must take them or the optimizer refuses. Until then the optimizer warned
+# "could not run" and released torch.cdist(o, o) and F.pdist(o) at full strength.
+
+P = torch.tensor([[1.0, 0.0, -1.0, 0.5], [0.0, 2.0, 0.0, -1.0], [0.3, 0.3, 0.3, 0.3]],
+                 dtype=torch.float64)  # fixed prototypes of the mlp's K = 4 outputs
+
+
+def labels(y, k=4):  # multilabel_margin_loss's targets: record i's class, then -1
+    t = torch.full((len(y), k), -1, dtype=torch.long)
+    t[:, 0] = y
+    return t
+
+
+def ctc(log_probs, y, reduction="mean"):  # (T, n, V) log-probabilities, two labels a record
+    n = log_probs.shape[1]
+    return F.ctc_loss(log_probs, y[:, :2] % (V - 1) + 1, torch.full((n,), T),
+                      torch.full((n,), 2), reduction=reduction)
+
+
+NO_SECOND = {  # (model, batch, the loop's loss, record i's own loss, loss_reduction)
+    "multi_margin_loss": (mlp, batch, lambda z, y: F.multi_margin_loss(z, y),
+                          lambda z, y: F.multi_margin_loss(z, y, reduction="sum"), "mean"),
+    "multilabel_margin_loss": (
+        mlp, batch, lambda z, y: F.multilabel_margin_loss(z, labels(y), reduction="sum"),
+        lambda z, y: F.multilabel_margin_loss(z, labels(y), reduction="sum"), "sum"),
+    "cdist to fixed prototypes": (
+        mlp, batch, lambda z, y: F.cross_entropy(z, y) + torch.cdist(z, P).pow(2).mean(),
+        lambda z, y: F.cross_entropy(z, y) + torch.cdist(z, P).pow(2).sum() / 3, "mean"),
+    "cdist within each record": (
+        lm, lm_batch, lambda o, y: torch.cdist(o[:, :2], o[:, 2:]).mean(),
+        lambda o, y: torch.cdist(o[:, :2], o[:, 2:]).sum() / 4, "mean"),
+    "CTC, log_softmax then transpose": (
+        lm, lm_batch, lambda o, y: ctc(o.log_softmax(2).transpose(0, 1), y),
+        lambda o, y: ctc(o.log_softmax(2).transpose(0, 1), y, "sum") / 2, "mean"),
+    "CTC, transpose then log_softmax": (
+        lm, lm_batch, lambda o, y: ctc(o.transpose(0, 1).log_softmax(-1), y, "sum"),
+        lambda o, y: ctc(o.transpose(0, 1).log_softmax(-1), y, "sum"), "sum"),
+    "CTC, permuted, per record": (
+        lm, lm_batch, lambda o, y: ctc(o.permute(1, 0, 2).log_softmax(dim=2), y, "none").sum(),
+        lambda o, y: ctc(o.permute(1, 0, 2).log_softmax(dim=2), y, "sum"), "sum"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NO_SECOND))
+def test_a_loss_without_a_second_derivative_is_proved_and_exact(name):
+    """Released exactly as the float64 per-record twin, removing a record moves the sum by
+    at most C (``assert_invariant``), and no coupling-test error: the ops proved it."""
+    make, data, loss, record_loss, reduction = NO_SECOND[name]
+    x, y = data(n=5) if data is lm_batch else data()
+    for mode in ("auto", "bookkeeping", "microbatch"):
+        assert_invariant(make, loss, record_loss, x, y, mode, reduction=reduction)
+
+
+NO_SECOND_COUPLED = {  # the records' outputs meet in an op with no second derivative
+    "cdist between the records": lambda z, y: F.cross_entropy(z, y) + torch.cdist(z, z).mean(),
+    "pdist": lambda z, y: F.cross_entropy(z, y) + F.pdist(z).mean(),
+    "cdist of two records' halves": lambda z, y: torch.cdist(z[:3], z[3:]).mean(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NO_SECOND_COUPLED))
+def test_a_coupling_the_test_cannot_measure_is_refused(name):
+    x, y = batch()
+    with pytest.raises(WorkbenchError, match="could not be checked|two different records"):
+        released(mlp(), NO_SECOND_COUPLED[name], x, y, "auto")
+
+
+@pytest.mark.parametrize("n", [5, T])
+def test_a_ctc_loss_reading_positions_as_records_is_refused(n):
+    """log_probs passed as (n, T, V), or reshaped to (T, n, V) without a transpose: CTC's
+    dim 1 is not the records (at n = T the shapes agree by chance): never proved."""
+    x, y = lm_batch(n=n)
+    for spelling in (lambda o: o.log_softmax(2), lambda o: o.log_softmax(2).reshape(T, n, V)):
+        if spelling(torch.zeros(n, T, V)).shape[1] != n:
+            continue
+        with pytest.raises(LossCouplingError, match="could not be checked"):
+            released(lm(), lambda o, y: ctc(spelling(o), y), x, y, "auto")
+
+
+def per_record_jacobian_across(terms_of, o):
+    """max |∂l_i/∂o_j| over records i ≠ j, first order (no second derivative needed)."""
+    jac = torch.autograd.functional.jacobian(lambda t: terms_of(t), o)  # (n, *o.shape)
+    n = o.shape[0]
+    off = [jac[i, j].abs().max() for i in range(n) for j in range(n) if i != j]
+    return float(max(off))
+
+
+@pytest.mark.parametrize("case", ["cdist fixed", "cdist within", "ctc", "cdist across",
+                                  "ctc untransposed"])
+def test_the_new_rules_prove_only_uncoupled_terms(case):
+    """Soundness of the cdist and CTC rules against the quantity itself, by the per-record
+    terms' Jacobian: proved ⇒ record i's term has no gradient on record j's outputs."""
+    cases = {  # per-record terms (n,), proved?
+        "cdist fixed": (lambda o, y: torch.cdist(o.flatten(1), P.repeat(1, 6)[:, :T * V])
+                        .sum(1), True),
+        "cdist within": (lambda o, y: torch.cdist(o[:, :2], o[:, 2:]).sum((1, 2)), True),
+        "ctc": (lambda o, y: ctc(o.log_softmax(2).transpose(0, 1), y, "none"), True),
+        "cdist across": (lambda o, y: torch.cdist(o.flatten(1), o.flatten(1)).sum(1), False),
+        "ctc untransposed": (lambda o, y: ctc(o.log_softmax(2), y, "none"), False),
+    }
+    terms_of, proved = cases[case]
+    o, y, got = followed(lambda o, y: terms_of(o, y).sum())
+    assert got == proved
+    y = y[:, :T] if case != "ctc untransposed" else y
+    across = per_record_jacobian_across(lambda t: terms_of(t, y), o.detach())
+    assert (across < 1e-12) if proved else (across > 1e-6)

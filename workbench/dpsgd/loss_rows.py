@@ -52,8 +52,10 @@ from torch.utils._pytree import tree_flatten
 
 from workbench.per_sample.flat_rows import ELEMENTWISE, RESHAPES, FlatRows, IdentityRef, in_place
 
-CLASS_LOSSES = frozenset({"cross_entropy", "nll_loss"})  # classes on dim 1
-LOSSES = CLASS_LOSSES | frozenset({  # elementwise over input and target
+CLASS_LOSSES = frozenset({"cross_entropy", "nll_loss", "multi_margin_loss",  # classes on
+                          "multilabel_margin_loss", "multilabel_soft_margin_loss"})  # dim 1
+TIME_MAJOR_LOSSES = frozenset({"ctc_loss"})  # (T, N, C): the records on dim 1
+LOSSES = CLASS_LOSSES | TIME_MAJOR_LOSSES | frozenset({  # elementwise over input and target
     "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
     "binary_cross_entropy_with_logits", "kl_div", "poisson_nll_loss", "soft_margin_loss"})
 FOLLOWED = RESHAPES | ELEMENTWISE | frozenset({  # what a loss is made of; FlatRows' rules for
@@ -61,13 +63,18 @@ FOLLOWED = RESHAPES | ELEMENTWISE | frozenset({  # what a loss is made of; FlatR
     # taken here: a loss using them is left to the test (probe W found holes in four of them)
     "transpose", "permute", "squeeze", "unsqueeze", "__getitem__", "softmax", "log_softmax",
     "normalize", "sum", "mean", "amax", "amin", "logsumexp", "masked_fill", "gather",
-    "take_along_dim"})
+    "take_along_dim", "expand"})
 REDUCTIONS = frozenset({"sum", "mean"})  # to a 0-d result: over every element
 SUMS = frozenset({"add", "__add__", "__radd__", "sub", "__sub__", "__rsub__", "subtract"})
 PRODUCTS = frozenset({"mul", "__mul__", "__rmul__", "multiply"})
 QUOTIENTS = frozenset({"div", "__truediv__", "true_divide", "divide"})
 SAME = frozenset({"neg", "__neg__", "negative", "float", "double", "half", "bfloat16", "to",
                   "type_as", "clone", "contiguous", "squeeze", "reshape", "view"})
+SWAPS = frozenset({"transpose", "swapaxes", "swapdims", "permute", "movedim", "moveaxis"})
+"""Ops that can move the records from dim 0 to dim 1 (a CTC loss's (T, N, C) input)."""
+ALONG = frozenset({"log_softmax", "softmax", "float", "double", "half", "bfloat16", "to",
+                   "type_as", "clone", "contiguous"})
+"""Ops that keep a time-major tensor's records on dim 1 (a softmax along another dim)."""
 
 
 PLAIN = (torch.Tensor, torch.nn.Parameter)  # types whose ops are what their names say
@@ -85,6 +92,7 @@ class LossRows:
         """``seeds``: (output, its forward tag (m, T, order) or None)."""
         self.rows = FlatRows(_grad)  # an operand with gradient "carries a sample"
         self.sums: dict[int, tuple] = {}  # separable scalars: id -> (ref, version)
+        self.second: dict[int, tuple] = {}  # records on dim 1: id -> (ref, version, tag)
         for t, tag in seeds:
             if tag is not None and tag[2] is None and t.dim() >= 1:
                 self.rows.tag(t, tag[0], tag[1])
@@ -112,6 +120,12 @@ class LossRows:
             self.on = False  # custom op reaching the mode under a torch op's name (probe X):
             return  # its body runs unseen, so its name says nothing of what it computes
         results = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if name == "cdist" and not in_place(name) and self._distances(args, kwargs, operands,
+                                                                        out):
+            return
+        if (name in SWAPS or name in ALONG) and self._time_major(name, args, kwargs,
+                                                                 operands, out):
+            return
         if name in LOSSES:
             self._loss(name, args, kwargs, operands, out)
         elif isinstance(out, torch.Tensor) and out.dim() == 0:
@@ -139,10 +153,67 @@ class LossRows:
         return all(tag == tags[0] and t.dim() == first.dim() and t.shape[0] == first.shape[0]
                    for t, tag in zip(operands, tags))
 
+    def _distances(self, args, kwargs, operands, out) -> bool:
+        """``torch.cdist(x1, x2)`` (no second derivative: the coupling test cannot run on
+        it): row r of the result is x1's row r's distances to x2's rows, so it is row-wise
+        where x2 carries no gradient (distances to fixed prototypes), or where both are
+        row-wise alike with a batch dim first (each record's points to its own)."""
+        x1 = args[0] if args else kwargs.get("x1")
+        x2 = args[1] if len(args) > 1 else kwargs.get("x2")
+        if not isinstance(out, torch.Tensor) or not isinstance(x1, torch.Tensor) or \
+                not isinstance(x2, torch.Tensor) or not operands or operands[0] is not x1:
+            return False
+        tag = self._row_wise(x1)
+        if tag is None or out.dim() < 2 or out.shape[0] != x1.shape[0]:
+            return False
+        if len(operands) == 1 or (x1.dim() >= 3 and x2.dim() == x1.dim()
+                                  and self._aligned(operands)):
+            self.rows.tag(out, *tag)
+            return True
+        return False
+
+    def _moved(self, t):
+        entry = self.second.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return entry[2] if entry is not None and entry[0]() is t and \
+            entry[1] == t._version else None
+
+    def _time_major(self, name, args, kwargs, operands, out) -> bool:
+        """A row-wise tensor's records moved to dim 1 (``o.transpose(0, 1)``, a permute
+        putting dim 0 second), and ops keeping them there (a softmax along another dim, a
+        cast): a CTC loss's (T, N, C) input. Returns whether ``out`` was tagged so."""
+        x = args[0] if args else kwargs.get("input")
+        if len(operands) != 1 or operands[0] is not x or not isinstance(out, torch.Tensor) \
+                or out.dim() < 2 or in_place(name):
+            return False
+        tag = None
+        if name in SWAPS and self._row_wise(x) is not None and x.dim() >= 2:
+            if out.shape[1] == x.shape[0] and _dim0_to_1(name, args, kwargs, x.dim()):
+                tag = self._row_wise(x)
+        elif name in ALONG and (tag := self._moved(x)) is not None:
+            dim = args[1] if len(args) > 1 and name in ("log_softmax", "softmax") else \
+                kwargs.get("dim")
+            if name in ("log_softmax", "softmax") and not (
+                    isinstance(dim, int) and dim % x.dim() != 1):
+                tag = None
+            if out.shape != x.shape:
+                tag = None
+        if tag is None or tag[2] is not None:
+            return False
+        self.second[id(out)] = (IdentityRef(out), out._version, tag)
+        return True
+
     def _loss(self, name, args, kwargs, operands, out) -> None:
         x = args[0] if args else kwargs.get("input")
         if len(operands) != 1 or operands[0] is not x or not isinstance(out, torch.Tensor):
             return  # a target or weight with gradient (distillation from o itself)
+        if name in TIME_MAJOR_LOSSES:  # log_probs (T, N, C): record r's row is dim 1's r
+            tag = self._moved(x)
+            if tag is not None and x.dim() == 3:
+                if out.dim() == 0:
+                    self.sums[id(out)] = (IdentityRef(out), out._version)
+                elif out.shape == x.shape[1:2]:
+                    self.rows.tag(out, *tag)
+            return
         tag = self._row_wise(x)
         if tag is None or (name in CLASS_LOSSES and x.dim() < 2):
             return
@@ -175,6 +246,28 @@ class LossRows:
             return False
         chain = (entry[0]() for entry in (*self.rows.tags.values(), *self.sums.values()))
         return not any(foreign_hooks(t) for t in chain if t is not None)
+
+
+def _dim0_to_1(name, args, kwargs, ndim: int) -> bool:
+    """Does ``name(x, ...)`` put x's dim 0 at dim 1 (and x's dim 1 at dim 0, for a
+    transpose)? Read from the op's own arguments, never from the shapes (T = n by chance)."""
+    rest = list(args[1:])
+    if name in ("transpose", "swapaxes", "swapdims"):
+        dims = rest[:2] if len(rest) >= 2 else [kwargs.get("dim0"), kwargs.get("dim1")]
+        if not all(isinstance(d, int) for d in dims):
+            return False
+        return sorted(d % ndim for d in dims) == [0, 1]
+    if name == "permute":
+        dims = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else \
+            (rest or kwargs.get("dims", ()))
+        return len(dims) == ndim and all(isinstance(d, int) for d in dims) and \
+            dims[1] % ndim == 0
+    if name in ("movedim", "moveaxis"):
+        src = rest[0] if rest else kwargs.get("source")
+        dst = rest[1] if len(rest) > 1 else kwargs.get("destination")
+        return isinstance(src, int) and isinstance(dst, int) and src % ndim == 0 and \
+            dst % ndim == 1
+    return False
 
 
 def foreign_hooks(t: torch.Tensor) -> bool:

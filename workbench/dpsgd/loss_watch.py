@@ -52,7 +52,6 @@ Notation: n batch size, f (n,) per-record factors.
 import contextlib
 import functools
 import inspect
-import warnings
 import weakref
 
 import torch
@@ -743,11 +742,21 @@ class LossWatch:
                     self.checked.add(key)
                     return
                 h = torch.autograd.grad(sum(terms), outs, retain_graph=True, allow_unused=True)
-        except RuntimeError as err:  # an op without a second derivative: say so, once
-            warnings.warn(f"the loss's coupling test could not run ({err}); records are taken "
-                          f"as independent in the loss", stacklevel=4)
-            self.checked.add(key)
-            return
+        except RuntimeError as err:  # an op without a second derivative, in a loss its ops
+            raise LossCouplingError(  # did not prove a sum of per-record terms: unverified
+                f"the loss{self._loss_names()} passed to backward could not be checked for "
+                f"coupling between records: its ops do not prove it a sum of one term per "
+                f"record (loss_rows.py follows loss functions, elementwise ops, softmaxes, "
+                f"reductions, cdist to fixed points and a CTC loss), and the test that "
+                f"measures whether record i's gradient depend on the other records' outputs "
+                f"needs a second derivative that an op of the loss lacks ({err}). A term such "
+                f"as torch.cdist(o, o) or F.pdist(o) between the records' outputs couples "
+                f"them: removing one record would move every other record's clipped "
+                f"gradient, so the sensitivity is no longer C. Fix: give each record a term "
+                f"of its own outputs alone (distances to fixed prototypes, "
+                f"torch.cdist(o, centres) with centres detached or constant); or write the "
+                f"term with ops that have a second derivative (((a[:, None] - b[None]) ** 2)"
+                f".sum(-1) for squared distances) so the test can measure it") from err
         own = others = 0.0
         for hk in h:
             if hk is not None:
