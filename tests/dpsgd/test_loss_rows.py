@@ -409,7 +409,25 @@ def ctc(log_probs, y, reduction="mean"):  # (T, n, V) log-probabilities, two lab
                       torch.full((n,), 2), reduction=reduction)
 
 
+def ctc_module(reduction, flat=False):
+    """nn.CTCLoss (its separability probe reads the records on dim 1), targets (n, 2) or
+    concatenated in one dim."""
+    criterion = nn.CTCLoss(reduction=reduction)
+
+    def loss(o, y):
+        n = o.shape[0]
+        targets = y[:, :2] % (V - 1) + 1
+        return criterion(o.log_softmax(2).transpose(0, 1),
+                         targets.reshape(-1) if flat else targets, torch.full((n,), T),
+                         torch.full((n,), 2))
+    return loss
+
+
 NO_SECOND = {  # (model, batch, the loop's loss, record i's own loss, loss_reduction)
+    "nn.CTCLoss, mean": (lm, lm_batch, ctc_module("mean"),
+                         lambda o, y: ctc_module("sum")(o, y) / 2, "mean"),
+    "nn.CTCLoss, sum, targets concatenated": (lm, lm_batch, ctc_module("sum", flat=True),
+                                              ctc_module("sum"), "sum"),
     "multi_margin_loss": (mlp, batch, lambda z, y: F.multi_margin_loss(z, y),
                           lambda z, y: F.multi_margin_loss(z, y, reduction="sum"), "mean"),
     "multilabel_margin_loss": (
@@ -455,6 +473,24 @@ def test_a_coupling_the_test_cannot_measure_is_refused(name):
     x, y = batch()
     with pytest.raises(WorkbenchError, match="could not be checked|two different records"):
         released(mlp(), NO_SECOND_COUPLED[name], x, y, "auto")
+
+
+class CentredCTC(nn.CTCLoss):
+    """A CTC loss that centres its log-probabilities over the records first."""
+
+    def forward(self, log_probs, *args):
+        return super().forward(log_probs - log_probs.mean(1, keepdim=True), *args)
+
+
+def test_a_ctc_module_coupling_the_records_is_refused():
+    x, y = lm_batch(n=T)
+
+    def loss(o, y):
+        n = o.shape[0]
+        return CentredCTC()(o.log_softmax(2).transpose(0, 1), y[:, :2] % (V - 1) + 1,
+                            torch.full((n,), T), torch.full((n,), 2))
+    with pytest.raises(LossCouplingError):
+        released(lm(), loss, x, y, "auto")
 
 
 @pytest.mark.parametrize("n", [5, T])

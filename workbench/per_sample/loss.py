@@ -130,20 +130,57 @@ def _grad(criterion, z, args):
     return torch.zeros_like(z) if g is None else g
 
 
+def _ctc_substituted(z, args, i: int, k: int, n: int):
+    """``nn.CTCLoss``'s (log_probs (T, N, C), (targets, input_lengths, target_lengths)) with
+    every record but i replaced by record k: its records on dim 1 of log_probs, on dim 0 of
+    the rest (targets (N, S), or one dim concatenated record by record), or None."""
+    if len(args) < 3 or not isinstance(args[0], torch.Tensor):
+        return None
+    index = torch.full((n,), k, dtype=torch.long)
+    index[i] = i
+    targets, inputs, lengths = args[0], torch.as_tensor(args[1]), torch.as_tensor(args[2])
+    if inputs.shape != (n,) or lengths.shape != (n,):
+        return None
+    if targets.dim() == 2 and targets.shape[0] == n:
+        targets = targets.index_select(0, index.to(targets.device))
+    elif targets.dim() == 1:
+        ends = lengths.cumsum(0).tolist()
+        starts = [e - int(t) for e, t in zip(ends, lengths.tolist())]
+        targets = torch.cat([targets[starts[j]:ends[j]] for j in index.tolist()])
+    else:
+        return None
+    return (z.index_select(1, index.to(z.device)),
+            (targets, inputs[index].to(args[1].device) if isinstance(args[1], torch.Tensor)
+             else inputs[index], lengths[index].to(args[2].device)
+             if isinstance(args[2], torch.Tensor) else lengths[index], *args[3:]))
+
+
 def check_separable(criterion, z, args, n: int, reduction: str, tol: float) -> torch.Tensor:
     """f (n,) after checking that record i = n - 1's rows of f ⊙ ∂L/∂z stay when the other
-    records are replaced by record 0; LossCouplingError otherwise."""
+    records are replaced by record 0; LossCouplingError otherwise. ``nn.CTCLoss`` reads its
+    records on dim 1 of its (T, N, C) input, every other loss on dim 0."""
     y = args[0] if args else None
     f = record_factors(criterion, z, y, n, reduction)
-    if n < 2 or z.shape[0] % n:
-        return f
-    i, m = n - 1, z.shape[0] // n
-    g = _grad(criterion, z, args)[i * m:]
-    swapped = [substitute(a, i, 0, n) if isinstance(a, torch.Tensor) and a.dim()
-               and a.shape[0] == z.shape[0] else a for a in args]
-    z2 = substitute(z, i, 0, n)
-    f2 = record_factors(criterion, z2, swapped[0] if swapped else None, n, reduction)
-    g2 = _grad(criterion, z2, swapped)[i * m:]
+    i = n - 1
+    if isinstance(criterion, nn.CTCLoss):
+        if n < 2 or z.dim() != 3 or z.shape[1] != n:
+            return f  # (T, C): one record; any other layout CTC itself refuses
+        swapped = _ctc_substituted(z, args, i, 0, n)
+        if swapped is None:
+            return f
+        z2, swapped = swapped
+        g, g2 = _grad(criterion, z, args)[:, i], _grad(criterion, z2, swapped)[:, i]
+        f2 = f
+    else:
+        if n < 2 or z.shape[0] % n:
+            return f
+        m = z.shape[0] // n
+        g = _grad(criterion, z, args)[i * m:]
+        swapped = [substitute(a, i, 0, n) if isinstance(a, torch.Tensor) and a.dim()
+                   and a.shape[0] == z.shape[0] else a for a in args]
+        z2 = substitute(z, i, 0, n)
+        f2 = record_factors(criterion, z2, swapped[0] if swapped else None, n, reduction)
+        g2 = _grad(criterion, z2, swapped)[i * m:]
     a, b = f[i] * g.double(), f2[i] * g2.double()
     err, scale = float((a - b).norm()), max(float(a.norm()), float(b.norm()))
     if err > tol * scale + 1e-12:
