@@ -176,3 +176,68 @@ def test_functional_api_refuses_a_data_statistic_in_loss_fn(case, method):
             wb.per_sample_grad_norms(mlp(), FUNCTIONAL[case], x, y, method=method)
         else:
             wb.clipped_grad_sum(mlp(), FUNCTIONAL[case], x, y, C)
+
+
+# One record's rows against the other records' values without gradient (2026-12-02): no
+# reduction over the records and no second derivative across them, so neither the statistics
+# above nor the coupling test saw these; each was released at full strength.
+CROSSED = {
+    "Gram with a detached side": lambda o, t: (o @ o.detach().T).pow(2).mean(),
+    "InfoNCE on detached keys": lambda o, t: F.cross_entropy(o @ o.detach().T,
+                                                             torch.arange(len(o))),
+    "mm with the detached side first": lambda o, t: torch.mm(o.detach(), o.T).pow(2).mean(),
+    "einsum against detached rows": lambda o, t: torch.einsum(
+        "ik,jk->ij", o, o.detach()).pow(2).mean(),
+    "cosine similarity to every detached row": lambda o, t: F.cosine_similarity(
+        o[:, None], o.detach()[None], dim=-1).mean(),
+    "differences to every detached row": lambda o, t: (
+        o[:, None] - o.detach().unsqueeze(0)).pow(2).mean(),
+    "cdist to the detached outputs": lambda o, t: torch.cdist(o, o.detach()).mean(),
+    "class sums of the detached outputs as targets": lambda o, t: F.mse_loss(
+        o, F.one_hot(t, 4).double() @ (F.one_hot(t, 4).double().T @ o.detach())),
+    "every record's targets broadcast": lambda o, t: (
+        o[:, None, 0] - t.double()[None]).pow(2).mean(),
+}
+
+
+@pytest.mark.parametrize("mode", ["auto", "einsum", "bookkeeping"])
+@pytest.mark.parametrize("case", sorted(CROSSED))
+def test_a_record_against_the_others_values_is_refused(case, mode):
+    x, y = batch()
+    with pytest.raises(LossCouplingError, match="statistic of the whole batch"):
+        released(mlp(), CROSSED[case], x, y, mode)
+
+
+@pytest.mark.parametrize("case", ["InfoNCE on detached keys", "cdist to the detached outputs"])
+def test_the_crossed_values_do_move_the_sum_by_more_than_c(case):
+    x, y = batch(n=6, seed=3)
+    full = unchecked(CROSSED[case], x, y)
+    moved = [float((full - unchecked(CROSSED[case], x[keep], y[keep])).norm())
+             for keep in (torch.arange(6) != j for j in range(6))]
+    assert max(moved) > C * (1 + 1e-6), moved
+
+
+P = torch.tensor([[1.0, 0.0, -1.0, 0.5], [0.0, 2.0, 0.0, -1.0], [0.3, 0.3, 0.3, 0.3]],
+                 dtype=torch.float64)  # fixed prototypes: no record's data
+
+UNCROSSED = {  # (the loop's loss, record i's own loss): each record against its own values
+    "products with a fixed matrix": (lambda o, t: (o @ P.T).pow(2).mean(),
+                                     lambda o, t: (o @ P.T).pow(2).sum() / 3),
+    "cosine similarity to fixed prototypes": (
+        lambda o, t: F.cosine_similarity(o[:, None], P[None], dim=-1).mean(),
+        lambda o, t: F.cosine_similarity(o[:, None], P[None], dim=-1).sum() / 3),
+    "per-record weights broadcast over the classes": (
+        lambda o, t: (o.pow(2) * (t.double() + 1)[:, None]).mean(),
+        lambda o, t: (o.pow(2) * (t.double() + 1)[:, None]).sum() / 4),
+    "a record's own detached outputs": (
+        lambda o, t: (o * o.detach().softmax(1)).sum(1).mean(),
+        lambda o, t: (o * o.detach().softmax(1)).sum()),
+}
+
+
+@pytest.mark.parametrize("mode", ["auto", "bookkeeping"])
+@pytest.mark.parametrize("case", sorted(UNCROSSED))
+def test_a_record_against_its_own_or_fixed_values_is_exact(case, mode):
+    x, y = batch()
+    loss, own = UNCROSSED[case]
+    assert_invariant(mlp, loss, own, x, y, mode)

@@ -67,6 +67,7 @@ from torch.utils._pytree import tree_flatten
 
 from workbench.dpsgd.row_mixing import RowOrder
 from workbench.errors import LossCouplingError
+from workbench.per_sample.flat_rows import ELEMENTWISE
 from workbench.per_sample.leaves import call_leaves, leaves
 
 #: reductions (by function name) that combine the records when applied over dim 0
@@ -100,6 +101,24 @@ PICKERS = {"__getitem__", "index_select", "take", "gather", "take_along_dim", "m
 LAST_DIM = {"sort", "argsort", "topk", "kthvalue"}  # ops whose dim defaults to the last
 DIM_THIRD = {"norm", "linalg_vector_norm", "quantile", "nanquantile", "kthvalue",
              "topk"}  # (x, p or q or k, dim)
+
+
+PRODUCTS = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "cdist"}
+"""Products pairing the rows of their first operand with the columns of their second
+(``cdist``: with its rows): ``_crossed`` reads where each operand's records land."""
+CROSSED_ELEMENTWISE = ELEMENTWISE | {"cosine_similarity", "pairwise_distance", "mse_loss",
+                                     "l1_loss", "smooth_l1_loss", "huber_loss", "lerp",
+                                     "addcmul", "addcdiv", "fmax", "fmin", "hypot"}
+"""Broadcasting ops: two operands' records on different dims from the right pair them."""
+
+
+SELECTED_MEANS = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div",
+                  "binary_cross_entropy", "binary_cross_entropy_with_logits",
+                  "poisson_nll_loss", "gaussian_nll_loss", "soft_margin_loss",
+                  "multilabel_soft_margin_loss", "multi_margin_loss",
+                  "multilabel_margin_loss", "hinge_embedding_loss", "cosine_embedding_loss",
+                  "margin_ranking_loss", "triplet_margin_loss", "cross_entropy", "nll_loss"}
+"""Loss functions whose default reduction is a mean over every element (``_selection``)."""
 
 
 NORMS = {"batch_norm", "layer_norm", "normalize", "rms_norm"}
@@ -187,6 +206,8 @@ class BatchStatistics:
         self.exported: tuple | None = None  # (what left torch, its rows): EXPORTS
         self.host_numbers: list[tuple] = []  # the exports' statistics (numbers)
         self.made: dict[int, tuple] = {}  # id -> (weakref, ""): made in the window, no data
+        self.selected: dict[int, tuple] = {}  # id -> (weakref, what): the records a mask of
+        # the batch's data kept (``o[y > 0]``): a mean over them divides by their count
         self.branched: str | None = None  # a statistic the loop branched on (``__bool__``)
         _follow_host(self, False)
 
@@ -275,6 +296,17 @@ class BatchStatistics:
         what = next((w for t in tensors for w in [self._find(self.stats, t)] if w), None)
         if what is None and name in DETACH and tensors:
             what = self._find(self.reductions, tensors[0])
+        if what is None and name not in DETACH and name not in TO_NUMBER:  # computed from a
+            # reduction with gradient: its detached copy is a statistic as the reduction's
+            # is (``o.softmax(1).mean(0, keepdim=True).expand_as(o).detach()``: probe AI,
+            # silent until 2026-12-02; only the reduction's own detach was followed)
+            reduced = next((w for t in tensors for w in [self._find(self.reductions, t)]
+                            if w), None)
+            if reduced is not None:
+                self._mark(self.reductions, [t for t in leaves(out) if isinstance(
+                    t, torch.Tensor) and t.requires_grad], reduced)
+        if what is None:
+            what = self._selection(name, args, kwargs, tensors, out)
         if what is None and name in GATES and len(tensors) > 1:  # (a bound on the reduction
             # itself, L.clamp(max=t), is record_reduction's "coupled" kind)
             what = next((w for t in tensors for w in [self._find(self.reductions, t)] if w),
@@ -326,6 +358,11 @@ class BatchStatistics:
             self.source[what] = frozenset(rows)
             self._mark(self.stats, written(name, args, out), what)
             return
+        what = self._crossed(name, args, tensors)
+        if what is not None:
+            self.source[what] = self.n
+            self._mark(self.stats, written(name, args, out), what)
+            return
         x = tensors[0] if tensors and args and args[0] is tensors[0] else None
         at = self.order.records_dim(x) if x is not None and x.dim() else None  # (x.T: 1; a
         # time-major view: 1, a mean over its dim 0 is over time; moved elsewhere by a
@@ -341,6 +378,114 @@ class BatchStatistics:
                 if isinstance(t, torch.Tensor):  # kthvalue's indices) holds no gradient: a
                     self._mark(self.reductions if x.requires_grad and (  # statistic, with
                         t.is_floating_point() or t.is_complex()) else self.stats, t, what)
+
+    def _selection(self, name: str, args, kwargs, tensors, out) -> str | None:
+        """Follow the records a mask of the batch's data keeps (``o[y > 0]``,
+        ``masked_select``, ``o[(y > 0).nonzero()]``) through the ops after it; ``what`` at a
+        mean over them (``mean``, a loss function's mean): it divides by how many records
+        the mask kept, a count of the other records' data (``F.mse_loss(o[keep],
+        t[keep])``: probe AI, 0.08-0.18 of the step, silent until 2026-12-02, while
+        ``(l * keep).sum() / keep.sum()`` was refused). Their sum is each kept record's own
+        term and passes."""
+        picked = None
+        finds = name in ("nonzero", "argwhere") or (name == "where" and len(args) == 1)
+        if (finds or name in ("__getitem__", "masked_select")) and tensors:
+            mask = tensors[0] if finds else next(
+                (t for t in tensors[1:] if t.dtype == torch.bool), None)
+            if mask is not None and mask.dtype == torch.bool and mask.dim() \
+                    and self.order.records_dim(mask) == 0 and mask.shape[0] >= 2 \
+                    and self._batch(int(mask.shape[0])) and not self.order.made(mask) \
+                    and not self.order._free(mask) and not self._has(self.made, mask):
+                picked = (f"{name}() of the records a mask of the batch's data kept (a "
+                          f"{tuple(mask.shape)} mask)")
+        if picked is None and name == "__getitem__" and len(tensors) > 1:
+            picked = next((w for t in tensors[1:] if not t.is_floating_point()
+                           for w in [self._find(self.selected, t)] if w), None)
+        if picked is None and name not in ("sum", "nansum") and tensors:
+            picked = next((w for t in tensors for w in [self._find(self.selected, t)] if w),
+                          None)
+            x = tensors[0]
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+            dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+            over = dim is None or any(isinstance(d, int) and x.dim() and d % x.dim() == 0
+                                      for d in dims)  # (a mean over each record's own
+            # features, ``o[keep].mean(1)``, is no mean over the records)
+            if picked is not None and ((name in ("mean", "nanmean") and over) or (
+                    name in SELECTED_MEANS and (kwargs.get("reduction", "mean") == "mean"))):
+                return (f"a mean over {picked}: it divides by how many records the mask "
+                        f"kept")
+        if picked is not None:
+            self._mark(self.selected, [t for t in leaves(out)
+                                       if isinstance(t, torch.Tensor) and t.dim()], picked)
+        return None
+
+    def _slots(self, name: str, args, tensors) -> list:
+        """(tensor, where its records land) for each operand of ``name`` holding the batch's
+        records (of this batch, ≥ 2 of them, not a tensor the window made from no data):
+        ("row"/"col"/"sum", or a batch dim) for a product, the dim from the right for an
+        elementwise op, ("sum",) or an output letter for einsum; [] for any other op."""
+        ours = lambda t: self._has(self.derived, t)  # noqa: E731
+        held = []
+        for k, t in enumerate(tensors):
+            if not t.dim():
+                continue
+            at = self.order.records_dim(t)
+            if at is None or t.shape[at] < 2 or not self._batch(int(t.shape[at])) \
+                    or self.order.made(t) or self.order._free(t) \
+                    or not self.order._batchlike(t, ours):
+                continue
+            held.append((k, t, at))
+        if len(held) < 2 and not (held and name in PRODUCTS | {"einsum"}):
+            return []
+        slots = []
+        if name in PRODUCTS and len(tensors) == 2:
+            order = (1, 0) if name == "__rmatmul__" else (0, 1)
+            for k, t, at in held:
+                side, p = order[k], at - t.dim()
+                if t.dim() == 1 or (name == "cdist" and p == -1):
+                    slot = ("sum",)
+                elif p <= -3:
+                    slot = ("batch", p)
+                elif side == 0:
+                    slot = ("row",) if p == -2 else ("sum",)
+                elif name == "cdist":
+                    slot = ("col",)
+                else:
+                    slot = ("col",) if p == -1 else ("sum",)
+                slots.append((t, slot))
+        elif name == "einsum" and args and isinstance(args[0], str) and "..." not in args[0] \
+                and "->" in args[0]:
+            inputs, output = args[0].replace(" ", "").split("->")
+            inputs = inputs.split(",")
+            if len(inputs) != len(tensors):
+                return []
+            for k, t, at in held:
+                letter = inputs[k][at] if at < len(inputs[k]) else None
+                slots.append((t, ("sum",) if letter is None or letter not in output
+                              else ("out", output.index(letter))))
+        elif name in CROSSED_ELEMENTWISE:
+            slots = [(t, ("dim", at - t.dim())) for k, t, at in held]
+        return slots
+
+    def _crossed(self, name: str, args, tensors) -> str | None:
+        """``what`` where an op puts one record's rows against other records' values with no
+        gradient between them (``z @ z.detach().T``, InfoNCE on keys from a frozen or
+        momentum encoder, ``torch.cdist(z, z.detach())``, ``z[:, None] - z.detach()[None]``):
+        the double-backward test sees no coupling there, record i's gradient moves with
+        record j's data all the same. Operands with gradient on both sides are the
+        coupling test's (``loss_watch.coupling``)."""
+        slots = self._slots(name, args, tensors)
+        if not slots:
+            return None
+        quiet = [(t, slot) for t, slot in slots if not t.requires_grad]
+        for t, slot in quiet:
+            if slot == ("sum",) or any(u is not t and other != slot for u, other in slots):
+                return (f"{name}() of one record's rows against every record's values "
+                        f"without gradient (a {tuple(t.shape)} tensor of the batch, its "
+                        f"records on dim {self.order.records_dim(t)}: z @ z.detach().T, "
+                        f"InfoNCE on detached keys or a frozen encoder's, torch.cdist(z, "
+                        f"z.detach()), z[:, None] - z.detach()[None])")
+        return None
 
     def host(self, made: str, out) -> None:
         """``made`` (``torch.tensor()``...) returned ``out`` from host values, after the batch

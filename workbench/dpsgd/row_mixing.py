@@ -273,6 +273,29 @@ def moved_to(name: str, args, kwargs, ndim: int, at: int) -> int | None:
     return b if at == a else a if at == b else at  # transpose, swapaxes, swapdims
 
 
+def _leading_new_dims(name: str, args, kwargs, ndim: int) -> int:
+    """How many new dims ``name(*args)`` puts before dim 0 (``x[None]``, ``x[None, :, None]``,
+    ``x[None, ...]``, ``x.unsqueeze(0)``), 0 if none or not told."""
+    if name == "unsqueeze":
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        return int(isinstance(dim, int) and not isinstance(dim, bool) and (
+            dim == 0 or dim == -(ndim + 1)))
+    if name != "__getitem__" or len(args) < 2 or ndim < 1:
+        return 0
+    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    lead = 0
+    for item in index:
+        if item is not None:
+            break
+        lead += 1
+    rest = index[lead:]
+    if not lead or not rest:  # (``x[None]``: the whole tensor behind one new dim)
+        return lead
+    first = rest[0]
+    return lead if first is Ellipsis or (isinstance(first, slice) and first == slice(None)) \
+        else 0
+
+
 def _ndim(args) -> int:
     """The first tensor argument's (or first piece's) number of dims, 0 if none."""
     first = args[0] if args else None
@@ -951,6 +974,10 @@ class RowOrder:
                 mark = self.moved
         elif name in MOVES and _moves0(name, args, kwargs, first.dim()):
             mark, at = self.moved, moved_to(name, args, kwargs, first.dim(), 0)
+        elif not self.made(first) and not self._free(first) and (
+                lead := _leading_new_dims(name, args, kwargs, first.dim())):
+            mark, at = self.moved, lead  # (``k[None]``, ``k.unsqueeze(0)``: the records on
+            # dim 1, broadcast against another tensor's records on dim 0)
         elif name in STACKS and _dim0(name, args, kwargs):
             pieces = args[0] if args and isinstance(args[0], (tuple, list)) else ()
             if pieces and all(isinstance(p, torch.Tensor) and self._step(p) for p in pieces):
