@@ -81,7 +81,7 @@ from workbench.dpsgd.row_mixing import Earlier
 from workbench.errors import LoopError, LossCouplingError, RecordCountError
 from workbench.per_sample import precision
 from workbench.per_sample.derived import graph_nodes
-from workbench.per_sample.loss import check_separable, record_factors, reduction_of
+from workbench.per_sample.loss import DENOMINATOR, check_separable, record_factors, reduction_of
 from workbench.per_sample.selfcheck import symbolic
 from workbench.per_sample.uses import HOOKS, gated_off
 
@@ -103,6 +103,8 @@ class LossWatch:
         self.pending: list = []  # (key, criterion, z, rest, n, reduction): probed at step
         self.check = True  # the optimizer's verify policy: False skips the probe
         self.n, self.generation, self._depth, self._busy = 0, 0, 0, False
+        self._stack: list[tuple[bool, int, str]] = []  # the window's open module calls:
+        # (torch's own loss class, len(calls) at entry, its class name): ``_exit``
         self._handles: list = []
         self.outputs: list = []  # the model's output tensors of the open window
         self.rows: LossRows | None = None  # the loss's row proof (loss_rows.py)
@@ -171,7 +173,7 @@ class LossWatch:
             return  # pass and its loss: the training window stays, and its loss is checked
             # on that pass's outputs (it replaced them, and a loss centring the logits over
             # the batch went unchecked until 2026-12-01: probe X's P1)
-        self.n, self.generation, self._depth = n, generation, 0
+        self.n, self.generation, self._depth, self._stack = n, generation, 0, []
         self.trace, self.hooks, self.modules = 0, [], []
         if torch.is_grad_enabled():  # (a pass without gradient between: the loss stays)
             self.loss = lambda: None
@@ -469,7 +471,10 @@ class LossWatch:
                                dtype=torch.float64, device=z.device)
             else:
                 f = self._factors(module, z, rest)
-            self.calls.append((self.generation, f, type(module).__name__))
+            name = type(module).__name__
+            outer = next((mine for known, _, mine in self._stack if not known), name)
+            self.calls.append((self.generation, f, name if outer == name else
+                               f"{outer}: {name}"))  # (a user's criterion around it)
         except Exception:
             self.close()  # the refused pass's window ends with it
             raise
@@ -791,10 +796,28 @@ class LossWatch:
         if self._depth == 0 and len(self.modules) < 64:  # names a foreign leaf (outside)
             self.modules.append(weakref.ref(module))
         self._depth += 1
+        self._stack.append((torch_loss(module), len(self.calls), type(module).__name__))
+
+    def known_losses(self) -> int:
+        """How many of torch's own loss modules are running now: a functional loss inside
+        one is that module's own computation, counted once, as the module's call."""
+        return sum(known for known, _, _ in self._stack)
 
     def _exit(self, module, args, output):
+        """A module call ends. Its loss call counts if it is torch's own loss class (at any
+        depth: inside a user's criterion too) outside any other, or the outermost module
+        of the window in which no loss call was counted (a user's criterion written by
+        hand). A user's criterion around torch's losses counts as those losses: its
+        ``F.cross_entropy(o, y)`` divides by the non-ignored count, which the criterion's
+        own uniform factors missed (probe AI, 2026-12-02: 0.14-0.27 of the step, silent)."""
         self._depth = max(self._depth - 1, 0)
-        if self._depth or self._busy or not self._is_loss(module, output):
+        known, before, _ = self._stack.pop() if self._stack else (False, len(self.calls), "")
+        if self._busy or not self._is_loss(module, output):
+            return
+        if known:
+            if self.known_losses():  # (inside another of torch's losses)
+                return
+        elif self._depth or len(self.calls) > before:
             return
         self._loss_call(module, args[0] if args else None, args[1:])
         reduction = getattr(module, "reduction", None)
@@ -809,13 +832,41 @@ class LossWatch:
                 and not isinstance(module, nn.Sequential))
 
     def _factors(self, criterion, z, rest) -> torch.Tensor:
+        n = self.n
+        if getattr(criterion, "reduction", None) == "none":  # rows of the records' own
+            # terms, reduced by the loop (``l.mean()`` over every row, ignored ones' zeros
+            # included): the loop's reduction decides, as for a functional loss. The mean's
+            # D / N_i was applied here (probe AI: 0.24-0.59 of the step, silent, with
+            # ignored labels; class weights refused as a coupling)
+            self._probe(criterion, z, rest, "sum")
+            return torch.full((n,), float(n if self.loss_reduction == "mean" else 1),
+                              dtype=torch.float64, device=z.device)
         reduction = reduction_of(criterion, self.loss_reduction)
+        self._probe(criterion, z, rest, reduction)
+        y = rest[0] if rest else None
+        if reduction == "mean" and type(criterion) in DENOMINATOR and \
+                self.stats.order.moved_dim0(z) and (criterion.weight is not None or (
+                    isinstance(y, torch.Tensor) and not y.is_floating_point()
+                    and bool((y == criterion.ignore_index).any()))):
+            raise LossCouplingError(
+                f"{type(criterion).__name__} with the mean over class weights or ignored "
+                f"positions on rows that are not record-major (a {tuple(z.shape)} input "
+                f"made by a transpose or permute of the outputs: time-major, "
+                f"o.transpose(0, 1).reshape(-1, V)): the mean divides by the weights of the "
+                f"whole batch, and the engine makes it exact per record only where it can "
+                f"tell each record's rows (per_sample/loss.py Eq. 1), so record i's "
+                f"gradient would be scaled by other records' counts. Fix: flatten "
+                f"record-major (o.reshape(-1, V), y.reshape(-1), or classes on dim 1 with "
+                f"F.cross_entropy(o.transpose(1, 2), y)), or use reduction='none' and "
+                f"reduce each record's rows yourself")
+        return record_factors(criterion, z.detach(), y, n, reduction)
+
+    def _probe(self, criterion, z, rest, reduction: str) -> None:
         n = self.n
         shapes = tuple(symbolic(a.shape, n) for a in (z, *rest) if isinstance(a, torch.Tensor))
         key = (type(criterion), reduction, shapes)
         if self.check and key not in self.checked:
             self.pending.append((key, criterion, z.detach(), tuple(rest), n, reduction))
-        return record_factors(criterion, z.detach(), rest[0] if rest else None, n, reduction)
 
     def probe(self) -> None:
         """The separability probe (``loss.check_separable``) of each new loss signature."""
@@ -843,6 +894,11 @@ class LossWatch:
         return f0
 
 
+def torch_loss(module) -> bool:
+    """Is ``module`` one of torch's own loss classes, its ``forward`` torch's?"""
+    return type(module).__module__ == "torch.nn.modules.loss"
+
+
 #: functional loss -> (its nn module, the keyword arguments the module takes)
 FUNCTIONAL = {
     F.cross_entropy: (nn.CrossEntropyLoss, ("weight", "ignore_index", "reduction",
@@ -857,6 +913,13 @@ FUNCTIONAL = {
                                                                 "pos_weight")),
     F.kl_div: (nn.KLDivLoss, ("reduction", "log_target")),
 }
+PRIVATE = {  # torch's entry points under F.cross_entropy / F.nll_loss: (module, positional
+    # options after input and target); reduction as torch's enum (REDUCTION_ENUM)
+    torch._C._nn.cross_entropy_loss: (nn.CrossEntropyLoss, ("weight", "reduction",
+                                                            "ignore_index", "label_smoothing")),
+    **{f: (nn.NLLLoss, ("weight", "reduction", "ignore_index"))
+       for f in (torch._C._nn.nll_loss_nd, torch._C._nn.nll_loss, torch._C._nn.nll_loss2d)}}
+REDUCTION_ENUM = {0: "none", 1: "mean", 2: "sum"}
 BACKWARD = (torch.Tensor.backward, torch.autograd.backward)  # the entry points writing .grad
 
 
@@ -896,7 +959,7 @@ class LossFunctions(TorchFunctionMode):
                     watch.stats.after(func, args, kwargs, out)  # to dim 1; unseen until
             return out  # 2026-12-01, so ``l.mean() / l.mean().data`` passed)
         reduction = None
-        if func in FUNCTIONAL and watch._depth == 0:
+        if func in FUNCTIONAL and not watch.known_losses():
             cls, names = FUNCTIONAL[func]
             bound = inspect.signature(func).bind(*args, **kwargs)
             bound.apply_defaults()
@@ -905,6 +968,14 @@ class LossFunctions(TorchFunctionMode):
             watch._loss_call(cls(**options), positional[0], tuple(positional[1:2]),
                              functional=True)
             reduction = options.get("reduction", "mean")
+        elif func in PRIVATE and not watch.known_losses() and len(args) >= 2:
+            cls, names = PRIVATE[func]  # torch's own entry point under F.cross_entropy,
+            options = dict(zip(names, args[2:])) | {  # called directly: its mean divides
+                k: v for k, v in kwargs.items() if k in names}  # by Σ w too (probe AI)
+            options = {k: v for k, v in options.items() if v is not None}
+            options["reduction"] = REDUCTION_ENUM.get(options.get("reduction", 1), "mean")
+            watch._loss_call(cls(**options), args[0], tuple(args[1:2]), functional=True)
+            reduction = options["reduction"]
         out = func(*args, **kwargs)
         with torch._C.DisableTorchFunction():
             watch.traced(name, args, kwargs, out)
