@@ -72,3 +72,15 @@ def test_a_step_count_beyond_float64_is_named_not_an_overflow(call):
     with pytest.raises(ValueError, match="steps must be at most 10\\^18"):
         call(10 ** 400)
     assert math.isfinite(float(A.epsilon(0.01, 1.0, 10 ** 18, 1e-5)))  # the largest count
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+@pytest.mark.parametrize("target", [1e-20, 1e-150, 1e-300, 5e-324])
+def test_a_target_below_every_accountants_floor_is_named(target, accountant):
+    """Probe AJ (2026-12-02): ε targets below about 1e-162 raised a bare "math domain error"
+    (ρ² underflowed in the starting guess), and PLD returned σ up to 3.5e50 for 1e-150 (a
+    start far above the documented SIGMA_MAX). Now every such target is refused by name."""
+    from workbench.accounting.calibrate import get_noise_multiplier
+    with pytest.raises(ValueError, match="target") as err:
+        get_noise_multiplier(target, 1e-5, 0.01, steps=100, accountant=accountant)
+    assert "math domain" not in str(err.value)

@@ -92,11 +92,15 @@ def _initial_sigma(target_epsilon, target_delta, q, steps):
     log_inv_delta = math.log(1 / target_delta)
     sqrt_rho = target_epsilon / (math.sqrt(log_inv_delta + target_epsilon)  # the difference
                                  + math.sqrt(log_inv_delta))  # of the two roots, no cancelling
-    ratio = math.log(2 * sqrt_rho**2) - math.log(steps) - 2 * math.log(q)  # log(2ρ/(T q²)):
+    log_rho = math.log(2) + 2 * math.log(sqrt_rho) if sqrt_rho > 0 else -math.inf  # (ρ²
+    # underflows to 0 for ε below 1e-162: a bare "math domain error" until 2026-12-02)
+    ratio = log_rho - math.log(steps) - 2 * math.log(q)  # log(2ρ/(T q²)):
     # T q² underflows to 0 for q ≤ 1e-157 (a bare ZeroDivisionError or OverflowError until
     # 2026-12-01)
     x = ratio if ratio > 700 else math.log1p(math.exp(ratio))
-    return 1 / math.sqrt(x) if x > 0 else SIGMA_MAX  # a target too small to start from below:
+    return min(1 / math.sqrt(x), SIGMA_MAX) if x > 0 else SIGMA_MAX  # (a start above the
+    # documented limit let PLD return σ = 3.5e50 for ε = 1e-150: probe AJ) a target too
+    # small to start from below:
     # the search reports it unreachable (a bare ZeroDivisionError until 2026-11-29)
 
 
