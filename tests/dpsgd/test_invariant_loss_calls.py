@@ -175,6 +175,8 @@ REFUSED = {
         o, y.clamp(min=0), reduction="none")[y != 1].mean(),
     "kept through nonzero": lambda o, y: o[(y > 0).nonzero()[:, 0]].pow(2).mean(),
     "kept through torch.where": lambda o, y: o[torch.where(y > 0)[0]].pow(2).mean(),
+    "the kept records' sum over their count": lambda o, y: F.cross_entropy(
+        o[y > 1], y[y > 1], reduction="sum") / len(y[y > 1]),
     "KL to the batch's mean, detached after expand_as": lambda o, y: F.kl_div(
         o.log_softmax(1), o.softmax(1).mean(0, keepdim=True).expand_as(o).detach(),
         reduction="batchmean"),

@@ -404,6 +404,10 @@ class BatchStatistics:
         if picked is None and name not in ("sum", "nansum") and tensors:
             picked = next((w for t in tensors for w in [self._find(self.selected, t)] if w),
                           None)
+            if picked is not None and name in ("__len__", "numel", "size") and isinstance(
+                    out, int):  # how many records the mask kept, as a number: a divisor
+                self._number(out, picked)  # (``l[keep].sum() / len(l[keep])``)
+                return None
             x = tensors[0]
             dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
             dims = dim if isinstance(dim, (tuple, list)) else (dim,)
