@@ -996,7 +996,9 @@ class RowOrder:
         time-major view: 1); None where that was not followed."""
         if not self._moved(t):
             return 0
-        return self.at.get(id(t))
+        at = self.at.get(id(t))
+        return at if at is None or at < t.dim() else None  # (an entry of another tensor
+        # that had the id, or a view under vmap: not told)
 
     def _step(self, t) -> bool:
         return _has(self.steps, t)
