@@ -202,6 +202,36 @@ def value_dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
+def lowered_by(args, result) -> torch.dtype | None:
+    """The dtype an op rounded a wider float input to (its float result narrower than its
+    first float argument: Hugging Face's RMSNorm computing in ``x.to(torch.float32)`` inside a
+    float64 model, ``F.softmax(x, -1, dtype=torch.float32)``), or None: a pass with such an
+    op computes partly at that dtype's precision, so its checks take that tolerance."""
+    x = args[0] if args else None
+    if (isinstance(result, torch.Tensor) and isinstance(x, torch.Tensor)
+            and result.dtype is not x.dtype and x.is_floating_point()
+            and result.is_floating_point() and result.dtype.itemsize < x.dtype.itemsize):
+        return result.dtype
+    return None
+
+
+class Lowering(torch.overrides.TorchFunctionMode):
+    """Around a pass with no recording: ``lowered``, the narrowest dtype an op of the pass
+    rounded a wider float to (``lowered_by``), or None."""
+
+    def __init__(self):
+        super().__init__()
+        self.lowered: torch.dtype | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        dtype = lowered_by(args, result)
+        if dtype is not None and (self.lowered is None
+                                  or dtype.itemsize < self.lowered.itemsize):
+            self.lowered = dtype
+        return result
+
+
 def unit_roundoff(dtype: torch.dtype) -> float:
     """The relative error of one rounding to ``dtype``: half its machine epsilon (2^-9 for
     bfloat16, 2^-24 for float32, 2^-53 for float64). The tolerance of a check of one stored
@@ -232,7 +262,8 @@ def compared_dtype(rec) -> torch.dtype:
 
 
 __all__ = [
-    "NARROW", "REDUCED_FLOAT32", "TOLERANCE", "autocast_on", "compared_dtype", "described",
+    "NARROW", "REDUCED_FLOAT32", "TOLERANCE", "Lowering", "autocast_on", "compared_dtype",
+    "described", "lowered_by",
     "full_precision", "in_full_precision", "layer_dtype", "reduced_float32", "replayed", "state",
     "tolerance", "tolerance_of", "unit_roundoff", "value_dtype", "widen", "widest",
 ]

@@ -350,12 +350,13 @@ def record(model, loss_fn, inputs, targets, strict=False, covered=None) -> Recor
             with torch._C.DisableTorchFunction():
                 drawn = generator_states()  # a random loss is not run on halves (selfcheck)
             tracker.loss_stats = loss_statistics(n, outputs)
+            tracker.loss_rows = loss_row_proof(outputs, tracker)
             try:
                 losses = loss_fn(outputs, targets)  # (n,)
                 coupled = loss_coupling(tracker, losses, outputs, quiet)
             finally:
                 tracker.loss_stats.stop()
-                tracker.loss_stats = None
+                tracker.loss_stats = tracker.loss_rows = None
             with torch._C.DisableTorchFunction():
                 random_loss = advanced(drawn) or tracker.loss_drew
             tracker.state = None  # the loss's draws from its own generator too (re-runs
@@ -410,6 +411,37 @@ def loss_statistics(n: int, outputs):
     return stats
 
 
+def loss_row_proof(outputs, tracker):
+    """The optimizer's row proof of the loss (``dpsgd.loss_rows.LossRows``), seeded with the
+    rows the forward pass proved for the model's ``outputs``; None where the pass registered
+    a gradient hook (its backward may combine rows whatever the ops did)."""
+    from workbench.dpsgd.loss_rows import LossRows
+    if tracker.hooks:
+        return None
+    with torch._C.DisableTorchFunction():
+        return LossRows([(o, tracker.flat_rows.full(o)) for o in leaves(outputs)
+                         if isinstance(o, torch.Tensor) and o.requires_grad])
+
+
+def rows_proved(losses, outputs, tracker) -> bool:
+    """Are the per-record ``losses`` (n,) proved record i's from record i's rows of the
+    outputs alone by their ops (``loss_row_proof``: loss i is row i of a tensor the proof
+    tagged one row per record, in the records' order), with no custom ``autograd.Function``
+    or gradient hook but the workbench's own between them and the outputs? Then ∂L_i/∂o_j is
+    0 for i != j by construction, and ``loss_rows_coupled``'s two backward passes, which
+    measure exactly that, need not run."""
+    from workbench.dpsgd.loss_rows import foreign_hooks, opaque
+    proof, n = tracker.loss_rows, losses.shape[0]
+    if proof is None or not proof.on or tracker.hooks or proof.rows.full(losses) != (n, 1, None):
+        return False
+    chain = (entry[0]() for entry in proof.rows.tags.values())
+    if any(foreign_hooks(t) for t in chain if t is not None):
+        return False
+    held = [t.grad_fn for t in leaves(outputs) if isinstance(t, torch.Tensor)]  # held: the
+    stops = {id(node) for node in held if node is not None}  # walk meets these objects
+    return not opaque(graph_nodes([losses], stops))
+
+
 def loss_coupling(tracker, losses, outputs, paused):
     """The error for a loss_fn whose losses couple the records, or None; two structural
     checks, where the halves check (``selfcheck.check_separable``) compares values at the
@@ -435,8 +467,9 @@ def loss_coupling(tracker, losses, outputs, paused):
             if notes:
                 refuse_reached(notes, [losses], graph_nodes, paused, loss_window_tolerance,
                                who="loss_fn")
-            proved = proved_outputs(outputs, losses.shape[0], tracker.flat_rows.of)
-            loss_rows_coupled(losses, proved, paused)
+            if not rows_proved(losses, outputs, tracker):  # else 0 by its ops
+                loss_rows_coupled(losses, proved_outputs(outputs, losses.shape[0],
+                                                         tracker.flat_rows.of), paused)
     except LossCouplingError as err:
         return err
     return None

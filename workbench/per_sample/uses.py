@@ -40,7 +40,7 @@ from torch.compiler import is_compiling
 from torch.overrides import TorchFunctionMode
 
 from workbench.errors import UnsupportedLayerError
-from workbench.per_sample import batch_reductions, host_random
+from workbench.per_sample import batch_reductions, host_random, precision
 from workbench.per_sample.broadcast import ADDS, REWRITES, BatchFree
 from workbench.per_sample.derived import Derived, follow_parameters, graph_nodes
 from workbench.per_sample.flat_rows import FOLLOWED, ROW_WRITES, FlatRows, in_place
@@ -215,6 +215,8 @@ class UseTracker(TorchFunctionMode):
         self.loss_stats = None  # while loss_fn runs in the functional API: the window's
         # ``dpsgd.loss_terms.BatchStatistics``, following each op (``recording.record``)
         self.loss_reductions: list = []  # the same notes as ``reductions``, taken in loss_fn
+        self.loss_rows = None  # while loss_fn runs in the functional API: the optimizer's
+        # row proof of the loss (``dpsgd.loss_rows.LossRows``), following each op
 
     def __enter__(self):
         self.recorder.batch_free = self.batch_free
@@ -250,6 +252,11 @@ class UseTracker(TorchFunctionMode):
                     func, "__self__", None), "__name__", None) in stats.ATTRIBUTES):
             with torch._C.DisableTorchFunction():  # the optimizer's loss window does the same
                 stats.after(func, args, kwargs or {}, result)  # (``dpsgd/loss_watch.py``)
+        rows = self.loss_rows
+        if rows is not None and rows.on and self.in_loss and not is_compiling() and \
+                getattr(func, "__name__", "") != "__get__":  # an attribute: unfollowed, so
+            with torch._C.DisableTorchFunction():  # what it makes is unproved (as there)
+                rows.after(func.__name__, args, kwargs or {}, result, func)
         return result
 
     def _use(self, func, types, args=(), kwargs=None):
@@ -463,14 +470,10 @@ class UseTracker(TorchFunctionMode):
         state does not see: a correct bfloat16 pass was refused at float32's tolerance until
         2026-11-30): the forward pass computes partly in that precision, so its checks use
         its tolerance (``precision.compared_dtype``), not the parameters' dtype's."""
-        if not isinstance(result, torch.Tensor) or not args:
-            return
-        x = args[0]
-        if (isinstance(x, torch.Tensor) and result.dtype is not x.dtype
-                and x.is_floating_point() and result.is_floating_point()
-                and result.dtype.itemsize < x.dtype.itemsize
-                and (self.lowered is None or result.dtype.itemsize < self.lowered.itemsize)):
-            self.lowered = result.dtype
+        dtype = precision.lowered_by(args, result)
+        if dtype is not None and (self.lowered is None
+                                  or dtype.itemsize < self.lowered.itemsize):
+            self.lowered = dtype
 
     def _count(self, p, where: str) -> None:
         """One use of p at ``where``: covered inside an owner, else uncovered."""
