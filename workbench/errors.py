@@ -56,8 +56,14 @@ class RecordCountError(WorkbenchError, RuntimeError):
     a record would count more than once, its influence above C."""
 
 
+class CalibrationError(WorkbenchError, ValueError):
+    """Noise calibration cannot return the σ its contract promises (ε within the relative
+    tolerance below the target, never above): the accountant refused on the way, cannot
+    reach the target, or cannot compute the noise that would spend it."""
+
+
 __all__ = [
-    "LoopError", "LossCouplingError", "LossShapeError", "NonFiniteGradientError",
-    "NonFiniteStepError", "PerSampleCheckError", "RecordCountError", "SampleMixingError",
-    "UnattributedGradientError", "UnsupportedLayerError", "WorkbenchError",
+    "CalibrationError", "LoopError", "LossCouplingError", "LossShapeError",
+    "NonFiniteGradientError", "NonFiniteStepError", "PerSampleCheckError", "RecordCountError",
+    "SampleMixingError", "UnattributedGradientError", "UnsupportedLayerError", "WorkbenchError",
 ]

@@ -26,10 +26,17 @@ as never above another (PLD: RDP) starts from that one's answer, which is an upp
 never larger). RDP has a floor: as σ grows, ε tends to min_α [log((α-1)/α) - (log δ + log α)/(α
 - 1)] > 0, so tiny targets are unreachable with the given orders, and the error says so. An
 accountant whose ε is a step function of σ (a coarse grid) may have no σ in the band; then the
-bracket shrinks to σ_hi (1 ± 1e-10) and σ_hi is returned, still never above the target. So
-does a run whose ε stays below the band down to the least noise the accountant can compute
-(PLD refuses a loss too wide for its grid): at q T <= δ the total variation is below δ and ε is
-0 at every σ, and that least σ is returned, with its ε (``Calibration.epsilon``) below the band.
+bracket shrinks to σ_hi (1 ± 1e-10) and σ_hi is returned, still never above the target: the
+least σ that meets it. At q T <= δ (nothing spent before) the total variation is below δ and ε
+is 0 at every σ: no σ is in the band, and the least σ the accountant computes is returned, with
+its ε = 0 (``Calibration.epsilon``).
+
+Every other answer below the band is an error (``CalibrationError``, one check: ``_enforce``).
+Until 2026-12-02 a run whose ε stayed below the band down to the least noise the accountant
+could compute (PRV and PLD refuse a loss too wide for their grids) returned that σ: PRV gave
+σ = 0.148 with ε = 151.5 for a target of 999 (q = 0.01, T = 100), PLD σ = 0.0805 with ε = 556.7;
+plausible numbers, far more noise than the target needs. Now the error names the accountant,
+the ε it reaches and the fix (another accountant, a coarser grid, or a target it reaches).
 
 Notation: q sample rate, σ noise multiplier, T steps, ε* target epsilon, δ target delta,
 τ relative tolerance in ε.
@@ -47,6 +54,7 @@ from workbench.checks import (
     check_sample_rate,
     check_steps,
 )
+from workbench.errors import CalibrationError
 
 SIGMA_MAX = 1e4  # beyond this the target is reported unreachable
 #: Largest target ε calibrated. Past a few tens an (ε, δ) guarantee bounds nothing an attacker
@@ -192,9 +200,9 @@ def calibrate(target_epsilon, target_delta, sample_rate, steps=None, epochs=None
             return history_epsilon(spent_before + [(sigma, q, steps)], target_delta,
                                    accountant, **options)
         except ValueError as e:  # the accountant refused a σ on the way: say which search
-            raise ValueError(f"noise calibration for target_epsilon={target_epsilon!r} with "
-                             f"accountant={accountant!r} stopped at noise_multiplier="
-                             f"{sigma:.4g}: {e}") from e
+            raise CalibrationError(f"noise calibration for target_epsilon={target_epsilon!r} "
+                                   f"with accountant={accountant!r} stopped at "
+                                   f"noise_multiplier={sigma:.4g}: {e}") from e
 
     start = _initial_sigma(target_epsilon, target_delta, q, steps)
     for looser in (n for n in spec.never_above if n in ACCOUNTANTS):
@@ -205,14 +213,54 @@ def calibrate(target_epsilon, target_delta, sample_rate, steps=None, epochs=None
             break
         except ValueError:
             pass
-    sigma, e = _solve(eps, target_epsilon, tau, rtol, start)
+    # P(a record is ever drawn) <= δ, nothing spent before: ε = 0 at every σ, no σ in the band
+    nothing_drawn = spent == 0 and q < 1 and -math.expm1(steps * math.log1p(-q)) <= target_delta
+    sigma, e, sigma_lo, refusal = _solve(eps, target_epsilon, tau, rtol, start, nothing_drawn)
+    _enforce(sigma, e, sigma_lo, refusal, target_epsilon, tau, rtol, accountant, nothing_drawn)
     return Calibration(sigma, e, target_epsilon, len(calls))
 
 
-def _bracket(eps, target, sigma, tau):
-    """(σ_lo, ε_lo, σ_hi, ε_hi) with ε_lo > target >= ε_hi, stepping from σ by factors
-    1.25, 1.25², 1.25⁴, ... (small steps first: the starting guess is usually close). Returns
-    early, with σ_lo = None, when an ε already lies in the band (1)."""
+def _enforce(sigma, e, sigma_lo, refusal, target, tau, rtol, accountant, nothing_drawn):
+    """The contract, checked once on what the search found: ε(σ) <= target and either
+    (1 - τ) target <= ε(σ) (the band, Eq. (1)), or σ within 1 + rtol (1 + 1e-10 where ε jumps
+    over the band) of a σ_lo whose ε is above the target (the least σ), or ε = 0 at every σ
+    (q T <= δ, nothing spent before). Anything else raises ``CalibrationError``."""
+    if not e <= target:  # the search only returns ends at or below the target
+        raise CalibrationError(
+            f"noise calibration for target_epsilon={target!r} with accountant={accountant!r} "
+            f"found noise_multiplier={sigma:.6g} with epsilon={e!r} above the target; please "
+            f"report this case")
+    if rtol is None and e >= (1 - tau) * target:
+        return
+    if sigma_lo is not None and sigma <= sigma_lo * (1 + (1e-10 if rtol is None else rtol)) \
+            * (1 + 1e-12):
+        return
+    if e == 0 and nothing_drawn:
+        return  # ε = 0 at every σ: no σ spends more
+    stop = (f"within {tau:g} of it ([{(1 - tau) * target:.6g}, {target:.6g}])" if rtol is None
+            else f"of the least noise_multiplier to rtol={rtol:g}")
+    if refusal is None:
+        why = "the search met no smaller noise_multiplier whose epsilon exceeds the target"
+    else:
+        at, err = refusal
+        why = (f"at noise_multiplier={at:.4g} the accountant refused: "
+               f"{str(err.__cause__ or err).rstrip('.')}")
+    other = "" if accountant == "rdp" else "use accountant='rdp' (it computes any noise), "
+    raise CalibrationError(
+        f"noise calibration for target_epsilon={target!r} with accountant={accountant!r} "
+        f"cannot return the noise that spends the target ({stop}): the least noise it "
+        f"computed, noise_multiplier={sigma:.6g}, gives epsilon={e:.6g} ({100 * e / target:.3g}% "
+        f"of the target: more noise than the target needs), and {why}. To calibrate, {other}"
+        f"pass the accountant a coarser grid (a larger eps_error for PRV, discretization for "
+        f"PLD), or a target_epsilon no larger than {e:.4g}, which it reaches")
+
+
+def _bracket(eps, target, sigma, tau, gap):
+    """(σ_lo, ε_lo, σ_hi, ε_hi, refusal) with ε_lo > target >= ε_hi, stepping from σ by
+    factors 1.25, 1.25², 1.25⁴, ... (small steps first: the starting guess is usually close).
+    Returns early, with σ_lo = None, when an ε already lies in the band (1), or when the
+    accountant refuses less noise (``refusal``: that σ and its error) with ε below the band
+    down to the least σ it computes (``_edge``): ``_enforce`` decides what that means."""
     e, factor = eps(sigma), 1.25
     if e <= target:  # too much noise: shrink σ until ε exceeds the target
         hi, e_hi = sigma, e
@@ -220,18 +268,19 @@ def _bracket(eps, target, sigma, tau):
             lo = hi / factor
             try:
                 e_lo, factor = eps(lo), factor**2
-            except ValueError:  # the accountant cannot compute so little noise (a PLD grid
-                return None, None, hi, e_hi  # limit) while ε is still below the target: the
-                # least noise it certifies (ε = 0 for q T <= δ, at any σ)
+            except ValueError as err:  # the accountant cannot compute so little noise (a
+                return _edge(eps, target, tau, gap, lo, err, hi, e_hi)  # PLD or PRV grid
+                # limit): until 2026-12-02 the σ it last computed was returned, its ε far
+                # below the band (PRV: 151.5 for a target of 999)
             if e_lo > target:
-                return lo, e_lo, hi, e_hi
+                return lo, e_lo, hi, e_hi, None
             hi, e_hi = lo, e_lo
-        return None, None, hi, e_hi
+        return None, None, hi, e_hi, None
     lo, e_lo = sigma, e
     while True:  # too little noise: grow σ until ε is within the target
         hi = lo * factor
         if hi > SIGMA_MAX:
-            raise ValueError(
+            raise CalibrationError(
                 f"target_epsilon={target} is unreachable: even noise_multiplier={SIGMA_MAX:g} "
                 f"gives epsilon={eps(SIGMA_MAX):.4g}. Every accountant has a floor: with RDP "
                 f"set by delta and the largest order (pass orders with larger values), with "
@@ -240,31 +289,55 @@ def _bracket(eps, target, sigma, tau):
             )
         e_hi, factor = eps(hi), factor**2
         if e_hi <= target:
-            return lo, e_lo, hi, e_hi
+            return lo, e_lo, hi, e_hi, None
         lo, e_lo = hi, e_hi
 
 
-def _solve(eps, target, tau, rtol, sigma0):
-    """(σ_hi, ε(σ_hi)) of a bracket meeting the stop: Eq. (1) in ε (``rtol`` None), else
-    σ_hi <= (1 + rtol) σ_lo.
+def _edge(eps, target, tau, gap, refused, err, hi, e_hi):
+    """``_bracket``'s answer where ε(σ_hi) is below the band and the accountant refused
+    σ_r < σ_hi: the gap is bisected in log σ down to σ_hi <= (1 + gap) σ_r, stopping at an ε
+    in the band or above the target (a bracket); else ε(σ_hi) is below the band at the least
+    σ the accountant computes, to that precision, and the refusal is returned with it."""
+    while hi > refused * (1 + gap):
+        mid = math.sqrt(refused * hi)
+        try:
+            e = eps(mid)
+        except ValueError as e2:
+            refused, err = mid, e2
+            continue
+        if e > target:
+            return mid, e, hi, e_hi, None
+        hi, e_hi = mid, e
+        if tau is not None and e >= (1 - tau) * target:
+            return None, None, hi, e_hi, None
+    return None, None, hi, e_hi, (refused, err)
+
+
+def _solve(eps, target, tau, rtol, sigma0, nothing_drawn=False):
+    """(σ_hi, ε(σ_hi), σ_lo, refusal) of a bracket meeting the stop: Eq. (1) in ε (``rtol``
+    None), else σ_hi <= (1 + rtol) σ_lo; σ_lo None where no ε above the target was met
+    (``_bracket``), and ``_enforce`` checks the answer.
 
     Illinois regula falsi in x = 1/σ aiming at the middle of the band (at the target minus
     τ/2 of it; with ``rtol``, rtol/3 past the root); every third probe bisects (in log σ),
     which bounds the number of evaluations even where ε(x) is far from linear.
     """
     band = None if rtol is not None else tau
-    lo, e_lo, hi, e_hi = _bracket(eps, target, sigma0, band)
+    gap = (tau if rtol is None else rtol) / 4  # ε ~ 1/σ²: a σ gap of τ/4 moves ε by ~τ/2
+    if nothing_drawn:
+        gap = math.inf  # ε = 0 at every σ: no gap below a refusal to search
+    lo, e_lo, hi, e_hi, refusal = _bracket(eps, target, sigma0, band, gap)
     if lo is None:
-        return hi, e_hi
+        return hi, e_hi, None, refusal
     x_lo, x_hi = 1 / lo, 1 / hi  # x_lo > x_hi; ε grows with x
     aim = 0.0 if rtol is not None else -tau * target / 2  # f = ε - target aimed at
     f_lo, f_hi = e_lo - target - aim, e_hi - target - aim
     side = 0
     for it in range(_MAX_EVALS):
         if rtol is not None and x_lo <= x_hi * (1 + rtol):
-            return 1 / x_hi, e_hi
+            return 1 / x_hi, e_hi, 1 / x_lo, None
         if rtol is None and (e_hi >= (1 - tau) * target or x_lo <= x_hi * (1 + 1e-10)):
-            return 1 / x_hi, e_hi  # in the band, or ε jumps over it (a step in σ)
+            return 1 / x_hi, e_hi, 1 / x_lo, None  # in the band, or ε jumps over it (a step)
         if it % 3 == 2 or math.isinf(f_lo):
             x = math.sqrt(x_lo * x_hi)  # bisect (log scale)
         else:
@@ -284,7 +357,7 @@ def _solve(eps, target, tau, rtol, sigma0):
             if side == 1:
                 f_lo /= 2
             side = 1
-    raise ValueError(  # a "please report this case" RuntimeError until 2026-11-29 (PLD at
+    raise CalibrationError(  # a "please report this case" RuntimeError until 2026-11-29 (PLD at
         # target_epsilon = 1e-12: ε(σ) falls from above the target to 0 inside the bracket)
         f"noise calibration found no noise_multiplier with epsilon in [{1 - (tau or 0):g} x "
         f"target, target] = [{(1 - (tau or 0)) * target:.4g}, {target:.4g}] in "
