@@ -46,7 +46,14 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from workbench.errors import LossCouplingError, PerSampleCheckError, SampleMixingError
 from workbench.per_sample import host_random, precision, sketch, state_replay
-from workbench.per_sample.checks import alone, check_batch, check_losses, forward, take
+from workbench.per_sample.checks import (
+    alone,
+    check_batch,
+    check_losses,
+    forward,
+    take,
+    trainable_parameters,
+)
 from workbench.per_sample.fallback import alone_differs, replayed
 from workbench.per_sample.hooks import ActivationRecorder
 from workbench.per_sample.leaves import leaves
@@ -466,6 +473,72 @@ def check_alone(model, loss_fn, inputs, targets) -> None:
         kept.rewind()
 
 
+def check_vmap(model, loss_fn, inputs, targets, grads: dict) -> None:
+    """After ``method="vmap"`` of the functional API: torch.func's answer ``grads`` ({name:
+    (n, *shape)}) against autograd's own, on every call the check is on. Σ_i g_i against
+    the batch's gradient, and record n - 1's g against the record run alone (the records do
+    not interact: ``check_alone`` ran first), each parameter, at the pass's tolerance (its
+    dtype, or the narrowest float it computed in: ``precision.Lowering``). torch.func's
+    batching rules can be wrong where autograd is right: in Hugging Face's CvT (an eval
+    BatchNorm's output, viewed and permuted, joined by ``torch.cat`` to a ``torch.split``
+    piece of the input) vmap's per-sample gradients were 1.3x off, the batch's sum too, and
+    returned, silently, until 2026-12-02 (probe AK). ``PerSampleCheckError`` naming the
+    parameters. One forward and backward pass of the batch and one of a record; not for a
+    model drawing random numbers (vmap draws each record's own: nothing to compare with)."""
+    n = check_batch(inputs, targets)
+    params = {k: p for k, p in trainable_parameters(model).items() if k in grads}
+    p = next(iter(params.values()), None)
+    if n < 1 or p is None:
+        return
+    devices = [p.device] if p.device.type == "cuda" else []
+    kept = state_replay.Snapshot(model)
+    low = precision.Lowering()
+    try:
+        with torch.enable_grad(), torch.random.fork_rng(devices=devices):
+            before = generator_states()
+            with low:
+                losses = loss_fn(forward(model, inputs), targets)
+            if advanced(before) or not isinstance(losses, torch.Tensor):
+                return
+            batch = torch.autograd.grad(losses.sum(), list(params.values()), allow_unused=True)
+            kept.rewind()
+            last = slice(n - 1, n)
+            with low:
+                one = loss_fn(forward(model, take(inputs, last)), take(targets, last)).sum()
+            alone = torch.autograd.grad(one, list(params.values()), allow_unused=True)
+    finally:
+        kept.rewind()
+    dtype = precision.state(p.device) or (
+        low.lowered if low.lowered is not None and low.lowered.itemsize < p.dtype.itemsize
+        else p.dtype)
+    tol = precision.tolerance_of(dtype, p.device)
+    atol = 1e-12 if dtype == torch.float64 else 1e-6
+    off = []
+    for what, ref, got in (
+            ("the sum over the records of {}'s per-sample gradients differs from the batch's "
+             "gradient", batch, [grads[k].sum(0) for k in params]),
+            (f"record {n - 1}'s gradient of {{}} differs from that of record {n - 1} run alone",
+             alone, [grads[k][n - 1] for k in params])):
+        ref = [torch.zeros_like(g) if r is None else r.detach() for r, g in zip(ref, got)]
+        overall = math.sqrt(sum(float(r.to(torch.float64).pow(2).sum()) for r in ref))
+        for k, r, g in zip(params, ref, got):
+            diff = float((g.to(torch.float64) - r.to(torch.float64)).norm())
+            scale = max(float(r.to(torch.float64).norm()), overall)
+            if diff > tol * scale + atol:  # NaN: a non-finite record, not this check's
+                off.append((diff / max(scale, 1e-300), k, what))
+    if off:
+        rel, name, what = max(off)
+        names = ", ".join(dict.fromkeys(k for _, k, _ in sorted(off, reverse=True)))
+        raise PerSampleCheckError(
+            f"method='vmap' gave wrong per-sample gradients: {what.format(name)} by "
+            f"{rel:.3g} of its norm (autograd's ordinary backward pass; parameters off: "
+            f"{names[:300]}). torch.func's batching rules computed "
+            f"what PyTorch's ordinary backward pass does not (a batching rule's fault, e.g. an "
+            f"eval BatchNorm's output viewed, permuted and joined by torch.cat, as in "
+            f"Hugging Face's CvT). Nothing was returned; use method='einsum' or 'microbatch', "
+            f"or clipped_grad_sum with method='ghost' or 'bookkeeping'")
+
+
 @contextlib.contextmanager
 def _from(state):
     """A re-run from ``state``: a pass's log (``state_replay.replayed``), or a ``Snapshot``
@@ -628,6 +701,15 @@ def compare_alone(rec: Recording, exact: dict) -> None:
                                           rec.fallback[worst[0]]))
 
 
+def digits(a: float, b: float) -> int:
+    """Significant digits that print a and b differently (6 at least, 17 at most): a refusal
+    printed "14.3305, its exact twin gives 14.3305" (probe AK)."""
+    for k in range(6, 18):
+        if f"{a:.{k}g}" != f"{b:.{k}g}":
+            return k
+    return 17
+
+
 def compare_norm(rec: Recording, got: torch.Tensor, exact) -> None:
     """The fast ||g_i|| of the probed sample against the exact ||g_i|| (a number, or the
     exact g_i itself as a dict, from the record probe)."""
@@ -641,7 +723,9 @@ def compare_norm(rec: Recording, got: torch.Tensor, exact) -> None:
         return
     raise PerSampleCheckError(
         f"self-check failed: the per-sample gradient norm of sample {rec.n - 1} is "
-        f"{float(got):.6g}, its exact twin gives {exact:.6g} (tolerance {tol:g} for "
+        f"{float(got):.{digits(float(got), exact)}g}, its exact twin gives "
+        f"{exact:.{digits(float(got), exact)}g}, {err / max(exact, 1e-300):.3g} apart "
+        f"(relative; tolerance {tol:g} for "
         f"{precision.described(rec)}; the twin runs the sample alone, or, with "
         f"randomness such as dropout, "
         f"the batch again with the same random state and the other samples replaced). A "

@@ -42,8 +42,10 @@ def scale(per_sample: dict) -> float:
 
 
 def error(got: torch.Tensor, want: torch.Tensor, size: float, rtol: float = RTOL) -> float:
-    """||got - want|| over the tolerance rtol (||want|| + ATOL / RTOL size): <= 1 is exact."""
-    return float((got - want).norm()) / (rtol * (float(want.norm()) + ATOL / RTOL * size))
+    """||got - want|| over the tolerance rtol (||want|| + ATOL / RTOL size): <= 1 is exact
+    (an all-zero reference, a model whose gradients all vanish: exact only if got is 0)."""
+    diff, bound = float((got - want).norm()), rtol * (float(want.norm()) + ATOL / RTOL * size)
+    return diff / bound if bound > 0 else (0.0 if diff == 0 else float("inf"))
 
 
 def verdict(got: dict, want: dict, size: float, rtol: float = RTOL) -> str:
