@@ -1,12 +1,17 @@
-"""method="vmap" of the functional API: torch.func's answer checked against autograd's on
-every call (``selfcheck.check_vmap``): Σ_i g_i against the batch's gradient and record n - 1's
-g against the record alone. torch.func's batching rules were wrong on Hugging Face's CvT
-(probe AK: an eval BatchNorm's output viewed, permuted and joined by ``torch.cat`` to a
-``torch.split`` piece of the input), and vmap's answer was returned unchecked.
+"""method="vmap" and "microbatch" of the functional API: the answer checked against autograd's
+gradient of the batch on every call (``selfcheck.check_against_batch``): Σ_i g_i against
+∇ Σ_i ℓ_i, and for vmap record n - 1's g against autograd's for its own loss in a batch of two.
 
-Invariant: no per-sample gradient is returned that autograd's ordinary backward pass
-contradicts. The mechanism is tested on answers corrupted on purpose (whatever torch's
-batching rules do in a later release), and on the pattern itself: exact or refused."""
+Probe AK found Hugging Face's CvT with a pattern (a depthwise convolution and an eval
+BatchNorm behind a permuted view of a ``torch.split`` piece, joined back by ``torch.cat``)
+where PyTorch's backward pass is wrong for a batch of ONE record: micro-batching (each record
+alone) returned gradients 97% off finite differences, silently; vmap and the batch agree with
+finite differences.
+
+Invariant: no per-sample gradients are returned whose sum autograd's gradient of the batch
+contradicts. The mechanism is tested on answers corrupted on purpose (whatever a later torch
+release does with the pattern), and on the pattern itself against finite differences: exact
+or refused."""
 
 import pytest
 import torch
@@ -68,17 +73,36 @@ def mse(o, y):
     return (o - y).pow(2).sum(1)
 
 
-def test_the_cvt_pattern_is_exact_or_refused():
+def finite_differences(m, x, loss, h=1e-6):
+    """∂ Σ loss(m(x)) / ∂ conv.weight by central differences (float64)."""
+    p = m.conv.weight
+    out = torch.zeros_like(p)
+    with torch.no_grad():
+        for j in range(p.numel()):
+            p.view(-1)[j] += h
+            up = loss(m(x)).sum()
+            p.view(-1)[j] -= 2 * h
+            down = loss(m(x)).sum()
+            p.view(-1)[j] += h
+            out.view(-1)[j] = (up - down) / (2 * h)
+    return out
+
+
+@pytest.mark.parametrize("method", ["microbatch", "vmap"])
+def test_the_cvt_pattern_is_right_or_refused(method):
+    """Each record's answer against finite differences of its own loss (the truth, whatever
+    PyTorch's kernels do for a batch of one)."""
     m = cat_model()
     x = torch.randn(3, 1 + H * W, C, dtype=torch.float64)
-    want = wb.per_sample_gradients(m, squares, x, torch.zeros(3), method="microbatch")
     try:
-        got = wb.per_sample_gradients(m, squares, x, torch.zeros(3), method="vmap")
+        got = wb.per_sample_gradients(m, squares, x, torch.zeros(3), method=method)
     except PerSampleCheckError as error:
-        assert "method='vmap'" in str(error) and "einsum" in str(error)
+        assert f"method={method!r}" in str(error) and "conv.weight" in str(error)
         return
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=RTOL[torch.float64], atol=1e-12)
+    for i in range(3):
+        want = finite_differences(m, x[i:i + 1], lambda o: squares(o, None))
+        torch.testing.assert_close(got["conv.weight"][i], want, rtol=1e-5,
+                                   atol=1e-6 * float(want.abs().max()))
 
 
 @pytest.mark.parametrize("corruption", ["one record scaled", "two records swapped"])
@@ -103,6 +127,21 @@ def test_a_wrong_vmap_answer_is_refused_naming_the_parameter(monkeypatch, corrup
     wb.per_sample_gradients(mlp(), mse, x, y, method="vmap", check=False)  # opted out
 
 
+def test_microbatch_records_not_summing_to_the_batch_gradient_are_refused(monkeypatch):
+    """A batch of one computed differently from the batch (CvT's case, simulated): refused."""
+    original = per_sample.microbatch_per_sample_gradients
+
+    def wrong(*args, **kwargs):
+        grads = original(*args, **kwargs)
+        grads["0.bias"][2] *= 1.01
+        return grads
+
+    monkeypatch.setattr(per_sample, "microbatch_per_sample_gradients", wrong)
+    x, y = batch()
+    with pytest.raises(PerSampleCheckError, match=r"0\.bias.*batch of one"):
+        wb.per_sample_gradients(mlp(), mse, x, y, method="microbatch")
+
+
 class Float32Inside(nn.Module):
     """A float64 model computing a norm in float32 (Hugging Face's RMSNorm does)."""
 
@@ -117,14 +156,15 @@ class Float32Inside(nn.Module):
         return self.b(h)
 
 
+@pytest.mark.parametrize("method", ["vmap", "microbatch"])
 @pytest.mark.parametrize("build", ["float64", "float32", "float32 inside float64"])
-def test_correct_models_pass_the_check(build):
+def test_correct_models_pass_the_check(build, method):
     dtype = torch.float32 if build == "float32" else torch.float64
     torch.manual_seed(0)
     model = Float32Inside().double() if build == "float32 inside float64" else mlp(dtype)
     x, y = batch(6, dtype)
-    got = wb.per_sample_gradients(model, mse, x, y, method="vmap")
-    want = wb.per_sample_gradients(model, mse, x, y, method="microbatch")
+    got = wb.per_sample_gradients(model, mse, x, y, method=method)
+    want = wb.per_sample_gradients(model, mse, x, y, method="einsum")
     tol = 1e-4 if build != "float64" else RTOL[torch.float64]
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=tol, atol=tol)
@@ -135,5 +175,6 @@ def test_a_model_drawing_random_numbers_is_not_compared():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 3)).double().train()
     x, y = batch()
-    got = wb.per_sample_gradients(model, mse, x, y, method="vmap")
-    assert got["0.weight"].shape == (5, 8, 4)
+    for method in ("vmap", "microbatch"):
+        got = wb.per_sample_gradients(model, mse, x, y, method=method)
+        assert got["0.weight"].shape == (5, 8, 4)
