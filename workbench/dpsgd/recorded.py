@@ -165,6 +165,7 @@ class ModelRecorder:
         # DistributedDataParallel / DataParallel: record and probe the wrapped module itself,
         # so the checks' extra passes never start a collective the other ranks do not join
         self.wrapped = model
+        self._inference = None  # an inference_mode pass's pause (``_enter``)
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             model = model.module
         self.model = model
@@ -265,6 +266,13 @@ class ModelRecorder:
             return structure(self.model)
 
     def _enter(self, module, args, kwargs):
+        if self._depth == 0 and torch.is_inference_mode_enabled() and self._inference is None:
+            # an evaluation under torch.inference_mode(): its tensors carry no version counter
+            # and no graph, so nothing of it can reach a loss; the pass is not the batch's
+            # (recorded, its tags crashed: "Inference tensors do not track version counter",
+            # probe AL). Unrecorded, as the recorder's own passes are
+            self._inference = ExitStack()
+            self._inference.enter_context(self.paused())
         if self._depth == 0:  # before anything changes: may raise
             if self.layer_rec.recording and torch.is_grad_enabled() and compiled_call():
                 raise LoopError(COMPILED)
@@ -316,6 +324,9 @@ class ModelRecorder:
 
     def _exit(self, module, args, output):
         self._depth -= 1
+        if self._depth == 0 and self._inference is not None:
+            self._inference, stack = None, self._inference
+            stack.close()
         if self._nested and self._nested[-1] == self._depth:  # the nested call ends (the
             self._nested.pop()  # root recorder's own hook, which runs first, skipped it)
             self.root_rec.recording = True
