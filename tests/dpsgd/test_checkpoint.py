@@ -358,7 +358,8 @@ def test_a_restore_that_fails_late_puts_back_what_it_restored(tmp_path, monkeypa
     steps(model, opt, loader, scheduler, 2)
     save_checkpoint(tmp_path / "run.pt", model=model, optimizer=opt, engine=engine,
                     scheduler=scheduler)
-    steps(model, opt, loader, scheduler, 1)
+    model, opt, loader, engine, scheduler, noise, sampling = setup()  # a new run to resume
+    # (the same run, moved on, may not go back: test_a_roll_back_is_refused)
     before = snapshot(model, opt, engine, scheduler, noise, sampling)
 
     def broken(*args, **kwargs):
@@ -532,3 +533,26 @@ def test_a_save_after_the_batch_is_handed_out_warns_and_after_the_step_does_not(
         if i == 1:
             break
     opt.detach()
+
+
+def test_a_roll_back_is_refused(tmp_path):
+    """Loading an earlier checkpoint into the engine that has charged more steps (probe AL):
+    the ledger would drop released steps and the noise generator replay their noise, so the
+    difference of two releases would carry none. Refused, nothing changed; loading it into a
+    new run, or into the run at the very step it was saved, is a resume."""
+    model, opt, loader, engine, scheduler, noise, sampling = setup()
+    steps(model, opt, loader, scheduler, 2)
+    save_checkpoint(tmp_path / "run.pt", model=model, optimizer=opt, engine=engine,
+                    scheduler=scheduler)
+    load_checkpoint(tmp_path / "run.pt", model=model, optimizer=opt, engine=engine,
+                    scheduler=scheduler)  # at the step it was saved: nothing goes back
+    steps(model, opt, loader, scheduler, 3)
+    before = snapshot(model, opt, engine, scheduler, noise, sampling)
+    with pytest.raises(CheckpointError, match="3 are not in the checkpoint's history"):
+        load_checkpoint(tmp_path / "run.pt", model=model, optimizer=opt, engine=engine,
+                        scheduler=scheduler)
+    assert_unchanged(before, snapshot(model, opt, engine, scheduler, noise, sampling))
+    fresh = setup()
+    load_checkpoint(tmp_path / "run.pt", model=fresh[0], optimizer=fresh[1], engine=fresh[3],
+                    scheduler=fresh[4])
+    assert len(fresh[3].accountant) == 2  # the checkpoint's steps, in the new run

@@ -237,10 +237,63 @@ def load_checkpoint(path, *, model, optimizer, engine=None, scheduler=None,
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
         raise CheckpointError(f"{path} does not fit the run it is loaded into: {e}. Nothing "
                               f"was changed") from None
+    if targets["accountant"] is not None:  # the parts fit: does the ledger go back?
+        _refuse_rollback(path, targets["accountant"], state["accountant"])
     if targets["accountant"] is not None and hasattr(engine, "phases"):
         _warn_unknown_sampler(path, state)
         targets["phases"] = (engine, phases)
     _restore(state, model, optimizer, targets, restore_global_rng)
+
+
+def _steps(history) -> int:
+    return sum(int(t) for *_, t in history)
+
+
+def _shared_steps(mine, saved) -> int:
+    """How many of the steps in ``mine`` (an accountant's history: (..., steps) runs) open
+    ``saved`` as well, in order: the length of the runs' common prefix, in steps."""
+    shared, j, left = 0, 0, None
+    for *key, t in mine:
+        t = int(t)
+        while t:
+            if j >= len(saved):
+                return shared
+            *other, u = saved[j]
+            if left is None:
+                left = int(u)
+            if list(key) != list(other):
+                return shared
+            take = min(t, left)
+            shared, t, left = shared + take, t - take, left - take
+            if left == 0:
+                j, left = j + 1, None
+    return shared
+
+
+def _refuse_rollback(path, accountant, saved) -> None:
+    """A checkpoint loaded into an engine that has charged steps the checkpoint does not
+    hold (a roll-back to an earlier save in the same run, or another run's checkpoint) would
+    drop those steps from the ledger, though they were released, and restore the noise
+    generator to a state their noise came from: the next steps would draw that noise again
+    over other clipped sums, and the difference of two releases is then noise-free. Probe AL:
+    5 steps released, the ledger cut back to 2, 8 released after 3 more with 5 charged, and
+    ||g_before - g_after|| of the replayed steps 0.016 where fresh noise gives ~0.32, silently,
+    until 2026-12-02. ``CheckpointError``; nothing is changed."""
+    mine = accountant.state_dict().get("history", [])
+    history = (saved or {}).get("history", [])
+    dropped = _steps(mine) - _shared_steps(mine, history)
+    if dropped > 0:
+        raise CheckpointError(
+            f"{path} does not continue this run: its engine has charged {_steps(mine)} DP "
+            f"steps, of which {dropped} are not in the checkpoint's history "
+            f"({_steps(history)} steps). Loading it would drop them from the ledger though "
+            f"they were released, and rewind the noise generator to the noise those steps "
+            f"drew: the steps after it would draw that noise again over other clipped sums, "
+            f"so the difference of two releases would carry no noise. A released step cannot "
+            f"be taken back: keep training from here (change the learning rate in place), or "
+            f"load the checkpoint into a new PrivacyEngine with a new noise_generator and "
+            f"report epsilon over both runs' steps (wb.accounting.history_epsilon). Nothing "
+            f"was changed")
 
 
 def _warn_unknown_sampler(path, state) -> None:
