@@ -290,10 +290,9 @@ def _refuse_rollback(path, accountant, saved) -> None:
             f"they were released, and rewind the noise generator to the noise those steps "
             f"drew: the steps after it would draw that noise again over other clipped sums, "
             f"so the difference of two releases would carry no noise. A released step cannot "
-            f"be taken back: keep training from here (change the learning rate in place), or "
-            f"load the checkpoint into a new PrivacyEngine with a new noise_generator and "
-            f"report epsilon over both runs' steps (wb.accounting.history_epsilon). Nothing "
-            f"was changed")
+            f"be taken back: keep training from here (change the learning rate in place). A "
+            f"checkpoint resumes a run that released nothing after it (a crash): loaded "
+            f"elsewhere, it restores the same noise generator state. Nothing was changed")
 
 
 def _warn_unknown_sampler(path, state) -> None:
