@@ -1390,3 +1390,46 @@ def test_the_optimizer_kept_by_its_old_name_is_refused_and_nothing_moves():
             optimizer.step()
     assert all(torch.equal(a, p) for a, p in zip(w0, model.parameters()))
     assert sum(n for _, _, n in engine.accountant.history) <= 1  # the batch handed out
+
+
+def _reseeding_run(how, sigma=1.0):
+    """Three steps of a private loop that sets the noise generator back before each step
+    (``how``), or draws other numbers from it ("shared", legitimate)."""
+    data = TensorDataset(torch.randn(80, 6), torch.randint(0, 3, (80,)))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = None if how == "torch.manual_seed" else torch.Generator().manual_seed(1)
+    engine = wb.PrivacyEngine()
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=opt, data_loader=DataLoader(data, batch_size=8),
+        noise_multiplier=sigma, max_grad_norm=1.0,
+        **({} if g is None else {"noise_generator": g}))
+    first = None if g is None else g.get_state()
+    for step, (x, y) in zip(range(3), loader):
+        if how == "manual_seed":
+            g.manual_seed(1)
+        elif how == "set_state":
+            g.set_state(first)
+        elif how == "torch.manual_seed":
+            torch.manual_seed(5)
+        elif how == "shared":
+            torch.randn(3, generator=g)  # other draws from it: it moves on
+        opt.zero_grad()
+        nn.CrossEntropyLoss()(model(x), y).backward()
+        opt.step()
+    return engine
+
+
+@pytest.mark.parametrize("how", ["manual_seed", "set_state", "torch.manual_seed"])
+def test_a_noise_generator_set_back_is_refused(how):
+    """The noise a step drew must never be drawn again: two releases' difference would carry
+    none while the accountant charges both (probe AL's checkpoint roll-back; every other way
+    back too)."""
+    with pytest.raises(wb.LoopError, match="earlier step drew its noise from"):
+        _reseeding_run(how)
+
+
+def test_a_generator_that_moves_on_or_no_noise_is_not_refused():
+    assert len(_reseeding_run("shared").accountant) == 3
+    assert len(_reseeding_run("manual_seed", sigma=0.0).accountant) == 3

@@ -217,6 +217,7 @@ class DPOptimizer(Optimizer):
         self.noise_multiplier = noise_multiplier
         self.max_grad_norm = max_grad_norm
         self.generator = generator
+        self._drawn: set[int] = set()  # the noise generator's states each step drew from
         self.on_step = on_step  # on_step(noise_multiplier): each logical step, before it moves
         check_no_sample_mixing(model)
         self.expect_more = False  # more chunks of this logical batch (a virtual-step loader)
@@ -587,6 +588,8 @@ class DPOptimizer(Optimizer):
         std = self.noise_std()
         distributed = dist.is_available() and dist.is_initialized()
         adds_noise = not distributed or dist.get_rank() == 0  # noise exactly once
+        if adds_noise:
+            self._fresh_noise(std)
         signal_sq, d = 0.0, 0
         names = {id(p): k for k, p in self.model.named_parameters()} if distributed else {}
         norms = []  # ||Σ_i c_i g_i|| per parameter (0-d): one host sync for all, at the end
@@ -616,6 +619,40 @@ class DPOptimizer(Optimizer):
         B = self.expected_batch_size
         self.last["signal"] = signal_sq ** 0.5 / B
         self.last["noise"] = std * d ** 0.5 / B
+
+    def _fresh_noise(self, std: float) -> None:
+        """LoopError if the noise generator (or, without one, torch's default CPU generator)
+        is at a state an earlier step of this optimizer drew its noise from: it was seeded or
+        set back (``manual_seed``, ``set_state``, ``torch.manual_seed`` in the loop), so this
+        step's noise would repeat that step's, and the difference of the two releases would
+        carry none. The family of the checkpoint roll-back ``load_checkpoint`` refuses (probe
+        AL: the replayed steps differed by 0.016 where fresh noise gives 0.32); this catches
+        every other way back. A digest of the state per step (a few microseconds)."""
+        g = self.generator
+        if not std or hasattr(g, "next"):  # no noise; secure mode: a fresh seed each draw
+            return
+        if g is None:
+            if next((p.device.type for grp in self.param_groups for p in grp["params"]),
+                    "cpu") != "cpu":
+                return  # (a device's default generator: not followed)
+            state = torch.random.get_rng_state()
+        elif isinstance(g, torch.Generator):
+            state = g.get_state()
+        else:
+            return
+        digest = hash(state.numpy().tobytes())
+        if digest in self._drawn:
+            which = "the noise generator" if g is not None else "torch's default generator"
+            raise LoopError(
+                f"{which} is at a state an earlier step drew its noise from: it was seeded or "
+                f"set back since (manual_seed, set_state, torch.manual_seed in the loop, a "
+                f"checkpoint loaded into a run that had moved on), so this step's noise would "
+                f"repeat that step's, and the difference of the two releases would carry no "
+                f"noise, while the accountant charges both as independent. Seed the "
+                f"generator once, before the first step (make_private(..., "
+                f"noise_generator=torch.Generator().manual_seed(seed))), and never set it "
+                f"back")
+        self._drawn.add(digest)
 
     def _noised_means(self, std: float) -> tuple[int, list]:
         """p.grad = (Σ_i c_i g_i + N(0, σ²C² I)) / B for every trainable parameter, on one
