@@ -956,7 +956,7 @@ class LossFunctions(TorchFunctionMode):
                 watch.scale.read(name, args, kwargs, out)
             if attribute in ATTRIBUTE_OPS and watch.stats.on:  # (``l.mean().data``, ``o.T``:
                 with torch._C.DisableTorchFunction():  # a detached copy, the records moved
-                    watch.stats.after(func, args, kwargs, out)  # to dim 1; unseen until
+                    out = watch.stats.follow(func, args, kwargs, out)  # to dim 1; unseen until
             return out  # 2026-12-01, so ``l.mean() / l.mean().data`` passed)
         reduction = None
         if func in FUNCTIONAL and not watch.known_losses():
@@ -987,7 +987,7 @@ class LossFunctions(TorchFunctionMode):
             # refused as "step() without a backward()" until 2026-12-01)
         if watch.stats.on or watch.scale.on:  # batch statistics, the loss's kind
             with torch._C.DisableTorchFunction():  # a subclass (Opacus' ExpandedWeight) is
-                watch.stats.after(func, args, kwargs, out)  # read, never dispatched to
+                out = watch.stats.follow(func, args, kwargs, out)  # read, never dispatched
                 if reduction is not None:  # sum or mean over the records: the loss's kind
                     watch.scale.loss_call(f"F.{func.__name__}", reduction, out)
                     if reduction in ("sum", "mean"):
@@ -1108,7 +1108,7 @@ class BeforeForward(TorchFunctionMode):
         stats = self.stats  # read once: a weak reference, gone at any collection
         if stats is not None and stats.on:  # reading the tensors dispatches to no
             with torch._C.DisableTorchFunction():  # subclass: another library's tensors
-                stats.after(func, args, kwargs, out)  # (ExpandedWeight) pass unharmed
+                out = stats.follow(func, args, kwargs, out)  # (ExpandedWeight) unharmed
         return out
 
 

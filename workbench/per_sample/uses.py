@@ -251,7 +251,7 @@ class UseTracker(TorchFunctionMode):
                 getattr(func, "__name__", "") != "__get__" or getattr(getattr(
                     func, "__self__", None), "__name__", None) in stats.ATTRIBUTES):
             with torch._C.DisableTorchFunction():  # the optimizer's loss window does the same
-                stats.after(func, args, kwargs or {}, result)  # (``dpsgd/loss_watch.py``)
+                result = stats.follow(func, args, kwargs or {}, result)  # (loss_watch.py)
         rows = self.loss_rows
         if rows is not None and rows.on and self.in_loss and not is_compiling() and \
                 getattr(func, "__name__", "") != "__get__":  # an attribute: unfollowed, so
