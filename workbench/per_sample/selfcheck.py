@@ -521,19 +521,21 @@ def check_against_batch(model, loss_fn, inputs, targets, grads: dict, method: st
         else p.dtype)
     tol = precision.tolerance_of(dtype, p.device)
     atol = 1e-12 if dtype == torch.float64 else 1e-6
+    rows = {k: float(grads[k].reshape(n, -1).to(torch.float64).norm(dim=1).sum())
+            for k in params}  # Σ_i ||g_i||: the rounding scale of a sum of records that cancel
     checks = [("the sum over the records of {}'s per-sample gradients differs from the batch's "
-               "gradient", batch, [grads[k].sum(0) for k in params])]
+               "gradient", batch, [grads[k].sum(0) for k in params], rows)]
     if pair is not None:
         checks.append((f"record {n - 1}'s gradient of {{}} differs from autograd's for its own "
                        f"loss (records {n - 2} and {n - 1} run together)", pair,
-                       [grads[k][n - 1] for k in params]))
+                       [grads[k][n - 1] for k in params], {}))
     off = []
-    for what, ref, got in checks:
+    for what, ref, got, spread in checks:
         ref = [torch.zeros_like(g) if r is None else r.detach() for r, g in zip(ref, got)]
         overall = math.sqrt(sum(float(r.to(torch.float64).pow(2).sum()) for r in ref))
         for k, r, g in zip(params, ref, got):
             diff = float((g.to(torch.float64) - r.to(torch.float64)).norm())
-            scale = max(float(r.to(torch.float64).norm()), overall)
+            scale = max(float(r.to(torch.float64).norm()), overall, spread.get(k, 0.0))
             if diff > tol * scale + atol:  # NaN: a non-finite record, not this check's
                 off.append((diff / max(scale, 1e-300), k, what))
     if not off:
