@@ -16,7 +16,8 @@ from workbench.per_sample.functional import vmap_or_explain
 from workbench.per_sample.hooks import refusing_reentrant
 from workbench.per_sample.microbatch import microbatch_per_sample_gradients
 from workbench.per_sample.registry import GRAD_SAMPLERS, register_grad_sampler
-from workbench.per_sample.selfcheck import check_against_batch, check_alone, check_option
+from workbench.per_sample.selfcheck import check_alone, check_option, check_vmap
+from workbench.per_sample.state_replay import Snapshot
 
 
 @refusing_reentrant
@@ -40,11 +41,9 @@ def per_sample_gradients(model, loss_fn, inputs, targets, method="einsum", stric
             record alone): unless ``False``, every call first checks that the model and the
             loss give each half of the batch what the whole batch gives it
             (``selfcheck.check_alone``): a coupling raises, no record-alone answer is
-            returned for a batch whose records interact. The answer is then checked
-            against autograd's on the batch: its sum over the records against the batch's
-            gradient, and for vmap record n - 1's against autograd's in a batch of two
-            (``selfcheck.check_against_batch``: a batch of one can take other, wrong,
-            kernels; not for a model drawing random numbers).
+            returned for a batch whose records interact. vmap's answer is then checked
+            against autograd's for record n - 1 run alone (``selfcheck.check_vmap``; not
+            for a model drawing random numbers).
 
     einsum is exact on models that use a parameter outside its layer (a tied head), or whose
     layers do not carry the batch on dim 0 (a positional embedding on ``arange(T)``, a
@@ -75,11 +74,11 @@ def per_sample_gradients(model, loss_fn, inputs, targets, method="einsum", stric
     if check is not False:  # each record alone: the batch must not couple the records
         check_alone(model, loss_fn, inputs, targets)
     if method == "microbatch":
-        grads = microbatch_per_sample_gradients(model, loss_fn, inputs, targets)
-    else:  # "vmap" (einsum returned above)
-        grads = vmap_or_explain(model, loss_fn, inputs, targets)
-    if check is not False:  # the answer against autograd's on the batch (selfcheck.py)
-        check_against_batch(model, loss_fn, inputs, targets, grads, method)
+        return microbatch_per_sample_gradients(model, loss_fn, inputs, targets)
+    start = Snapshot(model) if check is not False else None  # the state vmap reads
+    grads = vmap_or_explain(model, loss_fn, inputs, targets)  # "vmap" (einsum returned above)
+    if check is not False:  # torch.func's answer against autograd's (selfcheck.check_vmap)
+        check_vmap(model, loss_fn, inputs, targets, grads, start)
     return grads
 
 

@@ -473,47 +473,40 @@ def check_alone(model, loss_fn, inputs, targets) -> None:
         kept.rewind()
 
 
-def check_against_batch(model, loss_fn, inputs, targets, grads: dict, method: str) -> None:
-    """After ``method="vmap"`` or ``"microbatch"`` of the functional API, on every call the
-    check is on: the answer ``grads`` ({name: (n, *shape)}) against autograd's gradient of the
-    batch, Σ_i g_i against ∇ Σ_i ℓ_i, each parameter; for vmap also record n - 1's g against
-    autograd's for that record's own loss in a batch of two (records n - 2 and n - 1: the
-    records do not interact, ``check_alone`` ran first). At the pass's tolerance (its dtype,
-    or the narrowest float it computed in: ``precision.Lowering``).
-
-    Neither a batch of one nor torch.func is autograd on the batch. Hugging Face's CvT (a
-    depthwise convolution and an eval BatchNorm behind a permuted view of a ``torch.split``
-    piece, joined back by ``torch.cat``) has PyTorch's backward pass give a wrong gradient for
-    a batch of ONE record (97% off finite differences; the same record in a batch of two, and
-    vmap, agree with them to 4e-10), so micro-batching, which runs each record alone, returned
-    wrong per-sample gradients, silently, until 2026-12-02 (probe AK; the probe's reference
-    loop ran records alone too, and took vmap for the wrong one). Either way the sum over the
-    records no longer matches the batch's gradient. ``PerSampleCheckError`` naming the
-    parameters. One forward and backward pass of the batch, and for vmap one of two records;
-    not for a model drawing random numbers (nothing to compare with: other draws)."""
+def check_vmap(model, loss_fn, inputs, targets, grads: dict, start=None) -> None:
+    """After ``method="vmap"`` of the functional API, on every call the check is on:
+    torch.func's answer for record n - 1 against autograd's for that record run alone, the
+    same computation (each record alone: ``check_alone`` ran first), each parameter, at the
+    pass's tolerance (its dtype, or the narrowest float it computed in:
+    ``precision.Lowering``), from ``start`` (a ``state_replay.Snapshot`` taken before vmap
+    ran: a spectral norm's power iteration, a counter, read as vmap read them), the state vmap
+    left put back after. torch.func's batching rules are not autograd, and vmap's answer was
+    returned unchecked until 2026-12-02. Where the two disagree one of them is wrong, and
+    either way nothing is returned: in Hugging Face's CvT (a depthwise convolution and an eval
+    BatchNorm behind a permuted view, joined back by ``torch.cat``) it is PyTorch's backward
+    pass for a batch of ONE record (97% off finite differences, where vmap, a batch of two
+    and the whole batch agree with them to 4e-10; probe AK), which micro-batching, whose
+    meaning is each record alone, cannot tell (left alone: README). ``PerSampleCheckError``
+    naming the parameters; not for a model drawing random numbers (other draws)."""
     n = check_batch(inputs, targets)
     params = {k: p for k, p in trainable_parameters(model).items() if k in grads}
     p = next(iter(params.values()), None)
     if n < 1 or p is None:
         return
     devices = [p.device] if p.device.type == "cuda" else []
-    kept = state_replay.Snapshot(model)
+    kept = state_replay.Snapshot(model)  # as vmap left it: put back at the end
+    start = start or kept
     low = precision.Lowering()
-    pair = None
     try:
         with torch.enable_grad(), torch.random.fork_rng(devices=devices):
             before = generator_states()
+            start.rewind()
+            last = slice(n - 1, n)
             with low:
-                losses = loss_fn(forward(model, inputs), targets)
-            if advanced(before) or not isinstance(losses, torch.Tensor):
+                one = loss_fn(forward(model, take(inputs, last)), take(targets, last))
+            if advanced(before) or not isinstance(one, torch.Tensor):
                 return
-            batch = torch.autograd.grad(losses.sum(), list(params.values()), allow_unused=True)
-            if method == "vmap" and n >= 2:
-                kept.rewind()
-                two = slice(n - 2, n)
-                with low:
-                    own = loss_fn(forward(model, take(inputs, two)), take(targets, two))[1]
-                pair = torch.autograd.grad(own, list(params.values()), allow_unused=True)
+            alone = torch.autograd.grad(one.sum(), list(params.values()), allow_unused=True)
     finally:
         kept.rewind()
     dtype = precision.state(p.device) or (
@@ -521,39 +514,25 @@ def check_against_batch(model, loss_fn, inputs, targets, grads: dict, method: st
         else p.dtype)
     tol = precision.tolerance_of(dtype, p.device)
     atol = 1e-12 if dtype == torch.float64 else 1e-6
-    rows = {k: float(grads[k].reshape(n, -1).to(torch.float64).norm(dim=1).sum())
-            for k in params}  # Σ_i ||g_i||: the rounding scale of a sum of records that cancel
-    checks = [("the sum over the records of {}'s per-sample gradients differs from the batch's "
-               "gradient", batch, [grads[k].sum(0) for k in params], rows)]
-    if pair is not None:
-        checks.append((f"record {n - 1}'s gradient of {{}} differs from autograd's for its own "
-                       f"loss (records {n - 2} and {n - 1} run together)", pair,
-                       [grads[k][n - 1] for k in params], {}))
+    got = [grads[k][n - 1] for k in params]
+    ref = [torch.zeros_like(g) if r is None else r.detach() for r, g in zip(alone, got)]
+    overall = math.sqrt(sum(float(r.to(torch.float64).pow(2).sum()) for r in ref))
     off = []
-    for what, ref, got, spread in checks:
-        ref = [torch.zeros_like(g) if r is None else r.detach() for r, g in zip(ref, got)]
-        overall = math.sqrt(sum(float(r.to(torch.float64).pow(2).sum()) for r in ref))
-        for k, r, g in zip(params, ref, got):
-            diff = float((g.to(torch.float64) - r.to(torch.float64)).norm())
-            scale = max(float(r.to(torch.float64).norm()), overall, spread.get(k, 0.0))
-            if diff > tol * scale + atol:  # NaN: a non-finite record, not this check's
-                off.append((diff / max(scale, 1e-300), k, what))
-    if not off:
-        return
-    rel, name, what = max(off)
-    names = ", ".join(dict.fromkeys(k for _, k, _ in sorted(off, reverse=True)))
-    why = ("torch.func's batching rules computed what PyTorch's ordinary backward pass does "
-           "not. Use method='einsum' or 'microbatch', or clipped_grad_sum with method='ghost' "
-           "or 'bookkeeping'") if method == "vmap" else (
-        "each record run alone (a batch of one) has another gradient than the same record in "
-        "the batch, though the outputs agree: PyTorch chose other kernels for a batch of one "
-        "(its size-1 dims make a tensor's memory format ambiguous; Hugging Face's CvT: a "
-        "depthwise convolution behind a permuted view, 97% off at n = 1). Use method='vmap' "
-        "(checked against the batch's gradient too) or 'einsum'")
-    raise PerSampleCheckError(
-        f"method={method!r} gave wrong per-sample gradients: {what.format(name)} by "
-        f"{rel:.3g} of its norm (autograd's ordinary backward pass; parameters off: "
-        f"{names[:300]}): {why}. Nothing was returned")
+    for k, r, g in zip(params, ref, got):
+        diff = float((g.to(torch.float64) - r.to(torch.float64)).norm())
+        scale = max(float(r.to(torch.float64).norm()), overall)
+        if diff > tol * scale + atol:  # NaN: a non-finite record, not this check's
+            off.append((diff / max(scale, 1e-300), k))
+    if off:
+        rel, name = max(off)
+        names = ", ".join(k for _, k in sorted(off, reverse=True))
+        raise PerSampleCheckError(
+            f"method='vmap' and autograd disagree on record {n - 1}'s gradient of {name}, by "
+            f"{rel:.3g} of its norm (autograd on the record run alone; parameters off: "
+            f"{names[:300]}): torch.func's batching rules, or PyTorch's kernels for a batch of "
+            f"one record, are wrong for this model (Hugging Face's CvT: the batch of one). "
+            f"Nothing was returned; use method='einsum', or clipped_grad_sum with "
+            f"method='ghost' or 'bookkeeping', whose checks run the batch")
 
 
 @contextlib.contextmanager
