@@ -78,7 +78,11 @@ REDUCTIONS = {"sum", "mean", "nansum", "nanmean", "amax", "amin", "max", "min", 
               "histogram", "unique", "unique_consecutive", "mode", "sort", "argsort",
               "kthvalue", "msort", "topk"}
 DETACH = {"detach", "detach_"}
-TO_NUMBER = {"item", "__float__", "__int__", "tolist"}
+TO_NUMBER = {"item", "__float__", "__int__", "__index__", "tolist"}
+CARRY = {"item", "tolist"}
+"""Reads whose numbers carry where they came from (``BatchNumber``, ``BatchInt``)."""
+PLAIN_READS = {"__float__", "__int__", "__index__"}
+"""Reads Python makes plain numbers of, followed by value (``BatchStatistics.float_read``)."""
 ARITHMETIC = {"div", "div_", "mul", "mul_", "true_divide", "__truediv__", "__rtruediv__",
               "__mul__", "__rmul__", "__itruediv__", "__imul__", "__rdiv__", "__div__",
               "multiply", "divide",
@@ -181,15 +185,19 @@ def written(name: str, args, out) -> list:
 
 
 class BatchNumber(float):
-    """A Python number read in the loss window by ``item()`` from a batch
+    """A Python number read in the loss window by ``item()`` or ``tolist()`` from a batch
     statistic, a reduction with gradient or the model's outputs, carrying ``what`` it was
-    read from through Python's arithmetic (``1 + acc.item()``, ``loss / loss.item()``), so
-    that where it enters an op of the window the result is a statistic of the batch
-    (``BatchStatistics.after``): a loss scaled by it weights every record by the others.
-    Probe AL: ``loss * (1 + (y == 0).double().mean().item())`` released 1.21-1.50x the
-    clipped sum, ``loss / loss.item()`` 0.84-0.93x, silently, until 2026-12-02 (a number was
-    matched by its value only, and one read from the outputs, an accuracy, not at all). Math
-    functions (``math.log``) and ``float(t)`` give plain floats, followed by value only."""
+    read from through Python's arithmetic (``1 + acc.item()``, ``loss / loss.item()``,
+    ``round``, ``math.floor``, ``max``), so that where it enters an op of the window the
+    result is a statistic of the batch (``BatchStatistics.after``): a loss scaled by it
+    weights every record by the others. Probe AL: ``loss * (1 + (y == 0).double().mean()
+    .item())`` released 1.21-1.50x the clipped sum, ``loss / loss.item()`` 0.84-0.93x,
+    silently, until 2026-12-02 (a number was matched by its value only, and one read from the
+    outputs, an accuracy, not at all); a count (``(y == 0).sum().item()``, an int:
+    ``BatchInt``) and ``tolist()`` carried nothing until 2026-12-02 (evening). What Python
+    makes a plain number cannot carry it: ``float(t)`` and ``int(t)`` (Python converts what
+    ``__float__`` returns to an exact float), ``math.exp`` and the other math functions,
+    NumPy scalars; those are followed by value (``BatchStatistics.float_read``)."""
 
     what: str = ""
 
@@ -202,23 +210,67 @@ class BatchNumber(float):
         return float, (float(self),)  # a pickle or a copy is the plain number
 
 
-def _carried(op: str):
-    base = getattr(float, op)
+class BatchInt(int):
+    """``BatchNumber``'s integer twin: a count read by ``item()`` (``(y == 0).sum().item()``,
+    the correct predictions of a batch), carried through arithmetic the same way (a true
+    division gives a ``BatchNumber``)."""
+
+    what: str = ""
+
+    def __new__(cls, value, what: str):
+        number = super().__new__(cls, value)
+        number.what = what
+        return number
+
+    def __reduce__(self):
+        return int, (int(self),)
+
+
+def carried(value, what: str):
+    """``value`` (a Python number, or a list of them from ``tolist()``) as numbers that carry
+    ``what``; a bool, or anything else, as it is (bool cannot be subclassed)."""
+    if type(value) is float:
+        return BatchNumber(value, what)
+    if type(value) is int:
+        return BatchInt(value, what)
+    if type(value) is list:
+        return [carried(v, what) for v in value]
+    return value
+
+
+def _short(value: float, digits: int) -> bool:
+    """Whether ``value`` is a decimal of at most ``digits`` significant digits (0.5, 2,
+    1e-3, 0.125), up to the rounding of one addition."""
+    short = float(f"{value:.{digits}g}")
+    return abs(value - short) <= 1e-12 * max(1.0, abs(value))
+
+
+def _carrying(base_type, op: str):
+    base = getattr(base_type, op)
 
     def method(self, *others):
         out = base(self, *others)
-        if out is NotImplemented or not isinstance(out, float):
+        if out is NotImplemented:
             return out
-        return BatchNumber(out, self.what)
+        if type(out) is tuple:  # (divmod)
+            return tuple(carried(v, self.what) for v in out)
+        return carried(out, self.what)
 
     method.__name__ = op
     return method
 
 
-for _op in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
-            "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__pow__",
-            "__rpow__", "__neg__", "__pos__", "__abs__"):
-    setattr(BatchNumber, _op, _carried(_op))
+_ARITHMETIC_OPS = ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+                   "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__",
+                   "__rmod__", "__pow__", "__rpow__", "__neg__", "__pos__", "__abs__",
+                   "__divmod__", "__rdivmod__", "__round__", "__trunc__", "__floor__",
+                   "__ceil__")
+for _op in _ARITHMETIC_OPS:
+    setattr(BatchNumber, _op, _carrying(float, _op))
+for _op in _ARITHMETIC_OPS + ("__lshift__", "__rlshift__", "__rshift__", "__rrshift__",
+                              "__and__", "__rand__", "__or__", "__ror__", "__xor__",
+                              "__rxor__", "__invert__"):
+    setattr(BatchInt, _op, _carrying(int, _op))
 del _op
 
 
@@ -241,6 +293,7 @@ class BatchStatistics:
         self.stats: dict[int, tuple] = {}  # id -> (weakref, what): batch statistics
         self.reductions: dict[int, tuple] = {}  # id -> (weakref, what): with gradient
         self.numbers: dict[float, str] = {}  # Python numbers read from a statistic
+        self.plain: dict[float, str] = {}  # read by float(t), int(t): value, what (float_read)
         self.gates: dict[float, str] = {}  # numbers read from a reduction with gradient
         self.rows: set[int] = {n}  # row counts seen: n, n·T (the ordinary mean's constant)
         self.source: dict[str, int] = {}  # what -> rows of the reduced tensor (n unknown)
@@ -278,6 +331,7 @@ class BatchStatistics:
             _follow_host(self, False)
         self.reductions = {k: v for k, v in self.reductions.items() if v[1].endswith(kept)}
         self.numbers = {v: w for v, w in self.numbers.items() if w.endswith(kept)}
+        self.plain = {v: w for v, w in self.plain.items() if w.endswith(kept)}
         if self.branched is not None and not self.branched.endswith(kept):
             self.branched = None  # (a branch on a tensor not of the batch's rows)
         self.n, self.on = n, n >= 2  # an empty batch (n = 0) follows nothing, keeps no rows
@@ -298,17 +352,56 @@ class BatchStatistics:
 
     def follow(self, func, args, kwargs, out):
         """``after``, then ``out`` as the caller returns it: a number read from the batch by
-        ``item()`` as a ``BatchNumber`` that carries where it came from."""
+        ``item()`` or ``tolist()`` as a ``BatchNumber`` or ``BatchInt`` that carries where it
+        came from. ``float(t)`` and ``int(t)`` cannot carry (Python converts what they return
+        to a plain number): ``float_read`` follows their value."""
         self.after(func, args, kwargs, out)
-        if not self.on or type(out) is not float or not args \
-                or not isinstance(args[0], torch.Tensor) \
-                or getattr(func, "__name__", "") != "item":  # (float(t): Python makes any
-            return out  # float subclass __float__ returns a plain float, carrying nothing)
+        if not self.on or not args or not isinstance(args[0], torch.Tensor):
+            return out
+        name = getattr(func, "__name__", "")
+        if name not in CARRY and name not in PLAIN_READS:
+            return out
         t = args[0]
         what = self._find(self.stats, t) or self._find(self.reductions, t)
         if what is None and self._has(self.derived, t):
             what = f"a {tuple(t.shape)} tensor computed from the model's outputs"
-        return out if what is None else BatchNumber(out, f"the number {out:g} read from {what}")
+        if what is None:
+            return out
+        if name in PLAIN_READS:
+            self.float_read(out, what)
+            return out
+        if type(out) in (float, int):
+            return carried(out, f"the number {out:g} read from {what}")
+        return carried(out, f"a number read back {LEFT_TORCH} by {name}() of {what}")
+
+    def float_read(self, out, what: str) -> None:
+        """A number read by ``float(t)`` or ``int(t)`` from a statistic, a reduction with
+        gradient or the model's outputs: Python hands back a plain number, so it is matched
+        by value where it enters an op (``loss / float(loss)``, ``loss * float(acc)``), unless
+        it is a decimal of two digits (0.5, 2, 0.25: as often a constant of the code; an
+        accuracy of 4 in 8 is missed) or a row count. Shifted or scaled by a short constant
+        (``1 + float(acc)``), it is matched as such (``_related``); through more arithmetic
+        than that it is not seen: ``.item()`` carries it (``BatchNumber``)."""
+        if isinstance(out, bool) or not isinstance(out, (int, float)) \
+                or not math.isfinite(out) or out in self.rows or _short(out, 2):
+            return
+        what = f"the number {out:g} read by float() from {what}"
+        self.numbers.setdefault(float(out), what)
+        self.plain.setdefault(float(out), what)
+
+    def _related(self, flat) -> str | None:
+        """A plain number of ``flat`` that is one read by ``float(t)`` (``plain``) shifted
+        or scaled by a short decimal: ``1 + float(acc)``, ``1 - v``, ``2 * v``, ``1 / v``,
+        ``v + 1e-3``. A constant of the code is itself a short decimal, and one that is not
+        differs from a read number by a short decimal by chance only."""
+        for s in flat:
+            if type(s) is not float or not math.isfinite(s) or _short(s, 2):
+                continue
+            for v, what in self.plain.items():
+                if v and any(a and _short(a, 3) for a in (s - v, s + v, s / v, s * v)):
+                    return f"{what} (the loss's factor {s:g} is it shifted or scaled by a " \
+                           f"constant)"
+        return None
 
     def after(self, func, args, kwargs, out) -> None:
         """Follow one call of the window: ``out = func(*args, **kwargs)``."""
@@ -351,7 +444,8 @@ class BatchStatistics:
             self._mark(self.derived, out, "")
         what = next((w for t in tensors for w in [self._find(self.stats, t)] if w), None)
         if what is None:  # a number read from the batch, through any arithmetic (BatchNumber)
-            what = next((v.what for v in flat if isinstance(v, BatchNumber)), None)
+            what = next((v.what for v in flat if isinstance(v, (BatchNumber, BatchInt))),
+                        None)
         if what is None and name in DETACH and tensors:
             what = self._find(self.reductions, tensors[0])
         if what is None and name not in DETACH and name not in TO_NUMBER:  # computed from a
@@ -385,6 +479,8 @@ class BatchStatistics:
             what = next((self.numbers[float(v)] for v in flat
                          if isinstance(v, (int, float)) and not isinstance(v, bool)
                          and float(v) in self.numbers), None)
+        if what is None and name in ARITHMETIC and self.plain:
+            what = self._related(flat)
         if what is None and name in ARITHMETIC and self.host_numbers and tensors:
             what = self._host_number(flat, tensors)
         if what is not None and name == "__bool__" and self.branched is None \
@@ -606,6 +702,7 @@ class BatchStatistics:
                 _follow_host(self, True)
             self.stats.update(other.stats)
             self.numbers.update({v: w for v, w in other.numbers.items() if v not in self.rows})
+            self.plain.update(other.plain)
             self.branched = self.branched or other.branched  # (``if x.sum() > 0: x = -x``)
 
     def statistic(self, loss) -> str | None:
